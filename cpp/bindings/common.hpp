@@ -1,0 +1,121 @@
+#pragma once
+// Raw-buffer checks shared by the bindings. The Python layer validates user input and prepares
+// arrays; these checks are a second line of defence so that nothing can reach the kernels with
+// a shape, dtype or stride that would read out of bounds.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <string>
+#include <vector>
+
+#include "attnlab/common.hpp"
+
+namespace attnlab {
+namespace bind {
+
+namespace py = pybind11;
+
+inline std::string shape_str(const py::array& a) {
+    std::string s = "(";
+    for (py::ssize_t i = 0; i < a.ndim(); ++i) {
+        if (i) s += ", ";
+        s += std::to_string(a.shape(i));
+    }
+    if (a.ndim() == 1) s += ",";
+    return s + ")";
+}
+
+template <typename T>
+bool is_dtype(const py::array& a) {
+    return py::dtype::of<T>().is(a.dtype()) || a.dtype().equal(py::dtype::of<T>());
+}
+
+// Checks ndim, dtype (T, or bool when boolean), expected shape (-1 = any) and that strides are
+// whole elements with a unit last stride; returns element strides.
+template <typename T>
+std::vector<Index> check(const py::array& a, const char* name, std::vector<Index> shape,
+                         bool writable = false, bool boolean = false, bool unit_last = true) {
+    if (a.ndim() != static_cast<py::ssize_t>(shape.size()))
+        throw py::value_error(std::string(name) + ": expected " + std::to_string(shape.size()) +
+                              " dimensions, got shape " + shape_str(a));
+    if (boolean ? a.dtype().kind() != 'b' : !is_dtype<T>(a))
+        throw py::type_error(std::string(name) + ": unexpected dtype " +
+                             std::string(py::str(a.dtype())));
+    const Index item = static_cast<Index>(a.itemsize());
+    std::vector<Index> strides(shape.size());
+    for (std::size_t i = 0; i < shape.size(); ++i) {
+        if (shape[i] >= 0 && a.shape(i) != shape[i])
+            throw py::value_error(std::string(name) + ": shape " + shape_str(a) +
+                                  " does not match the other arguments");
+        if (a.strides(i) % item != 0)
+            throw py::value_error(std::string(name) + ": strides are not whole elements");
+        strides[i] = a.strides(i) / item;
+        if (strides[i] < 0) throw py::value_error(std::string(name) + ": negative strides");
+    }
+    if (unit_last && !shape.empty() && a.shape(shape.size() - 1) > 1 && strides.back() != 1)
+        throw py::value_error(std::string(name) + ": last axis must be contiguous");
+    if (writable && !a.writeable()) throw py::value_error(std::string(name) + ": not writable");
+    return strides;
+}
+
+// A C-contiguous array of dtype T and the given shape (for outputs and packed inputs).
+template <typename T>
+T* contiguous(const py::array& a, const char* name, std::vector<Index> shape,
+              bool writable = false) {
+    check<T>(a, name, shape, writable);
+    if (!(a.flags() & py::array::c_style))
+        throw py::value_error(std::string(name) + ": must be C-contiguous");
+    return static_cast<T*>(const_cast<void*>(a.data()));
+}
+
+template <typename T>
+const T* optional_vector(const py::object& o, const char* name, Index n) {
+    if (o.is_none()) return nullptr;
+    return contiguous<T>(o.cast<py::array>(), name, {n});
+}
+
+// A mask viewed as (batch, heads, n_q, n_k), bool or T, possibly with zero (broadcast) strides,
+// plus a boolean key padding mask (batch, n_k).
+template <typename T>
+MaskSpec<T> mask_spec(const py::object& mask, const py::object& key_padding, int causal,
+                      Index batch, Index heads, Index n_q, Index n_k) {
+    MaskSpec<T> m;
+    if (causal < 0 || causal > 2) throw py::value_error("causal: expected 0, 1 or 2");
+    m.causal = static_cast<Causal>(causal);
+    if (!mask.is_none()) {
+        py::array a = mask.cast<py::array>();
+        const bool boolean = a.dtype().kind() == 'b';
+        auto st = check<T>(a, "mask", {batch, heads, n_q, n_k}, false, boolean, false);
+        m.kind = boolean ? MaskKind::boolean : MaskKind::additive;
+        if (boolean) {
+            m.boolean = static_cast<const std::uint8_t*>(a.data());
+        } else {
+            m.additive = static_cast<const T*>(a.data());
+        }
+        m.sb = st[0];
+        m.sh = st[1];
+        m.sq = st[2];
+        m.sk = st[3];
+    }
+    if (!key_padding.is_none()) {
+        py::array a = key_padding.cast<py::array>();
+        auto st = check<T>(a, "key_padding_mask", {batch, n_k}, false, true, false);
+        m.key_padding = static_cast<const std::uint8_t*>(a.data());
+        m.kp_sb = st[0];
+        m.kp_sk = st[1];
+    }
+    return m;
+}
+
+// Calls f.template operator()<float>() or <double>() by the dtype of `a`.
+template <typename F>
+auto dispatch(const py::array& a, const char* name, F&& f) {
+    if (is_dtype<float>(a)) return f(float{});
+    if (is_dtype<double>(a)) return f(double{});
+    throw py::type_error(std::string(name) + ": expected float32 or float64, got " +
+                         std::string(py::str(a.dtype())));
+}
+
+}  // namespace bind
+}  // namespace attnlab

@@ -1,0 +1,124 @@
+// Bindings for scaled dot-product and multi-head attention.
+#include "attnlab/attention.hpp"
+#include "common.hpp"
+
+namespace attnlab {
+namespace bind {
+
+namespace {
+
+template <typename T>
+MatrixStack<const T> const_stack(const std::vector<Index>& st, const py::array& a) {
+    return {static_cast<const T*>(a.data()), st[0], st[1], st[2]};
+}
+
+void check_heads(Index heads, Index kv_heads) {
+    if (heads < 1 || kv_heads < 1 || heads % kv_heads != 0)
+        throw py::value_error("num_heads must be a positive multiple of num_kv_heads, got " +
+                              std::to_string(heads) + " and " + std::to_string(kv_heads));
+}
+
+void sdpa_forward(py::array q, py::array k, py::array v, py::array out, py::object mask,
+                  py::object key_padding_mask, int causal, double scale, py::object weights,
+                  py::object lse) {
+    dispatch(q, "q", [&](auto tag) {
+        using T = decltype(tag);
+        if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
+            throw py::value_error("q, k, v: expected (batch, heads, n, d) arrays");
+        const Index B = q.shape(0), H = q.shape(1), nq = q.shape(2), d = q.shape(3);
+        const Index Hk = k.shape(1), nk = k.shape(2), dv = v.shape(3);
+        check_heads(H, Hk);
+        AttentionProblem<T> p;
+        p.batch = B;
+        p.heads = H;
+        p.kv_heads = Hk;
+        p.n_q = nq;
+        p.n_k = nk;
+        p.d = d;
+        p.d_v = dv;
+        p.scale = static_cast<T>(scale);
+        p.q = const_stack<T>(check<T>(q, "q", {B, H, nq, d}), q);
+        p.k = const_stack<T>(check<T>(k, "k", {B, Hk, nk, d}), k);
+        p.v = const_stack<T>(check<T>(v, "v", {B, Hk, nk, dv}), v);
+        auto so = check<T>(out, "out", {B, H, nq, dv}, true);
+        p.out = {static_cast<T*>(out.mutable_data()), so[0], so[1], so[2]};
+        p.mask = mask_spec<T>(mask, key_padding_mask, causal, B, H, nq, nk);
+        if (!weights.is_none())
+            p.weights = contiguous<T>(weights.cast<py::array>(), "weights", {B, H, nq, nk}, true);
+        if (!lse.is_none()) p.lse = contiguous<T>(lse.cast<py::array>(), "lse", {B, H, nq}, true);
+        py::gil_scoped_release release;
+        attention_forward(p);
+        return 0;
+    });
+}
+
+template <typename T>
+Linear<T> linear_arg(const py::array& w, const py::object& b, const char* wname,
+                     const char* bname, Index in, Index out) {
+    Linear<T> l;
+    l.w = contiguous<T>(w, wname, {in, out});
+    l.b = optional_vector<T>(b, bname, out);
+    l.in = in;
+    l.out = out;
+    return l;
+}
+
+void mha_forward(py::array query, py::array key, py::array value, py::array w_q, py::object b_q,
+                 py::array w_k, py::object b_k, py::array w_v, py::object b_v, py::array w_o,
+                 py::object b_o, Index batch, Index n_q, Index n_k, Index heads, Index kv_heads,
+                 py::object mask, py::object key_padding_mask, int causal, double scale,
+                 py::array out, py::object weights) {
+    dispatch(query, "query", [&](auto tag) {
+        using T = decltype(tag);
+        check_heads(heads, kv_heads);
+        if (w_q.ndim() != 2 || w_k.ndim() != 2 || w_v.ndim() != 2 || w_o.ndim() != 2)
+            throw py::value_error("w_q, w_k, w_v, w_o: expected 2-d arrays");
+        if (batch < 0 || n_q < 0 || n_k < 0) throw py::value_error("negative sizes");
+        const Index d_q = w_q.shape(0), d_k = w_k.shape(0), d_v = w_v.shape(0);
+        if (w_q.shape(1) % heads != 0 || w_v.shape(1) % kv_heads != 0)
+            throw py::value_error("projection widths must divide into heads");
+        const Index d_head = w_q.shape(1) / heads, d_vhead = w_v.shape(1) / kv_heads;
+        const Index d_out = w_o.shape(1);
+        MhaProblem<T> p;
+        p.batch = batch;
+        p.n_q = n_q;
+        p.n_k = n_k;
+        p.heads = heads;
+        p.kv_heads = kv_heads;
+        p.d_head = d_head;
+        p.d_vhead = d_vhead;
+        p.query = contiguous<T>(query, "query", {batch * n_q, d_q});
+        p.key = contiguous<T>(key, "key", {batch * n_k, d_k});
+        p.value = contiguous<T>(value, "value", {batch * n_k, d_v});
+        p.w_q = linear_arg<T>(w_q, b_q, "w_q", "b_q", d_q, heads * d_head);
+        p.w_k = linear_arg<T>(w_k, b_k, "w_k", "b_k", d_k, kv_heads * d_head);
+        p.w_v = linear_arg<T>(w_v, b_v, "w_v", "b_v", d_v, kv_heads * d_vhead);
+        p.w_o = linear_arg<T>(w_o, b_o, "w_o", "b_o", heads * d_vhead, d_out);
+        p.scale = static_cast<T>(scale);
+        p.mask = mask_spec<T>(mask, key_padding_mask, causal, batch, heads, n_q, n_k);
+        p.out = contiguous<T>(out, "out", {batch * n_q, d_out}, true);
+        if (!weights.is_none())
+            p.weights =
+                contiguous<T>(weights.cast<py::array>(), "weights", {batch, heads, n_q, n_k}, true);
+        py::gil_scoped_release release;
+        multi_head_attention_forward(p);
+        return 0;
+    });
+}
+
+}  // namespace
+
+void bind_mha(py::module_& m) {
+    m.def("sdpa_forward", &sdpa_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+          py::arg("mask"), py::arg("key_padding_mask"), py::arg("causal"), py::arg("scale"),
+          py::arg("weights"), py::arg("lse"));
+    m.def("mha_forward", &mha_forward, py::arg("query"), py::arg("key"), py::arg("value"),
+          py::arg("w_q"), py::arg("b_q"), py::arg("w_k"), py::arg("b_k"), py::arg("w_v"),
+          py::arg("b_v"), py::arg("w_o"), py::arg("b_o"), py::arg("batch"), py::arg("n_q"),
+          py::arg("n_k"), py::arg("heads"), py::arg("kv_heads"), py::arg("mask"),
+          py::arg("key_padding_mask"), py::arg("causal"), py::arg("scale"), py::arg("out"),
+          py::arg("weights"));
+}
+
+}  // namespace bind
+}  // namespace attnlab

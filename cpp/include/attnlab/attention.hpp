@@ -1,0 +1,53 @@
+#pragma once
+// Scaled dot-product attention over strided head views, and multi-head attention with per-head
+// projections. Pure C++: no Python here.
+
+#include "attnlab/common.hpp"
+
+namespace attnlab {
+
+// softmax(scale * q k^T + mask) v for every (batch, head); query head j reads kv head
+// j / (heads / kv_heads). Fully masked rows give a zero output row, zero weights and lse = -inf.
+template <typename T>
+struct AttentionProblem {
+    Index batch = 0, heads = 0, kv_heads = 0;
+    Index n_q = 0, n_k = 0, d = 0, d_v = 0;
+    T scale = T(1);
+    MatrixStack<const T> q, k, v;  // (n_q x d), (n_k x d), (n_k x d_v) per (batch, head)
+    MatrixStack<T> out;            // (n_q x d_v) per (batch, head)
+    MaskSpec<T> mask;
+    T* weights = nullptr;  // optional (batch, heads, n_q, n_k) contiguous: the attention weights
+    T* lse = nullptr;      // optional (batch, heads, n_q) contiguous: log-sum-exp of the logits
+};
+
+// The flash-style core: tiles of queries against tiles of keys with an online softmax, O(n d)
+// memory; when weights are requested they are written and used directly (O(n^2), as asked).
+template <typename T>
+void attention_forward(const AttentionProblem<T>& p);
+
+// A dense projection y = x w + b; w is (in, out) row-major, b may be null.
+template <typename T>
+struct Linear {
+    const T* w = nullptr;
+    const T* b = nullptr;
+    Index in = 0, out = 0;
+};
+
+template <typename T>
+struct MhaProblem {
+    Index batch = 0, n_q = 0, n_k = 0;
+    Index heads = 0, kv_heads = 0, d_head = 0, d_vhead = 0;
+    const T* query = nullptr;  // (batch * n_q, d_q) row-major
+    const T* key = nullptr;    // (batch * n_k, d_k)
+    const T* value = nullptr;  // (batch * n_k, d_v)
+    Linear<T> w_q, w_k, w_v, w_o;
+    T scale = T(1);
+    MaskSpec<T> mask;
+    T* out = nullptr;      // (batch * n_q, d_out)
+    T* weights = nullptr;  // optional (batch, heads, n_q, n_k)
+};
+
+template <typename T>
+void multi_head_attention_forward(const MhaProblem<T>& p);
+
+}  // namespace attnlab

@@ -1,0 +1,57 @@
+#pragma once
+// Types shared by every kernel: strided matrix views and the mask description.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include <Eigen/Core>
+
+namespace attnlab {
+
+using Index = std::int64_t;
+
+template <typename T>
+using RowMatrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <typename T>
+using RowMap = Eigen::Map<RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <typename T>
+using ConstRowMap = Eigen::Map<const RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+// A stack of row-major matrices indexed by (batch, head); element (b, h, i, j) is at
+// data[b * batch_stride + h * head_stride + i * row_stride + j]. Heads of a packed projection
+// are column blocks: head_stride = d_head, row_stride = h * d_head. A zero stride broadcasts.
+template <typename T>
+struct MatrixStack {
+    T* data = nullptr;
+    Index batch_stride = 0;
+    Index head_stride = 0;
+    Index row_stride = 0;
+
+    T* at(Index b, Index h) const { return data + b * batch_stride + h * head_stride; }
+};
+
+// An uninitialised heap buffer (no zero-fill cost); throws std::bad_alloc when too large.
+template <typename T>
+std::unique_ptr<T[]> make_buffer(Index n) {
+    return std::unique_ptr<T[]>(new T[static_cast<std::size_t>(n > 0 ? n : 1)]);
+}
+
+enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
+enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };
+
+// Which (query, key) pairs may attend, and what is added to their scaled scores.
+// mask element (b, h, i, j) at mask[b*sb + h*sh + i*sq + j*sk]; key_padding (b, j) at
+// key_padding[b*kp_sb + j*kp_sk]. Booleans are bytes, nonzero meaning "may attend".
+template <typename T>
+struct MaskSpec {
+    MaskKind kind = MaskKind::none;
+    const std::uint8_t* boolean = nullptr;
+    const T* additive = nullptr;
+    Index sb = 0, sh = 0, sq = 0, sk = 0;
+    const std::uint8_t* key_padding = nullptr;
+    Index kp_sb = 0, kp_sk = 0;
+    Causal causal = Causal::none;
+};
+
+}  // namespace attnlab

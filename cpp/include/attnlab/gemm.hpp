@@ -1,0 +1,15 @@
+#pragma once
+// Row-parallel GEMM with a fused bias: Y = X W (+ b). Rows are split in fixed-size chunks, so the
+// result is bitwise the same for any thread count.
+
+#include "attnlab/common.hpp"
+
+namespace attnlab {
+
+// X (rows x in, row stride ldx), W (in x out, contiguous), b (out) or null,
+// Y (rows x out, row stride ldy). accumulate: Y += X W instead of Y = X W (+ b).
+template <typename T>
+void linear(Index rows, Index in, Index out, const T* x, Index ldx, const T* w, const T* b, T* y,
+            Index ldy, bool accumulate = false);
+
+}  // namespace attnlab

@@ -1,0 +1,47 @@
+"""attnlab: exact, fast CPU attention kernels for NumPy.
+
+Multi-head attention (per-head projections), bilinear-collapsed attention and efficient
+additive attention, in C++ (Eigen) with plain NumPy references beside them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import reference
+from ._loader import core as _core
+from ._mha import multi_head_attention, scaled_dot_product_attention
+
+__version__: str = _core.__version__
+
+__all__ = [
+    "__version__",
+    "build_info",
+    "get_num_threads",
+    "multi_head_attention",
+    "reference",
+    "scaled_dot_product_attention",
+    "set_num_threads",
+]
+
+
+def get_num_threads() -> int:
+    """Threads the kernels use (default: the cores available, or ``ATTNLAB_NUM_THREADS``)."""
+    return int(_core.get_num_threads())
+
+
+def set_num_threads(n: int) -> None:
+    """Set the number of threads the kernels use (``n >= 1``)."""
+    from ._validate import check_positive_int
+
+    _core.set_num_threads(check_positive_int(n, "n"))
+
+
+def build_info() -> dict[str, Any]:
+    """Version, instruction set in use, compiler, Eigen version and threads."""
+    from ._loader import available
+
+    info = dict(_core.build_info())
+    info["available_isas"] = available()
+    info["cpu_features"] = {k: bool(v) for k, v in dict(_core.cpu_features()).items()}
+    return info

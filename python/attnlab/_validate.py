@@ -1,0 +1,211 @@
+"""Argument normalisation and validation shared by every public function.
+
+Every error names the argument, what it got and what was expected (DESIGN section 3).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+__all__: list[str] = []  # private module
+
+_NATIVE = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def as_array(x: Any, name: str) -> np.ndarray:
+    """Return ``x`` as a float32/float64 array following the dtype rules.
+
+    float32 and float64 are kept; other real numeric dtypes (ints, float16, ...) become
+    float64; bool, complex, object and string data raise ``TypeError``.
+    """
+    if x is None:
+        raise TypeError(f"{name}: expected an array, got None")
+    try:
+        a = np.asarray(x)
+    except Exception as exc:  # ragged lists and the like
+        raise TypeError(f"{name}: could not be converted to an array ({exc})") from None
+    kind = a.dtype.kind
+    if kind == "b":
+        raise TypeError(f"{name}: expected real floating-point data, got dtype bool")
+    if kind not in "fiu":
+        raise TypeError(
+            f"{name}: expected real floating-point data, got dtype {a.dtype}"
+        )
+    if a.dtype not in _NATIVE:
+        a = a.astype(np.float64)
+    return a
+
+
+def optional_array(x: Any, name: str) -> np.ndarray | None:
+    return None if x is None else as_array(x, name)
+
+
+def result_dtype(*arrays: np.ndarray | None) -> np.dtype:
+    """The computation dtype: ``np.result_type`` of the (already normalised) inputs."""
+    present = [a.dtype for a in arrays if a is not None]
+    return np.dtype(np.result_type(*present)) if present else np.dtype(np.float64)
+
+
+def shape_str(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def check_ndim(a: np.ndarray, name: str, min_ndim: int, layout: str) -> None:
+    if a.ndim < min_ndim:
+        raise ValueError(
+            f"{name}: expected an array of shape {layout}, got shape {shape_str(a.shape)}"
+        )
+
+
+def check_positive_int(x: Any, name: str, minimum: int = 1) -> int:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, got {type(x).__name__} {x!r}")
+    v = int(x)
+    if v < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {v}")
+    return v
+
+
+def check_scale(scale: Any, default: float) -> float:
+    if scale is None:
+        return default
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    s = float(scale)
+    if not math.isfinite(s):
+        raise ValueError(f"scale: expected a finite number, got {s}")
+    return s
+
+
+_CAUSAL = {False: 0, None: 0, True: 1, "top_left": 1, "bottom_right": 2}
+
+
+def causal_code(causal: Any) -> int:
+    """0 (none), 1 (top-left, as SDPA's is_causal) or 2 (bottom-right)."""
+    if isinstance(causal, (bool, np.bool_)) or causal is None:
+        return 1 if causal else 0
+    if isinstance(causal, str) and causal in _CAUSAL:
+        return _CAUSAL[causal]
+    raise ValueError(
+        f"causal: expected False, True, 'top_left' or 'bottom_right', got {causal!r}"
+    )
+
+
+def weights_mode(return_weights: Any) -> str | None:
+    """None, "heads" or "mean"."""
+    if isinstance(return_weights, (bool, np.bool_)):
+        return "heads" if return_weights else None
+    if return_weights in ("heads", "mean"):
+        return str(return_weights)
+    raise ValueError(
+        f"return_weights: expected False, True, 'heads' or 'mean', got {return_weights!r}"
+    )
+
+
+def batch_shape(name_shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ...]:
+    """Broadcast the leading batch shapes of several inputs, naming them on failure."""
+    try:
+        return tuple(np.broadcast_shapes(*[s for _, s in name_shapes]))
+    except ValueError:
+        desc = ", ".join(f"{n} {shape_str(s)}" for n, s in name_shapes)
+        raise ValueError(f"batch dimensions do not broadcast: {desc}") from None
+
+
+def kernel_ready(a: np.ndarray) -> np.ndarray:
+    """A view the kernels can read: non-negative whole-element strides, unit last stride."""
+    item = a.itemsize
+    ok = all(s >= 0 and s % item == 0 for s in a.strides)
+    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != item:
+        ok = False
+    return a if ok else np.ascontiguousarray(a)
+
+
+def stack(a: np.ndarray, batch: tuple[int, ...], dtype: np.dtype, core: int) -> np.ndarray:
+    """Broadcast ``a`` to ``batch + a.shape[-core:]`` and view it as ``(B,) + core shape``.
+
+    Copies only when the batch axes cannot be merged into one stride or the dtype differs.
+    """
+    a = a.astype(dtype, copy=False)
+    tail = a.shape[a.ndim - core :]
+    b = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    a = np.broadcast_to(a, batch + tail).reshape((b,) + tail)
+    return kernel_ready(a)
+
+
+def rows(a: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """``a`` (..., n, d) broadcast to ``batch`` as a C-contiguous (B*n, d) matrix."""
+    n, d = a.shape[-2:]
+    a = np.broadcast_to(a.astype(dtype, copy=False), batch + (n, d))
+    return np.ascontiguousarray(a.reshape(-1, d))
+
+
+def matrix(w: np.ndarray, name: str, dtype: np.dtype, rows_: int | None, cols: int | None,
+           layout: str) -> np.ndarray:
+    if w.ndim != 2 or (rows_ is not None and w.shape[0] != rows_) or (
+        cols is not None and w.shape[1] != cols
+    ):
+        raise ValueError(f"{name}: expected shape {layout}, got {shape_str(w.shape)}")
+    return np.ascontiguousarray(w, dtype=dtype)
+
+
+def vector(b: np.ndarray | None, name: str, dtype: np.dtype, n: int) -> np.ndarray | None:
+    if b is None:
+        return None
+    if b.ndim != 1 or b.shape[0] != n:
+        raise ValueError(f"{name}: expected shape ({n},), got {shape_str(b.shape)}")
+    return np.ascontiguousarray(b, dtype=dtype)
+
+
+def mask4(mask: Any, batch: tuple[int, ...], heads: int, n_q: int, n_k: int,
+          dtype: np.dtype) -> np.ndarray | None:
+    """The attention mask broadcast to (B, heads, n_q, n_k): bool ("may attend") or additive."""
+    if mask is None:
+        return None
+    m = np.asarray(mask)
+    if m.dtype.kind == "b":
+        pass
+    elif m.dtype.kind == "f":
+        m = m.astype(dtype, copy=False)
+    else:
+        raise TypeError(f"mask: expected a bool or floating-point array, got dtype {m.dtype}")
+    target = batch + (heads, n_q, n_k)
+    try:
+        m = np.broadcast_to(m, target)
+    except ValueError:
+        raise ValueError(
+            f"mask: shape {shape_str(m.shape)} does not broadcast to "
+            f"(..., h, n_q, n_k) = {shape_str(target)}"
+        ) from None
+    b = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    m = m.reshape((b, heads, n_q, n_k))
+    if any(s < 0 or s % m.itemsize for s in m.strides):
+        m = np.ascontiguousarray(m)
+    return m
+
+
+def key_padding2(kpm: Any, batch: tuple[int, ...], n_k: int) -> np.ndarray | None:
+    """The key padding mask (True = real token) broadcast to (B, n_k)."""
+    if kpm is None:
+        return None
+    m = np.asarray(kpm)
+    if m.dtype.kind != "b":
+        raise TypeError(
+            f"key_padding_mask: expected a bool array (True = real token), got dtype {m.dtype}"
+        )
+    target = batch + (n_k,)
+    try:
+        m = np.broadcast_to(m, target)
+    except ValueError:
+        raise ValueError(
+            f"key_padding_mask: shape {shape_str(m.shape)} does not broadcast to "
+            f"(..., n_k) = {shape_str(target)}"
+        ) from None
+    b = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    m = m.reshape((b, n_k))
+    if any(s < 0 for s in m.strides):
+        m = np.ascontiguousarray(m)
+    return m

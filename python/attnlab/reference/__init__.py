@@ -1,0 +1,10 @@
+"""Plain NumPy (float64) implementations of every forward function: the oracle for the tests.
+
+Same signatures as the functions in :mod:`attnlab`, written for clarity, not speed.
+"""
+
+from __future__ import annotations
+
+from ._mha import multi_head_attention, scaled_dot_product_attention
+
+__all__ = ["multi_head_attention", "scaled_dot_product_attention"]
