@@ -10,12 +10,23 @@ from typing import Any
 
 from . import reference
 from ._loader import core as _core
+from ._additive import additive_attention, separable_attention
+from ._bilinear import BilinearQK, bilinear_attention, collapse_qk, factorize_qk
 from ._mha import multi_head_attention, scaled_dot_product_attention
+from .cost import attention_cost, plan_qk
 
 __version__: str = _core.__version__
 
 __all__ = [
+    "BilinearQK",
     "__version__",
+    "additive_attention",
+    "attention_cost",
+    "bilinear_attention",
+    "collapse_qk",
+    "factorize_qk",
+    "plan_qk",
+    "separable_attention",
     "build_info",
     "get_num_threads",
     "multi_head_attention",

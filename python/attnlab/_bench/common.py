@@ -1,0 +1,70 @@
+"""Timing helpers shared by the benchmark families.
+
+Every timing is a median of repeated runs after a warm-up; implementations being compared are
+interleaved (round-robin) in the same process so that machine noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["Row", "interleaved", "try_torch"]
+
+
+@dataclass
+class Row:
+    """One line of the benchmark table."""
+
+    family: str          # "mha", "bilinear", "additive", ...
+    case: str            # a short label, e.g. "ViT-S fwd fp32"
+    shape: str           # e.g. "B=8 n=197 d=384 h=6"
+    impl: str            # "attnlab", "reference", "torch", ...
+    ms: float            # median milliseconds
+    flops: float = 0.0   # floating-point operations of one call (2 per multiply-add)
+    baseline: str | None = None  # impl the ratio is taken against (same family/case)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gflops(self) -> float:
+        return self.flops / (self.ms * 1e-3) / 1e9 if self.ms > 0 and self.flops else 0.0
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int = 7, warmup: int = 1,
+                min_time: float = 0.0, max_time: float = 30.0) -> dict[str, float]:
+    """Median milliseconds of each callable, timed round-robin.
+
+    ``repeat`` rounds (more, up to ``max_time`` seconds in all, while a round is shorter than
+    ``min_time``); the first ``warmup`` calls of each are not timed.
+    """
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    start = time.perf_counter()
+    rounds = 0
+    while True:
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+        rounds += 1
+        elapsed = time.perf_counter() - start
+        if rounds >= repeat and (elapsed >= min_time or elapsed >= max_time):
+            break
+        if elapsed >= max_time and rounds >= 3:
+            break
+    return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+
+
+def try_torch(threads: int) -> Any:
+    """torch, set to ``threads`` threads, or None when it is not installed."""
+    try:
+        import torch
+    except Exception:
+        return None
+    torch.set_num_threads(threads)
+    return torch
