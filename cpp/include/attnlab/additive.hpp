@@ -1,0 +1,72 @@
+#pragma once
+// Efficient additive attention (SwiftFormer) and separable self-attention (MobileViT-v2): the
+// token-pooling attentions whose cost is linear in the number of tokens. Pure C++: no Python.
+
+#include <cstdint>
+
+#include "attnlab/common.hpp"
+
+namespace attnlab {
+
+// official: Amshaker/SwiftFormer after July 2023 (L2 normalisation of the scores over tokens).
+// hf: the Hugging Face port and the original release (softmax over a singleton axis: every
+// token weight is 1, so w_g and scale have no effect).
+enum class AdditiveVariant : int { official = 0, hf = 1 };
+
+// Optional per-batch token mask: element (b, j) at data[b * sb + j * sk], nonzero = real token.
+struct TokenMask {
+    const std::uint8_t* data = nullptr;
+    Index sb = 0, sk = 0;
+
+    bool real(Index b, Index j) const { return !data || data[b * sb + j * sk] != 0; }
+};
+
+// Per batch element, x (n, d_in):
+//   Q = normalize_rows(x w_q + b_q), K = normalize_rows(x w_k + b_k)       (n, D)
+//   official: a = normalize_tokens((Q w_g) * scale); hf: a = 1
+//   G = sum over real tokens of a_n Q_n                                    (D)
+//   out = ((K diag(G)) w_proj + b_proj + Q) w_final + b_final              (n, d_out)
+// normalize(v) = v / max(||v||, eps). No real token: G = 0. Biases may be null.
+template <typename T>
+struct AdditiveProblem {
+    Index batch = 0, n = 0, d_in = 0, width = 0, d_out = 0;  // width is D
+    const T* x = nullptr;  // (batch * n, d_in) row-major contiguous
+    const T* w_q = nullptr;
+    const T* b_q = nullptr;  // (d_in, D), (D)
+    const T* w_k = nullptr;
+    const T* b_k = nullptr;  // (d_in, D), (D)
+    const T* w_g = nullptr;  // (D)
+    const T* w_proj = nullptr;
+    const T* b_proj = nullptr;  // (D, D), (D)
+    const T* w_final = nullptr;
+    const T* b_final = nullptr;  // (D, d_out), (d_out)
+    T scale = T(1);
+    T eps = T(1e-12);
+    AdditiveVariant variant = AdditiveVariant::official;
+    TokenMask key_padding;
+    T* out = nullptr;  // (batch * n, d_out) row-major contiguous
+};
+
+template <typename T>
+void additive_attention_forward(const AdditiveProblem<T>& p);
+
+// Per batch element, x (n, d), [s | k | v] = x w_qkv + b_qkv with widths 1, d, d:
+//   c = softmax of s over the real tokens; ctx = sum_n c_n k_n                (d)
+//   out = (relu(v) diag(ctx)) w_o + b_o                                      (n, d_out)
+// No real token: ctx = 0 (out = b_o). Biases may be null.
+template <typename T>
+struct SeparableProblem {
+    Index batch = 0, n = 0, d = 0, d_out = 0;
+    const T* x = nullptr;  // (batch * n, d)
+    const T* w_qkv = nullptr;
+    const T* b_qkv = nullptr;  // (d, 1 + 2d), (1 + 2d)
+    const T* w_o = nullptr;
+    const T* b_o = nullptr;  // (d, d_out), (d_out)
+    TokenMask key_padding;
+    T* out = nullptr;  // (batch * n, d_out)
+};
+
+template <typename T>
+void separable_attention_forward(const SeparableProblem<T>& p);
+
+}  // namespace attnlab

@@ -1,0 +1,240 @@
+#include "attnlab/additive.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attnlab/threading.hpp"
+
+namespace attnlab {
+
+namespace detail {
+namespace {
+
+// Rows per GEMM block: large enough for Eigen to reach its peak, fixed so that results never
+// depend on the thread count.
+constexpr Index kRowBlock = 128;
+// Rows per task of the output pass: each task scales its own copy of the projection by the
+// pooled vector, so a task must cover enough rows to amortise that D x D_out step.
+constexpr Index kRowsPerTask = 1024;
+
+template <typename T>
+using Vec = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+template <typename T>
+using VecMap = Eigen::Map<Vec<T>>;
+template <typename T>
+using ConstVecMap = Eigen::Map<const Vec<T>>;
+
+// ||v||_2 as sqrt(sum v^2), the formula torch and NumPy use, falling back to Eigen's scaled
+// norm only when the squares underflow or overflow (so tiny and huge rows stay exact).
+template <typename Derived>
+typename Derived::Scalar robust_norm(const Eigen::MatrixBase<Derived>& v) {
+    using T = typename Derived::Scalar;
+    const T sq = v.squaredNorm();
+    if (std::isnan(sq)) return sq;
+    if (sq >= std::numeric_limits<T>::min() && sq <= std::numeric_limits<T>::max())
+        return std::sqrt(sq);
+    return v.stableNorm();
+}
+
+// Y = X W + b over a block of rows (W row-major (in, out), possibly a strided column block).
+template <typename T, typename XMap, typename YMap>
+void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y) {
+    if (X.cols() == 0) {
+        Y.setZero();
+    } else {
+        Y.noalias() = X * W;
+    }
+    if (b) Y.rowwise() += ConstVecMap<T>(b, Y.cols());
+}
+
+// v / max(||v||, eps) in place, for every row.
+template <typename T, typename M>
+void normalize_rows(M& Y, T eps) {
+    for (Index i = 0; i < Y.rows(); ++i) {
+        const T nrm = robust_norm(Y.row(i));
+        Y.row(i) /= std::max(nrm, eps);  // NaN norms propagate (std::max keeps its first arg)
+    }
+}
+
+// Splits [0, rows) of each batch element into tasks of at most kRowsPerTask rows.
+struct TaskGrid {
+    Index batch, n, per;
+    TaskGrid(Index b, Index n_) : batch(b), n(n_), per((n_ + kRowsPerTask - 1) / kRowsPerTask) {}
+    Index size() const { return batch * per; }
+    void at(Index t, Index& b, Index& r0, Index& r1) const {
+        b = t / per;
+        r0 = (t % per) * kRowsPerTask;
+        r1 = std::min(n, r0 + kRowsPerTask);
+    }
+};
+
+}  // namespace
+}  // namespace detail
+
+template <typename T>
+void additive_attention_forward(const AdditiveProblem<T>& p) {
+    using namespace detail;
+    const Index B = p.batch, n = p.n, din = p.d_in, D = p.width, dout = p.d_out;
+    const Index rows = B * n;
+    if (rows <= 0 || dout <= 0) return;
+    const bool official = p.variant == AdditiveVariant::official;
+    const Index ld = 2 * D;  // buffer rows are [K | Q]
+
+    auto kq = make_buffer<T>(rows * ld);
+    auto score = make_buffer<T>(official ? rows : 0);
+    auto pooled = make_buffer<T>(B * D);
+    const ConstRowMap<T> Wq(p.w_q, din, D, Eigen::OuterStride<>(D));
+    const ConstRowMap<T> Wk(p.w_k, din, D, Eigen::OuterStride<>(D));
+    const ConstRowMap<T> Wproj(p.w_proj, D, D, Eigen::OuterStride<>(D));
+    const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
+
+    // 1. K and Q for all rows (one GEMM each per block), row-normalised while in cache, and the
+    //    official scores s = (Q w_g) * scale.
+    const Index blocks = (rows + kRowBlock - 1) / kRowBlock;
+    parallel_for(blocks, [&](Index c) {
+        const Index r0 = c * kRowBlock, m = std::min(kRowBlock, rows - r0);
+        ConstRowMap<T> X(p.x + r0 * din, m, din, Eigen::OuterStride<>(std::max<Index>(din, 1)));
+        RowMap<T> K(kq.get() + r0 * ld, m, D, Eigen::OuterStride<>(ld));
+        RowMap<T> Q(kq.get() + r0 * ld + D, m, D, Eigen::OuterStride<>(ld));
+        project<T>(X, Wk, p.b_k, K);
+        project<T>(X, Wq, p.b_q, Q);
+        normalize_rows(K, p.eps);
+        normalize_rows(Q, p.eps);
+        if (official) {
+            ConstVecMap<T> wg(p.w_g, D);
+            for (Index i = 0; i < m; ++i) score[r0 + i] = Q.row(i).dot(wg) * p.scale;
+        }
+    });
+
+    // 2. Per batch element: token weights a (L2-normalised scores over the real tokens, or 1)
+    //    and the pooled query G = sum a_n Q_n, accumulated in double.
+    parallel_for(B, [&](Index b) {
+        VecMap<T> G(pooled.get() + b * D, D);
+        Vec<double> acc = Vec<double>::Zero(D);
+        Index real = 0;
+        T denom = T(1);
+        if (official) {
+            Vec<T> s(n);  // the real tokens' scores
+            for (Index j = 0; j < n; ++j)
+                if (p.key_padding.real(b, j)) s[real++] = score[b * n + j];
+            if (real > 0) denom = std::max(robust_norm(s.head(real)), p.eps);
+        }
+        for (Index j = 0; j < n; ++j) {
+            if (!p.key_padding.real(b, j)) continue;  // padded tokens take no part, NaN or not
+            ConstVecMap<T> q(kq.get() + (b * n + j) * ld + D, D);
+            if (official) {
+                const T a = score[b * n + j] / denom;
+                acc += static_cast<double>(a) * q.template cast<double>();
+            } else {
+                acc += q.template cast<double>();
+                ++real;
+            }
+        }
+        G = acc.template cast<T>();  // zero when no token is real
+    });
+
+    // 3. out = (K (diag(G) w_proj) + Q + b_proj) w_final + b_final, G folded into w_proj once
+    //    per task instead of materialising G * K.
+    const TaskGrid grid(B, n);
+    parallel_for(grid.size(), [&](Index t) {
+        Index b, r0, r1;
+        grid.at(t, b, r0, r1);
+        const RowMatrix<T> Wb = ConstVecMap<T>(pooled.get() + b * D, D).asDiagonal() * Wproj;
+        RowMatrix<T> H(kRowBlock, D);
+        for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
+            const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
+            ConstRowMap<T> K(kq.get() + row * ld, m, D, Eigen::OuterStride<>(ld));
+            ConstRowMap<T> Q(kq.get() + row * ld + D, m, D, Eigen::OuterStride<>(ld));
+            auto h = H.topRows(m);
+            h.noalias() = K * Wb;
+            h += Q;
+            if (p.b_proj) h.rowwise() += ConstVecMap<T>(p.b_proj, D);
+            RowMap<T> Y(p.out + row * dout, m, dout, Eigen::OuterStride<>(dout));
+            Y.noalias() = h * Wfinal;
+            if (p.b_final) Y.rowwise() += ConstVecMap<T>(p.b_final, dout);
+        }
+    });
+}
+
+template <typename T>
+void separable_attention_forward(const SeparableProblem<T>& p) {
+    using namespace detail;
+    const Index B = p.batch, n = p.n, d = p.d, dout = p.d_out;
+    const Index rows = B * n;
+    if (rows <= 0 || dout <= 0) return;
+    const Index ld = 1 + 2 * d;  // buffer rows are [s | k | relu(v)]
+
+    auto skv = make_buffer<T>(rows * ld);
+    auto context = make_buffer<T>(B * d);
+    const ConstRowMap<T> Wqkv(p.w_qkv, d, ld, Eigen::OuterStride<>(ld));
+    const ConstRowMap<T> Wo(p.w_o, d, dout, Eigen::OuterStride<>(dout));
+
+    // 1. [s | k | v] for all rows in one GEMM per block; ReLU on v (NaN stays NaN, as torch).
+    const Index blocks = (rows + kRowBlock - 1) / kRowBlock;
+    parallel_for(blocks, [&](Index c) {
+        const Index r0 = c * kRowBlock, m = std::min(kRowBlock, rows - r0);
+        ConstRowMap<T> X(p.x + r0 * d, m, d, Eigen::OuterStride<>(std::max<Index>(d, 1)));
+        RowMap<T> P(skv.get() + r0 * ld, m, ld, Eigen::OuterStride<>(ld));
+        project<T>(X, Wqkv, p.b_qkv, P);
+        P.rightCols(d) = P.rightCols(d).unaryExpr([](T v) { return v < T(0) ? T(0) : v; });
+    });
+
+    // 2. Per batch element: softmax of s over the real tokens and ctx = sum c_n k_n.
+    parallel_for(B, [&](Index b) {
+        const T* base = skv.get() + b * n * ld;
+        T mx = -std::numeric_limits<T>::infinity();
+        bool nan = false;
+        Index real = 0;
+        for (Index j = 0; j < n; ++j) {
+            if (!p.key_padding.real(b, j)) continue;
+            const T s = base[j * ld];
+            if (std::isnan(s)) nan = true;
+            mx = std::max(mx, s);
+            ++real;
+        }
+        if (nan) mx = std::numeric_limits<T>::quiet_NaN();
+        VecMap<T> ctx(context.get() + b * d, d);
+        if (real == 0) {
+            ctx.setZero();
+            return;
+        }
+        double z = 0;
+        for (Index j = 0; j < n; ++j)
+            if (p.key_padding.real(b, j)) z += static_cast<double>(std::exp(base[j * ld] - mx));
+        Vec<double> acc = Vec<double>::Zero(d);
+        for (Index j = 0; j < n; ++j) {
+            if (!p.key_padding.real(b, j)) continue;
+            const T c = static_cast<T>(static_cast<double>(std::exp(base[j * ld] - mx)) / z);
+            acc += static_cast<double>(c) * ConstVecMap<T>(base + j * ld + 1, d).template cast<double>();
+        }
+        ctx = acc.template cast<T>();
+    });
+
+    // 3. out = relu(v) (diag(ctx) w_o) + b_o.
+    const TaskGrid grid(B, n);
+    parallel_for(grid.size(), [&](Index t) {
+        Index b, r0, r1;
+        grid.at(t, b, r0, r1);
+        const RowMatrix<T> Wb = ConstVecMap<T>(context.get() + b * d, d).asDiagonal() * Wo;
+        for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
+            const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
+            ConstRowMap<T> Vv(skv.get() + row * ld + 1 + d, m, d, Eigen::OuterStride<>(ld));
+            RowMap<T> Y(p.out + row * dout, m, dout, Eigen::OuterStride<>(dout));
+            if (d == 0) {
+                Y.setZero();
+            } else {
+                Y.noalias() = Vv * Wb;
+            }
+            if (p.b_o) Y.rowwise() += ConstVecMap<T>(p.b_o, dout);
+        }
+    });
+}
+
+template void additive_attention_forward<float>(const AdditiveProblem<float>&);
+template void additive_attention_forward<double>(const AdditiveProblem<double>&);
+template void separable_attention_forward<float>(const SeparableProblem<float>&);
+template void separable_attention_forward<double>(const SeparableProblem<double>&);
+
+}  // namespace attnlab
