@@ -1,8 +1,74 @@
-// Bindings for the bilinear family (placeholder until its kernels land).
-#include <pybind11/pybind11.h>
+// Bindings for bilinear-collapsed attention.
+#include "attnlab/bilinear.hpp"
+#include "common.hpp"
 
 namespace attnlab {
 namespace bind {
-void bind_bilinear(pybind11::module_& m) { (void)m; }
+
+namespace {
+
+void bilinear_forward(py::array query, py::array key, py::array value, py::array w_qk,
+                      py::object u_k, py::array w_v, py::object b_v, py::array w_o,
+                      py::object b_o, Index batch, Index n_q, Index n_k, Index heads,
+                      Index kv_heads, py::object mask, py::object key_padding_mask, int causal,
+                      double scale, int order, py::array out, py::object weights) {
+    dispatch(query, "query", [&](auto tag) {
+        using T = decltype(tag);
+        if (heads < 1 || kv_heads < 1 || heads % kv_heads != 0)
+            throw py::value_error("num_heads must be a positive multiple of num_kv_heads");
+        if (w_qk.ndim() != 3 || w_v.ndim() != 2 || w_o.ndim() != 2)
+            throw py::value_error("w_qk, w_v, w_o: expected 3-d, 2-d and 2-d arrays");
+        if (batch < 0 || n_q < 0 || n_k < 0) throw py::value_error("negative sizes");
+        if (order != 0 && order != 1) throw py::value_error("order: expected 0 or 1");
+        const Index d_q = w_qk.shape(1), d_k = w_qk.shape(2), d_v = w_v.shape(0);
+        if (w_v.shape(1) % kv_heads != 0)
+            throw py::value_error("w_v: width must divide into kv heads");
+        const Index d_vhead = w_v.shape(1) / kv_heads, d_out = w_o.shape(1);
+        BilinearProblem<T> p;
+        p.batch = batch;
+        p.n_q = n_q;
+        p.n_k = n_k;
+        p.heads = heads;
+        p.kv_heads = kv_heads;
+        p.d_q = d_q;
+        p.d_k = d_k;
+        p.d_vhead = d_vhead;
+        p.query = contiguous<T>(query, "query", {batch * n_q, d_q});
+        p.key = contiguous<T>(key, "key", {batch * n_k, d_k});
+        p.value = contiguous<T>(value, "value", {batch * n_k, d_v});
+        p.w_qk = contiguous<T>(w_qk, "w_qk", {heads, d_q, d_k});
+        if (!u_k.is_none()) p.u_k = contiguous<T>(u_k.cast<py::array>(), "u_k", {heads, d_k});
+        p.w_v.w = contiguous<T>(w_v, "w_v", {d_v, kv_heads * d_vhead});
+        p.w_v.b = optional_vector<T>(b_v, "b_v", kv_heads * d_vhead);
+        p.w_v.in = d_v;
+        p.w_v.out = kv_heads * d_vhead;
+        p.w_o.w = contiguous<T>(w_o, "w_o", {heads * d_vhead, d_out});
+        p.w_o.b = optional_vector<T>(b_o, "b_o", d_out);
+        p.w_o.in = heads * d_vhead;
+        p.w_o.out = d_out;
+        p.scale = static_cast<T>(scale);
+        p.order = static_cast<BilinearOrder>(order);
+        p.mask = mask_spec<T>(mask, key_padding_mask, causal, batch, heads, n_q, n_k);
+        p.out = contiguous<T>(out, "out", {batch * n_q, d_out}, true);
+        if (!weights.is_none())
+            p.weights =
+                contiguous<T>(weights.cast<py::array>(), "weights", {batch, heads, n_q, n_k}, true);
+        py::gil_scoped_release release;
+        bilinear_attention_forward(p);
+        return 0;
+    });
+}
+
+}  // namespace
+
+void bind_bilinear(py::module_& m) {
+    m.def("bilinear_forward", &bilinear_forward, py::arg("query"), py::arg("key"),
+          py::arg("value"), py::arg("w_qk"), py::arg("u_k"), py::arg("w_v"), py::arg("b_v"),
+          py::arg("w_o"), py::arg("b_o"), py::arg("batch"), py::arg("n_q"), py::arg("n_k"),
+          py::arg("heads"), py::arg("kv_heads"), py::arg("mask"), py::arg("key_padding_mask"),
+          py::arg("causal"), py::arg("scale"), py::arg("order"), py::arg("out"),
+          py::arg("weights"));
+}
+
 }  // namespace bind
 }  // namespace attnlab

@@ -1,23 +1,406 @@
-"""Bilinear-collapsed attention. Placeholder: being implemented (issue 3)."""
+"""Bilinear-collapsed attention: the query-key projections folded into one matrix per head.
+
+Per head ``i`` the logits of multi-head attention are
+``(X_q W_q,i + b_q,i)(X_k W_k,i + b_k,i)^T = X_q W_i X_k^T + X_q v_i + u_i X_k^T + c_i`` with
+``W_i = W_q,i W_k,i^T``, ``v_i = W_q,i b_k,i``, ``u_i = W_k,i b_q,i`` and ``c_i = b_q,i . b_k,i``.
+``v`` and ``c`` are constant along a query's row and cancel in the softmax; ``u`` does not.
+None of this holds with rotary position embeddings (RoPE): the rotation depends on the positions
+and sits between ``W_q,i`` and ``W_k,i``, so there is no single ``W_i`` to fold.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from . import _validate as V
+from ._loader import core
+from ._mha import _finish
+from .cost import collapsed_order
 
 __all__ = ["bilinear_attention", "collapse_qk", "factorize_qk", "BilinearQK"]
 
-
-class BilinearQK:  # replaced by the frozen dataclass of issue 3
-    pass
+_ORDERS = {"query": 0, "key": 1}
 
 
-def collapse_qk(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+@dataclass(frozen=True, eq=False)
+class BilinearQK:
+    """Folded query-key weights of ``h`` heads: logits ``x_q W_i x_k^T + x_q v_i + u_i x_k^T + c_i``.
+
+    Attributes
+    ----------
+    w : ndarray, shape (h, d_q, d_k)
+        ``W_i = W_q,i @ W_k,i.T``, rank at most ``d_head``.
+    u : ndarray, shape (h, d_k), or None
+        Key-side term ``W_k,i @ b_q,i`` (from ``b_q``): it changes the attention.
+    v : ndarray, shape (h, d_q), or None
+        Query-side term ``W_q,i @ b_k,i`` (from ``b_k``): constant along a query's row, it
+        cancels in the softmax.
+    c : ndarray, shape (h,), or None
+        ``b_q,i . b_k,i`` (both biases given): cancels in the softmax.
+    d_head : int
+        The head width the weights were folded from; the default scale is ``1/sqrt(d_head)``.
+
+    Notes
+    -----
+    Not valid with rotary position embeddings (see the module notes).
+    """
+
+    w: np.ndarray
+    u: np.ndarray | None
+    v: np.ndarray | None
+    c: np.ndarray | None
+    d_head: int
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.w.shape[0])
+
+    def homogeneous(self) -> np.ndarray:
+        """The ``(h, d_q + 1, d_k + 1)`` matrices ``[[W_i, v_i], [u_i, c_i]]``.
+
+        Acting on homogeneous coordinates, ``[x_q, 1] M_i [x_k, 1]^T`` is the exact logit
+        ``(x_q W_q,i + b_q,i) . (x_k W_k,i + b_k,i)`` (before scaling); absent terms are 0.
+        """
+        h, dq, dk = self.w.shape
+        m = np.zeros((h, dq + 1, dk + 1), dtype=self.w.dtype)
+        m[:, :dq, :dk] = self.w
+        if self.v is not None:
+            m[:, :dq, dk] = self.v
+        if self.u is not None:
+            m[:, dq, :dk] = self.u
+        if self.c is not None:
+            m[:, dq, dk] = self.c
+        return m
+
+    def rank(self, tol: float | None = None) -> np.ndarray:
+        """Numerical rank of each ``W_i`` (``np.linalg.matrix_rank``): at most ``d_head``."""
+        if tol is not None:
+            tol = V.check_scale(tol, 0.0)
+        return np.array([np.linalg.matrix_rank(w, tol=tol) for w in self.w], dtype=np.int64)
+
+    def scores(self, query: Any, key: Any = None, scale: float | None = None) -> np.ndarray:
+        """Exact logits ``scale * (x_q W_i x_k^T + x_q v_i + u_i x_k^T + c_i)``.
+
+        ``query (..., n_q, d_q)``, ``key (..., n_k, d_k)`` (defaults to ``query``); returns
+        ``(..., h, n_q, n_k)``, equal to multi-head attention's scaled ``Q_i K_i^T``. ``scale``
+        defaults to ``1/sqrt(d_head)``.
+        """
+        xq = V.as_array(query, "query")
+        xk = xq if key is None else V.as_array(key, "key")
+        V.check_ndim(xq, "query", 2, "(..., n_q, d_q)")
+        V.check_ndim(xk, "key", 2, "(..., n_k, d_k)")
+        h, dq, dk = self.w.shape
+        if xq.shape[-1] != dq:
+            raise ValueError(f"query: expected last dimension d_q = {dq}, got shape "
+                             f"{V.shape_str(xq.shape)}")
+        if xk.shape[-1] != dk:
+            raise ValueError(f"key: expected last dimension d_k = {dk}, got shape "
+                             f"{V.shape_str(xk.shape)}")
+        V.batch_shape([("query", xq.shape[:-2]), ("key", xk.shape[:-2])])
+        s = V.check_scale(scale, 1.0 / math.sqrt(self.d_head))
+        dtype = V.result_dtype(xq, xk, self.w)
+        xq = xq.astype(dtype, copy=False)[..., None, :, :]
+        xk = xk.astype(dtype, copy=False)[..., None, :, :]
+        w = self.w.astype(dtype, copy=False)
+        logits = (xq @ w) @ np.swapaxes(xk, -1, -2)
+        if self.v is not None:
+            logits = logits + (xq @ self.v.astype(dtype, copy=False)[:, :, None])
+        if self.u is not None:
+            logits = logits + (self.u.astype(dtype, copy=False)[:, None, :]
+                               @ np.swapaxes(xk, -1, -2))
+        if self.c is not None:
+            logits = logits + self.c.astype(dtype, copy=False)[:, None, None]
+        return logits * dtype.type(s)
 
 
-def factorize_qk(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def _heads(num_heads: Any, num_kv_heads: Any) -> tuple[int, int]:
+    h = V.check_positive_int(num_heads, "num_heads")
+    h_kv = h if num_kv_heads is None else V.check_positive_int(num_kv_heads, "num_kv_heads")
+    if h % h_kv:
+        raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {h}, got {h_kv}")
+    return h, h_kv
 
 
-def bilinear_attention(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_heads: int,
+                num_kv_heads: int | None = None) -> BilinearQK:
+    """Fold per-head query and key projections into ``W_i = W_q,i W_k,i^T`` (exactly).
+
+    Parameters
+    ----------
+    w_q : array_like, shape (d_q, h * d_head)
+    w_k : array_like, shape (d_k, h_kv * d_head)
+        Weights are ``(in_features, out_features)``; head ``i`` is a column block.
+    b_q : array_like, shape (h * d_head,), optional
+    b_k : array_like, shape (h_kv * d_head,), optional
+    num_heads : int
+    num_kv_heads : int, optional
+        Grouped-query keys: query head ``i`` pairs with key head ``i // (h // h_kv)``. The
+        result still has one ``W_i`` per *query* head, since ``W_q,i`` differs per query head.
+
+    Returns
+    -------
+    BilinearQK
+        ``w (h, d_q, d_k)``, ``u = W_k,i b_q,i`` (if ``b_q``), ``v = W_q,i b_k,i`` (if ``b_k``),
+        ``c = b_q,i . b_k,i`` (if both), ``d_head``.
+
+    Notes
+    -----
+    ``v`` and ``c`` cancel in the softmax, ``u`` does not. Invalid with rotary position
+    embeddings.
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> rng = np.random.default_rng(0)
+    >>> qk = attnlab.collapse_qk(rng.standard_normal((16, 16)), rng.standard_normal((16, 16)),
+    ...                          num_heads=4)
+    >>> qk.w.shape, qk.rank().tolist()
+    ((4, 16, 16), [4, 4, 4, 4])
+    """
+    h, h_kv = _heads(num_heads, num_kv_heads)
+    wq_ = V.as_array(w_q, "w_q")
+    wk_ = V.as_array(w_k, "w_k")
+    bq_ = V.optional_array(b_q, "b_q")
+    bk_ = V.optional_array(b_k, "b_k")
+    dtype = V.result_dtype(wq_, wk_, bq_, bk_)
+    if wq_.ndim != 2 or wq_.shape[1] % h or wq_.shape[1] == 0:
+        raise ValueError(f"w_q: expected shape (d_q, h * d_head) with h = {h}, got "
+                         f"{V.shape_str(wq_.shape)}")
+    d_q, d_head = wq_.shape[0], wq_.shape[1] // h
+    wq = V.matrix(wq_, "w_q", dtype, d_q, h * d_head, f"(d_q, {h * d_head})")
+    wk = V.matrix(wk_, "w_k", dtype, None, h_kv * d_head,
+                  f"(d_k, h_kv * d_head) = (d_k, {h_kv * d_head})")
+    d_k = wk.shape[0]
+    bq = V.vector(bq_, "b_q", dtype, h * d_head)
+    bk = V.vector(bk_, "b_k", dtype, h_kv * d_head)
+    group = h // h_kv
+    # (d, heads, d_head) views, then key heads repeated to pair with their query heads
+    wq3 = wq.reshape(d_q, h, d_head).transpose(1, 0, 2)          # (h, d_q, d_head)
+    wk3 = np.repeat(wk.reshape(d_k, h_kv, d_head).transpose(1, 0, 2), group, axis=0)
+    w = np.ascontiguousarray(wq3 @ np.swapaxes(wk3, -1, -2))      # (h, d_q, d_k)
+    bq2 = None if bq is None else bq.reshape(h, d_head)
+    bk2 = None if bk is None else np.repeat(bk.reshape(h_kv, d_head), group, axis=0)
+    u = None if bq2 is None else np.ascontiguousarray((wk3 @ bq2[:, :, None])[..., 0])
+    v = None if bk2 is None else np.ascontiguousarray((wq3 @ bk2[:, :, None])[..., 0])
+    c = None if bq2 is None or bk2 is None else np.einsum("hd,hd->h", bq2, bk2)
+    return BilinearQK(w=w, u=u, v=v, c=c, d_head=int(d_head))
+
+
+def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Factor each ``W_i`` back into query and key projections of width ``rank`` (truncated SVD).
+
+    ``W_i ~= U_r S_r^(1/2) (V_r S_r^(1/2))^T``, the best rank-``r`` approximation in the
+    Frobenius norm (Eckart-Young).
+
+    Parameters
+    ----------
+    w : array_like, shape (h, d_q, d_k), or a BilinearQK (its ``w``)
+    rank : int
+        ``1 <= rank <= min(d_q, d_k)``; at ``rank >= rank(W_i)`` the factorisation is exact.
+
+    Returns
+    -------
+    w_q : ndarray, shape (d_q, h * rank)
+    w_k : ndarray, shape (d_k, h * rank)
+        Packed per-head column blocks, ready for ``multi_head_attention(..., num_heads=h)``
+        (then pass ``scale`` explicitly: the default would be ``1/sqrt(rank)``).
+    rel_error : ndarray, shape (h,)
+        ``||W_i - w_q,i w_k,i^T||_F / ||W_i||_F = sqrt(sum of dropped sigma^2) / ||W_i||_F``
+        (0 for a zero ``W_i``).
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> rng = np.random.default_rng(0)
+    >>> qk = attnlab.collapse_qk(rng.standard_normal((8, 8)), rng.standard_normal((8, 8)),
+    ...                          num_heads=2)
+    >>> w_q, w_k, err = attnlab.factorize_qk(qk, 4)
+    >>> w_q.shape, bool(err.max() < 1e-12)
+    ((8, 8), True)
+    """
+    arr = V.as_array(w.w if isinstance(w, BilinearQK) else w, "w")
+    if arr.ndim != 3 or 0 in arr.shape:
+        raise ValueError(f"w: expected a non-empty array of shape (h, d_q, d_k), got "
+                         f"{V.shape_str(arr.shape)}")
+    h, dq, dk = arr.shape
+    r = V.check_positive_int(rank, "rank")
+    if r > min(dq, dk):
+        raise ValueError(f"rank: expected an integer <= min(d_q, d_k) = {min(dq, dk)}, got {r}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError("w: contains NaN or Inf; the SVD is undefined")
+    u, s, vt = np.linalg.svd(arr, full_matrices=False)   # (h, dq, m), (h, m), (h, m, dk)
+    root = np.sqrt(s[:, :r])
+    fq = u[:, :, :r] * root[:, None, :]                      # (h, dq, r)
+    fk = np.swapaxes(vt[:, :r, :], -1, -2) * root[:, None, :]  # (h, dk, r)
+    w_q = np.ascontiguousarray(fq.transpose(1, 0, 2).reshape(dq, h * r))
+    w_k = np.ascontiguousarray(fk.transpose(1, 0, 2).reshape(dk, h * r))
+    s64 = s.astype(np.float64)
+    total = np.sqrt(np.sum(s64 * s64, axis=1))
+    dropped = np.sqrt(np.sum(s64[:, r:] ** 2, axis=1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.where(total > 0, dropped / np.where(total > 0, total, 1.0), 0.0)
+    return w_q, w_k, rel.astype(arr.dtype)
+
+
+def bilinear_attention(
+    query: Any,
+    key: Any = None,
+    value: Any = None,
+    *,
+    w_qk: Any,
+    u_k: Any = None,
+    w_v: Any,
+    w_o: Any,
+    b_v: Any = None,
+    b_o: Any = None,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    mask: Any = None,
+    key_padding_mask: Any = None,
+    causal: bool | str = False,
+    scale: float | None = None,
+    return_weights: bool | str = False,
+    _order: str | None = None,
+) -> Any:
+    """Attention with collapsed query-key weights: logits ``scale * (x_q W_i x_k^T + u_i x_k^T)``.
+
+    ``out = concat_i(softmax(logits_i + mask) V_i) w_o + b_o`` with ``V = value w_v + b_v``.
+    With ``w_qk = collapse_qk(w_q, w_k, b_q, b_k, ...)`` it equals
+    :func:`attnlab.multi_head_attention` with the same ``w_v, w_o, b_v, b_o``, biases included
+    (the dropped ``v`` and ``c`` terms cancel in the softmax).
+
+    Parameters
+    ----------
+    query : array_like, shape (..., n_q, d_q)
+    key : array_like, shape (..., n_k, d_k), optional
+        Defaults to ``query``.
+    value : array_like, shape (..., n_k, d_v), optional
+        Defaults to ``key``.
+    w_qk : array_like, shape (h, d_q, d_k), or BilinearQK
+        One matrix per query head. A :class:`BilinearQK` also supplies ``u_k`` and the default
+        scale ``1/sqrt(d_head)``.
+    u_k : array_like, shape (h, d_k), optional
+        Key-side term ``W_k,i b_q,i``; not allowed together with a BilinearQK.
+    w_v : array_like, shape (d_v, h_kv * d_vhead)
+    w_o : array_like, shape (h * d_vhead, d_out)
+    b_v, b_o : array_like, optional
+    num_heads : int
+    num_kv_heads : int, optional
+        Grouped values: query head ``i`` reads value head ``i // (h // h_kv)``.
+    mask, key_padding_mask, causal, return_weights
+        As in :func:`attnlab.multi_head_attention` (``True`` means *may attend*).
+    scale : float, optional
+        Default ``1/sqrt(d_head)`` for a BilinearQK, ``1/sqrt(d_q / num_heads)`` for a raw
+        ``w_qk``.
+
+    Returns
+    -------
+    out : ndarray, shape (..., n_q, d_out)
+    weights : ndarray, optional
+
+    Notes
+    -----
+    The kernel evaluates either ``(X_q W_i + u_i) X_k^T`` (query order: one parallel GEMM for
+    all heads, keys read unprojected and shared by every head) or ``[X_q, 1] [X_k W_i^T,
+    X_k u_i]^T`` (key order), whichever :func:`attnlab.cost.collapsed_order` says is cheaper:
+    the key order wins when ``n_q`` is much larger than ``n_k``. Fully masked query rows give
+    zero weights and an output row of ``b_o``. Not valid with rotary position embeddings.
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((2, 5, 16))
+    >>> w = [rng.standard_normal((16, 16)) * 0.25 for _ in range(4)]
+    >>> qk = attnlab.collapse_qk(w[0], w[1], num_heads=4)
+    >>> out = attnlab.bilinear_attention(x, w_qk=qk, w_v=w[2], w_o=w[3], num_heads=4)
+    >>> ref = attnlab.multi_head_attention(x, w_q=w[0], w_k=w[1], w_v=w[2], w_o=w[3],
+    ...                                    num_heads=4)
+    >>> bool(np.allclose(out, ref, atol=1e-12))
+    True
+    """
+    h, h_kv = _heads(num_heads, num_kv_heads)
+    d_head: float | None = None
+    if isinstance(w_qk, BilinearQK):
+        if u_k is not None:
+            raise ValueError("u_k: must be None when w_qk is a BilinearQK (it carries its own u)")
+        u_k = w_qk.u
+        d_head = float(w_qk.d_head)
+        w_qk = w_qk.w
+    xq = V.as_array(query, "query")
+    xk = xq if key is None else V.as_array(key, "key")
+    xv = xk if value is None else V.as_array(value, "value")
+    V.check_ndim(xq, "query", 2, "(..., n_q, d_q)")
+    V.check_ndim(xk, "key", 2, "(..., n_k, d_k)")
+    V.check_ndim(xv, "value", 2, "(..., n_k, d_v)")
+    n_q, d_q = xq.shape[-2:]
+    n_k, d_k = xk.shape[-2:]
+    if xv.shape[-2] != n_k:
+        raise ValueError(
+            f"value: expected {n_k} tokens (as key), got shape {V.shape_str(xv.shape)}"
+        )
+    d_v = xv.shape[-1]
+    wqk_ = V.as_array(w_qk, "w_qk")
+    uk_ = V.optional_array(u_k, "u_k")
+    wv_ = V.as_array(w_v, "w_v")
+    wo_ = V.as_array(w_o, "w_o")
+    bv_ = V.optional_array(b_v, "b_v")
+    bo_ = V.optional_array(b_o, "b_o")
+    dtype = V.result_dtype(xq, xk, xv, wqk_, uk_, wv_, wo_, bv_, bo_)
+    if wqk_.shape != (h, d_q, d_k):
+        raise ValueError(f"w_qk: expected shape (h, d_q, d_k) = ({h}, {d_q}, {d_k}), got "
+                         f"{V.shape_str(wqk_.shape)}")
+    wqk = np.ascontiguousarray(wqk_, dtype=dtype)
+    uk = None
+    if uk_ is not None:
+        if uk_.shape != (h, d_k):
+            raise ValueError(f"u_k: expected shape (h, d_k) = ({h}, {d_k}), got "
+                             f"{V.shape_str(uk_.shape)}")
+        uk = np.ascontiguousarray(uk_, dtype=dtype)
+    if wv_.ndim != 2 or wv_.shape[0] != d_v or wv_.shape[1] % h_kv:
+        raise ValueError(
+            f"w_v: expected shape (d_v, h_kv * d_vhead) = ({d_v}, {h_kv} * d_vhead), got "
+            f"{V.shape_str(wv_.shape)}"
+        )
+    d_vhead = wv_.shape[1] // h_kv
+    wv = V.matrix(wv_, "w_v", dtype, d_v, h_kv * d_vhead, f"({d_v}, {h_kv * d_vhead})")
+    wo = V.matrix(wo_, "w_o", dtype, h * d_vhead, None,
+                  f"(h * d_vhead, d_out) = ({h * d_vhead}, d_out)")
+    d_out = wo.shape[1]
+    bv = V.vector(bv_, "b_v", dtype, h_kv * d_vhead)
+    bo = V.vector(bo_, "b_o", dtype, d_out)
+
+    batch = V.batch_shape([("query", xq.shape[:-2]), ("key", xk.shape[:-2]),
+                           ("value", xv.shape[:-2])])
+    code = V.causal_code(causal)
+    if d_head is None:
+        d_head = d_q / h
+    s = V.check_scale(scale, 1.0 / math.sqrt(d_head) if d_head > 0 else 1.0)
+    mode = V.weights_mode(return_weights)
+    m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
+    kp = V.key_padding2(key_padding_mask, batch, n_k)
+    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    if _order is None:
+        order = collapsed_order(n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=h, batch=B,
+                                key_bias=uk is not None)
+    elif _order in _ORDERS:
+        order = _order
+    else:
+        raise ValueError(f"_order: expected None, 'query' or 'key', got {_order!r}")
+
+    out = np.empty((B * n_q, d_out), dtype=dtype)
+    weights = np.empty((B, h, n_q, n_k), dtype=dtype) if mode else None
+    if B * n_q > 0:
+        rq = V.rows(xq, batch, dtype)
+        rk = rq if xk is xq else V.rows(xk, batch, dtype)
+        rv = rk if xv is xk else V.rows(xv, batch, dtype)
+        core.bilinear_forward(rq, rk, rv, wqk, uk, wv, bv, wo, bo, B, n_q, n_k, h, h_kv,
+                              m4, kp, code, s, _ORDERS[order], out, weights)
+    out = out.reshape(batch + (n_q, d_out))
+    if weights is not None:
+        weights = weights.reshape(batch + (h, n_q, n_k))
+    return _finish(out, weights, mode)

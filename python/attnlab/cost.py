@@ -1,15 +1,183 @@
-"""Parameter / FLOP / memory cost model for separate vs collapsed Q-K. Placeholder (issue 3)."""
+"""Parameters, multiply-adds and working memory of the query-key score stage, separate vs collapsed.
+
+The two forms compute the same attention logits per head ``i``:
+
+* ``"separate"``: ``(X_q W_q,i)(X_k W_k,i)^T``, two projections to ``d_head`` then a product
+  over ``d_head``;
+* ``"collapsed"``: ``X_q W_i X_k^T`` with the folded ``W_i = W_q,i W_k,i^T`` (``d x d``), in
+  whichever order is cheaper: ``(X_q W_i) X_k^T`` (the *query* order) or ``X_q (W_i X_k^T)``
+  (the *key* order).
+
+Everything after the logits (softmax, ``P V``, value and output projections) is the same in both
+forms and is not counted. :func:`plan_qk` picks the cheaper form; :func:`collapsed_order` is the
+rule :func:`attnlab.bilinear_attention` uses to pick its evaluation order.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["attention_cost", "plan_qk"]
+from . import _validate as V
+
+__all__ = ["attention_cost", "plan_qk", "collapsed_order", "collapsed_order_flops"]
+
+_FORMS = ("separate", "collapsed")
 
 
-def attention_cost(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def collapsed_order_flops(*, n_q: int, n_k: int, d_q: int, d_k: int, num_heads: int,
+                          batch: int = 1, key_bias: bool = False) -> dict[str, int]:
+    """Multiply-adds of the two evaluation orders of the collapsed logits.
+
+    ``{"query": batch*h*(n_q*d_q*d_k + n_q*n_k*d_k), "key": batch*h*(n_k*d_k*d_q +
+    n_q*n_k*(d_q + key_bias))}``; in the key order a key-side bias ``u`` rides along as one
+    extra column (the query order adds it to ``X_q W_i`` for free).
+    """
+    e = 1 if key_bias else 0
+    a = batch * num_heads * (n_q * d_q * d_k + n_q * n_k * d_k)
+    b = batch * num_heads * (n_k * d_k * d_q + n_q * n_k * (d_q + e))
+    return {"query": int(a), "key": int(b)}
 
 
-def plan_qk(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def collapsed_order(*, n_q: int, n_k: int, d_q: int, d_k: int, num_heads: int,
+                    batch: int = 1, key_bias: bool = False) -> str:
+    """``"query"`` or ``"key"``: the cheaper order by :func:`collapsed_order_flops`.
+
+    Ties go to ``"query"``, which needs no extra copies (self-attention without ``u`` is a tie).
+    """
+    f = collapsed_order_flops(n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=num_heads,
+                              batch=batch, key_bias=key_bias)
+    return "key" if f["key"] < f["query"] else "query"
+
+
+def _sizes(n_q: Any, n_k: Any, d_model: Any, num_heads: Any, d_head: Any, batch: Any,
+           num_kv_heads: Any) -> tuple[int, int, int, int, int, int, int]:
+    nq = V.check_positive_int(n_q, "n_q", 0)
+    nk = nq if n_k is None else V.check_positive_int(n_k, "n_k", 0)
+    d = V.check_positive_int(d_model, "d_model")
+    h = V.check_positive_int(num_heads, "num_heads")
+    if d_head is None:
+        if d % h:
+            raise ValueError(
+                f"d_head: d_model ({d}) is not a multiple of num_heads ({h}); give d_head"
+            )
+        dh = d // h
+    else:
+        dh = V.check_positive_int(d_head, "d_head")
+    b = V.check_positive_int(batch, "batch", 0)
+    hk = h if num_kv_heads is None else V.check_positive_int(num_kv_heads, "num_kv_heads")
+    if h % hk:
+        raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {h}, got {hk}")
+    return nq, nk, d, h, dh, b, hk
+
+
+def attention_cost(form: str, *, n_q: int, n_k: int | None = None, d_model: int,
+                   num_heads: int, d_head: int | None = None, batch: int = 1,
+                   num_kv_heads: int | None = None, cached: bool = False,
+                   itemsize: int = 8) -> dict[str, int]:
+    """Cost of the query-key logits of one attention layer, in the separate or collapsed form.
+
+    Parameters
+    ----------
+    form : {"separate", "collapsed"}
+    n_q : int
+        Query tokens (1 for one-token decode).
+    n_k : int, optional
+        Key tokens; defaults to ``n_q`` (self-attention). Cross-attention: any ``n_k``.
+    d_model : int
+        ``d``, the width of the query and key inputs (``d_q = d_k = d``).
+    num_heads : int
+        ``h``.
+    d_head : int, optional
+        Defaults to ``d_model // num_heads``.
+    batch : int
+    num_kv_heads : int, optional
+        ``h_kv`` (grouped-query keys), defaults to ``h``.
+    cached : bool
+        Decode against ``n_k`` cached keys: the keys come ready from a cache (projected keys for
+        ``"separate"``, the raw ``x_k`` for ``"collapsed"``, whose cache holds ``d`` numbers per
+        token shared by every head), so no key projection is counted and the collapsed form
+        must use the query order.
+    itemsize : int
+        Bytes per number (8 for float64, 4 for float32).
+
+    Returns
+    -------
+    dict
+        ``"params"``: weight numbers (biases not counted); ``"flops"``: multiply-adds (one
+        multiply-add = 2 floating-point operations); ``"bytes"``: the two operands of the score
+        products, the query-side and key-side arrays the attention core streams through (its own
+        tiles are O(n d), never n_q x n_k).
+
+    Notes
+    -----
+    With ``h`` heads, ``h_kv`` key heads, ``d_h = d_head`` and ``B = batch``:
+
+    ``"separate"``::
+
+        params = d*h*d_h + d*h_kv*d_h
+        flops  = B * (n_q*d*h*d_h                  # Q = X_q W_q
+                      + n_k*d*h_kv*d_h             # K = X_k W_k   (0 when cached)
+                      + h*n_q*n_k*d_h)             # Q_i K_i^T
+        bytes  = B * (n_q*h*d_h + n_k*h_kv*d_h) * itemsize
+
+    ``"collapsed"`` (``W_i`` is ``d x d`` for every query head, GQA or not)::
+
+        params = h*d*d
+        flops  = B*h * min(n_q*d*d + n_q*n_k*d,    # query order: (X_q W_i) X_k^T
+                           n_k*d*d + n_q*n_k*d)    # key order:   X_q (W_i X_k^T), not cached
+        bytes  = B * (n_q*h*d + n_k*d) * itemsize  # query order (X_q W_i, X_k)
+               | B * (n_q*d + n_k*h*d) * itemsize  # key order (X_q, X_k W_i^T)
+
+    So per head, for self-attention over ``n`` tokens: separate ``2*n*d*d_h + n^2*d_h``,
+    collapsed ``n*d^2 + n^2*d`` multiply-adds; parameters ``2*d*d_h`` against ``d^2``.
+    Collapsing pays off when ``d_h`` is large against ``d`` (``h = 1``, or ``d_h > d/2`` at
+    short lengths: collapsed is cheaper iff ``d_h (2d + n) > d (d + n)``), or for decode with a
+    narrow cache; with the usual ``d_h = d/h`` and ``h >= 2`` it costs more, up to ``h`` times.
+    The key-side bias ``u`` of a collapsed form costs one more column in the key order; none of
+    this holds with rotary position embeddings, whose rotation sits between ``W_q`` and ``W_k``.
+
+    Examples
+    --------
+    >>> from attnlab import attention_cost
+    >>> attention_cost("separate", n_q=128, d_model=64, num_heads=1)
+    {'params': 8192, 'flops': 2097152, 'bytes': 131072}
+    >>> attention_cost("collapsed", n_q=128, d_model=64, num_heads=1)["flops"]
+    1572864
+    """
+    if form not in _FORMS:
+        raise ValueError(f"form: expected 'separate' or 'collapsed', got {form!r}")
+    nq, nk, d, h, dh, b, hk = _sizes(n_q, n_k, d_model, num_heads, d_head, batch, num_kv_heads)
+    it = V.check_positive_int(itemsize, "itemsize")
+    if form == "separate":
+        params = d * h * dh + d * hk * dh
+        flops = b * (nq * d * h * dh + (0 if cached else nk * d * hk * dh) + h * nq * nk * dh)
+        nbytes = b * (nq * h * dh + nk * hk * dh) * it
+    else:
+        params = h * d * d
+        f = collapsed_order_flops(n_q=nq, n_k=nk, d_q=d, d_k=d, num_heads=h, batch=b)
+        if cached or f["query"] <= f["key"]:
+            flops = f["query"]
+            nbytes = b * (nq * h * d + nk * d) * it
+        else:
+            flops = f["key"]
+            nbytes = b * (nq * d + nk * h * d) * it
+    return {"params": int(params), "flops": int(flops), "bytes": int(nbytes)}
+
+
+def plan_qk(*, n_q: int, n_k: int | None = None, d_model: int, num_heads: int,
+            d_head: int | None = None, batch: int = 1, num_kv_heads: int | None = None,
+            cached: bool = False) -> str:
+    """``"separate"`` or ``"collapsed"``: the form with fewer multiply-adds by
+    :func:`attention_cost` (ties go to ``"separate"``, which has fewer parameters).
+
+    Examples
+    --------
+    >>> from attnlab import plan_qk
+    >>> plan_qk(n_q=197, d_model=384, num_heads=6), plan_qk(n_q=197, d_model=384, num_heads=1)
+    ('separate', 'collapsed')
+    """
+    kw = dict(n_q=n_q, n_k=n_k, d_model=d_model, num_heads=num_heads, d_head=d_head,
+              batch=batch, num_kv_heads=num_kv_heads, cached=cached)
+    sep = attention_cost("separate", **kw)["flops"]  # type: ignore[arg-type]
+    col = attention_cost("collapsed", **kw)["flops"]  # type: ignore[arg-type]
+    return "collapsed" if col < sep else "separate"

@@ -1,0 +1,37 @@
+#pragma once
+// Bilinear-collapsed attention: per-head scores x_q W_i x_k^T + u_i . x_k with W_i (d_q x d_k)
+// the folded W_q,i W_k,i^T, then softmax, values and output projection as in multi-head
+// attention. Pure C++: no Python here.
+
+#include "attnlab/attention.hpp"
+#include "attnlab/common.hpp"
+
+namespace attnlab {
+
+// Which side of the score product absorbs W_i.
+//   query: Q'_i = X_q W_i + u_i, scores Q'_i X_k^T (keys read unprojected by every head);
+//   key:   K'_i = [X_k W_i^T | X_k u_i], scores [X_q | 1] K'_i^T (queries shared by every head).
+// Per head, query costs n_q d_q d_k + n_q n_k d_k multiply-adds, key n_k d_k d_q + n_q n_k d_q.
+enum class BilinearOrder : int { query = 0, key = 1 };
+
+template <typename T>
+struct BilinearProblem {
+    Index batch = 0, n_q = 0, n_k = 0;
+    Index heads = 0, kv_heads = 0, d_q = 0, d_k = 0, d_vhead = 0;
+    const T* query = nullptr;  // (batch * n_q, d_q) row-major
+    const T* key = nullptr;    // (batch * n_k, d_k)
+    const T* value = nullptr;  // (batch * n_k, d_v)
+    const T* w_qk = nullptr;   // (heads, d_q, d_k) contiguous
+    const T* u_k = nullptr;    // optional (heads, d_k): the key-side term W_k,i b_q,i
+    Linear<T> w_v, w_o;        // (d_v, kv_heads * d_vhead), (heads * d_vhead, d_out)
+    T scale = T(1);
+    BilinearOrder order = BilinearOrder::query;
+    MaskSpec<T> mask;
+    T* out = nullptr;      // (batch * n_q, d_out)
+    T* weights = nullptr;  // optional (batch, heads, n_q, n_k)
+};
+
+template <typename T>
+void bilinear_attention_forward(const BilinearProblem<T>& p);
+
+}  // namespace attnlab
