@@ -1,18 +1,251 @@
 """Efficient additive attention (SwiftFormer) and separable self-attention (MobileViT-v2).
 
-Placeholder: being implemented (issue 4).
+Both pool the tokens into one global vector and mix it back into every token, so their cost is
+linear in the number of tokens ``n`` (multi-head attention's is quadratic).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
+
+import numpy as np
+
+from . import _validate as V
+from ._loader import core
 
 __all__ = ["additive_attention", "separable_attention"]
 
-
-def additive_attention(x: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("additive_attention is not implemented yet")
+_VARIANTS = {"official": 0, "hf": 1}
 
 
-def separable_attention(x: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("separable_attention is not implemented yet")
+def _check_eps(eps: Any) -> float:
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps: expected a positive real number, got {type(eps).__name__}")
+    e = float(eps)
+    if not (math.isfinite(e) and e > 0):
+        raise ValueError(f"eps: expected a positive finite number, got {e}")
+    return e
+
+
+def _variant_code(variant: Any) -> int:
+    if isinstance(variant, str) and variant in _VARIANTS:
+        return _VARIANTS[variant]
+    raise ValueError(f"variant: expected 'official' or 'hf', got {variant!r}")
+
+
+def _tokens(x: Any) -> np.ndarray:
+    a = V.as_array(x, "x")
+    V.check_ndim(a, "x", 2, "(..., n, d)")
+    return a
+
+
+def additive_attention(
+    x: Any,
+    *,
+    w_q: Any,
+    b_q: Any = None,
+    w_k: Any,
+    b_k: Any = None,
+    w_g: Any,
+    w_proj: Any,
+    b_proj: Any = None,
+    w_final: Any,
+    b_final: Any = None,
+    scale: float | None = None,
+    variant: str = "official",
+    eps: float = 1e-12,
+    key_padding_mask: Any = None,
+) -> np.ndarray:
+    """SwiftFormer's efficient additive attention, exactly as the official code computes it.
+
+    Per batch element, with ``normalize(v) = v / max(||v||_2, eps)`` (as
+    ``torch.nn.functional.normalize``)::
+
+        Q = normalize(x w_q + b_q)            over the D features of each token
+        K = normalize(x w_k + b_k)
+        a = normalize((Q w_g) * scale)        over the n tokens: an L2 norm, not a softmax
+        G = sum_n a_n Q_n                     (D,): the pooled global query
+        out = ((G * K) w_proj + b_proj + Q) w_final + b_final
+
+    The kernel never materialises ``G * K``: ``G`` is folded into ``w_proj`` per batch element
+    (``diag(G) w_proj``), so time and memory are linear in ``n``.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., n, d_in)
+        Tokens; any number of leading batch dimensions. SwiftFormer's (B, C, H, W) feature maps
+        become tokens with ``x = fmap.transpose(0, 2, 3, 1).reshape(B, H * W, C)``.
+    w_q, w_k : array_like, shape (d_in, D)
+        ``to_query`` / ``to_key`` weights as ``(in, out)`` (``nn.Linear.weight.T``).
+    b_q, b_k : array_like, shape (D,), optional
+    w_g : array_like, shape (D,) or (D, 1)
+        The learned global attention vector.
+    w_proj : array_like, shape (D, D)
+        ``Proj`` (``proj`` in Hugging Face). ``b_proj`` (D,), optional.
+    w_final : array_like, shape (D, d_out)
+        ``final``. ``b_final`` (d_out,), optional. The official module has
+        ``D = token_dim * num_heads`` and ``d_out = token_dim``.
+    scale : float, optional
+        Multiplies the scores; defaults to ``d_out ** -0.5`` (``token_dim ** -0.5`` in the
+        official code). Since the scores are then L2-normalised over the tokens, a positive
+        scale only matters when the scores' norm is below ``eps``; its sign flips ``G``.
+    variant : {"official", "hf"}
+        ``"official"``: Amshaker/SwiftFormer after July 2023, the normalisation above. Use it
+        with the checkpoints linked from the official README and with timm's
+        ``swiftformer_*`` (timm's port computes the same; its PR #2499 reproduces the paper's
+        accuracy with those weights).
+        ``"hf"``: the Hugging Face ``transformers`` port (``SwiftFormerEfficientAdditiveAttention``,
+        checkpoints ``MBZUAI/swiftformer-*``) and the original March 2023 release, whose
+        ``softmax(dim=-1)`` over a singleton axis makes every token weight 1: ``G = sum_n Q_n``,
+        and ``w_g`` and ``scale`` have no effect (``w_g`` is still required and checked).
+    eps : float
+        The floor of every norm (default 1e-12, torch's).
+    key_padding_mask : array_like of bool, shape (..., n), optional
+        ``True`` for real tokens. Padded tokens are left out of the pooling (of the scores'
+        norm and of ``G``), so a padded batch gives the real tokens exactly the output of the
+        unpadded one; padded tokens still get an output row (computed with that ``G``). Neither
+        original offers this; it serves variable-length batches.
+
+    Returns
+    -------
+    out : ndarray, shape (..., n, d_out)
+
+    Notes
+    -----
+    A batch element with no real token pools nothing: ``G = 0``, so every output row is
+    ``(Q_n + b_proj) w_final + b_final``; never NaN. With ``n = 1`` the official token weight
+    is ``s / max(|s|, eps)``, the sign of the score ``s`` (0 when ``|s|`` is tiny).
+    NaN or Inf in real tokens propagate to the whole batch element (through ``G``).
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> rng = np.random.default_rng(0)
+    >>> d = 8
+    >>> w = {k: rng.standard_normal((d, d)) * 0.3 for k in ("w_q", "w_k", "w_proj", "w_final")}
+    >>> x = rng.standard_normal((2, 49, d))
+    >>> attnlab.additive_attention(x, w_g=rng.standard_normal(d), **w).shape
+    (2, 49, 8)
+    """
+    code = _variant_code(variant)
+    e = _check_eps(eps)
+    xa = _tokens(x)
+    n, d_in = xa.shape[-2:]
+    ws = {k: V.as_array(a, k) for k, a in (("w_q", w_q), ("w_k", w_k), ("w_g", w_g),
+                                             ("w_proj", w_proj), ("w_final", w_final))}
+    bs = {k: V.optional_array(a, k) for k, a in (("b_q", b_q), ("b_k", b_k), ("b_proj", b_proj),
+                                                   ("b_final", b_final))}
+    dtype = V.result_dtype(xa, *ws.values(), *bs.values())
+    wq_ = ws["w_q"]
+    if wq_.ndim != 2 or wq_.shape[0] != d_in or wq_.shape[1] < 1:
+        raise ValueError(
+            f"w_q: expected shape (d_in, D) = ({d_in}, D) with D >= 1, got "
+            f"{V.shape_str(wq_.shape)}"
+        )
+    D = wq_.shape[1]
+    wq = V.matrix(wq_, "w_q", dtype, d_in, D, f"({d_in}, {D})")
+    wk = V.matrix(ws["w_k"], "w_k", dtype, d_in, D, f"(d_in, D) = ({d_in}, {D})")
+    wg_ = ws["w_g"]
+    if wg_.shape not in ((D,), (D, 1)):
+        raise ValueError(f"w_g: expected shape ({D},) or ({D}, 1), got {V.shape_str(wg_.shape)}")
+    wg = np.ascontiguousarray(wg_.reshape(D), dtype=dtype)
+    wp = V.matrix(ws["w_proj"], "w_proj", dtype, D, D, f"(D, D) = ({D}, {D})")
+    wf = V.matrix(ws["w_final"], "w_final", dtype, D, None, f"(D, d_out) = ({D}, d_out)")
+    d_out = wf.shape[1]
+    bq = V.vector(bs["b_q"], "b_q", dtype, D)
+    bk = V.vector(bs["b_k"], "b_k", dtype, D)
+    bp = V.vector(bs["b_proj"], "b_proj", dtype, D)
+    bf = V.vector(bs["b_final"], "b_final", dtype, d_out)
+    s = V.check_scale(scale, d_out ** -0.5 if d_out else 1.0)
+
+    batch = tuple(xa.shape[:-2])
+    kp = V.key_padding2(key_padding_mask, batch, n)
+    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    out = np.empty((B * n, d_out), dtype=dtype)
+    if out.size:
+        core.additive_forward(V.rows(xa, batch, dtype), wq, bq, wk, bk, wg, wp, bp, wf, bf,
+                              B, n, s, e, code, kp, out)
+    return out.reshape(batch + (n, d_out))
+
+
+def separable_attention(
+    x: Any,
+    *,
+    w_qkv: Any,
+    b_qkv: Any = None,
+    w_o: Any,
+    b_o: Any = None,
+    key_padding_mask: Any = None,
+) -> np.ndarray:
+    """MobileViT-v2's separable self-attention (``LinearSelfAttention``) on tokens.
+
+    Per batch element, with ``[s | k | v] = x w_qkv + b_qkv`` split into widths 1, d, d::
+
+        c = softmax over the n tokens of s         (n,): the context scores
+        ctx = sum_n c_n k_n                        (d,): the context vector
+        out = (relu(v) * ctx) w_o + b_o
+
+    ``ctx`` is folded into ``w_o`` per batch element (``diag(ctx) w_o``): linear in ``n``.
+    The original's ``attn_dropout`` on ``c`` is the identity at inference and is not applied.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., n, d)
+        Tokens; any number of leading batch dimensions. MobileViT-v2 works on unfolded feature
+        maps ``(B, C, P, N)`` (P pixels per patch, N patches) and attends over the N patches
+        separately for every pixel position P: treat P as a batch dimension,
+        ``x = fmap.transpose(0, 2, 3, 1)`` of shape (B, P, N, C), and transpose the result back
+        with ``out.transpose(0, 3, 1, 2)``.
+    w_qkv : array_like, shape (d, 1 + 2 d)
+        ``qkv_proj`` (a 1x1 convolution) as ``(in, out)``: ``conv.weight[:, :, 0, 0].T``.
+        Column 0 gives the scores, columns 1..d the keys, the last d the values.
+    b_qkv : array_like, shape (1 + 2 d,), optional
+    w_o : array_like, shape (d, d_out)
+        ``out_proj`` as ``(in, out)`` (d_out = d in MobileViT-v2). ``b_o`` (d_out,), optional.
+    key_padding_mask : array_like of bool, shape (..., n), optional
+        ``True`` for real tokens; padded tokens are left out of the softmax and of ``ctx`` (an
+        addition: the original has no mask). Padded tokens still get an output row.
+
+    Returns
+    -------
+    out : ndarray, shape (..., n, d_out)
+
+    Notes
+    -----
+    A batch element with no real token has ``ctx = 0``, so every output row is ``b_o``; never
+    NaN. NaN in a real token's score makes its whole batch element NaN, as in torch.
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> rng = np.random.default_rng(0)
+    >>> B, C, P, N = 2, 8, 4, 16                      # MobileViT-v2's unfolded map
+    >>> fmap = rng.standard_normal((B, C, P, N))
+    >>> w_qkv = rng.standard_normal((C, 1 + 2 * C)) * 0.3
+    >>> w_o = rng.standard_normal((C, C)) * 0.3
+    >>> out = attnlab.separable_attention(fmap.transpose(0, 2, 3, 1), w_qkv=w_qkv, w_o=w_o)
+    >>> out.transpose(0, 3, 1, 2).shape               # back to (B, C, P, N)
+    (2, 8, 4, 16)
+    """
+    xa = _tokens(x)
+    n, d = xa.shape[-2:]
+    wqkv_ = V.as_array(w_qkv, "w_qkv")
+    wo_ = V.as_array(w_o, "w_o")
+    bqkv_ = V.optional_array(b_qkv, "b_qkv")
+    bo_ = V.optional_array(b_o, "b_o")
+    dtype = V.result_dtype(xa, wqkv_, wo_, bqkv_, bo_)
+    wqkv = V.matrix(wqkv_, "w_qkv", dtype, d, 1 + 2 * d, f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})")
+    wo = V.matrix(wo_, "w_o", dtype, d, None, f"(d, d_out) = ({d}, d_out)")
+    d_out = wo.shape[1]
+    bqkv = V.vector(bqkv_, "b_qkv", dtype, 1 + 2 * d)
+    bo = V.vector(bo_, "b_o", dtype, d_out)
+
+    batch = tuple(xa.shape[:-2])
+    kp = V.key_padding2(key_padding_mask, batch, n)
+    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    out = np.empty((B * n, d_out), dtype=dtype)
+    if out.size:
+        core.separable_forward(V.rows(xa, batch, dtype), wqkv, bqkv, wo, bo, B, n, kp, out)
+    return out.reshape(batch + (n, d_out))

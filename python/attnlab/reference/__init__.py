@@ -5,6 +5,12 @@ Same signatures as the functions in :mod:`attnlab`, written for clarity, not spe
 
 from __future__ import annotations
 
+from ._additive import additive_attention, separable_attention
 from ._mha import multi_head_attention, scaled_dot_product_attention
 
-__all__ = ["multi_head_attention", "scaled_dot_product_attention"]
+__all__ = [
+    "additive_attention",
+    "multi_head_attention",
+    "scaled_dot_product_attention",
+    "separable_attention",
+]
