@@ -1,0 +1,167 @@
+"""Plain NumPy float64 bilinear-collapsed attention: the oracle for the tests.
+
+Written for clarity: one head at a time, loops over heads, the full score matrix. Every matrix
+product goes through :func:`_matmul`, so a test can count the multiply-adds of each form (the
+cost model in :mod:`attnlab.cost` is checked against those counts).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .._bilinear import BilinearQK
+from ._mha import _softmax_rows, allowed_and_bias
+
+__all__ = [
+    "bilinear_attention",
+    "bilinear_logits",
+    "collapse_qk",
+    "factorize_qk",
+    "separate_logits",
+]
+
+
+def _f64(x: Any) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b``; the single place products happen (tests replace it to count operations)."""
+    return a @ b
+
+
+def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_heads: int,
+                num_kv_heads: int | None = None) -> BilinearQK:
+    """Reference for :func:`attnlab.collapse_qk`, head by head."""
+    w_q, w_k = _f64(w_q), _f64(w_k)
+    h = num_heads
+    h_kv = h if num_kv_heads is None else num_kv_heads
+    d_head = w_q.shape[1] // h
+    ws, us, vs, cs = [], [], [], []
+    for i in range(h):
+        j = i // (h // h_kv)
+        wq_i = w_q[:, i * d_head:(i + 1) * d_head]
+        wk_j = w_k[:, j * d_head:(j + 1) * d_head]
+        ws.append(_matmul(wq_i, wk_j.T))
+        bq_i = None if b_q is None else _f64(b_q)[i * d_head:(i + 1) * d_head]
+        bk_j = None if b_k is None else _f64(b_k)[j * d_head:(j + 1) * d_head]
+        if bq_i is not None:
+            us.append(_matmul(wk_j, bq_i))
+        if bk_j is not None:
+            vs.append(_matmul(wq_i, bk_j))
+        if bq_i is not None and bk_j is not None:
+            cs.append(float(bq_i @ bk_j))
+    return BilinearQK(
+        w=np.stack(ws), u=np.stack(us) if us else None, v=np.stack(vs) if vs else None,
+        c=np.array(cs) if cs else None, d_head=d_head,
+    )
+
+
+def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Reference for :func:`attnlab.factorize_qk`: SVD per head; the error is measured directly."""
+    w = _f64(w.w if isinstance(w, BilinearQK) else w)
+    h, d_q, d_k = w.shape
+    fq, fk, err = [], [], []
+    for i in range(h):
+        u, s, vt = np.linalg.svd(w[i])
+        a = u[:, :rank] * np.sqrt(s[:rank])
+        b = vt[:rank].T * np.sqrt(s[:rank])
+        fq.append(a)
+        fk.append(b)
+        norm = np.linalg.norm(w[i])
+        err.append(np.linalg.norm(w[i] - a @ b.T) / norm if norm > 0 else 0.0)
+    return np.concatenate(fq, axis=1), np.concatenate(fk, axis=1), np.array(err)
+
+
+def separate_logits(query: Any, key: Any = None, *, w_q: Any, w_k: Any, b_q: Any = None,
+                    b_k: Any = None, num_heads: int, num_kv_heads: int | None = None,
+                    scale: Any = None) -> np.ndarray:
+    """Scaled logits ``(..., h, n_q, n_k)`` of multi-head attention: project, then ``Q_i K_i^T``."""
+    xq = _f64(query)
+    xk = xq if key is None else _f64(key)
+    w_q, w_k = _f64(w_q), _f64(w_k)
+    h = num_heads
+    h_kv = h if num_kv_heads is None else num_kv_heads
+    d_head = w_q.shape[1] // h
+    q = _matmul(xq, w_q) + (0.0 if b_q is None else _f64(b_q))
+    k = _matmul(xk, w_k) + (0.0 if b_k is None else _f64(b_k))
+    s = 1.0 / math.sqrt(d_head) if scale is None else float(scale)
+    out = []
+    for i in range(h):
+        j = i // (h // h_kv)
+        q_i = q[..., i * d_head:(i + 1) * d_head]
+        k_j = k[..., j * d_head:(j + 1) * d_head]
+        out.append(s * _matmul(q_i, np.swapaxes(k_j, -1, -2)))
+    return np.stack(out, axis=-3)
+
+
+def bilinear_logits(query: Any, key: Any = None, *, w_qk: Any, u_k: Any = None,
+                    scale: Any = None, order: str = "query") -> np.ndarray:
+    """Scaled logits ``scale * (x_q W_i x_k^T + u_i x_k^T)``, ``(..., h, n_q, n_k)``.
+
+    ``order="query"`` evaluates ``(X_q W_i + u_i) X_k^T``, ``"key"`` evaluates
+    ``X_q (W_i X_k^T) + u_i X_k^T``. ``scale`` defaults to ``1/sqrt(d_q / h)``, or to
+    ``1/sqrt(d_head)`` when ``w_qk`` is a BilinearQK (which also supplies ``u_k``).
+    """
+    d_head = None
+    if isinstance(w_qk, BilinearQK):
+        u_k, d_head, w_qk = w_qk.u, w_qk.d_head, w_qk.w
+    xq = _f64(query)
+    xk = xq if key is None else _f64(key)
+    w = _f64(w_qk)
+    h, d_q, _ = w.shape
+    if d_head is None:
+        d_head = d_q / h
+    s = 1.0 / math.sqrt(d_head) if scale is None else float(scale)
+    xk_t = np.swapaxes(xk, -1, -2)
+    out = []
+    for i in range(h):
+        u_i = None if u_k is None else _f64(u_k)[i]
+        if order == "query":
+            q_i = _matmul(xq, w[i])
+            if u_i is not None:
+                q_i = q_i + u_i
+            logits = _matmul(q_i, xk_t)
+        else:
+            logits = _matmul(xq, _matmul(w[i], xk_t))
+            if u_i is not None:
+                logits = logits + _matmul(u_i, xk_t)[..., None, :]
+        out.append(s * logits)
+    return np.stack(out, axis=-3)
+
+
+def bilinear_attention(
+    query: Any, key: Any = None, value: Any = None, *, w_qk: Any, u_k: Any = None, w_v: Any,
+    w_o: Any, b_v: Any = None, b_o: Any = None, num_heads: int, num_kv_heads: int | None = None,
+    mask: Any = None, key_padding_mask: Any = None, causal: Any = False, scale: Any = None,
+    return_weights: Any = False,
+) -> Any:
+    """Reference for :func:`attnlab.bilinear_attention` (float64), one head at a time."""
+    xq = _f64(query)
+    xk = xq if key is None else _f64(key)
+    xv = xk if value is None else _f64(value)
+    h = num_heads
+    h_kv = h if num_kv_heads is None else num_kv_heads
+    w_v, w_o = _f64(w_v), _f64(w_o)
+    d_vhead = w_v.shape[1] // h_kv
+    logits = bilinear_logits(xq, xk, w_qk=w_qk, u_k=u_k, scale=scale)
+    vv = _matmul(xv, w_v) + (0.0 if b_v is None else _f64(b_v))
+    n_q, n_k = xq.shape[-2], xk.shape[-2]
+    allowed, bias = allowed_and_bias(n_q, n_k, mask, key_padding_mask, causal)
+    logits = logits + bias
+    allowed = np.broadcast_to(allowed, logits.shape)
+    contexts, weights = [], []
+    for i in range(h):
+        j = i // (h // h_kv)
+        p = _softmax_rows(logits[..., i, :, :], allowed[..., i, :, :])
+        contexts.append(_matmul(p, vv[..., j * d_vhead:(j + 1) * d_vhead]))
+        weights.append(p)
+    ctx = np.concatenate(contexts, axis=-1)
+    out = _matmul(ctx, w_o) + (0.0 if b_o is None else _f64(b_o))
+    if return_weights in (False, None):
+        return out
+    wts = np.stack(weights, axis=-3)
+    return out, (wts.mean(axis=-3) if return_weights == "mean" else wts)
