@@ -165,8 +165,12 @@ def additive_attention(
     B = int(np.prod(batch, dtype=np.int64)) if batch else 1
     out = np.empty((B * n, d_out), dtype=dtype)
     if out.size:
-        core.additive_forward(V.rows(xa, batch, dtype), wq, bq, wk, bk, wg, wp, bp, wf, bf,
-                              B, n, s, e, code, kp, out)
+        if d_in == 0:  # no features: x w = 0; one zero feature computes the same
+            xr = np.zeros((B * n, 1), dtype)
+            wq, wk = np.zeros((1, D), dtype), np.zeros((1, D), dtype)
+        else:
+            xr = V.rows(xa, batch, dtype)
+        core.additive_forward(xr, wq, bq, wk, bk, wg, wp, bp, wf, bf, B, n, s, e, code, kp, out)
     return out.reshape(batch + (n, d_out))
 
 
@@ -247,5 +251,8 @@ def separable_attention(
     B = int(np.prod(batch, dtype=np.int64)) if batch else 1
     out = np.empty((B * n, d_out), dtype=dtype)
     if out.size:
-        core.separable_forward(V.rows(xa, batch, dtype), wqkv, bqkv, wo, bo, B, n, kp, out)
+        if d == 0:  # no features: no keys or values, ctx is empty and out = b_o
+            out[...] = 0.0 if bo is None else bo
+        else:
+            core.separable_forward(V.rows(xa, batch, dtype), wqkv, bqkv, wo, bo, B, n, kp, out)
     return out.reshape(batch + (n, d_out))
