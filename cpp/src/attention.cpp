@@ -121,7 +121,81 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     O.noalias() = P * V;
 }
 
+// Backward for one (batch, kv head): every query head of its group, every query tile, against
+// the key tiles it can see. dK and dV of this kv head are owned by this task (no races).
+template <typename T>
+void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g, Index b, Index hk) {
+    const Index group = p.heads / p.kv_heads;
+    const Index d = p.d, dv = p.d_v, nk = p.n_k;
+    ConstRowMap<T> Kall(p.k.at(b, hk), nk, d, Eigen::OuterStride<>(p.k.row_stride));
+    ConstRowMap<T> Vall(p.v.at(b, hk), nk, dv, Eigen::OuterStride<>(p.v.row_stride));
+    RowMap<T> dK(g.d_k.at(b, hk), nk, d, Eigen::OuterStride<>(g.d_k.row_stride));
+    RowMap<T> dV(g.d_v.at(b, hk), nk, dv, Eigen::OuterStride<>(g.d_v.row_stride));
+    dK.setZero();
+    dV.setZero();
+    T* qs_buf = scratch<T, 0>(static_cast<std::size_t>(kTileQ * d));
+    T* s_buf = scratch<T, 1>(static_cast<std::size_t>(kTileQ * kTileK));
+    T* dq_buf = scratch<T, 2>(static_cast<std::size_t>(kTileQ * d));
+    T* stat_buf = scratch<T, 3>(static_cast<std::size_t>(kTileQ));
+    T* dp_buf = scratch<T, 4>(static_cast<std::size_t>(kTileQ * kTileK));
+    for (Index gi = 0; gi < group; ++gi) {
+        const Index h = hk * group + gi;
+        for (Index i0 = 0; i0 < p.n_q; i0 += kTileQ) {
+            const Index mq = std::min(kTileQ, p.n_q - i0);
+            ConstRowMap<T> Q(p.q.at(b, h) + i0 * p.q.row_stride, mq, d,
+                             Eigen::OuterStride<>(p.q.row_stride));
+            ConstRowMap<T> O(p.out.at(b, h) + i0 * p.out.row_stride, mq, dv,
+                             Eigen::OuterStride<>(p.out.row_stride));
+            ConstRowMap<T> dO(g.d_out.at(b, h) + i0 * g.d_out.row_stride, mq, dv,
+                              Eigen::OuterStride<>(g.d_out.row_stride));
+            RowMap<T> dQ(g.d_q.at(b, h) + i0 * g.d_q.row_stride, mq, d,
+                         Eigen::OuterStride<>(g.d_q.row_stride));
+            RowMap<T> Qs(qs_buf, mq, d, Eigen::OuterStride<>(d));
+            RowMap<T> dQacc(dq_buf, mq, d, Eigen::OuterStride<>(d));
+            const T* lse = p.lse + (b * p.heads + h) * p.n_q + i0;
+            T* Drow = stat_buf;  // D_i = rowsum(dO_i * O_i)
+            for (Index r = 0; r < mq; ++r) Drow[r] = dO.row(r).dot(O.row(r));
+            Qs.noalias() = Q * p.scale;
+            dQacc.setZero();
+            const Index key_end = causal_key_end(p.mask, p.n_q, p.n_k, i0 + mq);
+            for (Index j0 = 0; j0 < key_end; j0 += kTileK) {
+                const Index kb = std::min(kTileK, key_end - j0);
+                auto K = Kall.middleRows(j0, kb);
+                auto V = Vall.middleRows(j0, kb);
+                RowMap<T> S(s_buf, mq, kb, Eigen::OuterStride<>(kb));
+                RowMap<T> dP(dp_buf, mq, kb, Eigen::OuterStride<>(kb));
+                S.noalias() = Qs * K.transpose();
+                if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, j0 + kb))
+                    apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, s_buf, kb);
+                for (Index r = 0; r < mq; ++r) {  // P = exp(S - lse), in place
+                    T* srow = s_buf + r * kb;
+                    if (lse[r] == neg_inf<T>()) {
+                        std::fill(srow, srow + kb, T(0));
+                    } else {
+                        exp_row(srow, lse[r], srow, kb);
+                    }
+                }
+                dV.middleRows(j0, kb).noalias() += S.transpose() * dO;
+                dP.noalias() = dO * V.transpose();
+                for (Index r = 0; r < mq; ++r)  // dS = P * (dP - D), in place in dP
+                    dP.row(r) = S.row(r).cwiseProduct((dP.row(r).array() - Drow[r]).matrix());
+                dQacc.noalias() += dP * K;
+                dK.middleRows(j0, kb).noalias() += dP.transpose() * Qs;
+            }
+            dQ.noalias() = dQacc * p.scale;
+        }
+    }
+}
+
 }  // namespace detail
+
+template <typename T>
+void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g) {
+    if (p.batch <= 0 || p.kv_heads <= 0) return;
+    parallel_for(p.batch * p.kv_heads, [&](Index t) {
+        detail::backward_task(p, g, t / p.kv_heads, t % p.kv_heads);
+    });
+}
 
 template <typename T>
 void attention_forward(const AttentionProblem<T>& p) {
@@ -174,6 +248,65 @@ void multi_head_attention_forward(const MhaProblem<T>& p) {
     linear(rq, wc, p.w_o.out, ctx.get(), wc, p.w_o.w, p.w_o.b, p.out, p.w_o.out);
 }
 
+template <typename T>
+void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out, const MhaGrads<T>& g) {
+    const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
+    const Index wq = p.heads * p.d_head, wk = p.kv_heads * p.d_head;
+    const Index wv = p.kv_heads * p.d_vhead, wc = p.heads * p.d_vhead;
+    const Index d_out = p.w_o.out;
+    auto q = make_buffer<T>(rq * wq), k = make_buffer<T>(rk * wk);
+    auto v = make_buffer<T>(rk * wv), ctx = make_buffer<T>(rq * wc);
+    auto lse = make_buffer<T>(p.batch * p.heads * p.n_q);
+    linear(rq, p.w_q.in, wq, p.query, p.w_q.in, p.w_q.w, p.w_q.b, q.get(), wq);
+    linear(rk, p.w_k.in, wk, p.key, p.w_k.in, p.w_k.w, p.w_k.b, k.get(), wk);
+    linear(rk, p.w_v.in, wv, p.value, p.w_v.in, p.w_v.w, p.w_v.b, v.get(), wv);
+
+    AttentionProblem<T> a;
+    a.batch = p.batch;
+    a.heads = p.heads;
+    a.kv_heads = p.kv_heads;
+    a.n_q = p.n_q;
+    a.n_k = p.n_k;
+    a.d = p.d_head;
+    a.d_v = p.d_vhead;
+    a.scale = p.scale;
+    a.q = {q.get(), p.n_q * wq, p.d_head, wq};
+    a.k = {k.get(), p.n_k * wk, p.d_head, wk};
+    a.v = {v.get(), p.n_k * wv, p.d_vhead, wv};
+    a.out = {ctx.get(), p.n_q * wc, p.d_vhead, wc};
+    a.mask = p.mask;
+    a.lse = lse.get();
+    attention_forward(a);
+
+    // output projection: dW_o = ctx^T dY, db_o = sum dY, dctx = dY W_o^T
+    linear_weight_grad(rq, wc, d_out, ctx.get(), wc, grad_out, d_out, g.w_o.w, g.w_o.b);
+    auto dctx = make_buffer<T>(rq * wc);
+    linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc);
+
+    auto dq = make_buffer<T>(rq * wq), dk = make_buffer<T>(rk * wk), dv = make_buffer<T>(rk * wv);
+    AttentionGrad<T> ag;
+    ag.d_out = {dctx.get(), p.n_q * wc, p.d_vhead, wc};
+    ag.d_q = {dq.get(), p.n_q * wq, p.d_head, wq};
+    ag.d_k = {dk.get(), p.n_k * wk, p.d_head, wk};
+    ag.d_v = {dv.get(), p.n_k * wv, p.d_vhead, wv};
+    attention_backward(a, ag);
+
+    linear_weight_grad(rq, p.w_q.in, wq, p.query, p.w_q.in, dq.get(), wq, g.w_q.w, g.w_q.b);
+    linear_weight_grad(rk, p.w_k.in, wk, p.key, p.w_k.in, dk.get(), wk, g.w_k.w, g.w_k.b);
+    linear_weight_grad(rk, p.w_v.in, wv, p.value, p.w_v.in, dv.get(), wv, g.w_v.w, g.w_v.b);
+    if (g.query) linear_input_grad(rq, p.w_q.in, wq, dq.get(), wq, p.w_q.w, g.query, p.w_q.in);
+    if (g.key) linear_input_grad(rk, p.w_k.in, wk, dk.get(), wk, p.w_k.w, g.key, p.w_k.in);
+    if (g.value) linear_input_grad(rk, p.w_v.in, wv, dv.get(), wv, p.w_v.w, g.value, p.w_v.in);
+}
+
+template void attention_backward<float>(const AttentionProblem<float>&,
+                                        const AttentionGrad<float>&);
+template void attention_backward<double>(const AttentionProblem<double>&,
+                                         const AttentionGrad<double>&);
+template void multi_head_attention_backward<float>(const MhaProblem<float>&, const float*,
+                                                   const MhaGrads<float>&);
+template void multi_head_attention_backward<double>(const MhaProblem<double>&, const double*,
+                                                    const MhaGrads<double>&);
 template void attention_forward<float>(const AttentionProblem<float>&);
 template void attention_forward<double>(const AttentionProblem<double>&);
 template void multi_head_attention_forward<float>(const MhaProblem<float>&);

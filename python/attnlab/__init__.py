@@ -12,7 +12,12 @@ from . import reference
 from ._loader import core as _core
 from ._additive import additive_attention, separable_attention
 from ._bilinear import BilinearQK, bilinear_attention, collapse_qk, factorize_qk
-from ._mha import multi_head_attention, scaled_dot_product_attention
+from ._mha import (
+    multi_head_attention,
+    multi_head_attention_backward,
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_backward,
+)
 from .cost import attention_cost, plan_qk
 
 __version__: str = _core.__version__
@@ -30,8 +35,10 @@ __all__ = [
     "build_info",
     "get_num_threads",
     "multi_head_attention",
+    "multi_head_attention_backward",
     "reference",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
     "set_num_threads",
 ]
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _validate as V
 from ._loader import core
 
-__all__ = ["scaled_dot_product_attention", "multi_head_attention"]
+__all__ = [
+    "multi_head_attention",
+    "multi_head_attention_backward",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
+]
 
 Weights = bool | str
 
@@ -22,6 +27,66 @@ def _finish(out: np.ndarray, weights: np.ndarray | None, mode: str | None) -> An
     if mode == "mean":
         weights = weights.mean(axis=-3)
     return out, weights
+
+
+class _Sdpa(NamedTuple):
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    q4: np.ndarray
+    k4: np.ndarray
+    v4: np.ndarray
+    batch: tuple[int, ...]
+    dtype: np.dtype
+    h: int
+    h_kv: int
+    n_q: int
+    n_k: int
+    d: int
+    d_v: int
+    causal: int
+    scale: float
+    mask4: np.ndarray | None
+
+
+def _prepare_sdpa(q: Any, k: Any, v: Any, mask: Any, causal: Any, scale: Any) -> _Sdpa:
+    q = V.as_array(q, "q")
+    k = V.as_array(k, "k")
+    v = V.as_array(v, "v")
+    V.check_ndim(q, "q", 3, "(..., h, n_q, d)")
+    V.check_ndim(k, "k", 3, "(..., h_kv, n_k, d)")
+    V.check_ndim(v, "v", 3, "(..., h_kv, n_k, d_v)")
+    h, n_q, d = q.shape[-3:]
+    h_kv, n_k, d_k = k.shape[-3:]
+    h_v, n_v, d_v = v.shape[-3:]
+    if h < 1 or h_kv < 1:
+        raise ValueError(
+            f"q, k: the head axis must be >= 1, got q {V.shape_str(q.shape)}, "
+            f"k {V.shape_str(k.shape)}"
+        )
+    if d < 1:
+        raise ValueError(f"q: the feature axis must be >= 1, got shape {V.shape_str(q.shape)}")
+    if d_k != d:
+        raise ValueError(
+            f"k: expected last dimension d = {d} (from q), got shape {V.shape_str(k.shape)}"
+        )
+    if (h_v, n_v) != (h_kv, n_k):
+        raise ValueError(
+            f"v: expected shape (..., {h_kv}, {n_k}, d_v) to match k, got {V.shape_str(v.shape)}"
+        )
+    if h % h_kv:
+        raise ValueError(
+            f"k: the number of kv heads ({h_kv}) must divide the number of query heads ({h})"
+        )
+    batch = V.batch_shape([("q", q.shape[:-3]), ("k", k.shape[:-3]), ("v", v.shape[:-3])])
+    dtype = V.result_dtype(q, k, v)
+    s = V.check_scale(scale, 1.0 / math.sqrt(d))
+
+    code_ = V.causal_code(causal)
+    m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
+    return _Sdpa(q, k, v, V.stack(q, batch, dtype, 3), V.stack(k, batch, dtype, 3),
+                 V.stack(v, batch, dtype, 3), batch, dtype, h, h_kv, n_q, n_k, d, d_v, code_, s,
+                 m4)
 
 
 def scaled_dot_product_attention(
@@ -74,53 +139,117 @@ def scaled_dot_product_attention(
     >>> attnlab.scaled_dot_product_attention(q, k, v, causal=True).shape
     (2, 4, 8)
     """
-    q = V.as_array(q, "q")
-    k = V.as_array(k, "k")
-    v = V.as_array(v, "v")
-    V.check_ndim(q, "q", 3, "(..., h, n_q, d)")
-    V.check_ndim(k, "k", 3, "(..., h_kv, n_k, d)")
-    V.check_ndim(v, "v", 3, "(..., h_kv, n_k, d_v)")
-    h, n_q, d = q.shape[-3:]
-    h_kv, n_k, d_k = k.shape[-3:]
-    h_v, n_v, d_v = v.shape[-3:]
-    if h < 1 or h_kv < 1:
-        raise ValueError(
-            f"q, k: the head axis must be >= 1, got q {V.shape_str(q.shape)}, "
-            f"k {V.shape_str(k.shape)}"
-        )
-    if d < 1:
-        raise ValueError(f"q: the feature axis must be >= 1, got shape {V.shape_str(q.shape)}")
-    if d_k != d:
-        raise ValueError(
-            f"k: expected last dimension d = {d} (from q), got shape {V.shape_str(k.shape)}"
-        )
-    if (h_v, n_v) != (h_kv, n_k):
-        raise ValueError(
-            f"v: expected shape (..., {h_kv}, {n_k}, d_v) to match k, got {V.shape_str(v.shape)}"
-        )
-    if h % h_kv:
-        raise ValueError(
-            f"k: the number of kv heads ({h_kv}) must divide the number of query heads ({h})"
-        )
-    batch = V.batch_shape([("q", q.shape[:-3]), ("k", k.shape[:-3]), ("v", v.shape[:-3])])
-    dtype = V.result_dtype(q, k, v)
-    code = V.causal_code(causal)
-    s = V.check_scale(scale, 1.0 / math.sqrt(d))
+    a = _prepare_sdpa(q, k, v, mask, causal, scale)
     mode = V.weights_mode(return_weights)
-    m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
-
+    batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = int(np.prod(batch, dtype=np.int64)) if batch else 1
     out = np.empty((B, h, n_q, d_v), dtype=dtype)
     weights = np.empty((B, h, n_q, n_k), dtype=dtype) if mode else None
     if out.size or (weights is not None and weights.size):
-        core.sdpa_forward(
-            V.stack(q, batch, dtype, 3), V.stack(k, batch, dtype, 3), V.stack(v, batch, dtype, 3),
-            out, m4, None, code, s, weights, None,
-        )
+        core.sdpa_forward(a.q4, a.k4, a.v4, out, a.mask4, None, a.causal, a.scale, weights, None)
     out = out.reshape(batch + (h, n_q, d_v))
     if weights is not None:
         weights = weights.reshape(batch + (h, n_q, n_k))
     return _finish(out, weights, mode)
+
+
+class _Mha(NamedTuple):
+    rq: np.ndarray  # (B*n_q, d_q) rows, C-contiguous
+    rk: np.ndarray
+    rv: np.ndarray
+    key_is_query: bool
+    value_is_key: bool
+    shapes: dict[str, tuple[int, ...]]  # the user's input shapes, for gradient reduction
+    w: dict[str, np.ndarray | None]     # w_q, b_q, ... prepared for the kernel
+    batch: tuple[int, ...]
+    dtype: np.dtype
+    h: int
+    h_kv: int
+    n_q: int
+    n_k: int
+    d_out: int
+    causal: int
+    scale: float
+    mask4: np.ndarray | None
+    kp: np.ndarray | None
+
+    @property
+    def B(self) -> int:
+        return int(np.prod(self.batch, dtype=np.int64)) if self.batch else 1
+
+    def core_args(self) -> tuple[Any, ...]:
+        w = self.w
+        return (self.rq, self.rk, self.rv, w["w_q"], w["b_q"], w["w_k"], w["b_k"], w["w_v"],
+                w["b_v"], w["w_o"], w["b_o"], self.B, self.n_q, self.n_k, self.h, self.h_kv,
+                self.mask4, self.kp, self.causal, self.scale)
+
+
+def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any,
+                 b_q: Any, b_k: Any, b_v: Any, b_o: Any, num_heads: Any, num_kv_heads: Any,
+                 mask: Any, key_padding_mask: Any, causal: Any, scale: Any) -> _Mha:
+    h = V.check_positive_int(num_heads, "num_heads")
+    h_kv = h if num_kv_heads is None else V.check_positive_int(num_kv_heads, "num_kv_heads")
+    if h % h_kv:
+        raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {h}, got {h_kv}")
+    xq = V.as_array(query, "query")
+    xk = xq if key is None else V.as_array(key, "key")
+    xv = xk if value is None else V.as_array(value, "value")
+    V.check_ndim(xq, "query", 2, "(..., n_q, d_q)")
+    V.check_ndim(xk, "key", 2, "(..., n_k, d_k)")
+    V.check_ndim(xv, "value", 2, "(..., n_k, d_v)")
+    n_q, d_q = xq.shape[-2:]
+    n_k, d_k = xk.shape[-2:]
+    if xv.shape[-2] != n_k:
+        raise ValueError(
+            f"value: expected {n_k} tokens (as key), got shape {V.shape_str(xv.shape)}"
+        )
+    d_v = xv.shape[-1]
+    ws = {n: V.as_array(a, n) for n, a in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v), ("w_o", w_o))}
+    bs = {n: V.optional_array(a, n) for n, a in (("b_q", b_q), ("b_k", b_k), ("b_v", b_v),
+                                                    ("b_o", b_o))}
+    dtype = V.result_dtype(xq, xk, xv, *ws.values(), *bs.values())
+    wq_ = ws["w_q"]
+    if wq_.ndim != 2 or wq_.shape[0] != d_q or wq_.shape[1] % h or wq_.shape[1] == 0:
+        raise ValueError(
+            f"w_q: expected shape (d_q, h * d_head) = ({d_q}, {h} * d_head), got "
+            f"{V.shape_str(wq_.shape)}"
+        )
+    d_head = wq_.shape[1] // h
+    wv_ = ws["w_v"]
+    if wv_.ndim != 2 or wv_.shape[0] != d_v or wv_.shape[1] % h_kv:
+        raise ValueError(
+            f"w_v: expected shape (d_v, h_kv * d_vhead) = ({d_v}, {h_kv} * d_vhead), got "
+            f"{V.shape_str(wv_.shape)}"
+        )
+    d_vhead = wv_.shape[1] // h_kv
+    wq = V.matrix(wq_, "w_q", dtype, d_q, h * d_head, f"({d_q}, {h * d_head})")
+    wk = V.matrix(ws["w_k"], "w_k", dtype, d_k, h_kv * d_head,
+                  f"(d_k, h_kv * d_head) = ({d_k}, {h_kv * d_head})")
+    wv = V.matrix(wv_, "w_v", dtype, d_v, h_kv * d_vhead, f"({d_v}, {h_kv * d_vhead})")
+    wo_ = ws["w_o"]
+    wo = V.matrix(wo_, "w_o", dtype, h * d_vhead, None,
+                  f"(h * d_vhead, d_out) = ({h * d_vhead}, d_out)")
+    d_out = wo.shape[1]
+    bq = V.vector(bs["b_q"], "b_q", dtype, h * d_head)
+    bk = V.vector(bs["b_k"], "b_k", dtype, h_kv * d_head)
+    bv = V.vector(bs["b_v"], "b_v", dtype, h_kv * d_vhead)
+    bo = V.vector(bs["b_o"], "b_o", dtype, d_out)
+
+    names = [("query", xq.shape[:-2]), ("key", xk.shape[:-2]), ("value", xv.shape[:-2])]
+    batch = V.batch_shape(names)
+    code = V.causal_code(causal)
+    s = V.check_scale(scale, 1.0 / math.sqrt(d_head))
+    m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
+    kp = V.key_padding2(key_padding_mask, batch, n_k)
+
+    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    rq = V.rows(xq, batch, dtype) if B * n_q else np.empty((0, d_q), dtype)
+    rk = rq if xk is xq else (V.rows(xk, batch, dtype) if B * n_k else np.empty((0, d_k), dtype))
+    rv = rk if xv is xk else (V.rows(xv, batch, dtype) if B * n_k else np.empty((0, d_v), dtype))
+    shapes = {"query": xq.shape, "key": xk.shape, "value": xv.shape}
+    w = {"w_q": wq, "b_q": bq, "w_k": wk, "b_k": bk, "w_v": wv, "b_v": bv, "w_o": wo, "b_o": bo}
+    return _Mha(rq, rk, rv, xk is xq, xv is xk, shapes, w, batch, dtype, h, h_kv, n_q, n_k,
+                d_out, code, s, m4, kp)
 
 
 def multi_head_attention(
@@ -198,72 +327,177 @@ def multi_head_attention(
     ...                              num_heads=4).shape
     (2, 5, 16)
     """
-    h = V.check_positive_int(num_heads, "num_heads")
-    h_kv = h if num_kv_heads is None else V.check_positive_int(num_kv_heads, "num_kv_heads")
-    if h % h_kv:
-        raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {h}, got {h_kv}")
-    xq = V.as_array(query, "query")
-    xk = xq if key is None else V.as_array(key, "key")
-    xv = xk if value is None else V.as_array(value, "value")
-    V.check_ndim(xq, "query", 2, "(..., n_q, d_q)")
-    V.check_ndim(xk, "key", 2, "(..., n_k, d_k)")
-    V.check_ndim(xv, "value", 2, "(..., n_k, d_v)")
-    n_q, d_q = xq.shape[-2:]
-    n_k, d_k = xk.shape[-2:]
-    if xv.shape[-2] != n_k:
-        raise ValueError(
-            f"value: expected {n_k} tokens (as key), got shape {V.shape_str(xv.shape)}"
-        )
-    d_v = xv.shape[-1]
-    ws = {n: V.as_array(a, n) for n, a in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v), ("w_o", w_o))}
-    bs = {n: V.optional_array(a, n) for n, a in (("b_q", b_q), ("b_k", b_k), ("b_v", b_v),
-                                                    ("b_o", b_o))}
-    dtype = V.result_dtype(xq, xk, xv, *ws.values(), *bs.values())
-    wq_ = ws["w_q"]
-    if wq_.ndim != 2 or wq_.shape[0] != d_q or wq_.shape[1] % h or wq_.shape[1] == 0:
-        raise ValueError(
-            f"w_q: expected shape (d_q, h * d_head) = ({d_q}, {h} * d_head), got "
-            f"{V.shape_str(wq_.shape)}"
-        )
-    d_head = wq_.shape[1] // h
-    wv_ = ws["w_v"]
-    if wv_.ndim != 2 or wv_.shape[0] != d_v or wv_.shape[1] % h_kv:
-        raise ValueError(
-            f"w_v: expected shape (d_v, h_kv * d_vhead) = ({d_v}, {h_kv} * d_vhead), got "
-            f"{V.shape_str(wv_.shape)}"
-        )
-    d_vhead = wv_.shape[1] // h_kv
-    wq = V.matrix(wq_, "w_q", dtype, d_q, h * d_head, f"({d_q}, {h * d_head})")
-    wk = V.matrix(ws["w_k"], "w_k", dtype, d_k, h_kv * d_head,
-                  f"(d_k, h_kv * d_head) = ({d_k}, {h_kv * d_head})")
-    wv = V.matrix(wv_, "w_v", dtype, d_v, h_kv * d_vhead, f"({d_v}, {h_kv * d_vhead})")
-    wo_ = ws["w_o"]
-    wo = V.matrix(wo_, "w_o", dtype, h * d_vhead, None,
-                  f"(h * d_vhead, d_out) = ({h * d_vhead}, d_out)")
-    d_out = wo.shape[1]
-    bq = V.vector(bs["b_q"], "b_q", dtype, h * d_head)
-    bk = V.vector(bs["b_k"], "b_k", dtype, h_kv * d_head)
-    bv = V.vector(bs["b_v"], "b_v", dtype, h_kv * d_vhead)
-    bo = V.vector(bs["b_o"], "b_o", dtype, d_out)
-
-    names = [("query", xq.shape[:-2]), ("key", xk.shape[:-2]), ("value", xv.shape[:-2])]
-    batch = V.batch_shape(names)
-    code = V.causal_code(causal)
-    s = V.check_scale(scale, 1.0 / math.sqrt(d_head))
+    a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
+                     num_kv_heads, mask, key_padding_mask, causal, scale)
     mode = V.weights_mode(return_weights)
-    m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
-    kp = V.key_padding2(key_padding_mask, batch, n_k)
-
+    batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
     B = int(np.prod(batch, dtype=np.int64)) if batch else 1
     out = np.empty((B * n_q, d_out), dtype=dtype)
     weights = np.empty((B, h, n_q, n_k), dtype=dtype) if mode else None
     if B * n_q > 0:
-        rq = V.rows(xq, batch, dtype)
-        rk = rq if xk is xq else V.rows(xk, batch, dtype)
-        rv = rk if xv is xk else V.rows(xv, batch, dtype)
-        core.mha_forward(rq, rk, rv, wq, bq, wk, bk, wv, bv, wo, bo, B, n_q, n_k, h, h_kv,
-                         m4, kp, code, s, out, weights)
+        core.mha_forward(*a.core_args(), out, weights)
     out = out.reshape(batch + (n_q, d_out))
     if weights is not None:
         weights = weights.reshape(batch + (h, n_q, n_k))
     return _finish(out, weights, mode)
+
+
+def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum a gradient over the axes along which its input was broadcast."""
+    extra = g.ndim - len(shape)
+    if extra > 0:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return g
+
+
+def _grad_out(grad_out: Any, expected: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    g = V.as_array(grad_out, "grad_out")
+    if g.shape != expected:
+        raise ValueError(
+            f"grad_out: expected the output's shape {V.shape_str(expected)}, got "
+            f"{V.shape_str(g.shape)}"
+        )
+    return g.astype(dtype, copy=False)
+
+
+def scaled_dot_product_attention_backward(
+    grad_out: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any = None,
+    causal: bool | str = False,
+    scale: float | None = None,
+    return_weights: Weights = False,
+) -> dict[str, np.ndarray]:
+    """Gradients of :func:`scaled_dot_product_attention` with respect to ``q``, ``k``, ``v``.
+
+    Recomputes the forward (keeping only the log-sum-exp per query row), then back-propagates
+    tile by tile: ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``,
+    ``dQ = scale dS K``, ``dK = scale dS^T Q``. Memory O(n d).
+
+    Parameters
+    ----------
+    grad_out : array_like, shape (..., h, n_q, d_v)
+        Gradient of the loss with respect to the output.
+    q, k, v, mask, causal, scale
+        As for :func:`scaled_dot_product_attention`. ``return_weights`` is accepted for
+        symmetry and ignored: gradients flow from the output only. Masks are not
+        differentiated.
+
+    Returns
+    -------
+    dict
+        ``{"q": ..., "k": ..., "v": ...}`` shaped like the inputs (summed over broadcast batch
+        axes). Fully masked query rows contribute zero gradient.
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> q = k = v = np.ones((2, 4, 8))
+    >>> g = attnlab.scaled_dot_product_attention_backward(np.ones((2, 4, 8)), q, k, v)
+    >>> sorted(g)
+    ['k', 'q', 'v']
+    """
+    V.weights_mode(return_weights)
+    a = _prepare_sdpa(q, k, v, mask, causal, scale)
+    batch, dtype, h, h_kv, n_q, n_k, d, d_v = (a.batch, a.dtype, a.h, a.h_kv, a.n_q, a.n_k,
+                                               a.d, a.d_v)
+    go = _grad_out(grad_out, batch + (h, n_q, d_v), dtype)
+    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    dq = np.zeros((B, h, n_q, d), dtype)
+    dk = np.zeros((B, h_kv, n_k, d), dtype)
+    dv = np.zeros((B, h_kv, n_k, d_v), dtype)
+    if B * n_q * n_k > 0:
+        go4 = V.kernel_ready(go.reshape((B, h, n_q, d_v)))
+        out = np.empty((B, h, n_q, d_v), dtype)
+        lse = np.empty((B, h, n_q), dtype)
+        core.sdpa_backward(go4, a.q4, a.k4, a.v4, a.mask4, None, a.causal, a.scale, out, lse,
+                           dq, dk, dv)
+    return {
+        "q": _unbroadcast(dq.reshape(batch + dq.shape[1:]), a.q.shape),
+        "k": _unbroadcast(dk.reshape(batch + dk.shape[1:]), a.k.shape),
+        "v": _unbroadcast(dv.reshape(batch + dv.shape[1:]), a.v.shape),
+    }
+
+
+def multi_head_attention_backward(
+    grad_out: Any,
+    query: Any,
+    key: Any = None,
+    value: Any = None,
+    *,
+    w_q: Any,
+    w_k: Any,
+    w_v: Any,
+    w_o: Any,
+    b_q: Any = None,
+    b_k: Any = None,
+    b_v: Any = None,
+    b_o: Any = None,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    mask: Any = None,
+    key_padding_mask: Any = None,
+    causal: bool | str = False,
+    scale: float | None = None,
+    return_weights: Weights = False,
+) -> dict[str, np.ndarray]:
+    """Gradients of :func:`multi_head_attention` with respect to every array argument given.
+
+    Parameters
+    ----------
+    grad_out : array_like, shape (..., n_q, d_out)
+        Gradient of the loss with respect to the output.
+    query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads, num_kv_heads, mask,
+    key_padding_mask, causal, scale
+        As for :func:`multi_head_attention`. ``return_weights`` is accepted and ignored.
+
+    Returns
+    -------
+    dict
+        Keyed by argument name: ``"query"``, ``"key"`` and ``"value"`` when given (when
+        ``key``/``value`` default to ``query`` their gradients are summed into ``"query"``),
+        ``"w_q"``, ``"w_k"``, ``"w_v"``, ``"w_o"`` and each bias given. Masks are not
+        differentiated.
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((5, 8))
+    >>> w = {n: rng.standard_normal((8, 8)) / 3 for n in ("w_q", "w_k", "w_v", "w_o")}
+    >>> g = attnlab.multi_head_attention_backward(np.ones((5, 8)), x, num_heads=2, **w)
+    >>> sorted(g)
+    ['query', 'w_k', 'w_o', 'w_q', 'w_v']
+    """
+    V.weights_mode(return_weights)
+    a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
+                     num_kv_heads, mask, key_padding_mask, causal, scale)
+    dtype, batch, B = a.dtype, a.batch, a.B
+    go = _grad_out(grad_out, batch + (a.n_q, a.d_out), dtype)
+    grads: dict[str, np.ndarray] = {}
+    for name in ("w_q", "b_q", "w_k", "b_k", "w_v", "b_v", "w_o", "b_o"):
+        arr = a.w[name]
+        if arr is not None:
+            grads[name] = np.zeros(arr.shape, dtype)
+    for name, r in (("query", a.rq), ("key", a.rk), ("value", a.rv)):
+        grads[name] = np.zeros(r.shape, dtype)
+    if B * a.n_q > 0:
+        go2 = np.ascontiguousarray(go.reshape(-1, a.d_out))
+        core.mha_backward(go2, *a.core_args(), grads)
+    rows = {n: grads.pop(n) for n in ("query", "key", "value")}
+    inputs = {}
+    for name, r in rows.items():
+        n_tok = a.n_q if name == "query" else a.n_k
+        g = r.reshape(batch + (n_tok, r.shape[-1]))
+        inputs[name] = _unbroadcast(g, a.shapes[name])
+    if a.value_is_key:
+        inputs["key"] = inputs["key"] + inputs.pop("value")
+    if a.key_is_query:
+        inputs["query"] = inputs["query"] + inputs.pop("key")
+    return {**inputs, **grads}

@@ -25,6 +25,20 @@ struct AttentionProblem {
 template <typename T>
 void attention_forward(const AttentionProblem<T>& p);
 
+// Gradients of attention_forward. Needs p.out and p.lse as attention_forward left them (the
+// backward recomputes P = exp(S - lse) tile by tile: no O(n^2) memory). d_q is written per query
+// head; d_k, d_v per kv head (summed over the query heads of its group). Fully masked rows give
+// zero gradients.
+template <typename T>
+struct AttentionGrad {
+    MatrixStack<const T> d_out;  // (n_q x d_v) per (batch, head)
+    MatrixStack<T> d_q;          // (n_q x d) per (batch, head)
+    MatrixStack<T> d_k, d_v;     // (n_k x d), (n_k x d_v) per (batch, kv head)
+};
+
+template <typename T>
+void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g);
+
 // A dense projection y = x w + b; w is (in, out) row-major, b may be null.
 template <typename T>
 struct Linear {
@@ -49,5 +63,25 @@ struct MhaProblem {
 
 template <typename T>
 void multi_head_attention_forward(const MhaProblem<T>& p);
+
+// Gradient of a dense projection: weight and bias gradients, input gradient (any may be null).
+template <typename T>
+struct LinearGrad {
+    T* w = nullptr;  // (in, out)
+    T* b = nullptr;  // (out)
+};
+
+template <typename T>
+struct MhaGrads {
+    T* query = nullptr;  // (batch * n_q, d_q)
+    T* key = nullptr;    // (batch * n_k, d_k)
+    T* value = nullptr;  // (batch * n_k, d_v)
+    LinearGrad<T> w_q, w_k, w_v, w_o;
+};
+
+// Recomputes the forward (projections, attention with log-sum-exp) and back-propagates
+// grad_out (batch * n_q, d_out) into every gradient pointer that is not null.
+template <typename T>
+void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out, const MhaGrads<T>& g);
 
 }  // namespace attnlab

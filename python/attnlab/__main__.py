@@ -1,0 +1,41 @@
+"""Command line: ``python -m attnlab bench [--quick] [--json PATH] [--plot PATH]`` and
+``python -m attnlab info``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import build_info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attnlab")
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="time every family against the reference and PyTorch")
+    b.add_argument("--quick", action="store_true", help="small sizes, finishes in about a minute")
+    b.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    b.add_argument("--plot", metavar="PATH", help="also plot time against n (PNG)")
+    b.add_argument("--only", metavar="FAMILY", action="append",
+                   help="run only this family (mha, bilinear, additive, backward); repeatable")
+    sub.add_parser("info", help="print build_info()")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        print(json.dumps(build_info(), indent=2))
+        return 0
+    from ._bench.runner import FAMILIES, format_table, plot, run_all, to_json
+
+    fams = tuple(args.only) if args.only else FAMILIES
+    result = run_all(args.quick, fams)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(to_json(result))
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

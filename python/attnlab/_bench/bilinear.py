@@ -1,0 +1,109 @@
+"""Separate (multi-head) against collapsed (bilinear) query-key weights over a grid of (n, d, h).
+
+For every grid point: the separate form (``multi_head_attention``), the collapsed form with the
+order the cost model picks, and the collapsed form forced to each order. Row.extra reports what
+:func:`attnlab.plan_qk` chose, the predicted cost ratio (collapsed / separate multiply-adds of
+the whole layer) against the measured time ratio, whether the plan's choice ran within 10% of
+the faster form measured, and the same for the kernel's evaluation order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import attention_cost, bilinear_attention, collapse_qk, multi_head_attention, plan_qk
+from ..cost import collapsed_order
+from .common import Row, interleaved
+
+__all__ = ["run", "grid", "layer_macs"]
+
+# (B, n, d, h, d_head or None for d / h)
+_QUICK = [
+    (4, 64, 64, 1, None), (4, 64, 64, 4, None), (4, 256, 64, 1, None), (4, 256, 64, 4, None),
+    (2, 128, 128, 1, None), (2, 128, 128, 2, None), (2, 128, 128, 8, None),
+    (2, 64, 128, 2, 96), (2, 512, 128, 2, 96),
+]
+_FULL = [
+    (B, n, d, h, None)
+    for (B, n) in ((8, 64), (2, 256), (1, 1024))
+    for d in (64, 256, 512)
+    for h in (1, 2, 8)
+] + [(2, n, 128, 2, 96) for n in (64, 128, 256, 512, 1024)]
+
+
+def grid(quick: bool) -> list[tuple[int, int, int, int, int | None]]:
+    return list(_QUICK if quick else _FULL)
+
+
+def layer_macs(form: str, B: int, n: int, d: int, h: int, dh: int) -> int:
+    """Multiply-adds of the whole forward layer: the score part from attention_cost, plus what
+    both forms share (value projection d x h*dh, P V, output projection)."""
+    score = attention_cost(form, n_q=n, d_model=d, num_heads=h, d_head=dh, batch=B)["flops"]
+    shared = B * (2 * n * d * h * dh + h * n * n * dh)
+    return score + shared
+
+
+def run(quick: bool, threads: int) -> list[Row]:  # noqa: ARG001 (threads set by the runner)
+    rng = np.random.default_rng(0)
+    rows: list[Row] = []
+    for B, n, d, h, dh_ in grid(quick):
+        dh = d // h if dh_ is None else dh_
+        s = 1.0 / np.sqrt(d)
+        w = {k: rng.uniform(-s, s, shape).astype(np.float32) for k, shape in
+             (("w_q", (d, h * dh)), ("w_k", (d, h * dh)), ("w_v", (d, h * dh)),
+              ("w_o", (h * dh, d)), ("b_q", (h * dh,)), ("b_o", (d,)))}
+        x = rng.standard_normal((B, n, d)).astype(np.float32)
+        qk = collapse_qk(w["w_q"], w["w_k"], w["b_q"], num_heads=h)
+        vo = {k: w[k] for k in ("w_v", "w_o", "b_o")}
+
+        def col(order: str | None, qk: Any = qk, vo: Any = vo, x: Any = x, h: int = h) -> Any:
+            return bilinear_attention(x, w_qk=qk, **vo, num_heads=h, _order=order)
+
+        # the auto order calls the same kernel as the forced run of the order it picks
+        # (collapsed_order is evaluated in Python first), so that run stands for it
+        fns = {
+            "separate": lambda w=w, x=x, h=h: multi_head_attention(x, **w, num_heads=h),
+            "coll-query": lambda: col("query"),
+            "coll-key": lambda: col("key"),
+        }
+        big = B * h * (n * d * d + n * n * d) > 2e8
+        times = interleaved(fns, repeat=5 if quick else (7 if big else 11), warmup=1)
+        order = collapsed_order(n_q=n, n_k=n, d_q=d, d_k=d, num_heads=h, batch=B,
+                                key_bias=True)
+        times["collapsed"] = times[f"coll-{order}"]
+        plan = plan_qk(n_q=n, d_model=d, num_heads=h, d_head=dh, batch=B)
+        macs = {f: layer_macs(f, B, n, d, h, dh) for f in ("separate", "collapsed")}
+        best = min(times["separate"], times["collapsed"])
+        best_order = min(times["coll-query"], times["coll-key"])
+        faster = "collapsed" if times["collapsed"] < times["separate"] else "separate"
+        extra = {
+            "plan": plan,
+            "faster": faster,
+            "pred_ratio": macs["collapsed"] / macs["separate"],
+            "meas_ratio": times["collapsed"] / times["separate"],
+            "plan_within_10pct": bool(times[plan] <= 1.10 * best),
+            "order": order,
+            "order_within_10pct": bool(times["collapsed"] <= 1.10 * best_order),
+        }
+        shape = f"B={B} n={n} d={d} h={h}" + ("" if dh_ is None else f" dh={dh}")
+        for impl in ("separate", "collapsed", "coll-query", "coll-key"):
+            ms = times[impl]
+            f = macs["separate" if impl == "separate" else "collapsed"]
+            rows.append(Row("bilinear", "QK separate vs collapsed", shape, impl, ms, 2.0 * f,
+                            baseline=None if impl == "separate" else "separate",
+                            extra=extra if impl == "collapsed" else {}))
+    return rows
+
+
+def summary(rows: list[Row]) -> dict[str, Any]:
+    """Counts of grid points where the plan and the order were within 10%, and the predicted
+    against the measured winner per grid point (for the crossover)."""
+    pts = [r for r in rows if r.family == "bilinear" and r.impl == "collapsed"]
+    return {
+        "points": len(pts),
+        "plan_within_10pct": sum(bool(r.extra["plan_within_10pct"]) for r in pts),
+        "order_within_10pct": sum(bool(r.extra["order_within_10pct"]) for r in pts),
+        "winners": [(r.shape, r.extra["plan"], r.extra["faster"]) for r in pts],
+    }

@@ -1,0 +1,143 @@
+"""Multi-head attention forward: attnlab against the NumPy reference and PyTorch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import multi_head_attention, reference
+from .._loader import core
+from .common import Row, interleaved, try_torch
+
+__all__ = ["run", "gemm_peak", "mha_flops", "peak_extra_mib"]
+
+
+def mha_flops(B: int, n_q: int, n_k: int, d: int, h: int, d_head: int, causal: bool) -> float:
+    """Floating-point operations (2 per multiply-add) of one MHA forward."""
+    proj = 2.0 * B * (n_q * d * h * d_head + 2 * n_k * d * h * d_head + n_q * h * d_head * d)
+    pairs = n_q * n_k if not causal else n_q * (n_q + 1) / 2 + n_q * max(n_k - n_q, 0)
+    attn = 2.0 * 2 * B * h * pairs * d_head
+    return proj + attn
+
+
+def gemm_peak(threads: int, quick: bool) -> float:
+    """GFLOP/s of the best float32 GEMM this build runs (the projection kernel), all threads."""
+    n = 1024 if quick else 2048
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, n), dtype=np.float32)
+    w = rng.standard_normal((n, n), dtype=np.float32)
+    y = np.empty((n, n), dtype=np.float32)
+    ms = interleaved({"gemm": lambda: core.linear_forward(x, w, None, y)}, repeat=5)["gemm"]
+    return 2.0 * n**3 / (ms * 1e-3) / 1e9
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def peak_extra_mib(fn: Any) -> float | None:
+    """Peak resident memory a call adds above the resident memory before it (Linux only)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+        before = _status_kib("VmRSS")
+        fn()
+        return (_status_kib("VmHWM") - before) / 1024.0
+    except OSError:
+        return None
+
+
+def _weights(rng: np.random.Generator, d: int, h: int, dtype: Any) -> dict[str, np.ndarray]:
+    s = 1.0 / np.sqrt(d)
+    w = {n: (rng.uniform(-s, s, (d, d))).astype(dtype) for n in ("w_q", "w_k", "w_v", "w_o")}
+    w.update({n: (rng.uniform(-s, s, d)).astype(dtype) for n in ("b_q", "b_k", "b_v", "b_o")})
+    return w
+
+
+def _torch_mha(torch: Any, w: dict[str, np.ndarray], d: int, h: int) -> Any:
+    m = torch.nn.MultiheadAttention(d, h, batch_first=True).eval()
+    with torch.no_grad():
+        m.in_proj_weight.copy_(torch.from_numpy(np.concatenate([w["w_q"].T, w["w_k"].T,
+                                                                w["w_v"].T])))
+        m.in_proj_bias.copy_(torch.from_numpy(np.concatenate([w["b_q"], w["b_k"], w["b_v"]])))
+        m.out_proj.weight.copy_(torch.from_numpy(np.ascontiguousarray(w["w_o"].T)))
+        m.out_proj.bias.copy_(torch.from_numpy(w["b_o"]))
+    return m
+
+
+def _torch_sdpa_mha(torch: Any, w: dict[str, np.ndarray], h: int, causal: bool) -> Any:
+    """Projections + F.scaled_dot_product_attention + output projection, as a model would."""
+    F = torch.nn.functional
+    t = {k: torch.from_numpy(np.ascontiguousarray(v.T if v.ndim == 2 else v)) for k, v in w.items()}
+
+    def f(x: Any) -> Any:
+        B, n, d = x.shape
+        q = F.linear(x, t["w_q"], t["b_q"]).view(B, n, h, -1).transpose(1, 2)
+        k = F.linear(x, t["w_k"], t["b_k"]).view(B, n, h, -1).transpose(1, 2)
+        v = F.linear(x, t["w_v"], t["b_v"]).view(B, n, h, -1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.linear(o.transpose(1, 2).reshape(B, n, d), t["w_o"], t["b_o"])
+
+    return f
+
+
+def run(quick: bool, threads: int) -> list[Row]:
+    torch = try_torch(threads)
+    rng = np.random.default_rng(0)
+    rows: list[Row] = []
+    cases = [("ViT-S", 8, 197, 384, 6, False)]
+    if not quick:
+        cases.append(("ViT-B", 8, 197, 768, 12, False))
+    for name, B, n, d, h, causal in cases:
+        x = rng.standard_normal((B, n, d)).astype(np.float32)
+        w = _weights(rng, d, h, np.float32)
+        fns: dict[str, Any] = {
+            "attnlab": lambda: multi_head_attention(x, num_heads=h, **w),
+            "reference": lambda: reference.multi_head_attention(x, num_heads=h, **w),
+        }
+        if torch is not None:
+            m = _torch_mha(torch, w, d, h)
+            xt = torch.from_numpy(x)
+
+            def tf(m: Any = m, xt: Any = xt) -> Any:
+                with torch.inference_mode():
+                    return m(xt, xt, xt, need_weights=False)[0]
+
+            fns["torch"] = tf
+        times = interleaved(fns, repeat=5 if quick else 11)
+        flops = mha_flops(B, n, n, d, h, d // h, causal)
+        shape = f"B={B} n={n} d={d} h={h}"
+        for impl, ms in times.items():
+            rows.append(Row("mha", f"{name} fwd fp32", shape, impl, ms, flops,
+                            baseline=None if impl == "attnlab" else "attnlab"))
+    # long sequence: flash tiling keeps memory O(n d); the reference would need n^2 scores
+    n_long = 2048 if quick else 8192
+    for causal in (False, True):
+        B, d, h = 1, 512, 8
+        x = rng.standard_normal((B, n_long, d)).astype(np.float32)
+        w = _weights(rng, d, h, np.float32)
+        fns = {"attnlab": lambda: multi_head_attention(x, num_heads=h, causal=causal, **w)}
+        if torch is not None:
+            f = _torch_sdpa_mha(torch, w, h, causal)
+            xt = torch.from_numpy(x)
+
+            def tf2(f: Any = f, xt: Any = xt) -> Any:
+                with torch.inference_mode():
+                    return f(xt)
+
+            fns["torch-sdpa"] = tf2
+        times = interleaved(fns, repeat=3 if quick else 5)
+        flops = mha_flops(B, n_long, n_long, d, h, d // h, causal)
+        extra = peak_extra_mib(fns["attnlab"])
+        shape = f"B=1 n={n_long} d=512 h=8"
+        label = "long causal fwd fp32" if causal else "long fwd fp32"
+        for impl, ms in times.items():
+            rows.append(Row("mha", label, shape, impl, ms, flops,
+                            baseline=None if impl == "attnlab" else "attnlab",
+                            extra={"peak_extra_mib": extra} if impl == "attnlab" else {}))
+    return rows
