@@ -19,62 +19,71 @@ from .common import Row, interleaved
 
 __all__ = ["run", "grid", "layer_macs"]
 
-# (B, n, d, h, d_head or None for d / h)
+# (B, n_q, n_k, d, h, d_head): n_k None = self-attention, d_head None = d / h
 _QUICK = [
-    (4, 64, 64, 1, None), (4, 64, 64, 4, None), (4, 256, 64, 1, None), (4, 256, 64, 4, None),
-    (2, 128, 128, 1, None), (2, 128, 128, 2, None), (2, 128, 128, 8, None),
-    (2, 64, 128, 2, 96), (2, 512, 128, 2, 96),
+    (4, 64, None, 64, 1, None), (4, 64, None, 64, 4, None), (4, 256, None, 64, 1, None),
+    (4, 256, None, 64, 4, None), (2, 128, None, 128, 1, None), (2, 128, None, 128, 2, None),
+    (2, 128, None, 128, 8, None), (2, 64, None, 128, 2, 96), (2, 512, None, 128, 2, 96),
+    (1, 512, 32, 128, 2, None), (1, 32, 512, 128, 2, None),
 ]
 _FULL = [
-    (B, n, d, h, None)
+    (B, n, None, d, h, None)
     for (B, n) in ((8, 64), (2, 256), (1, 1024))
     for d in (64, 256, 512)
     for h in (1, 2, 8)
-] + [(2, n, 128, 2, 96) for n in (64, 128, 256, 512, 1024)]
+] + [(2, n, None, 128, 2, 96) for n in (64, 128, 256, 512, 1024)] + [
+    (1, 1024, 32, 256, 4, None), (1, 32, 1024, 256, 4, None), (2, 512, 16, 128, 1, None),
+    (1, 1, 2048, 256, 4, None),
+]
 
 
-def grid(quick: bool) -> list[tuple[int, int, int, int, int | None]]:
+def grid(quick: bool) -> list[tuple[int, int, int | None, int, int, int | None]]:
     return list(_QUICK if quick else _FULL)
 
 
-def layer_macs(form: str, B: int, n: int, d: int, h: int, dh: int) -> int:
+def layer_macs(form: str, B: int, n_q: int, n_k: int, d: int, h: int, dh: int) -> int:
     """Multiply-adds of the whole forward layer: the score part from attention_cost, plus what
     both forms share (value projection d x h*dh, P V, output projection)."""
-    score = attention_cost(form, n_q=n, d_model=d, num_heads=h, d_head=dh, batch=B)["flops"]
-    shared = B * (2 * n * d * h * dh + h * n * n * dh)
+    score = attention_cost(form, n_q=n_q, n_k=n_k, d_model=d, num_heads=h, d_head=dh,
+                           batch=B)["flops"]
+    shared = B * (n_k * d * h * dh + n_q * h * dh * d + h * n_q * n_k * dh)
     return score + shared
 
 
 def run(quick: bool, threads: int) -> list[Row]:  # noqa: ARG001 (threads set by the runner)
     rng = np.random.default_rng(0)
     rows: list[Row] = []
-    for B, n, d, h, dh_ in grid(quick):
+    for B, n, n_k_, d, h, dh_ in grid(quick):
         dh = d // h if dh_ is None else dh_
+        nk = n if n_k_ is None else n_k_
         s = 1.0 / np.sqrt(d)
         w = {k: rng.uniform(-s, s, shape).astype(np.float32) for k, shape in
              (("w_q", (d, h * dh)), ("w_k", (d, h * dh)), ("w_v", (d, h * dh)),
               ("w_o", (h * dh, d)), ("b_q", (h * dh,)), ("b_o", (d,)))}
         x = rng.standard_normal((B, n, d)).astype(np.float32)
+        y = x if n_k_ is None else rng.standard_normal((B, nk, d)).astype(np.float32)
         qk = collapse_qk(w["w_q"], w["w_k"], w["b_q"], num_heads=h)
         vo = {k: w[k] for k in ("w_v", "w_o", "b_o")}
 
-        def col(order: str | None, qk: Any = qk, vo: Any = vo, x: Any = x, h: int = h) -> Any:
-            return bilinear_attention(x, w_qk=qk, **vo, num_heads=h, _order=order)
+        def col(order: str | None, qk: Any = qk, vo: Any = vo, x: Any = x, y: Any = y,
+                h: int = h) -> Any:
+            return bilinear_attention(x, y, w_qk=qk, **vo, num_heads=h, _order=order)
 
         # the auto order calls the same kernel as the forced run of the order it picks
         # (collapsed_order is evaluated in Python first), so that run stands for it
         fns = {
-            "separate": lambda w=w, x=x, h=h: multi_head_attention(x, **w, num_heads=h),
+            "separate": lambda w=w, x=x, y=y, h=h: multi_head_attention(x, y, **w, num_heads=h),
             "coll-query": lambda: col("query"),
             "coll-key": lambda: col("key"),
         }
-        big = B * h * (n * d * d + n * n * d) > 2e8
-        times = interleaved(fns, repeat=5 if quick else (7 if big else 11), warmup=1)
-        order = collapsed_order(n_q=n, n_k=n, d_q=d, d_k=d, num_heads=h, batch=B,
+        big = B * h * (n * d * d + n * nk * d) > 2e8
+        times = interleaved(fns, repeat=5 if quick else (7 if big else 11), warmup=1,
+                            min_time=0.3 if quick else 1.0)
+        order = collapsed_order(n_q=n, n_k=nk, d_q=d, d_k=d, num_heads=h, batch=B,
                                 key_bias=True)
         times["collapsed"] = times[f"coll-{order}"]
-        plan = plan_qk(n_q=n, d_model=d, num_heads=h, d_head=dh, batch=B)
-        macs = {f: layer_macs(f, B, n, d, h, dh) for f in ("separate", "collapsed")}
+        plan = plan_qk(n_q=n, n_k=nk, d_model=d, num_heads=h, d_head=dh, batch=B)
+        macs = {f: layer_macs(f, B, n, nk, d, h, dh) for f in ("separate", "collapsed")}
         best = min(times["separate"], times["collapsed"])
         best_order = min(times["coll-query"], times["coll-key"])
         faster = "collapsed" if times["collapsed"] < times["separate"] else "separate"
@@ -87,7 +96,8 @@ def run(quick: bool, threads: int) -> list[Row]:  # noqa: ARG001 (threads set by
             "order": order,
             "order_within_10pct": bool(times["collapsed"] <= 1.10 * best_order),
         }
-        shape = f"B={B} n={n} d={d} h={h}" + ("" if dh_ is None else f" dh={dh}")
+        shape = (f"B={B} n={n}" + ("" if n_k_ is None else f" nk={nk}") + f" d={d} h={h}"
+                 + ("" if dh_ is None else f" dh={dh}"))
         for impl in ("separate", "collapsed", "coll-query", "coll-key"):
             ms = times[impl]
             f = macs["separate" if impl == "separate" else "collapsed"]
