@@ -1,0 +1,106 @@
+"""Shared fixtures: a seeded generator, random MHA weights, and a tolerance-aware comparison.
+
+The largest error of every comparison made through ``assert_close`` is recorded per
+(label, dtype) and printed at the end of the run, so the accuracy reached is visible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import pytest
+
+# Relative tolerances (against a float64 oracle), normwise: |got - ref| <= tol * (|ref| + max|ref|)
+TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
+
+_MAX_ERR: dict[tuple[str, str], float] = defaultdict(float)
+
+
+def make_mha_weights(
+    rng: np.random.Generator,
+    d_q: int,
+    num_heads: int,
+    d_head: int,
+    *,
+    d_k: int | None = None,
+    d_v: int | None = None,
+    num_kv_heads: int | None = None,
+    d_vhead: int | None = None,
+    d_out: int | None = None,
+    bias: bool | str = True,
+    dtype: Any = np.float64,
+) -> dict[str, np.ndarray]:
+    """Keyword arguments ``w_q .. b_o`` for ``multi_head_attention``.
+
+    Weights are U(+-1/sqrt(fan_in)) (nn.Linear's default) so the softmax is not saturated.
+    ``bias`` is True (all four), False (none) or a string of letters among "qkvo".
+    """
+    d_k = d_q if d_k is None else d_k
+    d_v = d_k if d_v is None else d_v
+    h_kv = num_heads if num_kv_heads is None else num_kv_heads
+    d_vhead = d_head if d_vhead is None else d_vhead
+    d_out = d_q if d_out is None else d_out
+    which = "qkvo" if bias is True else ("" if bias is False else bias)
+    shapes = {"q": (d_q, num_heads * d_head), "k": (d_k, h_kv * d_head),
+              "v": (d_v, h_kv * d_vhead), "o": (num_heads * d_vhead, d_out)}
+    out: dict[str, np.ndarray] = {}
+    for name, (fan_in, fan_out) in shapes.items():
+        bound = 1.0 / math.sqrt(max(fan_in, 1))
+        out[f"w_{name}"] = rng.uniform(-bound, bound, (fan_in, fan_out)).astype(dtype)
+        if name in which:
+            out[f"b_{name}"] = rng.uniform(-bound, bound, fan_out).astype(dtype)
+    return out
+
+
+def assert_close(got: Any, ref: Any, dtype: Any, label: str = "ref", tol: float | None = None
+                 ) -> float:
+    """Checks dtype, shape and values (NaN positions must agree); returns the error measured."""
+    got = np.asarray(got)
+    ref = np.asarray(ref, dtype=np.float64)
+    dtype = np.dtype(dtype)
+    assert got.dtype == dtype, f"dtype {got.dtype}, expected {dtype}"
+    assert got.shape == ref.shape, f"shape {got.shape}, expected {ref.shape}"
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg="NaN positions differ")
+    ok = ~np.isnan(ref)
+    if not ok.any():
+        return 0.0
+    g, r = got[ok].astype(np.float64), ref[ok]
+    np.testing.assert_array_equal(np.isinf(g), np.isinf(r), err_msg="Inf positions differ")
+    fin = np.isfinite(r)
+    g, r = g[fin], r[fin]
+    if r.size == 0:
+        return 0.0
+    tol = TOL[dtype] if tol is None else tol
+    scale = np.abs(r) + max(float(np.max(np.abs(r))), 1e-300)
+    err = float(np.max(np.abs(g - r) / scale))
+    key = (label, str(dtype))
+    _MAX_ERR[key] = max(_MAX_ERR[key], err)
+    assert err <= tol, f"normwise relative error {err:.3e} > {tol:.1e} ({label}, {dtype})"
+    return err
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20240607)
+
+
+@pytest.fixture
+def mha_weights():
+    """``make_mha_weights(rng, d_q, num_heads, d_head, **options)``."""
+    return make_mha_weights
+
+
+@pytest.fixture
+def close():
+    """``assert_close(got, ref, dtype, label="ref", tol=None)``."""
+    return assert_close
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
+    if _MAX_ERR:
+        terminalreporter.section("largest normwise relative errors measured")
+        for (label, dt), err in sorted(_MAX_ERR.items()):
+            terminalreporter.write_line(f"{label:>24s} {dt:>8s}: {err:.3e}")
