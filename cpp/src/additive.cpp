@@ -85,21 +85,28 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     auto kq = make_buffer<T>(rows * ld);
     auto score = make_buffer<T>(official ? rows : 0);
     auto pooled = make_buffer<T>(B * D);
-    const ConstRowMap<T> Wq(p.w_q, din, D, Eigen::OuterStride<>(D));
-    const ConstRowMap<T> Wk(p.w_k, din, D, Eigen::OuterStride<>(D));
     const ConstRowMap<T> Wproj(p.w_proj, D, D, Eigen::OuterStride<>(D));
     const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
 
-    // 1. K and Q for all rows (one GEMM each per block), row-normalised while in cache, and the
-    //    official scores s = (Q w_g) * scale.
+    // [w_k | w_q] and [b_k | b_q]: both projections in one GEMM per block.
+    RowMatrix<T> Wkq(din, ld);
+    Wkq.leftCols(D) = ConstRowMap<T>(p.w_k, din, D, Eigen::OuterStride<>(D));
+    Wkq.rightCols(D) = ConstRowMap<T>(p.w_q, din, D, Eigen::OuterStride<>(D));
+    Vec<T> bkq = Vec<T>::Zero(ld);
+    if (p.b_k) bkq.head(D) = ConstVecMap<T>(p.b_k, D);
+    if (p.b_q) bkq.tail(D) = ConstVecMap<T>(p.b_q, D);
+    const ConstRowMap<T> Wkq_map(Wkq.data(), din, ld, Eigen::OuterStride<>(ld));
+
+    // 1. [K | Q] for all rows, row-normalised while in cache, and the official scores
+    //    s = (Q w_g) * scale.
     const Index blocks = (rows + kRowBlock - 1) / kRowBlock;
     parallel_for(blocks, [&](Index c) {
         const Index r0 = c * kRowBlock, m = std::min(kRowBlock, rows - r0);
         ConstRowMap<T> X(p.x + r0 * din, m, din, Eigen::OuterStride<>(std::max<Index>(din, 1)));
-        RowMap<T> K(kq.get() + r0 * ld, m, D, Eigen::OuterStride<>(ld));
-        RowMap<T> Q(kq.get() + r0 * ld + D, m, D, Eigen::OuterStride<>(ld));
-        project<T>(X, Wk, p.b_k, K);
-        project<T>(X, Wq, p.b_q, Q);
+        RowMap<T> KQ(kq.get() + r0 * ld, m, ld, Eigen::OuterStride<>(ld));
+        project<T>(X, Wkq_map, bkq.data(), KQ);
+        auto K = KQ.leftCols(D);
+        auto Q = KQ.rightCols(D);
         normalize_rows(K, p.eps);
         normalize_rows(Q, p.eps);
         if (official) {
@@ -113,10 +120,10 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     parallel_for(B, [&](Index b) {
         VecMap<T> G(pooled.get() + b * D, D);
         Vec<double> acc = Vec<double>::Zero(D);
-        Index real = 0;
         T denom = T(1);
         if (official) {
             Vec<T> s(n);  // the real tokens' scores
+            Index real = 0;
             for (Index j = 0; j < n; ++j)
                 if (p.key_padding.real(b, j)) s[real++] = score[b * n + j];
             if (real > 0) denom = std::max(robust_norm(s.head(real)), p.eps);
@@ -129,19 +136,43 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
                 acc += static_cast<double>(a) * q.template cast<double>();
             } else {
                 acc += q.template cast<double>();
-                ++real;
             }
         }
         G = acc.template cast<T>();  // zero when no token is real
     });
 
-    // 3. out = (K (diag(G) w_proj) + Q + b_proj) w_final + b_final, G folded into w_proj once
-    //    per task instead of materialising G * K.
+    // 3. out = (K diag(G) w_proj + b_proj + Q) w_final + b_final with G folded into the weights
+    //    (G * K is never formed). When d_out <= D it is one GEMM per block,
+    //      out = [K | Q] [diag(G) (w_proj w_final) ; w_final] + (b_proj w_final + b_final),
+    //    no more operations than the two-step form and no intermediate; otherwise two steps,
+    //      out = (K (diag(G) w_proj) + Q + b_proj) w_final + b_final.
+    const bool fused = dout <= D;
+    RowMatrix<T> M;
+    Vec<T> c;
+    if (fused) {
+        M.noalias() = Wproj * Wfinal;
+        c = p.b_final ? Vec<T>(ConstVecMap<T>(p.b_final, dout)) : Vec<T>(Vec<T>::Zero(dout));
+        if (p.b_proj) c.noalias() += ConstVecMap<T>(p.b_proj, D) * Wfinal;
+    }
     const TaskGrid grid(B, n);
     parallel_for(grid.size(), [&](Index t) {
         Index b, r0, r1;
         grid.at(t, b, r0, r1);
-        const RowMatrix<T> Wb = ConstVecMap<T>(pooled.get() + b * D, D).asDiagonal() * Wproj;
+        const ConstVecMap<T> G(pooled.get() + b * D, D);
+        if (fused) {
+            RowMatrix<T> W(ld, dout);
+            W.topRows(D).noalias() = G.asDiagonal() * M;
+            W.bottomRows(D) = Wfinal;
+            for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
+                const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
+                ConstRowMap<T> KQ(kq.get() + row * ld, m, ld, Eigen::OuterStride<>(ld));
+                RowMap<T> Y(p.out + row * dout, m, dout, Eigen::OuterStride<>(dout));
+                Y.noalias() = KQ * W;
+                Y.rowwise() += c;
+            }
+            return;
+        }
+        const RowMatrix<T> Wb = G.asDiagonal() * Wproj;
         RowMatrix<T> H(kRowBlock, D);
         for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
             const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
