@@ -473,11 +473,15 @@ def _layouts(a: np.ndarray):
     ro = a.copy()
     ro.flags.writeable = False
     rev = a[..., ::-1].copy()[..., ::-1]
-    return {"strided": big[..., ::2], "fortran": f, "readonly": ro, "reversed": rev}
+    # data at an odd address (np.ndarray over a byte buffer): flags.aligned is False
+    un = np.ndarray(a.shape, dtype=a.dtype, buffer=bytearray(a.nbytes + 1), offset=1)
+    un[...] = a
+    return {"strided": big[..., ::2], "fortran": f, "readonly": ro, "reversed": rev,
+            "unaligned": un}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
-@pytest.mark.parametrize("layout", ["strided", "fortran", "readonly", "reversed"])
+@pytest.mark.parametrize("layout", ["strided", "fortran", "readonly", "reversed", "unaligned"])
 def test_mha_layouts(rng, layout, dtype):
     w = make_mha_weights(rng, 8, 2, 4, d_k=6, dtype=dtype)
     query = rng.standard_normal((2, 70, 8)).astype(dtype)
@@ -497,7 +501,8 @@ def test_mha_layouts(rng, layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
-@pytest.mark.parametrize("layout", ["strided", "fortran", "readonly", "reversed", "heads_view"])
+@pytest.mark.parametrize("layout", ["strided", "fortran", "readonly", "reversed", "unaligned",
+                                    "heads_view"])
 def test_sdpa_layouts(rng, layout, dtype):
     B, n, h, d = 2, 70, 3, 8
     x = {c: rng.standard_normal((B, n, h * d)).astype(dtype) for c in "qkv"}
