@@ -68,27 +68,26 @@ bool tile_needs_mask(const MaskSpec<T>& m, Index n_q, Index n_k, Index i0, Index
     return j1 - 1 > i0 + causal_offset(m, n_q, n_k);
 }
 
-// Row maximum ignoring NaN (NaN then propagates through exp and the sums).
+// Row maximum (vectorised). If the row holds NaN the result may or may not be NaN; either way
+// NaN then propagates through exp and the sums into that row's output.
 template <typename T>
 T row_max(const T* s, Index n) {
-    T mx = neg_inf<T>();
-    for (Index c = 0; c < n; ++c) mx = s[c] > mx ? s[c] : mx;
-    return mx;
+    if (n == 0) return neg_inf<T>();
+    return Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>>(s, n).maxCoeff();
 }
 
-// p[c] = exp(s[c] - m) with exact zeros for masked (-inf) entries; returns the sum.
+// p[c] = exp(s[c] - m), vectorised (s and p may alias); returns the sum. Eigen's exp clamps its
+// argument, so exp(-inf) comes out as a tiny subnormal instead of 0: results below the smallest
+// normal number are flushed to exactly 0. That makes masked (-inf) entries exactly 0 and only
+// drops values smaller than 1e-38 (float) or 1e-308 (double) relative to the row maximum.
 template <typename T>
 T exp_row(const T* s, T m, T* p, Index n) {
     using Row = Eigen::Array<T, 1, Eigen::Dynamic>;
-    Eigen::Map<const Row> S(s, n);
     Eigen::Map<Row> P(p, n);
-    P = (S - m).exp();
-    T sum = 0;
-    for (Index c = 0; c < n; ++c) {
-        if (s[c] == neg_inf<T>()) p[c] = T(0);
-        sum += p[c];
-    }
-    return sum;
+    P = (Eigen::Map<const Row>(s, n) - m).exp();
+    constexpr T tiny = std::numeric_limits<T>::min();
+    for (Index c = 0; c < n; ++c) p[c] = p[c] < tiny ? T(0) : p[c];
+    return P.sum();
 }
 
 }  // namespace detail
