@@ -422,6 +422,23 @@ def test_thread_count_does_not_change_results(rng):
     np.testing.assert_array_equal(s1, s3)
 
 
+def test_concurrent_python_threads_match_serial(rng):
+    """The GIL is released around the kernels; concurrent calls give the serial results."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = additive_weights(rng, 16, 16, 16)
+    ws = separable_weights(rng, 16)
+    xs = [rng.standard_normal((2, 300, 16)) for _ in range(8)]
+    serial = [(attnlab.additive_attention(x, **w), attnlab.separable_attention(x, **ws))
+              for x in xs]
+    with ThreadPoolExecutor(8) as ex:
+        par = list(ex.map(lambda x: (attnlab.additive_attention(x, **w),
+                                     attnlab.separable_attention(x, **ws)), xs))
+    for (a, s), (pa, ps) in zip(serial, par):
+        np.testing.assert_array_equal(a, pa)
+        np.testing.assert_array_equal(s, ps)
+
+
 def test_feature_map_recipe(rng, close):
     """MobileViT-v2's (B, C, P, N) maps: P is a batch dimension, as the docstring shows."""
     B, C, P, N = 2, 6, 4, 9

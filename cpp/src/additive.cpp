@@ -80,13 +80,18 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     const Index rows = B * n;
     if (rows <= 0 || dout <= 0) return;
     const bool official = p.variant == AdditiveVariant::official;
-    const Index ld = 2 * D;  // buffer rows are [K | Q]
+    const Index ld = 2 * D;
 
-    auto kq = make_buffer<T>(rows * ld);
-    auto score = make_buffer<T>(official ? rows : 0);
-    auto pooled = make_buffer<T>(B * D);
+    // With M = w_proj w_final and c = b_proj w_final + b_final,
+    //   out = (K diag(G) w_proj + b_proj + Q) w_final + b_final = K (diag(G) M) + Q w_final + c:
+    // G is folded into the weights (G * K is never formed), Q w_final is computed while Q is in
+    // cache, and only K has to be kept until G is known. For d_out <= D (SwiftFormer has
+    // d_out = D / num_heads) this costs no more operations than the two-step form.
     const ConstRowMap<T> Wproj(p.w_proj, D, D, Eigen::OuterStride<>(D));
     const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
+    const RowMatrix<T> M = Wproj * Wfinal;
+    Vec<T> c = p.b_final ? Vec<T>(ConstVecMap<T>(p.b_final, dout)) : Vec<T>(Vec<T>::Zero(dout));
+    if (p.b_proj) c.noalias() += ConstVecMap<T>(p.b_proj, D) * Wfinal;
 
     // [w_k | w_q] and [b_k | b_q]: both projections in one GEMM per block.
     RowMatrix<T> Wkq(din, ld);
@@ -97,94 +102,87 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     if (p.b_q) bkq.tail(D) = ConstVecMap<T>(p.b_q, D);
     const ConstRowMap<T> Wkq_map(Wkq.data(), din, ld, Eigen::OuterStride<>(ld));
 
-    // 1. [K | Q] for all rows, row-normalised while in cache, and the official scores
-    //    s = (Q w_g) * scale.
-    const Index blocks = (rows + kRowBlock - 1) / kRowBlock;
-    parallel_for(blocks, [&](Index c) {
-        const Index r0 = c * kRowBlock, m = std::min(kRowBlock, rows - r0);
+    auto keys = make_buffer<T>(rows * D);
+    auto score = make_buffer<T>(official ? rows : 0);
+    auto pooled = make_buffer<T>(B * D);
+    const Index per = (n + kRowBlock - 1) / kRowBlock;  // row blocks per batch element
+    auto partial = make_buffer<double>(B * per * D);
+
+    // 1. Per (batch element, block of rows): [K | Q] in one GEMM, both row-normalised; the
+    //    official scores s = (Q w_g) * scale; the block's share of the pooling, the sum over
+    //    its real tokens of s_n Q_n (official) or Q_n (hf) (the token weights are
+    //    a_n = s_n / max(||s||, eps), so G = (sum s_n Q_n) / max(||s||, eps)); out = Q w_final.
+    parallel_for(B * per, [&](Index task) {
+        const Index b = task / per, i0 = (task % per) * kRowBlock;
+        const Index m = std::min(kRowBlock, n - i0), r0 = b * n + i0;
         ConstRowMap<T> X(p.x + r0 * din, m, din, Eigen::OuterStride<>(std::max<Index>(din, 1)));
-        RowMap<T> KQ(kq.get() + r0 * ld, m, ld, Eigen::OuterStride<>(ld));
-        project<T>(X, Wkq_map, bkq.data(), KQ);
+        RowMatrix<T> KQ(m, ld);
+        RowMap<T> KQm(KQ.data(), m, ld, Eigen::OuterStride<>(ld));
+        project<T>(X, Wkq_map, bkq.data(), KQm);
         auto K = KQ.leftCols(D);
         auto Q = KQ.rightCols(D);
         normalize_rows(K, p.eps);
         normalize_rows(Q, p.eps);
+        RowMap<T>(keys.get() + r0 * D, m, D, Eigen::OuterStride<>(D)) = K;
         if (official) {
             ConstVecMap<T> wg(p.w_g, D);
             for (Index i = 0; i < m; ++i) score[r0 + i] = Q.row(i).dot(wg) * p.scale;
         }
+        bool all_real = true;
+        for (Index i = 0; i < m && all_real; ++i) all_real = p.key_padding.real(b, i0 + i);
+        Vec<T> share(D);
+        if (all_real) {
+            if (official) {
+                share.noalias() = ConstVecMap<T>(score.get() + r0, m) * Q;
+            } else {
+                share = Q.colwise().sum();
+            }
+        } else {  // skip padded tokens rather than weighting them by 0 (0 * NaN is NaN)
+            share.setZero();
+            for (Index i = 0; i < m; ++i)
+                if (p.key_padding.real(b, i0 + i))
+                    share += (official ? score[r0 + i] : T(1)) * Q.row(i);
+        }
+        Eigen::Map<Vec<double>>(partial.get() + task * D, D) = share.template cast<double>();
+        RowMap<T> Y(p.out + r0 * dout, m, dout, Eigen::OuterStride<>(dout));
+        Y.noalias() = Q * Wfinal;
     });
 
-    // 2. Per batch element: token weights a (L2-normalised scores over the real tokens, or 1)
-    //    and the pooled query G = sum a_n Q_n, accumulated in double.
+    // 2. Per batch element: the norm of the real tokens' scores and G, summing the blocks'
+    //    shares in a fixed order, in double. No real token: G = 0.
     parallel_for(B, [&](Index b) {
         VecMap<T> G(pooled.get() + b * D, D);
+        Index real = 0;
+        for (Index j = 0; j < n; ++j) real += p.key_padding.real(b, j) ? 1 : 0;
+        if (real == 0) {
+            G.setZero();
+            return;
+        }
         Vec<double> acc = Vec<double>::Zero(D);
-        T denom = T(1);
+        for (Index k = 0; k < per; ++k)
+            acc += Eigen::Map<const Vec<double>>(partial.get() + (b * per + k) * D, D);
         if (official) {
-            Vec<T> s(n);  // the real tokens' scores
-            Index real = 0;
+            Vec<T> s(real);  // the real tokens' scores
+            Index r = 0;
             for (Index j = 0; j < n; ++j)
-                if (p.key_padding.real(b, j)) s[real++] = score[b * n + j];
-            if (real > 0) denom = std::max(robust_norm(s.head(real)), p.eps);
+                if (p.key_padding.real(b, j)) s[r++] = score[b * n + j];
+            acc /= static_cast<double>(std::max(robust_norm(s), p.eps));
         }
-        for (Index j = 0; j < n; ++j) {
-            if (!p.key_padding.real(b, j)) continue;  // padded tokens take no part, NaN or not
-            ConstVecMap<T> q(kq.get() + (b * n + j) * ld + D, D);
-            if (official) {
-                const T a = score[b * n + j] / denom;
-                acc += static_cast<double>(a) * q.template cast<double>();
-            } else {
-                acc += q.template cast<double>();
-            }
-        }
-        G = acc.template cast<T>();  // zero when no token is real
+        G = acc.template cast<T>();
     });
 
-    // 3. out = (K diag(G) w_proj + b_proj + Q) w_final + b_final with G folded into the weights
-    //    (G * K is never formed). When d_out <= D it is one GEMM per block,
-    //      out = [K | Q] [diag(G) (w_proj w_final) ; w_final] + (b_proj w_final + b_final),
-    //    no more operations than the two-step form and no intermediate; otherwise two steps,
-    //      out = (K (diag(G) w_proj) + Q + b_proj) w_final + b_final.
-    const bool fused = dout <= D;
-    RowMatrix<T> M;
-    Vec<T> c;
-    if (fused) {
-        M.noalias() = Wproj * Wfinal;
-        c = p.b_final ? Vec<T>(ConstVecMap<T>(p.b_final, dout)) : Vec<T>(Vec<T>::Zero(dout));
-        if (p.b_proj) c.noalias() += ConstVecMap<T>(p.b_proj, D) * Wfinal;
-    }
+    // 3. out += K (diag(G) M) + c, the folded weights built once per task.
     const TaskGrid grid(B, n);
     parallel_for(grid.size(), [&](Index t) {
         Index b, r0, r1;
         grid.at(t, b, r0, r1);
-        const ConstVecMap<T> G(pooled.get() + b * D, D);
-        if (fused) {
-            RowMatrix<T> W(ld, dout);
-            W.topRows(D).noalias() = G.asDiagonal() * M;
-            W.bottomRows(D) = Wfinal;
-            for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
-                const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
-                ConstRowMap<T> KQ(kq.get() + row * ld, m, ld, Eigen::OuterStride<>(ld));
-                RowMap<T> Y(p.out + row * dout, m, dout, Eigen::OuterStride<>(dout));
-                Y.noalias() = KQ * W;
-                Y.rowwise() += c;
-            }
-            return;
-        }
-        const RowMatrix<T> Wb = G.asDiagonal() * Wproj;
-        RowMatrix<T> H(kRowBlock, D);
+        const RowMatrix<T> W = ConstVecMap<T>(pooled.get() + b * D, D).asDiagonal() * M;
         for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
             const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
-            ConstRowMap<T> K(kq.get() + row * ld, m, D, Eigen::OuterStride<>(ld));
-            ConstRowMap<T> Q(kq.get() + row * ld + D, m, D, Eigen::OuterStride<>(ld));
-            auto h = H.topRows(m);
-            h.noalias() = K * Wb;
-            h += Q;
-            if (p.b_proj) h.rowwise() += ConstVecMap<T>(p.b_proj, D);
+            ConstRowMap<T> K(keys.get() + row * D, m, D, Eigen::OuterStride<>(D));
             RowMap<T> Y(p.out + row * dout, m, dout, Eigen::OuterStride<>(dout));
-            Y.noalias() = h * Wfinal;
-            if (p.b_final) Y.rowwise() += ConstVecMap<T>(p.b_final, dout);
+            Y.noalias() += K * W;
+            Y.rowwise() += c;
         }
     });
 }
