@@ -53,6 +53,7 @@ std::vector<Index> check(const py::array& a, const char* name, std::vector<Index
         strides[i] = a.strides(i) / item;
         if (strides[i] < 0) throw py::value_error(std::string(name) + ": negative strides");
     }
+    if (a.size() == 0) return std::vector<Index>(shape.size(), 0);  // nothing will be read
     if (unit_last && !shape.empty() && a.shape(shape.size() - 1) > 1 && strides.back() != 1)
         throw py::value_error(std::string(name) + ": last axis must be contiguous");
     if (writable && !a.writeable()) throw py::value_error(std::string(name) + ": not writable");

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "attnlab/gemm.hpp"
@@ -60,7 +61,8 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         for (Index r = 0; r < mq; ++r) {
             T* srow = s_buf + r * kb;
             const T m_new = std::max(row_m[r], row_max(srow, kb));
-            if (m_new == neg_inf<T>()) {  // everything so far masked
+            if (m_new == neg_inf<T>()) {  // everything so far masked (or NaN)
+                if (has_nan(srow, kb)) row_l[r] = std::numeric_limits<T>::quiet_NaN();
                 std::fill(srow, srow + kb, T(0));
                 continue;
             }
@@ -110,8 +112,10 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         T* row = wbase + r * nk;
         const T m = row_max(row, nk);
         T lse = neg_inf<T>();
-        if (m == neg_inf<T>()) {
-            std::fill(row, row + nk, T(0));
+        if (m == neg_inf<T>()) {  // fully masked: zeros; NaN scores propagate
+            const T fillv = has_nan(row, nk) ? std::numeric_limits<T>::quiet_NaN() : T(0);
+            std::fill(row, row + nk, fillv);
+            lse = fillv == T(0) ? neg_inf<T>() : fillv;
         } else {
             const T l = exp_row(row, m, row, nk);
             Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>(row, nk) /= l;
@@ -155,7 +159,7 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g, Inde
             RowMap<T> dQacc(dq_buf, mq, d, Eigen::OuterStride<>(d));
             const T* lse = p.lse + (b * p.heads + h) * p.n_q + i0;
             T* Drow = stat_buf;  // D_i = rowsum(dO_i * O_i)
-            for (Index r = 0; r < mq; ++r) Drow[r] = dO.row(r).dot(O.row(r));
+            for (Index r = 0; r < mq; ++r) Drow[r] = dot(dO.data() + r * dO.outerStride(), O.data() + r * O.outerStride(), dv);
             Qs.noalias() = Q * p.scale;
             dQacc.setZero();
             const Index key_end = causal_key_end(p.mask, p.n_q, p.n_k, i0 + mq);

@@ -68,26 +68,74 @@ bool tile_needs_mask(const MaskSpec<T>& m, Index n_q, Index n_k, Index i0, Index
     return j1 - 1 > i0 + causal_offset(m, n_q, n_k);
 }
 
-// Row maximum (vectorised). If the row holds NaN the result may or may not be NaN; either way
-// NaN then propagates through exp and the sums into that row's output.
+// Row maximum (vectorised; max is exact, so the order does not matter). If the row holds NaN
+// the result may or may not be NaN; either way NaN then propagates into that row's output.
 template <typename T>
 T row_max(const T* s, Index n) {
     if (n == 0) return neg_inf<T>();
     return Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>>(s, n).maxCoeff();
 }
 
-// p[c] = exp(s[c] - m), vectorised (s and p may alias); returns the sum. Eigen's exp clamps its
-// argument, so exp(-inf) comes out as a tiny subnormal instead of 0: results below the smallest
-// normal number are flushed to exactly 0. That makes masked (-inf) entries exactly 0 and only
-// drops values smaller than 1e-38 (float) or 1e-308 (double) relative to the row maximum.
+// p[c] = exp(s[c] - m) (s and p may alias); returns the sum.
+// Bitwise reproducible whatever the buffers' alignment (so whatever thread ran the tile): every
+// element goes through the same packet exp (the tail via a padded packet) and the sum is taken
+// in packet lanes in a fixed order; Eigen's own expressions would peel a scalar prologue up to
+// an aligned address. Eigen's exp clamps its argument, so exp(-inf) would be a tiny subnormal:
+// results below the smallest normal number are flushed to exactly 0, which makes masked entries
+// exactly 0 and drops only values below 1e-38 (float) / 1e-308 (double) of the row maximum.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // Eigen packet types as template args
+#endif
 template <typename T>
 T exp_row(const T* s, T m, T* p, Index n) {
-    using Row = Eigen::Array<T, 1, Eigen::Dynamic>;
-    Eigen::Map<Row> P(p, n);
-    P = (Eigen::Map<const Row>(s, n) - m).exp();
-    constexpr T tiny = std::numeric_limits<T>::min();
-    for (Index c = 0; c < n; ++c) p[c] = p[c] < tiny ? T(0) : p[c];
-    return P.sum();
+    namespace ei = Eigen::internal;
+    using Packet = typename ei::packet_traits<T>::type;
+    constexpr Index L = ei::unpacket_traits<Packet>::size;
+    const Packet pm = ei::pset1<Packet>(m);
+    const Packet tiny = ei::pset1<Packet>(std::numeric_limits<T>::min());
+    const Packet zero = ei::pzero(pm);
+    Packet acc = zero;
+    Index c = 0;
+    for (; c + L <= n; c += L) {
+        Packet e = ei::pexp(ei::psub(ei::ploadu<Packet>(s + c), pm));
+        e = ei::pselect(ei::pcmp_lt(e, tiny), zero, e);
+        ei::pstoreu(p + c, e);
+        acc = ei::padd(acc, e);
+    }
+    if (c < n) {
+        alignas(64) T buf[L];
+        for (Index i = 0; i < L; ++i) buf[i] = c + i < n ? s[c + i] : neg_inf<T>();
+        Packet e = ei::pexp(ei::psub(ei::pload<Packet>(buf), pm));
+        e = ei::pselect(ei::pcmp_lt(e, tiny), zero, e);
+        ei::pstore(buf, e);
+        for (Index i = 0; c + i < n; ++i) p[c + i] = buf[i];
+        acc = ei::padd(acc, e);  // padding lanes are exactly 0
+    }
+    alignas(64) T lanes[L];
+    ei::pstore(lanes, acc);
+    T sum = 0;
+    for (Index i = 0; i < L; ++i) sum += lanes[i];
+    return sum;
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+template <typename T>
+bool has_nan(const T* s, Index n) {
+    for (Index c = 0; c < n; ++c)
+        if (s[c] != s[c]) return true;
+    return false;
+}
+
+// Dot product in a fixed order (no alignment-dependent peeling): reproducible across threads.
+template <typename T>
+T dot(const T* a, const T* b, Index n) {
+    T sum = 0;
+    for (Index c = 0; c < n; ++c) sum += a[c] * b[c];
+    return sum;
 }
 
 }  // namespace detail

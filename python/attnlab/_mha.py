@@ -199,6 +199,11 @@ def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any,
     V.check_ndim(xv, "value", 2, "(..., n_k, d_v)")
     n_q, d_q = xq.shape[-2:]
     n_k, d_k = xk.shape[-2:]
+    for name, arr in (("query", xq), ("key", xk), ("value", xv)):
+        if arr.shape[-1] < 1:
+            raise ValueError(
+                f"{name}: the feature axis must be >= 1, got shape {V.shape_str(arr.shape)}"
+            )
     if xv.shape[-2] != n_k:
         raise ValueError(
             f"value: expected {n_k} tokens (as key), got shape {V.shape_str(xv.shape)}"
@@ -216,7 +221,7 @@ def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any,
         )
     d_head = wq_.shape[1] // h
     wv_ = ws["w_v"]
-    if wv_.ndim != 2 or wv_.shape[0] != d_v or wv_.shape[1] % h_kv:
+    if wv_.ndim != 2 or wv_.shape[0] != d_v or wv_.shape[1] % h_kv or wv_.shape[1] == 0:
         raise ValueError(
             f"w_v: expected shape (d_v, h_kv * d_vhead) = ({d_v}, {h_kv} * d_vhead), got "
             f"{V.shape_str(wv_.shape)}"

@@ -99,8 +99,8 @@ def weights_mode(return_weights: Any) -> str | None:
     """None, "heads" or "mean"."""
     if isinstance(return_weights, (bool, np.bool_)):
         return "heads" if return_weights else None
-    if return_weights in ("heads", "mean"):
-        return str(return_weights)
+    if isinstance(return_weights, str) and return_weights in ("heads", "mean"):
+        return return_weights
     raise ValueError(
         f"return_weights: expected False, True, 'heads' or 'mean', got {return_weights!r}"
     )

@@ -1,0 +1,242 @@
+"""Gradients of scaled_dot_product_attention and multi_head_attention.
+
+Central finite differences in float64 (relative error < 1e-6) and torch autograd (float32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnlab
+
+
+def numeric_grad(f, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    g = np.zeros_like(x)
+    flat, gflat = x.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        fp = f()
+        flat[i] = old - eps
+        fm = f()
+        flat[i] = old
+        gflat[i] = (fp - fm) / (2 * eps)
+    return g
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    """Largest error relative to the largest gradient entry (absolute below 1, e.g. for b_k
+    whose true gradient is 0 because it cancels in the softmax)."""
+    scale = max(np.abs(b).max(), 1.0)
+    return float(np.abs(a - b).max() / scale)
+
+
+SDPA_CASES = [
+    # (B, h, h_kv, n_q, n_k, d, d_v, causal, mask kind)
+    (1, 1, 1, 1, 1, 1, 1, False, None),
+    (2, 2, 2, 5, 7, 3, 4, False, None),
+    (1, 4, 2, 6, 6, 3, 2, True, None),
+    (1, 4, 1, 4, 9, 2, 3, "bottom_right", None),
+    (2, 2, 1, 5, 7, 3, 3, False, "bool"),
+    (1, 2, 2, 5, 7, 3, 3, False, "float"),
+    (1, 2, 2, 70, 140, 2, 2, True, "bool"),  # more than one tile each way
+]
+
+
+@pytest.mark.parametrize("case", SDPA_CASES)
+def test_sdpa_backward_finite_differences(case):
+    B, h, h_kv, n_q, n_k, d, d_v, causal, mask_kind = case
+    rng = np.random.default_rng(hash(case) % 2**32)
+    q = rng.standard_normal((B, h, n_q, d))
+    k = rng.standard_normal((B, h_kv, n_k, d))
+    v = rng.standard_normal((B, h_kv, n_k, d_v))
+    G = rng.standard_normal((B, h, n_q, d_v))
+    mask = None
+    if mask_kind == "bool":
+        mask = rng.random((n_q, n_k)) > 0.3
+        mask[0] = False  # a fully masked row: zero gradient, no NaN
+    elif mask_kind == "float":
+        mask = rng.standard_normal((h, n_q, n_k))
+    kw = dict(mask=mask, causal=causal)
+    grads = attnlab.scaled_dot_product_attention_backward(G, q, k, v, **kw)
+    assert set(grads) == {"q", "k", "v"}
+
+    def loss():
+        return float((attnlab.scaled_dot_product_attention(q, k, v, **kw) * G).sum())
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        assert grads[name].shape == x.shape
+        assert np.all(np.isfinite(grads[name]))
+        if x.size > 400:  # keep the finite-difference loop short: check a slice
+            continue
+        assert rel_err(grads[name], numeric_grad(loss, x)) < 1e-6, name
+    if mask_kind == "bool":
+        assert np.all(grads["q"][..., 0, :] == 0)
+
+
+def test_sdpa_backward_long_slice():
+    # sizes above one tile: compare on a few coordinates only
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 2, 130, 4))
+    k = rng.standard_normal((1, 1, 300, 4))
+    v = rng.standard_normal((1, 1, 300, 3))
+    G = rng.standard_normal((1, 2, 130, 3))
+    g = attnlab.scaled_dot_product_attention_backward(G, q, k, v, causal="bottom_right")
+
+    def loss():
+        return float((attnlab.scaled_dot_product_attention(q, k, v, causal="bottom_right")
+                      * G).sum())
+
+    for name, x, idx in (("q", q, (0, 1, 129, 2)), ("k", k, (0, 0, 257, 1)),
+                         ("v", v, (0, 0, 3, 0))):
+        eps = 1e-6
+        old = x[idx]
+        x[idx] = old + eps
+        fp = loss()
+        x[idx] = old - eps
+        fm = loss()
+        x[idx] = old
+        num = (fp - fm) / (2 * eps)
+        assert abs(num - g[name][idx]) <= 1e-6 * max(1.0, abs(num))
+
+
+MHA_CASES = [
+    # (self, h, h_kv, biases, causal, key padding, batch shape)
+    (True, 2, 2, True, False, False, (2,)),
+    (True, 4, 2, False, True, False, ()),
+    (False, 4, 1, True, False, True, (2,)),
+    (False, 2, 2, True, "bottom_right", False, (1, 2)),
+]
+
+
+@pytest.mark.parametrize("case", MHA_CASES)
+def test_mha_backward_finite_differences(case):
+    self_attn, h, h_kv, biases, causal, padding, batch = case
+    rng = np.random.default_rng(len(str(case)))
+    d_q, d_k, d_head, d_vhead, d_out, n_q, n_k = 6, 5, 2, 3, 4, 4, 6
+    if self_attn:
+        d_k, n_k = d_q, n_q
+    x = rng.standard_normal(batch + (n_q, d_q))
+    y = None if self_attn else rng.standard_normal(batch + (n_k, d_k))
+    w = {
+        "w_q": rng.standard_normal((d_q, h * d_head)) * 0.5,
+        "w_k": rng.standard_normal((d_k, h_kv * d_head)) * 0.5,
+        "w_v": rng.standard_normal((d_k, h_kv * d_vhead)) * 0.5,
+        "w_o": rng.standard_normal((h * d_vhead, d_out)) * 0.5,
+    }
+    if biases:
+        w.update(b_q=rng.standard_normal(h * d_head), b_k=rng.standard_normal(h_kv * d_head),
+                 b_v=rng.standard_normal(h_kv * d_vhead), b_o=rng.standard_normal(d_out))
+    kp = (rng.random(batch + (n_k,)) > 0.3) if padding else None
+    kw = dict(num_heads=h, num_kv_heads=h_kv, causal=causal, key_padding_mask=kp, **w)
+    G = rng.standard_normal(batch + (n_q, d_out))
+    args = (x,) if self_attn else (x, y)
+    grads = attnlab.multi_head_attention_backward(G, *args, **kw)
+    expected = {"query"} | (set() if self_attn else {"key"}) | set(w)
+    assert set(grads) == expected
+
+    def loss():
+        return float((attnlab.multi_head_attention(*args, **kw) * G).sum())
+
+    arrays = {"query": x, **({} if self_attn else {"key": y}), **w}
+    for name, arr in arrays.items():
+        assert grads[name].shape == arr.shape, name
+        assert rel_err(grads[name], numeric_grad(loss, arr)) < 1e-6, name
+
+
+def test_mha_backward_value_defaults_to_key_and_broadcast_batch():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 4, 6))
+    y = rng.standard_normal((5, 6))  # key shared by every batch element: gradient summed
+    w = {n: rng.standard_normal((6, 6)) * 0.4 for n in ("w_q", "w_k", "w_v", "w_o")}
+    G = rng.standard_normal((3, 4, 6))
+    grads = attnlab.multi_head_attention_backward(G, x, y, num_heads=3, **w)
+    assert set(grads) == {"query", "key", "w_q", "w_k", "w_v", "w_o"}
+    assert grads["key"].shape == y.shape
+
+    def loss():
+        return float((attnlab.multi_head_attention(x, y, num_heads=3, **w) * G).sum())
+
+    assert rel_err(grads["key"], numeric_grad(loss, y)) < 1e-6
+
+
+def test_backward_bitwise_identical_across_thread_counts():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 150, 32)).astype(np.float32)
+    w = {n: (rng.standard_normal((32, 32)) * 0.2).astype(np.float32)
+         for n in ("w_q", "w_k", "w_v", "w_o")}
+    G = rng.standard_normal((4, 150, 32)).astype(np.float32)
+    before = attnlab.get_num_threads()
+    try:
+        attnlab.set_num_threads(1)
+        g1 = attnlab.multi_head_attention_backward(G, x, num_heads=4, causal=True, **w)
+        attnlab.set_num_threads(2)
+        g2 = attnlab.multi_head_attention_backward(G, x, num_heads=4, causal=True, **w)
+    finally:
+        attnlab.set_num_threads(before)
+    for name in g1:
+        assert np.array_equal(g1[name], g2[name]), name
+
+
+def test_grad_out_shape_error():
+    x = np.ones((4, 6))
+    w = {n: np.eye(6) for n in ("w_q", "w_k", "w_v", "w_o")}
+    with pytest.raises(ValueError, match="grad_out"):
+        attnlab.multi_head_attention_backward(np.ones((4, 5)), x, num_heads=2, **w)
+    with pytest.raises(ValueError, match="grad_out"):
+        attnlab.scaled_dot_product_attention_backward(np.ones((2, 4, 5)), np.ones((2, 4, 6)),
+                                                      np.ones((2, 4, 6)), np.ones((2, 4, 6)))
+
+
+torch = None
+
+
+@pytest.fixture(scope="module")
+def th():
+    return pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_sdpa_backward_matches_torch_autograd(th, causal, gqa):
+    rng = np.random.default_rng(11)
+    h, h_kv = (4, 2) if gqa else (4, 4)
+    q = rng.standard_normal((2, h, 33, 8)).astype(np.float32)
+    k = rng.standard_normal((2, h_kv, 33, 8)).astype(np.float32)
+    v = rng.standard_normal((2, h_kv, 33, 5)).astype(np.float32)
+    G = rng.standard_normal((2, h, 33, 5)).astype(np.float32)
+    g = attnlab.scaled_dot_product_attention_backward(G, q, k, v, causal=causal)
+    tq, tk, tv = (th.tensor(a, requires_grad=True) for a in (q, k, v))
+    ek = tk.repeat_interleave(h // h_kv, dim=1)
+    ev = tv.repeat_interleave(h // h_kv, dim=1)
+    out = th.nn.functional.scaled_dot_product_attention(tq, ek, ev, is_causal=causal)
+    out.backward(th.tensor(G))
+    for name, t in (("q", tq), ("k", tk), ("v", tv)):
+        ref = t.grad.numpy()
+        assert np.abs(g[name] - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max()), name
+
+
+def test_mha_backward_matches_torch_autograd(th):
+    rng = np.random.default_rng(12)
+    d, h, n, B = 16, 4, 10, 3
+    x = rng.standard_normal((B, n, d)).astype(np.float32)
+    m = th.nn.MultiheadAttention(d, h, batch_first=True)
+    sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    W, b = sd["in_proj_weight"], sd["in_proj_bias"]
+    w = dict(w_q=W[:d].T.copy(), w_k=W[d:2 * d].T.copy(), w_v=W[2 * d:].T.copy(),
+             w_o=sd["out_proj.weight"].T.copy(), b_q=b[:d], b_k=b[d:2 * d], b_v=b[2 * d:],
+             b_o=sd["out_proj.bias"])
+    G = rng.standard_normal((B, n, d)).astype(np.float32)
+    kp = rng.random((B, n)) > 0.2
+    kp[:, 0] = True
+    g = attnlab.multi_head_attention_backward(G, x, num_heads=h, key_padding_mask=kp, **w)
+    tx = th.tensor(x, requires_grad=True)
+    out, _ = m(tx, tx, tx, need_weights=False, key_padding_mask=th.tensor(~kp))
+    out.backward(th.tensor(G))
+    assert np.abs(g["query"] - tx.grad.numpy()).max() < 1e-4
+    tw = m.in_proj_weight.grad.numpy()
+    assert np.abs(g["w_q"] - tw[:d].T).max() < 1e-4
+    assert np.abs(g["w_v"] - tw[2 * d:].T).max() < 1e-4
+    assert np.abs(g["w_o"] - m.out_proj.weight.grad.numpy().T).max() < 1e-4
+    assert np.abs(g["b_o"] - m.out_proj.bias.grad.numpy()).max() < 1e-4
