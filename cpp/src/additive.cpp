@@ -193,52 +193,95 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
     const Index B = p.batch, n = p.n, d = p.d, dout = p.d_out;
     const Index rows = B * n;
     if (rows <= 0 || dout <= 0) return;
-    const Index ld = 1 + 2 * d;  // buffer rows are [s | k | relu(v)]
+    const Index ld = 1 + 2 * d;  // block rows are [s | k | v]
+    constexpr T kInf = std::numeric_limits<T>::infinity();
 
-    auto skv = make_buffer<T>(rows * ld);
-    auto context = make_buffer<T>(B * d);
     const ConstRowMap<T> Wqkv(p.w_qkv, d, ld, Eigen::OuterStride<>(ld));
     const ConstRowMap<T> Wo(p.w_o, d, dout, Eigen::OuterStride<>(dout));
+    auto values = make_buffer<T>(rows * d);  // relu(v): all that is kept for the output
+    auto context = make_buffer<T>(B * d);
+    const Index per = (n + kRowBlock - 1) / kRowBlock;
+    // Per (batch element, block): the block's softmax state over its real tokens, as in an
+    // online softmax: its max m_b, sum_n exp(s_n - m_b), sum_n exp(s_n - m_b) k_n.
+    auto bmax = make_buffer<T>(B * per);
+    auto bsum = make_buffer<double>(B * per);
+    auto bctx = make_buffer<double>(B * per * d);
+    auto breal = make_buffer<Index>(B * per);
 
-    // 1. [s | k | v] for all rows in one GEMM per block; ReLU on v (NaN stays NaN, as torch).
-    const Index blocks = (rows + kRowBlock - 1) / kRowBlock;
-    parallel_for(blocks, [&](Index c) {
-        const Index r0 = c * kRowBlock, m = std::min(kRowBlock, rows - r0);
+    // 1. [s | k | v] in one GEMM per block, the block's softmax state while k is in cache, and
+    //    relu(v) (NaN stays NaN, as torch's relu).
+    parallel_for(B * per, [&](Index task) {
+        const Index b = task / per, i0 = (task % per) * kRowBlock;
+        const Index m = std::min(kRowBlock, n - i0), r0 = b * n + i0;
         ConstRowMap<T> X(p.x + r0 * d, m, d, Eigen::OuterStride<>(std::max<Index>(d, 1)));
-        RowMap<T> P(skv.get() + r0 * ld, m, ld, Eigen::OuterStride<>(ld));
-        project<T>(X, Wqkv, p.b_qkv, P);
-        P.rightCols(d) = P.rightCols(d).unaryExpr([](T v) { return v < T(0) ? T(0) : v; });
-    });
-
-    // 2. Per batch element: softmax of s over the real tokens and ctx = sum c_n k_n.
-    parallel_for(B, [&](Index b) {
-        const T* base = skv.get() + b * n * ld;
-        T mx = -std::numeric_limits<T>::infinity();
+        RowMatrix<T> P(m, ld);
+        RowMap<T> Pm(P.data(), m, ld, Eigen::OuterStride<>(ld));
+        project<T>(X, Wqkv, p.b_qkv, Pm);
+        RowMap<T>(values.get() + r0 * d, m, d, Eigen::OuterStride<>(d)) =
+            P.rightCols(d).unaryExpr([](T v) { return v < T(0) ? T(0) : v; });
+        T mx = -kInf;
         bool nan = false;
         Index real = 0;
-        for (Index j = 0; j < n; ++j) {
-            if (!p.key_padding.real(b, j)) continue;
-            const T s = base[j * ld];
+        for (Index i = 0; i < m; ++i) {
+            if (!p.key_padding.real(b, i0 + i)) continue;
+            const T s = P(i, 0);
             if (std::isnan(s)) nan = true;
             mx = std::max(mx, s);
             ++real;
         }
         if (nan) mx = std::numeric_limits<T>::quiet_NaN();
+        Eigen::Map<Vec<double>> ctx(bctx.get() + task * d, d);
+        ctx.setZero();
+        bmax[task] = mx;
+        bsum[task] = 0.0;
+        breal[task] = real;
+        if (real == 0 || mx == -kInf) return;  // nothing here can carry weight
+        Vec<T> e(m);
+        double z = 0;
+        for (Index i = 0; i < m; ++i) {
+            e[i] = p.key_padding.real(b, i0 + i) ? std::exp(P(i, 0) - mx) : T(0);
+            z += static_cast<double>(e[i]);
+        }
+        bsum[task] = z;
+        if (real == m) {
+            ctx = (e * P.middleCols(1, d)).template cast<double>();
+        } else {  // skip padded tokens rather than weighting them by 0 (0 * NaN is NaN)
+            Vec<T> acc = Vec<T>::Zero(d);
+            for (Index i = 0; i < m; ++i)
+                if (p.key_padding.real(b, i0 + i)) acc += e[i] * P.row(i).segment(1, d);
+            ctx = acc.template cast<double>();
+        }
+    });
+
+    // 2. Per batch element: merge the blocks' states into ctx = sum_n c_n k_n, c the softmax
+    //    over the real tokens. No real token: ctx = 0.
+    parallel_for(B, [&](Index b) {
         VecMap<T> ctx(context.get() + b * d, d);
-        if (real == 0) {
+        T mx = -kInf;
+        bool nan = false, any = false;
+        for (Index k = 0; k < per; ++k) {
+            const Index t = b * per + k;
+            if (breal[t] == 0) continue;
+            any = true;
+            if (std::isnan(bmax[t])) nan = true;
+            mx = std::max(mx, bmax[t]);
+        }
+        if (!any) {
             ctx.setZero();
             return;
         }
+        if (nan) mx = std::numeric_limits<T>::quiet_NaN();
         double z = 0;
-        for (Index j = 0; j < n; ++j)
-            if (p.key_padding.real(b, j)) z += static_cast<double>(std::exp(base[j * ld] - mx));
         Vec<double> acc = Vec<double>::Zero(d);
-        for (Index j = 0; j < n; ++j) {
-            if (!p.key_padding.real(b, j)) continue;
-            const T c = static_cast<T>(static_cast<double>(std::exp(base[j * ld] - mx)) / z);
-            acc += static_cast<double>(c) * ConstVecMap<T>(base + j * ld + 1, d).template cast<double>();
+        for (Index k = 0; k < per; ++k) {
+            const Index t = b * per + k;
+            if (breal[t] == 0 || bmax[t] == -kInf) continue;
+            const double f = std::exp(static_cast<double>(bmax[t]) - static_cast<double>(mx));
+            z += f * bsum[t];
+            acc += f * Eigen::Map<const Vec<double>>(bctx.get() + t * d, d);
         }
-        ctx = acc.template cast<T>();
+        // every real score -inf, or NaN/Inf among them: z is 0 or NaN and ctx NaN, as torch
+        ctx = (acc / z).template cast<T>();
     });
 
     // 3. out = relu(v) (diag(ctx) w_o) + b_o.
@@ -249,7 +292,7 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
         const RowMatrix<T> Wb = ConstVecMap<T>(context.get() + b * d, d).asDiagonal() * Wo;
         for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
             const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
-            ConstRowMap<T> Vv(skv.get() + row * ld + 1 + d, m, d, Eigen::OuterStride<>(ld));
+            ConstRowMap<T> Vv(values.get() + row * d, m, d, Eigen::OuterStride<>(d));
             RowMap<T> Y(p.out + row * dout, m, dout, Eigen::OuterStride<>(dout));
             if (d == 0) {
                 Y.setZero();
