@@ -17,7 +17,6 @@ import numpy as np
 
 from .. import additive_attention, multi_head_attention, reference, separable_attention
 from .common import Row, interleaved, try_torch
-from .mha import peak_extra_mib
 
 __all__ = ["run", "additive_flops", "separable_flops", "growth_exponent"]
 
@@ -155,10 +154,8 @@ def _sweep(family: str, case: str, ns: tuple[int, ...], fns_at: Callable[[int], 
            min_n: int) -> list[Row]:
     rows: list[Row] = []
     series: dict[str, tuple[list[int], list[float]]] = {}
-    fns_last: dict[str, Any] = {}
     for n in ns:
         fns = fns_at(n)
-        fns_last = fns
         times = interleaved(fns, repeat=repeat, warmup=1, max_time=20.0)
         for impl, ms in times.items():
             series.setdefault(impl, ([], []))
@@ -171,11 +168,9 @@ def _sweep(family: str, case: str, ns: tuple[int, ...], fns_at: Callable[[int], 
         top = max(ns_i)
         for r in rows:
             if r.impl == impl and r.extra["n"] == top:
-                r.extra["slope"] = growth_exponent(ns_i, ms_i, min_n)
-                if impl == "attnlab":
-                    mib = peak_extra_mib(fns_last[impl])
-                    if mib is not None:
-                        r.extra["extra_MiB"] = mib
+                slope = growth_exponent(ns_i, ms_i, min_n)
+                if math.isfinite(slope):
+                    r.extra["slope"] = slope
     return rows
 
 
