@@ -256,9 +256,6 @@ def test_input_forms(rng, mha_weights, close):
     assert mixed.dtype == np.float64
 
 
-@pytest.mark.xfail(strict=False, reason="the shared attention core is not yet bitwise identical "
-                   "across thread counts (multi_head_attention shows it too): exp_row's result "
-                   "depends on the alignment of per-thread scratch")
 def test_thread_count_bitwise(rng, mha_weights):
     w = mha_weights(rng, 16, 4, 4, bias=True)
     qk, vo = _split(w)

@@ -115,10 +115,17 @@ def batch_shape(name_shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ..
         raise ValueError(f"batch dimensions do not broadcast: {desc}") from None
 
 
+def aligned(a: np.ndarray) -> np.ndarray:
+    """``a`` itself, or an aligned copy when its data sits at an address that is not a multiple
+    of its itemsize (possible with views of byte buffers); C++ may not read those in place."""
+    return a if a.flags.aligned else np.array(a, copy=True)
+
+
 def kernel_ready(a: np.ndarray) -> np.ndarray:
-    """A view the kernels can read: non-negative whole-element strides, unit last stride."""
+    """A view the kernels can read: aligned, non-negative whole-element strides, unit last
+    stride."""
     item = a.itemsize
-    ok = all(s >= 0 and s % item == 0 for s in a.strides)
+    ok = a.flags.aligned and all(s >= 0 and s % item == 0 for s in a.strides)
     if a.ndim and a.shape[-1] > 1 and a.strides[-1] != item:
         ok = False
     return a if ok else np.ascontiguousarray(a)
@@ -140,7 +147,7 @@ def rows(a: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """``a`` (..., n, d) broadcast to ``batch`` as a C-contiguous (B*n, d) matrix."""
     n, d = a.shape[-2:]
     a = np.broadcast_to(a.astype(dtype, copy=False), batch + (n, d))
-    return np.ascontiguousarray(a.reshape(-1, d))
+    return aligned(np.ascontiguousarray(a.reshape(-1, d)))
 
 
 def matrix(w: np.ndarray, name: str, dtype: np.dtype, rows_: int | None, cols: int | None,
@@ -149,7 +156,7 @@ def matrix(w: np.ndarray, name: str, dtype: np.dtype, rows_: int | None, cols: i
         cols is not None and w.shape[1] != cols
     ):
         raise ValueError(f"{name}: expected shape {layout}, got {shape_str(w.shape)}")
-    return np.ascontiguousarray(w, dtype=dtype)
+    return aligned(np.ascontiguousarray(w, dtype=dtype))
 
 
 def vector(b: np.ndarray | None, name: str, dtype: np.dtype, n: int) -> np.ndarray | None:
@@ -157,7 +164,7 @@ def vector(b: np.ndarray | None, name: str, dtype: np.dtype, n: int) -> np.ndarr
         return None
     if b.ndim != 1 or b.shape[0] != n:
         raise ValueError(f"{name}: expected shape ({n},), got {shape_str(b.shape)}")
-    return np.ascontiguousarray(b, dtype=dtype)
+    return aligned(np.ascontiguousarray(b, dtype=dtype))
 
 
 def mask4(mask: Any, batch: tuple[int, ...], heads: int, n_q: int, n_k: int,
@@ -182,8 +189,8 @@ def mask4(mask: Any, batch: tuple[int, ...], heads: int, n_q: int, n_k: int,
         ) from None
     b = int(np.prod(batch, dtype=np.int64)) if batch else 1
     m = m.reshape((b, heads, n_q, n_k))
-    if any(s < 0 or s % m.itemsize for s in m.strides):
-        m = np.ascontiguousarray(m)
+    if not m.flags.aligned or any(s < 0 or s % m.itemsize for s in m.strides):
+        m = np.array(m, copy=True)
     return m
 
 
