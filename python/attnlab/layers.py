@@ -1,0 +1,612 @@
+"""Trainable attention layers over attnlab's functional kernels, for notebooks and small loops.
+
+Each layer holds its parameters in ``params`` (a dict of arrays named like the functional
+arguments), computes its forward with one call of the functional kernel, and after
+``backward(grad_out)`` holds the gradients in ``grads`` (the same keys) and returns the
+gradients of its inputs. There is no autograd: a layer remembers its last call only.
+
+>>> import numpy as np
+>>> from attnlab import layers, optim
+>>> layer = layers.MultiHeadAttention(16, 4, seed=0)
+>>> opt = optim.Adam(layer, lr=1e-2)
+>>> x = np.random.default_rng(0).standard_normal((8, 10, 16))
+>>> y = layer(x, causal=True)
+>>> dx = layer.backward(2 * (y - x) / y.size)   # d(MSE)/dy
+>>> opt.step()                                  # reads layer.grads
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from . import _validate as V
+from . import init as _init
+from ._additive import additive_attention, separable_attention
+from ._bilinear import bilinear_attention, collapse_qk
+from ._mha import multi_head_attention
+
+__all__ = ["AdditiveAttention", "BilinearAttention", "MultiHeadAttention", "SeparableAttention"]
+
+
+def _dtype(dtype: Any) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: expected float32 or float64, got {dtype!r}") from None
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype: expected float32 or float64, got {dt}")
+    return dt
+
+
+def _optional_int(x: Any, name: str, default: int) -> int:
+    return default if x is None else V.check_positive_int(x, name)
+
+
+def _bool(x: Any, name: str) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+class _Layer:
+    """Shared machinery: parameters, the saved call, backward, state dicts.
+
+    A subclass declares its parameters with :meth:`_declare` (weights with their fans, biases
+    with the fan-in of their weight) in ``__init__`` and implements :meth:`_functional_kwargs`
+    (the non-array arguments) and, for forward, calls :meth:`_run`.
+    """
+
+    _forward: Callable[..., Any]
+    _backward_name: str
+
+    def __init__(self, *, init: Any, seed: Any, dtype: Any) -> None:
+        self.dtype = _dtype(dtype)
+        self.init = _init.get(init)
+        self.seed = seed
+        self._rng = np.random.default_rng(seed)
+        self.params: dict[str, np.ndarray] = {}
+        self.grads: dict[str, np.ndarray] = {}
+        self._saved: tuple[dict[str, Any], dict[str, Any], dict[str, np.ndarray]] | None = None
+
+    # -- parameters ---------------------------------------------------------------------------
+    def _weight(self, name: str, fan_in: int, fan_out: int) -> None:
+        w = np.asarray(self.init.weight(fan_in, fan_out, self._rng, self.dtype))
+        if w.shape != (fan_in, fan_out):
+            raise ValueError(
+                f"init: the weight initialiser returned shape {V.shape_str(w.shape)} for {name}, "
+                f"expected ({fan_in}, {fan_out})"
+            )
+        self.params[name] = np.ascontiguousarray(w, dtype=self.dtype)
+
+    def _bias(self, name: str, fan_in: int, fan_out: int) -> None:
+        b = np.asarray(self.init.bias(fan_in, fan_out, self._rng, self.dtype))
+        if b.shape != (fan_out,):
+            raise ValueError(
+                f"init: the bias initialiser returned shape {V.shape_str(b.shape)} for {name}, "
+                f"expected ({fan_out},)"
+            )
+        self.params[name] = np.ascontiguousarray(b, dtype=self.dtype)
+
+    @property
+    def num_parameters(self) -> int:
+        """Total number of scalars in ``params``."""
+        return int(sum(p.size for p in self.params.values()))
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of the parameters, keyed as ``params``.
+
+        Examples
+        --------
+        >>> from attnlab import layers
+        >>> a = layers.MultiHeadAttention(8, 2, seed=0)
+        >>> b = layers.MultiHeadAttention(8, 2, seed=1)
+        >>> b.load_state_dict(a.state_dict())
+        >>> bool((a.params["w_q"] == b.params["w_q"]).all())
+        True
+        """
+        return {k: v.copy() for k, v in self.params.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy ``state`` into the parameters, in place (optimisers keep their references).
+
+        Parameters
+        ----------
+        state : mapping of str to array_like
+            Exactly the keys of ``params``, each of the same shape; values are cast to the
+            layer's dtype.
+
+        Raises
+        ------
+        KeyError
+            Naming the missing and the unexpected keys.
+        ValueError
+            Naming a key whose shape differs.
+        TypeError
+            For a non-mapping or non-numeric values.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state: expected a mapping of parameter names to arrays, got "
+                            f"{type(state).__name__}")
+        missing = sorted(set(self.params) - set(state))
+        unexpected = sorted(set(state) - set(self.params))
+        if missing or unexpected:
+            raise KeyError(
+                f"state: keys do not match {type(self).__name__}'s parameters "
+                f"(missing {missing}, unexpected {unexpected}; expected {list(self.params)})"
+            )
+        arrays = {}
+        for k, p in self.params.items():
+            a = V.as_array(state[k], f"state[{k!r}]")
+            if a.shape != p.shape:
+                raise ValueError(f"state[{k!r}]: expected shape {V.shape_str(p.shape)}, got "
+                                 f"{V.shape_str(a.shape)}")
+            arrays[k] = a
+        for k, a in arrays.items():  # only after every check passed
+            self.params[k][...] = a
+
+    def zero_grad(self) -> None:
+        """Set every gradient to zero (``grads`` gets one zero array per parameter)."""
+        self.grads = {k: np.zeros_like(p) for k, p in self.params.items()}
+
+    # -- forward / backward -------------------------------------------------------------------
+    def _functional_kwargs(self) -> dict[str, Any]:
+        """The non-array keyword arguments of the functional call (num_heads, scale, ...)."""
+        raise NotImplementedError
+
+    def _param_kwargs(self, params: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return dict(params)
+
+    def _run(self, inputs: dict[str, Any], options: dict[str, Any]) -> Any:
+        """Forward through the functional kernel; save what backward needs."""
+        given = {k: v for k, v in inputs.items() if v is not None}
+        # An input passed twice (``layer(x, x)``) must still get its own gradient: the
+        # functional backward sums gradients into "query" when it sees the same object.
+        seen: list[Any] = []
+        for k, v in given.items():
+            if any(v is s for s in seen):
+                given[k] = np.asarray(v).view()
+            seen.append(given[k])
+        kwargs = {**self._param_kwargs(self.params), **self._functional_kwargs(), **options}
+        out = type(self)._forward(**given, **kwargs)
+        # parameters are snapshot so that backward differentiates the function that ran even if
+        # an optimiser updates them in place before backward is called
+        self._saved = (given, options, {k: p.copy() for k, p in self.params.items()})
+        return out
+
+    def _backward_fn(self) -> Callable[..., dict[str, np.ndarray]]:
+        pkg = importlib.import_module(__package__ or "attnlab")
+        fn = getattr(pkg, self._backward_name, None)
+        if fn is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}.backward needs attnlab.{self._backward_name}, which this "
+                f"build does not provide yet"
+            )
+        return fn
+
+    def backward(self, grad_out: Any, *, accumulate: bool = False) -> Any:
+        """Back-propagate ``grad_out`` through the last call.
+
+        Parameters
+        ----------
+        grad_out : array_like
+            Gradient of the loss with respect to the last output (same shape).
+        accumulate : bool
+            Add the parameter gradients to ``grads`` instead of replacing them (gradient
+            accumulation over several calls; start from :meth:`zero_grad`).
+
+        Returns
+        -------
+        ndarray or tuple of ndarray
+            The gradient of each input given to the last call, shaped like it: a single array
+            when only one input was given (self-attention, or ``x``), otherwise a tuple in
+            argument order (``(d_query, d_key)`` or ``(d_query, d_key, d_value)``; with
+            ``value`` but no ``key``, ``(d_query, d_value)``).
+
+        Notes
+        -----
+        Uses the inputs of the last call (by reference: do not modify them in place before
+        backward) and the parameters as they were at that call. Masks get no gradient.
+        """
+        if self._saved is None:
+            raise RuntimeError(f"{type(self).__name__}.backward: call the layer first")
+        acc = _bool(accumulate, "accumulate")
+        given, options, params = self._saved
+        kwargs = {**self._param_kwargs(params), **self._functional_kwargs(), **options}
+        kwargs.pop("return_weights", None)
+        fn = self._backward_fn()
+        g = fn(grad_out, **given, **kwargs)
+        grads = self._param_grads(g)
+        if acc and self.grads:
+            for k, v in grads.items():
+                self.grads[k] = self.grads[k] + v
+        else:
+            self.grads = grads
+        out = tuple(g[k] for k in given)
+        return out[0] if len(out) == 1 else out
+
+    def _param_grads(self, g: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: np.asarray(g[k], dtype=self.dtype).reshape(p.shape)
+                for k, p in self.params.items()}
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}={V.shape_str(p.shape)}" for k, p in self.params.items())
+        return (f"{type(self).__name__}({shapes}; {self.num_parameters} parameters, "
+                f"init={self.init.name!r}, dtype={self.dtype.name})")
+
+
+class _QKVLayer(_Layer):
+    """Query/key/value call signature shared by the multi-head and bilinear layers."""
+
+    num_heads: int
+    num_kv_heads: int
+    d_head: int
+    scale: float
+
+    def _functional_kwargs(self) -> dict[str, Any]:
+        return {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+                "scale": self.scale}
+
+    def __call__(self, query: Any, key: Any = None, value: Any = None, *, mask: Any = None,
+                 key_padding_mask: Any = None, causal: bool | str = False,
+                 return_weights: bool | str = False) -> Any:
+        """Attend from ``query`` to ``key``/``value`` (self-attention when they are omitted).
+
+        Parameters
+        ----------
+        query : array_like, shape (..., n_q, d_model)
+        key : array_like, shape (..., n_k, kdim), optional
+            Defaults to ``query``.
+        value : array_like, shape (..., n_k, vdim), optional
+            Defaults to ``key``.
+        mask, key_padding_mask, causal, return_weights
+            As for :func:`attnlab.multi_head_attention` (``True`` means *may attend*).
+
+        Returns
+        -------
+        out : ndarray, shape (..., n_q, d_out)
+        weights : ndarray, optional
+            With ``return_weights``.
+        """
+        return self._run({"query": query, "key": key, "value": value},
+                         {"mask": mask, "key_padding_mask": key_padding_mask,
+                          "causal": causal, "return_weights": return_weights})
+
+
+def _heads(d_model: Any, num_heads: Any, num_kv_heads: Any, d_head: Any) -> tuple[int, ...]:
+    d = V.check_positive_int(d_model, "d_model")
+    h = V.check_positive_int(num_heads, "num_heads")
+    h_kv = _optional_int(num_kv_heads, "num_kv_heads", h)
+    if h % h_kv:
+        raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {h}, got {h_kv}")
+    if d_head is None:
+        if d % h:
+            raise ValueError(f"num_heads: {h} does not divide d_model = {d}; pass d_head")
+        d_head = d // h
+    return d, h, h_kv, V.check_positive_int(d_head, "d_head")
+
+
+class MultiHeadAttention(_QKVLayer):
+    """Multi-head attention with per-head projections, over :func:`attnlab.multi_head_attention`.
+
+    Parameters
+    ----------
+    d_model : int
+        Query features ``d_q``.
+    num_heads : int
+        ``h``.
+    num_kv_heads : int, optional
+        ``h_kv`` (grouped-query attention); defaults to ``num_heads``.
+    d_head : int, optional
+        Width of each head (queries, keys and values); defaults to ``d_model // num_heads``.
+    kdim : int, optional
+        Key features; defaults to ``d_model``.
+    vdim : int, optional
+        Value features; defaults to ``kdim`` (the value defaults to the key).
+    d_out : int, optional
+        Output features; defaults to ``d_model``.
+    bias : bool
+        Include ``b_q, b_k, b_v, b_o``.
+    init : str, callable or attnlab.init.Scheme
+        The initialisation scheme (:func:`attnlab.init.get`); default ``"torch"``.
+    seed : int or numpy.random.Generator, optional
+        Parameters are drawn in the order ``w_q, b_q, w_k, b_k, w_v, b_v, w_o, b_o``.
+    dtype : float32 or float64
+
+    Attributes
+    ----------
+    params : dict of ndarray
+        ``w_q (d_model, h*d_head)``, ``w_k (kdim, h_kv*d_head)``, ``w_v (vdim, h_kv*d_head)``,
+        ``w_o (h*d_head, d_out)`` and, with ``bias``, ``b_q, b_k, b_v, b_o``.
+    grads : dict of ndarray
+        Filled by :meth:`backward`.
+    scale : float
+        ``1 / sqrt(d_head)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab.layers import MultiHeadAttention
+    >>> mha = MultiHeadAttention(16, 4, seed=0)
+    >>> x = np.random.default_rng(0).standard_normal((2, 5, 16))
+    >>> y = mha(x, causal=True)
+    >>> dx = mha.backward(np.ones_like(y))
+    >>> y.shape, dx.shape, mha.num_parameters, sorted(mha.grads) == sorted(mha.params)
+    ((2, 5, 16), (2, 5, 16), 1088, True)
+    """
+
+    _forward = staticmethod(multi_head_attention)
+    _backward_name = "multi_head_attention_backward"
+
+    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 d_head: int | None = None, kdim: int | None = None, vdim: int | None = None,
+                 d_out: int | None = None, bias: bool = True, init: Any = "torch",
+                 seed: Any = None, dtype: Any = np.float64) -> None:
+        super().__init__(init=init, seed=seed, dtype=dtype)
+        d, h, h_kv, dh = _heads(d_model, num_heads, num_kv_heads, d_head)
+        self.d_model, self.num_heads, self.num_kv_heads, self.d_head = d, h, h_kv, dh
+        self.kdim = _optional_int(kdim, "kdim", d)
+        self.vdim = _optional_int(vdim, "vdim", self.kdim)
+        self.d_out = _optional_int(d_out, "d_out", d)
+        self.bias = _bool(bias, "bias")
+        self.scale = 1.0 / math.sqrt(dh)
+        for n, fan_in, fan_out in (("q", d, h * dh), ("k", self.kdim, h_kv * dh),
+                                   ("v", self.vdim, h_kv * dh), ("o", h * dh, self.d_out)):
+            self._weight(f"w_{n}", fan_in, fan_out)
+            if self.bias:
+                self._bias(f"b_{n}", fan_in, fan_out)
+
+
+class BilinearAttention(_QKVLayer):
+    """Attention with collapsed query-key weights, over :func:`attnlab.bilinear_attention`.
+
+    Logits ``scale * (x_q W_i x_k^T + u_i x_k^T)`` per head ``i``; values and output as in
+    multi-head attention.
+
+    Parameters
+    ----------
+    d_model, num_heads, num_kv_heads, d_head, kdim, vdim, d_out, bias, init, seed, dtype
+        As for :class:`MultiHeadAttention`. ``d_head`` sets the value heads' width and the
+        scale ``1/sqrt(d_head)``.
+
+    Attributes
+    ----------
+    params : dict of ndarray
+        ``w_qk (h, d_model, kdim)``, ``w_v (vdim, h_kv*d_head)``, ``w_o (h*d_head, d_out)`` and,
+        with ``bias``, ``u_k (h, kdim)`` (the key-side term ``W_k,i b_q,i``), ``b_v``, ``b_o``.
+
+    Notes
+    -----
+    Initialisation folds a multi-head layer drawn with the same arguments: a fresh
+    ``BilinearAttention(..., seed=s)`` computes exactly what ``MultiHeadAttention(..., seed=s)``
+    does (each ``W_i`` starts with rank ``d_head``; training may raise it).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab.layers import BilinearAttention, MultiHeadAttention
+    >>> mha = MultiHeadAttention(16, 4, seed=0)
+    >>> bil = BilinearAttention.from_mha(mha)
+    >>> x = np.random.default_rng(0).standard_normal((2, 5, 16))
+    >>> bool(np.allclose(bil(x), mha(x), atol=1e-12)), bil.params["w_qk"].shape
+    (True, (4, 16, 16))
+    """
+
+    _forward = staticmethod(bilinear_attention)
+    _backward_name = "bilinear_attention_backward"
+
+    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 d_head: int | None = None, kdim: int | None = None, vdim: int | None = None,
+                 d_out: int | None = None, bias: bool = True, init: Any = "torch",
+                 seed: Any = None, dtype: Any = np.float64) -> None:
+        mha = MultiHeadAttention(d_model, num_heads, num_kv_heads=num_kv_heads, d_head=d_head,
+                                 kdim=kdim, vdim=vdim, d_out=d_out, bias=bias, init=init,
+                                 seed=seed, dtype=dtype)
+        super().__init__(init=mha.init, seed=seed, dtype=mha.dtype)
+        self._fold(mha)
+
+    def _fold(self, mha: MultiHeadAttention) -> None:
+        for k in ("d_model", "num_heads", "num_kv_heads", "d_head", "kdim", "vdim", "d_out",
+                  "bias", "scale"):
+            setattr(self, k, getattr(mha, k))
+        p = mha.params
+        qk = collapse_qk(p["w_q"], p["w_k"], p.get("b_q"), None, num_heads=mha.num_heads,
+                         num_kv_heads=mha.num_kv_heads)
+        self.params = {"w_qk": np.ascontiguousarray(qk.w, dtype=self.dtype)}
+        if qk.u is not None:
+            self.params["u_k"] = np.ascontiguousarray(qk.u, dtype=self.dtype)
+        for k in ("w_v", "b_v", "w_o", "b_o"):
+            if k in p:
+                self.params[k] = p[k].astype(self.dtype, copy=True)
+        self.grads = {}
+        self._saved = None
+
+    @classmethod
+    def from_mha(cls, layer: MultiHeadAttention) -> BilinearAttention:
+        """Fold a :class:`MultiHeadAttention` layer exactly (:func:`attnlab.collapse_qk`).
+
+        ``w_qk = W_q,i W_k,i^T``; ``u_k = W_k,i b_q,i`` when the layer has biases (the terms
+        from ``b_k`` cancel in the softmax and are dropped); ``w_v, b_v, w_o, b_o`` are copied;
+        the scale stays ``1/sqrt(d_head)``. The result computes the same function as ``layer``
+        (to rounding) and owns its parameters.
+
+        Parameters
+        ----------
+        layer : MultiHeadAttention
+
+        Returns
+        -------
+        BilinearAttention
+
+        Examples
+        --------
+        >>> from attnlab.layers import BilinearAttention, MultiHeadAttention
+        >>> BilinearAttention.from_mha(MultiHeadAttention(8, 2, seed=0)).num_parameters
+        288
+        """
+        if not isinstance(layer, MultiHeadAttention):
+            raise TypeError(f"layer: expected a MultiHeadAttention, got {type(layer).__name__}")
+        obj = cls.__new__(cls)
+        _Layer.__init__(obj, init=layer.init, seed=layer.seed, dtype=layer.dtype)
+        obj._fold(layer)
+        return obj
+
+    def _param_kwargs(self, params: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return {"w_qk": params["w_qk"], "u_k": params.get("u_k"), "w_v": params["w_v"],
+                "w_o": params["w_o"], "b_v": params.get("b_v"), "b_o": params.get("b_o")}
+
+
+class AdditiveAttention(_Layer):
+    """SwiftFormer's efficient additive attention, over :func:`attnlab.additive_attention`.
+
+    Parameters
+    ----------
+    d_model : int
+        Input features ``d_in``.
+    d_hidden : int, optional
+        ``D``, the width of queries and keys; defaults to ``d_model``. The official module
+        ``EfficientAdditiveAttnetion(in_dims, token_dim, num_heads)`` has ``d_model = in_dims``,
+        ``d_hidden = token_dim * num_heads`` and ``d_out = token_dim``.
+    d_out : int, optional
+        Output features; defaults to ``d_model``.
+    variant : {"official", "hf"}
+        See :func:`attnlab.additive_attention`.
+    scale : float, optional
+        Defaults to ``d_out ** -0.5``.
+    eps : float
+        Floor of every norm.
+    bias : bool
+        Include ``b_q, b_k, b_proj, b_final``.
+    init, seed, dtype
+        As for :class:`MultiHeadAttention`. ``w_g`` is drawn as a ``(D, 1)`` weight of the
+        scheme (the official code uses ``randn``; the L2 normalisation over tokens makes its
+        scale irrelevant in the official variant).
+
+    Attributes
+    ----------
+    params : dict of ndarray
+        ``w_q (d_model, D)``, ``b_q``, ``w_k (d_model, D)``, ``b_k``, ``w_g (D,)``,
+        ``w_proj (D, D)``, ``b_proj``, ``w_final (D, d_out)``, ``b_final``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab.layers import AdditiveAttention
+    >>> att = AdditiveAttention(16, d_hidden=32, d_out=8, seed=0)
+    >>> att(np.ones((2, 49, 16))).shape, att.num_parameters
+    ((2, 49, 8), 2440)
+    """
+
+    _forward = staticmethod(additive_attention)
+    _backward_name = "additive_attention_backward"
+
+    def __init__(self, d_model: int, *, d_hidden: int | None = None, d_out: int | None = None,
+                 variant: str = "official", scale: float | None = None, eps: float = 1e-12,
+                 bias: bool = True, init: Any = "torch", seed: Any = None,
+                 dtype: Any = np.float64) -> None:
+        super().__init__(init=init, seed=seed, dtype=dtype)
+        d = V.check_positive_int(d_model, "d_model")
+        D = _optional_int(d_hidden, "d_hidden", d)
+        self.d_model, self.d_hidden = d, D
+        self.d_out = _optional_int(d_out, "d_out", d)
+        if variant not in ("official", "hf"):
+            raise ValueError(f"variant: expected 'official' or 'hf', got {variant!r}")
+        self.variant = variant
+        self.scale = V.check_scale(scale, self.d_out ** -0.5)
+        self.eps = float(eps)
+        self.bias = _bool(bias, "bias")
+        for n, fan_in, fan_out in (("q", d, D), ("k", d, D)):
+            self._weight(f"w_{n}", fan_in, fan_out)
+            if self.bias:
+                self._bias(f"b_{n}", fan_in, fan_out)
+        self._weight("w_g", D, 1)
+        self.params["w_g"] = self.params["w_g"].reshape(D)
+        for n, fan_in, fan_out in (("proj", D, D), ("final", D, self.d_out)):
+            self._weight(f"w_{n}", fan_in, fan_out)
+            if self.bias:
+                self._bias(f"b_{n}", fan_in, fan_out)
+
+    def _functional_kwargs(self) -> dict[str, Any]:
+        return {"scale": self.scale, "variant": self.variant, "eps": self.eps}
+
+    def __call__(self, x: Any, *, key_padding_mask: Any = None) -> np.ndarray:
+        """Apply the layer to tokens ``x``.
+
+        Parameters
+        ----------
+        x : array_like, shape (..., n, d_model)
+        key_padding_mask : array_like of bool, shape (..., n), optional
+            ``True`` for real tokens.
+
+        Returns
+        -------
+        ndarray, shape (..., n, d_out)
+        """
+        return self._run({"x": x}, {"key_padding_mask": key_padding_mask})
+
+
+class SeparableAttention(_Layer):
+    """MobileViT-v2's separable self-attention, over :func:`attnlab.separable_attention`.
+
+    Parameters
+    ----------
+    d_model : int
+        Token features ``d``.
+    d_out : int, optional
+        Output features; defaults to ``d_model``.
+    bias : bool
+        Include ``b_qkv`` and ``b_o``.
+    init, seed, dtype
+        As for :class:`MultiHeadAttention` (``w_qkv`` is one ``(d, 1 + 2 d)`` weight, like the
+        original's single 1x1 convolution).
+
+    Attributes
+    ----------
+    params : dict of ndarray
+        ``w_qkv (d_model, 1 + 2 d_model)``, ``b_qkv``, ``w_o (d_model, d_out)``, ``b_o``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab.layers import SeparableAttention
+    >>> sep = SeparableAttention(8, seed=0)
+    >>> sep(np.ones((3, 16, 8))).shape, sep.num_parameters
+    ((3, 16, 8), 225)
+    """
+
+    _forward = staticmethod(separable_attention)
+    _backward_name = "separable_attention_backward"
+
+    def __init__(self, d_model: int, *, d_out: int | None = None, bias: bool = True,
+                 init: Any = "torch", seed: Any = None, dtype: Any = np.float64) -> None:
+        super().__init__(init=init, seed=seed, dtype=dtype)
+        d = V.check_positive_int(d_model, "d_model")
+        self.d_model = d
+        self.d_out = _optional_int(d_out, "d_out", d)
+        self.bias = _bool(bias, "bias")
+        for n, fan_in, fan_out in (("qkv", d, 1 + 2 * d), ("o", d, self.d_out)):
+            self._weight(f"w_{n}", fan_in, fan_out)
+            if self.bias:
+                self._bias(f"b_{n}", fan_in, fan_out)
+
+    def _functional_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    def __call__(self, x: Any, *, key_padding_mask: Any = None) -> np.ndarray:
+        """Apply the layer to tokens ``x``.
+
+        Parameters
+        ----------
+        x : array_like, shape (..., n, d_model)
+        key_padding_mask : array_like of bool, shape (..., n), optional
+            ``True`` for real tokens.
+
+        Returns
+        -------
+        ndarray, shape (..., n, d_out)
+        """
+        return self._run({"x": x}, {"key_padding_mask": key_padding_mask})
