@@ -244,6 +244,28 @@ def test_padding_matches_unpadded(rng, close, dtype, variant):
     close(gr, ref(xr, key_padding_mask=kp, **w), dtype, f"{variant} padded vs reference")
 
 
+@pytest.mark.parametrize("variant", ["official", "hf", "separable"])
+def test_padding_across_blocks(rng, close, variant):
+    """Masks spanning several row blocks: fully padded blocks, partly padded ones, NaN padding."""
+    n, d = 700, 8
+    kp = rng.random((2, n)) > 0.5
+    kp[0, 128:384] = False          # two whole blocks of padding
+    kp[1, :] = True
+    kp[1, 650:] = False
+    x = rng.standard_normal((2, n, d))
+    if variant == "separable":
+        w = separable_weights(rng, d)
+        f, ref = attnlab.separable_attention, R.separable_attention
+    else:
+        w = dict(additive_weights(rng, d, d, d), variant=variant)
+        f, ref = attnlab.additive_attention, R.additive_attention
+    expect = ref(x, key_padding_mask=kp, **w)
+    close(f(x, key_padding_mask=kp, **w), expect, np.float64, f"{variant} padded vs reference")
+    x[~kp] = np.nan
+    got = f(x, key_padding_mask=kp, **w)
+    close(got[kp], expect[kp], np.float64, f"{variant} padded vs reference")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
 @pytest.mark.parametrize("variant", ["official", "hf"])
 def test_additive_fully_padded(rng, close, dtype, variant):
@@ -678,3 +700,19 @@ def test_vs_transformers_mobilevitv2(rng, close, dtype):
     got = attnlab.separable_attention(fmap.transpose(0, 2, 3, 1), **kw).transpose(0, 3, 1, 2)
     close(got, ref, dtype, "separable vs transformers",
           tol=1e-5 if dtype == np.float32 else 1e-12)
+
+
+# ----------------------------------------------------------------------------- bench helpers
+
+
+def test_bench_growth_exponent_and_flops():
+    from attnlab._bench.additive import additive_flops, growth_exponent, separable_flops
+
+    ns = [49, 196, 784, 3136, 12544]
+    assert growth_exponent(ns, [0.1 * n for n in ns]) == pytest.approx(1.0)
+    assert growth_exponent(ns, [1e-4 * n * n for n in ns]) == pytest.approx(2.0)
+    # fixed costs at small n are left out of the fit (n >= 784)
+    assert growth_exponent(ns, [5.0 + 0.1 * n if n < 784 else 0.1 * n for n in ns]) == \
+        pytest.approx(1.0)
+    assert additive_flops(2, 10, 4, 4, 4) == 2 * additive_flops(1, 10, 4, 4, 4)
+    assert separable_flops(1, 20, 8, 8) == 2 * separable_flops(1, 10, 8, 8)
