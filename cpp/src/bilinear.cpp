@@ -131,4 +131,102 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
 template void bilinear_attention_forward<float>(const BilinearProblem<float>&);
 template void bilinear_attention_forward<double>(const BilinearProblem<double>&);
 
+template <typename T>
+void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
+                                 const BilinearGrads<T>& g) {
+    const Index H = p.heads, Hk = p.kv_heads, dq = p.d_q, dk = p.d_k, dvh = p.d_vhead;
+    const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
+    const Index wv = Hk * dvh, wc = H * dvh, wp = H * dk, d_out = p.w_o.out;
+    const Index d_v = p.w_v.in;
+
+    // Forward in the query order, keeping the log-sum-exp.
+    auto v = make_buffer<T>(rk * wv), ctx = make_buffer<T>(rq * wc);
+    auto proj = make_buffer<T>(rq * wp);
+    auto lse = make_buffer<T>(p.batch * H * p.n_q);
+    linear(rk, d_v, wv, p.value, d_v, p.w_v.w, p.w_v.b, v.get(), wv);
+    detail::project_heads(p, BilinearOrder::query, rq, p.query, proj.get(), dk);
+
+    AttentionProblem<T> a;
+    a.batch = p.batch;
+    a.heads = H;
+    a.kv_heads = Hk;
+    a.n_q = p.n_q;
+    a.n_k = p.n_k;
+    a.d = dk;
+    a.d_v = dvh;
+    a.scale = p.scale;
+    a.q = {proj.get(), p.n_q * wp, dk, wp};
+    a.k = {p.key, p.n_k * dk, 0, dk};
+    a.v = {v.get(), p.n_k * wv, dvh, wv};
+    a.out = {ctx.get(), p.n_q * wc, dvh, wc};
+    a.mask = p.mask;
+    a.lse = lse.get();
+    attention_forward(a);
+
+    // Output projection.
+    linear_weight_grad(rq, wc, d_out, ctx.get(), wc, grad_out, d_out, g.w_o.w, g.w_o.b);
+    auto dctx = make_buffer<T>(rq * wc);
+    linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc);
+
+    // Attention core. The keys are shared by all heads (head stride 0) but the core writes
+    // d_k per kv head, so give each kv head its own column block and sum them afterwards.
+    auto dproj = make_buffer<T>(rq * wp), dkh = make_buffer<T>(rk * Hk * dk);
+    auto dv = make_buffer<T>(rk * wv);
+    AttentionGrad<T> ag;
+    ag.d_out = {dctx.get(), p.n_q * wc, dvh, wc};
+    ag.d_q = {dproj.get(), p.n_q * wp, dk, wp};
+    ag.d_k = {dkh.get(), p.n_k * Hk * dk, dk, Hk * dk};
+    ag.d_v = {dv.get(), p.n_k * wv, dvh, wv};
+    attention_backward(a, ag);
+
+    // Values.
+    linear_weight_grad(rk, d_v, wv, p.value, d_v, dv.get(), wv, g.w_v.w, g.w_v.b);
+    if (g.value) linear_input_grad(rk, d_v, wv, dv.get(), wv, p.w_v.w, g.value, d_v);
+
+    // Keys: d key = sum over kv heads, in head order (fixed, thread-count independent).
+    if (g.key) {
+        parallel_for((rk + 255) / 256, [&](Index c) {
+            const Index r1 = std::min(rk, (c + 1) * 256);
+            for (Index r = c * 256; r < r1; ++r) {
+                Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> dst(g.key + r * dk, dk);
+                const T* src = dkh.get() + r * Hk * dk;
+                dst = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(src, dk);
+                for (Index i = 1; i < Hk; ++i)
+                    dst += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(src + i * dk, dk);
+            }
+        });
+    }
+
+    // Q'_i = X_q W_i + u_i for all heads is X_q [W_1 | ... | W_h] + [u_1 | ... | u_h]: one
+    // linear layer of width h d_k. Its weight packed as (d_q, h d_k) serves both the weight
+    // gradient (one GEMM, then unpacked) and the query gradient (one GEMM).
+    if (g.w_qk || g.u_k) {
+        // db of the packed layer is laid out exactly as (h, d_k): the u_k gradient
+        auto packed = g.w_qk ? make_buffer<T>(dq * wp) : nullptr;
+        linear_weight_grad(rq, dq, wp, p.query, dq, dproj.get(), wp, packed.get(), g.u_k);
+        if (g.w_qk)
+            parallel_for(H, [&](Index i) {
+                for (Index r = 0; r < dq; ++r) {
+                    const T* src = packed.get() + r * wp + i * dk;
+                    std::copy(src, src + dk, g.w_qk + (i * dq + r) * dk);
+                }
+            });
+    }
+    if (g.query) {
+        auto packed = make_buffer<T>(dq * wp);
+        parallel_for(H, [&](Index i) {
+            for (Index r = 0; r < dq; ++r) {
+                const T* src = p.w_qk + (i * dq + r) * dk;
+                std::copy(src, src + dk, packed.get() + r * wp + i * dk);
+            }
+        });
+        linear_input_grad(rq, dq, wp, dproj.get(), wp, packed.get(), g.query, dq);
+    }
+}
+
+template void bilinear_attention_backward<float>(const BilinearProblem<float>&, const float*,
+                                                 const BilinearGrads<float>&);
+template void bilinear_attention_backward<double>(const BilinearProblem<double>&, const double*,
+                                                  const BilinearGrads<double>&);
+
 }  // namespace attnlab

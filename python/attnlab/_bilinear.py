@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _validate as V
 from ._loader import core
-from ._mha import _finish
+from ._mha import _finish, _grad_out, _unbroadcast
 from .cost import collapsed_order
 
-__all__ = ["bilinear_attention", "collapse_qk", "factorize_qk", "BilinearQK"]
+__all__ = ["bilinear_attention", "bilinear_attention_backward", "collapse_qk", "factorize_qk",
+           "BilinearQK"]
 
 _ORDERS = {"query": 0, "key": 1}
 
@@ -246,6 +247,117 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return w_q, w_k, rel.astype(arr.dtype)
 
 
+class _Prepared(NamedTuple):
+    """Validated arguments of bilinear_attention, as the core takes them."""
+
+    dtype: np.dtype
+    batch: tuple[int, ...]
+    B: int
+    n_q: int
+    n_k: int
+    d_out: int
+    h: int
+    h_kv: int
+    xq: np.ndarray
+    xk: np.ndarray
+    xv: np.ndarray
+    wqk: np.ndarray
+    uk: np.ndarray | None
+    wv: np.ndarray
+    bv: np.ndarray | None
+    wo: np.ndarray
+    bo: np.ndarray | None
+    m4: Any
+    kp: Any
+    code: int
+    scale: float
+    mode: str | None
+    order: str
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """query, key, value as contiguous (B * n, d) rows (shared when key/value default)."""
+        rq = V.rows(self.xq, self.batch, self.dtype)
+        rk = rq if self.xk is self.xq else V.rows(self.xk, self.batch, self.dtype)
+        rv = rk if self.xv is self.xk else V.rows(self.xv, self.batch, self.dtype)
+        return rq, rk, rv
+
+
+def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_o: Any,
+             b_v: Any, b_o: Any, num_heads: Any, num_kv_heads: Any, mask: Any,
+             key_padding_mask: Any, causal: Any, scale: Any, return_weights: Any,
+             _order: Any) -> _Prepared:
+    h, h_kv = _heads(num_heads, num_kv_heads)
+    d_head: float | None = None
+    if isinstance(w_qk, BilinearQK):
+        if u_k is not None:
+            raise ValueError("u_k: must be None when w_qk is a BilinearQK (it carries its own u)")
+        u_k = w_qk.u
+        d_head = float(w_qk.d_head)
+        w_qk = w_qk.w
+    xq = V.as_array(query, "query")
+    xk = xq if key is None else V.as_array(key, "key")
+    xv = xk if value is None else V.as_array(value, "value")
+    V.check_ndim(xq, "query", 2, "(..., n_q, d_q)")
+    V.check_ndim(xk, "key", 2, "(..., n_k, d_k)")
+    V.check_ndim(xv, "value", 2, "(..., n_k, d_v)")
+    n_q, d_q = xq.shape[-2:]
+    n_k, d_k = xk.shape[-2:]
+    if xv.shape[-2] != n_k:
+        raise ValueError(
+            f"value: expected {n_k} tokens (as key), got shape {V.shape_str(xv.shape)}"
+        )
+    d_v = xv.shape[-1]
+    wqk_ = V.as_array(w_qk, "w_qk")
+    uk_ = V.optional_array(u_k, "u_k")
+    wv_ = V.as_array(w_v, "w_v")
+    wo_ = V.as_array(w_o, "w_o")
+    bv_ = V.optional_array(b_v, "b_v")
+    bo_ = V.optional_array(b_o, "b_o")
+    dtype = V.result_dtype(xq, xk, xv, wqk_, uk_, wv_, wo_, bv_, bo_)
+    if wqk_.shape != (h, d_q, d_k):
+        raise ValueError(f"w_qk: expected shape (h, d_q, d_k) = ({h}, {d_q}, {d_k}), got "
+                         f"{V.shape_str(wqk_.shape)}")
+    wqk = np.ascontiguousarray(wqk_, dtype=dtype)
+    uk = None
+    if uk_ is not None:
+        if uk_.shape != (h, d_k):
+            raise ValueError(f"u_k: expected shape (h, d_k) = ({h}, {d_k}), got "
+                             f"{V.shape_str(uk_.shape)}")
+        uk = np.ascontiguousarray(uk_, dtype=dtype)
+    if wv_.ndim != 2 or wv_.shape[0] != d_v or wv_.shape[1] % h_kv:
+        raise ValueError(
+            f"w_v: expected shape (d_v, h_kv * d_vhead) = ({d_v}, {h_kv} * d_vhead), got "
+            f"{V.shape_str(wv_.shape)}"
+        )
+    d_vhead = wv_.shape[1] // h_kv
+    wv = V.matrix(wv_, "w_v", dtype, d_v, h_kv * d_vhead, f"({d_v}, {h_kv * d_vhead})")
+    wo = V.matrix(wo_, "w_o", dtype, h * d_vhead, None,
+                  f"(h * d_vhead, d_out) = ({h * d_vhead}, d_out)")
+    d_out = wo.shape[1]
+    bv = V.vector(bv_, "b_v", dtype, h_kv * d_vhead)
+    bo = V.vector(bo_, "b_o", dtype, d_out)
+
+    batch = V.batch_shape([("query", xq.shape[:-2]), ("key", xk.shape[:-2]),
+                           ("value", xv.shape[:-2])])
+    code = V.causal_code(causal)
+    if d_head is None:
+        d_head = d_q / h
+    s = V.check_scale(scale, 1.0 / math.sqrt(d_head) if d_head > 0 else 1.0)
+    mode = V.weights_mode(return_weights)
+    m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
+    kp = V.key_padding2(key_padding_mask, batch, n_k)
+    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    if _order is None:
+        order = collapsed_order(n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=h, batch=B,
+                                key_bias=uk is not None)
+    elif _order in _ORDERS:
+        order = _order
+    else:
+        raise ValueError(f"_order: expected None, 'query' or 'key', got {_order!r}")
+    return _Prepared(dtype, batch, B, n_q, n_k, d_out, h, h_kv, xq, xk, xv, wqk, uk, wv, bv,
+                     wo, bo, m4, kp, code, s, mode, order)
+
+
 def bilinear_attention(
     query: Any,
     key: Any = None,
@@ -323,84 +435,105 @@ def bilinear_attention(
     >>> bool(np.allclose(out, ref, atol=1e-12))
     True
     """
-    h, h_kv = _heads(num_heads, num_kv_heads)
-    d_head: float | None = None
-    if isinstance(w_qk, BilinearQK):
-        if u_k is not None:
-            raise ValueError("u_k: must be None when w_qk is a BilinearQK (it carries its own u)")
-        u_k = w_qk.u
-        d_head = float(w_qk.d_head)
-        w_qk = w_qk.w
-    xq = V.as_array(query, "query")
-    xk = xq if key is None else V.as_array(key, "key")
-    xv = xk if value is None else V.as_array(value, "value")
-    V.check_ndim(xq, "query", 2, "(..., n_q, d_q)")
-    V.check_ndim(xk, "key", 2, "(..., n_k, d_k)")
-    V.check_ndim(xv, "value", 2, "(..., n_k, d_v)")
-    n_q, d_q = xq.shape[-2:]
-    n_k, d_k = xk.shape[-2:]
-    if xv.shape[-2] != n_k:
-        raise ValueError(
-            f"value: expected {n_k} tokens (as key), got shape {V.shape_str(xv.shape)}"
-        )
-    d_v = xv.shape[-1]
-    wqk_ = V.as_array(w_qk, "w_qk")
-    uk_ = V.optional_array(u_k, "u_k")
-    wv_ = V.as_array(w_v, "w_v")
-    wo_ = V.as_array(w_o, "w_o")
-    bv_ = V.optional_array(b_v, "b_v")
-    bo_ = V.optional_array(b_o, "b_o")
-    dtype = V.result_dtype(xq, xk, xv, wqk_, uk_, wv_, wo_, bv_, bo_)
-    if wqk_.shape != (h, d_q, d_k):
-        raise ValueError(f"w_qk: expected shape (h, d_q, d_k) = ({h}, {d_q}, {d_k}), got "
-                         f"{V.shape_str(wqk_.shape)}")
-    wqk = np.ascontiguousarray(wqk_, dtype=dtype)
-    uk = None
-    if uk_ is not None:
-        if uk_.shape != (h, d_k):
-            raise ValueError(f"u_k: expected shape (h, d_k) = ({h}, {d_k}), got "
-                             f"{V.shape_str(uk_.shape)}")
-        uk = np.ascontiguousarray(uk_, dtype=dtype)
-    if wv_.ndim != 2 or wv_.shape[0] != d_v or wv_.shape[1] % h_kv:
-        raise ValueError(
-            f"w_v: expected shape (d_v, h_kv * d_vhead) = ({d_v}, {h_kv} * d_vhead), got "
-            f"{V.shape_str(wv_.shape)}"
-        )
-    d_vhead = wv_.shape[1] // h_kv
-    wv = V.matrix(wv_, "w_v", dtype, d_v, h_kv * d_vhead, f"({d_v}, {h_kv * d_vhead})")
-    wo = V.matrix(wo_, "w_o", dtype, h * d_vhead, None,
-                  f"(h * d_vhead, d_out) = ({h * d_vhead}, d_out)")
-    d_out = wo.shape[1]
-    bv = V.vector(bv_, "b_v", dtype, h_kv * d_vhead)
-    bo = V.vector(bo_, "b_o", dtype, d_out)
-
-    batch = V.batch_shape([("query", xq.shape[:-2]), ("key", xk.shape[:-2]),
-                           ("value", xv.shape[:-2])])
-    code = V.causal_code(causal)
-    if d_head is None:
-        d_head = d_q / h
-    s = V.check_scale(scale, 1.0 / math.sqrt(d_head) if d_head > 0 else 1.0)
-    mode = V.weights_mode(return_weights)
-    m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
-    kp = V.key_padding2(key_padding_mask, batch, n_k)
-    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
-    if _order is None:
-        order = collapsed_order(n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=h, batch=B,
-                                key_bias=uk is not None)
-    elif _order in _ORDERS:
-        order = _order
-    else:
-        raise ValueError(f"_order: expected None, 'query' or 'key', got {_order!r}")
-
+    a = _prepare(query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads,
+                 mask, key_padding_mask, causal, scale, return_weights, _order)
+    B, n_q, n_k, h, d_out, dtype, mode = a.B, a.n_q, a.n_k, a.h, a.d_out, a.dtype, a.mode
+    batch = a.batch
     out = np.empty((B * n_q, d_out), dtype=dtype)
     weights = np.empty((B, h, n_q, n_k), dtype=dtype) if mode else None
     if B * n_q > 0:
-        rq = V.rows(xq, batch, dtype)
-        rk = rq if xk is xq else V.rows(xk, batch, dtype)
-        rv = rk if xv is xk else V.rows(xv, batch, dtype)
-        core.bilinear_forward(rq, rk, rv, wqk, uk, wv, bv, wo, bo, B, n_q, n_k, h, h_kv,
-                              m4, kp, code, s, _ORDERS[order], out, weights)
+        rq, rk, rv = a.rows()
+        core.bilinear_forward(rq, rk, rv, a.wqk, a.uk, a.wv, a.bv, a.wo, a.bo, B, n_q, n_k, h,
+                              a.h_kv, a.m4, a.kp, a.code, a.scale, _ORDERS[a.order], out,
+                              weights)
     out = out.reshape(batch + (n_q, d_out))
     if weights is not None:
         weights = weights.reshape(batch + (h, n_q, n_k))
     return _finish(out, weights, mode)
+
+
+def bilinear_attention_backward(
+    grad_out: Any,
+    query: Any,
+    key: Any = None,
+    value: Any = None,
+    *,
+    w_qk: Any,
+    u_k: Any = None,
+    w_v: Any,
+    w_o: Any,
+    b_v: Any = None,
+    b_o: Any = None,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    mask: Any = None,
+    key_padding_mask: Any = None,
+    causal: bool | str = False,
+    scale: float | None = None,
+    return_weights: bool | str = False,
+) -> dict[str, np.ndarray]:
+    """Gradients of :func:`bilinear_attention` with respect to every array argument given.
+
+    Parameters
+    ----------
+    grad_out : array_like, shape (..., n_q, d_out)
+        Gradient of the loss with respect to the output.
+    query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads, mask,
+    key_padding_mask, causal, scale
+        As for :func:`bilinear_attention`. ``return_weights`` is accepted and ignored.
+
+    Returns
+    -------
+    dict
+        Keyed by argument name: ``"query"``, ``"key"`` and ``"value"`` when given (when
+        ``key``/``value`` default to ``query`` their gradients are summed into ``"query"``),
+        ``"w_qk"`` as an ``(h, d_q, d_k)`` array (also when ``w_qk`` is a :class:`BilinearQK`),
+        ``"u_k"`` of shape ``(h, d_k)`` when ``u_k`` is given or the BilinearQK carries a ``u``,
+        ``"w_v"``, ``"w_o"`` and each bias given. Masks are not differentiated; fully masked
+        query rows contribute zero gradient (except to ``b_o``, whose gradient is the sum of
+        ``grad_out`` over all rows).
+
+    Notes
+    -----
+    The forward is recomputed in the query order ``(X_q W_i + u_i) X_k^T`` whatever order the
+    forward chose; the gradient is the same function. Results are bitwise the same for any
+    thread count.
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((5, 8))
+    >>> w = {n: rng.standard_normal((8, 8)) / 3 for n in ("w_q", "w_k", "w_v", "w_o")}
+    >>> qk = attnlab.collapse_qk(w["w_q"], w["w_k"], num_heads=2)
+    >>> g = attnlab.bilinear_attention_backward(np.ones((5, 8)), x, w_qk=qk, w_v=w["w_v"],
+    ...                                         w_o=w["w_o"], num_heads=2)
+    >>> sorted(g), g["w_qk"].shape
+    (['query', 'w_o', 'w_qk', 'w_v'], (2, 8, 8))
+    """
+    a = _prepare(query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads,
+                 mask, key_padding_mask, causal, scale, return_weights, "query")
+    dtype, batch, B = a.dtype, a.batch, a.B
+    go = _grad_out(grad_out, batch + (a.n_q, a.d_out), dtype)
+    grads: dict[str, np.ndarray] = {}
+    for name, arr in (("w_qk", a.wqk), ("u_k", a.uk), ("w_v", a.wv), ("b_v", a.bv),
+                      ("w_o", a.wo), ("b_o", a.bo)):
+        if arr is not None:
+            grads[name] = np.zeros(arr.shape, dtype)
+    shapes = {"query": a.xq.shape, "key": a.xk.shape, "value": a.xv.shape}
+    rows = {name: np.zeros((B * shp[-2], shp[-1]), dtype) for name, shp in shapes.items()}
+    if B * a.n_q > 0:
+        rq, rk, rv = a.rows()
+        go2 = np.ascontiguousarray(go.reshape(-1, a.d_out))
+        core.bilinear_backward(go2, rq, rk, rv, a.wqk, a.uk, a.wv, a.bv, a.wo, a.bo, B, a.n_q,
+                               a.n_k, a.h, a.h_kv, a.m4, a.kp, a.code, a.scale,
+                               {**grads, **rows})
+    inputs = {}
+    for name, r in rows.items():
+        g = r.reshape(batch + (shapes[name][-2], r.shape[-1]))
+        inputs[name] = _unbroadcast(g, shapes[name])
+    if value is None:
+        inputs["key"] = inputs["key"] + inputs.pop("value")
+    if key is None:
+        inputs["query"] = inputs["query"] + inputs.pop("key")
+    return {**inputs, **grads}

@@ -34,4 +34,23 @@ struct BilinearProblem {
 template <typename T>
 void bilinear_attention_forward(const BilinearProblem<T>& p);
 
+// Gradients of bilinear_attention_forward; any pointer may be null (not computed).
+template <typename T>
+struct BilinearGrads {
+    T* query = nullptr;  // (batch * n_q, d_q)
+    T* key = nullptr;    // (batch * n_k, d_k)
+    T* value = nullptr;  // (batch * n_k, d_v)
+    T* w_qk = nullptr;   // (heads, d_q, d_k)
+    T* u_k = nullptr;    // (heads, d_k); only meaningful when p.u_k is set
+    LinearGrad<T> w_v, w_o;
+};
+
+// Recomputes the forward in the query order whatever p.order says (the gradient is the same
+// function; the query order keeps one projected tensor per query head and reads the keys raw),
+// then back-propagates grad_out (batch * n_q, d_out). Deterministic for any thread count: the
+// per-kv-head key gradients are summed in head order, never with atomics.
+template <typename T>
+void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
+                                 const BilinearGrads<T>& g);
+
 }  // namespace attnlab
