@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _validate as V
 from . import init as _init
-from ._additive import additive_attention, separable_attention
+from ._additive import _check_eps, _variant_code, additive_attention, separable_attention
 from ._bilinear import bilinear_attention, collapse_qk
 from ._mha import multi_head_attention
 
@@ -513,11 +513,10 @@ class AdditiveAttention(_Layer):
         D = _optional_int(d_hidden, "d_hidden", d)
         self.d_model, self.d_hidden = d, D
         self.d_out = _optional_int(d_out, "d_out", d)
-        if variant not in ("official", "hf"):
-            raise ValueError(f"variant: expected 'official' or 'hf', got {variant!r}")
+        _variant_code(variant)  # validates
         self.variant = variant
         self.scale = V.check_scale(scale, self.d_out ** -0.5)
-        self.eps = float(eps)
+        self.eps = _check_eps(eps)
         self.bias = _bool(bias, "bias")
         for n, fan_in, fan_out in (("q", d, D), ("k", d, D)):
             self._weight(f"w_{n}", fan_in, fan_out)

@@ -101,9 +101,9 @@ class Adam:
                                 f"{type(g).__name__}")
             for k, a in arrays.items():
                 if not isinstance(a, np.ndarray) or a.dtype.kind != "f":
+                    got = f"ndarray {a.dtype}" if isinstance(a, np.ndarray) else type(a).__name__
                     raise TypeError(f"params[{i}][{k!r}]: expected a float ndarray (updated in "
-                                    f"place), got {type(a).__name__}"
-                                    f"{'' if not isinstance(a, np.ndarray) else ' ' + str(a.dtype)}")
+                                    f"place), got {got}")
                 if not a.flags.writeable:
                     raise ValueError(f"params[{i}][{k!r}]: the array is read-only")
             self.groups.append(g)
@@ -128,10 +128,12 @@ class Adam:
             return out
         if isinstance(grads, Mapping):
             grads = [grads]
-        if not isinstance(grads, (list, tuple)) or len(grads) != len(self.groups):
+        if not isinstance(grads, (list, tuple)):
+            raise TypeError(f"grads: expected a dict of gradients, or a list of one per "
+                            f"parameter group ({len(self.groups)}), got {type(grads).__name__}")
+        if len(grads) != len(self.groups):
             raise ValueError(f"grads: expected a dict of gradients per parameter group "
-                             f"({len(self.groups)}), got {type(grads).__name__}"
-                             f"{' of length ' + str(len(grads)) if isinstance(grads, (list, tuple)) else ''}")
+                             f"({len(self.groups)}), got a sequence of length {len(grads)}")
         return list(grads)
 
     def step(self, grads: Any = None) -> None:
