@@ -9,6 +9,7 @@ below 1e-6. The largest one measured is printed (``-s``).
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
 from typing import Any
@@ -33,10 +34,17 @@ BACKWARD = {
 }
 
 
-def need_backward(cls: type) -> None:
+def backward_fn(cls: type):
+    """``attnlab.<family>_backward``, or the same name in the forward's private module."""
     name = BACKWARD[cls]
-    if not hasattr(attnlab, name):
-        pytest.skip(f"attnlab.{name} is not implemented yet: {cls.__name__}.backward needs it")
+    mod = importlib.import_module(cls._forward.__module__)
+    return getattr(attnlab, name, None) or getattr(mod, name, None)
+
+
+def need_backward(cls: type) -> None:
+    if backward_fn(cls) is None:
+        pytest.skip(f"attnlab.{BACKWARD[cls]} is not implemented yet: {cls.__name__}.backward "
+                    f"needs it")
 
 
 def _numeric(f, a: np.ndarray) -> np.ndarray:
@@ -119,6 +127,17 @@ def test_bilinear_layer_gradients() -> None:
     layer = BilinearAttention(6, 2, kdim=5, seed=2)
     check_layer_gradients("bilinear cross", layer, [_x(rng, 2, 4, 6), _x(rng, 2, 5, 5)],
                           {"causal": "bottom_right"})
+
+
+def test_bilinear_layer_gradients_gqa_masked_no_bias() -> None:
+    need_backward(BilinearAttention)
+    rng = np.random.default_rng(12)
+    layer = BilinearAttention(6, 4, num_kv_heads=2, d_head=2, vdim=5, d_out=4, bias=False,
+                              seed=12)
+    kp = np.array([[True, False, True, True, True], [True] * 5])
+    check_layer_gradients("bilinear gqa masked", layer,
+                          [_x(rng, 2, 3, 6), _x(rng, 2, 5, 6), _x(rng, 2, 5, 5)],
+                          {"key_padding_mask": kp, "causal": True})
 
 
 @pytest.mark.parametrize("variant", ["official", "hf"])

@@ -179,8 +179,12 @@ class _Layer:
         return out
 
     def _backward_fn(self) -> Callable[..., dict[str, np.ndarray]]:
-        pkg = importlib.import_module(__package__ or "attnlab")
-        fn = getattr(pkg, self._backward_name, None)
+        # the public name first, then the private module of the forward (before it is exported)
+        fn = None
+        for module in (__package__ or "attnlab", type(self)._forward.__module__):
+            fn = getattr(importlib.import_module(module), self._backward_name, None)
+            if fn is not None:
+                break
         if fn is None:
             raise NotImplementedError(
                 f"{type(self).__name__}.backward needs attnlab.{self._backward_name}, which this "
