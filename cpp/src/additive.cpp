@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
+#include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
 
 namespace attnlab {
@@ -303,9 +305,332 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
     });
 }
 
+namespace detail {
+namespace {
+
+// Per batch element, the sum over its blocks of kRowBlock rows of fn(b, i0, m) (a share of
+// length `width`): blocks in parallel, then added in block order in double (B x width).
+template <typename T, typename F>
+RowMatrix<double> block_sums(Index B, Index n, Index width, F fn) {
+    const Index per = (n + kRowBlock - 1) / kRowBlock;
+    RowMatrix<double> partial(B * per, width);
+    parallel_for(B * per, [&](Index task) {
+        const Index b = task / per, i0 = (task % per) * kRowBlock;
+        const Vec<T> share = fn(b, i0, std::min(kRowBlock, n - i0));
+        partial.row(task) = share.template cast<double>();
+    });
+    RowMatrix<double> sums = RowMatrix<double>::Zero(B, width);
+    parallel_for(B, [&](Index b) {
+        for (Index k = 0; k < per; ++k) sums.row(b) += partial.row(b * per + k);
+    });
+    return sums;
+}
+
+// Calls fn(r0, m) for fixed blocks of kRowBlock rows of [0, rows), in parallel (row-local work).
+template <typename F>
+void for_row_blocks(Index rows, F fn) {
+    parallel_for((rows + kRowBlock - 1) / kRowBlock, [&](Index c) {
+        const Index r0 = c * kRowBlock;
+        fn(r0, std::min(kRowBlock, rows - r0));
+    });
+}
+
+// Backward of u = v / max(||v||, eps), in place on du, as torch's autograd computes it: above
+// eps the projection (du - u (u . du)) / ||v||; below it max() sends the gradient to eps, a
+// constant, so du / eps.
+template <typename T, typename R1, typename R2>
+void normalize_backward(R1&& du, const R2& u, T nrm, T eps) {
+    if (nrm >= eps) {
+        const T dot = u.dot(du);
+        du = (du - dot * u) / nrm;
+    } else {
+        du /= eps;
+    }
+}
+
+template <typename T>
+void fill_zero(T* p, Index count) {
+    if (p) std::fill(p, p + std::max<Index>(count, 0), T(0));
+}
+
+}  // namespace
+}  // namespace detail
+
+template <typename T>
+void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
+                                 const AdditiveGrads<T>& g) {
+    using namespace detail;
+    const Index B = p.batch, n = p.n, din = p.d_in, D = p.width, dout = p.d_out;
+    const Index rows = B * n;
+    const bool official = p.variant == AdditiveVariant::official;
+    fill_zero(g.w_g, D);  // hf: w_g has no effect
+    if (rows <= 0 || dout <= 0) {
+        fill_zero(g.x, rows * din);
+        fill_zero(g.w_q, din * D);
+        fill_zero(g.b_q, D);
+        fill_zero(g.w_k, din * D);
+        fill_zero(g.b_k, D);
+        fill_zero(g.w_proj, D * D);
+        fill_zero(g.b_proj, D);
+        fill_zero(g.w_final, D * dout);
+        fill_zero(g.b_final, dout);
+        return;
+    }
+    auto row_map = [&](T* base, Index r0, Index m) {
+        return RowMap<T>(base + r0 * D, m, D, Eigen::OuterStride<>(D));
+    };
+
+    // Recompute the forward: normalised K and Q with their norms, the scores, G.
+    auto Kb = make_buffer<T>(rows * D), Qb = make_buffer<T>(rows * D);
+    auto nk = make_buffer<T>(rows), nq = make_buffer<T>(rows), score = make_buffer<T>(rows);
+    linear(rows, din, D, p.x, din, p.w_k, p.b_k, Kb.get(), D);
+    linear(rows, din, D, p.x, din, p.w_q, p.b_q, Qb.get(), D);
+    const ConstVecMap<T> wg(p.w_g, D);
+    for_row_blocks(rows, [&](Index r0, Index m) {
+        for (Index r = r0; r < r0 + m; ++r) {
+            auto K = row_map(Kb.get(), r, 1);
+            auto Q = row_map(Qb.get(), r, 1);
+            nk[r] = robust_norm(K);
+            K /= std::max(nk[r], p.eps);
+            nq[r] = robust_norm(Q);
+            Q /= std::max(nq[r], p.eps);
+            score[r] = official ? Q.row(0).dot(wg) * p.scale : T(1);
+        }
+    });
+    auto real = [&](Index r) { return p.key_padding.real(r / n, r % n); };
+    std::vector<Index> nreal(B, 0);
+    std::vector<T> snorm(B, T(0));  // ||s|| over the real tokens (official)
+    parallel_for(B, [&](Index b) {
+        Vec<T> s(n);
+        Index k = 0;
+        for (Index j = 0; j < n; ++j)
+            if (p.key_padding.real(b, j)) s[k++] = score[b * n + j];
+        nreal[b] = k;
+        if (official && k > 0) snorm[b] = robust_norm(s.head(k));
+    });
+    auto den = [&](Index b) { return official ? std::max(snorm[b], p.eps) : T(1); };
+    // weighted sum over a block's real tokens of w(r) * M.row(r)
+    auto real_sum = [&](const T* M, Index b, Index i0, Index m, auto w) {
+        Vec<T> share = Vec<T>::Zero(D);
+        for (Index i = 0; i < m; ++i) {
+            const Index r = b * n + i0 + i;
+            if (p.key_padding.real(b, i0 + i)) share += w(r) * row_map(const_cast<T*>(M), r, 1);
+        }
+        return share;
+    };
+    const RowMatrix<double> Gsum = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m) {
+        return real_sum(Qb.get(), b, i0, m, [&](Index r) { return score[r]; });
+    });
+    RowMatrix<T> G(B, D);
+    for (Index b = 0; b < B; ++b)
+        G.row(b) = nreal[b] ? Vec<T>((Gsum.row(b) / static_cast<double>(den(b))).template cast<T>())
+                            : Vec<T>(Vec<T>::Zero(D));
+
+    // Z = G * K, H = Z w_proj + b_proj + Q; then the two output layers' gradients.
+    auto Zb = make_buffer<T>(rows * D), Hb = make_buffer<T>(rows * D), dH = make_buffer<T>(rows * D);
+    for_row_blocks(rows, [&](Index r0, Index m) {
+        for (Index r = r0; r < r0 + m; ++r)
+            row_map(Zb.get(), r, 1) = row_map(Kb.get(), r, 1).cwiseProduct(G.row(r / n));
+    });
+    linear(rows, D, D, Zb.get(), D, p.w_proj, p.b_proj, Hb.get(), D);
+    for_row_blocks(rows, [&](Index r0, Index m) {
+        row_map(Hb.get(), r0, m) += row_map(Qb.get(), r0, m);
+    });
+    linear_weight_grad(rows, D, dout, Hb.get(), D, grad_out, dout, g.w_final, g.b_final);
+    linear_input_grad(rows, D, dout, grad_out, dout, p.w_final, dH.get(), D);
+    linear_weight_grad(rows, D, D, Zb.get(), D, dH.get(), D, g.w_proj, g.b_proj);
+    T* dZ = Hb.get();  // H is no longer needed
+    linear_input_grad(rows, D, D, dH.get(), D, p.w_proj, dZ, D);
+
+    // dG = sum over every token (padded ones too: they have an output) of K * dZ; dK = G * dZ.
+    const RowMatrix<double> dGd = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m) {
+        const Index r0 = b * n + i0;
+        return Vec<T>(row_map(Kb.get(), r0, m).cwiseProduct(row_map(dZ, r0, m)).colwise().sum());
+    });
+    const RowMatrix<T> dG = dGd.template cast<T>();
+    for_row_blocks(rows, [&](Index r0, Index m) {
+        for (Index r = r0; r < r0 + m; ++r) row_map(dZ, r, 1).array() *= G.row(r / n).array();
+    });
+
+    // Through the pooling: G = sum_R a_n Q_n. official: a = s / max(||s||, eps), s = (Q w_g) scale.
+    auto ds = make_buffer<T>(rows);
+    if (official) {
+        auto da = make_buffer<T>(rows);  // dL/da_n = Q_n . dG
+        for_row_blocks(rows, [&](Index r0, Index m) {
+            for (Index r = r0; r < r0 + m; ++r)
+                da[r] = real(r) ? row_map(Qb.get(), r, 1).row(0).dot(dG.row(r / n)) : T(0);
+        });
+        const RowMatrix<double> adot = block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m) {
+            Vec<T> acc = Vec<T>::Zero(1);
+            for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
+                if (real(r)) acc[0] += score[r] / den(r / n) * da[r];
+            return acc;
+        });
+        for_row_blocks(rows, [&](Index r0, Index m) {
+            for (Index r = r0; r < r0 + m; ++r) {
+                const Index b = r / n;
+                if (!real(r)) {
+                    ds[r] = T(0);
+                } else if (snorm[b] >= p.eps) {
+                    const T a = score[r] / snorm[b];
+                    ds[r] = (da[r] - a * static_cast<T>(adot(b, 0))) / snorm[b];
+                } else {
+                    ds[r] = da[r] / p.eps;
+                }
+            }
+        });
+        // dw_g = scale * sum over batch elements and real tokens of ds_n Q_n
+        const RowMatrix<double> dwg = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m) {
+            return real_sum(Qb.get(), b, i0, m, [&](Index r) { return ds[r]; });
+        });
+        Vec<double> acc = Vec<double>::Zero(D);
+        for (Index b = 0; b < B; ++b) acc += dwg.row(b);
+        VecMap<T>(g.w_g, D) = (acc * static_cast<double>(p.scale)).template cast<T>();
+    }
+    // dQ = dH + [real] (a_n dG + ds_n scale w_g), in place in dH; then both normalisations.
+    for_row_blocks(rows, [&](Index r0, Index m) {
+        for (Index r = r0; r < r0 + m; ++r) {
+            const Index b = r / n;
+            auto dQ = row_map(dH.get(), r, 1);
+            if (real(r)) {
+                if (official) {
+                    dQ += (score[r] / den(b)) * dG.row(b);
+                    dQ += (ds[r] * p.scale) * wg;
+                } else {
+                    dQ += dG.row(b);
+                }
+            }
+            normalize_backward(dQ.row(0), row_map(Qb.get(), r, 1).row(0), nq[r], p.eps);
+            normalize_backward(row_map(dZ, r, 1).row(0), row_map(Kb.get(), r, 1).row(0), nk[r],
+                               p.eps);
+        }
+    });
+
+    // The input projections.
+    linear_input_grad(rows, din, D, dH.get(), D, p.w_q, g.x, din);
+    linear_input_grad(rows, din, D, dZ, D, p.w_k, g.x, din, true);
+    linear_weight_grad(rows, din, D, p.x, din, dH.get(), D, g.w_q, g.b_q);
+    linear_weight_grad(rows, din, D, p.x, din, dZ, D, g.w_k, g.b_k);
+}
+
+template <typename T>
+void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_out,
+                                  const SeparableGrads<T>& g) {
+    using namespace detail;
+    const Index B = p.batch, n = p.n, d = p.d, dout = p.d_out;
+    const Index rows = B * n, ld = 1 + 2 * d;
+    if (rows <= 0 || dout <= 0 || d <= 0) {
+        fill_zero(g.x, rows * d);
+        fill_zero(g.w_qkv, d * ld);
+        fill_zero(g.b_qkv, ld);
+        fill_zero(g.w_o, d * dout);
+        fill_zero(g.b_o, dout);
+        if (g.b_o && dout > 0)  // out = b_o when there are no features
+            for (Index r = 0; r < rows; ++r)
+                VecMap<T>(g.b_o, dout) += ConstVecMap<T>(grad_out + r * dout, dout);
+        return;
+    }
+    constexpr T kInf = std::numeric_limits<T>::infinity();
+    auto prow = [&](T* base, Index r) { return VecMap<T>(base + r * ld, ld); };
+    auto drow = [&](T* base, Index r) { return VecMap<T>(base + r * d, d); };
+    auto real = [&](Index r) { return p.key_padding.real(r / n, r % n); };
+
+    // Recompute the forward: [s | k | v], the softmax c over real tokens (0 for padded), ctx.
+    auto Pb = make_buffer<T>(rows * ld);
+    linear(rows, d, ld, p.x, d, p.w_qkv, p.b_qkv, Pb.get(), ld);
+    auto c = make_buffer<T>(rows);
+    parallel_for(B, [&](Index b) {
+        T mx = -kInf;
+        bool nan = false;
+        for (Index r = b * n; r < (b + 1) * n; ++r) {
+            if (!real(r)) continue;
+            const T s = Pb[r * ld];
+            nan = nan || std::isnan(s);
+            mx = std::max(mx, s);
+        }
+        if (nan) mx = std::numeric_limits<T>::quiet_NaN();
+        double z = 0;
+        for (Index r = b * n; r < (b + 1) * n; ++r) {
+            c[r] = real(r) ? std::exp(Pb[r * ld] - mx) : T(0);
+            z += static_cast<double>(c[r]);
+        }
+        for (Index r = b * n; r < (b + 1) * n; ++r)
+            if (real(r)) c[r] = static_cast<T>(static_cast<double>(c[r]) / z);
+    });
+    const RowMatrix<T> ctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m) {
+        Vec<T> share = Vec<T>::Zero(d);
+        for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
+            if (real(r)) share += c[r] * prow(Pb.get(), r).segment(1, d);
+        return share;
+    }).template cast<T>();
+
+    // U = relu(v) * ctx; out = U w_o + b_o.
+    auto Ub = make_buffer<T>(rows * d), dU = make_buffer<T>(rows * d);
+    for_row_blocks(rows, [&](Index r0, Index m) {
+        for (Index r = r0; r < r0 + m; ++r)
+            drow(Ub.get(), r) = prow(Pb.get(), r).tail(d).unaryExpr([](T v) {
+                return v < T(0) ? T(0) : v;
+            }).cwiseProduct(ctx.row(r / n));
+    });
+    linear_weight_grad(rows, d, dout, Ub.get(), d, grad_out, dout, g.w_o, g.b_o);
+    linear_input_grad(rows, d, dout, grad_out, dout, p.w_o, dU.get(), d);
+
+    // dctx = sum over every token of relu(v) * dU.
+    const RowMatrix<T> dctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m) {
+        Vec<T> share = Vec<T>::Zero(d);
+        for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
+            share += prow(Pb.get(), r).tail(d).unaryExpr([](T v) {
+                return v < T(0) ? T(0) : v;
+            }).cwiseProduct(drow(dU.get(), r));
+        return share;
+    }).template cast<T>();
+
+    // dP = [ds | dk | dv]: dv = [v > 0] ctx * dU (torch's relu: 0 at 0); dk = c dctx over real
+    // tokens; ds = c (dc - sum_R c dc), dc_n = k_n . dctx.
+    auto dP = make_buffer<T>(rows * ld);
+    auto dc = make_buffer<T>(rows);
+    for_row_blocks(rows, [&](Index r0, Index m) {
+        for (Index r = r0; r < r0 + m; ++r) {
+            const Index b = r / n;
+            auto P = prow(Pb.get(), r);
+            auto dp = prow(dP.get(), r);
+            for (Index j = 0; j < d; ++j)
+                dp[1 + d + j] = P[1 + d + j] <= T(0) ? T(0) : ctx(b, j) * dU[r * d + j];
+            if (real(r)) {
+                dp.segment(1, d) = c[r] * dctx.row(b);
+                dc[r] = P.segment(1, d).dot(dctx.row(b));
+            } else {
+                dp.segment(1, d).setZero();
+                dc[r] = T(0);
+            }
+        }
+    });
+    const RowMatrix<double> cdot = block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m) {
+        Vec<T> acc = Vec<T>::Zero(1);
+        for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
+            if (real(r)) acc[0] += c[r] * dc[r];
+        return acc;
+    });
+    for_row_blocks(rows, [&](Index r0, Index m) {
+        for (Index r = r0; r < r0 + m; ++r)
+            dP[r * ld] = real(r) ? c[r] * (dc[r] - static_cast<T>(cdot(r / n, 0))) : T(0);
+    });
+
+    linear_input_grad(rows, d, ld, dP.get(), ld, p.w_qkv, g.x, d);
+    linear_weight_grad(rows, d, ld, p.x, d, dP.get(), ld, g.w_qkv, g.b_qkv);
+}
+
 template void additive_attention_forward<float>(const AdditiveProblem<float>&);
 template void additive_attention_forward<double>(const AdditiveProblem<double>&);
 template void separable_attention_forward<float>(const SeparableProblem<float>&);
 template void separable_attention_forward<double>(const SeparableProblem<double>&);
+template void additive_attention_backward<float>(const AdditiveProblem<float>&, const float*,
+                                                 const AdditiveGrads<float>&);
+template void additive_attention_backward<double>(const AdditiveProblem<double>&, const double*,
+                                                  const AdditiveGrads<double>&);
+template void separable_attention_backward<float>(const SeparableProblem<float>&, const float*,
+                                                  const SeparableGrads<float>&);
+template void separable_attention_backward<double>(const SeparableProblem<double>&,
+                                                   const double*, const SeparableGrads<double>&);
 
 }  // namespace attnlab

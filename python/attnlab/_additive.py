@@ -14,8 +14,14 @@ import numpy as np
 
 from . import _validate as V
 from ._loader import core
+from ._mha import _grad_out
 
-__all__ = ["additive_attention", "separable_attention"]
+__all__ = [
+    "additive_attention",
+    "additive_attention_backward",
+    "separable_attention",
+    "separable_attention_backward",
+]
 
 _VARIANTS = {"official": 0, "hf": 1}
 
@@ -39,6 +45,55 @@ def _tokens(x: Any) -> np.ndarray:
     a = V.as_array(x, "x")
     V.check_ndim(a, "x", 2, "(..., n, d)")
     return a
+
+
+def _prepare_additive(
+    x: Any, w_q: Any, b_q: Any, w_k: Any, b_k: Any, w_g: Any, w_proj: Any, b_proj: Any,
+    w_final: Any, b_final: Any, scale: Any, variant: Any, eps: Any, key_padding_mask: Any,
+) -> dict[str, Any]:
+    """Validated, converted arguments shared by the forward and the backward."""
+    code = _variant_code(variant)
+    e = _check_eps(eps)
+    xa = _tokens(x)
+    n, d_in = xa.shape[-2:]
+    ws = {k: V.as_array(a, k) for k, a in (("w_q", w_q), ("w_k", w_k), ("w_g", w_g),
+                                             ("w_proj", w_proj), ("w_final", w_final))}
+    bs = {k: V.optional_array(a, k) for k, a in (("b_q", b_q), ("b_k", b_k), ("b_proj", b_proj),
+                                                   ("b_final", b_final))}
+    dtype = V.result_dtype(xa, *ws.values(), *bs.values())
+    wq_ = ws["w_q"]
+    if wq_.ndim != 2 or wq_.shape[0] != d_in or wq_.shape[1] < 1:
+        raise ValueError(
+            f"w_q: expected shape (d_in, D) = ({d_in}, D) with D >= 1, got "
+            f"{V.shape_str(wq_.shape)}"
+        )
+    D = wq_.shape[1]
+    wq = V.matrix(wq_, "w_q", dtype, d_in, D, f"({d_in}, {D})")
+    wk = V.matrix(ws["w_k"], "w_k", dtype, d_in, D, f"(d_in, D) = ({d_in}, {D})")
+    wg_ = ws["w_g"]
+    if wg_.shape not in ((D,), (D, 1)):
+        raise ValueError(f"w_g: expected shape ({D},) or ({D}, 1), got {V.shape_str(wg_.shape)}")
+    wg = np.ascontiguousarray(wg_.reshape(D), dtype=dtype)
+    wp = V.matrix(ws["w_proj"], "w_proj", dtype, D, D, f"(D, D) = ({D}, {D})")
+    wf = V.matrix(ws["w_final"], "w_final", dtype, D, None, f"(D, d_out) = ({D}, d_out)")
+    d_out = wf.shape[1]
+    bq = V.vector(bs["b_q"], "b_q", dtype, D)
+    bk = V.vector(bs["b_k"], "b_k", dtype, D)
+    bp = V.vector(bs["b_proj"], "b_proj", dtype, D)
+    bf = V.vector(bs["b_final"], "b_final", dtype, d_out)
+    s = V.check_scale(scale, d_out ** -0.5 if d_out else 1.0)
+
+    batch = tuple(xa.shape[:-2])
+    kp = V.key_padding2(key_padding_mask, batch, n)
+    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    if d_in == 0:  # no features: x w = 0; one zero feature computes the same
+        xr = np.zeros((B * n, 1), dtype)
+        wq, wk = np.zeros((1, D), dtype), np.zeros((1, D), dtype)
+    else:
+        xr = V.rows(xa, batch, dtype)
+    return dict(xa=xa, xr=xr, wq=wq, bq=bq, wk=wk, bk=bk, wg=wg, wg_shape=wg_.shape, wp=wp,
+                bp=bp, wf=wf, bf=bf, B=B, n=n, d_in=d_in, D=D, d_out=d_out, s=s, e=e,
+                code=code, kp=kp, batch=batch, dtype=dtype)
 
 
 def additive_attention(
@@ -129,49 +184,40 @@ def additive_attention(
     >>> attnlab.additive_attention(x, w_g=rng.standard_normal(d), **w).shape
     (2, 49, 8)
     """
-    code = _variant_code(variant)
-    e = _check_eps(eps)
+    a = _prepare_additive(x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale,
+                          variant, eps, key_padding_mask)
+    B, n, d_out = a["B"], a["n"], a["d_out"]
+    out = np.empty((B * n, d_out), dtype=a["dtype"])
+    if out.size:
+        core.additive_forward(a["xr"], a["wq"], a["bq"], a["wk"], a["bk"], a["wg"], a["wp"],
+                              a["bp"], a["wf"], a["bf"], B, n, a["s"], a["e"], a["code"],
+                              a["kp"], out)
+    batch = a["batch"]
+    return out.reshape(batch + (n, d_out))
+
+
+def _prepare_separable(
+    x: Any, w_qkv: Any, b_qkv: Any, w_o: Any, b_o: Any, key_padding_mask: Any
+) -> dict[str, Any]:
+    """Validated, converted arguments shared by the forward and the backward."""
     xa = _tokens(x)
-    n, d_in = xa.shape[-2:]
-    ws = {k: V.as_array(a, k) for k, a in (("w_q", w_q), ("w_k", w_k), ("w_g", w_g),
-                                             ("w_proj", w_proj), ("w_final", w_final))}
-    bs = {k: V.optional_array(a, k) for k, a in (("b_q", b_q), ("b_k", b_k), ("b_proj", b_proj),
-                                                   ("b_final", b_final))}
-    dtype = V.result_dtype(xa, *ws.values(), *bs.values())
-    wq_ = ws["w_q"]
-    if wq_.ndim != 2 or wq_.shape[0] != d_in or wq_.shape[1] < 1:
-        raise ValueError(
-            f"w_q: expected shape (d_in, D) = ({d_in}, D) with D >= 1, got "
-            f"{V.shape_str(wq_.shape)}"
-        )
-    D = wq_.shape[1]
-    wq = V.matrix(wq_, "w_q", dtype, d_in, D, f"({d_in}, {D})")
-    wk = V.matrix(ws["w_k"], "w_k", dtype, d_in, D, f"(d_in, D) = ({d_in}, {D})")
-    wg_ = ws["w_g"]
-    if wg_.shape not in ((D,), (D, 1)):
-        raise ValueError(f"w_g: expected shape ({D},) or ({D}, 1), got {V.shape_str(wg_.shape)}")
-    wg = np.ascontiguousarray(wg_.reshape(D), dtype=dtype)
-    wp = V.matrix(ws["w_proj"], "w_proj", dtype, D, D, f"(D, D) = ({D}, {D})")
-    wf = V.matrix(ws["w_final"], "w_final", dtype, D, None, f"(D, d_out) = ({D}, d_out)")
-    d_out = wf.shape[1]
-    bq = V.vector(bs["b_q"], "b_q", dtype, D)
-    bk = V.vector(bs["b_k"], "b_k", dtype, D)
-    bp = V.vector(bs["b_proj"], "b_proj", dtype, D)
-    bf = V.vector(bs["b_final"], "b_final", dtype, d_out)
-    s = V.check_scale(scale, d_out ** -0.5 if d_out else 1.0)
+    n, d = xa.shape[-2:]
+    wqkv_ = V.as_array(w_qkv, "w_qkv")
+    wo_ = V.as_array(w_o, "w_o")
+    bqkv_ = V.optional_array(b_qkv, "b_qkv")
+    bo_ = V.optional_array(b_o, "b_o")
+    dtype = V.result_dtype(xa, wqkv_, wo_, bqkv_, bo_)
+    wqkv = V.matrix(wqkv_, "w_qkv", dtype, d, 1 + 2 * d, f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})")
+    wo = V.matrix(wo_, "w_o", dtype, d, None, f"(d, d_out) = ({d}, d_out)")
+    d_out = wo.shape[1]
+    bqkv = V.vector(bqkv_, "b_qkv", dtype, 1 + 2 * d)
+    bo = V.vector(bo_, "b_o", dtype, d_out)
 
     batch = tuple(xa.shape[:-2])
     kp = V.key_padding2(key_padding_mask, batch, n)
     B = int(np.prod(batch, dtype=np.int64)) if batch else 1
-    out = np.empty((B * n, d_out), dtype=dtype)
-    if out.size:
-        if d_in == 0:  # no features: x w = 0; one zero feature computes the same
-            xr = np.zeros((B * n, 1), dtype)
-            wq, wk = np.zeros((1, D), dtype), np.zeros((1, D), dtype)
-        else:
-            xr = V.rows(xa, batch, dtype)
-        core.additive_forward(xr, wq, bq, wk, bk, wg, wp, bp, wf, bf, B, n, s, e, code, kp, out)
-    return out.reshape(batch + (n, d_out))
+    return dict(xa=xa, wqkv=wqkv, bqkv=bqkv, wo=wo, bo=bo, B=B, n=n, d=d, d_out=d_out, kp=kp,
+                batch=batch, dtype=dtype)
 
 
 def separable_attention(
@@ -233,26 +279,148 @@ def separable_attention(
     >>> out.transpose(0, 3, 1, 2).shape               # back to (B, C, P, N)
     (2, 8, 4, 16)
     """
-    xa = _tokens(x)
-    n, d = xa.shape[-2:]
-    wqkv_ = V.as_array(w_qkv, "w_qkv")
-    wo_ = V.as_array(w_o, "w_o")
-    bqkv_ = V.optional_array(b_qkv, "b_qkv")
-    bo_ = V.optional_array(b_o, "b_o")
-    dtype = V.result_dtype(xa, wqkv_, wo_, bqkv_, bo_)
-    wqkv = V.matrix(wqkv_, "w_qkv", dtype, d, 1 + 2 * d, f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})")
-    wo = V.matrix(wo_, "w_o", dtype, d, None, f"(d, d_out) = ({d}, d_out)")
-    d_out = wo.shape[1]
-    bqkv = V.vector(bqkv_, "b_qkv", dtype, 1 + 2 * d)
-    bo = V.vector(bo_, "b_o", dtype, d_out)
-
-    batch = tuple(xa.shape[:-2])
-    kp = V.key_padding2(key_padding_mask, batch, n)
-    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    a = _prepare_separable(x, w_qkv, b_qkv, w_o, b_o, key_padding_mask)
+    xa, bo, B, n, d, d_out = a["xa"], a["bo"], a["B"], a["n"], a["d"], a["d_out"]
+    batch, dtype, kp = a["batch"], a["dtype"], a["kp"]
     out = np.empty((B * n, d_out), dtype=dtype)
     if out.size:
         if d == 0:  # no features: no keys or values, ctx is empty and out = b_o
             out[...] = 0.0 if bo is None else bo
         else:
-            core.separable_forward(V.rows(xa, batch, dtype), wqkv, bqkv, wo, bo, B, n, kp, out)
+            core.separable_forward(V.rows(xa, batch, dtype), a["wqkv"], a["bqkv"], a["wo"], bo,
+                                   B, n, kp, out)
     return out.reshape(batch + (n, d_out))
+
+
+def additive_attention_backward(
+    grad_out: Any,
+    x: Any,
+    *,
+    w_q: Any,
+    b_q: Any = None,
+    w_k: Any,
+    b_k: Any = None,
+    w_g: Any,
+    w_proj: Any,
+    b_proj: Any = None,
+    w_final: Any,
+    b_final: Any = None,
+    scale: float | None = None,
+    variant: str = "official",
+    eps: float = 1e-12,
+    key_padding_mask: Any = None,
+) -> dict[str, np.ndarray]:
+    """Gradients of :func:`additive_attention` with respect to every array argument given.
+
+    Parameters
+    ----------
+    grad_out : array_like, shape (..., n, d_out)
+        Gradient of the loss with respect to the output.
+    x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale, variant, eps,
+    key_padding_mask
+        As for :func:`additive_attention`.
+
+    Returns
+    -------
+    dict
+        Keyed by argument name: ``"x"``, ``"w_q"``, ``"w_k"``, ``"w_g"`` (shaped as given),
+        ``"w_proj"``, ``"w_final"`` and each bias given. With ``variant="hf"`` the gradient of
+        ``w_g`` is all zeros (``w_g`` has no effect there). ``scale``, ``eps`` and the mask are
+        not differentiated. Below ``eps`` a norm is treated as torch's autograd treats
+        ``F.normalize``: ``v / eps``, a constant scale.
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> rng = np.random.default_rng(0)
+    >>> w = {k: rng.standard_normal((8, 8)) * 0.3 for k in ("w_q", "w_k", "w_proj", "w_final")}
+    >>> x = rng.standard_normal((49, 8))
+    >>> g = attnlab.additive_attention_backward(np.ones((49, 8)), x, w_g=np.ones(8), **w)
+    >>> sorted(g)
+    ['w_final', 'w_g', 'w_k', 'w_proj', 'w_q', 'x']
+    """
+    a = _prepare_additive(x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale,
+                          variant, eps, key_padding_mask)
+    B, n, d_in, D, d_out, dtype = a["B"], a["n"], a["d_in"], a["D"], a["d_out"], a["dtype"]
+    batch = a["batch"]
+    go = np.ascontiguousarray(_grad_out(grad_out, batch + (n, d_out), dtype).reshape(-1, d_out))
+    din_c = a["xr"].shape[1]  # 1 when d_in == 0 (a zero feature stands in)
+    grads = {"x": np.zeros((B * n, din_c), dtype), "w_q": np.zeros((din_c, D), dtype)}
+    if a["bq"] is not None:
+        grads["b_q"] = np.zeros(D, dtype)
+    grads["w_k"] = np.zeros((din_c, D), dtype)
+    if a["bk"] is not None:
+        grads["b_k"] = np.zeros(D, dtype)
+    grads["w_g"] = np.zeros(D, dtype)
+    grads["w_proj"] = np.zeros((D, D), dtype)
+    if a["bp"] is not None:
+        grads["b_proj"] = np.zeros(D, dtype)
+    grads["w_final"] = np.zeros((D, d_out), dtype)
+    if a["bf"] is not None:
+        grads["b_final"] = np.zeros(d_out, dtype)
+    if B * n > 0 and d_out > 0:
+        core.additive_backward(go, a["xr"], a["wq"], a["bq"], a["wk"], a["bk"], a["wg"], a["wp"],
+                               a["bp"], a["wf"], a["bf"], B, n, a["s"], a["e"], a["code"],
+                               a["kp"], grads)
+    if d_in == 0:
+        grads["x"] = np.zeros((B * n, 0), dtype)
+        grads["w_q"] = np.zeros((0, D), dtype)
+        grads["w_k"] = np.zeros((0, D), dtype)
+    grads["x"] = grads["x"].reshape(a["xa"].shape)
+    grads["w_g"] = grads["w_g"].reshape(a["wg_shape"])
+    return grads
+
+
+def separable_attention_backward(
+    grad_out: Any,
+    x: Any,
+    *,
+    w_qkv: Any,
+    b_qkv: Any = None,
+    w_o: Any,
+    b_o: Any = None,
+    key_padding_mask: Any = None,
+) -> dict[str, np.ndarray]:
+    """Gradients of :func:`separable_attention` with respect to every array argument given.
+
+    Parameters
+    ----------
+    grad_out : array_like, shape (..., n, d_out)
+        Gradient of the loss with respect to the output.
+    x, w_qkv, b_qkv, w_o, b_o, key_padding_mask
+        As for :func:`separable_attention`.
+
+    Returns
+    -------
+    dict
+        Keyed by argument name: ``"x"``, ``"w_qkv"``, ``"w_o"`` and each bias given. The mask
+        is not differentiated; relu's gradient at 0 is 0, as torch's.
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((16, 8))
+    >>> w_qkv, w_o = rng.standard_normal((8, 17)) * 0.3, rng.standard_normal((8, 8)) * 0.3
+    >>> g = attnlab.separable_attention_backward(np.ones((16, 8)), x, w_qkv=w_qkv, w_o=w_o)
+    >>> sorted(g)
+    ['w_o', 'w_qkv', 'x']
+    """
+    a = _prepare_separable(x, w_qkv, b_qkv, w_o, b_o, key_padding_mask)
+    B, n, d, d_out, dtype, batch = a["B"], a["n"], a["d"], a["d_out"], a["dtype"], a["batch"]
+    go = np.ascontiguousarray(_grad_out(grad_out, batch + (n, d_out), dtype).reshape(-1, d_out))
+    grads = {"x": np.zeros((B * n, d), dtype), "w_qkv": np.zeros((d, 1 + 2 * d), dtype)}
+    if a["bqkv"] is not None:
+        grads["b_qkv"] = np.zeros(1 + 2 * d, dtype)
+    grads["w_o"] = np.zeros((d, d_out), dtype)
+    if a["bo"] is not None:
+        grads["b_o"] = np.zeros(d_out, dtype)
+    if B * n > 0 and d_out > 0:
+        if d == 0:  # out = b_o
+            if a["bo"] is not None:
+                grads["b_o"] = go.sum(axis=0)
+        else:
+            core.separable_backward(go, V.rows(a["xa"], batch, dtype), a["wqkv"], a["bqkv"],
+                                    a["wo"], a["bo"], B, n, a["kp"], grads)
+    grads["x"] = grads["x"].reshape(a["xa"].shape)
+    return grads

@@ -69,4 +69,41 @@ struct SeparableProblem {
 template <typename T>
 void separable_attention_forward(const SeparableProblem<T>& p);
 
+// Gradients of the two forwards, written to caller-owned buffers shaped like the arguments
+// (row-major contiguous; x's gradient is (batch * n, d_in)). A null bias gradient is skipped;
+// every other pointer must be valid. Every reduction runs in a fixed order (per-block partial
+// sums, then the blocks in order), so the result is bitwise the same for any thread count.
+template <typename T>
+struct AdditiveGrads {
+    T* x = nullptr;
+    T* w_q = nullptr;
+    T* b_q = nullptr;
+    T* w_k = nullptr;
+    T* b_k = nullptr;
+    T* w_g = nullptr;  // all zero for the hf variant (w_g has no effect there)
+    T* w_proj = nullptr;
+    T* b_proj = nullptr;
+    T* w_final = nullptr;
+    T* b_final = nullptr;
+};
+
+// p.out is not used. Matches torch's autograd, including F.normalize below eps (v / eps, a
+// constant scale) and relu at 0 (gradient 0).
+template <typename T>
+void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
+                                 const AdditiveGrads<T>& g);
+
+template <typename T>
+struct SeparableGrads {
+    T* x = nullptr;
+    T* w_qkv = nullptr;
+    T* b_qkv = nullptr;
+    T* w_o = nullptr;
+    T* b_o = nullptr;
+};
+
+template <typename T>
+void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_out,
+                                  const SeparableGrads<T>& g);
+
 }  // namespace attnlab
