@@ -8,10 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import reference
+from . import init, layers, optim, reference
 from ._loader import core as _core
 from ._additive import additive_attention, separable_attention
-from ._bilinear import BilinearQK, bilinear_attention, collapse_qk, factorize_qk
+from ._bilinear import (
+    BilinearQK,
+    bilinear_attention,
+    bilinear_attention_backward,
+    collapse_qk,
+    factorize_qk,
+)
 from ._mha import (
     multi_head_attention,
     multi_head_attention_backward,
@@ -28,12 +34,16 @@ __all__ = [
     "additive_attention",
     "attention_cost",
     "bilinear_attention",
+    "bilinear_attention_backward",
     "collapse_qk",
     "factorize_qk",
     "plan_qk",
     "separable_attention",
     "build_info",
     "get_num_threads",
+    "init",
+    "layers",
+    "optim",
     "multi_head_attention",
     "multi_head_attention_backward",
     "reference",

@@ -506,7 +506,7 @@ def bilinear_attention_backward(
     >>> x = rng.standard_normal((5, 8))
     >>> w = {n: rng.standard_normal((8, 8)) / 3 for n in ("w_q", "w_k", "w_v", "w_o")}
     >>> qk = attnlab.collapse_qk(w["w_q"], w["w_k"], num_heads=2)
-    >>> from attnlab._bilinear import bilinear_attention_backward
+    >>> from attnlab import bilinear_attention_backward
     >>> g = bilinear_attention_backward(np.ones((5, 8)), x, w_qk=qk, w_v=w["w_v"],
     ...                                 w_o=w["w_o"], num_heads=2)
     >>> sorted(g), g["w_qk"].shape

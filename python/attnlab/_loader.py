@@ -9,6 +9,7 @@ instruction sets inside one module, so the choice is made here, once, at import.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from types import ModuleType
 
@@ -83,15 +84,20 @@ def load() -> ModuleType:
     raise ImportError("attnlab: no compiled kernel module found; reinstall with `pip install .`")
 
 
+def _built(isa: str) -> bool:
+    """Whether the variant exists, without importing it (importing code built for an
+    instruction set the CPU lacks can die with SIGILL in its static initialisers)."""
+    try:
+        return importlib.util.find_spec(f"attnlab._core_{isa}") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def available() -> list[str]:
     """The variants built and supported by this CPU, best first."""
     generic = _try_import("generic")
     features = dict(generic.cpu_features()) if generic is not None else _proc_cpuinfo_features()
-    out = []
-    for isa in PREFERENCE:
-        if _try_import(isa) is not None and (features is None or supported(isa, features)):
-            out.append(isa)
-    return out
+    return [isa for isa in PREFERENCE if supported(isa, features) and _built(isa)]
 
 
 core = load()

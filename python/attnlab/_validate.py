@@ -147,7 +147,8 @@ def rows(a: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """``a`` (..., n, d) broadcast to ``batch`` as a C-contiguous (B*n, d) matrix."""
     n, d = a.shape[-2:]
     a = np.broadcast_to(a.astype(dtype, copy=False), batch + (n, d))
-    return aligned(np.ascontiguousarray(a.reshape(-1, d)))
+    count = int(np.prod(batch + (n,), dtype=np.int64))  # not -1: ambiguous when d == 0
+    return aligned(np.ascontiguousarray(a.reshape(count, d)))
 
 
 def matrix(w: np.ndarray, name: str, dtype: np.dtype, rows_: int | None, cols: int | None,
