@@ -10,7 +10,12 @@ from typing import Any
 
 from . import init, layers, optim, reference
 from ._loader import core as _core
-from ._additive import additive_attention, separable_attention
+from ._additive import (
+    additive_attention,
+    additive_attention_backward,
+    separable_attention,
+    separable_attention_backward,
+)
 from ._bilinear import (
     BilinearQK,
     bilinear_attention,
@@ -32,6 +37,7 @@ __all__ = [
     "BilinearQK",
     "__version__",
     "additive_attention",
+    "additive_attention_backward",
     "attention_cost",
     "bilinear_attention",
     "bilinear_attention_backward",
@@ -39,6 +45,7 @@ __all__ = [
     "factorize_qk",
     "plan_qk",
     "separable_attention",
+    "separable_attention_backward",
     "build_info",
     "get_num_threads",
     "init",
