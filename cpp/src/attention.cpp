@@ -192,6 +192,30 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g, Inde
     }
 }
 
+// The attention over the heads of packed projections q (rows x h*d_head), k, v and the
+// context buffer: heads are column blocks, viewed in place.
+template <typename T>
+AttentionProblem<T> head_problem(const MhaProblem<T>& p, const T* q, const T* k, const T* v,
+                                 T* ctx) {
+    const Index wq = p.heads * p.d_head, wk = p.kv_heads * p.d_head;
+    const Index wv = p.kv_heads * p.d_vhead, wc = p.heads * p.d_vhead;
+    AttentionProblem<T> a;
+    a.batch = p.batch;
+    a.heads = p.heads;
+    a.kv_heads = p.kv_heads;
+    a.n_q = p.n_q;
+    a.n_k = p.n_k;
+    a.d = p.d_head;
+    a.d_v = p.d_vhead;
+    a.scale = p.scale;
+    a.q = {q, p.n_q * wq, p.d_head, wq};
+    a.k = {k, p.n_k * wk, p.d_head, wk};
+    a.v = {v, p.n_k * wv, p.d_vhead, wv};
+    a.out = {ctx, p.n_q * wc, p.d_vhead, wc};
+    a.mask = p.mask;
+    return a;
+}
+
 }  // namespace detail
 
 template <typename T>
@@ -233,20 +257,7 @@ void multi_head_attention_forward(const MhaProblem<T>& p) {
     linear(rk, p.w_k.in, wk, p.key, p.w_k.in, p.w_k.w, p.w_k.b, k.get(), wk);
     linear(rk, p.w_v.in, wv, p.value, p.w_v.in, p.w_v.w, p.w_v.b, v.get(), wv);
 
-    AttentionProblem<T> a;
-    a.batch = p.batch;
-    a.heads = p.heads;
-    a.kv_heads = p.kv_heads;
-    a.n_q = p.n_q;
-    a.n_k = p.n_k;
-    a.d = p.d_head;
-    a.d_v = p.d_vhead;
-    a.scale = p.scale;
-    a.q = {q.get(), p.n_q * wq, p.d_head, wq};
-    a.k = {k.get(), p.n_k * wk, p.d_head, wk};
-    a.v = {v.get(), p.n_k * wv, p.d_vhead, wv};
-    a.out = {ctx.get(), p.n_q * wc, p.d_vhead, wc};
-    a.mask = p.mask;
+    AttentionProblem<T> a = detail::head_problem(p, q.get(), k.get(), v.get(), ctx.get());
     a.weights = p.weights;
     attention_forward(a);
 
@@ -266,20 +277,7 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out, co
     linear(rk, p.w_k.in, wk, p.key, p.w_k.in, p.w_k.w, p.w_k.b, k.get(), wk);
     linear(rk, p.w_v.in, wv, p.value, p.w_v.in, p.w_v.w, p.w_v.b, v.get(), wv);
 
-    AttentionProblem<T> a;
-    a.batch = p.batch;
-    a.heads = p.heads;
-    a.kv_heads = p.kv_heads;
-    a.n_q = p.n_q;
-    a.n_k = p.n_k;
-    a.d = p.d_head;
-    a.d_v = p.d_vhead;
-    a.scale = p.scale;
-    a.q = {q.get(), p.n_q * wq, p.d_head, wq};
-    a.k = {k.get(), p.n_k * wk, p.d_head, wk};
-    a.v = {v.get(), p.n_k * wv, p.d_vhead, wv};
-    a.out = {ctx.get(), p.n_q * wc, p.d_vhead, wc};
-    a.mask = p.mask;
+    AttentionProblem<T> a = detail::head_problem(p, q.get(), k.get(), v.get(), ctx.get());
     a.lse = lse.get();
     attention_forward(a);
 
