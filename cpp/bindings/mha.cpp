@@ -19,28 +19,37 @@ void check_heads(Index heads, Index kv_heads) {
                               std::to_string(heads) + " and " + std::to_string(kv_heads));
 }
 
+// The checked (batch, heads, n, d) views of q, k, v shared by forward and backward.
+template <typename T>
+AttentionProblem<T> sdpa_problem(const py::array& q, const py::array& k, const py::array& v,
+                                 double scale) {
+    if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
+        throw py::value_error("q, k, v: expected (batch, heads, n, d) arrays");
+    const Index B = q.shape(0), H = q.shape(1), nq = q.shape(2), d = q.shape(3);
+    const Index Hk = k.shape(1), nk = k.shape(2), dv = v.shape(3);
+    check_heads(H, Hk);
+    AttentionProblem<T> p;
+    p.batch = B;
+    p.heads = H;
+    p.kv_heads = Hk;
+    p.n_q = nq;
+    p.n_k = nk;
+    p.d = d;
+    p.d_v = dv;
+    p.scale = static_cast<T>(scale);
+    p.q = const_stack<T>(check<T>(q, "q", {B, H, nq, d}), q);
+    p.k = const_stack<T>(check<T>(k, "k", {B, Hk, nk, d}), k);
+    p.v = const_stack<T>(check<T>(v, "v", {B, Hk, nk, dv}), v);
+    return p;
+}
+
 void sdpa_forward(py::array q, py::array k, py::array v, py::array out, py::object mask,
                   py::object key_padding_mask, int causal, double scale, py::object weights,
                   py::object lse) {
     dispatch(q, "q", [&](auto tag) {
         using T = decltype(tag);
-        if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
-            throw py::value_error("q, k, v: expected (batch, heads, n, d) arrays");
-        const Index B = q.shape(0), H = q.shape(1), nq = q.shape(2), d = q.shape(3);
-        const Index Hk = k.shape(1), nk = k.shape(2), dv = v.shape(3);
-        check_heads(H, Hk);
-        AttentionProblem<T> p;
-        p.batch = B;
-        p.heads = H;
-        p.kv_heads = Hk;
-        p.n_q = nq;
-        p.n_k = nk;
-        p.d = d;
-        p.d_v = dv;
-        p.scale = static_cast<T>(scale);
-        p.q = const_stack<T>(check<T>(q, "q", {B, H, nq, d}), q);
-        p.k = const_stack<T>(check<T>(k, "k", {B, Hk, nk, d}), k);
-        p.v = const_stack<T>(check<T>(v, "v", {B, Hk, nk, dv}), v);
+        AttentionProblem<T> p = sdpa_problem<T>(q, k, v, scale);
+        const Index B = p.batch, H = p.heads, nq = p.n_q, nk = p.n_k, dv = p.d_v;
         auto so = check<T>(out, "out", {B, H, nq, dv}, true);
         p.out = {static_cast<T*>(out.mutable_data()), so[0], so[1], so[2]};
         p.mask = mask_spec<T>(mask, key_padding_mask, causal, B, H, nq, nk);
@@ -113,23 +122,9 @@ void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, py
                    py::array lse, py::array d_q, py::array d_k, py::array d_v) {
     dispatch(q, "q", [&](auto tag) {
         using T = decltype(tag);
-        if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
-            throw py::value_error("q, k, v: expected (batch, heads, n, d) arrays");
-        const Index B = q.shape(0), H = q.shape(1), nq = q.shape(2), d = q.shape(3);
-        const Index Hk = k.shape(1), nk = k.shape(2), dv = v.shape(3);
-        check_heads(H, Hk);
-        AttentionProblem<T> p;
-        p.batch = B;
-        p.heads = H;
-        p.kv_heads = Hk;
-        p.n_q = nq;
-        p.n_k = nk;
-        p.d = d;
-        p.d_v = dv;
-        p.scale = static_cast<T>(scale);
-        p.q = const_stack<T>(check<T>(q, "q", {B, H, nq, d}), q);
-        p.k = const_stack<T>(check<T>(k, "k", {B, Hk, nk, d}), k);
-        p.v = const_stack<T>(check<T>(v, "v", {B, Hk, nk, dv}), v);
+        AttentionProblem<T> p = sdpa_problem<T>(q, k, v, scale);
+        const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
+        const Index d = p.d, dv = p.d_v;
         T* po = contiguous<T>(out, "out", {B, H, nq, dv}, true);
         p.out = {po, H * nq * dv, nq * dv, dv};
         p.mask = mask_spec<T>(mask, key_padding_mask, causal, B, H, nq, nk);

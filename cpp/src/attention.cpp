@@ -14,7 +14,8 @@ namespace attnlab {
 namespace detail {
 
 // Tile sizes: a query tile's scores against a key tile stay in L1/L2 (64 x 128 x 4 B = 32 KiB).
-// (64 x 128 measured best among 64-256 x 128-256 on a 2-core AVX2 machine, d_head = 64.)
+// (64 x 128: no other size in 64-256 x 128-256 was clearly faster at d_head = 64 in one noisy
+// single-thread sweep on a 2-core AVX2 machine.)
 constexpr Index kTileQ = 64;
 constexpr Index kTileK = 128;
 
