@@ -9,6 +9,10 @@ and attnlab must reproduce the module's float32 output (normwise relative error 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -27,6 +31,12 @@ F32 = np.float32
 
 
 # --------------------------------------------------------------------------- masks (no torch)
+
+
+def test_attnlab_never_imports_torch():
+    code = ("import sys, attnlab, attnlab.interop, attnlab.layers, attnlab.reference; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], env=dict(os.environ)).returncode == 0
 
 
 def test_torch_masks_bool_polarity_is_inverted():
