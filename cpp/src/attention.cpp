@@ -7,6 +7,7 @@
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "microkernel.hpp"
 #include "softmax.hpp"
 
 namespace attnlab {
@@ -16,8 +17,9 @@ namespace detail {
 // Tile sizes: a query tile's scores against a key tile stay in L1/L2 (64 x 128 x 4 B = 32 KiB).
 // (64 x 128: no other size in 64-256 x 128-256 was clearly faster at d_head = 64 in one noisy
 // single-thread sweep on a 2-core AVX2 machine.)
-constexpr Index kTileQ = 64;
+constexpr Index kTileQ = 96;
 constexpr Index kTileK = 128;
+constexpr Index kBwdTileQ = 64;
 
 // Keys [0, end) may be visible to queries [i0, i1) under the causal rule.
 template <typename T>
@@ -27,66 +29,101 @@ Index causal_key_end(const MaskSpec<T>& m, Index n_q, Index n_k, Index i1) {
 }
 
 // One (batch, head, query tile) with an online softmax over key tiles.
+//
+// Layout: queries run along the vector lanes. The tile keeps Q^T (scaled), S^T = K Q^T (keys x
+// queries) and the accumulator (P V)^T (d_v x queries), the query count padded to whole panels.
+// Then the softmax statistics (running max m, running sum l) are whole packets, updated by
+// vertical max/exp/add over the keys without horizontal reductions, and both products run in
+// panel_product without packing K or V (their entries are broadcast through their strides).
 template <typename T>
 void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index mq) {
+    namespace ei = Eigen::internal;
+    using Packet = PacketOf<T>;
+    constexpr Index L = packet_size<T>();
+    constexpr Index W = panel_width<T>();
     const Index hk = h / (p.heads / p.kv_heads);
     const Index d = p.d, dv = p.d_v;
-    ConstRowMap<T> Q(p.q.at(b, h) + i0 * p.q.row_stride, mq, d, Eigen::OuterStride<>(p.q.row_stride));
-    RowMap<T> O(p.out.at(b, h) + i0 * p.out.row_stride, mq, dv, Eigen::OuterStride<>(p.out.row_stride));
+    const Index mp = (mq + W - 1) / W * W;  // queries padded to whole panels
+    const T* qbase = p.q.at(b, h) + i0 * p.q.row_stride;
     const T* kbase = p.k.at(b, hk);
     const T* vbase = p.v.at(b, hk);
+    const Index ks = p.k.row_stride, vs = p.v.row_stride;
 
-    // scratch: scaled Q tile, scores/probabilities tile, accumulator, row max and row sum
-    T* qs_buf = scratch<T, 0>(static_cast<std::size_t>(mq * d));
-    T* s_buf = scratch<T, 1>(static_cast<std::size_t>(mq * kTileK));
-    T* acc_buf = scratch<T, 2>(static_cast<std::size_t>(mq * dv));
-    T* stat_buf = scratch<T, 3>(static_cast<std::size_t>(2 * mq));
-    RowMap<T> Qs(qs_buf, mq, d, Eigen::OuterStride<>(d));
-    RowMap<T> Acc(acc_buf, mq, dv, Eigen::OuterStride<>(dv));
-    T* row_m = stat_buf;
-    T* row_l = stat_buf + mq;
-    Qs.noalias() = Q * p.scale;
-    Acc.setZero();
-    std::fill(row_m, row_m + mq, neg_inf<T>());
-    std::fill(row_l, row_l + mq, T(0));
+    T* qt = scratch<T, 0>(static_cast<std::size_t>(d * mp));       // scale * Q^T
+    T* st = scratch<T, 1>(static_cast<std::size_t>(kTileK * mp));  // S^T, then P^T
+    T* acc = scratch<T, 2>(static_cast<std::size_t>(dv * mp));     // (P V)^T, unnormalised
+    T* stats = scratch<T, 3>(static_cast<std::size_t>(5 * mp));  // m, l and per-tile temporaries
+    T* row_m = stats;
+    T* row_l = stats + mp;
+    for (Index i = 0; i < mp; ++i) {
+        const T* qrow = qbase + i * p.q.row_stride;
+        for (Index c = 0; c < d; ++c) qt[c * mp + i] = i < mq ? p.scale * qrow[c] : T(0);
+    }
+    std::fill(acc, acc + dv * mp, T(0));
+    std::fill(row_m, row_m + mp, neg_inf<T>());
+    std::fill(row_l, row_l + mp, T(0));
 
+    const Packet ninf = ei::pset1<Packet>(neg_inf<T>());
+    const Packet zero = ei::pzero(ninf);
     const Index key_end = causal_key_end(p.mask, p.n_q, p.n_k, i0 + mq);
     for (Index j0 = 0; j0 < key_end; j0 += kTileK) {
         const Index kb = std::min(kTileK, key_end - j0);
-        ConstRowMap<T> K(kbase + j0 * p.k.row_stride, kb, d, Eigen::OuterStride<>(p.k.row_stride));
-        ConstRowMap<T> V(vbase + j0 * p.v.row_stride, kb, dv, Eigen::OuterStride<>(p.v.row_stride));
-        RowMap<T> S(s_buf, mq, kb, Eigen::OuterStride<>(kb));
-        S.noalias() = Qs * K.transpose();
+        // S^T[j, i] = sum_c K[j0 + j, c] * qt[c, i]
+        for (Index ip = 0; ip < mp; ip += W)
+            panel_product<T, false>(kb, d, kbase + j0 * ks, ks, 1, qt + ip, mp, st + ip, mp);
         if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, j0 + kb))
-            apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, s_buf, kb);
-        for (Index r = 0; r < mq; ++r) {
-            T* srow = s_buf + r * kb;
-            const T m_new = std::max(row_m[r], row_max(srow, kb));
-            if (m_new == neg_inf<T>()) {  // everything so far masked (or NaN)
-                if (has_nan(srow, kb)) row_l[r] = std::numeric_limits<T>::quiet_NaN();
-                std::fill(srow, srow + kb, T(0));
-                continue;
-            }
-            const T alpha = std::exp(row_m[r] - m_new);
-            const T sum = exp_row(srow, m_new, srow, kb);
-            row_l[r] = row_l[r] * alpha + sum;
-            row_m[r] = m_new;
-            if (alpha != T(1)) Acc.row(r) *= alpha;
+            apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, st, Index(1), mp);
+        // Online softmax, queries in lanes, the tile swept row by row (it does not fit in L1,
+        // and rows stream). A column masked so far keeps m = -inf and is shifted by 0 instead,
+        // so that its exponentials are exactly 0 rather than NaN.
+        T* m_new = stats + 2 * mp;
+        T* shift = stats + 3 * mp;
+        T* sum = stats + 4 * mp;
+        std::copy(row_m, row_m + mp, m_new);
+        for (Index j = 0; j < kb; ++j)
+            for (Index io = 0; io < mp; io += L)
+                ei::pstore(m_new + io, ei::pmax(ei::pload<Packet>(m_new + io),
+                                                ei::pload<Packet>(st + j * mp + io)));
+        for (Index io = 0; io < mp; io += L) {
+            const Packet mn = ei::pload<Packet>(m_new + io);
+            ei::pstore(shift + io, ei::pselect(ei::pcmp_eq(mn, ninf), zero, mn));
+            ei::pstore(sum + io, zero);
         }
-        Acc.noalias() += S * V;
+        for (Index j = 0; j < kb; ++j) {
+            T* sj = st + j * mp;
+            for (Index io = 0; io < mp; io += L) {
+                const Packet e = exp_flush(ei::psub(ei::pload<Packet>(sj + io), ei::pload<Packet>(shift + io)));
+                ei::pstore(sj + io, e);
+                ei::pstore(sum + io, ei::padd(ei::pload<Packet>(sum + io), e));
+            }
+        }
+        for (Index io = 0; io < mp; io += L) {
+            const Packet alpha = exp_flush(ei::psub(ei::pload<Packet>(row_m + io), ei::pload<Packet>(shift + io)));
+            ei::pstore(row_l + io, ei::padd(ei::pmul(ei::pload<Packet>(row_l + io), alpha),
+                                            ei::pload<Packet>(sum + io)));
+            ei::pstore(row_m + io, ei::pload<Packet>(m_new + io));
+            ei::pstore(shift + io, alpha);  // reused: the accumulator's rescaling factor
+        }
+        for (Index c = 0; c < dv; ++c)
+            for (Index io = 0; io < mp; io += L) {
+                T* ac = acc + c * mp + io;
+                ei::pstore(ac, ei::pmul(ei::pload<Packet>(ac), ei::pload<Packet>(shift + io)));
+            }
+        // acc[c, i] += sum_j V[j0 + j, c] * P^T[j, i]
+        for (Index ip = 0; ip < mp; ip += W)
+            panel_product<T, true>(dv, kb, vbase + j0 * vs, 1, vs, st + ip, mp, acc + ip, mp);
     }
-    for (Index r = 0; r < mq; ++r) {
-        const T l = row_l[r];
-        if (l > T(0)) {
-            O.row(r) = Acc.row(r) / l;
-        } else if (l == T(0)) {
-            O.row(r).setZero();  // fully masked row
+    for (Index i = 0; i < mq; ++i) {
+        const T l = row_l[i];
+        T* orow = p.out.at(b, h) + (i0 + i) * p.out.row_stride;
+        if (l == T(0)) {
+            std::fill(orow, orow + dv, T(0));  // fully masked row
         } else {
-            O.row(r) = Acc.row(r) / l;  // NaN propagates
+            for (Index c = 0; c < dv; ++c) orow[c] = acc[c * mp + i] / l;  // NaN propagates
         }
         if (p.lse) {
-            p.lse[(b * p.heads + h) * p.n_q + i0 + r] =
-                l == T(0) ? neg_inf<T>() : row_m[r] + std::log(l);
+            p.lse[(b * p.heads + h) * p.n_q + i0 + i] =
+                l == T(0) ? neg_inf<T>() : row_m[i] + std::log(l);
         }
     }
 }
@@ -108,7 +145,7 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     Qs.noalias() = Q * p.scale;
     P.noalias() = Qs * K.transpose();
     if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, nk))
-        apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, Index(0), mq, nk, wbase, nk);
+        apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, Index(0), mq, nk, wbase, nk, Index(1));
     for (Index r = 0; r < mq; ++r) {
         T* row = wbase + r * nk;
         const T m = row_max(row, nk);
@@ -139,15 +176,15 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g, Inde
     RowMap<T> dV(g.d_v.at(b, hk), nk, dv, Eigen::OuterStride<>(g.d_v.row_stride));
     dK.setZero();
     dV.setZero();
-    T* qs_buf = scratch<T, 0>(static_cast<std::size_t>(kTileQ * d));
-    T* s_buf = scratch<T, 1>(static_cast<std::size_t>(kTileQ * kTileK));
-    T* dq_buf = scratch<T, 2>(static_cast<std::size_t>(kTileQ * d));
-    T* stat_buf = scratch<T, 3>(static_cast<std::size_t>(kTileQ));
-    T* dp_buf = scratch<T, 4>(static_cast<std::size_t>(kTileQ * kTileK));
+    T* qs_buf = scratch<T, 0>(static_cast<std::size_t>(kBwdTileQ * d));
+    T* s_buf = scratch<T, 1>(static_cast<std::size_t>(kBwdTileQ * kTileK));
+    T* dq_buf = scratch<T, 2>(static_cast<std::size_t>(kBwdTileQ * d));
+    T* stat_buf = scratch<T, 3>(static_cast<std::size_t>(kBwdTileQ));
+    T* dp_buf = scratch<T, 4>(static_cast<std::size_t>(kBwdTileQ * kTileK));
     for (Index gi = 0; gi < group; ++gi) {
         const Index h = hk * group + gi;
-        for (Index i0 = 0; i0 < p.n_q; i0 += kTileQ) {
-            const Index mq = std::min(kTileQ, p.n_q - i0);
+        for (Index i0 = 0; i0 < p.n_q; i0 += kBwdTileQ) {
+            const Index mq = std::min(kBwdTileQ, p.n_q - i0);
             ConstRowMap<T> Q(p.q.at(b, h) + i0 * p.q.row_stride, mq, d,
                              Eigen::OuterStride<>(p.q.row_stride));
             ConstRowMap<T> O(p.out.at(b, h) + i0 * p.out.row_stride, mq, dv,
@@ -172,7 +209,7 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g, Inde
                 RowMap<T> dP(dp_buf, mq, kb, Eigen::OuterStride<>(kb));
                 S.noalias() = Qs * K.transpose();
                 if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, j0 + kb))
-                    apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, s_buf, kb);
+                    apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, s_buf, kb, Index(1));
                 for (Index r = 0; r < mq; ++r) {  // P = exp(S - lse), in place
                     T* srow = s_buf + r * kb;
                     if (lse[r] == neg_inf<T>()) {

@@ -2,7 +2,9 @@
 // Shared pieces of the softmax passes: masking a tile of scores and exponentiating a row.
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "attnlab/common.hpp"
@@ -15,12 +17,15 @@ constexpr T neg_inf() {
     return -std::numeric_limits<T>::infinity();
 }
 
-// Per-thread scratch that only grows, so tiles do not allocate on every task.
+// Per-thread scratch that only grows, so tiles do not allocate on every task. Aligned to 64
+// bytes, so whole packets can be loaded from it with aligned loads.
 template <typename T, int Slot>
 T* scratch(std::size_t n) {
+    constexpr std::size_t pad = 64 / sizeof(T);
     thread_local std::vector<T> buf;
-    if (buf.size() < n) buf.resize(n);
-    return buf.data();
+    if (buf.size() < n + pad) buf.resize(n + pad);
+    const auto addr = reinterpret_cast<std::uintptr_t>(buf.data());
+    return buf.data() + ((64 - addr % 64) % 64) / sizeof(T);
 }
 
 // Offset such that query i may see key j iff j <= i + offset (causal), or none.
@@ -29,33 +34,34 @@ Index causal_offset(const MaskSpec<T>& m, Index n_q, Index n_k) {
     return m.causal == Causal::bottom_right ? n_k - n_q : 0;
 }
 
-// Applies the mask to a tile s (rows x cols, row stride lds) holding scaled scores for queries
-// i0.. and keys j0.. of (batch b, head h): adds the float mask, sets disallowed entries to -inf.
+// Applies the mask to a tile of scaled scores for queries i0.. (rows) and keys j0.. (cols) of
+// (batch b, head h), entry (r, c) at s[r * rs + c * cs] (so either layout, queries or keys
+// along rows): adds the float mask, sets disallowed entries to -inf.
 template <typename T>
 void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, Index i0, Index j0,
-                Index rows, Index cols, T* s, Index lds) {
+                Index rows, Index cols, T* s, Index rs, Index cs) {
     const Index off = causal_offset(m, n_q, n_k);
     const std::uint8_t* kp = m.key_padding ? m.key_padding + b * m.kp_sb : nullptr;
     for (Index r = 0; r < rows; ++r) {
-        T* srow = s + r * lds;
+        T* srow = s + r * rs;
         const Index i = i0 + r;
         if (m.kind == MaskKind::additive) {
             const T* mrow = m.additive + b * m.sb + h * m.sh + i * m.sq;
-            for (Index c = 0; c < cols; ++c) srow[c] += mrow[(j0 + c) * m.sk];
+            for (Index c = 0; c < cols; ++c) srow[c * cs] += mrow[(j0 + c) * m.sk];
         } else if (m.kind == MaskKind::boolean) {
             const std::uint8_t* mrow = m.boolean + b * m.sb + h * m.sh + i * m.sq;
             for (Index c = 0; c < cols; ++c)
-                if (!mrow[(j0 + c) * m.sk]) srow[c] = neg_inf<T>();
+                if (!mrow[(j0 + c) * m.sk]) srow[c * cs] = neg_inf<T>();
         }
         if (kp) {
             for (Index c = 0; c < cols; ++c)
-                if (!kp[(j0 + c) * m.kp_sk]) srow[c] = neg_inf<T>();
+                if (!kp[(j0 + c) * m.kp_sk]) srow[c * cs] = neg_inf<T>();
         }
         if (m.causal != Causal::none) {
             // keys j > i + off are in the future
             Index first_bad = i + off + 1 - j0;
             if (first_bad < 0) first_bad = 0;
-            for (Index c = first_bad; c < cols; ++c) srow[c] = neg_inf<T>();
+            for (Index c = first_bad; c < cols; ++c) srow[c * cs] = neg_inf<T>();
         }
     }
 }
@@ -76,38 +82,68 @@ T row_max(const T* s, Index n) {
     return Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>>(s, n).maxCoeff();
 }
 
-// p[c] = exp(s[c] - m) (s and p may alias); returns the sum.
-// Bitwise reproducible whatever the buffers' alignment (so whatever thread ran the tile): every
-// element goes through the same packet exp (the tail via a padded packet) and the sum is taken
-// in packet lanes in a fixed order; Eigen's own expressions would peel a scalar prologue up to
-// an aligned address. Eigen's exp clamps its argument, so exp(-inf) would be a tiny subnormal:
-// results below the smallest normal number are flushed to exactly 0, which makes masked entries
-// exactly 0 and drops only values below 1e-38 (float) / 1e-308 (double) of the row maximum.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // Eigen packet types as template args
 #endif
+// exp(x) for the softmax, x <= 0 (a score minus its row maximum) or NaN, with results below the
+// smallest normal number flushed to exactly 0 (so masked entries, exp(-inf), are exactly 0, and
+// only values below 1e-38 (float) / 1e-308 (double) of the row maximum are dropped).
+// float: exp(x) = 2^n exp(r), n = round(x log2 e), r = x - n ln 2 in two FMA steps (exact to
+// about 1 ulp), exp(r) by the degree-6 Cephes polynomial, 2^n built in the exponent bits. As
+// x <= 0, n is at least -126 wherever the result is kept, so no range clamping is needed; that
+// saves a third of the work of Eigen's general pexp, which matters because the exp of every
+// score costs about as much as the two products of the tile per score. exp(0) is exactly 1.
+// double: Eigen's pexp. NaN propagates in both.
+template <typename Packet>
+Packet exp_flush(const Packet& x) {
+    namespace ei = Eigen::internal;
+    using T = typename ei::unpacket_traits<Packet>::type;
+    const Packet zero = ei::pzero(x);
+    if constexpr (std::is_same_v<T, float>) {
+        using PacketI = typename ei::unpacket_traits<Packet>::integer_packet;
+        const Packet n = ei::print(ei::pmul(x, ei::pset1<Packet>(1.44269504088896341f)));
+        Packet r = ei::pmadd(n, ei::pset1<Packet>(-0.693359375f), x);
+        r = ei::pmadd(n, ei::pset1<Packet>(2.12194440e-4f), r);
+        const Packet r2 = ei::pmul(r, r);
+        Packet y = ei::pmadd(ei::pset1<Packet>(1.9875691500e-4f), r, ei::pset1<Packet>(1.3981999507e-3f));
+        y = ei::pmadd(y, r, ei::pset1<Packet>(8.3334519073e-3f));
+        y = ei::pmadd(y, r, ei::pset1<Packet>(4.1665795894e-2f));
+        y = ei::pmadd(y, r, ei::pset1<Packet>(1.6666665459e-1f));
+        y = ei::pmadd(y, r, ei::pset1<Packet>(5.0000001201e-1f));
+        y = ei::padd(ei::pmadd(y, r2, r), ei::pset1<Packet>(1.0f));
+        const PacketI e = ei::padd(ei::pcast<Packet, PacketI>(n), ei::pset1<PacketI>(127));
+        y = ei::pmul(y, ei::preinterpret<Packet>(ei::plogical_shift_left<23>(e)));
+        return ei::pselect(ei::pcmp_lt(x, ei::pset1<Packet>(-87.33654f)), zero, y);
+    } else {
+        const Packet e = ei::pexp(x);
+        return ei::pselect(ei::pcmp_lt(e, ei::pset1<Packet>(std::numeric_limits<T>::min())), zero, e);
+    }
+}
+
+// p[c] = exp(s[c] - m) (s and p may alias); returns the sum.
+// Bitwise reproducible whatever the buffers' alignment (so whatever thread ran the tile): every
+// element goes through the same packet exp (the tail via a padded packet) and the sum is taken
+// in packet lanes in a fixed order; Eigen's own expressions would peel a scalar prologue up to
+// an aligned address.
 template <typename T>
 T exp_row(const T* s, T m, T* p, Index n) {
     namespace ei = Eigen::internal;
     using Packet = typename ei::packet_traits<T>::type;
     constexpr Index L = ei::unpacket_traits<Packet>::size;
     const Packet pm = ei::pset1<Packet>(m);
-    const Packet tiny = ei::pset1<Packet>(std::numeric_limits<T>::min());
     const Packet zero = ei::pzero(pm);
     Packet acc = zero;
     Index c = 0;
     for (; c + L <= n; c += L) {
-        Packet e = ei::pexp(ei::psub(ei::ploadu<Packet>(s + c), pm));
-        e = ei::pselect(ei::pcmp_lt(e, tiny), zero, e);
+        const Packet e = exp_flush(ei::psub(ei::ploadu<Packet>(s + c), pm));
         ei::pstoreu(p + c, e);
         acc = ei::padd(acc, e);
     }
     if (c < n) {
         alignas(64) T buf[L];
         for (Index i = 0; i < L; ++i) buf[i] = c + i < n ? s[c + i] : neg_inf<T>();
-        Packet e = ei::pexp(ei::psub(ei::pload<Packet>(buf), pm));
-        e = ei::pselect(ei::pcmp_lt(e, tiny), zero, e);
+        const Packet e = exp_flush(ei::psub(ei::pload<Packet>(buf), pm));
         ei::pstore(buf, e);
         for (Index i = 0; c + i < n; ++i) p[c + i] = buf[i];
         acc = ei::padd(acc, e);  // padding lanes are exactly 0

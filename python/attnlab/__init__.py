@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import init, layers, optim, reference
+from . import diagnostics, init, layers, optim, reference
 from ._loader import core as _core
 from ._additive import (
     additive_attention,
@@ -48,6 +48,7 @@ __all__ = [
     "separable_attention_backward",
     "build_info",
     "get_num_threads",
+    "diagnostics",
     "init",
     "layers",
     "optim",

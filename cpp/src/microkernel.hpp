@@ -1,0 +1,90 @@
+#pragma once
+// A register-blocked product kernel on Eigen packets, for the attention tiles.
+//
+// The tiles of flash attention are small (tens to hundreds of rows) and one operand is always a
+// strided view of the projections. A general GEMM packs both operands on every call; this kernel
+// packs nothing: the "A" operand is read by scalar broadcasts through arbitrary strides, and the
+// "B" operand is a buffer we own whose lanes are queries (padded to a whole panel). Written with
+// Eigen's packet primitives, so it compiles to SSE2, AVX2+FMA or AVX-512 with the module's flags.
+
+#include "attnlab/common.hpp"
+
+namespace attnlab {
+namespace detail {
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // Eigen packet types as template args
+#endif
+
+template <typename T>
+using PacketOf = typename Eigen::internal::packet_traits<T>::type;
+
+template <typename T>
+constexpr Index packet_size() {
+    return Eigen::internal::unpacket_traits<PacketOf<T>>::size;
+}
+
+// A panel is three packets wide and the kernel computes four rows of it at once: 12
+// accumulators, 3 B packets and a broadcast fill the 16 vector registers of SSE2/AVX2 and need
+// 7 loads per 12 FMAs (6 rows x 2 packets would need 8). 4 divides the usual head widths and
+// key tiles; 3 packets divide a 96-query tile for every packet size (4, 8, 16 lanes).
+constexpr int kPanelPackets = 3;
+constexpr int kPanelRows = 4;
+
+template <typename T>
+constexpr Index panel_width() {
+    return kPanelPackets * packet_size<T>();
+}
+
+// C[r, 0:W) (+)= sum_{t < depth} A(r, t) * B[t, 0:W) for r < MR, W = panel_width<T>().
+// A(r, t) = a[r * a_rs + t * a_ts]; B rows are ldb apart and aligned to a packet; C rows ldc
+// apart, aligned. The sum over t runs in order, so the result does not depend on the thread.
+template <typename T, int MR, bool Accumulate>
+inline void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts, const T* b, Index ldb,
+                         T* c, Index ldc) {
+    namespace ei = Eigen::internal;
+    using Packet = PacketOf<T>;
+    constexpr Index L = packet_size<T>();
+    constexpr int NP = kPanelPackets;
+    Packet acc[MR][NP];
+    for (int r = 0; r < MR; ++r)
+        for (int q = 0; q < NP; ++q)
+            acc[r][q] = Accumulate ? ei::pload<Packet>(c + r * ldc + q * L) : ei::pset1<Packet>(T(0));
+    for (Index t = 0; t < depth; ++t) {
+        Packet bt[NP];
+        for (int q = 0; q < NP; ++q) bt[q] = ei::pload<Packet>(b + t * ldb + q * L);
+        const T* at = a + t * a_ts;
+        for (int r = 0; r < MR; ++r) {
+            const Packet ar = ei::pset1<Packet>(at[r * a_rs]);
+            for (int q = 0; q < NP; ++q) acc[r][q] = ei::pmadd(ar, bt[q], acc[r][q]);
+        }
+    }
+    for (int r = 0; r < MR; ++r)
+        for (int q = 0; q < NP; ++q) ei::pstore(c + r * ldc + q * L, acc[r][q]);
+}
+
+// Rows [0, rows) of C for one panel, kPanelRows at a time.
+template <typename T, bool Accumulate>
+void panel_product(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, const T* b,
+                   Index ldb, T* c, Index ldc) {
+    constexpr int MR = kPanelRows;
+    Index r = 0;
+    for (; r + MR <= rows; r += MR)
+        panel_kernel<T, MR, Accumulate>(depth, a + r * a_rs, a_rs, a_ts, b, ldb, c + r * ldc, ldc);
+    const T* ar = a + r * a_rs;
+    T* cr = c + r * ldc;
+    switch (rows - r) {
+        case 3: panel_kernel<T, 3, Accumulate>(depth, ar, a_rs, a_ts, b, ldb, cr, ldc); break;
+        case 2: panel_kernel<T, 2, Accumulate>(depth, ar, a_rs, a_ts, b, ldb, cr, ldc); break;
+        case 1: panel_kernel<T, 1, Accumulate>(depth, ar, a_rs, a_ts, b, ldb, cr, ldc); break;
+        default: break;
+    }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+}  // namespace detail
+}  // namespace attnlab
