@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 __all__: list[str] = []
 
@@ -100,4 +101,7 @@ def available() -> list[str]:
     return [isa for isa in PREFERENCE if supported(isa, features) and _built(isa)]
 
 
-core = load()
+if TYPE_CHECKING:  # the interface of every variant, declared in _core.pyi
+    from . import _core as core
+else:
+    core = load()

@@ -170,6 +170,16 @@ def plan_qk(*, n_q: int, n_k: int | None = None, d_model: int, num_heads: int,
     """``"separate"`` or ``"collapsed"``: the form with fewer multiply-adds by
     :func:`attention_cost` (ties go to ``"separate"``, which has fewer parameters).
 
+    Parameters
+    ----------
+    n_q, n_k, d_model, num_heads, d_head, batch, num_kv_heads, cached
+        As for :func:`attention_cost`.
+
+    Returns
+    -------
+    str
+        ``"separate"`` or ``"collapsed"``.
+
     Examples
     --------
     >>> from attnlab import plan_qk

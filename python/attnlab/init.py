@@ -62,8 +62,10 @@ def _fans(fan_in: Any, fan_out: Any) -> tuple[int, int]:
 def _rng(rng: Any) -> np.random.Generator:
     if isinstance(rng, np.random.Generator):
         return rng
-    if rng is None or isinstance(rng, (numbers.Integral, np.random.SeedSequence)):
+    if rng is None or isinstance(rng, np.random.SeedSequence):
         return np.random.default_rng(rng)
+    if isinstance(rng, numbers.Integral):
+        return np.random.default_rng(int(rng))
     raise TypeError(
         f"rng: expected a numpy.random.Generator, an integer seed or None, got "
         f"{type(rng).__name__}"

@@ -1,0 +1,84 @@
+# Stub of the compiled kernel module, as `attnlab._loader.core` exposes it. One build per
+# instruction set ships (_core_generic, _core_avx2, _core_avx512); all have this interface
+# (cpp/bindings/*.cpp). Private: the Python layer validates and prepares every argument (dtype
+# float32/float64 shared by all arrays, C-contiguous or whole-element strides, outputs writable)
+# and the bindings check the raw buffers again. Optional arrays are `None` when absent.
+
+from typing import Any, SupportsFloat, SupportsIndex, SupportsInt, TypeAlias
+
+import numpy.typing as npt
+
+_Array: TypeAlias = npt.NDArray[Any]
+_Optional: TypeAlias = npt.NDArray[Any] | None
+_Int: TypeAlias = SupportsInt | SupportsIndex
+_Float: TypeAlias = SupportsFloat | SupportsIndex
+
+__version__: str
+ISA: str
+
+def cpu_features() -> dict[str, bool]: ...
+def get_num_threads() -> int: ...
+def set_num_threads(n: _Int) -> None: ...
+def build_info() -> dict[str, Any]: ...
+
+# Multi-head attention (cpp/bindings/mha.cpp). causal: 0 none, 1 top-left, 2 bottom-right.
+def sdpa_forward(
+    q: _Array, k: _Array, v: _Array, out: _Array, mask: _Optional,
+    key_padding_mask: _Optional, causal: _Int, scale: _Float, weights: _Optional,
+    lse: _Optional,
+) -> None: ...
+def mha_forward(
+    query: _Array, key: _Array, value: _Array, w_q: _Array, b_q: _Optional, w_k: _Array,
+    b_k: _Optional, w_v: _Array, b_v: _Optional, w_o: _Array, b_o: _Optional, batch: _Int,
+    n_q: _Int, n_k: _Int, heads: _Int, kv_heads: _Int, mask: _Optional,
+    key_padding_mask: _Optional, causal: _Int, scale: _Float, out: _Array, weights: _Optional,
+) -> None: ...
+def sdpa_backward(
+    grad_out: _Array, q: _Array, k: _Array, v: _Array, mask: _Optional,
+    key_padding_mask: _Optional, causal: _Int, scale: _Float, out: _Array, lse: _Array,
+    d_q: _Array, d_k: _Array, d_v: _Array,
+) -> None: ...
+def mha_backward(
+    grad_out: _Array, query: _Array, key: _Array, value: _Array, w_q: _Array, b_q: _Optional,
+    w_k: _Array, b_k: _Optional, w_v: _Array, b_v: _Optional, w_o: _Array, b_o: _Optional,
+    batch: _Int, n_q: _Int, n_k: _Int, heads: _Int, kv_heads: _Int, mask: _Optional,
+    key_padding_mask: _Optional, causal: _Int, scale: _Float, grads: dict[str, _Array],
+) -> None: ...
+def linear_forward(x: _Array, w: _Array, b: _Optional, y: _Array) -> None: ...
+
+# Bilinear-collapsed attention (cpp/bindings/bilinear.cpp). order: 0 query, 1 key.
+def bilinear_forward(
+    query: _Array, key: _Array, value: _Array, w_qk: _Array, u_k: _Optional, w_v: _Array,
+    b_v: _Optional, w_o: _Array, b_o: _Optional, batch: _Int, n_q: _Int, n_k: _Int,
+    heads: _Int, kv_heads: _Int, mask: _Optional, key_padding_mask: _Optional, causal: _Int,
+    scale: _Float, order: _Int, out: _Array, weights: _Optional,
+) -> None: ...
+def bilinear_backward(
+    grad_out: _Array, query: _Array, key: _Array, value: _Array, w_qk: _Array, u_k: _Optional,
+    w_v: _Array, b_v: _Optional, w_o: _Array, b_o: _Optional, batch: _Int, n_q: _Int,
+    n_k: _Int, heads: _Int, kv_heads: _Int, mask: _Optional, key_padding_mask: _Optional,
+    causal: _Int, scale: _Float, grads: dict[str, _Array],
+) -> None: ...
+
+# Additive (SwiftFormer) and separable (MobileViT-v2) attention (cpp/bindings/additive.cpp).
+# variant: 0 official, 1 hf.
+def additive_forward(
+    x: _Array, w_q: _Array, b_q: _Optional, w_k: _Array, b_k: _Optional, w_g: _Array,
+    w_proj: _Array, b_proj: _Optional, w_final: _Array, b_final: _Optional, batch: _Int,
+    n: _Int, scale: _Float, eps: _Float, variant: _Int, key_padding_mask: _Optional,
+    out: _Array,
+) -> None: ...
+def separable_forward(
+    x: _Array, w_qkv: _Array, b_qkv: _Optional, w_o: _Array, b_o: _Optional, batch: _Int,
+    n: _Int, key_padding_mask: _Optional, out: _Array,
+) -> None: ...
+def additive_backward(
+    grad_out: _Array, x: _Array, w_q: _Array, b_q: _Optional, w_k: _Array, b_k: _Optional,
+    w_g: _Array, w_proj: _Array, b_proj: _Optional, w_final: _Array, b_final: _Optional,
+    batch: _Int, n: _Int, scale: _Float, eps: _Float, variant: _Int,
+    key_padding_mask: _Optional, grads: dict[str, _Array],
+) -> None: ...
+def separable_backward(
+    grad_out: _Array, x: _Array, w_qkv: _Array, b_qkv: _Optional, w_o: _Array, b_o: _Optional,
+    batch: _Int, n: _Int, key_padding_mask: _Optional, grads: dict[str, _Array],
+) -> None: ...
