@@ -6,6 +6,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -48,12 +49,19 @@ std::vector<Index> check(const py::array& a, const char* name, std::vector<Index
         if (shape[i] >= 0 && a.shape(i) != shape[i])
             throw py::value_error(std::string(name) + ": shape " + shape_str(a) +
                                   " does not match the other arguments");
+        if (a.shape(i) <= 1) {  // never stepped along: NumPy leaves any stride there
+            strides[i] = 0;
+            continue;
+        }
         if (a.strides(i) % item != 0)
             throw py::value_error(std::string(name) + ": strides are not whole elements");
         strides[i] = a.strides(i) / item;
         if (strides[i] < 0) throw py::value_error(std::string(name) + ": negative strides");
     }
     if (a.size() == 0) return std::vector<Index>(shape.size(), 0);  // nothing will be read
+    // Reading a T at an address that is not a multiple of its alignment is undefined.
+    if (reinterpret_cast<std::uintptr_t>(a.data()) % (boolean ? 1 : alignof(T)) != 0)
+        throw py::value_error(std::string(name) + ": data is not aligned");
     if (unit_last && !shape.empty() && a.shape(shape.size() - 1) > 1 && strides.back() != 1)
         throw py::value_error(std::string(name) + ": last axis must be contiguous");
     if (writable && !a.writeable()) throw py::value_error(std::string(name) + ": not writable");

@@ -267,7 +267,9 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
             if (std::isnan(bmax[t])) nan = true;
             mx = std::max(mx, bmax[t]);
         }
-        if (!any) {
+        // No real token, or every real score -inf (masked out by the score itself, as a -inf
+        // float mask in SDPA): nothing carries weight, ctx = 0 and out = b_o, never NaN.
+        if (!any || (!nan && mx == -kInf)) {
             ctx.setZero();
             return;
         }
@@ -281,7 +283,7 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
             z += f * bsum[t];
             acc += f * Eigen::Map<const Vec<double>>(bctx.get() + t * d, d);
         }
-        // every real score -inf, or NaN/Inf among them: z is 0 or NaN and ctx NaN, as torch
+        // NaN among the real scores, or +inf: z or ctx is NaN (propagation, as torch)
         ctx = (acc / z).template cast<T>();
     });
 
@@ -549,6 +551,10 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
             mx = std::max(mx, s);
         }
         if (nan) mx = std::numeric_limits<T>::quiet_NaN();
+        if (mx == -kInf) {  // no real token, or every real score -inf: c = 0, as the forward
+            for (Index r = b * n; r < (b + 1) * n; ++r) c[r] = T(0);
+            return;
+        }
         double z = 0;
         for (Index r = b * n; r < (b + 1) * n; ++r) {
             c[r] = real(r) ? std::exp(Pb[r * ld] - mx) : T(0);

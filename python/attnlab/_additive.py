@@ -73,7 +73,7 @@ def _prepare_additive(
     wg_ = ws["w_g"]
     if wg_.shape not in ((D,), (D, 1)):
         raise ValueError(f"w_g: expected shape ({D},) or ({D}, 1), got {V.shape_str(wg_.shape)}")
-    wg = np.ascontiguousarray(wg_.reshape(D), dtype=dtype)
+    wg = V.contiguous(wg_.reshape(D), dtype)
     wp = V.matrix(ws["w_proj"], "w_proj", dtype, D, D, f"(D, D) = ({D}, {D})")
     wf = V.matrix(ws["w_final"], "w_final", dtype, D, None, f"(D, d_out) = ({D}, d_out)")
     d_out = wf.shape[1]
@@ -87,8 +87,8 @@ def _prepare_additive(
     kp = V.key_padding2(key_padding_mask, batch, n)
     B = int(np.prod(batch, dtype=np.int64)) if batch else 1
     if d_in == 0:  # no features: x w = 0; one zero feature computes the same
-        xr = np.zeros((B * n, 1), dtype)
-        wq, wk = np.zeros((1, D), dtype), np.zeros((1, D), dtype)
+        xr = V.zeros((B * n, 1), dtype)
+        wq, wk = V.zeros((1, D), dtype), V.zeros((1, D), dtype)
     else:
         xr = V.rows(xa, batch, dtype)
     return dict(xa=xa, xr=xr, wq=wq, bq=bq, wk=wk, bk=bk, wg=wg, wg_shape=wg_.shape, wp=wp,
@@ -187,7 +187,7 @@ def additive_attention(
     a = _prepare_additive(x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale,
                           variant, eps, key_padding_mask)
     B, n, d_out = a["B"], a["n"], a["d_out"]
-    out = np.empty((B * n, d_out), dtype=a["dtype"])
+    out = V.empty((B * n, d_out), a["dtype"])
     if out.size:
         core.additive_forward(a["xr"], a["wq"], a["bq"], a["wk"], a["bk"], a["wg"], a["wp"],
                               a["bp"], a["wf"], a["bf"], B, n, a["s"], a["e"], a["code"],
@@ -282,7 +282,7 @@ def separable_attention(
     a = _prepare_separable(x, w_qkv, b_qkv, w_o, b_o, key_padding_mask)
     xa, bo, B, n, d, d_out = a["xa"], a["bo"], a["B"], a["n"], a["d"], a["d_out"]
     batch, dtype, kp = a["batch"], a["dtype"], a["kp"]
-    out = np.empty((B * n, d_out), dtype=dtype)
+    out = V.empty((B * n, d_out), dtype)
     if out.size:
         if d == 0:  # no features: no keys or values, ctx is empty and out = b_o
             out[...] = 0.0 if bo is None else bo
@@ -343,29 +343,29 @@ def additive_attention_backward(
                           variant, eps, key_padding_mask)
     B, n, d_in, D, d_out, dtype = a["B"], a["n"], a["d_in"], a["D"], a["d_out"], a["dtype"]
     batch = a["batch"]
-    go = np.ascontiguousarray(_grad_out(grad_out, batch + (n, d_out), dtype).reshape(-1, d_out))
+    go = V.contiguous(_grad_out(grad_out, batch + (n, d_out), dtype).reshape(-1, d_out))
     din_c = a["xr"].shape[1]  # 1 when d_in == 0 (a zero feature stands in)
-    grads = {"x": np.zeros((B * n, din_c), dtype), "w_q": np.zeros((din_c, D), dtype)}
+    grads = {"x": V.zeros((B * n, din_c), dtype), "w_q": V.zeros((din_c, D), dtype)}
     if a["bq"] is not None:
-        grads["b_q"] = np.zeros(D, dtype)
-    grads["w_k"] = np.zeros((din_c, D), dtype)
+        grads["b_q"] = V.zeros(D, dtype)
+    grads["w_k"] = V.zeros((din_c, D), dtype)
     if a["bk"] is not None:
-        grads["b_k"] = np.zeros(D, dtype)
-    grads["w_g"] = np.zeros(D, dtype)
-    grads["w_proj"] = np.zeros((D, D), dtype)
+        grads["b_k"] = V.zeros(D, dtype)
+    grads["w_g"] = V.zeros(D, dtype)
+    grads["w_proj"] = V.zeros((D, D), dtype)
     if a["bp"] is not None:
-        grads["b_proj"] = np.zeros(D, dtype)
-    grads["w_final"] = np.zeros((D, d_out), dtype)
+        grads["b_proj"] = V.zeros(D, dtype)
+    grads["w_final"] = V.zeros((D, d_out), dtype)
     if a["bf"] is not None:
-        grads["b_final"] = np.zeros(d_out, dtype)
+        grads["b_final"] = V.zeros(d_out, dtype)
     if B * n > 0 and d_out > 0:
         core.additive_backward(go, a["xr"], a["wq"], a["bq"], a["wk"], a["bk"], a["wg"], a["wp"],
                                a["bp"], a["wf"], a["bf"], B, n, a["s"], a["e"], a["code"],
                                a["kp"], grads)
     if d_in == 0:
-        grads["x"] = np.zeros((B * n, 0), dtype)
-        grads["w_q"] = np.zeros((0, D), dtype)
-        grads["w_k"] = np.zeros((0, D), dtype)
+        grads["x"] = V.zeros((B * n, 0), dtype)
+        grads["w_q"] = V.zeros((0, D), dtype)
+        grads["w_k"] = V.zeros((0, D), dtype)
     grads["x"] = grads["x"].reshape(a["xa"].shape)
     grads["w_g"] = grads["w_g"].reshape(a["wg_shape"])
     return grads
@@ -408,13 +408,13 @@ def separable_attention_backward(
     """
     a = _prepare_separable(x, w_qkv, b_qkv, w_o, b_o, key_padding_mask)
     B, n, d, d_out, dtype, batch = a["B"], a["n"], a["d"], a["d_out"], a["dtype"], a["batch"]
-    go = np.ascontiguousarray(_grad_out(grad_out, batch + (n, d_out), dtype).reshape(-1, d_out))
-    grads = {"x": np.zeros((B * n, d), dtype), "w_qkv": np.zeros((d, 1 + 2 * d), dtype)}
+    go = V.contiguous(_grad_out(grad_out, batch + (n, d_out), dtype).reshape(-1, d_out))
+    grads = {"x": V.zeros((B * n, d), dtype), "w_qkv": V.zeros((d, 1 + 2 * d), dtype)}
     if a["bqkv"] is not None:
-        grads["b_qkv"] = np.zeros(1 + 2 * d, dtype)
-    grads["w_o"] = np.zeros((d, d_out), dtype)
+        grads["b_qkv"] = V.zeros(1 + 2 * d, dtype)
+    grads["w_o"] = V.zeros((d, d_out), dtype)
     if a["bo"] is not None:
-        grads["b_o"] = np.zeros(d_out, dtype)
+        grads["b_o"] = V.zeros(d_out, dtype)
     if B * n > 0 and d_out > 0:
         if d == 0:  # out = b_o
             if a["bo"] is not None:

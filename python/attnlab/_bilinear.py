@@ -317,13 +317,13 @@ def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_
     if wqk_.shape != (h, d_q, d_k):
         raise ValueError(f"w_qk: expected shape (h, d_q, d_k) = ({h}, {d_q}, {d_k}), got "
                          f"{V.shape_str(wqk_.shape)}")
-    wqk = np.ascontiguousarray(wqk_, dtype=dtype)
+    wqk = V.contiguous(wqk_, dtype)
     uk = None
     if uk_ is not None:
         if uk_.shape != (h, d_k):
             raise ValueError(f"u_k: expected shape (h, d_k) = ({h}, {d_k}), got "
                              f"{V.shape_str(uk_.shape)}")
-        uk = np.ascontiguousarray(uk_, dtype=dtype)
+        uk = V.contiguous(uk_, dtype)
     if wv_.ndim != 2 or wv_.shape[0] != d_v or wv_.shape[1] % h_kv:
         raise ValueError(
             f"w_v: expected shape (d_v, h_kv * d_vhead) = ({d_v}, {h_kv} * d_vhead), got "
@@ -439,8 +439,8 @@ def bilinear_attention(
                  mask, key_padding_mask, causal, scale, return_weights, _order)
     B, n_q, n_k, h, d_out, dtype, mode = a.B, a.n_q, a.n_k, a.h, a.d_out, a.dtype, a.mode
     batch = a.batch
-    out = np.empty((B * n_q, d_out), dtype=dtype)
-    weights = np.empty((B, h, n_q, n_k), dtype=dtype) if mode else None
+    out = V.empty((B * n_q, d_out), dtype)
+    weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
     if B * n_q > 0:
         rq, rk, rv = a.rows()
         core.bilinear_forward(rq, rk, rv, a.wqk, a.uk, a.wv, a.bv, a.wo, a.bo, B, n_q, n_k, h,
@@ -520,12 +520,12 @@ def bilinear_attention_backward(
     for name, arr in (("w_qk", a.wqk), ("u_k", a.uk), ("w_v", a.wv), ("b_v", a.bv),
                       ("w_o", a.wo), ("b_o", a.bo)):
         if arr is not None:
-            grads[name] = np.zeros(arr.shape, dtype)
+            grads[name] = V.zeros(arr.shape, dtype)
     shapes = {"query": a.xq.shape, "key": a.xk.shape, "value": a.xv.shape}
-    rows = {name: np.zeros((B * shp[-2], shp[-1]), dtype) for name, shp in shapes.items()}
+    rows = {name: V.zeros((B * shp[-2], shp[-1]), dtype) for name, shp in shapes.items()}
     if B * a.n_q > 0:
         rq, rk, rv = a.rows()
-        go2 = np.ascontiguousarray(go.reshape(-1, a.d_out))
+        go2 = V.contiguous(go.reshape(-1, a.d_out))
         core.bilinear_backward(go2, rq, rk, rv, a.wqk, a.uk, a.wv, a.bv, a.wo, a.bo, B, a.n_q,
                                a.n_k, a.h, a.h_kv, a.m4, a.kp, a.code, a.scale,
                                {**grads, **rows})

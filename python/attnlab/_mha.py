@@ -143,8 +143,8 @@ def scaled_dot_product_attention(
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = int(np.prod(batch, dtype=np.int64)) if batch else 1
-    out = np.empty((B, h, n_q, d_v), dtype=dtype)
-    weights = np.empty((B, h, n_q, n_k), dtype=dtype) if mode else None
+    out = V.empty((B, h, n_q, d_v), dtype)
+    weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
     if out.size or (weights is not None and weights.size):
         core.sdpa_forward(a.q4, a.k4, a.v4, out, a.mask4, None, a.causal, a.scale, weights, None)
     out = out.reshape(batch + (h, n_q, d_v))
@@ -248,9 +248,9 @@ def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any,
     kp = V.key_padding2(key_padding_mask, batch, n_k)
 
     B = int(np.prod(batch, dtype=np.int64)) if batch else 1
-    rq = V.rows(xq, batch, dtype) if B * n_q else np.empty((0, d_q), dtype)
-    rk = rq if xk is xq else (V.rows(xk, batch, dtype) if B * n_k else np.empty((0, d_k), dtype))
-    rv = rk if xv is xk else (V.rows(xv, batch, dtype) if B * n_k else np.empty((0, d_v), dtype))
+    rq = V.rows(xq, batch, dtype) if B * n_q else V.empty((0, d_q), dtype)
+    rk = rq if xk is xq else (V.rows(xk, batch, dtype) if B * n_k else V.empty((0, d_k), dtype))
+    rv = rk if xv is xk else (V.rows(xv, batch, dtype) if B * n_k else V.empty((0, d_v), dtype))
     shapes = {"query": xq.shape, "key": xk.shape, "value": xv.shape}
     w = {"w_q": wq, "b_q": bq, "w_k": wk, "b_k": bk, "w_v": wv, "b_v": bv, "w_o": wo, "b_o": bo}
     return _Mha(rq, rk, rv, xk is xq, xv is xk, shapes, w, batch, dtype, h, h_kv, n_q, n_k,
@@ -337,8 +337,8 @@ def multi_head_attention(
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
     B = int(np.prod(batch, dtype=np.int64)) if batch else 1
-    out = np.empty((B * n_q, d_out), dtype=dtype)
-    weights = np.empty((B, h, n_q, n_k), dtype=dtype) if mode else None
+    out = V.empty((B * n_q, d_out), dtype)
+    weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
     if B * n_q > 0:
         core.mha_forward(*a.core_args(), out, weights)
     out = out.reshape(batch + (n_q, d_out))
@@ -414,13 +414,13 @@ def scaled_dot_product_attention_backward(
                                                a.d, a.d_v)
     go = _grad_out(grad_out, batch + (h, n_q, d_v), dtype)
     B = int(np.prod(batch, dtype=np.int64)) if batch else 1
-    dq = np.zeros((B, h, n_q, d), dtype)
-    dk = np.zeros((B, h_kv, n_k, d), dtype)
-    dv = np.zeros((B, h_kv, n_k, d_v), dtype)
+    dq = V.zeros((B, h, n_q, d), dtype)
+    dk = V.zeros((B, h_kv, n_k, d), dtype)
+    dv = V.zeros((B, h_kv, n_k, d_v), dtype)
     if B * n_q * n_k > 0:
         go4 = V.kernel_ready(go.reshape((B, h, n_q, d_v)))
-        out = np.empty((B, h, n_q, d_v), dtype)
-        lse = np.empty((B, h, n_q), dtype)
+        out = V.empty((B, h, n_q, d_v), dtype)
+        lse = V.empty((B, h, n_q), dtype)
         core.sdpa_backward(go4, a.q4, a.k4, a.v4, a.mask4, None, a.causal, a.scale, out, lse,
                            dq, dk, dv)
     return {
@@ -489,11 +489,11 @@ def multi_head_attention_backward(
     for name in ("w_q", "b_q", "w_k", "b_k", "w_v", "b_v", "w_o", "b_o"):
         arr = a.w[name]
         if arr is not None:
-            grads[name] = np.zeros(arr.shape, dtype)
+            grads[name] = V.zeros(arr.shape, dtype)
     for name, r in (("query", a.rq), ("key", a.rk), ("value", a.rv)):
-        grads[name] = np.zeros(r.shape, dtype)
+        grads[name] = V.zeros(r.shape, dtype)
     if B * a.n_q > 0:
-        go2 = np.ascontiguousarray(go.reshape(-1, a.d_out))
+        go2 = V.contiguous(go.reshape(-1, a.d_out))
         core.mha_backward(go2, *a.core_args(), grads)
     rows = {n: grads.pop(n) for n in ("query", "key", "value")}
     inputs = {}

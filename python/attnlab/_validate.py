@@ -118,7 +118,48 @@ def batch_shape(name_shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ..
 def aligned(a: np.ndarray) -> np.ndarray:
     """``a`` itself, or an aligned copy when its data sits at an address that is not a multiple
     of its itemsize (possible with views of byte buffers); C++ may not read those in place."""
-    return a if a.flags.aligned else np.array(a, copy=True)
+    return a if a.flags.aligned else copy(a)
+
+
+_ALIGN = 64  # bytes: a cache line, and a whole number of AVX-512 vectors
+
+
+def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary.
+
+    Every array the kernels write goes through here. Eigen's vectorised loops peel scalar
+    iterations up to the first vector-aligned element, and the peeled (scalar) and vector
+    iterations can round differently, so where an output sits in memory could otherwise change
+    the last bits of the result from one call to the next.
+    """
+    dt = np.dtype(dtype)
+    shape = (int(shape),) if isinstance(shape, numbers.Integral) else tuple(int(s) for s in shape)
+    nbytes = math.prod(shape) * dt.itemsize
+    buf = np.empty(nbytes + _ALIGN, np.uint8)
+    start = (-buf.ctypes.data) % _ALIGN
+    return buf[start:start + nbytes].view(dt).reshape(shape)
+
+
+def zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """:func:`empty`, filled with zeros."""
+    a = empty(shape, dtype)
+    a.fill(0)
+    return a
+
+
+def copy(a: np.ndarray, dtype: Any = None) -> np.ndarray:
+    """A C-contiguous, 64-byte-aligned copy of ``a`` (see :func:`empty`)."""
+    out = empty(a.shape, a.dtype if dtype is None else dtype)
+    out[...] = a
+    return out
+
+
+def contiguous(a: np.ndarray, dtype: Any = None) -> np.ndarray:
+    """``a`` itself when it is C-contiguous, aligned and of ``dtype``; else :func:`copy`."""
+    if (dtype is None or a.dtype == np.dtype(dtype)) and a.flags.c_contiguous and \
+            a.flags.aligned and all(s >= 0 for s in a.strides):
+        return a
+    return copy(a, dtype)
 
 
 def kernel_ready(a: np.ndarray) -> np.ndarray:
@@ -128,7 +169,7 @@ def kernel_ready(a: np.ndarray) -> np.ndarray:
     ok = a.flags.aligned and all(s >= 0 and s % item == 0 for s in a.strides)
     if a.ndim and a.shape[-1] > 1 and a.strides[-1] != item:
         ok = False
-    return a if ok else np.ascontiguousarray(a)
+    return a if ok else copy(a)
 
 
 def stack(a: np.ndarray, batch: tuple[int, ...], dtype: np.dtype, core: int) -> np.ndarray:
@@ -136,19 +177,23 @@ def stack(a: np.ndarray, batch: tuple[int, ...], dtype: np.dtype, core: int) -> 
 
     Copies only when the batch axes cannot be merged into one stride or the dtype differs.
     """
-    a = a.astype(dtype, copy=False)
     tail = a.shape[a.ndim - core :]
     b = int(np.prod(batch, dtype=np.int64)) if batch else 1
-    a = np.broadcast_to(a, batch + tail).reshape((b,) + tail)
-    return kernel_ready(a)
+    a = np.broadcast_to(a, batch + tail)
+    r = a.reshape((b,) + tail)
+    if r.dtype != dtype or not np.may_share_memory(r, a):  # a copy anyway: one, aligned
+        r = copy(a, dtype).reshape((b,) + tail)
+    return kernel_ready(r)
 
 
 def rows(a: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """``a`` (..., n, d) broadcast to ``batch`` as a C-contiguous (B*n, d) matrix."""
     n, d = a.shape[-2:]
-    a = np.broadcast_to(a.astype(dtype, copy=False), batch + (n, d))
+    a = np.broadcast_to(a, batch + (n, d))
     count = int(np.prod(batch + (n,), dtype=np.int64))  # not -1: ambiguous when d == 0
-    return aligned(np.ascontiguousarray(a.reshape(count, d)))
+    if not (a.flags.c_contiguous and a.dtype == dtype):
+        a = copy(a, dtype)  # one aligned copy for the dtype, the layout and the broadcast
+    return contiguous(a.reshape(count, d))
 
 
 def matrix(w: np.ndarray, name: str, dtype: np.dtype, rows_: int | None, cols: int | None,
@@ -157,7 +202,7 @@ def matrix(w: np.ndarray, name: str, dtype: np.dtype, rows_: int | None, cols: i
         cols is not None and w.shape[1] != cols
     ):
         raise ValueError(f"{name}: expected shape {layout}, got {shape_str(w.shape)}")
-    return aligned(np.ascontiguousarray(w, dtype=dtype))
+    return contiguous(w, dtype)
 
 
 def vector(b: np.ndarray | None, name: str, dtype: np.dtype, n: int) -> np.ndarray | None:
@@ -165,7 +210,7 @@ def vector(b: np.ndarray | None, name: str, dtype: np.dtype, n: int) -> np.ndarr
         return None
     if b.ndim != 1 or b.shape[0] != n:
         raise ValueError(f"{name}: expected shape ({n},), got {shape_str(b.shape)}")
-    return aligned(np.ascontiguousarray(b, dtype=dtype))
+    return contiguous(b, dtype)
 
 
 def mask4(mask: Any, batch: tuple[int, ...], heads: int, n_q: int, n_k: int,

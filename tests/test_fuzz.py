@@ -1,0 +1,48 @@
+"""The stress run of DESIGN section 8: 10,000 random calls of every public function in a
+separate process (``fuzz_stress.py``), valid and broken mixed, seeded.
+
+The child prints one JSON line of counts. The process must exit 0 (a segfault, abort or
+sanitizer report would kill it), and every call must have ended as it should: a result equal
+to the contiguous call for layout variants, a ``ValueError``/``TypeError`` naming the argument
+for broken calls (``MemoryError`` for impossible sizes), never another exception.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).with_name("fuzz_stress.py")
+CALLS = 10_000
+
+
+def test_ten_thousand_random_calls_never_crash() -> None:
+    env = dict(os.environ)
+    # the child imports attnlab exactly as this process did (installed, or via PYTHONPATH)
+    import attnlab
+
+    pkg_root = str(Path(attnlab.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--calls", str(CALLS)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (
+        f"fuzz process died with status {proc.returncode}\n{proc.stderr[-4000:]}")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = {k: v for k, v in report.items() if k != "problems"}
+    print("\nfuzz:", json.dumps(summary, sort_keys=True))
+    assert report["calls"] == CALLS
+    assert report["crashes"] == 0
+    problems = "\n".join(report["problems"])
+    assert report.get("unexpected", 0) == 0, problems
+    assert report.get("wrong", 0) == 0, problems
+    assert report.get("unnamed", 0) == 0, problems
+    assert report.get("accepted_invalid", 0) == 0, problems
+    errors = sum(v for k, v in report.items() if k.startswith("error:"))
+    assert report["result"] + errors == CALLS
+    # every kind of call and every family was exercised
+    assert all(report.get(f"kind:{k}", 0) > 0 for k in ("valid", "layout", "invalid",
+                                                         "nonfinite", "huge"))
+    assert sum(1 for k in report if k.startswith("family:")) == 12
