@@ -308,10 +308,9 @@ def test_separable_hugging_face_module():
 # --------------------------------------------------------------------------- gradcheck
 
 
-# gradcheck also runs the backward twice and compares: attnlab's results can differ in the last
-# bit between identical calls when Eigen peels differently for differently aligned buffers, so
-# allow that much (reported; the contract is bitwise reproducibility).
-NONDET = 1e-12
+# gradcheck also runs the backward twice and compares: attnlab's results are bitwise
+# reproducible, so no tolerance.
+NONDET = 0.0
 
 
 def _leaves(gen, *shapes, scale=0.5):

@@ -62,19 +62,64 @@ __all__ = [
 
 
 def get_num_threads() -> int:
-    """Threads the kernels use (default: the cores available, or ``ATTNLAB_NUM_THREADS``)."""
+    """Threads the kernels use.
+
+    Returns
+    -------
+    int
+        The number last given to :func:`set_num_threads`, else the environment variable
+        ``ATTNLAB_NUM_THREADS``, else the cores available to this process.
+
+    Examples
+    --------
+    >>> import attnlab
+    >>> attnlab.get_num_threads() >= 1
+    True
+    """
     return int(_core.get_num_threads())
 
 
 def set_num_threads(n: int) -> None:
-    """Set the number of threads the kernels use (``n >= 1``)."""
+    """Set the number of threads the kernels use; results are bitwise the same for any number.
+
+    Parameters
+    ----------
+    n : int
+        ``n >= 1``.
+
+    Returns
+    -------
+    None
+
+    Examples
+    --------
+    >>> import attnlab
+    >>> old = attnlab.get_num_threads()
+    >>> attnlab.set_num_threads(1)
+    >>> attnlab.set_num_threads(old)
+    """
     from ._validate import check_positive_int
 
     _core.set_num_threads(check_positive_int(n, "n"))
 
 
 def build_info() -> dict[str, Any]:
-    """Version, instruction set in use, compiler, Eigen version and threads."""
+    """Version, instruction set in use, compiler, Eigen version and threads.
+
+    Returns
+    -------
+    dict
+        ``version``; ``isa``, the kernel variant imported (``generic``, ``avx2``, ``avx512`` or
+        ``native``); ``compiled_for``, ``compiler``, ``eigen_version``, ``eigen_simd``;
+        ``num_threads``; ``available_isas``, the variants built and supported by this CPU, best
+        first; ``cpu_features``, the instruction sets the CPU reports.
+
+    Examples
+    --------
+    >>> import attnlab
+    >>> attnlab.build_info()["isa"] in ("generic", "avx2", "avx512", "native")
+    True
+    """
     from ._loader import available
 
     info = dict(_core.build_info())

@@ -64,7 +64,7 @@ def growth_exponent(ns: list[int], ms: list[float], min_n: int = SLOPE_MIN_N) ->
     return float(np.polyfit(x, y, 1)[0])
 
 
-def _additive_weights(rng: np.random.Generator, d: int, dtype: Any) -> dict[str, np.ndarray]:
+def _additive_weights(rng: np.random.Generator, d: int, dtype: Any) -> dict[str, Any]:
     s = 1.0 / math.sqrt(d)
     w = {k: rng.uniform(-s, s, (d, d)).astype(dtype) for k in ("w_q", "w_k", "w_proj", "w_final")}
     w.update({k: rng.uniform(-s, s, d).astype(dtype) for k in ("b_q", "b_k", "b_proj",
@@ -73,7 +73,7 @@ def _additive_weights(rng: np.random.Generator, d: int, dtype: Any) -> dict[str,
     return w
 
 
-def _separable_weights(rng: np.random.Generator, d: int, dtype: Any) -> dict[str, np.ndarray]:
+def _separable_weights(rng: np.random.Generator, d: int, dtype: Any) -> dict[str, Any]:
     s = 1.0 / math.sqrt(d)
     return {"w_qkv": rng.uniform(-s, s, (d, 1 + 2 * d)).astype(dtype),
             "b_qkv": rng.uniform(-s, s, 1 + 2 * d).astype(dtype),
@@ -93,7 +93,7 @@ def _torch_additive(torch: Any, w: dict[str, np.ndarray]) -> Callable[[Any], Any
             lin.bias.copy_(torch.from_numpy(w[bn]))
         return lin
 
-    class EfficientAdditiveAttention(nn.Module):
+    class EfficientAdditiveAttention(nn.Module):  # type: ignore[name-defined]
         def __init__(self) -> None:
             super().__init__()
             self.to_query = linear("w_q", "b_q")
@@ -119,7 +119,7 @@ def _torch_separable(torch: Any, w: dict[str, np.ndarray]) -> Callable[[Any], An
     nn, F = torch.nn, torch.nn.functional
     d = w["w_qkv"].shape[0]
 
-    class LinearSelfAttention(nn.Module):
+    class LinearSelfAttention(nn.Module):  # type: ignore[name-defined]
         def __init__(self) -> None:
             super().__init__()
             self.qkv_proj = nn.Linear(d, 1 + 2 * d)
@@ -217,7 +217,8 @@ def run(quick: bool, threads: int) -> list[Row]:
 
     # The quadratic contrast: attnlab's own multi-head attention over the same n.
     s = 1.0 / math.sqrt(D)
-    wm = {k: rng.uniform(-s, s, (D, D)).astype(dtype) for k in ("w_q", "w_k", "w_v", "w_o")}
+    wm: dict[str, Any] = {k: rng.uniform(-s, s, (D, D)).astype(dtype)
+                          for k in ("w_q", "w_k", "w_v", "w_o")}
     xm = {n: xs[n][:MHA_B] for n in ns}
 
     def mha_fns(n: int) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def run(quick: bool, threads: int) -> list[Row]:  # noqa: ARG001 (threads set by
 
         # the auto order calls the same kernel as the forced run of the order it picks
         # (collapsed_order is evaluated in Python first), so that run stands for it
-        fns = {
+        fns: dict[str, Any] = {
             "separate": lambda w=w, x=x, y=y, h=h: multi_head_attention(x, y, **w, num_heads=h),
             "coll-query": lambda: col("query"),
             "coll-key": lambda: col("key"),
@@ -111,7 +111,7 @@ def run(quick: bool, threads: int) -> list[Row]:  # noqa: ARG001 (threads set by
             f = macs["separate" if impl == "separate" else "collapsed"]
             rows.append(Row("bilinear", "QK separate vs collapsed", shape, impl, ms, 2.0 * f,
                             baseline=None if impl == "separate" else "separate",
-                            extra=extra if impl == "collapsed" else {}))
+                            extra=(extra if impl == "collapsed" else {}) | {"n": n}))
     return rows
 
 

@@ -7,10 +7,9 @@ from typing import Any
 import numpy as np
 
 from .. import multi_head_attention, reference
-from .._loader import core
 from .common import Row, interleaved, try_torch
 
-__all__ = ["run", "gemm_peak", "mha_flops", "peak_extra_mib"]
+__all__ = ["run", "mha_flops", "peak_extra_mib"]
 
 
 def mha_flops(B: int, n_q: int, n_k: int, d: int, h: int, d_head: int, causal: bool) -> float:
@@ -19,17 +18,6 @@ def mha_flops(B: int, n_q: int, n_k: int, d: int, h: int, d_head: int, causal: b
     pairs = n_q * n_k if not causal else n_q * (n_q + 1) / 2 + n_q * max(n_k - n_q, 0)
     attn = 2.0 * 2 * B * h * pairs * d_head
     return proj + attn
-
-
-def gemm_peak(threads: int, quick: bool) -> float:
-    """GFLOP/s of the best float32 GEMM this build runs (the projection kernel), all threads."""
-    n = 1024 if quick else 2048
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((n, n), dtype=np.float32)
-    w = rng.standard_normal((n, n), dtype=np.float32)
-    y = np.empty((n, n), dtype=np.float32)
-    ms = interleaved({"gemm": lambda: core.linear_forward(x, w, None, y)}, repeat=5)["gemm"]
-    return 2.0 * n**3 / (ms * 1e-3) / 1e9
 
 
 def _status_kib(field: str) -> int:
@@ -78,7 +66,7 @@ def fresh_peak_extra_mib(n: int, causal: bool) -> float | None:
         return None
 
 
-def _weights(rng: np.random.Generator, d: int, h: int, dtype: Any) -> dict[str, np.ndarray]:
+def _weights(rng: np.random.Generator, d: int, h: int, dtype: Any) -> dict[str, Any]:
     s = 1.0 / np.sqrt(d)
     w = {n: (rng.uniform(-s, s, (d, d))).astype(dtype) for n in ("w_q", "w_k", "w_v", "w_o")}
     w.update({n: (rng.uniform(-s, s, d)).astype(dtype) for n in ("b_q", "b_k", "b_v", "b_o")})
@@ -141,29 +129,40 @@ def run(quick: bool, threads: int) -> list[Row]:
         for impl, ms in times.items():
             rows.append(Row("mha", f"{name} fwd fp32", shape, impl, ms, flops,
                             baseline=None if impl == "attnlab" else "attnlab"))
-    # long sequence: flash tiling keeps memory O(n d); the reference would need n^2 scores
-    n_long = 2048 if quick else 8192
+    # long sequence: flash tiling keeps memory O(n d); the reference would need n^2 scores.
+    # Timed at several n (time against n in --plot); peak memory at the largest.
+    ns_long = (1024, 2048) if quick else (1024, 2048, 4096, 8192)
     for causal in (False, True):
-        B, d, h = 1, 512, 8
-        x = rng.standard_normal((B, n_long, d)).astype(np.float32)
-        w = _weights(rng, d, h, np.float32)
-        fns = {"attnlab": lambda: multi_head_attention(x, num_heads=h, causal=causal, **w)}
-        if torch is not None:
-            f = _torch_sdpa_mha(torch, w, h, causal)
-            xt = torch.from_numpy(x)
+        for n_long in ns_long:
+            rows.extend(_long_case(torch, rng, n_long, causal, quick, n_long == ns_long[-1]))
+    return rows
 
-            def tf2(f: Any = f, xt: Any = xt) -> Any:
-                with torch.inference_mode():
-                    return f(xt)
 
-            fns["torch-sdpa"] = tf2
-        times = interleaved(fns, repeat=3 if quick else 5)
-        flops = mha_flops(B, n_long, n_long, d, h, d // h, causal)
-        extra = fresh_peak_extra_mib(n_long, causal)
-        shape = f"B=1 n={n_long} d=512 h=8"
-        label = "long causal fwd fp32" if causal else "long fwd fp32"
-        for impl, ms in times.items():
-            rows.append(Row("mha", label, shape, impl, ms, flops,
-                            baseline=None if impl == "attnlab" else "attnlab",
-                            extra={"peak_extra_mib": extra} if impl == "attnlab" else {}))
+def _long_case(torch: Any, rng: np.random.Generator, n_long: int, causal: bool, quick: bool,
+               memory: bool) -> list[Row]:
+    B, d, h = 1, 512, 8
+    x = rng.standard_normal((B, n_long, d)).astype(np.float32)
+    w = _weights(rng, d, h, np.float32)
+    fns: dict[str, Any] = {
+        "attnlab": lambda: multi_head_attention(x, num_heads=h, causal=causal, **w)}
+    if torch is not None:
+        f = _torch_sdpa_mha(torch, w, h, causal)
+        xt = torch.from_numpy(x)
+
+        def tf2(f: Any = f, xt: Any = xt) -> Any:
+            with torch.inference_mode():
+                return f(xt)
+
+        fns["torch-sdpa"] = tf2
+    times = interleaved(fns, repeat=3 if quick else 5)
+    flops = mha_flops(B, n_long, n_long, d, h, d // h, causal)
+    shape = f"B=1 n={n_long} d=512 h=8"
+    label = "long causal fwd fp32" if causal else "long fwd fp32"
+    rows = []
+    for impl, ms in times.items():
+        extra: dict[str, Any] = {"n": n_long}
+        if impl == "attnlab" and memory:
+            extra["peak_extra_mib"] = fresh_peak_extra_mib(n_long, causal)
+        rows.append(Row("mha", label, shape, impl, ms, flops,
+                        baseline=None if impl == "attnlab" else "attnlab", extra=extra))
     return rows

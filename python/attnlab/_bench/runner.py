@@ -11,11 +11,11 @@ from typing import Any
 
 from .. import build_info, get_num_threads
 from .common import Row
-from .mha import gemm_peak
+from .gemm import gemm_peak
 
-__all__ = ["run_all", "format_table"]
+__all__ = ["run_all", "format_table", "targets"]
 
-FAMILIES = ("mha", "bilinear", "additive", "backward")
+FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward")
 
 
 def _cpu_name() -> str:
@@ -31,8 +31,7 @@ def _cpu_name() -> str:
 
 def run_all(quick: bool, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]:
     threads = get_num_threads()
-    peak = gemm_peak(threads, quick)
-    rows: list[Row] = []
+    peak, rows = gemm_peak(threads, quick)
     for fam in families:
         try:
             mod = importlib.import_module(f"attnlab._bench.{fam}")
@@ -40,7 +39,7 @@ def run_all(quick: bool, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]
             continue
         rows.extend(mod.run(quick, threads))
     info = build_info()
-    return {
+    result = {
         "date": datetime.date.today().isoformat(),
         "cpu": _cpu_name(),
         "threads": threads,
@@ -48,6 +47,70 @@ def run_all(quick: bool, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]
         "gemm_peak_gflops": peak,
         "rows": rows,
     }
+    result["targets"] = targets(result)
+    return result
+
+
+def _find(rows: list[Row], family: str, case: str, impl: str, shape: str | None = None) -> Row | None:
+    """The row of that family, case and implementation (the last of them when shape is None,
+    i.e. the largest n of a sweep)."""
+    hits = [r for r in rows if r.family == family and r.case == case and r.impl == impl
+            and (shape is None or r.shape == shape)]
+    return hits[-1] if hits else None
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """DESIGN section 7, checked on this run: one entry per target whose rows were measured,
+    with the measured value, the target and whether it is met."""
+    rows: list[Row] = result["rows"]
+    peak = result["gemm_peak_gflops"]
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float, goal: str, met: bool) -> None:
+        out.append({"target": name, "value": round(value, 3), "goal": goal, "met": bool(met)})
+
+    def speedup(family: str, case: str, other: str) -> tuple[float, Row] | None:
+        a, b = _find(rows, family, case, "attnlab"), _find(rows, family, case, other)
+        if a is None or b is None:
+            return None
+        b = _find(rows, family, case, other, a.shape) or b
+        return b.ms / a.ms, a
+
+    for case, label in (("ViT-S fwd fp32", "MHA fwd ViT-S vs torch MHA"),
+                        ("ViT-B fwd fp32", "MHA fwd ViT-B vs torch MHA")):
+        r = speedup("mha", case, "torch")
+        if r:
+            add(label, r[0], ">= 1.2x", r[0] >= 1.2)
+    for case, label in (("long fwd fp32", "long"), ("long causal fwd fp32", "long causal")):
+        r = speedup("mha", case, "torch-sdpa")
+        if r:
+            add(f"MHA {label} ({r[1].shape}) vs torch SDPA", r[0], ">= 1.2x", r[0] >= 1.2)
+            mib = r[1].extra.get("peak_extra_mib")
+            if isinstance(mib, float):
+                add(f"MHA {label} ({r[1].shape}) extra memory (MiB)", mib, "< 128", mib < 128)
+    fwd = _find(rows, "backward", "ViT-S fwd+bwd fp32", "attnlab fwd")
+    bwd = _find(rows, "backward", "ViT-S fwd+bwd fp32", "attnlab bwd")
+    tch = _find(rows, "backward", "ViT-S fwd+bwd fp32", "torch fwd+bwd")
+    if fwd and bwd:
+        add("backward (fwd+bwd) / our forward, ViT-S", bwd.ms / fwd.ms, "<= 2.5", bwd.ms <= 2.5 * fwd.ms)
+    if bwd and tch:
+        add("fwd+bwd vs torch autograd, ViT-S", tch.ms / bwd.ms, ">= 1.0x", tch.ms >= bwd.ms)
+    for case, label in (("SwiftFormer fwd fp32", "additive (SwiftFormer)"),
+                        ("MobileViTv2 fwd fp32", "separable (MobileViT-v2)")):
+        fam = "additive" if case.startswith("Swift") else "separable"
+        r = speedup(fam, case, "torch")
+        if r:
+            add(f"{label} {r[1].shape} vs torch eager", r[0], ">= 1.5x", r[0] >= 1.5)
+    plans = [p for p in rows if p.family == "bilinear" and "plan_within_10pct" in p.extra]
+    if plans:
+        hit = sum(bool(p.extra["plan_within_10pct"]) for p in plans)
+        add(f"bilinear auto plan within 10% ({hit}/{len(plans)} points)", hit / len(plans),
+            "all", hit == len(plans))
+    for row in rows:
+        if row.family == "gemm" and row.case.startswith("proj") and row.impl == "attnlab" and peak:
+            share = row.gflops / peak
+            add(f"projection GEMM {row.shape} share of GEMM peak", share, ">= 0.75", share >= 0.75)
+    return out
 
 
 def _ratio(row: Row, rows: list[Row]) -> str:
@@ -82,6 +145,11 @@ def format_table(result: dict[str, Any]) -> str:
         )
     lines.append("")
     lines.append("attnlab column: time of that row / time of attnlab (above 1: attnlab is faster).")
+    if result.get("targets"):
+        lines += ["", "Targets (DESIGN section 7), this run:"]
+        for t in result["targets"]:
+            lines.append(f"  {'met ' if t['met'] else 'MISS'}  {t['target']:<62.62} "
+                         f"{t['value']:>8.3g}  (goal {t['goal']})")
     return "\n".join(lines)
 
 
@@ -98,22 +166,28 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for r in result["rows"]:
         n = r.extra.get("n")
         if isinstance(n, int):
-            series.setdefault((r.family, r.impl), []).append((n, r.ms))
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for (fam, impl), pts in sorted(series.items()):
-        if len(pts) < 2:
-            continue
-        pts.sort()
-        ax.loglog([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{fam} / {impl}")
-    ax.set_xlabel("tokens n")
-    ax.set_ylabel("time (ms)")
-    ax.set_title(f"attnlab bench {result['date']} ({result['threads']} threads)")
-    ax.grid(True, which="both", alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+            rest = " ".join(t for t in r.shape.split() if not t.startswith("n="))
+            series.setdefault(r.family, {}).setdefault(f"{r.case} {rest} / {r.impl}", []).append(
+                (n, r.ms))
+    fams = {f: s for f, s in series.items() if any(len(p) >= 2 for p in s.values())}
+    if not fams:
+        return
+    fig, axes = plt.subplots(1, len(fams), figsize=(5.5 * len(fams), 4.5), squeeze=False)
+    for ax, (fam, lines) in zip(axes[0], sorted(fams.items())):
+        for label, pts in sorted(lines.items()):
+            if len(pts) < 2:
+                continue
+            pts.sort()
+            ax.loglog([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        ax.set_xlabel("tokens n")
+        ax.set_ylabel("time (ms)")
+        ax.set_title(fam)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"attnlab bench {result['date']}, {result['cpu']}, {result['threads']} threads")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
