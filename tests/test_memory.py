@@ -1,0 +1,190 @@
+"""Memory (DESIGN section 8): no leak over many calls, and sizes that cannot be allocated raise
+``MemoryError`` (or ``ValueError``), never crash.
+
+Both run in a fresh subprocess: the leak test so that nothing else in the test session changes
+the resident set size, the allocation test so that a crash is reported as a failure instead of
+killing the test run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import attnlab
+
+CALLS = 10_000
+LIMIT_MIB = 5.0
+SANITIZED = bool(os.environ.get("ATTNLAB_SANITIZED"))  # set by scripts/sanitize.sh
+
+
+def _run(code: str, timeout: float = 300) -> dict:
+    env = dict(os.environ)
+    root = str(Path(attnlab.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"status {proc.returncode}\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+LEAK = """
+import gc, json, os, sys
+import numpy as np
+import attnlab
+
+CALLS = int(sys.argv[1]) if len(sys.argv) > 1 else {calls}
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+rng = np.random.default_rng(0)
+r = lambda *s: rng.standard_normal(s)
+d, h, n = 8, 2, 6
+x = r(2, n, d)
+mha = dict(w_q=r(d, d) / 3, w_k=r(d, d) / 3, w_v=r(d, d) / 3, w_o=r(d, d) / 3, b_q=r(d),
+           b_o=r(d), num_heads=h)
+kpm = np.array([[True] * n, [True] * (n - 2) + [False] * 2])
+q, k, v = r(2, h, n, 4), r(2, 1, n, 4), r(2, 1, n, 3)
+qk = attnlab.collapse_qk(mha["w_q"], mha["w_k"], mha["b_q"], num_heads=h)
+bil = dict(w_qk=qk, w_v=mha["w_v"], w_o=mha["w_o"], b_o=mha["b_o"], num_heads=h)
+add = dict(w_q=r(d, d) / 3, b_q=r(d), w_k=r(d, d) / 3, w_g=r(d), w_proj=r(d, d) / 3,
+           w_final=r(d, d) / 3, b_final=r(d))
+sep = dict(w_qkv=r(d, 1 + 2 * d) / 3, w_o=r(d, d) / 3, b_o=r(d))
+g = r(2, n, d)
+xf = np.asfortranarray(r(2, n, d)).astype(np.float32)   # conversions and copies too
+
+def invalid():
+    try:
+        attnlab.multi_head_attention(x, **{{**mha, "num_heads": 3}})
+    except ValueError:
+        pass
+    try:
+        attnlab.additive_attention(x.astype(complex), **add)
+    except TypeError:
+        pass
+
+families = {{
+    "scaled_dot_product_attention": lambda: attnlab.scaled_dot_product_attention(
+        q, k, v, causal=True, return_weights=True),
+    "scaled_dot_product_attention_backward": lambda:
+        attnlab.scaled_dot_product_attention_backward(r(2, h, n, 3), q, k, v),
+    "multi_head_attention": lambda: attnlab.multi_head_attention(
+        x, key_padding_mask=kpm, return_weights="mean", **mha),
+    "multi_head_attention_backward": lambda: attnlab.multi_head_attention_backward(
+        g, xf, key_padding_mask=kpm, **mha),
+    "bilinear_attention": lambda: attnlab.bilinear_attention(x, causal=True, **bil),
+    "bilinear_attention_backward": lambda: attnlab.bilinear_attention_backward(g, x, **bil),
+    "additive_attention": lambda: attnlab.additive_attention(x, key_padding_mask=kpm, **add),
+    "additive_attention_backward": lambda: attnlab.additive_attention_backward(
+        g, xf, variant="hf", **add),
+    "separable_attention": lambda: attnlab.separable_attention(x, **sep),
+    "separable_attention_backward": lambda: attnlab.separable_attention_backward(
+        g, x, key_padding_mask=kpm, **sep),
+    "collapse_qk": lambda: attnlab.collapse_qk(mha["w_q"], mha["w_k"], mha["b_q"],
+                                               num_heads=h),
+    "invalid calls": invalid,
+}}
+growth = {{}}
+for name, f in families.items():
+    for _ in range(1000):   # warm-up: caches, thread pool, allocator arenas
+        f()
+    gc.collect()
+    before = rss()
+    for _ in range(CALLS):
+        f()
+    gc.collect()
+    growth[name] = (rss() - before) / 2**20
+print(json.dumps(growth))
+"""
+
+
+@pytest.mark.skipif(SANITIZED, reason="AddressSanitizer's quarantine holds freed memory")
+def test_rss_does_not_grow_over_ten_thousand_calls_per_family() -> None:
+    growth = _run(LEAK.format(calls=CALLS))
+    print("\nRSS growth over", CALLS, "calls (MiB):",
+          json.dumps({k: round(v, 3) for k, v in growth.items()}))
+    assert len(growth) == 12
+    leaking = {k: v for k, v in growth.items() if v >= LIMIT_MIB}
+    assert not leaking, f"resident memory grew by >= {LIMIT_MIB} MiB: {leaking}"
+
+
+# Each case must raise MemoryError or ValueError. Inputs are zero-strided (np.broadcast_to),
+# so the test itself allocates almost nothing; the sizes are far beyond any machine so that
+# Linux's heuristic overcommit refuses them instead of handing out pages it cannot back.
+HUGE = """
+import json
+import numpy as np
+import attnlab
+
+one = lambda *shape: np.broadcast_to(np.ones(()), shape)
+n = 2**22          # tokens: the rows themselves fit (32 MiB), their n x n scores do not
+w = lambda i, o: np.ones((i, o)) / o
+results = {}
+
+def case(name, f):
+    try:
+        f()
+        results[name] = "no error"
+    except (MemoryError, ValueError) as exc:
+        results[name] = type(exc).__name__
+    except Exception as exc:  # noqa: BLE001
+        results[name] = f"unexpected {type(exc).__name__}: {exc}"
+
+mha = dict(w_q=w(1, 4), w_k=w(1, 4), w_v=w(1, 4), w_o=w(4, 1), num_heads=2)
+case("sdpa weights (n_q = 2**42)", lambda: attnlab.scaled_dot_product_attention(
+    one(1, 1, 2**42, 2), one(1, 1, 3, 2), one(1, 1, 3, 2), return_weights=True))
+case("sdpa output (batch 2**50)", lambda: attnlab.scaled_dot_product_attention(
+    one(2**50, 1, 1, 1), one(1, 1, 1), one(1, 1, 1)))
+case("mha weights (n = 2**22)", lambda: attnlab.multi_head_attention(
+    one(1, n, 1), return_weights=True, **mha))
+case("mha mean weights (n = 2**22)", lambda: attnlab.multi_head_attention(
+    one(1, n, 1), return_weights="mean", **mha))
+case("mha projections (n * width = 2**34)", lambda: attnlab.multi_head_attention(
+    one(1, n, 1), w_q=w(1, 2**12), w_k=w(1, 2**12), w_v=w(1, 4), w_o=w(4, 1), num_heads=4))
+case("mha backward projections", lambda: attnlab.multi_head_attention_backward(
+    one(1, n, 1), one(1, n, 1), w_q=w(1, 2**12), w_k=w(1, 2**12), w_v=w(1, 4),
+    w_o=w(4, 1), num_heads=4))
+case("mha batch (2**41 rows)", lambda: attnlab.multi_head_attention(
+    one(2**20, 2**21, 1), **mha))
+case("bilinear weights (n = 2**22)", lambda: attnlab.bilinear_attention(
+    one(1, n, 1), w_qk=np.ones((2, 1, 1)), w_v=w(1, 2), w_o=w(2, 1), num_heads=2,
+    return_weights=True))
+case("bilinear projections", lambda: attnlab.bilinear_attention(
+    one(1, n, 1), one(1, n, 4), w_qk=np.ones((2**10, 1, 4)), w_v=w(4, 2**10),
+    w_o=w(2**10, 1), num_heads=2**10))
+case("bilinear backward projections", lambda: attnlab.bilinear_attention_backward(
+    one(1, n, 1), one(1, n, 1), one(1, n, 4), w_qk=np.ones((2**10, 1, 4)),
+    w_v=w(4, 2**10), w_o=w(2**10, 1), num_heads=2**10))
+case("additive projections (n * D = 2**34)", lambda: attnlab.additive_attention(
+    one(1, n, 1), w_q=w(1, 2**12), w_k=w(1, 2**12), w_g=np.ones(2**12),
+    w_proj=np.broadcast_to(np.eye(1), (2**12, 2**12)), w_final=w(2**12, 1)))
+case("additive backward projections", lambda: attnlab.additive_attention_backward(
+    one(1, n, 1), one(1, n, 1), w_q=w(1, 2**12), w_k=w(1, 2**12), w_g=np.ones(2**12),
+    w_proj=np.broadcast_to(np.eye(1), (2**12, 2**12)), w_final=w(2**12, 1)))
+case("additive batch (2**41 rows)", lambda: attnlab.additive_attention(
+    one(2**20, 2**21, 1), w_q=w(1, 2), w_k=w(1, 2), w_g=np.ones(2), w_proj=w(2, 2),
+    w_final=w(2, 1)))
+case("separable batch (2**41 rows)", lambda: attnlab.separable_attention(
+    one(2**20, 2**21, 1), w_qkv=w(1, 3), w_o=w(1, 1)))
+case("separable backward batch", lambda: attnlab.separable_attention_backward(
+    one(2**20, 2**21, 1), one(2**20, 2**21, 1), w_qkv=w(1, 3), w_o=w(1, 1)))
+case("collapse_qk (h * d_q * d_k = 2**44)", lambda: attnlab.collapse_qk(
+    one(2**22, 4), one(2**22, 4), num_heads=1))
+print(json.dumps(results))
+"""
+
+
+def test_impossible_sizes_raise_memory_error_not_crash() -> None:
+    results = _run(HUGE, timeout=600)
+    print("\n" + "\n".join(f"{k:>40s}: {v}" for k, v in results.items()))
+    bad = {k: v for k, v in results.items() if v not in ("MemoryError", "ValueError")}
+    assert not bad, bad
