@@ -60,3 +60,24 @@ def test_unsupported_or_missing_variant_is_a_clear_error(isa):
     assert r.returncode != 0
     assert "ATTNLAB_ISA" in r.stderr  # ImportError naming the variable, never SIGILL
     assert r.returncode == 1
+
+
+# The comparison suites (forward and backward of every family against the float64 reference,
+# finite differences and torch), run again in a subprocess on each other variant this CPU
+# supports: the variant in use already ran them in this session.
+SUITES = ("test_mha.py", "test_bilinear.py", "test_additive.py", "test_backward_mha.py",
+          "test_backward_bilinear.py", "test_backward_additive.py")
+
+
+@pytest.mark.parametrize("isa", _loader.available())
+def test_comparison_suites_pass_on_every_supported_variant(isa):
+    if isa == attnlab.build_info()["isa"]:
+        pytest.skip(f"{isa} is the variant in use: the suites ran on it in this session")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, ATTNLAB_ISA=isa)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        "-p", "no:randomly", *SUITES], cwd=here, env=env, capture_output=True,
+                       text=True, timeout=1200)
+    tail = "\n".join(r.stdout.splitlines()[-15:])
+    assert r.returncode == 0, f"ATTNLAB_ISA={isa}:\n{tail}\n{r.stderr[-2000:]}"
+    assert " passed" in tail
