@@ -18,8 +18,12 @@
 #   ASAN_OPTIONS  detect_leaks=0            CPython keeps interned objects to exit: not our leaks
 #                 allocator_may_return_null=1  huge requests return NULL -> MemoryError, as in
 #                                           a normal build (the memory tests check exactly that)
-#   UBSAN_OPTIONS halt_on_error=1:print_stacktrace=1  the first report aborts the run
-# and the log is scanned for "ERROR: AddressSanitizer" / "runtime error:" as well.
+#                 log_path=<dir>/asan       reports in files, from subprocesses too
+#   UBSAN_OPTIONS halt_on_error=1:print_stacktrace=1:log_path=<dir>/ubsan
+#                                           the first report aborts the run
+# The run fails if any report file appears (or the pytest log shows one), or a test fails.
+# libstdc++ is preloaded with libasan (see PRELOAD below). The stress run of test_fuzz.py is
+# shortened to ATTNLAB_FUZZ_CALLS=2000 calls (set it to override).
 #
 # Environment: ATTNLAB_SANITIZE_ISA (avx2 when the CPU has it, else generic),
 # ATTNLAB_SANITIZE_DIR (default build/sanitize-<isa>), CXX (default: the system g++, whose
@@ -57,6 +61,10 @@ if command -v ninja >/dev/null; then GEN=(-G Ninja); fi
 export CXX="${CXX:-g++}"
 LIBASAN="$("$CXX" -print-file-name=libasan.so)"
 [[ -f "$LIBASAN" ]] || { echo "sanitize.sh: libasan.so not found via $CXX" >&2; exit 2; }
+# libstdc++ preloaded too: python does not link it, and ASan's __cxa_throw interceptor must find
+# the real one at start-up, or the first C++ exception (every ValueError raised by the
+# bindings) aborts with "CHECK failed: asan_interceptors.cpp ... real___cxa_throw".
+PRELOAD="$LIBASAN $("$CXX" -print-file-name=libstdc++.so)"
 
 # --- build the instrumented module into the overlay package
 start=$(date +%s)
@@ -82,10 +90,17 @@ echo "sanitize.sh: built $ISA in $(( $(date +%s) - start )) s"
 # --- run
 export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
 export ATTNLAB_ISA="$ISA"
-export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:halt_on_error=1:abort_on_error=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
-export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+# Reports go to files (pytest captures stderr, and a dying child process's stderr is easily
+# lost): $OUT/reports/asan.<pid>, ubsan.<pid>, from this process and every subprocess.
+REPORTS="$OUT/reports"
+rm -rf "$REPORTS"
+mkdir -p "$REPORTS"
+ASAN_BASE="detect_leaks=0:allocator_may_return_null=1:halt_on_error=1"
+export ASAN_OPTIONS="$ASAN_BASE:log_path=$REPORTS/asan${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$REPORTS/ubsan${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+export ATTNLAB_FUZZ_CALLS="${ATTNLAB_FUZZ_CALLS:-2000}"  # the stress run, shortened
 export ATTNLAB_SANITIZED=1  # lets tests skip what ASan cannot do (e.g. RSS measurements)
-LD_PRELOAD="$LIBASAN" "$PY" - "$PKG" "$ISA" <<'EOF'
+LD_PRELOAD="$PRELOAD" "$PY" - "$PKG" "$ISA" <<'EOF'
 import sys
 import attnlab
 from attnlab._loader import core
@@ -110,13 +125,20 @@ else
 fi
 start=$(date +%s)
 set +e
-(cd tests && LD_PRELOAD="$LIBASAN" "$PY" -m pytest -q -p no:cacheprovider -x "${TESTS[@]}") \
+(cd tests && LD_PRELOAD="$PRELOAD" "$PY" -m pytest -q -p no:cacheprovider -x "${TESTS[@]}") \
   2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 set -e
 echo "sanitize.sh: tests ran in $(( $(date +%s) - start )) s (log: $LOG)"
-if grep -qE "ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer" "$LOG"; then
-  echo "sanitize.sh: sanitizer report found (see $LOG)" >&2
+# (report files holding only "WARNING: AddressSanitizer failed to allocate" lines are the
+# impossible-size tests getting NULL, as intended)
+PATTERN="ERROR: AddressSanitizer|runtime error:|AddressSanitizer: CHECK|ERROR: LeakSanitizer"
+if grep -lqE "$PATTERN" "$REPORTS"/* "$LOG" 2>/dev/null; then
+  echo "sanitize.sh: sanitizer report(s) found:" >&2
+  for f in $(grep -lE "$PATTERN" "$REPORTS"/* 2>/dev/null); do
+    echo "== $f" >&2
+    grep -vE "WARNING: AddressSanitizer failed to allocate" "$f" | head -60 >&2
+  done
   exit 1
 fi
 exit "$status"

@@ -483,6 +483,8 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
                     width_of("k", -3, "k|v")]
         h, n_q, n_k = kw["q"].shape[-3], kw["q"].shape[-2], kw["k"].shape[-2]
         options += _mask_options(kw, c, h, n_q, n_k)
+        options.append(lambda: Invalid({**kw, "q": kw["q"][..., :0], "k": kw["k"][..., :0]},
+                                       "q", label="empty-features"))
     if fam in ("multi_head_attention", "bilinear_attention"):
         h = kw["num_heads"]
         xq = kw["query"]
@@ -610,12 +612,14 @@ def huge_variant(c: Chooser, case: Case) -> Invalid:
         kw.pop("mask", None)
     elif fam in ("multi_head_attention", "bilinear_attention"):
         xq = kw["query"]
-        kw["query"] = np.broadcast_to(xq.reshape(-1, xq.shape[-1])[:1], (2**20, 2**21) + xq.shape[-1:])
+        kw["query"] = np.broadcast_to(xq.reshape(-1, xq.shape[-1])[:1],
+                                      (2**20, 2**21) + xq.shape[-1:])
         for k in ("key", "value", "mask", "key_padding_mask"):
             kw.pop(k, None)
     elif fam in ("additive_attention", "separable_attention"):
         x = kw["x"]
-        kw["x"] = np.broadcast_to(x.reshape(-1, x.shape[-1])[:1], (2**20, 2**21) + x.shape[-1:])
+        kw["x"] = np.broadcast_to(x.reshape(-1, x.shape[-1])[:1],
+                                  (2**20, 2**21) + x.shape[-1:])
         kw.pop("key_padding_mask", None)
     else:
         return invalid_variant(c, case)

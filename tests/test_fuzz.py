@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).with_name("fuzz_stress.py")
-CALLS = 10_000
+# ATTNLAB_FUZZ_CALLS: fewer calls for slow instrumented runs (scripts/sanitize.sh sets 2,000)
+CALLS = int(os.environ.get("ATTNLAB_FUZZ_CALLS", "10000"))
 
 
 def test_ten_thousand_random_calls_never_crash() -> None:
@@ -42,7 +43,7 @@ def test_ten_thousand_random_calls_never_crash() -> None:
     assert report.get("accepted_invalid", 0) == 0, problems
     errors = sum(v for k, v in report.items() if k.startswith("error:"))
     assert report["result"] + errors == CALLS
-    # every kind of call and every family was exercised
-    assert all(report.get(f"kind:{k}", 0) > 0 for k in ("valid", "layout", "invalid",
-                                                         "nonfinite", "huge"))
-    assert sum(1 for k in report if k.startswith("family:")) == 12
+    if CALLS >= 1000:  # every kind of call and every family was exercised
+        assert all(report.get(f"kind:{k}", 0) > 0 for k in ("valid", "layout", "invalid",
+                                                             "nonfinite", "huge"))
+        assert sum(1 for k in report if k.startswith("family:")) == 12

@@ -122,15 +122,23 @@ def test_rss_does_not_grow_over_ten_thousand_calls_per_family() -> None:
 # Linux's heuristic overcommit refuses them instead of handing out pages it cannot back.
 HUGE = """
 import json
+import os
 import numpy as np
 import attnlab
+
+# Under AddressSanitizer a failing C++ `new` aborts the process whatever allocator_may_return_null
+# says (only malloc returns NULL), so the cases that fail inside the kernels are left out there.
+sanitized = bool(os.environ.get("ATTNLAB_SANITIZED"))
 
 one = lambda *shape: np.broadcast_to(np.ones(()), shape)
 n = 2**22          # tokens: the rows themselves fit (32 MiB), their n x n scores do not
 w = lambda i, o: np.ones((i, o)) / o
 results = {}
 
-def case(name, f):
+def case(name, f, cxx=False):
+    if cxx and sanitized:
+        results[name] = "skipped (sanitizer)"
+        return
     try:
         f()
         results[name] = "no error"
@@ -149,10 +157,11 @@ case("mha weights (n = 2**22)", lambda: attnlab.multi_head_attention(
 case("mha mean weights (n = 2**22)", lambda: attnlab.multi_head_attention(
     one(1, n, 1), return_weights="mean", **mha))
 case("mha projections (n * width = 2**34)", lambda: attnlab.multi_head_attention(
-    one(1, n, 1), w_q=w(1, 2**12), w_k=w(1, 2**12), w_v=w(1, 4), w_o=w(4, 1), num_heads=4))
+    one(1, n, 1), w_q=w(1, 2**12), w_k=w(1, 2**12), w_v=w(1, 4), w_o=w(4, 1), num_heads=4),
+    cxx=True)
 case("mha backward projections", lambda: attnlab.multi_head_attention_backward(
     one(1, n, 1), one(1, n, 1), w_q=w(1, 2**12), w_k=w(1, 2**12), w_v=w(1, 4),
-    w_o=w(4, 1), num_heads=4))
+    w_o=w(4, 1), num_heads=4), cxx=True)
 case("mha batch (2**41 rows)", lambda: attnlab.multi_head_attention(
     one(2**20, 2**21, 1), **mha))
 case("bilinear weights (n = 2**22)", lambda: attnlab.bilinear_attention(
@@ -160,16 +169,16 @@ case("bilinear weights (n = 2**22)", lambda: attnlab.bilinear_attention(
     return_weights=True))
 case("bilinear projections", lambda: attnlab.bilinear_attention(
     one(1, n, 1), one(1, n, 4), w_qk=np.ones((2**10, 1, 4)), w_v=w(4, 2**10),
-    w_o=w(2**10, 1), num_heads=2**10))
+    w_o=w(2**10, 1), num_heads=2**10), cxx=True)
 case("bilinear backward projections", lambda: attnlab.bilinear_attention_backward(
     one(1, n, 1), one(1, n, 1), one(1, n, 4), w_qk=np.ones((2**10, 1, 4)),
-    w_v=w(4, 2**10), w_o=w(2**10, 1), num_heads=2**10))
+    w_v=w(4, 2**10), w_o=w(2**10, 1), num_heads=2**10), cxx=True)
 case("additive projections (n * D = 2**34)", lambda: attnlab.additive_attention(
     one(1, n, 1), w_q=w(1, 2**12), w_k=w(1, 2**12), w_g=np.ones(2**12),
-    w_proj=np.broadcast_to(np.eye(1), (2**12, 2**12)), w_final=w(2**12, 1)))
+    w_proj=np.broadcast_to(np.eye(1), (2**12, 2**12)), w_final=w(2**12, 1)), cxx=True)
 case("additive backward projections", lambda: attnlab.additive_attention_backward(
     one(1, n, 1), one(1, n, 1), w_q=w(1, 2**12), w_k=w(1, 2**12), w_g=np.ones(2**12),
-    w_proj=np.broadcast_to(np.eye(1), (2**12, 2**12)), w_final=w(2**12, 1)))
+    w_proj=np.broadcast_to(np.eye(1), (2**12, 2**12)), w_final=w(2**12, 1)), cxx=True)
 case("additive batch (2**41 rows)", lambda: attnlab.additive_attention(
     one(2**20, 2**21, 1), w_q=w(1, 2), w_k=w(1, 2), w_g=np.ones(2), w_proj=w(2, 2),
     w_final=w(2, 1)))
@@ -186,5 +195,6 @@ print(json.dumps(results))
 def test_impossible_sizes_raise_memory_error_not_crash() -> None:
     results = _run(HUGE, timeout=600)
     print("\n" + "\n".join(f"{k:>40s}: {v}" for k, v in results.items()))
-    bad = {k: v for k, v in results.items() if v not in ("MemoryError", "ValueError")}
+    ok = ("MemoryError", "ValueError") + (("skipped (sanitizer)",) if SANITIZED else ())
+    bad = {k: v for k, v in results.items() if v not in ok}
     assert not bad, bad
