@@ -142,6 +142,59 @@ def test_from_torch_mha_argument_errors():
         from_torch_mha({"weight": np.zeros(3)}, 2)
 
 
+class _FakeMHA:
+    """Duck-typed stand-in for nn.MultiheadAttention (torch not needed)."""
+
+    def __init__(self, sd, num_heads, add_zero_attn=False):
+        self._sd, self.num_heads, self.add_zero_attn = sd, num_heads, add_zero_attn
+        self.bias_k = None
+
+    def state_dict(self):
+        return self._sd
+
+
+def test_from_torch_mha_takes_the_module_and_refuses_add_zero_attn():
+    sd = _mha_sd()
+    kw = from_torch_mha(_FakeMHA(sd, 2))
+    ref = from_torch_mha(sd, 2)
+    assert kw["num_heads"] == 2 and set(kw) == set(ref)
+    for k in ref:
+        np.testing.assert_array_equal(kw[k], ref[k])
+    assert from_torch_mha(_FakeMHA(sd, 2), 2)["num_heads"] == 2
+    with pytest.raises(ValueError, match="num_heads: got 4, but the module has num_heads = 2"):
+        from_torch_mha(_FakeMHA(sd, 2), 4)
+    with pytest.raises(ValueError, match="add_zero_attn: the module was built with"):
+        from_torch_mha(_FakeMHA(sd, 2, add_zero_attn=True))
+    with pytest.raises(ValueError, match="add_zero_attn"):
+        from_torch_mha(_FakeMHA(sd, 2), add_zero_attn=True)
+    with pytest.raises(ValueError, match="num_heads: needed with a state_dict"):
+        from_torch_mha(sd)
+
+
+def test_bool_flags_are_checked():
+    for bad in (1, "yes", None, np.float64(1.0)):
+        with pytest.raises(TypeError, match="add_zero_attn: expected True or False"):
+            from_torch_mha(_mha_sd(), 2, add_zero_attn=bad)
+    vit = {"to_qkv.weight": np.zeros((24, 8)), "norm.weight": np.ones(8),
+           "norm.bias": np.zeros(8)}
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="ignore_norm: expected True or False"):
+            from_vit_pytorch(vit, 2, ignore_norm=bad)
+    assert from_vit_pytorch(vit, 2, ignore_norm=np.bool_(True))["num_heads"] == 2
+
+
+def test_prefix_without_trailing_dot():
+    sd = _mha_sd()
+    many = {f"enc.{i}.{k}": v * (i + 1) for i in (1, 10) for k, v in sd.items()}
+    kw = from_torch_mha(many, 2, prefix="enc.1")  # not also enc.10.*
+    np.testing.assert_array_equal(kw["w_o"], sd["out_proj.weight"].T * 2)
+    np.testing.assert_array_equal(from_torch_mha(many, 2, prefix="enc.10")["w_o"],
+                                  sd["out_proj.weight"].T * 11)
+    one = {"self_attn." + k: v for k, v in sd.items() if k != "out_proj.weight"}
+    with pytest.raises(ValueError, match=r"missing key 'self_attn\.out_proj\.weight'"):
+        from_torch_mha(one, 2, prefix="self_attn")
+
+
 def test_prefix_found_or_refused():
     sd = _mha_sd()
     one = {"enc.0.attn." + k: v for k, v in sd.items()}
@@ -287,6 +340,28 @@ def test_torch_mha_inside_transformer_layer_with_prefix():
     with pytest.raises(ValueError, match="prefix='self_attn.'"):
         from_torch_mha(layer.state_dict(), 4)
     kw = from_torch_mha(layer.state_dict(), 4, prefix="self_attn.")
+    assert_close(attnlab.multi_head_attention(_np(x), **kw), _np(ref), F32, "interop torch MHA")
+
+
+@needs_torch
+def test_torch_mha_module_add_zero_attn_is_refused():
+    """A state_dict cannot show add_zero_attn (it changes the output); the module can."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(8, 2, add_zero_attn=True, batch_first=True).eval()
+    with pytest.raises(ValueError, match="add_zero_attn: the module was built with"):
+        from_torch_mha(m)
+    with pytest.raises(ValueError, match="add_zero_attn"):
+        from_torch_mha(m.state_dict(), m.num_heads, add_zero_attn=m.add_zero_attn)
+    # the documented limit: a bare state_dict is accepted, and the result differs from torch
+    x = torch.randn(1, 4, 8)
+    kw = from_torch_mha(m.state_dict(), 2)
+    with torch.no_grad():
+        ref = m(x, x, x, need_weights=False)[0]
+    assert np.abs(attnlab.multi_head_attention(_np(x), **kw) - _np(ref)).max() > 1e-3
+    plain = _seeded_mha(8, 2)
+    kw = from_torch_mha(plain)
+    with torch.no_grad():
+        ref = plain(x, x, x, need_weights=False)[0]
     assert_close(attnlab.multi_head_attention(_np(x), **kw), _np(ref), F32, "interop torch MHA")
 
 

@@ -4,7 +4,8 @@ Each loader takes a module's ``state_dict()`` (values may be NumPy arrays or tor
 is never imported here) and returns the keyword arguments of the matching attnlab call, ready
 for ``f(x, **kwargs)``:
 
-- :func:`from_torch_mha`: ``torch.nn.MultiheadAttention`` -> ``multi_head_attention``
+- :func:`from_torch_mha`: ``torch.nn.MultiheadAttention`` -> ``multi_head_attention`` (also
+  takes the module itself, which lets it detect ``add_zero_attn=True``)
 - :func:`from_vit_pytorch`: vit-pytorch (lucidrains) ``Attention`` -> ``multi_head_attention``
 - :func:`from_swiftformer`: SwiftFormer's efficient additive attention (official, timm,
   Hugging Face) -> ``additive_attention``
@@ -20,7 +21,7 @@ the model trains on). The dtype is kept (bfloat16 tensors become float32).
 Keys may carry a leading prefix (``encoder.layers.0.self_attn.in_proj_weight``): a loader finds
 the module's keys by their names and strips the prefix. When the dict holds more than one such
 module, or keys outside the module, pass ``prefix=`` to choose one (keys outside it are then
-ignored).
+ignored; ``"enc.1"`` means ``"enc.1."``, so it does not take ``enc.10.*``).
 """
 
 from __future__ import annotations
@@ -42,15 +43,45 @@ __all__ = [
 ]
 
 
+def _is_tensor(value: Any) -> bool:
+    """Whether ``value`` looks like a torch tensor (duck typing: torch is not imported)."""
+    return hasattr(value, "detach") and hasattr(value, "cpu") and hasattr(value, "numpy")
+
+
 def _plain(value: Any) -> Any:
-    """A torch tensor as a NumPy array (duck typing: torch is not imported); others as given."""
-    if hasattr(value, "detach") and hasattr(value, "cpu") and hasattr(value, "numpy"):
+    """A torch tensor as a NumPy array (bfloat16 and friends become float32); others as given.
+
+    The one tensor-to-NumPy conversion of attnlab.interop, attnlab.torch and
+    attnlab.diagnostics (the array may share memory with the tensor).
+    """
+    if _is_tensor(value):
         t = value.detach().cpu()
         try:
             return t.numpy()
         except TypeError:  # bfloat16 and friends have no NumPy dtype
             return t.float().numpy()
     return value
+
+
+def _mask_array(value: Any, name: str, expected: str = "a boolean or floating-point mask",
+                kinds: str = "bf") -> np.ndarray:
+    """A mask (array_like or torch tensor) as a NumPy array whose dtype kind is in ``kinds``
+    (``"b"`` bool, ``"f"`` floating point), else ``TypeError`` naming ``name`` and saying what
+    was ``expected``. Shared by attnlab.interop, attnlab.torch and attnlab.diagnostics."""
+    try:
+        a = np.asarray(_plain(value))
+    except Exception as exc:
+        raise TypeError(f"{name}: could not be converted to an array ({exc})") from None
+    if a.dtype.kind not in kinds:
+        raise TypeError(f"{name}: expected {expected}, got dtype {a.dtype}")
+    return a
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A True/False argument, refusing other truthy or falsy values."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
 
 
 def _weight_array(value: Any, name: str) -> np.ndarray:
@@ -75,6 +106,8 @@ class _Scope:
         if prefix is not None:
             if not isinstance(prefix, str):
                 raise TypeError(f"prefix: expected a string or None, got {type(prefix).__name__}")
+            if prefix and not prefix.endswith("."):
+                prefix += "."  # "enc.1" must not take enc.10.*, nor make "enc.1q_proj_weight"
             inside = [k for k in keys if k.startswith(prefix)]
             if not inside:
                 raise ValueError(f"prefix: no key of state_dict starts with {prefix!r}; keys: "
@@ -155,9 +188,15 @@ def _put(kwargs: dict[str, Any], **items: Any) -> dict[str, Any]:
     return kwargs
 
 
+def _is_module(obj: Any) -> bool:
+    """Whether ``obj`` looks like an ``nn.MultiheadAttention`` (duck typing, no torch import)."""
+    return (not isinstance(obj, Mapping) and callable(getattr(obj, "state_dict", None))
+            and all(hasattr(obj, a) for a in ("num_heads", "add_zero_attn", "bias_k")))
+
+
 def from_torch_mha(
-    state_dict: Mapping[str, Any],
-    num_heads: int,
+    state_dict: Any,
+    num_heads: int | None = None,
     *,
     prefix: str | None = None,
     add_zero_attn: bool = False,
@@ -170,19 +209,28 @@ def from_torch_mha(
     ``out_proj.bias`` ``(E,)`` (the biases are absent with ``bias=False``), and transposes the
     weights to ``(in, out)``.
 
+    Pass the module itself when you can: then ``num_heads`` and ``add_zero_attn`` are read from
+    it, and a module built with ``add_zero_attn=True`` is refused. A bare ``state_dict()`` does
+    not record ``add_zero_attn`` (a constructor flag, not a tensor), so this function cannot
+    detect it: pass ``add_zero_attn=mha.add_zero_attn``, or the result silently ignores the
+    zero key and value such a module appends.
+
     Parameters
     ----------
-    state_dict : mapping of str to array_like or torch.Tensor
-        ``mha.state_dict()``, or a larger dict holding it under a prefix.
-    num_heads : int
-        ``mha.num_heads`` (not stored in the state dict).
+    state_dict : torch.nn.MultiheadAttention, or mapping of str to array_like or torch.Tensor
+        The module (anything with ``state_dict()``, ``num_heads``, ``add_zero_attn`` and
+        ``bias_k`` attributes), or ``mha.state_dict()``, or a larger dict holding it under a
+        prefix.
+    num_heads : int, optional
+        ``mha.num_heads`` (not stored in the state dict): required with a state dict; with a
+        module it is read from it (if given, it must agree).
     prefix : str, optional
-        Take the keys starting with this prefix (``"encoder.layers.0.self_attn."``); by default
-        the prefix is found from the key names.
+        Take the keys starting with this prefix (``"encoder.layers.0.self_attn."``; a missing
+        final ``"."`` is added); by default the prefix is found from the key names.
     add_zero_attn : bool
-        Pass ``mha.add_zero_attn``. It is a constructor flag, not stored in the state dict, so
-        this function cannot see it: ``True`` (a zero key and value appended to every sequence)
-        has no attnlab equivalent and raises ``ValueError``.
+        With a state dict, pass ``mha.add_zero_attn``: ``True`` (a zero key and value appended
+        to every sequence) has no attnlab equivalent and raises ``ValueError``. With a module,
+        the module's own flag is used (``True`` here refuses too).
 
     Returns
     -------
@@ -194,8 +242,11 @@ def from_torch_mha(
     ------
     ValueError
         Missing or unexpected keys, wrong shapes, ``embed_dim`` not divisible by ``num_heads``,
-        ``bias_k``/``bias_v`` present (``add_bias_kv=True`` appends a learned key/value token,
-        which attnlab does not model), or ``add_zero_attn=True``.
+        ``num_heads`` missing (state dict) or disagreeing with the module's, ``bias_k``/
+        ``bias_v`` present (``add_bias_kv=True`` appends a learned key/value token, which
+        attnlab does not model), or ``add_zero_attn`` True (argument or module).
+    TypeError
+        ``state_dict`` neither a mapping nor a module, ``add_zero_attn`` not a bool.
 
     Notes
     -----
@@ -214,11 +265,33 @@ def from_torch_mha(
     ...       "in_proj_bias": np.zeros(3 * E),
     ...       "out_proj.weight": rng.standard_normal((E, E)) / 3, "out_proj.bias": np.zeros(E)}
     >>> kwargs = from_torch_mha(sd, num_heads=2)
+    >>> kwargs["w_q"].shape, kwargs["w_o"].shape
+    ((8, 8), (8, 8))
     >>> attnlab.multi_head_attention(rng.standard_normal((5, E)), **kwargs).shape
     (5, 8)
+
+    With the module (``torch`` needed), ``from_torch_mha(mha)`` reads ``mha.num_heads`` and
+    refuses ``add_zero_attn=True`` by itself.
     """
-    h = V.check_positive_int(num_heads, "num_heads")
-    if add_zero_attn:
+    zero_attn = _flag(add_zero_attn, "add_zero_attn")
+    if _is_module(state_dict):
+        module = state_dict
+        h = V.check_positive_int(module.num_heads, "num_heads (the module's)")
+        if num_heads is not None and V.check_positive_int(num_heads, "num_heads") != h:
+            raise ValueError(f"num_heads: got {num_heads}, but the module has num_heads = {h}")
+        if bool(module.add_zero_attn):
+            raise ValueError(
+                "add_zero_attn: the module was built with add_zero_attn=True, which appends a "
+                "zero key and value to every sequence (they take softmax mass); attnlab's "
+                "multi_head_attention has no equivalent"
+            )
+        state_dict = module.state_dict()
+    else:
+        if num_heads is None:
+            raise ValueError("num_heads: needed with a state_dict (pass mha.num_heads), or pass "
+                             "the module itself")
+        h = V.check_positive_int(num_heads, "num_heads")
+    if zero_attn:
         raise ValueError(
             "add_zero_attn: True appends a zero key and value to every sequence (they take "
             "softmax mass); attnlab's multi_head_attention has no equivalent"
@@ -319,9 +392,10 @@ def from_vit_pytorch(
     (2, 5, 16)
     """
     h = V.check_positive_int(heads, "heads")
+    skip_norm = _flag(ignore_norm, "ignore_norm")
     s = _Scope(state_dict, ("to_qkv.weight",), prefix, "vit-pytorch Attention")
     norm = [k for k in ("norm.weight", "norm.bias") if k in s]
-    if norm and not ignore_norm:
+    if norm and not skip_norm:
         raise ValueError(
             f"state_dict: {_list([s.full(k) for k in norm])}: this Attention applies a "
             "LayerNorm to x before attending, which multi_head_attention does not include; pass "
@@ -533,16 +607,6 @@ def from_mobilevitv2(
     s.finish()
     out: dict[str, Any] = {"w_qkv": _t(wqkv), "w_o": _t(wo)}
     return _put(out, b_qkv=_copy(bqkv), b_o=_copy(bo))
-
-
-def _mask_array(value: Any, name: str) -> np.ndarray:
-    try:
-        a = np.asarray(_plain(value))
-    except Exception as exc:
-        raise TypeError(f"{name}: could not be converted to an array ({exc})") from None
-    if a.dtype.kind not in "bf":
-        raise TypeError(f"{name}: expected a boolean or floating-point mask, got dtype {a.dtype}")
-    return a
 
 
 def torch_masks(
