@@ -27,6 +27,7 @@ import torch
 
 from . import _additive, _bilinear, _mha
 from ._bilinear import BilinearQK
+from .interop import _plain
 
 __all__ = [
     "additive_attention",
@@ -59,9 +60,7 @@ def _mask(m: Any, name: str) -> Any:
         raise TypeError(f"{name}: expected a CPU tensor, got device {m.device} (use .cpu())")
     if m.dtype != torch.bool and not m.dtype.is_floating_point:
         raise TypeError(f"{name}: expected a bool or floating-point tensor, got {m.dtype}")
-    if m.dtype in (torch.float16, torch.bfloat16):
-        m = m.double()
-    return m.detach().numpy().copy()  # a snapshot: the backward must see the same mask
+    return np.array(_plain(m), copy=True)  # a snapshot: the backward must see the same mask
 
 
 def _tensor(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -85,7 +84,7 @@ class _Call:
         self.weights = weights
 
     def arrays(self, tensors: tuple[torch.Tensor, ...]) -> dict[str, np.ndarray]:
-        return {n: t.detach().numpy() for n, t in zip(self.names, tensors)}
+        return {n: _plain(t) for n, t in zip(self.names, tensors)}
 
     def apply(self) -> Any:
         inputs, self.inputs = self.inputs, []  # the autograd context keeps what it needs
@@ -110,7 +109,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor, *unused: Any) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
         tensors = ctx.saved_tensors
-        grads = call.backward(grad_out.detach().numpy(), **call.arrays(tensors), **call.consts)
+        grads = call.backward(_plain(grad_out), **call.arrays(tensors), **call.consts)
         result: list[torch.Tensor | None] = [None]
         for name, t, need in zip(call.names, tensors, ctx.needs_input_grad[1:]):
             g = grads.get(name) if need else None
