@@ -242,38 +242,69 @@ def test_entropy_and_jacobian_fall_with_logit_scale(rng):
 # -- errors ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("call, exc, words", [
-    (lambda: D.attention_entropy(None), TypeError, "weights"),
-    (lambda: D.attention_entropy(np.ones(3, dtype=bool)), TypeError, "weights"),
-    (lambda: D.attention_entropy(np.ones(3) * 1j), TypeError, "weights"),
-    (lambda: D.attention_entropy(np.float64(0.5)), ValueError, "weights"),
-    (lambda: D.attention_entropy([[0.5, -0.5]]), ValueError, "non-negative"),
+    (lambda: D.attention_entropy(None), TypeError, "^weights:"),
+    (lambda: D.attention_entropy(np.ones(3, dtype=bool)), TypeError, "^weights:"),
+    (lambda: D.attention_entropy(np.ones(3) * 1j), TypeError, "^weights:"),
+    (lambda: D.attention_entropy(np.float64(0.5)), ValueError, "^weights:"),
+    (lambda: D.attention_entropy([[0.5, -0.5]]), ValueError, "^weights: expected non-negative"),
     (lambda: D.attention_entropy(np.ones((2, 3)), mask=np.ones((2, 4), bool)), ValueError,
-     "mask"),
-    (lambda: D.attention_entropy(np.ones((2, 3)), mask=np.ones((2, 3))), TypeError, "mask"),
-    (lambda: D.attention_entropy(np.ones((2, 3)), normalize=1), TypeError, "normalize"),
-    (lambda: D.logit_stats(np.ones(4), np.ones((3, 4))), ValueError, "q"),
-    (lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 5))), ValueError, "k"),
-    (lambda: D.logit_stats(np.ones((2, 2, 4)), np.ones((3, 3, 4))), ValueError, "batch"),
-    (lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 4)), scale="x"), TypeError, "scale"),
+     "^mask:"),
+    (lambda: D.attention_entropy(np.ones((2, 3)), mask=np.ones((2, 3))), TypeError, "^mask:"),
+    (lambda: D.attention_entropy(np.ones((2, 3)), normalize=1), TypeError, "^normalize:"),
+    (lambda: D.logit_stats(np.ones(4), np.ones((3, 4))), ValueError, "^q:"),
+    (lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 5))), ValueError, "^k:"),
+    (lambda: D.logit_stats(np.ones((2, 2, 4)), np.ones((3, 3, 4))), ValueError,
+     "^batch dimensions do not broadcast: q"),
+    (lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 4)), scale="x"), TypeError, "^scale:"),
     (lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 4)), scale=math.inf), ValueError,
-     "scale"),
+     "^scale:"),
     (lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 4)), mask=np.ones((2, 2), bool)),
-     ValueError, "mask"),
-    (lambda: D.logit_stats(np.ones((2, 4)), "abc"), TypeError, "k"),
-    (lambda: D.effective_rank(np.ones(3)), ValueError, "matrix"),
-    (lambda: D.effective_rank(np.array([[1.0, np.nan]])), ValueError, "matrix"),
-    (lambda: D.effective_rank([["a"]]), TypeError, "matrix"),
-    (lambda: D.softmax_jacobian_norm(np.float64(1)), ValueError, "logits"),
-    (lambda: D.softmax_jacobian_norm(np.ones(3), ord=1), ValueError, "ord"),
-    (lambda: D.softmax_jacobian_norm(np.ones(3), ord=True), ValueError, "ord"),
-    (lambda: D.softmax_jacobian_norm(np.ones(3), mask=np.ones(3, np.int64)), TypeError, "mask"),
-    (lambda: D.softmax_jacobian_norm(np.ones(3), mask=np.ones(4)), ValueError, "mask"),
-    (lambda: D.softmax_jacobian_norm(np.ones(3), mask=np.ones(4, bool)), ValueError, "mask"),
-    (lambda: D.softmax_jacobian_norm(np.ones(3, complex)), TypeError, "logits"),
+     ValueError, "^mask:"),
+    (lambda: D.logit_stats(np.ones((2, 4)), "abc"), TypeError, "^k:"),
+    (lambda: D.effective_rank(np.ones(3)), ValueError, "^matrix:"),
+    (lambda: D.effective_rank(np.array([[1.0, np.nan]])), ValueError, "^matrix:"),
+    (lambda: D.effective_rank([["a"]]), TypeError, "^matrix:"),
+    (lambda: D.softmax_jacobian_norm(np.float64(1)), ValueError, "^logits:"),
+    (lambda: D.softmax_jacobian_norm(np.ones(3), ord=1), ValueError, "^ord:"),
+    (lambda: D.softmax_jacobian_norm(np.ones(3), ord=True), ValueError, "^ord:"),
+    (lambda: D.softmax_jacobian_norm(np.ones(3), mask=np.ones(3, np.int64)), TypeError,
+     "^mask:"),
+    (lambda: D.softmax_jacobian_norm(np.ones(3), mask=np.ones(4)), ValueError, "^mask:"),
+    (lambda: D.softmax_jacobian_norm(np.ones(3), mask=np.ones(4, bool)), ValueError, "^mask:"),
+    (lambda: D.softmax_jacobian_norm(np.ones(3, complex)), TypeError, "^logits:"),
 ])
 def test_errors_name_the_argument(call, exc, words):
+    """Each message starts with the argument it is about (``"k: ..."``, not just any "k")."""
     with pytest.raises(exc, match=words):
         call()
+
+
+def test_masked_keys_are_ignored_even_when_negative():
+    """The docstring's promise: masked keys do not count, whatever they hold."""
+    got = D.attention_entropy([[0.5, -1.0, 0.5]], mask=[True, False, True])
+    np.testing.assert_allclose(got, [math.log(2)])
+    with pytest.raises(ValueError, match="^weights: expected non-negative"):
+        D.attention_entropy([[0.5, -1.0, 0.5]], mask=[True, True, True])
+
+
+@pytest.mark.parametrize("m", [2, 3, 10])
+def test_saturated_jacobian_matches_the_documented_eps_factor(m):
+    eps = 1e-9
+    p = np.r_[1 - eps, np.full(m - 1, eps / (m - 1))]
+    got = float(D.softmax_jacobian_norm(np.log(p)))
+    np.testing.assert_allclose(got / eps, math.sqrt(1 + 3 / (m - 1)), rtol=1e-6)
+    np.testing.assert_allclose(float(D.softmax_jacobian_norm([100.0, 0.0, 0.0])),
+                               math.sqrt(10) * math.exp(-100), rtol=1e-12)
+
+
+def test_torch_tensor_masks_are_accepted():
+    torch = pytest.importorskip("torch")
+    w = np.array([[0.5, 0.0, 0.5]])
+    got = D.attention_entropy(w, mask=torch.tensor([True, False, True]), normalize=True)
+    np.testing.assert_allclose(got, [1.0])
+    z = np.zeros((1, 3))
+    np.testing.assert_allclose(D.softmax_jacobian_norm(z, mask=torch.tensor([True, True, False])),
+                               D.softmax_jacobian_norm(z[:, :2]))
 
 
 def test_all_is_curated():

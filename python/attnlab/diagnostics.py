@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import _validate as V
+from .interop import _flag, _mask_array
 
 __all__ = [
     "attention_entropy",
@@ -30,12 +31,15 @@ __all__ = [
 
 
 def _bool_mask(mask: Any, shape: tuple[int, ...], layout: str) -> np.ndarray | None:
-    """``mask`` (True = may attend) broadcast to ``shape``; None stays None."""
+    """``mask`` (True = may attend; an array or a torch tensor) broadcast to ``shape``; None
+    stays None."""
     if mask is None:
         return None
-    m = np.asarray(mask)
-    if m.dtype.kind != "b":
-        raise TypeError(f"mask: expected a bool array (True = may attend), got dtype {m.dtype}")
+    m = _mask_array(mask, "mask", "a bool array (True = may attend)", "b")
+    return _broadcast_mask(m, shape, layout)
+
+
+def _broadcast_mask(m: np.ndarray, shape: tuple[int, ...], layout: str) -> np.ndarray:
     try:
         return np.broadcast_to(m, shape)
     except ValueError:
@@ -43,12 +47,6 @@ def _bool_mask(mask: Any, shape: tuple[int, ...], layout: str) -> np.ndarray | N
             f"mask: shape {V.shape_str(m.shape)} does not broadcast to {layout} = "
             f"{V.shape_str(shape)}"
         ) from None
-
-
-def _flag(x: Any, name: str) -> bool:
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected True or False, got {type(x).__name__} {x!r}")
-    return bool(x)
 
 
 def attention_entropy(weights: Any, mask: Any = None, *, normalize: bool = False) -> np.ndarray:
@@ -81,8 +79,8 @@ def attention_entropy(weights: Any, mask: Any = None, *, normalize: bool = False
     Raises
     ------
     ValueError
-        If ``weights`` has fewer than one axis, holds negative values, or ``mask`` does not
-        broadcast.
+        If ``weights`` has fewer than one axis, holds negative values at allowed keys, or
+        ``mask`` does not broadcast.
     TypeError
         For non-real ``weights`` or a non-bool ``mask``.
 
@@ -97,20 +95,22 @@ def attention_entropy(weights: Any, mask: Any = None, *, normalize: bool = False
     array([1., 0.])
     >>> attention_entropy([[0.5, 0.5, 0.0]], mask=[True, True, False], normalize=True)
     array([1.])
+    >>> attention_entropy([[0.5, -1.0, 0.5]], mask=[True, False, True], normalize=True)
+    array([1.])
     """
     w = V.as_array(weights, "weights")
     V.check_ndim(w, "weights", 1, "(..., n_k)")
     norm = _flag(normalize, "normalize")
     out_dtype = w.dtype
     p = w.astype(np.float64)
-    if np.any(p < 0):  # NaN compares False: it propagates instead
-        raise ValueError(
-            f"weights: expected non-negative attention weights, got a minimum of "
-            f"{float(np.nanmin(p)):.6g}"
-        )
     m = _bool_mask(mask, p.shape, "weights.shape")
     if m is not None:
-        p = np.where(m, p, 0.0)
+        p = np.where(m, p, 0.0)  # masked keys are ignored, whatever they hold (even < 0)
+    if np.any(p < 0):  # NaN compares False: it propagates instead
+        raise ValueError(
+            f"weights: expected non-negative attention weights at the allowed keys, got a "
+            f"minimum of {float(np.nanmin(p)):.6g}"
+        )
     total = p.sum(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
         p = np.where(total > 0, p / np.where(total > 0, total, 1.0), 0.0)
@@ -282,8 +282,11 @@ def softmax_jacobian_norm(logits: Any, mask: Any = None, *, ord: str = "fro") ->
         added to the logits (as attention's).
     ord : {"fro", 2}
         ``"fro"``: Frobenius norm, from the closed form
-        ``||J||_F^2 = sum p^2 - 2 sum p^3 + (sum p^2)^2`` (evaluated without cancellation, so
-        a nearly saturated row with ``p_max = 1 - eps`` gives ``2 eps``, not rounding noise). ``2``: spectral norm (the largest
+        ``||J||_F^2 = sum p^2 - 2 sum p^3 + (sum p^2)^2``, evaluated without cancellation: a
+        nearly saturated row with ``p_max = 1 - eps`` gets ``||J||_F ~ eps sqrt(1 + 3 sum_j
+        p_j^2 / eps^2)`` over the other keys ``j`` (``2 eps`` with two keys,
+        ``eps sqrt(1 + 3 / (m - 1))`` with the rest spread evenly over ``m - 1`` keys: 1.58 eps
+        for 3 keys, 1.15 eps for 10), not rounding noise. ``2``: spectral norm (the largest
         eigenvalue of ``J``), computed with ``numpy.linalg.eigvalsh`` per row (``n_k x n_k``
         each: use it on modest sizes).
 
@@ -307,7 +310,8 @@ def softmax_jacobian_norm(logits: Any, mask: Any = None, *, ord: str = "fro") ->
     >>> z = np.zeros(4)                       # uniform over 4 keys
     >>> float(softmax_jacobian_norm(z)), float(softmax_jacobian_norm(z, ord=2))
     (0.4330127018922193, 0.25)
-    >>> f"{float(softmax_jacobian_norm([100.0, 0.0, 0.0])):.4g}"  # saturated: 2 sqrt(2) e^-100
+    >>> # saturated: p = (1 - 2 d, d, d) with d ~ e^-100, so ||J||_F ~ sqrt(10) d
+    >>> f"{float(softmax_jacobian_norm([100.0, 0.0, 0.0])):.4g}"
     '1.176e-43'
     """
     z = V.as_array(logits, "logits")
@@ -322,24 +326,16 @@ def softmax_jacobian_norm(logits: Any, mask: Any = None, *, ord: str = "fro") ->
     zf = z.astype(np.float64)
     allowed = np.ones(zf.shape, dtype=bool)
     if mask is not None:
-        m = np.asarray(mask)
+        m = _mask_array(mask, "mask", "a bool or floating-point array")
         if m.dtype.kind == "b":
-            allowed = _bool_mask(m, zf.shape, "logits.shape")  # type: ignore[assignment]
-        elif m.dtype.kind == "f":
-            try:
-                zf = zf + np.broadcast_to(m.astype(np.float64), zf.shape)
-            except ValueError:
-                raise ValueError(
-                    f"mask: shape {V.shape_str(m.shape)} does not broadcast to logits.shape = "
-                    f"{V.shape_str(zf.shape)}"
-                ) from None
+            allowed = _broadcast_mask(m, zf.shape, "logits.shape")
         else:
-            raise TypeError(f"mask: expected a bool or floating-point array, got dtype {m.dtype}")
+            zf = zf + _broadcast_mask(m.astype(np.float64), zf.shape, "logits.shape")
     if zf.shape[-1] == 0:  # no key: nothing to differentiate
         return np.zeros(zf.shape[:-1], dtype=out_dtype)
     p = _softmax(zf, allowed)
     # 1 - p_i without cancellation: for the largest weight of a row it is the sum of the others
-    # (a saturated row has p_max = 1 - eps, and ||J|| ~ 2 eps must not drown in rounding)
+    # (a saturated row has p_max = 1 - eps, and ||J|| ~ eps..2 eps must not drown in rounding)
     top = np.argmax(np.where(np.isnan(p), -1.0, p), axis=-1)[..., None]
     is_top = np.arange(p.shape[-1]) == top
     others = np.where(is_top, 0.0, p)
