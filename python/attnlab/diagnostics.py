@@ -358,7 +358,8 @@ def softmax_jacobian_norm(logits: Any, mask: Any = None, *, ord: str = "fro") ->
     else:
         # ||J||_F^2 = sum_i p_i^2 (1 - p_i)^2 + sum_{i != j} p_i^2 p_j^2, the pair sum split
         # into pairs with the top weight k and pairs among the others (no cancellation):
-        # sum_{i != j} r_i r_j = 2 r_k S' + S'^2 - sum_{j != k} r_j^2, r = p^2, S' = sum_{j != k} r_j
+        # sum_{i != j} r_i r_j = 2 r_k S' + S'^2 - sum_{j != k} r_j^2,
+        # with r = p^2 and S' = sum_{j != k} r_j
         diag = np.sum((p * one_minus) ** 2, axis=-1)
         r_top = np.sum(np.where(is_top, p * p, 0.0), axis=-1)
         r_others = others * others
