@@ -95,10 +95,11 @@ def torch_default(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) 
     Parameters
     ----------
     fan_in, fan_out : int
-        Input and output features; the result is ``(fan_in, fan_out)``.
+        Input and output features (>= 0); the result is ``(fan_in, fan_out)``.
     rng : numpy.random.Generator or int or None
-        The generator (an integer seeds a new one).
+        The generator (an integer seeds a new one; None draws fresh entropy).
     dtype : float32 or float64
+        The result's dtype; the samples are drawn in float64 and cast.
 
     Returns
     -------
@@ -120,7 +121,21 @@ def torch_default_bias(fan_in: int, fan_out: int, rng: Any,
                        dtype: Any = np.float64) -> np.ndarray:
     """``nn.Linear``'s default bias: U(-1/sqrt(fan_in), +1/sqrt(fan_in)), shape ``(fan_out,)``.
 
-    ``fan_in`` is the fan-in of the weight the bias belongs to (0 gives zeros).
+    Registered as the bias of ``"torch"``.
+
+    Parameters
+    ----------
+    fan_in : int
+        Fan-in of the weight the bias belongs to (the bound is ``1/sqrt(fan_in)``; 0 gives zeros).
+    fan_out : int
+        Output features: the length of the bias.
+    rng : numpy.random.Generator or int or None
+        The generator (an integer seeds a new one).
+    dtype : float32 or float64
+
+    Returns
+    -------
+    ndarray, shape (fan_out,)
 
     Examples
     --------
@@ -136,7 +151,19 @@ def torch_default_bias(fan_in: int, fan_out: int, rng: Any,
 def zeros_bias(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
     """Zero bias of shape ``(fan_out,)``: the bias of every scheme but ``"torch"``.
 
-    ``rng`` is not used (so it draws nothing from the generator).
+    Parameters
+    ----------
+    fan_in : int
+        Fan-in of the weight the bias belongs to (not used; checked only).
+    fan_out : int
+        Output features: the length of the bias.
+    rng : numpy.random.Generator or int or None
+        Not used: nothing is drawn from the generator.
+    dtype : float32 or float64
+
+    Returns
+    -------
+    ndarray, shape (fan_out,)
 
     Examples
     --------
@@ -152,13 +179,28 @@ def zeros_bias(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> 
 def xavier_uniform(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
     """Glorot uniform: U(+-sqrt(6 / (fan_in + fan_out))), variance ``2 / (fan_in + fan_out)``.
 
-    Parameters and result as :func:`torch_default`.
+    Registered as ``"xavier_uniform"`` (with zero biases).
+
+    Parameters
+    ----------
+    fan_in, fan_out : int
+        Input and output features (>= 0); the result is ``(fan_in, fan_out)``.
+    rng : numpy.random.Generator or int or None
+        The generator (an integer seeds a new one; None draws fresh entropy).
+    dtype : float32 or float64
+        The result's dtype; the samples are drawn in float64 and cast.
+
+    Returns
+    -------
+    ndarray, shape (fan_in, fan_out)
 
     Examples
     --------
     >>> import numpy as np
     >>> from attnlab import init
     >>> w = init.xavier_uniform(10, 14, np.random.default_rng(0), np.float64)
+    >>> w.shape
+    (10, 14)
     >>> bool(np.abs(w).max() <= 0.5)
     True
     """
@@ -169,14 +211,28 @@ def xavier_uniform(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64)
 def xavier_normal(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
     """Glorot normal: N(0, 2 / (fan_in + fan_out)).
 
-    Parameters and result as :func:`torch_default`.
+    Registered as ``"xavier_normal"`` (with zero biases).
+
+    Parameters
+    ----------
+    fan_in, fan_out : int
+        Input and output features (>= 0); the result is ``(fan_in, fan_out)``.
+    rng : numpy.random.Generator or int or None
+        The generator (an integer seeds a new one; None draws fresh entropy).
+    dtype : float32 or float64
+        The result's dtype; the samples are drawn in float64 and cast.
+
+    Returns
+    -------
+    ndarray, shape (fan_in, fan_out)
 
     Examples
     --------
     >>> import numpy as np
     >>> from attnlab import init
-    >>> init.xavier_normal(8, 8, np.random.default_rng(0), np.float32).dtype
-    dtype('float32')
+    >>> w = init.xavier_normal(8, 8, np.random.default_rng(0), np.float32)
+    >>> w.shape, w.dtype
+    ((8, 8), dtype('float32'))
     """
     fi, fo = _fans(fan_in, fan_out)
     std = math.sqrt(2.0 / (fi + fo)) if fi + fo else 0.0
@@ -187,7 +243,21 @@ def randn(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.nd
     """Standard normal N(0, 1) whatever the fans: ``nn.Parameter(torch.randn(...))``.
 
     The scheme behind DESIGN question 3: its logits grow like ``d_model`` and saturate the
-    softmax. Parameters and result as :func:`torch_default`.
+    softmax. Registered as ``"randn"`` (with zero biases).
+
+    Parameters
+    ----------
+    fan_in, fan_out : int
+        Input and output features (>= 0); the result is ``(fan_in, fan_out)``.
+        They do not change the variance.
+    rng : numpy.random.Generator or int or None
+        The generator (an integer seeds a new one; None draws fresh entropy).
+    dtype : float32 or float64
+        The result's dtype; the samples are drawn in float64 and cast.
+
+    Returns
+    -------
+    ndarray, shape (fan_in, fan_out)
 
     Examples
     --------
@@ -209,13 +279,29 @@ def trunc_normal(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -
     a=-0.04, b=0.04)``. (timm's ``trunc_normal_(w, std=.02)`` keeps its default absolute cut
     ``a=-2, b=2``, i.e. +-100 std: practically untruncated.)
 
-    Parameters and result as :func:`torch_default`.
+    Registered as ``"trunc_normal"`` (with zero biases).
+
+    Parameters
+    ----------
+    fan_in, fan_out : int
+        Input and output features (>= 0); the result is ``(fan_in, fan_out)``.
+        They do not change the variance.
+    rng : numpy.random.Generator or int or None
+        The generator (an integer seeds a new one; None draws fresh entropy).
+    dtype : float32 or float64
+        The result's dtype; the samples are drawn in float64 and cast.
+
+    Returns
+    -------
+    ndarray, shape (fan_in, fan_out)
 
     Examples
     --------
     >>> import numpy as np
     >>> from attnlab import init
     >>> w = init.trunc_normal(32, 32, np.random.default_rng(0), np.float64)
+    >>> w.shape
+    (32, 32)
     >>> bool(np.abs(w).max() <= 0.04)
     True
     """
@@ -260,7 +346,12 @@ _REGISTRY: dict[str, Scheme] = {
 
 
 def names() -> list[str]:
-    """The registered scheme names.
+    """The registered scheme names, in registration order.
+
+    Returns
+    -------
+    list of str
+        The names :func:`get` accepts (a new list each call).
 
     Examples
     --------
