@@ -41,7 +41,42 @@ def additive_attention(
     b_proj: Any = None, w_final: Any, b_final: Any = None, scale: float | None = None,
     variant: str = "official", eps: float = 1e-12, key_padding_mask: Any = None,
 ) -> np.ndarray:
-    """Reference for :func:`attnlab.additive_attention` (float64)."""
+    """Reference for :func:`attnlab.additive_attention` (float64): SwiftFormer's efficient
+    additive attention.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., n, d_in)
+    w_q, w_k : array_like, shape (d_in, D)
+    b_q, b_k : array_like, shape (D,), optional
+    w_g : array_like, shape (D,) or (D, 1)
+    w_proj : array_like, shape (D, D)
+    b_proj : array_like, shape (D,), optional
+    w_final : array_like, shape (D, d_out)
+    b_final : array_like, shape (d_out,), optional
+    scale : float, optional
+        Defaults to ``d_out ** -0.5``.
+    variant : {"official", "hf"}
+    eps : float
+        Floor of the L2 norms (as ``torch.nn.functional.normalize``).
+    key_padding_mask : array_like of bool, shape (..., n), optional
+        ``True`` for real tokens; the others are left out of the pooling.
+
+    Returns
+    -------
+    ndarray, shape (..., n, d_out)
+        float64.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab import reference
+    >>> rng = np.random.default_rng(0)
+    >>> w = {k: rng.standard_normal((8, 8)) / 3 for k in ("w_q", "w_k", "w_proj", "w_final")}
+    >>> reference.additive_attention(rng.standard_normal((2, 49, 8)), w_g=np.ones((8, 1)),
+    ...                              **w).shape
+    (2, 49, 8)
+    """
     x = _f64(x)
     w_final = _f64(w_final)
     n = x.shape[-2]
@@ -68,7 +103,35 @@ def separable_attention(
     x: Any, *, w_qkv: Any, b_qkv: Any = None, w_o: Any, b_o: Any = None,
     key_padding_mask: Any = None,
 ) -> np.ndarray:
-    """Reference for :func:`attnlab.separable_attention` (float64)."""
+    """Reference for :func:`attnlab.separable_attention` (float64): MobileViT-v2's separable
+    self-attention.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., n, d)
+    w_qkv : array_like, shape (d, 1 + 2 d)
+        Context-score, key and value projections side by side.
+    b_qkv : array_like, shape (1 + 2 d,), optional
+    w_o : array_like, shape (d, d_out)
+    b_o : array_like, shape (d_out,), optional
+    key_padding_mask : array_like of bool, shape (..., n), optional
+        ``True`` for real tokens; the others get no context score.
+
+    Returns
+    -------
+    ndarray, shape (..., n, d_out)
+        float64.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab import reference
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((2, 16, 8))
+    >>> reference.separable_attention(x, w_qkv=rng.standard_normal((8, 17)),
+    ...                               w_o=rng.standard_normal((8, 4))).shape
+    (2, 16, 4)
+    """
     x = _f64(x)
     d = x.shape[-1]
     n = x.shape[-2]

@@ -35,7 +35,34 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_heads: int,
                 num_kv_heads: int | None = None) -> BilinearQK:
-    """Reference for :func:`attnlab.collapse_qk`, head by head."""
+    """Reference for :func:`attnlab.collapse_qk`, head by head.
+
+    Parameters
+    ----------
+    w_q : array_like, shape (d_q, h * d_head)
+    w_k : array_like, shape (d_k, h_kv * d_head)
+    b_q : array_like, shape (h * d_head,), optional
+    b_k : array_like, shape (h_kv * d_head,), optional
+    num_heads : int
+    num_kv_heads : int, optional
+        Query head ``i`` pairs with key head ``i // (h // h_kv)``.
+
+    Returns
+    -------
+    BilinearQK
+        ``w (h, d_q, d_k)`` with ``W_i = W_q,i W_k,i^T``; ``u (h, d_k)``, ``v (h, d_q)`` and
+        ``c (h,)`` when the biases give them; ``d_head``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab import reference
+    >>> rng = np.random.default_rng(0)
+    >>> qk = reference.collapse_qk(rng.standard_normal((16, 8)), rng.standard_normal((12, 8)),
+    ...                            b_q=np.ones(8), num_heads=2)
+    >>> qk.w.shape, qk.u.shape, qk.v is None, qk.d_head
+    ((2, 16, 12), (2, 12), True, 4)
+    """
     w_q, w_k = _f64(w_q), _f64(w_k)
     h = num_heads
     h_kv = h if num_kv_heads is None else num_kv_heads
@@ -61,7 +88,34 @@ def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_hea
 
 
 def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Reference for :func:`attnlab.factorize_qk`: SVD per head; the error is measured directly."""
+    """Reference for :func:`attnlab.factorize_qk`: SVD per head; the error is measured directly.
+
+    Parameters
+    ----------
+    w : array_like, shape (h, d_q, d_k), or a BilinearQK (its ``w``)
+    rank : int
+        Width of each head's factors, ``1 <= rank <= min(d_q, d_k)``.
+
+    Returns
+    -------
+    w_q : ndarray, shape (d_q, h * rank)
+    w_k : ndarray, shape (d_k, h * rank)
+        Per-head column blocks with ``w_q,i w_k,i^T`` the best rank-``rank`` approximation
+        of ``W_i``.
+    rel_error : ndarray, shape (h,)
+        ``||W_i - w_q,i w_k,i^T||_F / ||W_i||_F``, computed from the reconstruction (0 for a
+        zero ``W_i``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab import reference
+    >>> rng = np.random.default_rng(0)
+    >>> w = rng.standard_normal((2, 6, 5))
+    >>> w_q, w_k, err = reference.factorize_qk(w, 5)    # full rank: exact
+    >>> w_q.shape, w_k.shape, bool(err.max() < 1e-12)
+    ((6, 10), (5, 10), True)
+    """
     w = _f64(w.w if isinstance(w, BilinearQK) else w)
     h, d_q, d_k = w.shape
     fq, fk, err = [], [], []
@@ -79,7 +133,41 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 def separate_logits(query: Any, key: Any = None, *, w_q: Any, w_k: Any, b_q: Any = None,
                     b_k: Any = None, num_heads: int, num_kv_heads: int | None = None,
                     scale: Any = None) -> np.ndarray:
-    """Scaled logits ``(..., h, n_q, n_k)`` of multi-head attention: project, then ``Q_i K_i^T``."""
+    """Scaled logits ``(..., h, n_q, n_k)`` of multi-head attention: project, then ``Q_i K_i^T``.
+
+    The separate (unfolded) form, against which :func:`bilinear_logits` is compared.
+
+    Parameters
+    ----------
+    query : array_like, shape (..., n_q, d_q)
+    key : array_like, shape (..., n_k, d_k), optional
+        Defaults to ``query``.
+    w_q : array_like, shape (d_q, h * d_head)
+    w_k : array_like, shape (d_k, h_kv * d_head)
+    b_q, b_k : array_like, optional
+        Biases of widths ``h * d_head`` and ``h_kv * d_head``.
+    num_heads : int
+    num_kv_heads : int, optional
+    scale : float, optional
+        Defaults to ``1 / sqrt(d_head)``.
+
+    Returns
+    -------
+    ndarray, shape (..., h, n_q, n_k)
+        float64 ``scale * Q_i K_i^T`` per head.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab import reference
+    >>> rng = np.random.default_rng(0)
+    >>> wq, wk = rng.standard_normal((8, 8)), rng.standard_normal((8, 8))
+    >>> x = rng.standard_normal((3, 8))
+    >>> sep = reference.separate_logits(x, w_q=wq, w_k=wk, num_heads=2)
+    >>> fold = reference.bilinear_logits(x, w_qk=reference.collapse_qk(wq, wk, num_heads=2))
+    >>> sep.shape, bool(np.allclose(sep, fold))
+    ((2, 3, 3), True)
+    """
     xq = _f64(query)
     xk = xq if key is None else _f64(key)
     w_q, w_k = _f64(w_q), _f64(w_k)
@@ -105,6 +193,35 @@ def bilinear_logits(query: Any, key: Any = None, *, w_qk: Any, u_k: Any = None,
     ``order="query"`` evaluates ``(X_q W_i + u_i) X_k^T``, ``"key"`` evaluates
     ``X_q (W_i X_k^T) + u_i X_k^T``. ``scale`` defaults to ``1/sqrt(d_q / h)``, or to
     ``1/sqrt(d_head)`` when ``w_qk`` is a BilinearQK (which also supplies ``u_k``).
+
+    Parameters
+    ----------
+    query : array_like, shape (..., n_q, d_q)
+    key : array_like, shape (..., n_k, d_k), optional
+        Defaults to ``query``.
+    w_qk : array_like, shape (h, d_q, d_k), or BilinearQK
+    u_k : array_like, shape (h, d_k), optional
+        Ignored when ``w_qk`` is a BilinearQK (its ``u`` is used).
+    scale : float, optional
+    order : {"query", "key"}
+        Which side ``W_i`` is applied to first (the two cost differently, same result).
+
+    Returns
+    -------
+    ndarray, shape (..., h, n_q, n_k)
+        float64 scaled logits (``v_i`` and ``c_i`` of a BilinearQK are left out: they cancel
+        in the softmax).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab import reference
+    >>> rng = np.random.default_rng(0)
+    >>> w = rng.standard_normal((2, 8, 6))
+    >>> xq, xk = rng.standard_normal((4, 8)), rng.standard_normal((5, 6))
+    >>> a = reference.bilinear_logits(xq, xk, w_qk=w)
+    >>> a.shape, bool(np.allclose(a, reference.bilinear_logits(xq, xk, w_qk=w, order="key")))
+    ((2, 4, 5), True)
     """
     d_head = None
     if isinstance(w_qk, BilinearQK):
@@ -139,7 +256,46 @@ def bilinear_attention(
     mask: Any = None, key_padding_mask: Any = None, causal: Any = False, scale: Any = None,
     return_weights: Any = False,
 ) -> Any:
-    """Reference for :func:`attnlab.bilinear_attention` (float64), one head at a time."""
+    """Reference for :func:`attnlab.bilinear_attention` (float64), one head at a time.
+
+    Parameters
+    ----------
+    query : array_like, shape (..., n_q, d_q)
+    key : array_like, shape (..., n_k, d_k), optional
+        Defaults to ``query``.
+    value : array_like, shape (..., n_k, d_v), optional
+        Defaults to ``key``.
+    w_qk : array_like, shape (h, d_q, d_k), or BilinearQK
+    u_k : array_like, shape (h, d_k), optional
+    w_v : array_like, shape (d_v, h_kv * d_vhead)
+    w_o : array_like, shape (h * d_vhead, d_out)
+    b_v, b_o : array_like, optional
+    num_heads : int
+    num_kv_heads : int, optional
+    mask, key_padding_mask, causal, scale, return_weights
+        As for :func:`attnlab.bilinear_attention`.
+
+    Returns
+    -------
+    out : ndarray, shape (..., n_q, d_out)
+        float64.
+    weights : ndarray, shape (..., h, n_q, n_k) or (..., n_q, n_k)
+        Only with ``return_weights``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab import reference
+    >>> rng = np.random.default_rng(0)
+    >>> w = [rng.standard_normal((8, 8)) / 3 for _ in range(4)]
+    >>> x = rng.standard_normal((5, 8))
+    >>> kw = dict(w_v=w[2], w_o=w[3], num_heads=2)
+    >>> folded = reference.bilinear_attention(
+    ...     x, w_qk=reference.collapse_qk(w[0], w[1], num_heads=2), **kw)
+    >>> separate = reference.multi_head_attention(x, w_q=w[0], w_k=w[1], **kw)
+    >>> folded.shape, bool(np.allclose(folded, separate))
+    ((5, 8), True)
+    """
     xq = _f64(query)
     xk = xq if key is None else _f64(key)
     xv = xk if value is None else _f64(value)

@@ -22,8 +22,29 @@ def allowed_and_bias(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Which (query, key) pairs may attend and the float mask to add, before broadcasting.
 
-    Returns ``allowed`` (bool) and ``bias`` (float64) that broadcast against
-    ``(..., h, n_q, n_k)``; ``key_padding_mask`` (..., n_k) is placed as (..., 1, 1, n_k).
+    Parameters
+    ----------
+    n_q, n_k : int
+        Query and key counts.
+    mask : array_like of bool or float, optional
+        Broadcasts to ``(..., h, n_q, n_k)``: boolean ``True`` = may attend, float = added.
+    key_padding_mask : array_like of bool, shape (..., n_k), optional
+        ``True`` for real tokens; placed as ``(..., 1, 1, n_k)``.
+    causal : bool or {"top_left", "bottom_right"}
+
+    Returns
+    -------
+    allowed : ndarray of bool
+        Broadcasts against ``(..., h, n_q, n_k)``.
+    bias : ndarray of float64
+        The float mask (a 0-d zero when there is none), same broadcasting.
+
+    Examples
+    --------
+    >>> from attnlab.reference._mha import allowed_and_bias
+    >>> allowed, bias = allowed_and_bias(2, 3, causal="bottom_right")
+    >>> allowed.astype(int).tolist(), bias.shape
+    ([[1, 1, 0], [1, 1, 1]], ())
     """
     allowed = np.ones((n_q, n_k), dtype=bool)
     bias = np.zeros((), dtype=np.float64)
@@ -63,7 +84,40 @@ def scaled_dot_product_attention(
     q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, scale: Any = None,
     return_weights: Any = False,
 ) -> Any:
-    """Reference for :func:`attnlab.scaled_dot_product_attention` (float64)."""
+    """Reference for :func:`attnlab.scaled_dot_product_attention` (float64).
+
+    Parameters
+    ----------
+    q : array_like, shape (..., h, n_q, d)
+    k : array_like, shape (..., h_kv, n_k, d)
+        ``h`` a multiple of ``h_kv`` (grouped-query: query head ``i`` reads key head
+        ``i // (h // h_kv)``).
+    v : array_like, shape (..., h_kv, n_k, d_v)
+    mask : array_like of bool or float, optional
+        Broadcasts to ``(..., h, n_q, n_k)``; boolean ``True`` = may attend, float = added.
+    causal : bool or {"top_left", "bottom_right"}
+    scale : float, optional
+        Defaults to ``1 / sqrt(d)``.
+    return_weights : bool or "mean"
+
+    Returns
+    -------
+    out : ndarray, shape (..., h, n_q, d_v)
+        float64. Rows with every key masked are zeros.
+    weights : ndarray, shape (..., h, n_q, n_k) or (..., n_q, n_k)
+        Only with ``return_weights`` (``"mean"`` averages over heads).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 5, 8))
+    >>> out, w = reference.scaled_dot_product_attention(q, q, q, causal=True,
+    ...                                                 return_weights=True)
+    >>> out.shape, w.shape, bool(np.allclose(w.sum(-1), 1))
+    ((2, 4, 5, 8), (2, 4, 5, 5), True)
+    """
     q, k, v = _f64(q), _f64(k), _f64(v)
     h, n_q, d = q.shape[-3:]
     h_kv, n_k = k.shape[-3], k.shape[-2]
@@ -89,7 +143,47 @@ def multi_head_attention(
     num_kv_heads: int | None = None, mask: Any = None, key_padding_mask: Any = None,
     causal: Any = False, scale: Any = None, return_weights: Any = False,
 ) -> Any:
-    """Reference for :func:`attnlab.multi_head_attention` (float64), one head at a time."""
+    """Reference for :func:`attnlab.multi_head_attention` (float64), one head at a time.
+
+    Parameters
+    ----------
+    query : array_like, shape (..., n_q, d_q)
+    key : array_like, shape (..., n_k, d_k), optional
+        Defaults to ``query``.
+    value : array_like, shape (..., n_k, d_v), optional
+        Defaults to ``key``.
+    w_q : array_like, shape (d_q, h * d_head)
+    w_k : array_like, shape (d_k, h_kv * d_head)
+    w_v : array_like, shape (d_v, h_kv * d_vhead)
+    w_o : array_like, shape (h * d_vhead, d_out)
+        ``(in, out)`` weights: ``y = x @ W + b``.
+    b_q, b_k, b_v, b_o : array_like, optional
+        Biases of the matching widths.
+    num_heads : int
+    num_kv_heads : int, optional
+        Defaults to ``num_heads``.
+    mask, key_padding_mask, causal, scale, return_weights
+        As for :func:`attnlab.multi_head_attention` (``scale`` defaults to
+        ``1 / sqrt(d_head)``).
+
+    Returns
+    -------
+    out : ndarray, shape (..., n_q, d_out)
+        float64.
+    weights : ndarray, shape (..., h, n_q, n_k) or (..., n_q, n_k)
+        Only with ``return_weights`` (``"mean"`` averages over heads).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab import reference
+    >>> rng = np.random.default_rng(0)
+    >>> w = [rng.standard_normal((16, 16)) / 4 for _ in range(4)]
+    >>> x = rng.standard_normal((2, 5, 16))
+    >>> reference.multi_head_attention(x, w_q=w[0], w_k=w[1], w_v=w[2], w_o=w[3],
+    ...                                num_heads=4).shape
+    (2, 5, 16)
+    """
     xq = _f64(query)
     xk = xq if key is None else _f64(key)
     xv = xk if value is None else _f64(value)
