@@ -65,6 +65,24 @@ class BilinearQK:
 
         Acting on homogeneous coordinates, ``[x_q, 1] M_i [x_k, 1]^T`` is the exact logit
         ``(x_q W_q,i + b_q,i) . (x_k W_k,i + b_k,i)`` (before scaling); absent terms are 0.
+
+        Returns
+        -------
+        ndarray, shape (h, d_q + 1, d_k + 1)
+            A new array, dtype of ``w``.
+
+        Examples
+        --------
+        >>> import numpy as np, attnlab
+        >>> rng = np.random.default_rng(0)
+        >>> w_q, w_k = rng.standard_normal((6, 4)), rng.standard_normal((5, 4))
+        >>> b_q, b_k = rng.standard_normal(4), rng.standard_normal(4)
+        >>> qk = attnlab.collapse_qk(w_q, w_k, b_q, b_k, num_heads=2)
+        >>> m = qk.homogeneous()
+        >>> xq, xk = rng.standard_normal(6), rng.standard_normal(5)
+        >>> exact = (xq @ w_q[:, :2] + b_q[:2]) @ (xk @ w_k[:, :2] + b_k[:2])
+        >>> m.shape, bool(np.isclose(np.r_[xq, 1] @ m[0] @ np.r_[xk, 1], exact))
+        ((2, 7, 6), True)
         """
         h, dq, dk = self.w.shape
         m = np.zeros((h, dq + 1, dk + 1), dtype=self.w.dtype)
@@ -78,7 +96,27 @@ class BilinearQK:
         return m
 
     def rank(self, tol: float | None = None) -> np.ndarray:
-        """Numerical rank of each ``W_i`` (``np.linalg.matrix_rank``): at most ``d_head``."""
+        """Numerical rank of each ``W_i`` (``np.linalg.matrix_rank``): at most ``d_head``.
+
+        Parameters
+        ----------
+        tol : float, optional
+            Singular values at or below it count as zero; by default NumPy's
+            ``S.max() * max(d_q, d_k) * eps``.
+
+        Returns
+        -------
+        ndarray of int64, shape (h,)
+
+        Examples
+        --------
+        >>> import numpy as np, attnlab
+        >>> rng = np.random.default_rng(0)
+        >>> qk = attnlab.collapse_qk(rng.standard_normal((16, 8)), rng.standard_normal((16, 8)),
+        ...                          num_heads=2)
+        >>> qk.w.shape, qk.rank().tolist()          # d_head = 4 bounds the rank of 16 x 16
+        ((2, 16, 16), [4, 4])
+        """
         if tol is not None:
             tol = V.check_scale(tol, 0.0)
         return np.array([np.linalg.matrix_rank(w, tol=tol) for w in self.w], dtype=np.int64)
@@ -86,9 +124,32 @@ class BilinearQK:
     def scores(self, query: Any, key: Any = None, scale: float | None = None) -> np.ndarray:
         """Exact logits ``scale * (x_q W_i x_k^T + x_q v_i + u_i x_k^T + c_i)``.
 
-        ``query (..., n_q, d_q)``, ``key (..., n_k, d_k)`` (defaults to ``query``); returns
-        ``(..., h, n_q, n_k)``, equal to multi-head attention's scaled ``Q_i K_i^T``. ``scale``
-        defaults to ``1/sqrt(d_head)``.
+        Equal to multi-head attention's scaled ``Q_i K_i^T`` (biases included).
+
+        Parameters
+        ----------
+        query : array_like, shape (..., n_q, d_q)
+        key : array_like, shape (..., n_k, d_k), optional
+            Defaults to ``query``; the leading axes broadcast against ``query``'s.
+        scale : float, optional
+            Defaults to ``1/sqrt(d_head)``.
+
+        Returns
+        -------
+        ndarray, shape (..., h, n_q, n_k)
+            float32 only when the inputs and ``w`` all are, else float64.
+
+        Examples
+        --------
+        >>> import numpy as np, attnlab
+        >>> rng = np.random.default_rng(0)
+        >>> w_q, w_k = rng.standard_normal((8, 8)), rng.standard_normal((8, 8))
+        >>> qk = attnlab.collapse_qk(w_q, w_k, num_heads=2)
+        >>> x = rng.standard_normal((3, 5, 8))
+        >>> s = qk.scores(x)
+        >>> q, k = (x @ w_q)[..., :4], (x @ w_k)[..., :4]      # head 0, d_head = 4
+        >>> s.shape, bool(np.allclose(s[:, 0], q @ k.swapaxes(-1, -2) / 2))
+        ((3, 2, 5, 5), True)
         """
         xq = V.as_array(query, "query")
         xk = xq if key is None else V.as_array(key, "key")
