@@ -151,6 +151,16 @@ class Adam:
             If a parameter has no gradient.
         ValueError
             If a gradient's shape differs from its parameter's.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from attnlab.optim import Adam
+        >>> w = np.zeros((2, 3))
+        >>> Adam({"w": w}, lr=0.5).step({"w": np.ones((2, 3))})   # first step moves by lr
+        >>> w
+        array([[-0.5, -0.5, -0.5],
+               [-0.5, -0.5, -0.5]])
         """
         all_grads = self._grads(grads)
         # check everything before touching any array
@@ -193,6 +203,19 @@ class Adam:
 
         Layers overwrite ``grads`` on each ``backward`` unless asked to accumulate, so this is
         only needed with ``backward(..., accumulate=True)``.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from attnlab.layers import MultiHeadAttention
+        >>> from attnlab.optim import Adam
+        >>> layer = MultiHeadAttention(8, 2, seed=0)
+        >>> x = np.ones((1, 3, 8))
+        >>> _ = layer.backward(np.ones_like(layer(x)), accumulate=True)
+        >>> opt = Adam(layer)
+        >>> opt.zero_grad()
+        >>> all(not np.any(g) for g in layer.grads.values())
+        True
         """
         for g in self.groups:
             if hasattr(g, "zero_grad"):
