@@ -98,6 +98,7 @@ DOC_MODULES = ["attnlab", "attnlab.interop", "attnlab.diagnostics", "attnlab.ini
 
 def _public_functions():
     """Public functions (``__all__``) and the public methods of public classes."""
+    done: set = set()
     for modname in DOC_MODULES:
         if modname == "attnlab.torch":
             try:
@@ -110,13 +111,20 @@ def _public_functions():
             if inspect.isfunction(obj):
                 yield f"{modname}.{name}", obj
             elif inspect.isclass(obj):
-                for attr, member in vars(obj).items():
-                    if attr.startswith("_"):
+                # own and inherited methods, from attnlab's classes only (not tuple, object)
+                seen = set()
+                for klass in obj.__mro__:
+                    if not klass.__module__.startswith("attnlab"):
                         continue
-                    if isinstance(member, (staticmethod, classmethod)):
-                        member = member.__func__
-                    if inspect.isfunction(member):
-                        yield f"{modname}.{name}.{attr}", member
+                    for attr, member in vars(klass).items():
+                        if attr.startswith("_") or attr in seen:
+                            continue
+                        seen.add(attr)
+                        if isinstance(member, (staticmethod, classmethod)):
+                            member = member.__func__
+                        if inspect.isfunction(member) and member not in done:
+                            done.add(member)  # a base-class method is checked once
+                            yield f"{modname}.{name}.{attr}", member
 
 
 def _sections(doc: str) -> set[str]:

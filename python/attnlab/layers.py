@@ -100,6 +100,12 @@ class _Layer:
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of the parameters, keyed as ``params``.
 
+        Returns
+        -------
+        dict of str to ndarray
+            One copy per parameter, with its shape (e.g. ``w_q (d_model, d_model)``,
+            ``b_q (d_model,)``); changing them does not change the layer.
+
         Examples
         --------
         >>> from attnlab import layers
@@ -128,6 +134,16 @@ class _Layer:
             Naming a key whose shape differs.
         TypeError
             For a non-mapping or non-numeric values.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from attnlab import layers
+        >>> layer = layers.MultiHeadAttention(8, 2, seed=0)
+        >>> w_q = layer.params["w_q"]
+        >>> layer.load_state_dict({k: np.zeros_like(v) for k, v in layer.params.items()})
+        >>> layer.params["w_q"] is w_q, float(np.abs(w_q).max())     # same array, now zeros
+        (True, 0.0)
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"state: expected a mapping of parameter names to arrays, got "
@@ -150,7 +166,16 @@ class _Layer:
             self.params[k][...] = a
 
     def zero_grad(self) -> None:
-        """Set every gradient to zero (``grads`` gets one zero array per parameter)."""
+        """Set every gradient to zero (``grads`` gets one zero array per parameter).
+
+        Examples
+        --------
+        >>> from attnlab import layers
+        >>> layer = layers.MultiHeadAttention(8, 2, seed=0)
+        >>> layer.zero_grad()
+        >>> layer.grads["w_q"].shape, float(layer.grads["w_q"].sum())
+        ((8, 8), 0.0)
+        """
         self.grads = {k: np.zeros_like(p) for k, p in self.params.items()}
 
     # -- forward / backward -------------------------------------------------------------------
@@ -215,6 +240,17 @@ class _Layer:
         -----
         Uses the inputs of the last call (by reference: do not modify them in place before
         backward) and the parameters as they were at that call. Masks get no gradient.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from attnlab import layers
+        >>> layer = layers.MultiHeadAttention(8, 2, seed=0)
+        >>> x = np.random.default_rng(0).standard_normal((2, 5, 8))
+        >>> out = layer(x)
+        >>> dx = layer.backward(np.ones_like(out))
+        >>> dx.shape, layer.grads["w_q"].shape
+        ((2, 5, 8), (8, 8))
         """
         if self._saved is None:
             raise RuntimeError(f"{type(self).__name__}.backward: call the layer first")
