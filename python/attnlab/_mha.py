@@ -153,6 +153,14 @@ def scaled_dot_product_attention(
     return _finish(out, weights, mode)
 
 
+_Opt = np.ndarray | None
+# The leading arguments of core.mha_forward / mha_backward, typed element by element so that
+# mypy checks the starred calls against the stub.
+_CoreArgs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, _Opt, np.ndarray, _Opt,
+                  np.ndarray, _Opt, np.ndarray, _Opt, int, int, int, int, int, _Opt, _Opt, int,
+                  float]
+
+
 class _Mha(NamedTuple):
     rq: np.ndarray  # (B*n_q, d_q) rows, C-contiguous
     rk: np.ndarray
@@ -177,11 +185,17 @@ class _Mha(NamedTuple):
     def B(self) -> int:
         return int(np.prod(self.batch, dtype=np.int64)) if self.batch else 1
 
-    def core_args(self) -> tuple[Any, ...]:
+    def core_args(self) -> _CoreArgs:
         w = self.w
-        return (self.rq, self.rk, self.rv, w["w_q"], w["b_q"], w["w_k"], w["b_k"], w["w_v"],
-                w["b_v"], w["w_o"], w["b_o"], self.B, self.n_q, self.n_k, self.h, self.h_kv,
-                self.mask4, self.kp, self.causal, self.scale)
+
+        def req(name: str) -> np.ndarray:  # the weights (biases are optional)
+            a = w[name]
+            assert a is not None
+            return a
+
+        return (self.rq, self.rk, self.rv, req("w_q"), w["b_q"], req("w_k"), w["b_k"],
+                req("w_v"), w["b_v"], req("w_o"), w["b_o"], self.B, self.n_q, self.n_k, self.h,
+                self.h_kv, self.mask4, self.kp, self.causal, self.scale)
 
 
 def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any,
