@@ -31,6 +31,7 @@ from attnlab import reference as R
 from attnlab.reference._mha import allowed_and_bias
 
 import fuzz_stress as F
+from conftest import _MAX_ERR
 
 FORWARD = list(F.FORWARD_BUILDERS)
 ALL = F.FAMILIES
@@ -40,12 +41,12 @@ _base = dict(deadline=None, derandomize=True, database=None,
 FAST = settings(max_examples=60, **_base)
 SLOW = settings(max_examples=25, **_base)
 
-# Largest errors seen, printed by test_zz_report (pytest -s) and kept for the report.
-MEASURED: dict[str, float] = {}
 
 
 def _note(key: str, err: float) -> None:
-    MEASURED[key] = max(MEASURED.get(key, 0.0), err)
+    """Record the largest error per label: printed in the session summary (conftest)."""
+    label = "prop " + key
+    _MAX_ERR[(label, "")] = max(_MAX_ERR[(label, "")], err)
 
 
 def _dtype(data: st.DataObject) -> np.dtype:
