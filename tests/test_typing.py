@@ -6,12 +6,13 @@
 - every public function of attnlab, attnlab.interop, .diagnostics, .init, .reference, .layers,
   .optim and .torch, and every public method of their public classes, has a NumPy-style
   docstring with "Parameters" (when it takes arguments), "Returns" (when it returns something)
-  and "Examples" sections.
+  and "Examples" sections, and the examples run.
 """
 
 from __future__ import annotations
 
 import ast
+import doctest
 import importlib
 import inspect
 import re
@@ -148,3 +149,14 @@ def test_numpy_docstring(name, fn):
         missing += [] if "Returns" in found or "Yields" in found else ["Returns"]
     missing += [] if "Examples" in found else ["Examples"]
     assert not missing, f"{name}: no {', '.join(repr(m) for m in missing)} section"
+
+
+@pytest.mark.parametrize("name, fn", PUBLIC, ids=[n for n, _ in PUBLIC])
+def test_docstring_examples_run(name, fn):
+    """The "Examples" of every checked function run and print what they show."""
+    finder = doctest.DocTestFinder(recurse=False)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in finder.find(fn, name, globs={}):
+        runner.run(test)
+    res = runner.summarize(verbose=False)
+    assert res.failed == 0, f"{name}: {res.failed} of {res.attempted} examples failed"
