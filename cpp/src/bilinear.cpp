@@ -74,7 +74,7 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
     a.mask = p.mask;
     a.weights = p.weights;
 
-    std::unique_ptr<T[]> proj, qpad, vexp;
+    decltype(make_buffer<T>(0)) proj, qpad, vexp;  // whatever make_buffer returns
     if (p.order == BilinearOrder::query) {
         // Q'_i = X_q W_i + u_i for all heads; every head reads the raw keys (head stride 0).
         proj = make_buffer<T>(rq * H * dk);
