@@ -3,7 +3,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <limits>
 #include <memory>
+#include <new>
 
 #include <Eigen/Core>
 
@@ -31,10 +34,21 @@ struct MatrixStack {
     T* at(Index b, Index h) const { return data + b * batch_stride + h * head_stride; }
 };
 
-// An uninitialised heap buffer (no zero-fill cost); throws std::bad_alloc when too large.
+struct FreeDeleter {
+    void operator()(void* p) const noexcept { std::free(p); }
+};
 template <typename T>
-std::unique_ptr<T[]> make_buffer(Index n) {
-    return std::unique_ptr<T[]>(new T[static_cast<std::size_t>(n > 0 ? n : 1)]);
+using Buffer = std::unique_ptr<T[], FreeDeleter>;
+
+// An uninitialised heap buffer (no zero-fill cost), 64-byte aligned; throws std::bad_alloc when
+// it cannot be allocated (also under AddressSanitizer, whose failing operator new aborts).
+template <typename T>
+Buffer<T> make_buffer(Index n) {
+    const std::size_t count = static_cast<std::size_t>(n > 0 ? n : 1);
+    if (count > (std::numeric_limits<std::size_t>::max() - 63) / sizeof(T)) throw std::bad_alloc();
+    void* p = std::aligned_alloc(64, (count * sizeof(T) + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    return Buffer<T>(static_cast<T*>(p));
 }
 
 enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };

@@ -139,7 +139,7 @@ def separable_attention(
     s, k, v = qkv[..., :1], qkv[..., 1:1 + d], qkv[..., 1 + d:]
     real = _real_tokens(key_padding_mask, x.shape[:-2], n)  # (..., n, 1)
     s = np.where(real, s, -np.inf)
-    m = np.max(s, axis=-2, keepdims=True)
+    m = np.max(s, axis=-2, keepdims=True, initial=-np.inf)  # initial: n may be 0
     m = np.where(np.isneginf(m), 0.0, m)  # no real token (or all -inf): avoid -inf - -inf
     e = np.where(real, np.exp(s - m), 0.0)
     z = np.sum(e, axis=-2, keepdims=True)

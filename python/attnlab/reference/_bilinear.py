@@ -313,7 +313,9 @@ def bilinear_attention(
     for i in range(h):
         j = i // (h // h_kv)
         p = _softmax_rows(logits[..., i, :, :], allowed[..., i, :, :])
-        contexts.append(_matmul(p, vv[..., j * d_vhead:(j + 1) * d_vhead]))
+        ctx_i = _matmul(p, vv[..., j * d_vhead:(j + 1) * d_vhead])
+        # a row that may attend to no key has context 0 (not 0 * NaN from a masked value)
+        contexts.append(np.where(np.any(allowed[..., i, :, :], axis=-1, keepdims=True), ctx_i, 0.0))
         weights.append(p)
     ctx = np.concatenate(contexts, axis=-1)
     out = _matmul(ctx, w_o) + (0.0 if b_o is None else _f64(b_o))

@@ -68,7 +68,7 @@ def allowed_and_bias(
 def _softmax_rows(scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     """Softmax over the last axis among allowed entries; rows with none allowed give zeros."""
     s = np.where(allowed, scores, -np.inf)
-    row_max = np.max(s, axis=-1, keepdims=True)
+    row_max = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # initial: n_k may be 0
     finite_max = np.where(np.isneginf(row_max), 0.0, row_max)
     e = np.where(allowed, np.exp(s - finite_max), 0.0)
     e = np.where(np.isneginf(s), 0.0, e)  # -inf from a float mask
@@ -78,6 +78,12 @@ def _softmax_rows(scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     # NaN anywhere in a row's inputs makes that row NaN (propagation, not masking)
     nan_rows = np.isnan(total)
     return np.where(nan_rows, np.nan, p)
+
+
+def _context(p: np.ndarray, v: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """``p @ v``, with rows that may attend to no key exactly 0 (even if ``v`` holds NaN or Inf:
+    a masked key contributes nothing, not 0 * NaN)."""
+    return np.where(np.any(allowed, axis=-1, keepdims=True), p @ v, 0.0)
 
 
 def scaled_dot_product_attention(
@@ -131,7 +137,7 @@ def scaled_dot_product_attention(
     scores = scores + bias
     allowed = np.broadcast_to(allowed, scores.shape)
     p = _softmax_rows(scores, allowed)
-    out = p @ v
+    out = _context(p, v, allowed)
     if return_weights in (False, None):
         return out
     return out, (p.mean(axis=-3) if return_weights == "mean" else p)
@@ -210,7 +216,7 @@ def multi_head_attention(
         scores = s * (q_i @ np.swapaxes(k_i, -1, -2))
         scores = scores + bias[..., i, :, :]
         p = _softmax_rows(scores, np.broadcast_to(allowed[..., i, :, :], scores.shape))
-        contexts.append(p @ v_i)
+        contexts.append(_context(p, v_i, allowed[..., i, :, :]))
         weights.append(p)
     ctx = np.concatenate(contexts, axis=-1)
     out = ctx @ w_o + (0.0 if b_o is None else _f64(b_o))
