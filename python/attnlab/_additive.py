@@ -85,7 +85,7 @@ def _prepare_additive(
 
     batch = tuple(xa.shape[:-2])
     kp = V.key_padding2(key_padding_mask, batch, n)
-    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    B = V.count(batch)
     if d_in == 0:  # no features: x w = 0; one zero feature computes the same
         xr = V.zeros((B * n, 1), dtype)
         wq, wk = V.zeros((1, D), dtype), V.zeros((1, D), dtype)
@@ -215,7 +215,7 @@ def _prepare_separable(
 
     batch = tuple(xa.shape[:-2])
     kp = V.key_padding2(key_padding_mask, batch, n)
-    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    B = V.count(batch)
     return dict(xa=xa, wqkv=wqkv, bqkv=bqkv, wo=wo, bo=bo, B=B, n=n, d=d, d_out=d_out, kp=kp,
                 batch=batch, dtype=dtype)
 

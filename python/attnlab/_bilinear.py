@@ -407,7 +407,7 @@ def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_
     mode = V.weights_mode(return_weights)
     m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
     kp = V.key_padding2(key_padding_mask, batch, n_k)
-    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    B = V.count(batch)
     if _order is None:
         order = collapsed_order(n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=h, batch=B,
                                 key_bias=uk is not None)

@@ -142,7 +142,7 @@ def scaled_dot_product_attention(
     a = _prepare_sdpa(q, k, v, mask, causal, scale)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
-    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    B = V.count(batch)
     out = V.empty((B, h, n_q, d_v), dtype)
     weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
     if out.size or (weights is not None and weights.size):
@@ -183,7 +183,7 @@ class _Mha(NamedTuple):
 
     @property
     def B(self) -> int:
-        return int(np.prod(self.batch, dtype=np.int64)) if self.batch else 1
+        return V.count(self.batch)
 
     def core_args(self) -> _CoreArgs:
         w = self.w
@@ -261,7 +261,7 @@ def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any,
     m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
     kp = V.key_padding2(key_padding_mask, batch, n_k)
 
-    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    B = V.count(batch)
     rq = V.rows(xq, batch, dtype) if B * n_q else V.empty((0, d_q), dtype)
     rk = rq if xk is xq else (V.rows(xk, batch, dtype) if B * n_k else V.empty((0, d_k), dtype))
     rv = rk if xv is xk else (V.rows(xv, batch, dtype) if B * n_k else V.empty((0, d_v), dtype))
@@ -350,7 +350,7 @@ def multi_head_attention(
                      num_kv_heads, mask, key_padding_mask, causal, scale)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
-    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    B = V.count(batch)
     out = V.empty((B * n_q, d_out), dtype)
     weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
     if B * n_q > 0:
@@ -427,7 +427,7 @@ def scaled_dot_product_attention_backward(
     batch, dtype, h, h_kv, n_q, n_k, d, d_v = (a.batch, a.dtype, a.h, a.h_kv, a.n_q, a.n_k,
                                                a.d, a.d_v)
     go = _grad_out(grad_out, batch + (h, n_q, d_v), dtype)
-    B = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    B = V.count(batch)
     dq = V.zeros((B, h, n_q, d), dtype)
     dk = V.zeros((B, h_kv, n_k, d), dtype)
     dv = V.zeros((B, h_kv, n_k, d_v), dtype)

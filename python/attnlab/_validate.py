@@ -115,6 +115,11 @@ def batch_shape(name_shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ..
         raise ValueError(f"batch dimensions do not broadcast: {desc}") from None
 
 
+def count(shape: tuple[int, ...]) -> int:
+    """Number of elements of ``shape`` (1 for ``()``), as an exact Python int."""
+    return math.prod(shape)
+
+
 def aligned(a: np.ndarray) -> np.ndarray:
     """``a`` itself, or an aligned copy when its data sits at an address that is not a multiple
     of its itemsize (possible with views of byte buffers); C++ may not read those in place."""
@@ -178,8 +183,9 @@ def stack(a: np.ndarray, batch: tuple[int, ...], dtype: np.dtype, core: int) -> 
     Copies only when the batch axes cannot be merged into one stride or the dtype differs.
     """
     tail = a.shape[a.ndim - core :]
-    b = int(np.prod(batch, dtype=np.int64)) if batch else 1
-    a = np.broadcast_to(a, batch + tail)
+    b = count(batch)
+    if a.shape[: a.ndim - core] != batch:  # broadcasting needed (skipped otherwise: it is slow)
+        a = np.broadcast_to(a, batch + tail)
     r = a.reshape((b,) + tail)
     if r.dtype != dtype or not np.may_share_memory(r, a):  # a copy anyway: one, aligned
         r = copy(a, dtype).reshape((b,) + tail)
@@ -189,11 +195,12 @@ def stack(a: np.ndarray, batch: tuple[int, ...], dtype: np.dtype, core: int) -> 
 def rows(a: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """``a`` (..., n, d) broadcast to ``batch`` as a C-contiguous (B*n, d) matrix."""
     n, d = a.shape[-2:]
-    a = np.broadcast_to(a, batch + (n, d))
-    count = int(np.prod(batch + (n,), dtype=np.int64))  # not -1: ambiguous when d == 0
+    if a.shape[:-2] != batch:
+        a = np.broadcast_to(a, batch + (n, d))
+    total = count(batch + (n,))  # not -1: ambiguous when d == 0
     if not (a.flags.c_contiguous and a.dtype == dtype):
         a = copy(a, dtype)  # one aligned copy for the dtype, the layout and the broadcast
-    return contiguous(a.reshape(count, d))
+    return contiguous(a.reshape(total, d))
 
 
 def matrix(w: np.ndarray, name: str, dtype: np.dtype, rows_: int | None, cols: int | None,
@@ -233,7 +240,7 @@ def mask4(mask: Any, batch: tuple[int, ...], heads: int, n_q: int, n_k: int,
             f"mask: shape {shape_str(m.shape)} does not broadcast to "
             f"(..., h, n_q, n_k) = {shape_str(target)}"
         ) from None
-    b = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    b = count(batch)
     m = m.reshape((b, heads, n_q, n_k))
     if not m.flags.aligned or any(s < 0 or s % m.itemsize for s in m.strides):
         m = np.array(m, copy=True)
@@ -257,7 +264,7 @@ def key_padding2(kpm: Any, batch: tuple[int, ...], n_k: int) -> np.ndarray | Non
             f"key_padding_mask: shape {shape_str(m.shape)} does not broadcast to "
             f"(..., n_k) = {shape_str(target)}"
         ) from None
-    b = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    b = count(batch)
     m = m.reshape((b, n_k))
     if any(s < 0 for s in m.strides):
         m = np.ascontiguousarray(m)
