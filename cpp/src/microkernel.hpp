@@ -7,10 +7,25 @@
 // "B" operand is a buffer we own whose lanes are queries (padded to a whole panel). Written with
 // Eigen's packet primitives, so it compiles to SSE2, AVX2+FMA or AVX-512 with the module's flags.
 
+#include <cstdint>
+#include <vector>
+
 #include "attnlab/common.hpp"
 
 namespace attnlab {
 namespace detail {
+
+// Per-thread scratch that only grows, so tiles do not allocate on every task. Aligned to 64
+// bytes, so whole packets can be loaded from it with aligned loads.
+template <typename T, int Slot>
+T* scratch(std::size_t n) {
+    constexpr std::size_t pad = 64 / sizeof(T);
+    thread_local std::vector<T> buf;
+    if (buf.size() < n + pad) buf.resize(n + pad);
+    const auto addr = reinterpret_cast<std::uintptr_t>(buf.data());
+    return buf.data() + ((64 - addr % 64) % 64) / sizeof(T);
+}
+
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -38,8 +53,8 @@ constexpr Index panel_width() {
 }
 
 // C[r, 0:W) (+)= sum_{t < depth} A(r, t) * B[t, 0:W) for r < MR, W = panel_width<T>().
-// A(r, t) = a[r * a_rs + t * a_ts]; B rows are ldb apart and aligned to a packet; C rows ldc
-// apart, aligned. The sum over t runs in order, so the result does not depend on the thread.
+// A(r, t) = a[r * a_rs + t * a_ts]; B rows are ldb apart, C rows ldc apart, any alignment
+// (unaligned loads cost the same as aligned ones on aligned data on AVX2/AVX-512 CPUs). The sum over t runs in order, so the result does not depend on the thread.
 template <typename T, int MR, bool Accumulate>
 inline void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts, const T* b, Index ldb,
                          T* c, Index ldc) {
@@ -50,10 +65,10 @@ inline void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts, const 
     Packet acc[MR][NP];
     for (int r = 0; r < MR; ++r)
         for (int q = 0; q < NP; ++q)
-            acc[r][q] = Accumulate ? ei::pload<Packet>(c + r * ldc + q * L) : ei::pset1<Packet>(T(0));
+            acc[r][q] = Accumulate ? ei::ploadu<Packet>(c + r * ldc + q * L) : ei::pset1<Packet>(T(0));
     for (Index t = 0; t < depth; ++t) {
         Packet bt[NP];
-        for (int q = 0; q < NP; ++q) bt[q] = ei::pload<Packet>(b + t * ldb + q * L);
+        for (int q = 0; q < NP; ++q) bt[q] = ei::ploadu<Packet>(b + t * ldb + q * L);
         const T* at = a + t * a_ts;
         for (int r = 0; r < MR; ++r) {
             const Packet ar = ei::pset1<Packet>(at[r * a_rs]);
@@ -61,7 +76,7 @@ inline void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts, const 
         }
     }
     for (int r = 0; r < MR; ++r)
-        for (int q = 0; q < NP; ++q) ei::pstore(c + r * ldc + q * L, acc[r][q]);
+        for (int q = 0; q < NP; ++q) ei::pstoreu(c + r * ldc + q * L, acc[r][q]);
 }
 
 // Rows [0, rows) of C for one panel, kPanelRows at a time.

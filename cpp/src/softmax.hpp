@@ -17,17 +17,6 @@ constexpr T neg_inf() {
     return -std::numeric_limits<T>::infinity();
 }
 
-// Per-thread scratch that only grows, so tiles do not allocate on every task. Aligned to 64
-// bytes, so whole packets can be loaded from it with aligned loads.
-template <typename T, int Slot>
-T* scratch(std::size_t n) {
-    constexpr std::size_t pad = 64 / sizeof(T);
-    thread_local std::vector<T> buf;
-    if (buf.size() < n + pad) buf.resize(n + pad);
-    const auto addr = reinterpret_cast<std::uintptr_t>(buf.data());
-    return buf.data() + ((64 - addr % 64) % 64) / sizeof(T);
-}
-
 // Offset such that query i may see key j iff j <= i + offset (causal), or none.
 template <typename T>
 Index causal_offset(const MaskSpec<T>& m, Index n_q, Index n_k) {
