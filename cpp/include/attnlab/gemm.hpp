@@ -1,6 +1,7 @@
 #pragma once
-// Row-parallel GEMM with a fused bias: Y = X W (+ b). Rows are split in fixed-size chunks, so the
-// result is bitwise the same for any thread count.
+// The projections and their gradients: Y = X W (+ b), dX = dY W^T, dW = X^T dY. Parallel over a
+// fixed grid of (row chunk, column panels) tasks, so results are bitwise the same for any
+// thread count.
 
 #include "attnlab/common.hpp"
 
@@ -18,7 +19,6 @@ void linear_input_grad(Index rows, Index in, Index out, const T* dy, Index lddy,
                        Index lddx, bool accumulate = false);
 
 // Backward of linear(): dW = X^T dY (in x out) and db = column sums of dY (either may be null).
-// Parallel over fixed blocks of dW's rows, each a full reduction over `rows`: deterministic.
 template <typename T>
 void linear_weight_grad(Index rows, Index in, Index out, const T* x, Index ldx, const T* dy,
                         Index lddy, T* dw, T* db);

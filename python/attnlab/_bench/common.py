@@ -1,7 +1,8 @@
 """Timing helpers shared by the benchmark families.
 
 Every timing is a median of repeated runs after a warm-up; implementations being compared are
-interleaved (round-robin) in the same process so that machine noise hits them alike.
+interleaved (round-robin) in the same process so that machine noise hits them alike, each timed
+call preceded by an untimed one of the same implementation (see ``interleaved``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["Row", "interleaved", "try_torch"]
+__all__ = ["APART", "Row", "interleaved", "try_torch"]
 
 
 @dataclass
@@ -33,13 +34,31 @@ class Row:
         return self.flops / (self.ms * 1e-3) / 1e9 if self.ms > 0 and self.flops else 0.0
 
 
+# Implementations built on NumPy's BLAS: OpenBLAS threads spin for up to ~0.1 s after a call,
+# which slowed whatever ran next by up to 2x in one process. They are timed apart, after the
+# others, so that they disturb nobody.
+APART = ("reference", "numpy-blas")
+
+
 def interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int = 7, warmup: int = 1,
                 min_time: float = 0.0, max_time: float = 30.0) -> dict[str, float]:
     """Median milliseconds of each callable, timed round-robin.
 
     ``repeat`` rounds (more, up to ``max_time`` seconds in all, while a round is shorter than
-    ``min_time``); the first ``warmup`` calls of each are not timed.
+    ``min_time``); the first ``warmup`` calls of each are not timed. Each timed call follows an
+    untimed call of the same implementation (torch's OpenMP threads also spin briefly after a
+    call). Implementations named in ``APART`` are timed after the others, on their own.
     """
+    main = {k: f for k, f in fns.items() if k not in APART}
+    out = _round_robin(main, repeat, warmup, min_time, max_time) if main else {}
+    for k, f in fns.items():
+        if k in APART:
+            out.update(_round_robin({k: f}, repeat, warmup, min_time, max_time))
+    return {k: out[k] for k in fns}
+
+
+def _round_robin(fns: dict[str, Callable[[], Any]], repeat: int, warmup: int, min_time: float,
+                 max_time: float) -> dict[str, float]:
     for _ in range(warmup):
         for f in fns.values():
             f()
@@ -48,6 +67,8 @@ def interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int = 7, warmup: i
     rounds = 0
     while True:
         for k, f in fns.items():
+            if len(fns) > 1:
+                f()  # untimed: lets the previous implementation's threads go quiet
             t0 = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t0)
