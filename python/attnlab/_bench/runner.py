@@ -92,7 +92,11 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     bwd = _find(rows, "backward", "ViT-S fwd+bwd fp32", "attnlab bwd")
     tch = _find(rows, "backward", "ViT-S fwd+bwd fp32", "torch fwd+bwd")
     if fwd and bwd:
-        add("backward (fwd+bwd) / our forward, ViT-S", bwd.ms / fwd.ms, "<= 2.5", bwd.ms <= 2.5 * fwd.ms)
+        # the backward call recomputes the forward (it takes no saved state): both readings
+        add("backward call (recomputes fwd) / our forward, ViT-S", bwd.ms / fwd.ms, "<= 2.5",
+            bwd.ms <= 2.5 * fwd.ms)
+        add("backward call minus one forward / our forward, ViT-S", bwd.ms / fwd.ms - 1, "<= 2.5",
+            bwd.ms - fwd.ms <= 2.5 * fwd.ms)
     if bwd and tch:
         add("fwd+bwd vs torch autograd, ViT-S", tch.ms / bwd.ms, ">= 1.0x", tch.ms >= bwd.ms)
     for case, label in (("SwiftFormer fwd fp32", "additive (SwiftFormer)"),
