@@ -26,6 +26,7 @@ from attnlab.interop import (
 )
 
 from conftest import assert_close
+from torch_modules import official_swiftformer_module
 
 F32 = np.float32
 
@@ -438,28 +439,6 @@ def test_vit_pytorch_prefix_in_a_model():
                  "interop vit-pytorch")
 
 
-# The official Amshaker/SwiftFormer EfficientAdditiveAttnetion (models/swiftformer.py), written
-# out here (it needs timm and einops): L2 normalisation of the scores over the tokens.
-if torch is not None:
-    class OfficialAdditive(nn.Module):
-        def __init__(self, in_dims=512, token_dim=256, num_heads=2):
-            super().__init__()
-            self.to_query = nn.Linear(in_dims, token_dim * num_heads)
-            self.to_key = nn.Linear(in_dims, token_dim * num_heads)
-            self.w_g = nn.Parameter(torch.randn(token_dim * num_heads, 1))
-            self.scale_factor = token_dim ** -0.5
-            self.Proj = nn.Linear(token_dim * num_heads, token_dim * num_heads)
-            self.final = nn.Linear(token_dim * num_heads, token_dim)
-
-        def forward(self, x):
-            query = nn.functional.normalize(self.to_query(x), dim=-1)
-            key = nn.functional.normalize(self.to_key(x), dim=-1)
-            a = nn.functional.normalize(query @ self.w_g * self.scale_factor, dim=1)
-            g = torch.sum(a * query, dim=1)
-            g = g.unsqueeze(1).expand(-1, key.shape[1], -1)
-            return self.final(self.Proj(g * key) + query)
-
-
 # timm's EfficientAdditiveAttention: the same computation on (B, C, H, W), with `proj`.
 if torch is not None:
     class TimmAdditive(nn.Module):
@@ -487,7 +466,7 @@ if torch is not None:
 @pytest.mark.parametrize("in_dims, token_dim, num_heads", [(16, 8, 2), (24, 24, 1)])
 def test_swiftformer_official(in_dims, token_dim, num_heads):
     torch.manual_seed(3)
-    m = OfficialAdditive(in_dims, token_dim, num_heads).eval()
+    m = official_swiftformer_module(torch, in_dims, token_dim, num_heads).eval()
     x = torch.randn(2, 49, in_dims)
     with torch.no_grad():
         ref = m(x)

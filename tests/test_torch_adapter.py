@@ -20,6 +20,7 @@ import attnlab.torch as at  # noqa: E402
 from attnlab.interop import torch_masks  # noqa: E402
 
 from conftest import assert_close  # noqa: E402
+from torch_modules import official_swiftformer_module  # noqa: E402
 
 nn = torch.nn
 F = torch.nn.functional
@@ -209,26 +210,6 @@ def test_bilinear_with_a_bilinearqk_constant():
 # --------------------------------------------------------------------------- additive
 
 
-class OfficialAdditive(nn.Module):
-    """The official Amshaker/SwiftFormer EfficientAdditiveAttnetion, written out."""
-
-    def __init__(self, in_dims, token_dim, num_heads):
-        super().__init__()
-        self.to_query = nn.Linear(in_dims, token_dim * num_heads)
-        self.to_key = nn.Linear(in_dims, token_dim * num_heads)
-        self.w_g = nn.Parameter(torch.randn(token_dim * num_heads, 1))
-        self.scale_factor = token_dim ** -0.5
-        self.Proj = nn.Linear(token_dim * num_heads, token_dim * num_heads)
-        self.final = nn.Linear(token_dim * num_heads, token_dim)
-
-    def forward(self, x):
-        query = F.normalize(self.to_query(x), dim=-1)
-        key = F.normalize(self.to_key(x), dim=-1)
-        a = F.normalize(query @ self.w_g * self.scale_factor, dim=1)
-        g = torch.sum(a * query, dim=1, keepdim=True)
-        return self.final(self.Proj(g * key) + query)
-
-
 def _additive_kwargs(m, variant):
     proj = m.Proj if hasattr(m, "Proj") else m.proj
     return dict(w_q=m.to_query.weight.t(), b_q=m.to_query.bias, w_k=m.to_key.weight.t(),
@@ -252,7 +233,7 @@ def _check_module(m_ref, fmap_or_x, ours, label):
 
 def test_additive_official_module():
     torch.manual_seed(5)
-    m = OfficialAdditive(12, 8, 2).eval()
+    m = official_swiftformer_module(torch, 12, 8, 2).eval()
     x = torch.randn(2, 30, 12)
     _check_module(m, x, lambda mg, xg: at.additive_attention(xg, **_additive_kwargs(mg,
                                                                                  "official")),
