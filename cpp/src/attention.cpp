@@ -57,10 +57,11 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     T* stats = scratch<T, 3>(static_cast<std::size_t>(5 * mp));  // m, l and per-tile temporaries
     T* row_m = stats;
     T* row_l = stats + mp;
-    for (Index i = 0; i < mp; ++i) {
+    for (Index i = 0; i < mq; ++i) {
         const T* qrow = qbase + i * p.q.row_stride;
-        for (Index c = 0; c < d; ++c) qt[c * mp + i] = i < mq ? p.scale * qrow[c] : T(0);
+        for (Index c = 0; c < d; ++c) qt[c * mp + i] = p.scale * qrow[c];
     }
+    for (Index c = 0; c < d; ++c) std::fill(qt + c * mp + mq, qt + (c + 1) * mp, T(0));
     std::fill(acc, acc + dv * mp, T(0));
     std::fill(row_m, row_m + mp, neg_inf<T>());
     std::fill(row_l, row_l + mp, T(0));
