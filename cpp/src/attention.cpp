@@ -15,9 +15,9 @@ namespace attnlab {
 namespace detail {
 
 // Tile sizes. Forward: 96 queries (a whole number of panels for 4, 8 and 16 lanes) against 128
-// keys; the score tile (48 KiB in float) streams through L2 row by row. 96 x 128 against 64 x 128
-// with the same kernel: 2-3% faster at d_head = 64 in CPU-time measurements on a 2-core AVX2
-// machine (n = 2048). Backward: 64 x 128 (Eigen products).
+// keys; the score tile (48 KiB in float) streams through L2 row by row. 4 x 3-packet panels
+// with 96 queries against 6 x 2 with 64: 2-3% faster at d_head = 64 in CPU-time measurements
+// on a 2-core AVX2 machine (n = 2048). Backward: 64 x 128 (Eigen products).
 constexpr Index kTileQ = 96;
 constexpr Index kTileK = 128;
 constexpr Index kBwdTileQ = 64;
