@@ -15,13 +15,16 @@ Mutations turn a case into
   options, complex/object/bool/str data, wrong mask dtypes or shapes, empty feature axes, huge
   sizes): it must raise ``ValueError`` or ``TypeError`` (``MemoryError`` for huge sizes) with a
   message naming the argument;
+* (valid calls themselves are checked against their oracle: the float64 reference for
+  forwards, central differences of the reference along a random direction for gradients, at
+  the tolerances of ``oracle_error``; a mismatch counts as ``wrong``)
 * a **NaN/Inf** variant: anything but a crash (a result, or a ``ValueError`` that names the
   argument where the contract refuses non-finite data, as ``factorize_qk`` does).
 
 As a script: ``python fuzz_stress.py [--calls N] [--seed S]`` makes N random calls (default
 10,000) and prints one JSON line of counts: calls, by kind, results, errors by type, wrong
-answers and unexpected exceptions (the last two must be 0; a crash kills the process, which the
-caller sees as a non-zero exit status).
+answers and unexpected exceptions (the last two must be 0), the largest oracle error per
+family. A crash kills the process, which the caller sees as a non-zero exit status.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -687,6 +691,91 @@ def grad_scale(grads: dict[str, np.ndarray]) -> float:
     return max(m, default=0.0)
 
 
+def directional_error(case: Case, grads: dict[str, np.ndarray], rng: np.random.Generator
+                      ) -> float:
+    """Largest |<grad, D> - (f(x + eD) - f(x - eD)) / 2e| / (|grad| |D| + floor) over the
+    array arguments of a ``*_backward`` case, f = <grad_out, reference forward>, in float64."""
+    fwd = {k: v for k, v in case.kwargs.items() if k != "grad_out"}
+    g_out = np.asarray(case.kwargs["grad_out"], np.float64)
+    ref = getattr(R, case.grad_of)  # type: ignore[arg-type]
+
+    def f(kw: dict) -> float:
+        out = ref(**kw)
+        out = out[0] if isinstance(out, tuple) else out
+        return float(np.sum(g_out * out))
+
+    out0 = ref(**fwd)
+    out0 = out0[0] if isinstance(out0, tuple) else out0
+    # Rounding in f is ~1e-16 * sum|g_out * out|, amplified 1/e by the difference quotient: a
+    # floor for arguments whose gradient is (mathematically) zero, as b_k's in MHA.
+    floor = 1e-3 * float(np.sum(np.abs(g_out * out0))) + 1e-12
+    # A gradient that is mathematically 0 (b_k's) is rounding noise of the size of the call's
+    # largest gradient times the dtype's eps: measured against that, not against itself.
+    big = max((float(np.linalg.norm(g)) for g in grads.values() if np.isfinite(g).all()),
+              default=0.0)
+    noise = 100 * float(np.finfo(case.dtype).eps) * big
+
+    worst = 0.0
+    for name in case.arrays:
+        if name == "grad_out" or not isinstance(fwd.get(name), np.ndarray):
+            continue
+        x = fwd[name].astype(np.float64)
+        if x.size == 0:
+            continue
+        d = rng.standard_normal(x.shape)
+        e = 1e-6
+        plus, minus = dict(fwd), dict(fwd)
+        plus[name], minus[name] = x + e * d, x - e * d
+        fd = (f(plus) - f(minus)) / (2 * e)
+        an = float(np.sum(grads[name].astype(np.float64) * d))
+        scale = float((np.linalg.norm(grads[name]) + noise) * np.linalg.norm(d)) + floor
+        worst = max(worst, abs(fd - an) / scale)
+    return worst
+
+
+# Documented tolerances of a valid call against its oracle: forward results normwise 1e-5
+# (float32) / 1e-12 (float64) against the float64 reference (compare's defaults); gradients
+# along a random direction 5e-4 / 1e-6 of |grad| |D| against central differences of the
+# reference (float32: up to 1.2e-4 seen over 10,000 calls, on b_k, whose gradient is
+# mathematically 0); factorize_qk's products 1e-4 / 1e-10 (an SVD of float32 data in float32).
+GRAD_TOL = {np.dtype(np.float32): 5e-4, np.dtype(np.float64): 1e-6}
+FACTORIZE_TOL = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-10}
+
+
+def oracle_error(case: Case, got: Any, rng: np.random.Generator) -> float:
+    """Error of ``got`` (the result of ``case.call()``) against the case's oracle; raises
+    AssertionError beyond the documented tolerance."""
+    dtype = np.dtype(case.dtype)
+    with np.errstate(all="ignore"):
+        if case.grad_of is not None:
+            err = directional_error(case, got, rng)
+            assert err <= GRAD_TOL[dtype], (
+                f"gradient off the finite differences by {err:.3e} > {GRAD_TOL[dtype]:.0e}")
+            return err
+        if case.name == "factorize_qk":
+            w, r = case.kwargs["w"], case.kwargs["rank"]
+            rq, rk, rrel = R.factorize_qk(w, r)
+            w_q, w_k, rel = got
+            assert w_q.dtype == w_k.dtype == rel.dtype == dtype
+            heads = range(w.shape[0])
+            prod = np.stack([w_q[:, i * r:(i + 1) * r] @ w_k[:, i * r:(i + 1) * r].T for i in heads])
+            want = np.stack([rq[:, i * r:(i + 1) * r] @ rk[:, i * r:(i + 1) * r].T for i in heads])
+            err = compare(prod.astype(dtype), want, dtype, FACTORIZE_TOL[dtype])
+            np.testing.assert_allclose(rel, rrel, atol=50 * np.finfo(dtype).eps ** 0.5)
+            return err
+        want = case.ref(**case.kwargs)  # type: ignore[misc]
+        if case.name == "collapse_qk":
+            assert got.d_head == want.d_head
+            err = 0.0
+            for f in ("w", "u", "v", "c"):
+                g, w = getattr(got, f), getattr(want, f)
+                assert (g is None) == (w is None), f
+                if g is not None:
+                    err = max(err, compare(g, w, dtype))
+            return err
+        return compare(got, want, dtype)
+
+
 def results_equal(a: Any, b: Any, dtype: Any) -> None:
     """Same result up to the rounding of a different memory layout (tight)."""
     if isinstance(a, dict):
@@ -732,8 +821,23 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
     counts[f"kind:{kind}"] += 1
     counts[f"family:{family}"] += 1
     where = f"{family} {np.dtype(dtype).name} {kind}"
-    if kind in ("valid", "nonfinite"):
-        kw = case.kwargs if kind == "valid" else nonfinite_variant(c, case)
+    if kind == "valid":
+        try:
+            err = oracle_error(case, case.call(), np.random.default_rng(c.seed()))
+            counts["result"] += 1
+            counts["checked"] += 1
+            key = f"max_err:{family} {np.dtype(dtype).name}"
+            counts[key] = max(counts.get(key, 0.0), err)
+        except AssertionError as exc:
+            counts["result"] += 1
+            counts["wrong"] += 1
+            problems.append(f"{where}: {exc}")
+        except Exception as exc:  # any other exception from a valid call is a defect
+            counts["unexpected"] += 1
+            problems.append(f"{where}: {type(exc).__name__}: {exc}")
+        return
+    if kind == "nonfinite":
+        kw = nonfinite_variant(c, case)
         try:
             case.call(**kw)
             counts["result"] += 1
@@ -757,7 +861,7 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
         except AssertionError as exc:
             counts["wrong"] += 1
             problems.append(f"{where}: {exc}")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # any exception but the failed check is a defect
             counts["unexpected"] += 1
             problems.append(f"{where}: {type(exc).__name__}: {exc}")
         return
@@ -770,7 +874,7 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
             counts["unnamed"] += 1
             problems.append(f"{where} {bad.label}: message does not name {bad.names!r}: {exc}")
         return
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # the wrong exception type is a defect
         counts["unexpected"] += 1
         problems.append(f"{where} {bad.label}: {type(exc).__name__}: {exc}")
         return
@@ -789,13 +893,16 @@ def main(argv: list[str] | None = None) -> int:
     counts: Counter = Counter()
     problems: list[str] = []
     start = time.perf_counter()
-    for _ in range(args.calls):
+    abort_at = int(os.environ.get("ATTNLAB_FUZZ_ABORT_AT", "-1"))  # the harness's self-test
+    for i in range(args.calls):
+        if i == abort_at:
+            os.abort()
         one_call(c, counts, problems)
         counts["calls"] += 1
     report = dict(counts)
     report["seconds"] = round(time.perf_counter() - start, 2)
     report["problems"] = problems[:50]
-    report["crashes"] = 0  # reaching this line means the process did not die
+    # No "crashes" field: a crash kills this process, and the caller sees the exit status.
     print(json.dumps(report, sort_keys=True))
     return 0
 

@@ -240,3 +240,32 @@ def test_mha_backward_matches_torch_autograd(th):
     assert np.abs(g["w_v"] - tw[2 * d:].T).max() < 1e-4
     assert np.abs(g["w_o"] - m.out_proj.weight.grad.numpy().T).max() < 1e-4
     assert np.abs(g["b_o"] - m.out_proj.bias.grad.numpy()).max() < 1e-4
+
+
+@pytest.mark.parametrize("fn", ["multi_head_attention", "bilinear_attention"])
+def test_gradient_keys_follow_the_arguments_given_not_object_identity(fn):
+    """The same array passed as query and key (and value) still gets "key" (and "value")
+    entries; omitted ones are summed into "query". It used to depend on `is`."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 5, 8))
+    w = {n: rng.standard_normal((8, 8)) / 3 for n in ("w_v", "w_o")}
+    if fn == "multi_head_attention":
+        w.update(w_q=rng.standard_normal((8, 8)) / 3, w_k=rng.standard_normal((8, 8)) / 3)
+    else:
+        w["w_qk"] = rng.standard_normal((2, 8, 8)) / 3
+    f = getattr(attnlab, fn + "_backward")
+    go = rng.standard_normal((2, 5, 8))
+    same = f(go, x, x, x, num_heads=2, **w)
+    as_list = f(go, x, x.tolist(), x.tolist(), num_heads=2, **w)
+    omitted = f(go, x, num_heads=2, **w)
+    key_only = f(go, x, x, num_heads=2, **w)
+    assert {"query", "key", "value"} <= set(same)
+    assert set(same) == set(as_list)
+    assert "key" not in omitted and "value" not in omitted
+    assert "key" in key_only and "value" not in key_only
+    for k in same:
+        np.testing.assert_array_equal(same[k], as_list[k])
+    total = same["query"] + same["key"] + same["value"]
+    np.testing.assert_allclose(omitted["query"], total, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(key_only["key"], same["key"] + same["value"], rtol=1e-12,
+                               atol=1e-12)

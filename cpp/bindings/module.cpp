@@ -44,6 +44,9 @@ PYBIND11_MODULE(ATTNLAB_MODULE_NAME, m) {
     m.def("cpu_features", &cpu_features, "Instruction sets the running CPU supports.");
     m.def("get_num_threads", &attnlab::get_num_threads);
     m.def("set_num_threads", &attnlab::set_num_threads, py::arg("n"));
+    m.attr("MAX_THREADS") = attnlab::kMaxThreads;
+    m.def("_cgroup_cpu_limit", &attnlab::detail::cgroup_cpu_limit, py::arg("sysroot"),
+          "CPU limit of this process's cgroups read under sysroot (tests use a fake tree).");
     m.def("build_info", [] {
         py::dict d;
         d["version"] = ATTNLAB_VERSION;
@@ -77,6 +80,7 @@ PYBIND11_MODULE(ATTNLAB_MODULE_NAME, m) {
 #endif
         d["compiled_for"] = simd;
         d["num_threads"] = attnlab::get_num_threads();
+        d["num_threads_source"] = attnlab::num_threads_source();
         return d;
     });
     attnlab::bind::bind_mha(m);

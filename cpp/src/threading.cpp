@@ -1,14 +1,24 @@
 #include "attnlab/threading.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
 #include <exception>
+#include <fstream>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#endif
 
 namespace attnlab {
 namespace detail {
@@ -24,7 +34,7 @@ struct Job {
     std::condition_variable done_cv;
 };
 
-// Runs tasks of `job` until none is left; returns true if it finished the last one.
+// Runs tasks of `job` until none is left.
 static void work_on(Job& job) {
     for (;;) {
         std::int64_t i = job.next.fetch_add(1);
@@ -44,8 +54,18 @@ static void work_on(Job& job) {
 
 class ThreadPool {
 public:
+    // Starts up to `workers` threads. When the system refuses one (std::system_error under a
+    // process or memory limit), the pool keeps those already running: destroying a joinable
+    // std::thread would call std::terminate.
     explicit ThreadPool(int workers) {
-        for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { loop(); });
+        threads_.reserve(static_cast<std::size_t>(workers));
+        for (int i = 0; i < workers; ++i) {
+            try {
+                threads_.emplace_back([this] { loop(); });
+            } catch (...) {
+                break;
+            }
+        }
     }
     ~ThreadPool() {
         {
@@ -55,6 +75,7 @@ public:
         cv_.notify_all();
         for (auto& t : threads_) t.join();
     }
+    int workers() const { return static_cast<int>(threads_.size()); }
     void submit(const std::shared_ptr<Job>& job) {
         {
             std::lock_guard<std::mutex> lock(mutex_);
@@ -88,39 +109,205 @@ private:
     bool stop_ = false;
 };
 
-static int default_threads() {
+// --- default thread count
+
+static bool read_file(const std::string& path, std::string& out) {
+    std::ifstream f(path);
+    if (!f) return false;
+    std::ostringstream s;
+    s << f.rdbuf();
+    out = s.str();
+    return true;
+}
+
+static std::vector<std::string> split(const std::string& s, char sep) {
+    std::vector<std::string> parts;
+    std::string item;
+    std::istringstream in(s);
+    while (std::getline(in, item, sep)) parts.push_back(item);
+    return parts;
+}
+
+static int ceil_ratio(long long quota, long long period) {
+    if (quota <= 0 || period <= 0) return 0;
+    const long long n = (quota + period - 1) / period;
+    return static_cast<int>(std::min<long long>(std::max<long long>(n, 1), kMaxThreads));
+}
+
+// Limit set in one cgroup directory, 0 for none.
+static int cgroup_dir_limit(const std::string& dir, bool v2) {
+    std::string text;
+    if (v2) {
+        if (!read_file(dir + "/cpu.max", text)) return 0;
+        std::istringstream in(text);
+        std::string quota;
+        long long period = 0;
+        in >> quota >> period;
+        if (quota == "max" || quota.empty()) return 0;
+        return ceil_ratio(std::atoll(quota.c_str()), period);
+    }
+    std::string period;
+    if (!read_file(dir + "/cpu.cfs_quota_us", text) || !read_file(dir + "/cpu.cfs_period_us", period))
+        return 0;
+    return ceil_ratio(std::atoll(text.c_str()), std::atoll(period.c_str()));
+}
+
+int cgroup_cpu_limit(const std::string& sysroot) {
+    std::string self, mountinfo;
+    if (!read_file(sysroot + "/proc/self/cgroup", self) ||
+        !read_file(sysroot + "/proc/self/mountinfo", mountinfo))
+        return 0;
+    int best = 0;
+    for (const std::string& line : split(mountinfo, '\n')) {
+        // id parent major:minor root mount-point options [optional...] - fstype source super
+        std::istringstream in(line);
+        std::vector<std::string> f;
+        for (std::string w; in >> w;) f.push_back(w);
+        auto dash = std::find(f.begin(), f.end(), "-");
+        if (f.size() < 5 || dash == f.end() || dash + 3 > f.end()) continue;
+        const std::string& fstype = *(dash + 1);
+        const bool v2 = fstype == "cgroup2";
+        if (!v2 && !(fstype == "cgroup" && [&] {
+                for (const auto& o : split(*(dash + 3), ','))
+                    if (o == "cpu") return true;
+                return false;
+            }()))
+            continue;
+        // this process's path in that hierarchy
+        std::string path;
+        bool found = false;
+        for (const std::string& c : split(self, '\n')) {
+            const auto a = c.find(':'), b = a == std::string::npos ? a : c.find(':', a + 1);
+            if (b == std::string::npos) continue;
+            const std::string controllers = c.substr(a + 1, b - a - 1);
+            bool match = v2 ? controllers.empty() : false;
+            if (!v2)
+                for (const auto& o : split(controllers, ','))
+                    if (o == "cpu") match = true;
+            if (match) {
+                path = c.substr(b + 1);
+                found = true;
+                break;
+            }
+        }
+        if (!found) continue;
+        const std::string& root = f[3];
+        const std::string mount = sysroot + f[4];
+        if (root != "/" && path.compare(0, root.size(), root) == 0) path = path.substr(root.size());
+        if (root != "/" && path == root) path.clear();
+        // the cgroup and each ancestor up to the mount point: the tightest quota wins
+        for (;;) {
+            const int lim = cgroup_dir_limit(mount + (path == "/" ? "" : path), v2);
+            if (lim > 0 && (best == 0 || lim < best)) best = lim;
+            if (path.empty() || path == "/") break;
+            path = path.substr(0, path.find_last_of('/'));
+        }
+    }
+    return best;
+}
+
+struct ThreadDefault {
+    int n;
+    std::string source;
+};
+
+static ThreadDefault default_threads() {
+    std::string note;
     if (const char* env = std::getenv("ATTNLAB_NUM_THREADS")) {
         char* end = nullptr;
-        long v = std::strtol(env, &end, 10);
-        if (end != env && v >= 1 && v <= 1024) return static_cast<int>(v);
+        const long v = std::strtol(env, &end, 10);
+        if (end != env && *end == '\0' && v >= 1 && v <= kMaxThreads)
+            return {static_cast<int>(v), "ATTNLAB_NUM_THREADS"};
+        note = std::string(" (ATTNLAB_NUM_THREADS='") + env + "' ignored: expected 1.." +
+               std::to_string(kMaxThreads) + ")";
     }
-    unsigned hc = std::thread::hardware_concurrency();
-    return hc == 0 ? 1 : static_cast<int>(hc);
+    ThreadDefault d{0, "sched_getaffinity"};
+#if defined(__linux__)
+    // CPU_COUNT over a set large enough for any machine (the fixed cpu_set_t has 1024 bits)
+    for (int cpus = 1024; cpus <= (1 << 16) && d.n == 0; cpus *= 2) {
+        cpu_set_t* set = CPU_ALLOC(cpus);
+        if (!set) break;
+        const std::size_t size = CPU_ALLOC_SIZE(cpus);
+        CPU_ZERO_S(size, set);
+        if (sched_getaffinity(0, size, set) == 0) d.n = CPU_COUNT_S(size, set);
+        CPU_FREE(set);
+    }
+#endif
+    if (d.n <= 0) {
+        const unsigned hc = std::thread::hardware_concurrency();
+        d = {hc == 0 ? 1 : static_cast<int>(hc), "hardware_concurrency"};
+    }
+    const int quota = cgroup_cpu_limit("");
+    if (quota > 0 && quota < d.n) d = {quota, "cgroup cpu quota"};
+    d.n = std::min(d.n, kMaxThreads);
+    d.source += note;
+    return d;
 }
 
 static std::mutex g_pool_mutex;
-static int g_num_threads = default_threads();
+static int g_num_threads = 0;  // 0: not read yet
+static std::string g_source;
 static std::shared_ptr<ThreadPool> g_pool;
 
-static std::shared_ptr<ThreadPool> pool_for(int threads) {
-    std::lock_guard<std::mutex> lock(g_pool_mutex);
-    if (threads <= 1) return nullptr;
-    if (!g_pool) g_pool = std::make_shared<ThreadPool>(threads - 1);
+static void ensure_default_locked() {
+    if (g_num_threads > 0) return;
+    ThreadDefault d = default_threads();
+    g_num_threads = d.n;
+    g_source = d.source;
+}
+
+// The pool for the current thread count, started on first use. Returns null when the calls
+// should run serially (one thread, or no worker could be started).
+static std::shared_ptr<ThreadPool> pool_for_locked() {
+    if (g_num_threads <= 1) return nullptr;
+    if (!g_pool) {
+        g_pool = std::make_shared<ThreadPool>(g_num_threads - 1);
+        const int started = g_pool->workers() + 1;
+        if (started < g_num_threads) {
+            g_source += " (reduced from " + std::to_string(g_num_threads) +
+                        ": the system refused to start more threads)";
+            g_num_threads = started;
+        }
+        if (g_pool->workers() == 0) g_pool.reset();
+    }
     return g_pool;
 }
+
+#if defined(__unix__) || defined(__APPLE__)
+// fork() copies only the calling thread: in the child the pool's workers do not exist, and
+// joining them (when the pool is replaced or at exit) would wait forever. The child therefore
+// drops the inherited pool without destroying it (a small, deliberate leak) and starts a new one
+// on first use. The lock is held across fork so that the child never inherits it locked.
+static void atfork_prepare() { g_pool_mutex.lock(); }
+static void atfork_parent() { g_pool_mutex.unlock(); }
+static void atfork_child() {
+    new std::shared_ptr<ThreadPool>(std::move(g_pool));  // leaked on purpose, see above
+    g_pool_mutex.unlock();
+}
+[[maybe_unused]] static const int g_atfork_registered = pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+#endif
 
 }  // namespace detail
 
 int get_num_threads() {
     std::lock_guard<std::mutex> lock(detail::g_pool_mutex);
+    detail::ensure_default_locked();
     return detail::g_num_threads;
 }
 
+std::string num_threads_source() {
+    std::lock_guard<std::mutex> lock(detail::g_pool_mutex);
+    detail::ensure_default_locked();
+    return detail::g_source;
+}
+
 void set_num_threads(int n) {
-    if (n < 1) n = 1;
+    n = std::clamp(n, 1, kMaxThreads);
     std::shared_ptr<detail::ThreadPool> old;
     {
         std::lock_guard<std::mutex> lock(detail::g_pool_mutex);
+        detail::ensure_default_locked();
+        detail::g_source = "set_num_threads";
         if (n == detail::g_num_threads) return;
         detail::g_num_threads = n;
         old.swap(detail::g_pool);  // calls in flight keep their own reference
@@ -129,12 +316,16 @@ void set_num_threads(int n) {
 
 void parallel_for(std::int64_t n, const std::function<void(std::int64_t)>& fn) {
     if (n <= 0) return;
-    const int threads = get_num_threads();
-    if (threads <= 1 || n == 1) {
+    std::shared_ptr<detail::ThreadPool> pool;
+    if (n > 1) {
+        std::lock_guard<std::mutex> lock(detail::g_pool_mutex);
+        detail::ensure_default_locked();
+        pool = detail::pool_for_locked();
+    }
+    if (!pool) {
         for (std::int64_t i = 0; i < n; ++i) fn(i);
         return;
     }
-    auto pool = detail::pool_for(threads);
     auto job = std::make_shared<detail::Job>();
     job->fn = &fn;
     job->n = n;

@@ -32,9 +32,12 @@ from ._mha import (
 from .cost import attention_cost, plan_qk
 
 __version__: str = _core.__version__
+#: Upper bound of :func:`set_num_threads` and of ``ATTNLAB_NUM_THREADS``.
+MAX_THREADS: int = int(_core.MAX_THREADS)
 
 __all__ = [
     "BilinearQK",
+    "MAX_THREADS",
     "__version__",
     "additive_attention",
     "additive_attention_backward",
@@ -68,7 +71,9 @@ def get_num_threads() -> int:
     -------
     int
         The number last given to :func:`set_num_threads`, else the environment variable
-        ``ATTNLAB_NUM_THREADS``, else the cores available to this process.
+        ``ATTNLAB_NUM_THREADS``, else the CPUs this process may run on (its affinity mask),
+        further limited by a cgroup CPU quota (containers) when one is set.
+        ``build_info()["num_threads_source"]`` says which.
 
     Examples
     --------
@@ -85,7 +90,9 @@ def set_num_threads(n: int) -> None:
     Parameters
     ----------
     n : int
-        ``n >= 1``.
+        ``1 <= n <= 1024`` (``attnlab.MAX_THREADS``, also the cap of ``ATTNLAB_NUM_THREADS``).
+        Should the operating system refuse to start some threads (a process or memory limit),
+        the kernels run on those that started and :func:`get_num_threads` reports them.
 
     Returns
     -------
@@ -100,7 +107,10 @@ def set_num_threads(n: int) -> None:
     """
     from ._validate import check_positive_int
 
-    _core.set_num_threads(check_positive_int(n, "n"))
+    v = check_positive_int(n, "n")
+    if v > MAX_THREADS:
+        raise ValueError(f"n: expected an integer between 1 and {MAX_THREADS}, got {v}")
+    _core.set_num_threads(v)
 
 
 def build_info() -> dict[str, Any]:
@@ -111,7 +121,9 @@ def build_info() -> dict[str, Any]:
     dict
         ``version``; ``isa``, the kernel variant imported (``generic``, ``avx2``, ``avx512`` or
         ``native``); ``compiled_for``, ``compiler``, ``eigen_version``, ``eigen_simd``;
-        ``num_threads``; ``available_isas``, the variants built and supported by this CPU, best
+        ``num_threads`` and ``num_threads_source`` (``"set_num_threads"``,
+        ``"ATTNLAB_NUM_THREADS"``, ``"sched_getaffinity"``, ``"cgroup cpu quota"`` or
+        ``"hardware_concurrency"``, with a note when it was reduced); ``available_isas``, the variants built and supported by this CPU, best
         first; ``cpu_features``, the instruction sets the CPU reports.
 
     Examples

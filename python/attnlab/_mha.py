@@ -165,8 +165,8 @@ class _Mha(NamedTuple):
     rq: np.ndarray  # (B*n_q, d_q) rows, C-contiguous
     rk: np.ndarray
     rv: np.ndarray
-    key_is_query: bool
-    value_is_key: bool
+    key_is_query: bool   # key omitted: it defaults to query
+    value_is_key: bool   # value omitted: it defaults to key
     shapes: dict[str, tuple[int, ...]]  # the user's input shapes, for gradient reduction
     w: dict[str, np.ndarray | None]     # w_q, b_q, ... prepared for the kernel
     batch: tuple[int, ...]
@@ -267,7 +267,9 @@ def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any,
     rv = rk if xv is xk else (V.rows(xv, batch, dtype) if B * n_k else V.empty((0, d_v), dtype))
     shapes = {"query": xq.shape, "key": xk.shape, "value": xv.shape}
     w = {"w_q": wq, "b_q": bq, "w_k": wk, "b_k": bk, "w_v": wv, "b_v": bv, "w_o": wo, "b_o": bo}
-    return _Mha(rq, rk, rv, xk is xq, xv is xk, shapes, w, batch, dtype, h, h_kv, n_q, n_k,
+    # Gradient keys follow the arguments given, not object identity (the rows above may be
+    # shared either way: same data, one copy).
+    return _Mha(rq, rk, rv, key is None, value is None, shapes, w, batch, dtype, h, h_kv, n_q, n_k,
                 d_out, code, s, m4, kp)
 
 
