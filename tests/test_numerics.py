@@ -287,3 +287,40 @@ def test_mha_fully_masked_rows_give_b_o_and_zero_gradients(how: str) -> None:
         if name != "b_o":
             np.testing.assert_array_equal(a, 0, err_msg=name)
     np.testing.assert_array_equal(g["b_o"], np.full(d, dead.sum()))
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_masked_out_nonfinite_keys_and_values_reach_no_output(return_weights, dtype):
+    """The rule for masked-out positions (README, Conventions): a key whose masked logit is -inf
+    (causal, boolean mask, key padding, float mask -inf) is never read. With 300 tokens the
+    causal rows span several query and key tiles: a NaN in value row 150 must reach rows
+    150..299 and no earlier row, on the flash and the weights path alike, and equal the
+    reference; the same for a NaN key behind a boolean mask and an Inf value behind a -inf float
+    mask."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, 2, 300, 16)).astype(dtype) for _ in range(3))
+    v[0, 1, 150, 3] = np.nan
+    k[0, 0, 40] = np.nan
+    v[0, 0, 41] = np.inf
+    boolean = np.ones((300, 300), bool)
+    boolean[:, 40] = False           # key 40 hidden from every query of head 0 and 1
+    boolean[200:, 40] = True         # ... except queries 200.. (they see the NaN key)
+    flt = np.where(np.arange(300) == 41, -np.inf, 0.0).astype(dtype)[None, :].repeat(300, 0)
+    flt[250:, 41] = 0.0              # the Inf value reaches queries 250.. only
+    mask = np.where(boolean, flt, -np.inf).astype(dtype)
+    with np.errstate(all="ignore"):
+        got = attnlab.scaled_dot_product_attention(q, k, v, causal=True, mask=mask,
+                                                   return_weights=return_weights)
+        ref = attnlab.reference.scaled_dot_product_attention(q, k, v, causal=True, mask=mask)
+    got = got[0] if return_weights else got
+    bad = ~np.isfinite(got)
+    rows = np.arange(300)
+    # head 1: the NaN value of key 150 reaches column 3 of rows >= 150 only
+    assert bad[0, 1, rows >= 150, 3].all() and not bad[0, 1, rows < 150].any()
+    # head 0: the NaN key 40 reaches rows >= 200 (all columns), the Inf value rows >= 250
+    assert bad[0, 0, rows >= 200].all() and not bad[0, 0, rows < 200].any()
+    assert np.array_equal(bad, ~np.isfinite(ref))
+    ok = ~bad
+    np.testing.assert_allclose(got[ok], ref[ok], rtol=2e-5 if dtype == np.float32 else 1e-12,
+                               atol=2e-5 if dtype == np.float32 else 1e-12)

@@ -209,13 +209,13 @@ _MOUNT_V1 = ("35 25 0:30 / /sys/fs/cgroup/cpu,cpuacct rw shared:10 - cgroup cgro
 def test_cgroup_cpu_quota_is_read(tmp_path, files, expected):
     from attnlab._loader import core
 
-    assert core._cgroup_cpu_limit(_tree(tmp_path, files)) == expected
+    assert core.cgroup_cpu_limit(_tree(tmp_path, files)) == expected
 
 
 def test_default_is_never_above_the_real_quota_or_affinity():
     from attnlab._loader import core
 
-    quota = core._cgroup_cpu_limit("")
+    quota = core.cgroup_cpu_limit("")
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_NUM_THREADS"}
     env["PYTHONPATH"] = _PKG_ROOT

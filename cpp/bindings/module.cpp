@@ -45,7 +45,7 @@ PYBIND11_MODULE(ATTNLAB_MODULE_NAME, m) {
     m.def("get_num_threads", &attnlab::get_num_threads);
     m.def("set_num_threads", &attnlab::set_num_threads, py::arg("n"));
     m.attr("MAX_THREADS") = attnlab::kMaxThreads;
-    m.def("_cgroup_cpu_limit", &attnlab::detail::cgroup_cpu_limit, py::arg("sysroot"),
+    m.def("cgroup_cpu_limit", &attnlab::detail::cgroup_cpu_limit, py::arg("sysroot"),
           "CPU limit of this process's cgroups read under sysroot (tests use a fake tree).");
     m.def("build_info", [] {
         py::dict d;

@@ -30,6 +30,50 @@ Index causal_key_end(const MaskSpec<T>& m, Index n_q, Index n_k, Index i1) {
     return std::clamp<Index>(i1 + causal_offset(m, n_q, n_k), 0, n_k);
 }
 
+// Masked-out keys are never read. The rule, for both the flash and the weights path: a key
+// whose masked, scaled logit is -inf (boolean mask False, key padding, causal, a float mask of
+// -inf) has weight exactly 0 and its value row is not read, so NaN or Inf there reaches no
+// output of that query; every other key contributes weight x value (0 x NaN = NaN included).
+// The products below would compute 0 x NaN for masked keys, so value rows holding NaN or Inf
+// (found once per call by nonfinite_rows; rare) are taken out of the product and added back
+// for the queries that may see them.
+
+// Flags (batch, kv_heads, n_k): 1 where the value row holds NaN or Inf. Empty when none does.
+template <typename T>
+std::vector<std::uint8_t> nonfinite_rows(const AttentionProblem<T>& p) {
+    std::vector<std::uint8_t> flags;
+    for (Index b = 0; b < p.batch; ++b)
+        for (Index hk = 0; hk < p.kv_heads; ++hk)
+            for (Index j = 0; j < p.n_k; ++j) {
+                const T* row = p.v.at(b, hk) + j * p.v.row_stride;
+                bool bad = false;
+                for (Index c = 0; c < p.d_v; ++c) bad |= !std::isfinite(row[c]);
+                if (!bad) continue;
+                if (flags.empty()) flags.assign(static_cast<std::size_t>(p.batch * p.kv_heads * p.n_k), 0);
+                flags[static_cast<std::size_t>((b * p.kv_heads + hk) * p.n_k + j)] = 1;
+            }
+    return flags;
+}
+
+// Rows j in [j0, j0 + kb) of a value block with a nonfinite flag.
+inline std::vector<Index> flagged(const std::uint8_t* flags, Index j0, Index kb) {
+    std::vector<Index> rows;
+    if (flags)
+        for (Index j = 0; j < kb; ++j)
+            if (flags[j0 + j]) rows.push_back(j);
+    return rows;
+}
+
+// A copy of value rows [0, kb) (row stride vs) with the rows in `bad` zeroed, row stride dv.
+template <typename T>
+const T* value_copy_without(const T* v, Index vs, Index kb, Index dv, const std::vector<Index>& bad,
+                            std::vector<T>& buf) {
+    buf.resize(static_cast<std::size_t>(kb * dv));
+    for (Index j = 0; j < kb; ++j) std::copy(v + j * vs, v + j * vs + dv, buf.data() + j * dv);
+    for (Index j : bad) std::fill(buf.data() + j * dv, buf.data() + (j + 1) * dv, T(0));
+    return buf.data();
+}
+
 // One (batch, head, query tile) with an online softmax over key tiles.
 //
 // Layout: queries run along the vector lanes. The tile keeps Q^T (scaled), S^T = K Q^T (keys x
@@ -38,7 +82,8 @@ Index causal_key_end(const MaskSpec<T>& m, Index n_q, Index n_k, Index i1) {
 // vertical max/exp/add over the keys without horizontal reductions, and both products run in
 // panel_product without packing K or V (their entries are broadcast through their strides).
 template <typename T>
-void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index mq) {
+void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index mq,
+                const std::uint8_t* v_flags) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -87,6 +132,12 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         if (d == 0) std::fill(st, st + kb * mp, T(0));
         if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, j0 + kb))
             apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, st, Index(1), mp);
+        // nonfinite value rows: which queries may read them, before the exp overwrites S^T
+        const std::vector<Index> bad = flagged(v_flags, j0, kb);
+        std::vector<std::uint8_t> sees(bad.size() * static_cast<std::size_t>(mq));
+        for (std::size_t r = 0; r < bad.size(); ++r)
+            for (Index i = 0; i < mq; ++i)
+                sees[r * mq + i] = st[bad[r] * mp + i] != neg_inf<T>();
         // Online softmax, queries in lanes, the tile swept row by row (it does not fit in L1,
         // and rows stream). A column masked so far keeps m = -inf and is shifted by 0 instead,
         // so that its exponentials are exactly 0 rather than NaN.
@@ -124,8 +175,21 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
                 ei::pstore(ac, ei::pmul(ei::pload<Packet>(ac), ei::pload<Packet>(shift + io)));
             }
         // acc[c, i] += sum_j V[j0 + j, c] * P^T[j, i]
-        for (Index ip = 0; ip < mp; ip += W)
-            panel_product<T, true>(dv, kb, vbase + j0 * vs, 1, vs, st + ip, mp, acc + ip, mp);
+        if (bad.empty()) {
+            for (Index ip = 0; ip < mp; ip += W)
+                panel_product<T, true>(dv, kb, vbase + j0 * vs, 1, vs, st + ip, mp, acc + ip, mp);
+        } else {
+            std::vector<T> vbuf;
+            const T* vclean = value_copy_without(vbase + j0 * vs, vs, kb, dv, bad, vbuf);
+            for (Index ip = 0; ip < mp; ip += W)
+                panel_product<T, true>(dv, kb, vclean, 1, dv, st + ip, mp, acc + ip, mp);
+            for (std::size_t r = 0; r < bad.size(); ++r) {
+                const T* vrow = vbase + (j0 + bad[r]) * vs;
+                for (Index i = 0; i < mq; ++i)
+                    if (sees[r * mq + i])
+                        for (Index c = 0; c < dv; ++c) acc[c * mp + i] += vrow[c] * st[bad[r] * mp + i];
+            }
+        }
     }
     for (Index i = 0; i < mq; ++i) {
         const T l = row_l[i];
@@ -145,7 +209,8 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
 // One (batch, head, query tile) when the weights are wanted: the rows of P are materialised in
 // the output weights array, normalised there, then multiplied by V.
 template <typename T>
-void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index mq) {
+void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index mq,
+                const std::uint8_t* v_flags) {
     const Index hk = h / (p.heads / p.kv_heads);
     const Index d = p.d, dv = p.d_v, nk = p.n_k;
     ConstRowMap<T> Q(p.q.at(b, h) + i0 * p.q.row_stride, mq, d, Eigen::OuterStride<>(p.q.row_stride));
@@ -160,6 +225,10 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     P.noalias() = Qs * K.transpose();
     if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, nk))
         apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, Index(0), mq, nk, wbase, nk, Index(1));
+    const std::vector<Index> bad = flagged(v_flags, 0, nk);  // as in flash_tile
+    std::vector<std::uint8_t> sees(bad.size() * static_cast<std::size_t>(mq));
+    for (std::size_t c = 0; c < bad.size(); ++c)
+        for (Index r = 0; r < mq; ++r) sees[c * mq + r] = wbase[r * nk + bad[c]] != neg_inf<T>();
     for (Index r = 0; r < mq; ++r) {
         T* row = wbase + r * nk;
         const T m = row_max(row, nk);
@@ -175,7 +244,17 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         }
         if (p.lse) p.lse[(b * p.heads + h) * p.n_q + i0 + r] = lse;
     }
-    O.noalias() = P * V;
+    if (bad.empty()) {
+        O.noalias() = P * V;
+        return;
+    }
+    std::vector<T> vbuf;
+    ConstRowMap<T> Vclean(value_copy_without(V.data(), p.v.row_stride, nk, dv, bad, vbuf), nk, dv,
+                          Eigen::OuterStride<>(dv));
+    O.noalias() = P * Vclean;
+    for (std::size_t c = 0; c < bad.size(); ++c)
+        for (Index r = 0; r < mq; ++r)
+            if (sees[c * mq + r]) O.row(r) += P(r, bad[c]) * V.row(bad[c]);
 }
 
 // Backward for one (batch, kv head): every query head of its group, every query tile, against
@@ -283,16 +362,20 @@ void attention_forward(const AttentionProblem<T>& p) {
     if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
     const Index q_tiles = (p.n_q + detail::kTileQ - 1) / detail::kTileQ;
     const Index tasks = p.batch * p.heads * q_tiles;
+    const std::vector<std::uint8_t> v_flags = detail::nonfinite_rows(p);
     parallel_for(tasks, [&](Index t) {
         const Index qt = t % q_tiles;
         const Index h = (t / q_tiles) % p.heads;
         const Index b = t / (q_tiles * p.heads);
         const Index i0 = qt * detail::kTileQ;
         const Index mq = std::min(detail::kTileQ, p.n_q - i0);
+        const Index hk = h / (p.heads / p.kv_heads);
+        const std::uint8_t* flags =
+            v_flags.empty() ? nullptr : v_flags.data() + (b * p.kv_heads + hk) * p.n_k;
         if (p.weights) {
-            detail::dense_tile(p, b, h, i0, mq);
+            detail::dense_tile(p, b, h, i0, mq, flags);
         } else {
-            detail::flash_tile(p, b, h, i0, mq);
+            detail::flash_tile(p, b, h, i0, mq, flags);
         }
     });
 }

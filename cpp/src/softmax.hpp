@@ -35,7 +35,11 @@ void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, In
         const Index i = i0 + r;
         if (m.kind == MaskKind::additive) {
             const T* mrow = m.additive + b * m.sb + h * m.sh + i * m.sq;
-            for (Index c = 0; c < cols; ++c) srow[c * cs] += mrow[(j0 + c) * m.sk];
+            // a -inf entry masks the key out even when its score is NaN (see nonfinite_rows)
+            for (Index c = 0; c < cols; ++c) {
+                const T add = mrow[(j0 + c) * m.sk];
+                srow[c * cs] = add == neg_inf<T>() ? add : srow[c * cs] + add;
+            }
         } else if (m.kind == MaskKind::boolean) {
             const std::uint8_t* mrow = m.boolean + b * m.sb + h * m.sh + i * m.sq;
             for (Index c = 0; c < cols; ++c)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .._bilinear import BilinearQK
-from ._mha import _softmax_rows, allowed_and_bias
+from ._mha import _context, _softmax_rows, allowed_and_bias
 
 __all__ = [
     "bilinear_attention",
@@ -312,10 +312,10 @@ def bilinear_attention(
     contexts, weights = [], []
     for i in range(h):
         j = i // (h // h_kv)
-        p = _softmax_rows(logits[..., i, :, :], allowed[..., i, :, :])
-        ctx_i = _matmul(p, vv[..., j * d_vhead:(j + 1) * d_vhead])
-        # a row that may attend to no key has context 0 (not 0 * NaN from a masked value)
-        contexts.append(np.where(np.any(allowed[..., i, :, :], axis=-1, keepdims=True), ctx_i, 0.0))
+        logits_i = logits[..., i, :, :]
+        p = _softmax_rows(logits_i, allowed[..., i, :, :])
+        reads = allowed[..., i, :, :] & ~np.isneginf(logits_i)
+        contexts.append(_context(p, vv[..., j * d_vhead:(j + 1) * d_vhead], reads))
         weights.append(p)
     ctx = np.concatenate(contexts, axis=-1)
     out = _matmul(ctx, w_o) + (0.0 if b_o is None else _f64(b_o))

@@ -59,6 +59,7 @@ def allowed_and_bias(
             allowed = allowed & m
         else:
             bias = m.astype(np.float64)
+            allowed = allowed & ~np.isneginf(bias)  # a -inf entry masks, even a NaN score
     if key_padding_mask is not None:
         kp = np.asarray(key_padding_mask, dtype=bool)
         allowed = allowed & kp[..., None, None, :]
@@ -80,10 +81,18 @@ def _softmax_rows(scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     return np.where(nan_rows, np.nan, p)
 
 
-def _context(p: np.ndarray, v: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """``p @ v``, with rows that may attend to no key exactly 0 (even if ``v`` holds NaN or Inf:
-    a masked key contributes nothing, not 0 * NaN)."""
-    return np.where(np.any(allowed, axis=-1, keepdims=True), p @ v, 0.0)
+def _context(p: np.ndarray, v: np.ndarray, reads: np.ndarray) -> np.ndarray:
+    """``p @ v`` over the keys each query reads: ``reads`` = may attend and a masked logit
+    above -inf. A key not read contributes nothing, not 0 * NaN, even when its value row holds
+    NaN or Inf; rows that read no key are exactly 0 (the kernels' rule, on every path)."""
+    reads = np.broadcast_to(reads, p.shape)
+    bad = ~np.isfinite(v).all(axis=-1)                      # (..., n_k): value rows with NaN/Inf
+    out = p @ np.where(bad[..., None], 0.0, v)
+    for j in np.nonzero(bad.reshape(-1, bad.shape[-1]).any(axis=0))[0]:
+        take = reads[..., :, j, None] & bad[..., j, None, None]
+        with np.errstate(invalid="ignore"):
+            out = out + np.where(take, p[..., :, j, None] * v[..., j, None, :], 0.0)
+    return np.where(np.any(reads, axis=-1, keepdims=True), out, 0.0)
 
 
 def scaled_dot_product_attention(
@@ -137,7 +146,7 @@ def scaled_dot_product_attention(
     scores = scores + bias
     allowed = np.broadcast_to(allowed, scores.shape)
     p = _softmax_rows(scores, allowed)
-    out = _context(p, v, allowed)
+    out = _context(p, v, allowed & ~np.isneginf(scores))
     if return_weights in (False, None):
         return out
     return out, (p.mean(axis=-3) if return_weights == "mean" else p)
@@ -215,8 +224,9 @@ def multi_head_attention(
         v_i = Vv[..., j * d_vhead:(j + 1) * d_vhead]
         scores = s * (q_i @ np.swapaxes(k_i, -1, -2))
         scores = scores + bias[..., i, :, :]
-        p = _softmax_rows(scores, np.broadcast_to(allowed[..., i, :, :], scores.shape))
-        contexts.append(_context(p, v_i, allowed[..., i, :, :]))
+        allowed_i = np.broadcast_to(allowed[..., i, :, :], scores.shape)
+        p = _softmax_rows(scores, allowed_i)
+        contexts.append(_context(p, v_i, allowed_i & ~np.isneginf(scores)))
         weights.append(p)
     ctx = np.concatenate(contexts, axis=-1)
     out = ctx @ w_o + (0.0 if b_o is None else _f64(b_o))
