@@ -325,12 +325,3 @@ def test_token_layers_backward(cls: type) -> None:
     assert all(layer.grads[k].shape == p.shape for k, p in layer.params.items())
 
 
-@pytest.mark.parametrize("cls", [BilinearAttention, AdditiveAttention, SeparableAttention])
-def test_missing_backward_is_a_clear_error(cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
-    name = BACKWARD[cls]
-    monkeypatch.delattr(attnlab, name, raising=False)
-    monkeypatch.delattr(importlib.import_module(cls._forward.__module__), name, raising=False)
-    layer = cls(8, 2, seed=0) if cls is BilinearAttention else cls(8, seed=0)
-    y = layer(np.ones((2, 3, 8)))
-    with pytest.raises(NotImplementedError, match=f"needs attnlab.{name}"):
-        layer.backward(np.ones_like(y))

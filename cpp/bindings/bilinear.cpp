@@ -53,11 +53,24 @@ BilinearProblem<T> make_problem(py::array& query, py::array& key, py::array& val
     return p;
 }
 
+// vjp's buffers (BilinearState), or none.
+template <typename T>
+BilinearState<T> bilinear_state(const py::object& state, const BilinearProblem<T>& p) {
+    const Index rq = p.batch * p.n_q;
+    BilinearState<T> s;
+    s.v = state_array<T>(state, "v", {p.batch * p.n_k, p.w_v.out});
+    s.proj = state_array<T>(state, "proj", {rq, p.heads * p.d_k});
+    s.ctx = state_array<T>(state, "ctx", {rq, p.heads * p.d_vhead});
+    s.lse = state_array<T>(state, "lse", {p.batch, p.heads, p.n_q});
+    return s;
+}
+
 void bilinear_forward(py::array query, py::array key, py::array value, py::array w_qk,
                       py::object u_k, py::array w_v, py::object b_v, py::array w_o,
                       py::object b_o, Index batch, Index n_q, Index n_k, Index heads,
                       Index kv_heads, py::object mask, py::object key_padding_mask, int causal,
-                      double scale, int order, py::array out, py::object weights) {
+                      double scale, int order, py::array out, py::object weights,
+                      py::object state) {
     dispatch(query, "query", [&](auto tag) {
         using T = decltype(tag);
         BilinearProblem<T> p =
@@ -67,6 +80,7 @@ void bilinear_forward(py::array query, py::array key, py::array value, py::array
         if (!weights.is_none())
             p.weights =
                 contiguous<T>(weights.cast<py::array>(), "weights", {batch, heads, n_q, n_k}, true);
+        p.state = bilinear_state<T>(state, p);
         py::gil_scoped_release release;
         bilinear_attention_forward(p);
         return 0;
@@ -79,10 +93,11 @@ void bilinear_backward(py::array grad_out, py::array query, py::array key, py::a
                        py::array w_qk, py::object u_k, py::array w_v, py::object b_v,
                        py::array w_o, py::object b_o, Index batch, Index n_q, Index n_k,
                        Index heads, Index kv_heads, py::object mask,
-                       py::object key_padding_mask, int causal, double scale, py::dict grads) {
+                       py::object key_padding_mask, int causal, double scale, py::dict grads,
+                       py::object state) {
     dispatch(query, "query", [&](auto tag) {
         using T = decltype(tag);
-        const BilinearProblem<T> p =
+        BilinearProblem<T> p =
             make_problem<T>(query, key, value, w_qk, u_k, w_v, b_v, w_o, b_o, batch, n_q, n_k,
                             heads, kv_heads, mask, key_padding_mask, causal, scale, 0);
         const Index d_q = p.d_q, d_k = p.d_k, d_v = p.w_v.in;
@@ -107,6 +122,8 @@ void bilinear_backward(py::array grad_out, py::array query, py::array key, py::a
         }
         g.w_v = {get("w_v", {d_v, wv}), get("b_v", {wv})};
         g.w_o = {get("w_o", {wc, d_out}), get("b_o", {d_out})};
+        p.state = bilinear_state<T>(state, p);
+        p.state.filled = !state.is_none();  // only vjp passes it, after its forward
         py::gil_scoped_release release;
         bilinear_attention_backward(p, gout, g);
         return 0;
@@ -121,12 +138,13 @@ void bind_bilinear(py::module_& m) {
           py::arg("w_o"), py::arg("b_o"), py::arg("batch"), py::arg("n_q"), py::arg("n_k"),
           py::arg("heads"), py::arg("kv_heads"), py::arg("mask"), py::arg("key_padding_mask"),
           py::arg("causal"), py::arg("scale"), py::arg("order"), py::arg("out"),
-          py::arg("weights"));
+          py::arg("weights"), py::arg("state") = py::none());
     m.def("bilinear_backward", &bilinear_backward, py::arg("grad_out"), py::arg("query"),
           py::arg("key"), py::arg("value"), py::arg("w_qk"), py::arg("u_k"), py::arg("w_v"),
           py::arg("b_v"), py::arg("w_o"), py::arg("b_o"), py::arg("batch"), py::arg("n_q"),
           py::arg("n_k"), py::arg("heads"), py::arg("kv_heads"), py::arg("mask"),
-          py::arg("key_padding_mask"), py::arg("causal"), py::arg("scale"), py::arg("grads"));
+          py::arg("key_padding_mask"), py::arg("causal"), py::arg("scale"), py::arg("grads"),
+          py::arg("state") = py::none());
 }
 
 }  // namespace bind

@@ -86,6 +86,19 @@ const T* optional_vector(const py::object& o, const char* name, Index n) {
 
 // A mask viewed as (batch, heads, n_q, n_k), bool or T, possibly with zero (broadcast) strides,
 // plus a boolean key padding mask (batch, n_k).
+// A buffer of attnlab.vjp's state dict (an ndarray the caller owns, written by the forward and
+// read by the backward); null when there is no state.
+template <typename T>
+T* state_array(const py::object& state, const char* name, std::vector<Index> shape) {
+    if (state.is_none()) return nullptr;
+    const py::dict d = state.cast<py::dict>();
+    if (!d.contains(name)) throw py::value_error(std::string("state: missing '") + name + "'");
+    const py::object o = d[name];
+    if (!py::isinstance<py::array>(o))
+        throw py::type_error(std::string("state['") + name + "']: expected an ndarray");
+    return contiguous<T>(o.cast<py::array>(), name, std::move(shape), true);
+}
+
 template <typename T>
 MaskSpec<T> mask_spec(const py::object& mask, const py::object& key_padding, int causal,
                       Index batch, Index heads, Index n_q, Index n_k) {

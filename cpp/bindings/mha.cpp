@@ -73,11 +73,24 @@ Linear<T> linear_arg(const py::array& w, const py::object& b, const char* wname,
     return l;
 }
 
+// vjp's buffers: the projections, the attention output and the log-sum-exp (or none).
+template <typename T>
+MhaState<T> mha_state(const py::object& state, Index batch, Index n_q, Index n_k, Index heads,
+                      Index kv_heads, Index d_head, Index d_vhead) {
+    MhaState<T> s;
+    s.q = state_array<T>(state, "q", {batch * n_q, heads * d_head});
+    s.k = state_array<T>(state, "k", {batch * n_k, kv_heads * d_head});
+    s.v = state_array<T>(state, "v", {batch * n_k, kv_heads * d_vhead});
+    s.ctx = state_array<T>(state, "ctx", {batch * n_q, heads * d_vhead});
+    s.lse = state_array<T>(state, "lse", {batch, heads, n_q});
+    return s;
+}
+
 void mha_forward(py::array query, py::array key, py::array value, py::array w_q, py::object b_q,
                  py::array w_k, py::object b_k, py::array w_v, py::object b_v, py::array w_o,
                  py::object b_o, Index batch, Index n_q, Index n_k, Index heads, Index kv_heads,
                  py::object mask, py::object key_padding_mask, int causal, double scale,
-                 py::array out, py::object weights) {
+                 py::array out, py::object weights, py::object state) {
     dispatch(query, "query", [&](auto tag) {
         using T = decltype(tag);
         check_heads(heads, kv_heads);
@@ -110,16 +123,18 @@ void mha_forward(py::array query, py::array key, py::array value, py::array w_q,
         if (!weights.is_none())
             p.weights =
                 contiguous<T>(weights.cast<py::array>(), "weights", {batch, heads, n_q, n_k}, true);
+        p.state = mha_state<T>(state, batch, n_q, n_k, heads, kv_heads, d_head, d_vhead);
         py::gil_scoped_release release;
         multi_head_attention_forward(p);
         return 0;
     });
 }
 
-// Forward with log-sum-exp, then backward: gradients of q, k, v for grad_out.
+// Forward with log-sum-exp (unless recompute is false: out and lse are then the forward's),
+// then backward: gradients of q, k, v for grad_out.
 void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, py::object mask,
                    py::object key_padding_mask, int causal, double scale, py::array out,
-                   py::array lse, py::array d_q, py::array d_k, py::array d_v) {
+                   py::array lse, py::array d_q, py::array d_k, py::array d_v, bool recompute) {
     dispatch(q, "q", [&](auto tag) {
         using T = decltype(tag);
         AttentionProblem<T> p = sdpa_problem<T>(q, k, v, scale);
@@ -138,7 +153,7 @@ void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, py
         g.d_k = {gk, Hk * nk * d, nk * d, d};
         g.d_v = {gv, Hk * nk * dv, nk * dv, dv};
         py::gil_scoped_release release;
-        attention_forward(p);
+        if (recompute) attention_forward(p);  // else out and lse are the forward's (vjp)
         attention_backward(p, g);
         return 0;
     });
@@ -154,7 +169,8 @@ void mha_backward(py::array grad_out, py::array query, py::array key, py::array 
                   py::array w_q, py::object b_q, py::array w_k, py::object b_k, py::array w_v,
                   py::object b_v, py::array w_o, py::object b_o, Index batch, Index n_q,
                   Index n_k, Index heads, Index kv_heads, py::object mask,
-                  py::object key_padding_mask, int causal, double scale, py::dict grads) {
+                  py::object key_padding_mask, int causal, double scale, py::dict grads,
+                  py::object state) {
     dispatch(query, "query", [&](auto tag) {
         using T = decltype(tag);
         check_heads(heads, kv_heads);
@@ -197,6 +213,8 @@ void mha_backward(py::array grad_out, py::array query, py::array key, py::array 
         g.w_v = {optional_out<T>(get("w_v"), "w_v", {d_v, wv}), optional_out<T>(get("b_v"), "b_v", {wv})};
         g.w_o = {optional_out<T>(get("w_o"), "w_o", {heads * d_vhead, d_out}),
                  optional_out<T>(get("b_o"), "b_o", {d_out})};
+        p.state = mha_state<T>(state, batch, n_q, n_k, heads, kv_heads, d_head, d_vhead);
+        p.state.filled = !state.is_none();  // only vjp passes it, after its forward
         py::gil_scoped_release release;
         multi_head_attention_backward(p, gout, g);
         return 0;
@@ -230,16 +248,17 @@ void bind_mha(py::module_& m) {
           py::arg("b_v"), py::arg("w_o"), py::arg("b_o"), py::arg("batch"), py::arg("n_q"),
           py::arg("n_k"), py::arg("heads"), py::arg("kv_heads"), py::arg("mask"),
           py::arg("key_padding_mask"), py::arg("causal"), py::arg("scale"), py::arg("out"),
-          py::arg("weights"));
+          py::arg("weights"), py::arg("state") = py::none());
     m.def("sdpa_backward", &sdpa_backward, py::arg("grad_out"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("mask"), py::arg("key_padding_mask"), py::arg("causal"),
           py::arg("scale"), py::arg("out"), py::arg("lse"), py::arg("d_q"), py::arg("d_k"),
-          py::arg("d_v"));
+          py::arg("d_v"), py::arg("recompute") = true);
     m.def("mha_backward", &mha_backward, py::arg("grad_out"), py::arg("query"), py::arg("key"),
           py::arg("value"), py::arg("w_q"), py::arg("b_q"), py::arg("w_k"), py::arg("b_k"),
           py::arg("w_v"), py::arg("b_v"), py::arg("w_o"), py::arg("b_o"), py::arg("batch"),
           py::arg("n_q"), py::arg("n_k"), py::arg("heads"), py::arg("kv_heads"), py::arg("mask"),
-          py::arg("key_padding_mask"), py::arg("causal"), py::arg("scale"), py::arg("grads"));
+          py::arg("key_padding_mask"), py::arg("causal"), py::arg("scale"), py::arg("grads"),
+          py::arg("state") = py::none());
     m.def("linear_forward", &linear_forward, py::arg("x"), py::arg("w"), py::arg("b"),
           py::arg("y"));
 }

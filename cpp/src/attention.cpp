@@ -380,23 +380,55 @@ void attention_forward(const AttentionProblem<T>& p) {
     });
 }
 
+namespace detail {
+
+// The forward's intermediates: in p.state when the caller keeps them, else in temporaries.
 template <typename T>
-void multi_head_attention_forward(const MhaProblem<T>& p) {
+struct MhaBuffers {
+    Buffer<T> own_q, own_k, own_v, own_ctx, own_lse;
+    T *q, *k, *v, *ctx, *lse;
+
+    MhaBuffers(const MhaProblem<T>& p, bool need_lse) {
+        const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
+        const auto take = [](T* kept, Buffer<T>& own, Index n) {
+            if (kept) return kept;
+            own = make_buffer<T>(n);
+            return own.get();
+        };
+        q = take(p.state.q, own_q, rq * p.heads * p.d_head);
+        k = take(p.state.k, own_k, rk * p.kv_heads * p.d_head);
+        v = take(p.state.v, own_v, rk * p.kv_heads * p.d_vhead);
+        ctx = take(p.state.ctx, own_ctx, rq * p.heads * p.d_vhead);
+        lse = p.state.lse || need_lse ? take(p.state.lse, own_lse, p.batch * p.heads * p.n_q)
+                                      : nullptr;
+    }
+};
+
+// Projections (one GEMM each over all rows; heads are then column blocks of q, k, v) and the
+// attention core, into b.
+template <typename T>
+AttentionProblem<T> mha_core_forward(const MhaProblem<T>& p, const MhaBuffers<T>& b) {
     const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
     const Index wq = p.heads * p.d_head, wk = p.kv_heads * p.d_head;
-    const Index wv = p.kv_heads * p.d_vhead, wc = p.heads * p.d_vhead;
-    auto q = make_buffer<T>(rq * wq), k = make_buffer<T>(rk * wk);
-    auto v = make_buffer<T>(rk * wv), ctx = make_buffer<T>(rq * wc);
-    // One GEMM per projection over all rows; heads are then column blocks of q, k, v.
-    linear(rq, p.w_q.in, wq, p.query, p.w_q.in, p.w_q.w, p.w_q.b, q.get(), wq);
-    linear(rk, p.w_k.in, wk, p.key, p.w_k.in, p.w_k.w, p.w_k.b, k.get(), wk);
-    linear(rk, p.w_v.in, wv, p.value, p.w_v.in, p.w_v.w, p.w_v.b, v.get(), wv);
+    const Index wv = p.kv_heads * p.d_vhead;
+    linear(rq, p.w_q.in, wq, p.query, p.w_q.in, p.w_q.w, p.w_q.b, b.q, wq);
+    linear(rk, p.w_k.in, wk, p.key, p.w_k.in, p.w_k.w, p.w_k.b, b.k, wk);
+    linear(rk, p.w_v.in, wv, p.value, p.w_v.in, p.w_v.w, p.w_v.b, b.v, wv);
+    AttentionProblem<T> a = head_problem(p, b.q, b.k, b.v, b.ctx);
+    a.lse = b.lse;
+    return a;
+}
 
-    AttentionProblem<T> a = detail::head_problem(p, q.get(), k.get(), v.get(), ctx.get());
+}  // namespace detail
+
+template <typename T>
+void multi_head_attention_forward(const MhaProblem<T>& p) {
+    const Index rq = p.batch * p.n_q, wc = p.heads * p.d_vhead;
+    detail::MhaBuffers<T> b(p, false);
+    AttentionProblem<T> a = detail::mha_core_forward(p, b);
     a.weights = p.weights;
     attention_forward(a);
-
-    linear(rq, wc, p.w_o.out, ctx.get(), wc, p.w_o.w, p.w_o.b, p.out, p.w_o.out);
+    linear(rq, wc, p.w_o.out, b.ctx, wc, p.w_o.w, p.w_o.b, p.out, p.w_o.out);
 }
 
 template <typename T>
@@ -405,19 +437,19 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out, co
     const Index wq = p.heads * p.d_head, wk = p.kv_heads * p.d_head;
     const Index wv = p.kv_heads * p.d_vhead, wc = p.heads * p.d_vhead;
     const Index d_out = p.w_o.out;
-    auto q = make_buffer<T>(rq * wq), k = make_buffer<T>(rk * wk);
-    auto v = make_buffer<T>(rk * wv), ctx = make_buffer<T>(rq * wc);
-    auto lse = make_buffer<T>(p.batch * p.heads * p.n_q);
-    linear(rq, p.w_q.in, wq, p.query, p.w_q.in, p.w_q.w, p.w_q.b, q.get(), wq);
-    linear(rk, p.w_k.in, wk, p.key, p.w_k.in, p.w_k.w, p.w_k.b, k.get(), wk);
-    linear(rk, p.w_v.in, wv, p.value, p.w_v.in, p.w_v.w, p.w_v.b, v.get(), wv);
-
-    AttentionProblem<T> a = detail::head_problem(p, q.get(), k.get(), v.get(), ctx.get());
-    a.lse = lse.get();
-    attention_forward(a);
+    detail::MhaBuffers<T> b(p, true);
+    AttentionProblem<T> a;
+    if (p.state.filled) {  // attnlab.vjp: the forward kept everything
+        a = detail::head_problem(p, b.q, b.k, b.v, b.ctx);
+        a.lse = b.lse;
+    } else {
+        a = detail::mha_core_forward(p, b);
+        attention_forward(a);
+    }
+    const T* ctx = b.ctx;
 
     // output projection: dW_o = ctx^T dY, db_o = sum dY, dctx = dY W_o^T
-    linear_weight_grad(rq, wc, d_out, ctx.get(), wc, grad_out, d_out, g.w_o.w, g.w_o.b);
+    linear_weight_grad(rq, wc, d_out, ctx, wc, grad_out, d_out, g.w_o.w, g.w_o.b);
     auto dctx = make_buffer<T>(rq * wc);
     linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc);
 

@@ -60,8 +60,12 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
     const Index H = p.heads, Hk = p.kv_heads, dq = p.d_q, dk = p.d_k, dvh = p.d_vhead;
     const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
     const Index wv = Hk * dvh, wc = H * dvh;
-    auto v = make_buffer<T>(rk * wv), ctx = make_buffer<T>(rq * wc);
-    linear(rk, p.w_v.in, wv, p.value, p.w_v.in, p.w_v.w, p.w_v.b, v.get(), wv);
+    const bool keep = p.state.v != nullptr;  // vjp: keep what the backward needs
+    const BilinearOrder order = keep ? BilinearOrder::query : p.order;
+    Buffer<T> own_v, own_ctx;
+    T* v = keep ? p.state.v : (own_v = make_buffer<T>(rk * wv)).get();
+    T* ctx = keep ? p.state.ctx : (own_ctx = make_buffer<T>(rq * wc)).get();
+    linear(rk, p.w_v.in, wv, p.value, p.w_v.in, p.w_v.w, p.w_v.b, v, wv);
 
     AttentionProblem<T> a;
     a.batch = p.batch;
@@ -70,20 +74,21 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
     a.n_k = p.n_k;
     a.d_v = dvh;
     a.scale = p.scale;
-    a.out = {ctx.get(), p.n_q * wc, dvh, wc};
+    a.out = {ctx, p.n_q * wc, dvh, wc};
     a.mask = p.mask;
     a.weights = p.weights;
+    a.lse = p.state.lse;
 
     decltype(make_buffer<T>(0)) proj, qpad, vexp;  // whatever make_buffer returns
-    if (p.order == BilinearOrder::query) {
+    if (order == BilinearOrder::query) {
         // Q'_i = X_q W_i + u_i for all heads; every head reads the raw keys (head stride 0).
-        proj = make_buffer<T>(rq * H * dk);
-        detail::project_heads(p, BilinearOrder::query, rq, p.query, proj.get(), dk);
+        T* pq = keep ? p.state.proj : (proj = make_buffer<T>(rq * H * dk)).get();
+        detail::project_heads(p, BilinearOrder::query, rq, p.query, pq, dk);
         a.kv_heads = Hk;
         a.d = dk;
-        a.q = {proj.get(), p.n_q * H * dk, dk, H * dk};
+        a.q = {pq, p.n_q * H * dk, dk, H * dk};
         a.k = {p.key, p.n_k * dk, 0, dk};
-        a.v = {v.get(), p.n_k * wv, dvh, wv};
+        a.v = {v, p.n_k * wv, dvh, wv};
     } else {
         // K'_i = [X_k W_i^T | X_k u_i]; every head reads the raw queries, padded with a 1.
         const Index e = p.u_k ? 1 : 0, w = dq + e;
@@ -106,7 +111,7 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
         a.q = {q, p.n_q * w, 0, w};
         a.k = {proj.get(), p.n_k * H * w, w, H * w};
         if (Hk == H) {
-            a.v = {v.get(), p.n_k * wv, dvh, wv};
+            a.v = {v, p.n_k * wv, dvh, wv};
         } else {
             // grouped values: the core pairs keys and values by head, so give each query head
             // its group's value block
@@ -116,7 +121,7 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
                 const Index r1 = std::min(rk, (c + 1) * 256);
                 for (Index r = c * 256; r < r1; ++r)
                     for (Index i = 0; i < H; ++i) {
-                        const T* src = v.get() + r * wv + (i / group) * dvh;
+                        const T* src = v + r * wv + (i / group) * dvh;
                         std::copy(src, src + dvh, vexp.get() + r * wc + i * dvh);
                     }
             });
@@ -125,7 +130,7 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
     }
     attention_forward(a);
 
-    linear(rq, wc, p.w_o.out, ctx.get(), wc, p.w_o.w, p.w_o.b, p.out, p.w_o.out);
+    linear(rq, wc, p.w_o.out, ctx, wc, p.w_o.w, p.w_o.b, p.out, p.w_o.out);
 }
 
 template void bilinear_attention_forward<float>(const BilinearProblem<float>&);
@@ -139,12 +144,17 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     const Index wv = Hk * dvh, wc = H * dvh, wp = H * dk, d_out = p.w_o.out;
     const Index d_v = p.w_v.in;
 
-    // Forward in the query order, keeping the log-sum-exp.
-    auto v = make_buffer<T>(rk * wv), ctx = make_buffer<T>(rq * wc);
-    auto proj = make_buffer<T>(rq * wp);
-    auto lse = make_buffer<T>(p.batch * H * p.n_q);
-    linear(rk, d_v, wv, p.value, d_v, p.w_v.w, p.w_v.b, v.get(), wv);
-    detail::project_heads(p, BilinearOrder::query, rq, p.query, proj.get(), dk);
+    // Forward in the query order, keeping the log-sum-exp (or what vjp's forward kept).
+    const bool kept = p.state.filled;
+    Buffer<T> own_v, own_ctx, own_proj, own_lse;
+    T* v = kept ? p.state.v : (own_v = make_buffer<T>(rk * wv)).get();
+    T* ctx = kept ? p.state.ctx : (own_ctx = make_buffer<T>(rq * wc)).get();
+    T* proj = kept ? p.state.proj : (own_proj = make_buffer<T>(rq * wp)).get();
+    T* lse = kept ? p.state.lse : (own_lse = make_buffer<T>(p.batch * H * p.n_q)).get();
+    if (!kept) {
+        linear(rk, d_v, wv, p.value, d_v, p.w_v.w, p.w_v.b, v, wv);
+        detail::project_heads(p, BilinearOrder::query, rq, p.query, proj, dk);
+    }
 
     AttentionProblem<T> a;
     a.batch = p.batch;
@@ -155,16 +165,16 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     a.d = dk;
     a.d_v = dvh;
     a.scale = p.scale;
-    a.q = {proj.get(), p.n_q * wp, dk, wp};
+    a.q = {proj, p.n_q * wp, dk, wp};
     a.k = {p.key, p.n_k * dk, 0, dk};
-    a.v = {v.get(), p.n_k * wv, dvh, wv};
-    a.out = {ctx.get(), p.n_q * wc, dvh, wc};
+    a.v = {v, p.n_k * wv, dvh, wv};
+    a.out = {ctx, p.n_q * wc, dvh, wc};
     a.mask = p.mask;
-    a.lse = lse.get();
-    attention_forward(a);
+    a.lse = lse;
+    if (!kept) attention_forward(a);
 
     // Output projection.
-    linear_weight_grad(rq, wc, d_out, ctx.get(), wc, grad_out, d_out, g.w_o.w, g.w_o.b);
+    linear_weight_grad(rq, wc, d_out, ctx, wc, grad_out, d_out, g.w_o.w, g.w_o.b);
     auto dctx = make_buffer<T>(rq * wc);
     linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc);
 

@@ -29,6 +29,7 @@ from ._mha import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
+from ._vjp import vjp
 from .cost import attention_cost, plan_qk
 
 __version__: str = _core.__version__
@@ -61,6 +62,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "set_num_threads",
+    "vjp",
 ]
 
 

@@ -438,6 +438,7 @@ def bilinear_attention(
     scale: float | None = None,
     return_weights: bool | str = False,
     _order: str | None = None,
+    _keep: dict[str, Any] | None = None,
 ) -> Any:
     """Attention with collapsed query-key weights: logits ``scale * (x_q W_i x_k^T + u_i x_k^T)``.
 
@@ -502,11 +503,20 @@ def bilinear_attention(
     batch = a.batch
     out = V.empty((B * n_q, d_out), dtype)
     weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
+    state = None
+    if _keep is not None:  # attnlab.vjp
+        a = V.owned(a)
+        # the backward evaluates in the query order: its state is kept when the forward runs
+        # in that order too (else the pullback recomputes, and the output stays the one the
+        # cost model's order gives)
+        state = _bilinear_state(a) if a.order == "query" else None
+        _keep.update(prepared=a, state=state, key_omitted=key is None,
+                     value_omitted=value is None)
     if B * n_q > 0:
         rq, rk, rv = a.rows()
         core.bilinear_forward(rq, rk, rv, a.wqk, a.uk, a.wv, a.bv, a.wo, a.bo, B, n_q, n_k, h,
                               a.h_kv, a.m4, a.kp, a.code, a.scale, _ORDERS[a.order], out,
-                              weights)
+                              weights, state)
     out = out.reshape(batch + (n_q, d_out))
     if weights is not None:
         weights = weights.reshape(batch + (h, n_q, n_k))
@@ -575,6 +585,22 @@ def bilinear_attention_backward(
     """
     a = _prepare(query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads,
                  mask, key_padding_mask, causal, scale, return_weights, "query")
+    return _bilinear_grads(a, grad_out, key is None, value is None)
+
+
+def _bilinear_state(a: _Prepared) -> dict[str, np.ndarray]:
+    """Buffers for what the forward keeps for attnlab.vjp's pullback (O(n d))."""
+    B, h, dtype = a.B, a.h, a.dtype
+    return {"v": V.empty((B * a.n_k, a.wv.shape[1]), dtype),
+            "proj": V.empty((B * a.n_q, h * a.wqk.shape[2]), dtype),
+            "ctx": V.empty((B * a.n_q, a.wo.shape[0]), dtype),
+            "lse": V.empty((B, h, a.n_q), dtype)}
+
+
+def _bilinear_grads(a: _Prepared, grad_out: Any, key_omitted: bool, value_omitted: bool,
+                    state: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The gradients of a prepared call; with ``state`` (what the forward kept for
+    attnlab.vjp) the forward is not recomputed."""
     dtype, batch, B = a.dtype, a.batch, a.B
     go = _grad_out(grad_out, batch + (a.n_q, a.d_out), dtype)
     grads: dict[str, np.ndarray] = {}
@@ -589,13 +615,13 @@ def bilinear_attention_backward(
         go2 = V.contiguous(go.reshape(-1, a.d_out))
         core.bilinear_backward(go2, rq, rk, rv, a.wqk, a.uk, a.wv, a.bv, a.wo, a.bo, B, a.n_q,
                                a.n_k, a.h, a.h_kv, a.m4, a.kp, a.code, a.scale,
-                               {**grads, **rows})
+                               {**grads, **rows}, state)
     inputs = {}
     for name, r in rows.items():
         g = r.reshape(batch + (shapes[name][-2], r.shape[-1]))
         inputs[name] = _unbroadcast(g, shapes[name])
-    if value is None:
+    if value_omitted:
         inputs["key"] = inputs["key"] + inputs.pop("value")
-    if key is None:
+    if key_omitted:
         inputs["query"] = inputs["query"] + inputs.pop("key")
     return {**inputs, **grads}

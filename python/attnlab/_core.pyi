@@ -34,17 +34,19 @@ def mha_forward(
     b_k: _Optional, w_v: _Array, b_v: _Optional, w_o: _Array, b_o: _Optional, batch: _Int,
     n_q: _Int, n_k: _Int, heads: _Int, kv_heads: _Int, mask: _Optional,
     key_padding_mask: _Optional, causal: _Int, scale: _Float, out: _Array, weights: _Optional,
+    state: dict[str, _Array] | None = ...,
 ) -> None: ...
 def sdpa_backward(
     grad_out: _Array, q: _Array, k: _Array, v: _Array, mask: _Optional,
     key_padding_mask: _Optional, causal: _Int, scale: _Float, out: _Array, lse: _Array,
-    d_q: _Array, d_k: _Array, d_v: _Array,
+    d_q: _Array, d_k: _Array, d_v: _Array, recompute: bool = ...,
 ) -> None: ...
 def mha_backward(
     grad_out: _Array, query: _Array, key: _Array, value: _Array, w_q: _Array, b_q: _Optional,
     w_k: _Array, b_k: _Optional, w_v: _Array, b_v: _Optional, w_o: _Array, b_o: _Optional,
     batch: _Int, n_q: _Int, n_k: _Int, heads: _Int, kv_heads: _Int, mask: _Optional,
     key_padding_mask: _Optional, causal: _Int, scale: _Float, grads: dict[str, _Array],
+    state: dict[str, _Array] | None = ...,
 ) -> None: ...
 def linear_forward(x: _Array, w: _Array, b: _Optional, y: _Array) -> None: ...
 
@@ -54,12 +56,14 @@ def bilinear_forward(
     b_v: _Optional, w_o: _Array, b_o: _Optional, batch: _Int, n_q: _Int, n_k: _Int,
     heads: _Int, kv_heads: _Int, mask: _Optional, key_padding_mask: _Optional, causal: _Int,
     scale: _Float, order: _Int, out: _Array, weights: _Optional,
+    state: dict[str, _Array] | None = ...,
 ) -> None: ...
 def bilinear_backward(
     grad_out: _Array, query: _Array, key: _Array, value: _Array, w_qk: _Array, u_k: _Optional,
     w_v: _Array, b_v: _Optional, w_o: _Array, b_o: _Optional, batch: _Int, n_q: _Int,
     n_k: _Int, heads: _Int, kv_heads: _Int, mask: _Optional, key_padding_mask: _Optional,
     causal: _Int, scale: _Float, grads: dict[str, _Array],
+    state: dict[str, _Array] | None = ...,
 ) -> None: ...
 
 # Additive (SwiftFormer) and separable (MobileViT-v2) attention (cpp/bindings/additive.cpp).

@@ -98,6 +98,7 @@ def scaled_dot_product_attention(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: Weights = False,
+    _keep: dict[str, Any] | None = None,
 ) -> Any:
     """Attention of queries ``q`` over keys ``k`` and values ``v``, per head.
 
@@ -145,8 +146,14 @@ def scaled_dot_product_attention(
     B = V.count(batch)
     out = V.empty((B, h, n_q, d_v), dtype)
     weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
+    lse = None
+    if _keep is not None:  # attnlab.vjp: the pullback reuses the output and log-sum-exp
+        a = V.owned(a)
+        lse = V.empty((B, h, n_q), dtype)
     if out.size or (weights is not None and weights.size):
-        core.sdpa_forward(a.q4, a.k4, a.v4, out, a.mask4, None, a.causal, a.scale, weights, None)
+        core.sdpa_forward(a.q4, a.k4, a.v4, out, a.mask4, None, a.causal, a.scale, weights, lse)
+    if _keep is not None:
+        _keep.update(prepared=a, out=out.copy(), lse=lse)
     out = out.reshape(batch + (h, n_q, d_v))
     if weights is not None:
         weights = weights.reshape(batch + (h, n_q, n_k))
@@ -293,6 +300,7 @@ def multi_head_attention(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: Weights = False,
+    _keep: dict[str, Any] | None = None,
 ) -> Any:
     """Multi-head attention with per-head projections (heads never share weights).
 
@@ -355,8 +363,13 @@ def multi_head_attention(
     B = V.count(batch)
     out = V.empty((B * n_q, d_out), dtype)
     weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
+    state = None
+    if _keep is not None:  # attnlab.vjp: keep projections, context and log-sum-exp
+        a = V.owned(a)
+        state = _mha_state(a)
+        _keep.update(prepared=a, state=state)
     if B * n_q > 0:
-        core.mha_forward(*a.core_args(), out, weights)
+        core.mha_forward(*a.core_args(), out, weights, state)
     out = out.reshape(batch + (n_q, d_out))
     if weights is not None:
         weights = weights.reshape(batch + (h, n_q, n_k))
@@ -425,7 +438,13 @@ def scaled_dot_product_attention_backward(
     ['k', 'q', 'v']
     """
     V.weights_mode(return_weights)
-    a = _prepare_sdpa(q, k, v, mask, causal, scale)
+    return _sdpa_grads(_prepare_sdpa(q, k, v, mask, causal, scale), grad_out)
+
+
+def _sdpa_grads(a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
+                ) -> dict[str, np.ndarray]:
+    """The gradients of a prepared SDPA call; with ``kept`` (what the forward kept for
+    attnlab.vjp) the forward is not recomputed."""
     batch, dtype, h, h_kv, n_q, n_k, d, d_v = (a.batch, a.dtype, a.h, a.h_kv, a.n_q, a.n_k,
                                                a.d, a.d_v)
     go = _grad_out(grad_out, batch + (h, n_q, d_v), dtype)
@@ -435,10 +454,13 @@ def scaled_dot_product_attention_backward(
     dv = V.zeros((B, h_kv, n_k, d_v), dtype)
     if B * n_q * n_k > 0:
         go4 = V.kernel_ready(go.reshape((B, h, n_q, d_v)))
-        out = V.empty((B, h, n_q, d_v), dtype)
-        lse = V.empty((B, h, n_q), dtype)
+        if kept is None:
+            out = V.empty((B, h, n_q, d_v), dtype)
+            lse = V.empty((B, h, n_q), dtype)
+        else:
+            out, lse = kept["out"], kept["lse"]
         core.sdpa_backward(go4, a.q4, a.k4, a.v4, a.mask4, None, a.causal, a.scale, out, lse,
-                           dq, dk, dv)
+                           dq, dk, dv, kept is None)
     return {
         "q": _unbroadcast(dq.reshape(batch + dq.shape[1:]), a.q.shape),
         "k": _unbroadcast(dk.reshape(batch + dk.shape[1:]), a.k.shape),
@@ -499,6 +521,27 @@ def multi_head_attention_backward(
     V.weights_mode(return_weights)
     a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
                      num_kv_heads, mask, key_padding_mask, causal, scale)
+    return _mha_grads(a, grad_out)
+
+
+def _mha_state(a: _Mha) -> dict[str, np.ndarray]:
+    """Buffers for what the MHA forward keeps for attnlab.vjp's pullback (O(n d))."""
+    wq = a.w["w_q"]
+    wv = a.w["w_v"]
+    wo = a.w["w_o"]
+    assert wq is not None and wv is not None and wo is not None
+    d_head, d_vhead, B = wq.shape[1] // a.h, wv.shape[1] // a.h_kv, a.B
+    return {"q": V.empty((B * a.n_q, a.h * d_head), a.dtype),
+            "k": V.empty((B * a.n_k, a.h_kv * d_head), a.dtype),
+            "v": V.empty((B * a.n_k, a.h_kv * d_vhead), a.dtype),
+            "ctx": V.empty((B * a.n_q, wo.shape[0]), a.dtype),
+            "lse": V.empty((B, a.h, a.n_q), a.dtype)}
+
+
+def _mha_grads(a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = None
+               ) -> dict[str, np.ndarray]:
+    """The gradients of a prepared MHA call; with ``state`` (what the forward kept for
+    attnlab.vjp) the forward is not recomputed."""
     dtype, batch, B = a.dtype, a.batch, a.B
     go = _grad_out(grad_out, batch + (a.n_q, a.d_out), dtype)
     grads: dict[str, np.ndarray] = {}
@@ -510,7 +553,7 @@ def multi_head_attention_backward(
         grads[name] = V.zeros(r.shape, dtype)
     if B * a.n_q > 0:
         go2 = V.contiguous(go.reshape(-1, a.d_out))
-        core.mha_backward(go2, *a.core_args(), grads)
+        core.mha_backward(go2, *a.core_args(), grads, state)
     rows = {n: grads.pop(n) for n in ("query", "key", "value")}
     inputs = {}
     for name, r in rows.items():

@@ -269,3 +269,21 @@ def key_padding2(kpm: Any, batch: tuple[int, ...], n_k: int) -> np.ndarray | Non
     if any(s < 0 for s in m.strides):
         m = np.ascontiguousarray(m)
     return m
+
+
+def owned(prepared: Any) -> Any:
+    """A copy of a prepared call (a NamedTuple) whose arrays are its own: attnlab.vjp keeps it
+    for the pullback, which must see the values the forward saw even if the caller's arrays
+    change in place. Arrays shared between fields stay shared; dicts of arrays are copied."""
+    copies: dict[int, np.ndarray] = {}
+
+    def own(x: Any) -> Any:
+        if isinstance(x, np.ndarray):
+            if id(x) not in copies:
+                copies[id(x)] = np.array(x, copy=True, order="C")
+            return copies[id(x)]
+        if isinstance(x, dict):
+            return {k: own(v) for k, v in x.items()}
+        return x
+
+    return type(prepared)(*(own(f) for f in prepared))

@@ -17,7 +17,6 @@ gradients of its inputs. There is no autograd: a layer remembers its last call o
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import _validate as V
+from . import _vjp
 from . import init as _init
 from ._additive import _check_eps, _variant_code, additive_attention, separable_attention
 from ._bilinear import bilinear_attention, collapse_qk
@@ -62,7 +62,6 @@ class _Layer:
     """
 
     _forward: Callable[..., Any]
-    _backward_name: str
 
     def __init__(self, *, init: Any, seed: Any, dtype: Any) -> None:
         self.dtype = _dtype(dtype)
@@ -71,7 +70,7 @@ class _Layer:
         self._rng = np.random.default_rng(seed)
         self.params: dict[str, np.ndarray] = {}
         self.grads: dict[str, np.ndarray] = {}
-        self._saved: tuple[dict[str, Any], dict[str, Any], dict[str, np.ndarray]] | None = None
+        self._saved: tuple[list[str], Callable[[Any], dict[str, np.ndarray]]] | None = None
 
     # -- parameters ---------------------------------------------------------------------------
     def _weight(self, name: str, fan_in: int, fan_out: int) -> None:
@@ -189,33 +188,12 @@ class _Layer:
     def _run(self, inputs: dict[str, Any], options: dict[str, Any]) -> Any:
         """Forward through the functional kernel; save what backward needs."""
         given = {k: v for k, v in inputs.items() if v is not None}
-        # An input passed twice (``layer(x, x)``) must still get its own gradient: the
-        # functional backward sums gradients into "query" when it sees the same object.
-        seen: list[Any] = []
-        for k, v in given.items():
-            if any(v is s for s in seen):
-                given[k] = np.asarray(v).view()
-            seen.append(given[k])
         kwargs = {**self._param_kwargs(self.params), **self._functional_kwargs(), **options}
-        out = type(self)._forward(**given, **kwargs)
-        # parameters are snapshot so that backward differentiates the function that ran even if
-        # an optimiser updates them in place before backward is called
-        self._saved = (given, options, {k: p.copy() for k, p in self.params.items()})
+        # One forward per step: vjp keeps what the backward needs (copies of the inputs and
+        # parameters included, so an optimiser may update them in place before backward).
+        out, pullback = _vjp.vjp(type(self)._forward, **given, **kwargs)
+        self._saved = (list(given), pullback)
         return out
-
-    def _backward_fn(self) -> Callable[..., dict[str, np.ndarray]]:
-        # the public name first, then the private module of the forward (before it is exported)
-        fn = None
-        for module in (__package__ or "attnlab", type(self)._forward.__module__):
-            fn = getattr(importlib.import_module(module), self._backward_name, None)
-            if fn is not None:
-                break
-        if fn is None:
-            raise NotImplementedError(
-                f"{type(self).__name__}.backward needs attnlab.{self._backward_name}, which this "
-                f"build does not provide yet"
-            )
-        return fn
 
     def backward(self, grad_out: Any, *, accumulate: bool = False) -> Any:
         """Back-propagate ``grad_out`` through the last call.
@@ -238,8 +216,9 @@ class _Layer:
 
         Notes
         -----
-        Uses the inputs of the last call (by reference: do not modify them in place before
-        backward) and the parameters as they were at that call. Masks get no gradient.
+        Differentiates the last call as it ran (its inputs and parameters as they were then;
+        the forward kept what the backward needs, see :func:`attnlab.vjp`, so no forward runs
+        again). May be called more than once. Masks get no gradient.
 
         Examples
         --------
@@ -255,11 +234,8 @@ class _Layer:
         if self._saved is None:
             raise RuntimeError(f"{type(self).__name__}.backward: call the layer first")
         acc = _bool(accumulate, "accumulate")
-        given, options, params = self._saved
-        kwargs = {**self._param_kwargs(params), **self._functional_kwargs(), **options}
-        kwargs.pop("return_weights", None)
-        fn = self._backward_fn()
-        g = fn(grad_out, **given, **kwargs)
+        given, pullback = self._saved
+        g = pullback(grad_out)
         grads = self._param_grads(g)
         if acc and self.grads:
             for k, v in grads.items():
@@ -380,7 +356,6 @@ class MultiHeadAttention(_QKVLayer):
     """
 
     _forward = staticmethod(multi_head_attention)
-    _backward_name = "multi_head_attention_backward"
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  d_head: int | None = None, kdim: int | None = None, vdim: int | None = None,
@@ -437,7 +412,6 @@ class BilinearAttention(_QKVLayer):
     """
 
     _forward = staticmethod(bilinear_attention)
-    _backward_name = "bilinear_attention_backward"
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  d_head: int | None = None, kdim: int | None = None, vdim: int | None = None,
@@ -542,7 +516,6 @@ class AdditiveAttention(_Layer):
     """
 
     _forward = staticmethod(additive_attention)
-    _backward_name = "additive_attention_backward"
 
     def __init__(self, d_model: int, *, d_hidden: int | None = None, d_out: int | None = None,
                  variant: str = "official", scale: float | None = None, eps: float = 1e-12,
@@ -618,7 +591,6 @@ class SeparableAttention(_Layer):
     """
 
     _forward = staticmethod(separable_attention)
-    _backward_name = "separable_attention_backward"
 
     def __init__(self, d_model: int, *, d_out: int | None = None, bias: bool = True,
                  init: Any = "torch", seed: Any = None, dtype: Any = np.float64) -> None:

@@ -2,8 +2,9 @@
 
 Each function has the signature of its NumPy counterpart in :mod:`attnlab` but takes and
 returns CPU ``torch.Tensor`` s (float32 or float64). It is a ``torch.autograd.Function``: the
-forward calls attnlab's C++ forward, the backward attnlab's ``*_backward``, so an attnlab kernel
-can replace the attention inside a torch model and train with it::
+forward calls attnlab's C++ forward through :func:`attnlab.vjp`, the backward its pullback (one
+forward per training step), so an attnlab kernel can replace the attention inside a torch model
+and train with it::
 
     import torch, attnlab.torch as at
     out = at.multi_head_attention(x, w_q=wq, w_k=wk, w_v=wv, w_o=wo, num_heads=8)
@@ -27,6 +28,7 @@ import torch
 
 from . import _additive, _bilinear, _mha
 from ._bilinear import BilinearQK
+from ._vjp import vjp
 from .interop import _plain
 
 __all__ = [
@@ -72,12 +74,11 @@ def _tensor(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 class _Call:
-    """One call: the NumPy forward and backward, the tensor arguments' names, the constants."""
+    """One call: the NumPy forward, the tensor arguments' names, the constants."""
 
-    def __init__(self, forward: Callable[..., Any], backward: Callable[..., Any],
-                 tensors: dict[str, Any], consts: dict[str, Any], weights: bool) -> None:
+    def __init__(self, forward: Callable[..., Any], tensors: dict[str, Any],
+                 consts: dict[str, Any], weights: bool) -> None:
         self.forward = forward
-        self.backward = backward
         self.names = [n for n, t in tensors.items() if t is not None]
         self.inputs = [_check(tensors[n], n) for n in self.names]
         self.consts = consts
@@ -94,9 +95,11 @@ class _Call:
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _Call, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
-        result = call.forward(**call.arrays(tensors), **call.consts)
+        # one forward per step: the pullback reuses what this forward kept (attnlab.vjp), on
+        # its own copies, so torch need not save the input tensors
+        result, ctx.pullback = vjp(call.forward, **call.arrays(tensors), **call.consts)
         ctx.call = call
-        ctx.save_for_backward(*tensors)
+        ctx.dtypes = [t.dtype for t in tensors]
         if call.weights:
             out, w = result
             wt = _tensor(w)
@@ -108,12 +111,11 @@ class _Attention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor, *unused: Any) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
-        tensors = ctx.saved_tensors
-        grads = call.backward(_plain(grad_out), **call.arrays(tensors), **call.consts)
+        grads = ctx.pullback(_plain(grad_out))
         result: list[torch.Tensor | None] = [None]
-        for name, t, need in zip(call.names, tensors, ctx.needs_input_grad[1:]):
+        for name, dtype, need in zip(call.names, ctx.dtypes, ctx.needs_input_grad[1:]):
             g = grads.get(name) if need else None
-            result.append(None if g is None else _tensor(g, t.dtype))
+            result.append(None if g is None else _tensor(g, dtype))
         return tuple(result)
 
 
@@ -166,8 +168,8 @@ def scaled_dot_product_attention(
     """
     consts = dict(mask=_mask(mask, "mask"), causal=causal, scale=scale,
                   return_weights=return_weights)
-    call = _Call(_mha.scaled_dot_product_attention, _mha.scaled_dot_product_attention_backward,
-                 dict(q=q, k=k, v=v), consts, bool(return_weights))
+    call = _Call(_mha.scaled_dot_product_attention, dict(q=q, k=k, v=v), consts,
+                 bool(return_weights))
     return call.apply()
 
 
@@ -231,7 +233,7 @@ def multi_head_attention(
     consts = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, mask=_mask(mask, "mask"),
                   key_padding_mask=_mask(key_padding_mask, "key_padding_mask"), causal=causal,
                   scale=scale, return_weights=return_weights)
-    call = _Call(_mha.multi_head_attention, _mha.multi_head_attention_backward, tensors, consts,
+    call = _Call(_mha.multi_head_attention, tensors, consts,
                  bool(return_weights))
     return call.apply()
 
@@ -298,7 +300,7 @@ def bilinear_attention(
         consts["w_qk"] = w_qk
     else:
         tensors["w_qk"] = w_qk
-    call = _Call(_bilinear.bilinear_attention, _bilinear.bilinear_attention_backward, tensors,
+    call = _Call(_bilinear.bilinear_attention, tensors,
                  consts, bool(return_weights))
     return call.apply()
 
@@ -353,7 +355,7 @@ def additive_attention(
                    b_proj=b_proj, w_final=w_final, b_final=b_final)
     consts = dict(scale=scale, variant=variant, eps=eps,
                   key_padding_mask=_mask(key_padding_mask, "key_padding_mask"))
-    call = _Call(_additive.additive_attention, _additive.additive_attention_backward, tensors,
+    call = _Call(_additive.additive_attention, tensors,
                  consts, False)
     out: torch.Tensor = call.apply()
     return out
@@ -396,7 +398,7 @@ def separable_attention(
     """
     tensors = dict(x=x, w_qkv=w_qkv, b_qkv=b_qkv, w_o=w_o, b_o=b_o)
     consts = dict(key_padding_mask=_mask(key_padding_mask, "key_padding_mask"))
-    call = _Call(_additive.separable_attention, _additive.separable_attention_backward, tensors,
+    call = _Call(_additive.separable_attention, tensors,
                  consts, False)
     out: torch.Tensor = call.apply()
     return out

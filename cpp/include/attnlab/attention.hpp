@@ -47,6 +47,19 @@ struct Linear {
     Index in = 0, out = 0;
 };
 
+// What a forward can keep for its backward (attnlab.vjp): the projections, the attention
+// output before w_o and the log-sum-exp. Buffers the caller owns, O(n d); any forward given them
+// fills them, and a backward given them with `filled` set skips its recompute of the forward.
+template <typename T>
+struct MhaState {
+    T* q = nullptr;    // (batch * n_q, heads * d_head)
+    T* k = nullptr;    // (batch * n_k, kv_heads * d_head)
+    T* v = nullptr;    // (batch * n_k, kv_heads * d_vhead)
+    T* ctx = nullptr;  // (batch * n_q, heads * d_vhead)
+    T* lse = nullptr;  // (batch, heads, n_q)
+    bool filled = false;
+};
+
 template <typename T>
 struct MhaProblem {
     Index batch = 0, n_q = 0, n_k = 0;
@@ -59,6 +72,7 @@ struct MhaProblem {
     MaskSpec<T> mask;
     T* out = nullptr;      // (batch * n_q, d_out)
     T* weights = nullptr;  // optional (batch, heads, n_q, n_k)
+    MhaState<T> state;     // optional: all five buffers or none
 };
 
 template <typename T>
@@ -79,8 +93,8 @@ struct MhaGrads {
     LinearGrad<T> w_q, w_k, w_v, w_o;
 };
 
-// Recomputes the forward (projections, attention with log-sum-exp) and back-propagates
-// grad_out (batch * n_q, d_out) into every gradient pointer that is not null.
+// Recomputes the forward (projections, attention with log-sum-exp), unless p.state holds it,
+// and back-propagates grad_out (batch * n_q, d_out) into every gradient pointer that is not null.
 template <typename T>
 void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out, const MhaGrads<T>& g);
 

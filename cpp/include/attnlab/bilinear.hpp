@@ -14,6 +14,18 @@ namespace attnlab {
 // Per head, query costs n_q d_q d_k + n_q n_k d_k multiply-adds, key n_k d_k d_q + n_q n_k d_q.
 enum class BilinearOrder : int { query = 0, key = 1 };
 
+// What the forward keeps for the backward (attnlab.vjp), as MhaState: the values V = X_v w_v +
+// b_v, the projected queries X_q W_i + u_i of every head, the attention output before w_o and
+// the log-sum-exp. A forward given them evaluates in the query order (the backward's).
+template <typename T>
+struct BilinearState {
+    T* v = nullptr;     // (batch * n_k, kv_heads * d_vhead)
+    T* proj = nullptr;  // (batch * n_q, heads * d_k)
+    T* ctx = nullptr;   // (batch * n_q, heads * d_vhead)
+    T* lse = nullptr;   // (batch, heads, n_q)
+    bool filled = false;
+};
+
 template <typename T>
 struct BilinearProblem {
     Index batch = 0, n_q = 0, n_k = 0;
@@ -29,6 +41,7 @@ struct BilinearProblem {
     MaskSpec<T> mask;
     T* out = nullptr;      // (batch * n_q, d_out)
     T* weights = nullptr;  // optional (batch, heads, n_q, n_k)
+    BilinearState<T> state;  // optional: all four buffers or none
 };
 
 template <typename T>

@@ -1,0 +1,108 @@
+"""``attnlab.vjp``: one forward, then gradients from what that forward kept (as ``jax.vjp``)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _additive, _bilinear, _mha
+
+__all__ = ["vjp"]
+
+Pullback = Callable[[Any], dict[str, np.ndarray]]
+
+
+# The families whose forward keeps its state (``_keep``): the gradients from that state.
+KEPT: dict[Any, Callable[[dict[str, Any], Any], dict[str, np.ndarray]]] = {
+    _mha.multi_head_attention: lambda k, g: _mha._mha_grads(k["prepared"], g, k["state"]),
+    _mha.scaled_dot_product_attention: lambda k, g: _mha._sdpa_grads(k["prepared"], g, k),
+    _bilinear.bilinear_attention: lambda k, g: _bilinear._bilinear_grads(
+        k["prepared"], g, k["key_omitted"], k["value_omitted"], k["state"]),
+}
+# The others: their ``*_backward`` (which recomputes the forward) on private copies.
+RECOMPUTED: dict[Any, Callable[..., dict[str, np.ndarray]]] = {
+    _additive.additive_attention: _additive.additive_attention_backward,
+    _additive.separable_attention: _additive.separable_attention_backward,
+}
+
+
+def _recomputing(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[Any, Pullback]:
+    """The forward on a private copy of the arguments (later in-place changes of the caller's
+    arrays do not reach the pullback), the pullback through ``f``'s ``*_backward``."""
+    backward = RECOMPUTED.get(f) or _mha.multi_head_attention_backward
+    own = copy.deepcopy(dict(inspect.signature(f).bind(*args, **kwargs).arguments))
+    out = f(**own)
+    return out, lambda grad_out: backward(grad_out, **own)
+
+
+def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback]:
+    """Run an attnlab forward once and return its output with a pullback for its gradients.
+
+    As ``jax.vjp``: ``out`` is exactly ``f(*args, **kwargs)``, and ``pullback(grad_out)``
+    returns the dict that ``f_backward(grad_out, *args, **kwargs)`` returns (gradients keyed
+    by argument name), without running the forward again for ``multi_head_attention``,
+    ``scaled_dot_product_attention`` and ``bilinear_attention``: their forward keeps the
+    projections, the attention output and the log-sum-exp (O(n d) memory, no n x n).
+
+    Parameters
+    ----------
+    f : callable
+        One of ``attnlab.multi_head_attention``, ``attnlab.scaled_dot_product_attention``,
+        ``attnlab.bilinear_attention``, ``attnlab.additive_attention``,
+        ``attnlab.separable_attention``.
+    *args, **kwargs
+        The arguments of ``f``.
+
+    Returns
+    -------
+    out : ndarray or tuple
+        ``f(*args, **kwargs)`` (with ``return_weights``, the pair; the weights are not
+        differentiated).
+    pullback : callable
+        ``pullback(grad_out) -> dict[str, ndarray]``, ``grad_out`` shaped like the output. It
+        may be called any number of times; it computes the gradient at the values the forward
+        saw, even if the caller's arrays were changed in place since (the forward keeps its own
+        copies).
+
+    Notes
+    -----
+    With ``return_weights`` the forward runs the dense path (the weights materialised), and the
+    pullback differentiates that forward's intermediates: equal to ``f_backward`` (which
+    recomputes the flash path) to rounding; otherwise bitwise.
+
+    ``bilinear_attention`` keeps its state when the cost model evaluates it in the query order
+    (the backward's); in the key order (many more queries than keys) its pullback recomputes
+    the forward in the query order. ``additive_attention``,
+    ``separable_attention`` and ``multi_head_attention`` with ``rope_theta`` keep copies of
+    their arguments and their pullback recomputes the forward (linear in n for the first two).
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((2, 5, 8))
+    >>> w = {n: rng.standard_normal((8, 8)) / 3 for n in ("w_q", "w_k", "w_v", "w_o")}
+    >>> out, pullback = attnlab.vjp(attnlab.multi_head_attention, x, num_heads=2, **w)
+    >>> grads = pullback(np.ones_like(out))
+    >>> sorted(grads)
+    ['query', 'w_k', 'w_o', 'w_q', 'w_v']
+    >>> ref = attnlab.multi_head_attention_backward(np.ones_like(out), x, num_heads=2, **w)
+    >>> all(np.allclose(grads[k], ref[k], rtol=1e-12, atol=1e-12) for k in ref)
+    True
+    """
+    if f not in KEPT and f not in RECOMPUTED:
+        names = ", ".join(f"attnlab.{g.__name__}" for g in (*KEPT, *RECOMPUTED))
+        raise TypeError(f"f: expected one of {names}, got {f!r}")
+    rotary = f is _mha.multi_head_attention and inspect.signature(f).bind(
+        *args, **kwargs).arguments.get("rope_theta") is not None
+    if f in RECOMPUTED or rotary:  # the rotary path keeps no state yet
+        return _recomputing(f, args, kwargs)
+    keep: dict[str, Any] = {}
+    out = f(*args, **kwargs, _keep=keep)
+    pull = KEPT[f]
+    return out, lambda grad_out: pull(keep, grad_out)

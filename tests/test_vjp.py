@@ -1,0 +1,194 @@
+"""attnlab.vjp: one forward, then gradients from what it kept.
+
+For every family: the output is bitwise the forward's, the pullback equals the family's
+``*_backward`` (bitwise: the kept state is what the backward would recompute), calling it twice
+gives the same, and changing the caller's arrays in place after the forward does not change
+it. (With ``return_weights`` the forward runs the dense path: equal to rounding.) For the families that keep state, the pullback reads that state and runs no forward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnlab
+import fuzz_stress as F
+
+FAMILIES = list(F.FORWARD_BUILDERS)
+
+
+def _case(family: str, seed: int, dtype: type) -> F.Case:
+    return F.build(F.Chooser(np.random.default_rng(seed)), family, dtype)
+
+
+def _same_grads(got: dict, want: dict, case: F.Case) -> None:
+    """Bitwise, except that with the weights asked for the forward ran the dense path, whose
+    intermediates the pullback differentiates, while *_backward recomputes the flash path:
+    then equal to rounding."""
+    dense = bool(case.kwargs.get("return_weights"))
+    dtype = np.dtype(case.dtype)
+    floor = F.grad_scale(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        if dense:
+            F.compare(got[k], want[k], dtype, 1e-5 if dtype == np.float32 else 1e-12, floor)
+        else:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def _same(a, b) -> None:
+    if isinstance(a, tuple):
+        for x, y in zip(a, b):
+            _same(x, y)
+        return
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", range(8))
+def test_vjp_matches_forward_and_backward(family, seed, dtype):
+    case = _case(family, seed, dtype)
+    f = case.fn
+    out, pullback = attnlab.vjp(f, **case.kwargs)
+    _same(out, f(**case.kwargs))
+    y = out[0] if isinstance(out, tuple) else out
+    g_out = np.random.default_rng(seed).standard_normal(y.shape).astype(dtype)
+    want = getattr(attnlab, family + "_backward")(g_out, **case.kwargs)
+    got = pullback(g_out)
+    assert sorted(got) == sorted(want)
+    _same_grads(got, want, case)
+    again = pullback(g_out)
+    for k in want:
+        np.testing.assert_array_equal(again[k], got[k], err_msg=k)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pullback_sees_the_values_the_forward_saw(family):
+    case = _case(family, 3, np.float64)
+    kw = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in case.kwargs.items()}
+    out, pullback = attnlab.vjp(case.fn, **kw)
+    y = out[0] if isinstance(out, tuple) else out
+    g_out = np.ones_like(y)
+    want = getattr(attnlab, family + "_backward")(g_out, **case.kwargs)
+    for v in kw.values():  # the caller reuses its buffers
+        if isinstance(v, np.ndarray) and v.dtype.kind == "f":
+            v *= 3.0
+    _same_grads(pullback(g_out), want, case)
+
+
+def _mha_kwargs(rng, dtype=np.float64):
+    x = rng.standard_normal((2, 7, 8)).astype(dtype)
+    w = {n: (rng.standard_normal((8, 8)) / 3).astype(dtype) for n in ("w_q", "w_k", "w_v", "w_o")}
+    return dict(query=x, num_heads=2, causal=True, **w)
+
+
+def test_mha_pullback_runs_no_forward(monkeypatch):
+    """The pullback calls the backward kernel with the kept state and never the forward."""
+    from attnlab._loader import core
+
+    calls: list[tuple[str, object]] = []
+    fwd, bwd = core.mha_forward, core.mha_backward
+
+    def count_fwd(*a):
+        calls.append(("forward", a[-1]))
+        return fwd(*a)
+
+    def count_bwd(*a):
+        calls.append(("backward", a[-1]))
+        return bwd(*a)
+
+    monkeypatch.setattr(core, "mha_forward", count_fwd)
+    monkeypatch.setattr(core, "mha_backward", count_bwd)
+    kw = _mha_kwargs(np.random.default_rng(0))
+    out, pullback = attnlab.vjp(attnlab.multi_head_attention, **kw)
+    pullback(np.ones_like(out))
+    assert [c[0] for c in calls] == ["forward", "backward"]
+    assert isinstance(calls[1][1], dict) and calls[1][1] is calls[0][1]  # the kept state
+
+
+@pytest.mark.parametrize("family", ["multi_head_attention", "scaled_dot_product_attention",
+                                    "bilinear_attention"])
+def test_kernel_backward_reads_the_kept_state(family):
+    """Spoiling the kept state changes the gradients: the C++ backward used it rather than
+    recomputing the forward."""
+    from attnlab._vjp import KEPT
+
+    rng = np.random.default_rng(1)
+    if family == "scaled_dot_product_attention":
+        q, k, v = (rng.standard_normal((1, 2, 9, 4)) for _ in range(3))
+        kw = dict(q=q, k=k, v=v, causal=True)
+    elif family == "multi_head_attention":
+        kw = _mha_kwargs(rng)
+    else:
+        m = _mha_kwargs(rng)
+        qk = attnlab.collapse_qk(m["w_q"], m["w_k"], num_heads=2)
+        kw = dict(query=m["query"], w_qk=qk, w_v=m["w_v"], w_o=m["w_o"], num_heads=2)
+    f = getattr(attnlab, family)
+    keep: dict = {}
+    out = f(**kw, _keep=keep)
+    g = np.ones_like(out)
+    clean = KEPT[f](keep, g)
+    state = keep["state"] if "state" in keep else {"out": keep["out"], "lse": keep["lse"]}
+    assert state is not None  # bilinear in the query order here
+    for arr in state.values():
+        arr[...] = 0.5
+    spoiled = KEPT[f](keep, g)
+    assert any(not np.allclose(spoiled[k], clean[k]) for k in clean)
+
+
+def test_vjp_refuses_other_functions():
+    with pytest.raises(TypeError, match=r"f: expected one of attnlab.multi_head_attention"):
+        attnlab.vjp(np.dot, np.ones(2), np.ones(2))
+    with pytest.raises(TypeError):
+        attnlab.vjp(attnlab.multi_head_attention, np.ones((2, 4)), nonsense=1)
+
+
+def _count_kernels(monkeypatch) -> list[str]:
+    """Records every call of the MHA forward kernel and whether each backward call got the
+    forward's kept state (then it runs no forward inside)."""
+    from attnlab._loader import core
+
+    calls: list[str] = []
+    fwd, bwd = core.mha_forward, core.mha_backward
+
+    def count_fwd(*a):
+        calls.append("forward")
+        return fwd(*a)
+
+    def count_bwd(*a):
+        calls.append("backward from state" if a[-1] is not None else "backward + forward")
+        return bwd(*a)
+
+    monkeypatch.setattr(core, "mha_forward", count_fwd)
+    monkeypatch.setattr(core, "mha_backward", count_bwd)
+    return calls
+
+
+def test_layer_training_step_runs_one_forward(monkeypatch):
+    from attnlab import layers, optim
+
+    layer = layers.MultiHeadAttention(8, 2, seed=0)
+    opt = optim.Adam(layer, lr=1e-2)
+    x = np.random.default_rng(0).standard_normal((2, 5, 8))
+    calls = _count_kernels(monkeypatch)
+    for _ in range(3):
+        out = layer(x, causal=True)
+        layer.backward(2 * out)
+        opt.step()
+    assert calls == ["forward", "backward from state"] * 3
+
+
+def test_torch_training_step_runs_one_forward(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import attnlab.torch as at
+
+    rng = np.random.default_rng(0)
+    x = torch.tensor(rng.standard_normal((2, 5, 8)), requires_grad=True)
+    w = {n: torch.tensor(rng.standard_normal((8, 8)) / 3, requires_grad=True)
+         for n in ("w_q", "w_k", "w_v", "w_o")}
+    calls = _count_kernels(monkeypatch)
+    for _ in range(2):
+        loss = at.multi_head_attention(x, num_heads=2, causal=True, **w).square().sum()
+        loss.backward()
+    assert calls == ["forward", "backward from state"] * 2
+    assert x.grad is not None and all(t.grad is not None for t in w.values())
