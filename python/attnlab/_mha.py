@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _rope
 from . import _validate as V
 from ._loader import core
 
@@ -291,6 +292,9 @@ def multi_head_attention(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: Weights = False,
+    rope_theta: float | None = None,
+    rope_dim: int | None = None,
+    positions: Any = None,
 ) -> Any:
     """Multi-head attention with per-head projections (heads never share weights).
 
@@ -326,6 +330,22 @@ def multi_head_attention(
         Defaults to ``1 / sqrt(d_head)``.
     return_weights : bool or {"heads", "mean"}
         ``True``/``"heads"``: also return ``(..., h, n_q, n_k)``; ``"mean"``: ``(..., n_q, n_k)``.
+    rope_theta : float, optional
+        Rotary position embeddings (RoPE) with this base (10000 in most models); ``None``: off.
+        Applied to every query and key head after projection, in the half-split convention of
+        Hugging Face ``transformers`` (``rotate_half``): within the first ``r`` features,
+        feature ``j`` and ``j + r/2`` are rotated by ``p * rope_theta ** (-2j / r)`` for a
+        token at position ``p``.
+    rope_dim : int, optional
+        ``r``, the (even) number of leading features of each head that rotate (partial
+        rotary); defaults to ``d_head``.
+    positions : array_like or (array_like, array_like), optional
+        Token positions (integers or reals). Default: keys ``0..n_k-1`` and queries aligned as
+        ``causal`` aligns them (``n_k - n_q + i`` for ``"bottom_right"``, else ``i``). One array
+        ``(..., n_k)`` gives the positions of the key tokens, and query ``i`` takes that of the
+        key it is aligned with by the same rule (self-attention: ``transformers``'
+        ``position_ids``; decoding: the positions of the whole sequence). A pair
+        ``(query_positions (..., n_q), key_positions (..., n_k))`` sets both.
 
     Returns
     -------
@@ -335,6 +355,10 @@ def multi_head_attention(
     Notes
     -----
     Fully masked query rows give zero weights and a zero context, so their output is ``b_o``.
+
+    With ``rope_theta`` the call runs the projection GEMMs, rotates Q and K (O(n d) time and
+    memory), then the same flash attention core and the output GEMM; without it, the one fused
+    C++ call.
 
     Examples
     --------
@@ -348,13 +372,17 @@ def multi_head_attention(
     """
     a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
                      num_kv_heads, mask, key_padding_mask, causal, scale)
+    rope = _rope.prepare_for(a, rope_theta, rope_dim, positions)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
     B = V.count(batch)
     out = V.empty((B * n_q, d_out), dtype)
     weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
     if B * n_q > 0:
-        core.mha_forward(*a.core_args(), out, weights)
+        if rope is None:
+            core.mha_forward(*a.core_args(), out, weights)
+        else:
+            _rope.forward(a, rope, out, weights)
     out = out.reshape(batch + (n_q, d_out))
     if weights is not None:
         weights = weights.reshape(batch + (h, n_q, n_k))
@@ -465,6 +493,9 @@ def multi_head_attention_backward(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: Weights = False,
+    rope_theta: float | None = None,
+    rope_dim: int | None = None,
+    positions: Any = None,
 ) -> dict[str, np.ndarray]:
     """Gradients of :func:`multi_head_attention` with respect to every array argument given.
 
@@ -473,8 +504,9 @@ def multi_head_attention_backward(
     grad_out : array_like, shape (..., n_q, d_out)
         Gradient of the loss with respect to the output.
     query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads, num_kv_heads, mask,
-    key_padding_mask, causal, scale
+    key_padding_mask, causal, scale, rope_theta, rope_dim, positions
         As for :func:`multi_head_attention`. ``return_weights`` is accepted and ignored.
+        Positions are not differentiated.
 
     Returns
     -------
@@ -497,6 +529,7 @@ def multi_head_attention_backward(
     V.weights_mode(return_weights)
     a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
                      num_kv_heads, mask, key_padding_mask, causal, scale)
+    rope = _rope.prepare_for(a, rope_theta, rope_dim, positions)
     dtype, batch, B = a.dtype, a.batch, a.B
     go = _grad_out(grad_out, batch + (a.n_q, a.d_out), dtype)
     grads: dict[str, np.ndarray] = {}
@@ -508,7 +541,10 @@ def multi_head_attention_backward(
         grads[name] = V.zeros(r.shape, dtype)
     if B * a.n_q > 0:
         go2 = V.contiguous(go.reshape(-1, a.d_out))
-        core.mha_backward(go2, *a.core_args(), grads)
+        if rope is None:
+            core.mha_backward(go2, *a.core_args(), grads)
+        else:
+            _rope.backward(go2, a, rope, grads)
     rows = {n: grads.pop(n) for n in ("query", "key", "value")}
     inputs = {}
     for name, r in rows.items():
