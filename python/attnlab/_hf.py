@@ -101,7 +101,7 @@ def _gpt2(module: Any) -> dict[str, Any]:
     if getattr(module, "is_cross_attention", False):  # q_attn for the queries, c_attn = [K | V]
         out["w_q"] = np.array(_weight(module.q_attn.weight, "q_attn.weight"), copy=True)
         out["b_q"] = np.array(_weight(module.q_attn.bias, "q_attn.bias"), copy=True)
-        parts = ("k", "v")
+        parts: tuple[str, ...] = ("k", "v")
     else:
         parts = ("q", "k", "v")
     if w.shape != (E, len(parts) * E):
