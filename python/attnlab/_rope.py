@@ -188,6 +188,19 @@ def _qkv(a: _Mha, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q, k, v
 
 
+def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` by attnlab's GEMM (its threads; NumPy's BLAS threads spin when the machine is
+    shared, which made this backward 2-3x slower); transposed operands are copied, O(n d)."""
+    a, b = V.contiguous(a), V.contiguous(b)
+    y = V.empty((a.shape[0], b.shape[1]), b.dtype)
+    if y.size:
+        if a.shape[1]:
+            core.linear_forward(a, b, None, y)
+        else:
+            y.fill(0)
+    return y
+
+
 def _rows(x: np.ndarray) -> np.ndarray:
     """``(B, n, heads, d)`` -> ``(B*n, heads*d)`` (explicit sizes: n may be 0)."""
     B, n, heads, d = x.shape
@@ -215,7 +228,7 @@ def backward(go: np.ndarray, a: _Mha, rope: Rope, grads: dict[str, np.ndarray]) 
     q, k, v = _qkv(a, rope)
     w_o = _w(a, "w_o")
     d_vhead = v.shape[-1]
-    g_ctx = (go @ w_o.T).reshape(B, a.n_q, a.h, d_vhead)
+    g_ctx = _gemm(go, w_o.T).reshape(B, a.n_q, a.h, d_vhead)
     ctx = V.zeros((B, a.h, a.n_q, d_vhead), dtype)
     dq = V.zeros((B, a.h, a.n_q, q.shape[-1]), dtype)
     dk = V.zeros((B, a.h_kv, a.n_k, k.shape[-1]), dtype)
@@ -224,7 +237,7 @@ def backward(go: np.ndarray, a: _Mha, rope: Rope, grads: dict[str, np.ndarray]) 
         lse = V.empty((B, a.h, a.n_q), dtype)
         core.sdpa_backward(_heads(g_ctx), _heads(q), _heads(k), _heads(v), a.mask4, a.kp,
                            a.causal, a.scale, ctx, lse, dq, dk, dv)
-    grads["w_o"][...] = _rows(_heads(ctx)).T @ go
+    grads["w_o"][...] = _gemm(_rows(_heads(ctx)).T, go)
     if "b_o" in grads:
         grads["b_o"][...] = go.sum(axis=0)
     dq_rows, dk_rows = _heads(dq).copy(), _heads(dk).copy()  # (B, n, heads, d)
@@ -234,7 +247,7 @@ def backward(go: np.ndarray, a: _Mha, rope: Rope, grads: dict[str, np.ndarray]) 
                              (a.rv, _heads(dv), "value", "v")):
         g2 = _rows(g)
         w = _w(a, f"w_{name}")
-        grads[f"w_{name}"][...] = x.T @ g2
+        grads[f"w_{name}"][...] = _gemm(x.T, g2)
         if f"b_{name}" in grads:
             grads[f"b_{name}"][...] = g2.sum(axis=0)
-        grads[rows][...] = g2 @ w.T
+        grads[rows][...] = _gemm(g2, w.T)
