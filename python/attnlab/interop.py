@@ -11,6 +11,9 @@ for ``f(x, **kwargs)``:
   Hugging Face) -> ``additive_attention``
 - :func:`from_mobilevitv2`: MobileViT-v2's ``LinearSelfAttention`` (ml-cvnets, timm, Hugging
   Face) -> ``separable_attention``
+- :func:`from_transformers`: Hugging Face ``transformers`` attention modules (BERT, ViT, GPT-2,
+  Llama, Mistral, Qwen2) -> ``multi_head_attention``, and :func:`transformers_masks` for their
+  attention masks
 - :func:`torch_masks`: PyTorch's ``attn_mask`` / ``key_padding_mask`` -> ``mask=``,
   ``key_padding_mask=`` (boolean polarity inverted)
 
@@ -38,8 +41,10 @@ __all__ = [
     "from_mobilevitv2",
     "from_swiftformer",
     "from_torch_mha",
+    "from_transformers",
     "from_vit_pytorch",
     "torch_masks",
+    "transformers_masks",
 ]
 
 
@@ -696,3 +701,7 @@ def torch_masks(
     if mask is not None:
         out = {"mask": mask, **out}
     return out
+
+
+# defined in a module of its own, which uses the helpers above
+from ._hf import from_transformers, transformers_masks  # noqa: E402

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _rope
 from . import _validate as V
 from . import _vjp
 from . import init as _init
@@ -269,7 +270,7 @@ class _QKVLayer(_Layer):
 
     def __call__(self, query: Any, key: Any = None, value: Any = None, *, mask: Any = None,
                  key_padding_mask: Any = None, causal: bool | str = False,
-                 return_weights: bool | str = False) -> Any:
+                 return_weights: bool | str = False, positions: Any = None) -> Any:
         """Attend from ``query`` to ``key``/``value`` (self-attention when they are omitted).
 
         Parameters
@@ -281,6 +282,9 @@ class _QKVLayer(_Layer):
             Defaults to ``key``.
         mask, key_padding_mask, causal, return_weights
             As for :func:`attnlab.multi_head_attention` (``True`` means *may attend*).
+        positions : array_like, optional
+            Token positions for a layer with rotary embeddings (``rope_theta``), as for
+            :func:`attnlab.multi_head_attention`.
 
         Returns
         -------
@@ -288,9 +292,14 @@ class _QKVLayer(_Layer):
         weights : ndarray, optional
             With ``return_weights``.
         """
-        return self._run({"query": query, "key": key, "value": value},
-                         {"mask": mask, "key_padding_mask": key_padding_mask,
-                          "causal": causal, "return_weights": return_weights})
+        options = {"mask": mask, "key_padding_mask": key_padding_mask, "causal": causal,
+                   "return_weights": return_weights}
+        if positions is not None:
+            if getattr(self, "rope_theta", None) is None:
+                raise ValueError(f"positions: {type(self).__name__} has no rotary embeddings "
+                                 f"(rope_theta is None), so positions have no effect")
+            options["positions"] = positions
+        return self._run({"query": query, "key": key, "value": value}, options)
 
 
 def _heads(d_model: Any, num_heads: Any, num_kv_heads: Any, d_head: Any) -> tuple[int, ...]:
@@ -332,6 +341,11 @@ class MultiHeadAttention(_QKVLayer):
     seed : int or numpy.random.Generator, optional
         Parameters are drawn in the order ``w_q, b_q, w_k, b_k, w_v, b_v, w_o, b_o``.
     dtype : float32 or float64
+    rope_theta : float, optional
+        Rotary position embeddings on the query and key heads (see
+        :func:`attnlab.multi_head_attention`); ``None``: off. Calls then take ``positions=``.
+    rope_dim : int, optional
+        Features rotated per head (even, ``<= d_head``); defaults to ``d_head``.
 
     Attributes
     ----------
@@ -360,10 +374,14 @@ class MultiHeadAttention(_QKVLayer):
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  d_head: int | None = None, kdim: int | None = None, vdim: int | None = None,
                  d_out: int | None = None, bias: bool = True, init: Any = "torch",
-                 seed: Any = None, dtype: Any = np.float64) -> None:
+                 seed: Any = None, dtype: Any = np.float64, rope_theta: float | None = None,
+                 rope_dim: int | None = None) -> None:
         super().__init__(init=init, seed=seed, dtype=dtype)
         d, h, h_kv, dh = _heads(d_model, num_heads, num_kv_heads, d_head)
         self.d_model, self.num_heads, self.num_kv_heads, self.d_head = d, h, h_kv, dh
+        _rope.prepare(rope_theta, rope_dim, None, dh, 0, 0, 0, (), self.dtype)  # validates
+        self.rope_theta = None if rope_theta is None else float(rope_theta)
+        self.rope_dim = None if rope_dim is None else int(rope_dim)
         self.kdim = _optional_int(kdim, "kdim", d)
         self.vdim = _optional_int(vdim, "vdim", self.kdim)
         self.d_out = _optional_int(d_out, "d_out", d)
@@ -374,6 +392,12 @@ class MultiHeadAttention(_QKVLayer):
             self._weight(f"w_{n}", fan_in, fan_out)
             if self.bias:
                 self._bias(f"b_{n}", fan_in, fan_out)
+
+    def _functional_kwargs(self) -> dict[str, Any]:
+        kwargs = super()._functional_kwargs()
+        if self.rope_theta is not None:
+            kwargs.update(rope_theta=self.rope_theta, rope_dim=self.rope_dim)
+        return kwargs
 
 
 class BilinearAttention(_QKVLayer):
@@ -464,6 +488,12 @@ class BilinearAttention(_QKVLayer):
         """
         if not isinstance(layer, MultiHeadAttention):
             raise TypeError(f"layer: expected a MultiHeadAttention, got {type(layer).__name__}")
+        if layer.rope_theta is not None:
+            raise ValueError(
+                f"layer: has rotary embeddings (rope_theta={layer.rope_theta}), which do not "
+                "fold: the logits are q_m R(m) (k_n R(n))^T = x_m W_q,i R(n - m) W_k,i^T x_n^T, "
+                "a different matrix for every offset n - m, not one W_i = W_q,i W_k,i^T"
+            )
         obj = cls.__new__(cls)
         _Layer.__init__(obj, init=layer.init, seed=layer.seed, dtype=layer.dtype)
         obj._fold(layer)

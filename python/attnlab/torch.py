@@ -65,6 +65,13 @@ def _mask(m: Any, name: str) -> Any:
     return np.array(_plain(m), copy=True)  # a snapshot: the backward must see the same mask
 
 
+def _positions(p: Any) -> Any:
+    """Rotary positions (a tensor, array or a pair of them) as NumPy snapshots."""
+    if isinstance(p, tuple):
+        return tuple(_positions(x) for x in p)
+    return np.array(_plain(p), copy=True) if isinstance(p, torch.Tensor) else p
+
+
 def _tensor(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
     a = np.asarray(a)
     if not (a.flags.c_contiguous and a.flags.writeable):
@@ -193,6 +200,9 @@ def multi_head_attention(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: bool | str = False,
+    rope_theta: float | None = None,
+    rope_dim: int | None = None,
+    positions: Any = None,
 ) -> Any:
     """Differentiable :func:`attnlab.multi_head_attention` on CPU tensors.
 
@@ -209,6 +219,9 @@ def multi_head_attention(
     num_heads, num_kv_heads, mask, key_padding_mask, causal, scale, return_weights
         As for :func:`attnlab.multi_head_attention` (``True`` in a boolean mask means *may
         attend*; :func:`attnlab.interop.torch_masks` converts ``nn.MultiheadAttention``'s).
+    rope_theta, rope_dim, positions
+        Rotary embeddings, as for :func:`attnlab.multi_head_attention`; ``positions`` (array,
+        tensor or a pair of them) is a constant, not differentiated.
 
     Returns
     -------
@@ -232,7 +245,8 @@ def multi_head_attention(
                    b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
     consts = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, mask=_mask(mask, "mask"),
                   key_padding_mask=_mask(key_padding_mask, "key_padding_mask"), causal=causal,
-                  scale=scale, return_weights=return_weights)
+                  scale=scale, return_weights=return_weights, rope_theta=rope_theta,
+                  rope_dim=rope_dim, positions=_positions(positions))
     call = _Call(_mha.multi_head_attention, tensors, consts,
                  bool(return_weights))
     return call.apply()

@@ -95,6 +95,22 @@ def _context(p: np.ndarray, v: np.ndarray, reads: np.ndarray) -> np.ndarray:
     return np.where(np.any(reads, axis=-1, keepdims=True), out, 0.0)
 
 
+def _rope_tables(theta: float, r: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin ``(..., n, r)`` of transformers' ``emb = cat(freqs, freqs)``."""
+    inv_freq = 1.0 / theta ** (np.arange(0, r, 2, dtype=np.float64) / r)
+    freqs = pos[..., None] * inv_freq
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb), np.sin(emb)
+
+
+def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """``x * cos + rotate_half(x) * sin`` on the first ``r`` features; the rest unchanged."""
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    half = np.concatenate([-rot[..., r // 2:], rot[..., :r // 2]], axis=-1)  # rotate_half
+    return np.concatenate([rot * cos + half * sin, rest], axis=-1)
+
+
 def scaled_dot_product_attention(
     q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, scale: Any = None,
     return_weights: Any = False,
@@ -157,6 +173,7 @@ def multi_head_attention(
     b_q: Any = None, b_k: Any = None, b_v: Any = None, b_o: Any = None, num_heads: int,
     num_kv_heads: int | None = None, mask: Any = None, key_padding_mask: Any = None,
     causal: Any = False, scale: Any = None, return_weights: Any = False,
+    rope_theta: Any = None, rope_dim: Any = None, positions: Any = None,
 ) -> Any:
     """Reference for :func:`attnlab.multi_head_attention` (float64), one head at a time.
 
@@ -180,6 +197,10 @@ def multi_head_attention(
     mask, key_padding_mask, causal, scale, return_weights
         As for :func:`attnlab.multi_head_attention` (``scale`` defaults to
         ``1 / sqrt(d_head)``).
+    rope_theta, rope_dim, positions
+        Rotary embeddings as for :func:`attnlab.multi_head_attention`, written as in
+        ``transformers``: ``x * cos + rotate_half(x) * sin`` on the first ``rope_dim``
+        features of each query and key head.
 
     Returns
     -------
@@ -216,11 +237,27 @@ def multi_head_attention(
     allowed, bias = allowed_and_bias(n_q, n_k, mask, key_padding_mask, causal)
     allowed = np.broadcast_to(allowed, batch + (h, n_q, n_k))
     bias = np.broadcast_to(bias, batch + (h, n_q, n_k))
+    rope_q = rope_k = None
+    if rope_theta is not None:
+        r = d_head if rope_dim is None else int(rope_dim)
+        offset = n_k - n_q if causal == "bottom_right" else 0
+        if isinstance(positions, tuple):
+            pos_q, pos_k = _f64(positions[0]), _f64(positions[1])
+        elif positions is None:
+            pos_q, pos_k = np.arange(n_q) + float(offset), np.arange(n_k, dtype=np.float64)
+        else:
+            pos_k = _f64(positions)
+            pos_q = pos_k[..., offset:offset + n_q]
+        rope_q = _rope_tables(float(rope_theta), r, pos_q)
+        rope_k = _rope_tables(float(rope_theta), r, pos_k)
     contexts, weights = [], []
     for i in range(h):
         j = i // (h // h_kv)  # the kv head this query head reads
         q_i = Q[..., i * d_head:(i + 1) * d_head]
         k_i = K[..., j * d_head:(j + 1) * d_head]
+        if rope_q is not None and rope_k is not None:
+            q_i = _apply_rope(q_i, *rope_q)
+            k_i = _apply_rope(k_i, *rope_k)
         v_i = Vv[..., j * d_vhead:(j + 1) * d_vhead]
         scores = s * (q_i @ np.swapaxes(k_i, -1, -2))
         scores = scores + bias[..., i, :, :]

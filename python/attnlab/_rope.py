@@ -1,0 +1,253 @@
+"""Rotary position embeddings (RoPE) for multi_head_attention: validation, tables, and the
+composed forward/backward used when ``rope_theta`` is set.
+
+Convention (that of Hugging Face ``transformers``, ``rotate_half``): within the first ``r =
+rope_dim`` features of each query and key head, feature ``j < r/2`` is paired with feature
+``j + r/2`` and the pair is rotated by the angle ``p * theta ** (-2j / r)`` for a token at
+position ``p``::
+
+    x[j]       <- x[j] cos - x[j + r/2] sin
+    x[j + r/2] <- x[j + r/2] cos + x[j] sin
+
+Features ``r..d_head`` pass unchanged (partial rotary, as GPT-NeoX and Phi).
+
+The rotary path composes the C++ pieces: the projection GEMM (``linear_forward``), the
+rotation here (elementwise, O(n d)), the flash attention core (``sdpa_forward`` /
+``sdpa_backward``, reading the heads as strided views of the projected rows, no transposed
+copy) and the output projection. The non-rotary call keeps the single fused C++ call.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from . import _validate as V
+from ._loader import core
+
+if TYPE_CHECKING:
+    from ._mha import _Mha
+
+__all__: list[str] = []  # private module
+
+
+class Rope(NamedTuple):
+    """The rotation tables, broadcastable to ``(B, n, 1, r/2)`` (B may be 1)."""
+
+    dim: int            # r, features rotated per head
+    cos_q: np.ndarray
+    sin_q: np.ndarray
+    cos_k: np.ndarray
+    sin_k: np.ndarray
+
+
+def _theta(rope_theta: Any) -> float:
+    if isinstance(rope_theta, (bool, np.bool_)) or not isinstance(rope_theta, numbers.Real):
+        raise TypeError(f"rope_theta: expected a positive real number or None, got "
+                        f"{type(rope_theta).__name__} {rope_theta!r}")
+    t = float(rope_theta)
+    if not (np.isfinite(t) and t > 0):
+        raise ValueError(f"rope_theta: expected a finite number > 0, got {t}")
+    return t
+
+
+def _positions_array(p: Any, name: str, n: int, batch: tuple[int, ...]) -> np.ndarray:
+    """Token positions as float64 ``(B or 1, n)``."""
+    try:
+        a = np.asarray(p)
+    except Exception as exc:
+        raise TypeError(f"{name}: could not be converted to an array ({exc})") from None
+    if a.dtype.kind not in "iuf" or a.dtype.kind == "b":
+        raise TypeError(f"{name}: expected integer or real token positions, got dtype {a.dtype}")
+    if a.ndim < 1 or a.shape[-1] != n:
+        raise ValueError(f"{name}: expected shape (..., {n}) (one position per token), got "
+                         f"{V.shape_str(a.shape)}")
+    a = a.astype(np.float64)
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"{name}: positions must be finite")
+    lead = a.shape[:-1]
+    try:
+        np.broadcast_shapes(lead, batch)
+    except ValueError:
+        raise ValueError(f"{name}: shape {V.shape_str(a.shape)} does not broadcast to the "
+                         f"batch {V.shape_str(batch)} + (n,)") from None
+    if not lead or V.count(lead) == 1:
+        return a.reshape(1, n)
+    return np.broadcast_to(a, batch + (n,)).reshape(V.count(batch), n)
+
+
+def resolve_positions(positions: Any, n_q: int, n_k: int, causal: int,
+                      batch: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Query and key positions, ``(B or 1, n_q)`` and ``(B or 1, n_k)``, float64.
+
+    ``None``: keys ``arange(n_k)``, queries aligned as the causal mask aligns them
+    (``arange(n_q) + n_k - n_q`` for ``"bottom_right"``, ``arange(n_q)`` otherwise). One array
+    ``(..., n_k)``: the positions of the key tokens; query ``i`` takes that of the key it is
+    aligned with (the same rule). A pair ``(query_positions, key_positions)``: each given.
+    """
+    offset = n_k - n_q if causal == 2 else 0
+    if isinstance(positions, tuple):
+        if len(positions) != 2:
+            raise ValueError(f"positions: expected an array or a pair (query_positions, "
+                             f"key_positions), got a tuple of {len(positions)}")
+        return (_positions_array(positions[0], "positions[0] (queries)", n_q, batch),
+                _positions_array(positions[1], "positions[1] (keys)", n_k, batch))
+    if positions is None:
+        pk = np.arange(n_k, dtype=np.float64)[None]
+        return np.arange(offset, offset + n_q, dtype=np.float64)[None], pk
+    pk = _positions_array(positions, "positions", n_k, batch)
+    if offset < 0 or offset + n_q > n_k:
+        raise ValueError(
+            f"positions: {n_q} queries cannot be aligned with {n_k} keys "
+            f"(causal={'bottom_right' if causal == 2 else 'top_left/False'}); pass a pair "
+            f"(query_positions, key_positions)"
+        )
+    return pk[:, offset:offset + n_q], pk
+
+
+def tables(theta: float, dim: int, pos: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, ...]:
+    """cos and sin of the angles ``pos * theta ** (-2j / dim)``, ``(B or 1, n, 1, dim/2)``,
+    computed in float64 and rounded once to ``dtype``."""
+    inv_freq = theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    ang = pos[:, :, None, None] * inv_freq
+    return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+
+
+def prepare(rope_theta: Any, rope_dim: Any, positions: Any, d_head: int, n_q: int, n_k: int,
+            causal: int, batch: tuple[int, ...], dtype: np.dtype) -> Rope | None:
+    """Validate the rotary arguments; ``None`` when ``rope_theta`` is ``None`` (off)."""
+    if rope_theta is None:
+        for name, val in (("rope_dim", rope_dim), ("positions", positions)):
+            if val is not None:
+                raise ValueError(f"{name}: given without rope_theta (rotary embeddings are off "
+                                 f"when rope_theta is None)")
+        return None
+    theta = _theta(rope_theta)
+    if rope_dim is None:
+        if d_head % 2:
+            raise ValueError(f"rope_dim: d_head = {d_head} is odd, and rotary embeddings "
+                             f"rotate pairs of features; pass an even rope_dim <= {d_head}")
+        dim = d_head
+    else:
+        dim = V.check_positive_int(rope_dim, "rope_dim")
+        if dim % 2 or dim > d_head:
+            raise ValueError(f"rope_dim: expected an even number <= d_head = {d_head}, got "
+                             f"{dim}")
+    pq, pk = resolve_positions(positions, n_q, n_k, causal, batch)
+    cq, sq = tables(theta, dim, pq, dtype)
+    ck, sk = tables(theta, dim, pk, dtype)
+    return Rope(dim, cq, sq, ck, sk)
+
+
+def prepare_for(a: _Mha, rope_theta: Any, rope_dim: Any, positions: Any) -> Rope | None:
+    """:func:`prepare` for a prepared multi-head call."""
+    return prepare(rope_theta, rope_dim, positions, _w(a, "w_q").shape[1] // a.h, a.n_q, a.n_k,
+                   a.causal, a.batch, a.dtype)
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dim: int, inverse: bool = False
+           ) -> None:
+    """Rotate ``x`` ``(B, n, heads, d_head)`` in place; ``inverse`` applies the transpose."""
+    half = dim // 2
+    x1 = x[..., :half]
+    x2 = x[..., half:dim]
+    if inverse:
+        sin = -sin
+    a = x1 * cos - x2 * sin
+    x2 *= cos
+    x2 += x1 * sin
+    x1[...] = a
+
+
+def _project(rows: np.ndarray, w: np.ndarray, b: np.ndarray | None, B: int, n: int,
+             heads: int) -> np.ndarray:
+    """``rows w + b`` by the C++ GEMM, viewed as ``(B, n, heads, d_head)``."""
+    y = V.empty((rows.shape[0], w.shape[1]), w.dtype)
+    if y.size:
+        core.linear_forward(rows, w, b, y)
+    return y.reshape(B, n, heads, w.shape[1] // heads)
+
+
+def _w(a: _Mha, name: str) -> np.ndarray:
+    """A weight of the prepared call (biases are optional, weights never)."""
+    w = a.w[name]
+    assert w is not None
+    return w
+
+
+def _qkv(a: _Mha, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Projected and rotated Q, K and projected V, ``(B, n, heads, d)`` each."""
+    B, w = a.B, a.w
+    q = _project(a.rq, _w(a, "w_q"), w["b_q"], B, a.n_q, a.h)
+    k = _project(a.rk, _w(a, "w_k"), w["b_k"], B, a.n_k, a.h_kv)
+    v = _project(a.rv, _w(a, "w_v"), w["b_v"], B, a.n_k, a.h_kv)
+    rotate(q, rope.cos_q, rope.sin_q, rope.dim)
+    rotate(k, rope.cos_k, rope.sin_k, rope.dim)
+    return q, k, v
+
+
+def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` by attnlab's GEMM (its threads; NumPy's BLAS threads spin when the machine is
+    shared, which made this backward 2-3x slower); transposed operands are copied, O(n d)."""
+    a, b = V.contiguous(a), V.contiguous(b)
+    y = V.empty((a.shape[0], b.shape[1]), b.dtype)
+    if y.size:
+        if a.shape[1]:
+            core.linear_forward(a, b, None, y)
+        else:
+            y.fill(0)
+    return y
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """``(B, n, heads, d)`` -> ``(B*n, heads*d)`` (explicit sizes: n may be 0)."""
+    B, n, heads, d = x.shape
+    return x.reshape(B * n, heads * d)
+
+
+def _heads(x: np.ndarray) -> np.ndarray:
+    """``(B, n, heads, d)`` -> the strided view ``(B, heads, n, d)`` the attention core reads."""
+    return x.transpose(0, 2, 1, 3)
+
+
+def forward(a: _Mha, rope: Rope, out: np.ndarray, weights: np.ndarray | None) -> None:
+    """Rotary multi-head attention into ``out`` ``(B*n_q, d_out)`` (and ``weights``)."""
+    q, k, v = _qkv(a, rope)
+    ctx = V.empty((a.B, a.n_q, a.h, v.shape[-1]), a.dtype)
+    core.sdpa_forward(_heads(q), _heads(k), _heads(v), _heads(ctx), a.mask4, a.kp, a.causal,
+                      a.scale, weights, None)
+    core.linear_forward(_rows(ctx), _w(a, "w_o"), a.w["b_o"], out)
+
+
+def backward(go: np.ndarray, a: _Mha, rope: Rope, grads: dict[str, np.ndarray]) -> None:
+    """Gradients of :func:`forward` for ``go`` ``(B*n_q, d_out)``, written into ``grads``
+    (the zeroed arrays ``multi_head_attention_backward`` allocates, rows for the inputs)."""
+    B, dtype = a.B, a.dtype
+    q, k, v = _qkv(a, rope)
+    w_o = _w(a, "w_o")
+    d_vhead = v.shape[-1]
+    g_ctx = _gemm(go, w_o.T).reshape(B, a.n_q, a.h, d_vhead)
+    ctx = V.zeros((B, a.h, a.n_q, d_vhead), dtype)
+    dq = V.zeros((B, a.h, a.n_q, q.shape[-1]), dtype)
+    dk = V.zeros((B, a.h_kv, a.n_k, k.shape[-1]), dtype)
+    dv = V.zeros((B, a.h_kv, a.n_k, d_vhead), dtype)
+    if a.n_k:  # no key: the context is 0 and so are the gradients through it
+        lse = V.empty((B, a.h, a.n_q), dtype)
+        core.sdpa_backward(_heads(g_ctx), _heads(q), _heads(k), _heads(v), a.mask4, a.kp,
+                           a.causal, a.scale, ctx, lse, dq, dk, dv)
+    grads["w_o"][...] = _gemm(_rows(_heads(ctx)).T, go)
+    if "b_o" in grads:
+        grads["b_o"][...] = go.sum(axis=0)
+    dq_rows, dk_rows = _heads(dq).copy(), _heads(dk).copy()  # (B, n, heads, d)
+    rotate(dq_rows, rope.cos_q, rope.sin_q, rope.dim, inverse=True)
+    rotate(dk_rows, rope.cos_k, rope.sin_k, rope.dim, inverse=True)
+    for x, g, rows, name in ((a.rq, dq_rows, "query", "q"), (a.rk, dk_rows, "key", "k"),
+                             (a.rv, _heads(dv), "value", "v")):
+        g2 = _rows(g)
+        w = _w(a, f"w_{name}")
+        grads[f"w_{name}"][...] = _gemm(x.T, g2)
+        if f"b_{name}" in grads:
+            grads[f"b_{name}"][...] = g2.sum(axis=0)
+        grads[rows][...] = _gemm(g2, w.T)
