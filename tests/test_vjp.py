@@ -197,7 +197,7 @@ def test_torch_training_step_runs_one_forward(monkeypatch):
 def test_vjp_with_rotary_embeddings_matches_the_backward():
     """The rotary path keeps no kernel state yet: its pullback recomputes on private copies."""
     kw = _mha_kwargs(np.random.default_rng(4))
-    kw.update(rope_theta=10000.0, num_kv_heads=1)
+    kw.update(rope_theta=10000.0)
     out, pullback = attnlab.vjp(attnlab.multi_head_attention, **kw)
     np.testing.assert_array_equal(out, attnlab.multi_head_attention(**kw))
     g = np.random.default_rng(5).standard_normal(out.shape)
