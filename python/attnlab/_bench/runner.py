@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .. import build_info, get_num_threads
+from .backward import CASES as BACKWARD_CASES
 from .common import Row
 from .gemm import gemm_peak
 
@@ -88,17 +89,16 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             mib = r[1].extra.get("peak_extra_mib")
             if isinstance(mib, float):
                 add(f"MHA {label} ({r[1].shape}) extra memory (MiB)", mib, "< 128", mib < 128)
-    fwd = _find(rows, "backward", "ViT-S fwd+bwd fp32", "attnlab fwd")
-    bwd = _find(rows, "backward", "ViT-S fwd+bwd fp32", "attnlab bwd")
-    tch = _find(rows, "backward", "ViT-S fwd+bwd fp32", "torch fwd+bwd")
-    if fwd and bwd:
-        # the backward call recomputes the forward (it takes no saved state): both readings
-        add("backward call (recomputes fwd) / our forward, ViT-S", bwd.ms / fwd.ms, "<= 2.5",
-            bwd.ms <= 2.5 * fwd.ms)
-        add("backward call minus one forward / our forward, ViT-S", bwd.ms / fwd.ms - 1, "<= 2.5",
-            bwd.ms - fwd.ms <= 2.5 * fwd.ms)
-    if bwd and tch:
-        add("fwd+bwd vs torch autograd, ViT-S", tch.ms / bwd.ms, ">= 1.0x", tch.ms >= bwd.ms)
+    for case, _B, _n, _d, _h, _c in BACKWARD_CASES:  # DESIGN: training step targets
+        fwd = _find(rows, "backward", case, "attnlab fwd")
+        pull = _find(rows, "backward", case, "attnlab pullback")
+        step = _find(rows, "backward", case, "attnlab step")
+        tch = _find(rows, "backward", case, "torch step")
+        if fwd and pull:
+            add(f"pullback / forward, {case}", pull.ms / fwd.ms, "<= 2.0", pull.ms <= 2.0 * fwd.ms)
+        if step and tch:
+            add(f"training step vs torch autograd, {case}", tch.ms / step.ms, ">= 1.3x",
+                tch.ms >= 1.3 * step.ms)
     for case, label in (("SwiftFormer fwd fp32", "additive (SwiftFormer)"),
                         ("MobileViTv2 fwd fp32", "separable (MobileViT-v2)")):
         fam = "additive" if case.startswith("Swift") else "separable"
