@@ -77,16 +77,7 @@ cmake -S . -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Debug -DATTNLAB_SANITIZE=O
   -DSKBUILD_PROJECT_VERSION="$VERSION" -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$PKG/attnlab" \
   > "$OUT/cmake.log" 2>&1 || { cat "$OUT/cmake.log"; exit 1; }
 cmake --build "$BUILD" -j "${ATTNLAB_SANITIZE_JOBS:-2}"
-"$PY" - "$ROOT/python/attnlab" "$PKG/attnlab" <<'EOF'
-import shutil, sys
-from pathlib import Path
-src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-dst.mkdir(parents=True, exist_ok=True)
-for p in dst.rglob("*.py"):   # files deleted from the source tree must not linger
-    p.unlink()
-shutil.copytree(src, dst, dirs_exist_ok=True,
-                ignore=shutil.ignore_patterns("*.so", "__pycache__", "*.pyc"))
-EOF
+"$PY" scripts/overlay-package.py "$PKG"
 echo "sanitize.sh: built $ISA in $(( $(date +%s) - start )) s"
 
 # --- run

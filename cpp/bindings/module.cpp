@@ -43,8 +43,9 @@ PYBIND11_MODULE(_core, m) {
     m.attr("ISA") = table.isa;
     m.attr("BUILT_ISAS") = built_isas();
     m.def("cpu_features", &cpu_features, "Instruction sets the running CPU (and OS) supports.");
-    m.def("isa_supported", [](const std::string& isa) { return attnlab::isa_supported(isa); },
-          py::arg("isa"), "Whether this CPU and OS can run the variant (built or not).");
+    m.def(
+        "isa_supported", [](const std::string& isa) { return attnlab::isa_supported(isa); },
+        py::arg("isa"), "Whether this CPU and OS can run the variant (built or not).");
     m.def("get_num_threads", &attnlab::get_num_threads);
     m.def("set_num_threads", &attnlab::set_num_threads, py::arg("n"));
     m.def("build_info", [] {

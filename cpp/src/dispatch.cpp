@@ -120,18 +120,14 @@ Features detect() {
     const bool os_avx = (xcr0 & 0x6) == 0x6;
     const bool os_avx512 = os_avx && (xcr0 & 0xE0) == 0xE0;
     f.flags = {
-        {"sse2", bit(l1.d, 26)},       {"sse3", bit(l1.c, 0)},
-        {"ssse3", bit(l1.c, 9)},       {"sse4_1", bit(l1.c, 19)},
-        {"sse4_2", bit(l1.c, 20)},     {"popcnt", bit(l1.c, 23)},
-        {"cx16", bit(l1.c, 13)},       {"lahf_lm", bit(e1.c, 0)},
-        {"avx", bit(l1.c, 28)},        {"avx2", bit(l7.b, 5)},
-        {"fma", bit(l1.c, 12)},        {"f16c", bit(l1.c, 29)},
-        {"movbe", bit(l1.c, 22)},      {"bmi1", bit(l7.b, 3)},
-        {"bmi2", bit(l7.b, 8)},        {"lzcnt", bit(e1.c, 5)},
-        {"avx512f", bit(l7.b, 16)},    {"avx512dq", bit(l7.b, 17)},
-        {"avx512cd", bit(l7.b, 28)},   {"avx512bw", bit(l7.b, 30)},
-        {"avx512vl", bit(l7.b, 31)},   {"os_avx", os_avx},
-        {"os_avx512", os_avx512},
+        {"sse2", bit(l1.d, 26)},     {"sse3", bit(l1.c, 0)},      {"ssse3", bit(l1.c, 9)},
+        {"sse4_1", bit(l1.c, 19)},   {"sse4_2", bit(l1.c, 20)},   {"popcnt", bit(l1.c, 23)},
+        {"cx16", bit(l1.c, 13)},     {"lahf_lm", bit(e1.c, 0)},   {"avx", bit(l1.c, 28)},
+        {"avx2", bit(l7.b, 5)},      {"fma", bit(l1.c, 12)},      {"f16c", bit(l1.c, 29)},
+        {"movbe", bit(l1.c, 22)},    {"bmi1", bit(l7.b, 3)},      {"bmi2", bit(l7.b, 8)},
+        {"lzcnt", bit(e1.c, 5)},     {"avx512f", bit(l7.b, 16)},  {"avx512dq", bit(l7.b, 17)},
+        {"avx512cd", bit(l7.b, 28)}, {"avx512bw", bit(l7.b, 30)}, {"avx512vl", bit(l7.b, 31)},
+        {"os_avx", os_avx},          {"os_avx512", os_avx512},
     };
 #elif defined(__aarch64__) || defined(_M_ARM64)
     f.flags = {{"neon", true}};  // Advanced SIMD is part of the aarch64 baseline
@@ -146,12 +142,12 @@ const Features& features() {
 
 // The x86-64 micro-architecture levels the variants are compiled for (-march=x86-64-v3/v4).
 bool supports(const Features& f, const std::string& isa) {
-    static const char* const v2[] = {"sse3", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16",
-                                     "lahf_lm"};
-    static const char* const v3[] = {"avx", "avx2", "fma", "f16c", "movbe", "bmi1", "bmi2",
-                                     "lzcnt", "os_avx"};
-    static const char* const v4[] = {"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl",
-                                     "os_avx512"};
+    static const char* const v2[] = {"sse3",   "ssse3", "sse4_1", "sse4_2",
+                                     "popcnt", "cx16",  "lahf_lm"};
+    static const char* const v3[] = {"avx",  "avx2", "fma",   "f16c",  "movbe",
+                                     "bmi1", "bmi2", "lzcnt", "os_avx"};
+    static const char* const v4[] = {"avx512f",  "avx512dq", "avx512cd",
+                                     "avx512bw", "avx512vl", "os_avx512"};
     auto all = [&f](const auto& names) {
         for (const char* n : names)
             if (!f.has(n)) return false;
@@ -183,7 +179,8 @@ const KernelTable& select_kernels(const char* forced) {
     const std::string want = forced ? forced : "";
     std::string name;
     for (char c : want)
-        if (c != ' ' && c != '\t' && c != '\n') name += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+        if (c != ' ' && c != '\t' && c != '\n')
+            name += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     if (!name.empty()) {
         const std::string known = detail::known_isas;
         if (name != "generic" && name != "avx2" && name != "avx512" && name != "native")
@@ -195,8 +192,8 @@ const KernelTable& select_kernels(const char* forced) {
             if (name == t->isa) return *(detail::chosen = t);
         std::string built;
         for (const auto& b : built_isas()) built += (built.empty() ? "" : ", ") + b;
-        throw std::runtime_error("ATTNLAB_ISA='" + name + "': that variant was not built (built: " +
-                                 built + ")");
+        throw std::runtime_error("ATTNLAB_ISA='" + name +
+                                 "': that variant was not built (built: " + built + ")");
     }
     for (const KernelTable* t : built_tables)  // best first; native only when asked at build
         if (isa_supported(t->isa)) return *(detail::chosen = t);

@@ -1,7 +1,6 @@
 // This build's kernel table (compiled once per instruction set, like every kernel source).
-#include "attnlab/kernels.hpp"
-
 #include "attnlab/gemm.hpp"
+#include "attnlab/kernels.hpp"
 
 #ifndef ATTNLAB_ISA_NAME
 #error "ATTNLAB_ISA_NAME must name the instruction-set variant (set by CMakeLists.txt)"
@@ -54,8 +53,6 @@ constexpr KernelTable kernel_table = {ATTNLAB_ISA_NAME,
                                       "neon "
 #endif
                                       ,
-                                      &eigen_simd,
-                                      kernel_set<float>(),
-                                      kernel_set<double>()};
+                                      &eigen_simd, kernel_set<float>(), kernel_set<double>()};
 
 }  // namespace attnlab::ATTNLAB_ISA_NS
