@@ -6,7 +6,8 @@
 #   scripts/sanitize.sh test_mha.py -k gqa  # any pytest arguments, relative to tests/
 #   ATTNLAB_SANITIZE_FULL=1 scripts/sanitize.sh   # the whole suite (slow: ~10x the normal run)
 #
-# How it stays apart from the normal install: the module is compiled into
+# Only the one variant is compiled into the module (ATTNLAB_ISAS=<isa>), and forced with
+# ATTNLAB_ISA. How it stays apart from the normal install: the module is compiled into
 # build/sanitize-<isa>/pkg/attnlab (a copy of python/attnlab without any compiled module) and
 # loaded through PYTHONPATH=build/sanitize-<isa>/pkg with ATTNLAB_ISA=<isa>; nothing is written
 # to python/attnlab or to site-packages, so neither `pip install .` nor scripts/dev-build.sh can
@@ -68,23 +69,15 @@ PRELOAD="$LIBASAN $("$CXX" -print-file-name=libstdc++.so)"
 
 # --- build the instrumented module into the overlay package
 start=$(date +%s)
-VERSION="$("$PY" -c 'import tomllib; print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])')"
+VERSION="$(sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml | head -1)"
+rm -f "$PKG"/attnlab/_core_*.so  # the per-ISA modules of earlier versions
 cmake -S . -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Debug -DATTNLAB_SANITIZE=ON \
   -DATTNLAB_ISAS="$ISA" -DPython_EXECUTABLE="$(command -v "$PY")" \
   -Dpybind11_DIR="$("$PY" -c 'import pybind11; print(pybind11.get_cmake_dir())')" \
   -DSKBUILD_PROJECT_VERSION="$VERSION" -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$PKG/attnlab" \
   > "$OUT/cmake.log" 2>&1 || { cat "$OUT/cmake.log"; exit 1; }
 cmake --build "$BUILD" -j "${ATTNLAB_SANITIZE_JOBS:-2}"
-"$PY" - "$ROOT/python/attnlab" "$PKG/attnlab" <<'EOF'
-import shutil, sys
-from pathlib import Path
-src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-dst.mkdir(parents=True, exist_ok=True)
-for p in dst.rglob("*.py"):   # files deleted from the source tree must not linger
-    p.unlink()
-shutil.copytree(src, dst, dirs_exist_ok=True,
-                ignore=shutil.ignore_patterns("*.so", "__pycache__", "*.pyc"))
-EOF
+"$PY" scripts/overlay-package.py "$PKG"
 echo "sanitize.sh: built $ISA in $(( $(date +%s) - start )) s"
 
 # --- run

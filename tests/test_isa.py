@@ -1,11 +1,16 @@
-"""Instruction-set variants: every variant this CPU supports computes the same numbers, an
-unsupported or unknown ATTNLAB_ISA is a clear error, and build_info reports the choice."""
+"""Instruction-set variants: one module (attnlab._core) holds every variant and picks one at
+import; every variant this CPU supports computes the same numbers, an unsupported, unbuilt or
+unknown ATTNLAB_ISA is a clear error, and build_info reports the choice. Under qemu's x86-64
+emulator (when installed), CPUs without AVX2 / AVX-512 select the variant they can run."""
 
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,10 +38,33 @@ def _run(isa: str) -> subprocess.CompletedProcess[str]:
 
 def test_build_info_reports_the_variant_in_use():
     info = attnlab.build_info()
-    for key in ("version", "isa", "compiler", "eigen_version", "num_threads", "available_isas"):
+    for key in ("version", "isa", "compiler", "eigen_version", "num_threads", "available_isas",
+                "built_isas", "compiled_for", "cpu_features"):
         assert key in info
     assert info["isa"] in info["available_isas"]
     assert info["isa"] == info["available_isas"][0] or os.environ.get("ATTNLAB_ISA")
+    assert set(info["available_isas"]) <= set(info["built_isas"])
+    assert info["isa"] == _loader.core.ISA
+
+
+def test_one_module_holds_every_variant():
+    pkg = Path(attnlab.__file__).parent
+    assert not list(pkg.glob("_core_*")), "stale per-ISA modules next to attnlab._core"
+    assert len(list(pkg.glob("_core.*"))) >= 1
+    built = attnlab.build_info()["built_isas"]
+    assert "generic" in built
+    if platform.machine().lower() in ("x86_64", "amd64") and not os.environ.get("ATTNLAB_SANITIZED"):
+        # the wheels and `pip install .` build every x86-64 variant
+        assert {"generic", "avx2", "avx512"} <= set(built), built
+
+
+def test_the_variant_needs_what_the_cpu_reports():
+    feats = attnlab.build_info()["cpu_features"]
+    avail = _loader.available()
+    if "avx2" in avail:
+        assert all(feats[f] for f in ("avx", "avx2", "fma", "bmi2", "os_avx"))
+    if "avx512" in avail:
+        assert all(feats[f] for f in ("avx512f", "avx512bw", "avx512vl", "os_avx512"))
 
 
 @pytest.mark.parametrize("isa", _loader.available())
@@ -52,14 +80,39 @@ def test_unknown_isa_is_a_clear_error():
     assert "ATTNLAB_ISA" in r.stderr and "expected one of" in r.stderr
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "native"])
 def test_unsupported_or_missing_variant_is_a_clear_error(isa):
     if isa in _loader.available():
         pytest.skip(f"{isa} is supported and built here")
     r = _run(isa)
-    assert r.returncode != 0
-    assert "ATTNLAB_ISA" in r.stderr  # ImportError naming the variable, never SIGILL
-    assert r.returncode == 1
+    assert r.returncode == 1  # ImportError naming the variable, never SIGILL
+    assert "ImportError" in r.stderr and "ATTNLAB_ISA" in r.stderr
+    assert ("does not support it" in r.stderr) or ("was not built" in r.stderr)
+
+
+QEMU = shutil.which("qemu-x86_64-static") or shutil.which("qemu-x86_64")
+
+
+# Older CPUs, emulated: the whole Python process runs under qemu-user with the CPU model given,
+# so cpuid reports what that CPU has and any AVX instruction would be SIGILL (qemu has no
+# AVX-512). Nehalem: SSE4.2, no AVX; Haswell: AVX2 + FMA, no AVX-512.
+@pytest.mark.skipif(QEMU is None or platform.machine() != "x86_64",
+                    reason="needs qemu-x86_64 (Debian: qemu-user-static) on x86-64")
+@pytest.mark.parametrize(("cpu", "best", "refused"),
+                         [("Nehalem", "generic", ["avx2", "avx512"]),
+                          ("Haswell", "avx2", ["avx512"])])
+def test_emulated_older_cpus_select_what_they_can_run(cpu, best, refused):
+    assert QEMU is not None
+    cmd = [QEMU, "-cpu", cpu, sys.executable, "-c", PROBE]
+    r = subprocess.run(cmd, env=dict(os.environ, ATTNLAB_ISA=""), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == best
+    for isa in refused:
+        r = subprocess.run(cmd, env=dict(os.environ, ATTNLAB_ISA=isa), capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 1, (isa, r.returncode, r.stderr[-2000:])
+        assert "ATTNLAB_ISA" in r.stderr and "does not support it" in r.stderr
 
 
 # The comparison suites (forward and backward of every family against the float64 reference,

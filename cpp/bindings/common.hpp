@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "attnlab/common.hpp"
+#include "attnlab/gemm.hpp"
+#include "attnlab/kernels.hpp"
 
 namespace attnlab {
 namespace bind {
@@ -137,6 +139,58 @@ auto dispatch(const py::array& a, const char* name, F&& f) {
     if (is_dtype<double>(a)) return f(double{});
     throw py::type_error(std::string(name) + ": expected float32 or float64, got " +
                          std::string(py::str(a.dtype())));
+}
+
+// The kernels, called through the table chosen at import (attnlab::kernels()): the bindings
+// are compiled once and never see a particular instruction-set build.
+template <typename T>
+void attention_forward(const AttentionProblem<T>& p) {
+    kernels().get<T>().attention_forward(p);
+}
+template <typename T>
+void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g) {
+    kernels().get<T>().attention_backward(p, g);
+}
+template <typename T>
+void multi_head_attention_forward(const MhaProblem<T>& p) {
+    kernels().get<T>().multi_head_attention_forward(p);
+}
+template <typename T>
+void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
+                                   const MhaGrads<T>& g) {
+    kernels().get<T>().multi_head_attention_backward(p, grad_out, g);
+}
+template <typename T>
+void bilinear_attention_forward(const BilinearProblem<T>& p) {
+    kernels().get<T>().bilinear_attention_forward(p);
+}
+template <typename T>
+void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
+                                 const BilinearGrads<T>& g) {
+    kernels().get<T>().bilinear_attention_backward(p, grad_out, g);
+}
+template <typename T>
+void additive_attention_forward(const AdditiveProblem<T>& p) {
+    kernels().get<T>().additive_attention_forward(p);
+}
+template <typename T>
+void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
+                                 const AdditiveGrads<T>& g) {
+    kernels().get<T>().additive_attention_backward(p, grad_out, g);
+}
+template <typename T>
+void separable_attention_forward(const SeparableProblem<T>& p) {
+    kernels().get<T>().separable_attention_forward(p);
+}
+template <typename T>
+void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_out,
+                                  const SeparableGrads<T>& g) {
+    kernels().get<T>().separable_attention_backward(p, grad_out, g);
+}
+template <typename T>
+void linear(Index rows, Index in, Index out, const T* x, Index ldx, const T* w, const T* b, T* y,
+            Index ldy, bool accumulate = false) {
+    kernels().get<T>().linear(rows, in, out, x, ldx, w, b, y, ldy, accumulate);
 }
 
 }  // namespace bind

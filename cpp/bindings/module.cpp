@@ -1,8 +1,11 @@
-// The extension module: one per instruction set (_core_generic, _core_avx2, _core_avx512).
+// The extension module attnlab._core: bindings compiled once, calling the kernel table that
+// cpp/src/dispatch.cpp picks at import (ATTNLAB_ISA forces one).
 #include <pybind11/pybind11.h>
 
-#include <Eigen/Core>
+#include <cstdlib>
+#include <string>
 
+#include "attnlab/kernels.hpp"
 #include "attnlab/threading.hpp"
 
 namespace py = pybind11;
@@ -19,29 +22,30 @@ void bind_additive(py::module_& m);
 #define ATTNLAB_VERSION "0.0.0"
 #endif
 
+static py::tuple built_isas() {
+    py::list l;
+    for (const auto& isa : attnlab::built_isas()) l.append(py::str(isa));
+    return py::tuple(l);
+}
+
 static py::dict cpu_features() {
     py::dict d;
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-    __builtin_cpu_init();
-    d["sse2"] = static_cast<bool>(__builtin_cpu_supports("sse2"));
-    d["avx"] = static_cast<bool>(__builtin_cpu_supports("avx"));
-    d["avx2"] = static_cast<bool>(__builtin_cpu_supports("avx2"));
-    d["fma"] = static_cast<bool>(__builtin_cpu_supports("fma"));
-    d["bmi2"] = static_cast<bool>(__builtin_cpu_supports("bmi2"));
-    d["avx512f"] = static_cast<bool>(__builtin_cpu_supports("avx512f"));
-    d["avx512bw"] = static_cast<bool>(__builtin_cpu_supports("avx512bw"));
-    d["avx512dq"] = static_cast<bool>(__builtin_cpu_supports("avx512dq"));
-    d["avx512vl"] = static_cast<bool>(__builtin_cpu_supports("avx512vl"));
-    d["avx512cd"] = static_cast<bool>(__builtin_cpu_supports("avx512cd"));
-#endif
+    for (const auto& f : attnlab::cpu_features()) d[py::str(f.first)] = f.second;
     return d;
 }
 
-PYBIND11_MODULE(ATTNLAB_MODULE_NAME, m) {
+PYBIND11_MODULE(_core, m) {
+    // Before anything else: an unknown, unbuilt or unsupported ATTNLAB_ISA is an ImportError
+    // (pybind11 turns the std::runtime_error into one), never an illegal instruction.
+    const attnlab::KernelTable& table = attnlab::select_kernels(std::getenv("ATTNLAB_ISA"));
     m.doc() = "attnlab compiled kernels (private; use the attnlab package)";
     m.attr("__version__") = ATTNLAB_VERSION;
-    m.attr("ISA") = ATTNLAB_ISA_NAME;
-    m.def("cpu_features", &cpu_features, "Instruction sets the running CPU supports.");
+    m.attr("ISA") = table.isa;
+    m.attr("BUILT_ISAS") = built_isas();
+    m.def("cpu_features", &cpu_features, "Instruction sets the running CPU (and OS) supports.");
+    m.def(
+        "isa_supported", [](const std::string& isa) { return attnlab::isa_supported(isa); },
+        py::arg("isa"), "Whether this CPU and OS can run the variant (built or not).");
     m.def("get_num_threads", &attnlab::get_num_threads);
     m.def("set_num_threads", &attnlab::set_num_threads, py::arg("n"));
     m.attr("MAX_THREADS") = attnlab::kMaxThreads;
@@ -50,8 +54,12 @@ PYBIND11_MODULE(ATTNLAB_MODULE_NAME, m) {
     m.def("build_info", [] {
         py::dict d;
         d["version"] = ATTNLAB_VERSION;
-        d["isa"] = ATTNLAB_ISA_NAME;
-#if defined(__VERSION__)
+        const attnlab::KernelTable& t = attnlab::kernels();
+        d["isa"] = t.isa;
+        d["built_isas"] = built_isas();
+#if defined(_MSC_VER) && !defined(__clang__)
+        d["compiler"] = "msvc " + std::to_string(_MSC_VER);
+#elif defined(__VERSION__)
         d["compiler"] = std::string(
 #if defined(__clang__)
             "clang "
@@ -61,23 +69,9 @@ PYBIND11_MODULE(ATTNLAB_MODULE_NAME, m) {
             __VERSION__);
 #endif
         d["eigen_version"] = ATTNLAB_EIGEN_VERSION_STR;
-        d["eigen_simd"] = std::string(Eigen::SimdInstructionSetsInUse());
-        std::string simd;
-#if defined(__AVX512F__)
-        simd += "avx512f ";
-#endif
-#if defined(__AVX2__)
-        simd += "avx2 ";
-#endif
-#if defined(__FMA__)
-        simd += "fma ";
-#endif
-#if defined(__AVX__)
-        simd += "avx ";
-#endif
-#if defined(__SSE2__)
-        simd += "sse2";
-#endif
+        d["eigen_simd"] = std::string(t.eigen_simd());
+        std::string simd = t.compiled_for;
+        while (!simd.empty() && simd.back() == ' ') simd.pop_back();
         d["compiled_for"] = simd;
         d["num_threads"] = attnlab::get_num_threads();
         d["num_threads_source"] = attnlab::num_threads_source();

@@ -8,7 +8,7 @@
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
 
-namespace attnlab {
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
 namespace detail {
 namespace {
@@ -639,4 +639,4 @@ template void separable_attention_backward<float>(const SeparableProblem<float>&
 template void separable_attention_backward<double>(const SeparableProblem<double>&,
                                                    const double*, const SeparableGrads<double>&);
 
-}  // namespace attnlab
+}  // namespace attnlab::ATTNLAB_ISA_NS

@@ -10,7 +10,7 @@
 #include "microkernel.hpp"
 #include "softmax.hpp"
 
-namespace attnlab {
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
 namespace detail {
 
@@ -482,4 +482,4 @@ template void attention_forward<double>(const AttentionProblem<double>&);
 template void multi_head_attention_forward<float>(const MhaProblem<float>&);
 template void multi_head_attention_forward<double>(const MhaProblem<double>&);
 
-}  // namespace attnlab
+}  // namespace attnlab::ATTNLAB_ISA_NS

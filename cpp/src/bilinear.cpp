@@ -5,7 +5,7 @@
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
 
-namespace attnlab {
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
 namespace detail {
 
@@ -239,4 +239,4 @@ template void bilinear_attention_backward<float>(const BilinearProblem<float>&, 
 template void bilinear_attention_backward<double>(const BilinearProblem<double>&, const double*,
                                                   const BilinearGrads<double>&);
 
-}  // namespace attnlab
+}  // namespace attnlab::ATTNLAB_ISA_NS

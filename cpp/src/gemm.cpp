@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-namespace attnlab {
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
 namespace {
 // Blocking: a task is 128 rows x 8 panels of output columns; the depth runs in chunks of 256 so
@@ -133,4 +133,4 @@ template void linear<float>(Index, Index, Index, const float*, Index, const floa
 template void linear<double>(Index, Index, Index, const double*, Index, const double*,
                              const double*, double*, Index, bool);
 
-}  // namespace attnlab
+}  // namespace attnlab::ATTNLAB_ISA_NS

@@ -12,7 +12,7 @@
 
 #include "attnlab/common.hpp"
 
-namespace attnlab {
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace detail {
 
 // Per-thread scratch that only grows, so tiles do not allocate on every task. Aligned to 64
@@ -102,4 +102,4 @@ void panel_product(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, 
 #endif
 
 }  // namespace detail
-}  // namespace attnlab
+}  // namespace attnlab::ATTNLAB_ISA_NS

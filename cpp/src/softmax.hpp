@@ -8,7 +8,7 @@
 
 #include "attnlab/common.hpp"
 
-namespace attnlab {
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace detail {
 
 template <typename T>
@@ -167,4 +167,4 @@ T dot(const T* a, const T* b, Index n) {
 }
 
 }  // namespace detail
-}  // namespace attnlab
+}  // namespace attnlab::ATTNLAB_ISA_NS

@@ -121,12 +121,14 @@ def build_info() -> dict[str, Any]:
     Returns
     -------
     dict
-        ``version``; ``isa``, the kernel variant imported (``generic``, ``avx2``, ``avx512`` or
-        ``native``); ``compiled_for``, ``compiler``, ``eigen_version``, ``eigen_simd``;
-        ``num_threads`` and ``num_threads_source`` (``"set_num_threads"``,
-        ``"ATTNLAB_NUM_THREADS"``, ``"sched_getaffinity"``, ``"cgroup cpu quota"`` or
-        ``"hardware_concurrency"``, with a note when it was reduced); ``available_isas``, the variants built and supported by this CPU, best
-        first; ``cpu_features``, the instruction sets the CPU reports.
+        ``version``; ``module``, the file of the one compiled module (``attnlab._core``);
+        ``isa``, the kernel variant in use inside it (``generic``, ``avx2``, ``avx512`` or
+        ``native``), with its ``compiled_for`` and ``eigen_simd``; ``built_isas``, every variant
+        compiled into the module, best first; ``available_isas``, those this CPU and OS can run;
+        ``compiler``, ``eigen_version``; ``num_threads`` and ``num_threads_source``
+        (``"set_num_threads"``, ``"ATTNLAB_NUM_THREADS"``, ``"sched_getaffinity"``,
+        ``"cgroup cpu quota"`` or ``"hardware_concurrency"``, with a note when it was reduced);
+        ``cpu_features``, the instruction sets (and OS register state) the CPU reports.
 
     Examples
     --------
@@ -134,9 +136,13 @@ def build_info() -> dict[str, Any]:
     >>> attnlab.build_info()["isa"] in ("generic", "avx2", "avx512", "native")
     True
     """
+    import os
+
     from ._loader import available
 
     info = dict(_core.build_info())
+    info["module"] = os.path.basename(_core.__file__ or "")  # one module, every variant inside
+    info["built_isas"] = list(info["built_isas"])
     info["available_isas"] = available()
     info["cpu_features"] = {k: bool(v) for k, v in dict(_core.cpu_features()).items()}
     return info

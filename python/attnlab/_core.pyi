@@ -1,8 +1,9 @@
-# Stub of the compiled kernel module, as `attnlab._loader.core` exposes it. One build per
-# instruction set ships (_core_generic, _core_avx2, _core_avx512); all have this interface
-# (cpp/bindings/*.cpp). Private: the Python layer validates and prepares every argument (dtype
-# float32/float64 shared by all arrays, C-contiguous or whole-element strides, outputs writable)
-# and the bindings check the raw buffers again. Optional arrays are `None` when absent.
+# Stub of the compiled module attnlab._core (cpp/bindings/*.cpp), as `attnlab._loader.core`
+# exposes it. One module: the kernels inside are compiled once per instruction set and the
+# variant is chosen at import (ISA; ATTNLAB_ISA forces one). Private: the Python layer
+# validates and prepares every argument (dtype float32/float64 shared by all arrays,
+# C-contiguous or whole-element strides, outputs writable) and the bindings check the raw
+# buffers again. Optional arrays are `None` when absent.
 
 from typing import Any, SupportsFloat, SupportsIndex, SupportsInt, TypeAlias
 
@@ -14,10 +15,12 @@ _Int: TypeAlias = SupportsInt | SupportsIndex
 _Float: TypeAlias = SupportsFloat | SupportsIndex
 
 __version__: str
-ISA: str
+ISA: str  # the variant in use: "generic", "avx2", "avx512" or "native"
+BUILT_ISAS: tuple[str, ...]  # the variants compiled into the module, best first
 MAX_THREADS: int
 
 def cpu_features() -> dict[str, bool]: ...
+def isa_supported(isa: str) -> bool: ...
 def get_num_threads() -> int: ...
 def set_num_threads(n: _Int) -> None: ...
 def cgroup_cpu_limit(sysroot: str) -> int: ...

@@ -47,8 +47,10 @@ struct AdditiveProblem {
     T* out = nullptr;  // (batch * n, d_out) row-major contiguous
 };
 
+namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void additive_attention_forward(const AdditiveProblem<T>& p);
+}  // namespace ATTNLAB_ISA_NS
 
 // Per batch element, x (n, d), [s | k | v] = x w_qkv + b_qkv with widths 1, d, d:
 //   c = softmax of s over the real tokens; ctx = sum_n c_n k_n                (d)
@@ -66,8 +68,10 @@ struct SeparableProblem {
     T* out = nullptr;  // (batch * n, d_out)
 };
 
+namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void separable_attention_forward(const SeparableProblem<T>& p);
+}  // namespace ATTNLAB_ISA_NS
 
 // Gradients of the two forwards, written to caller-owned buffers shaped like the arguments
 // (row-major contiguous; x's gradient is (batch * n, d_in)). A null bias gradient is skipped;
@@ -89,9 +93,11 @@ struct AdditiveGrads {
 
 // p.out is not used. Matches torch's autograd, including F.normalize below eps (v / eps, a
 // constant scale) and relu at 0 (gradient 0).
+namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
                                  const AdditiveGrads<T>& g);
+}  // namespace ATTNLAB_ISA_NS
 
 template <typename T>
 struct SeparableGrads {
@@ -102,8 +108,10 @@ struct SeparableGrads {
     T* b_o = nullptr;
 };
 
+namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_out,
                                   const SeparableGrads<T>& g);
+}  // namespace ATTNLAB_ISA_NS
 
 }  // namespace attnlab

@@ -22,8 +22,10 @@ struct AttentionProblem {
 
 // The flash-style core: tiles of queries against tiles of keys with an online softmax, O(n d)
 // memory; when weights are requested they are written and used directly (O(n^2), as asked).
+namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void attention_forward(const AttentionProblem<T>& p);
+}  // namespace ATTNLAB_ISA_NS
 
 // Gradients of attention_forward. Needs p.out and p.lse as attention_forward left them (the
 // backward recomputes P = exp(S - lse) tile by tile: no O(n^2) memory). d_q is written per query
@@ -36,8 +38,10 @@ struct AttentionGrad {
     MatrixStack<T> d_k, d_v;     // (n_k x d), (n_k x d_v) per (batch, kv head)
 };
 
+namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g);
+}  // namespace ATTNLAB_ISA_NS
 
 // A dense projection y = x w + b; w is (in, out) row-major, b may be null.
 template <typename T>
@@ -75,8 +79,10 @@ struct MhaProblem {
     MhaState<T> state;     // optional: all five buffers or none
 };
 
+namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void multi_head_attention_forward(const MhaProblem<T>& p);
+}  // namespace ATTNLAB_ISA_NS
 
 // Gradient of a dense projection: weight and bias gradients, input gradient (any may be null).
 template <typename T>
@@ -95,7 +101,9 @@ struct MhaGrads {
 
 // Recomputes the forward (projections, attention with log-sum-exp), unless p.state holds it,
 // and back-propagates grad_out (batch * n_q, d_out) into every gradient pointer that is not null.
+namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out, const MhaGrads<T>& g);
+}  // namespace ATTNLAB_ISA_NS
 
 }  // namespace attnlab

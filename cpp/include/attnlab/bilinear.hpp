@@ -44,8 +44,10 @@ struct BilinearProblem {
     BilinearState<T> state;  // optional: all four buffers or none
 };
 
+namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void bilinear_attention_forward(const BilinearProblem<T>& p);
+}  // namespace ATTNLAB_ISA_NS
 
 // Gradients of bilinear_attention_forward; any pointer may be null (not computed).
 template <typename T>
@@ -62,8 +64,10 @@ struct BilinearGrads {
 // function; the query order keeps one projected tensor per query head and reads the keys raw),
 // then back-propagates grad_out (batch * n_q, d_out). Deterministic for any thread count: the
 // per-kv-head key gradients are summed in head order, never with atomics.
+namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
                                  const BilinearGrads<T>& g);
+}  // namespace ATTNLAB_ISA_NS
 
 }  // namespace attnlab

@@ -1,27 +1,46 @@
 #pragma once
 // Types shared by every kernel: strided matrix views and the mask description.
+//
+// The kernel sources (cpp/src) are compiled once per instruction set, each build inside its own
+// namespace attnlab::ATTNLAB_ISA_NS (isa_generic, isa_avx2, ...; set by CMake), with Eigen's
+// namespace renamed per build too (-DEigen=attnlab_eigen_<isa>), so that no inline function or
+// template instantiation compiled for one instruction set can stand in for another's at link
+// time. The plain structs here are shared with the bindings (compiled once); what touches Eigen
+// or is only used by the kernels lives in the per-ISA namespace, in kernel builds only.
 
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#if defined(_MSC_VER)
+#include <malloc.h>
+#endif
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <new>
 
+#if defined(ATTNLAB_ISA_NS)
+#define ATTNLAB_KERNEL_BUILD 1
 #include <Eigen/Core>
+#else
+#define ATTNLAB_ISA_NS isa_declarations_only  // bindings and shared code: never defined
+#endif
 
 namespace attnlab {
 
 using Index = std::int64_t;
 
+#if defined(ATTNLAB_KERNEL_BUILD)
+namespace ATTNLAB_ISA_NS {
 template <typename T>
 using RowMatrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 template <typename T>
 using RowMap = Eigen::Map<RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
 template <typename T>
 using ConstRowMap = Eigen::Map<const RowMatrix<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+}  // namespace ATTNLAB_ISA_NS
+#endif
 
 // A stack of row-major matrices indexed by (batch, head); element (b, h, i, j) is at
 // data[b * batch_stride + h * head_stride + i * row_stride + j]. Heads of a packed projection
@@ -36,6 +55,8 @@ struct MatrixStack {
     T* at(Index b, Index h) const { return data + b * batch_stride + h * head_stride; }
 };
 
+#if defined(ATTNLAB_KERNEL_BUILD)
+namespace ATTNLAB_ISA_NS {
 namespace detail {
 
 // Recycles the kernels' large temporary buffers. Fresh memory from the OS costs a page fault per
@@ -61,7 +82,11 @@ public:
                 return p;
             }
         }
+#if defined(_MSC_VER)
+        void* p = _aligned_malloc(bytes, 64);  // the MSVC runtime has no std::aligned_alloc
+#else
         void* p = std::aligned_alloc(64, bytes);
+#endif
         if (!p) throw std::bad_alloc();
         return p;
     }
@@ -77,7 +102,11 @@ public:
                 }
             }
         }
+#if defined(_MSC_VER)
+        _aligned_free(p);
+#else
         std::free(p);
+#endif
     }
 
 private:
@@ -108,6 +137,8 @@ Buffer<T> make_buffer(Index n) {
     return Buffer<T>(static_cast<T*>(detail::BufferPool::instance().get(bytes)),
                      detail::PoolDeleter{bytes});
 }
+}  // namespace ATTNLAB_ISA_NS
+#endif
 
 enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
 enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };

@@ -5,7 +5,7 @@
 
 #include "attnlab/common.hpp"
 
-namespace attnlab {
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
 // X (rows x in, row stride ldx), W (in x out, contiguous), b (out) or null,
 // Y (rows x out, row stride ldy). accumulate: Y += X W instead of Y = X W (+ b).
@@ -23,4 +23,4 @@ template <typename T>
 void linear_weight_grad(Index rows, Index in, Index out, const T* x, Index ldx, const T* dy,
                         Index lddy, T* dw, T* db);
 
-}  // namespace attnlab
+}  // namespace attnlab::ATTNLAB_ISA_NS

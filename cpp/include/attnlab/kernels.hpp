@@ -1,0 +1,74 @@
+#pragma once
+// The kernel table: every entry point of one instruction-set build of the kernels, as plain
+// function pointers over the shared problem structs. cpp/src/kernel_table.cpp defines one table
+// per build (attnlab::isa_<name>::kernel_table); cpp/src/dispatch.cpp picks one at import from
+// the CPU's features (or ATTNLAB_ISA) and the bindings call through it. Pure C++.
+
+#include <string>
+#include <vector>
+
+#include "attnlab/additive.hpp"
+#include "attnlab/attention.hpp"
+#include "attnlab/bilinear.hpp"
+#include "attnlab/common.hpp"
+
+namespace attnlab {
+
+template <typename T>
+struct KernelSet {
+    void (*attention_forward)(const AttentionProblem<T>&);
+    void (*attention_backward)(const AttentionProblem<T>&, const AttentionGrad<T>&);
+    void (*multi_head_attention_forward)(const MhaProblem<T>&);
+    void (*multi_head_attention_backward)(const MhaProblem<T>&, const T*, const MhaGrads<T>&);
+    void (*bilinear_attention_forward)(const BilinearProblem<T>&);
+    void (*bilinear_attention_backward)(const BilinearProblem<T>&, const T*,
+                                        const BilinearGrads<T>&);
+    void (*additive_attention_forward)(const AdditiveProblem<T>&);
+    void (*additive_attention_backward)(const AdditiveProblem<T>&, const T*,
+                                        const AdditiveGrads<T>&);
+    void (*separable_attention_forward)(const SeparableProblem<T>&);
+    void (*separable_attention_backward)(const SeparableProblem<T>&, const T*,
+                                         const SeparableGrads<T>&);
+    void (*linear)(Index, Index, Index, const T*, Index, const T*, const T*, T*, Index, bool);
+};
+
+struct KernelTable {
+    const char* isa;           // "generic", "avx2", "avx512", "native"
+    const char* compiled_for;  // the compiler's SIMD macros in this build, e.g. "avx2 fma avx sse2"
+    const char* (*eigen_simd)();  // Eigen::SimdInstructionSetsInUse() of this build
+    KernelSet<float> f32;
+    KernelSet<double> f64;
+
+    template <typename T>
+    const KernelSet<T>& get() const {
+        if constexpr (sizeof(T) == sizeof(float)) {
+            return f32;
+        } else {
+            return f64;
+        }
+    }
+};
+
+// --- cpp/src/dispatch.cpp (compiled once, without any instruction-set flag)
+
+// What the running CPU and operating system support, by name: the x86-64-v3/v4 features
+// (cpuid) and whether the OS saves the AVX / AVX-512 registers (XGETBV); {"neon": true} on
+// aarch64.
+std::vector<std::pair<std::string, bool>> cpu_features();
+
+// The variants compiled into this module, best first.
+std::vector<std::string> built_isas();
+
+// Whether this CPU and OS can run variant `isa` (false for unknown names).
+bool isa_supported(const std::string& isa);
+
+// Chooses the table: `forced` (the value of ATTNLAB_ISA; null or empty = the best variant
+// built that this CPU supports). Throws std::runtime_error naming ATTNLAB_ISA when the forced
+// variant is unknown, not built or not supported here: nothing compiled for an instruction set
+// the CPU lacks is ever called.
+const KernelTable& select_kernels(const char* forced);
+
+// The table chosen by select_kernels (which the module calls once, at import).
+const KernelTable& kernels();
+
+}  // namespace attnlab

@@ -1,0 +1,58 @@
+// This build's kernel table (compiled once per instruction set, like every kernel source).
+#include "attnlab/gemm.hpp"
+#include "attnlab/kernels.hpp"
+
+#ifndef ATTNLAB_ISA_NAME
+#error "ATTNLAB_ISA_NAME must name the instruction-set variant (set by CMakeLists.txt)"
+#endif
+
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
+
+namespace {
+
+const char* eigen_simd() { return Eigen::SimdInstructionSetsInUse(); }
+
+template <typename T>
+constexpr KernelSet<T> kernel_set() {
+    return {&attention_forward<T>,
+            &attention_backward<T>,
+            &multi_head_attention_forward<T>,
+            &multi_head_attention_backward<T>,
+            &bilinear_attention_forward<T>,
+            &bilinear_attention_backward<T>,
+            &additive_attention_forward<T>,
+            &additive_attention_backward<T>,
+            &separable_attention_forward<T>,
+            &separable_attention_backward<T>,
+            &linear<T>};
+}
+
+}  // namespace
+
+// Constant-initialised (no static constructor runs at load: code built for an instruction set
+// the CPU lacks must not execute before the dispatcher has chosen).
+extern const KernelTable kernel_table;
+constexpr KernelTable kernel_table = {ATTNLAB_ISA_NAME,
+                                      ""
+#if defined(__AVX512F__)
+                                      "avx512f "
+#endif
+#if defined(__AVX2__)
+                                      "avx2 "
+#endif
+#if defined(__FMA__)
+                                      "fma "
+#endif
+#if defined(__AVX__)
+                                      "avx "
+#endif
+#if defined(__SSE2__) || defined(_M_X64)
+                                      "sse2 "
+#endif
+#if defined(__ARM_NEON) || defined(__aarch64__)
+                                      "neon "
+#endif
+                                      ,
+                                      &eigen_simd, kernel_set<float>(), kernel_set<double>()};
+
+}  // namespace attnlab::ATTNLAB_ISA_NS
