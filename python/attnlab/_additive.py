@@ -61,15 +61,22 @@ def _prepare_additive(
     bs = {k: V.optional_array(a, k) for k, a in (("b_q", b_q), ("b_k", b_k), ("b_proj", b_proj),
                                                    ("b_final", b_final))}
     dtype = V.result_dtype(xa, *ws.values(), *bs.values())
-    wq_ = ws["w_q"]
-    if wq_.ndim != 2 or wq_.shape[0] != d_in or wq_.shape[1] < 1:
-        raise ValueError(
-            f"w_q: expected shape (d_in, D) = ({d_in}, D) with D >= 1, got "
-            f"{V.shape_str(wq_.shape)}"
-        )
+    wq_, wk_, wp_ = ws["w_q"], ws["w_k"], ws["w_proj"]
+    for name, layout in (("w_q", "(d_in, D)"), ("w_k", "(d_in, D)"), ("w_proj", "(D, D)"),
+                         ("w_final", "(D, d_out)")):
+        V.check_matrix(ws[name], name, layout, 0 if name == "w_final" else 1)
+    D_proj = wp_.shape[0] if wp_.shape[0] == wp_.shape[1] else None  # D as w_proj says
+    readers = [V.reader(ws[n], n, f"(d_in, D) = ({d_in}, D)", lambda c: c == D_proj, d_in)
+               for n in ("w_q", "w_k")]
+    V.check_readers([("x", xa, readers)], "from_swiftformer")
+    if wk_.shape[1] != wq_.shape[1]:  # the odd one out, w_proj (D, D) deciding
+        bad, good = ("w_q", wk_) if wk_.shape[1] == D_proj else ("w_k", wq_)
+        raise ValueError(f"{bad}: expected shape (d_in, D) = ({d_in}, {good.shape[1]}) as "
+                         f"{'w_k' if bad == 'w_q' else 'w_q'} {V.shape_str(good.shape)}, got "
+                         f"{V.shape_str(ws[bad].shape)}")
     D = wq_.shape[1]
-    wq = V.matrix(wq_, "w_q", dtype, d_in, D, f"({d_in}, {D})")
-    wk = V.matrix(ws["w_k"], "w_k", dtype, d_in, D, f"(d_in, D) = ({d_in}, {D})")
+    wq = V.contiguous(wq_, dtype)
+    wk = V.contiguous(wk_, dtype)
     wg_ = ws["w_g"]
     if wg_.shape not in ((D,), (D, 1)):
         raise ValueError(f"w_g: expected shape ({D},) or ({D}, 1), got {V.shape_str(wg_.shape)}")
@@ -207,8 +214,23 @@ def _prepare_separable(
     bqkv_ = V.optional_array(b_qkv, "b_qkv")
     bo_ = V.optional_array(b_o, "b_o")
     dtype = V.result_dtype(xa, wqkv_, wo_, bqkv_, bo_)
-    wqkv = V.matrix(wqkv_, "w_qkv", dtype, d, 1 + 2 * d, f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})")
-    wo = V.matrix(wo_, "w_o", dtype, d, None, f"(d, d_out) = ({d}, d_out)")
+    V.check_matrix(wqkv_, "w_qkv", "(d, 1 + 2 d)")
+    V.check_matrix(wo_, "w_o", "(d, d_out)", 0)
+    if wqkv_.shape[1] != 1 + 2 * wqkv_.shape[0]:  # its own shape, as long as it is not (out, in)
+        if wqkv_.shape[0] != 1 + 2 * wqkv_.shape[1]:
+            r = wqkv_.shape[0]
+            raise ValueError(f"w_qkv: expected shape (d, 1 + 2 d) = ({r}, {1 + 2 * r}), got "
+                             f"{V.shape_str(wqkv_.shape)}")
+    readers = [V.reader(wqkv_, "w_qkv", f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})",
+                        lambda c: c == 1 + 2 * d, d)]
+    V.check_readers([("x", xa, readers)], "from_mobilevitv2")
+    wqkv = V.contiguous(wqkv_, dtype)
+    if wo_.shape[0] != d:  # w_o reads the d value features
+        r_o = V.reader(wo_, "w_o", f"(d, d_out) = ({d}, d_out)", lambda c: True, d)
+        if r_o.transposed_fits:
+            raise V.transposed(r_o, "from_mobilevitv2")
+        raise ValueError(f"w_o: expected shape {r_o.layout}, got {V.shape_str(wo_.shape)}")
+    wo = V.contiguous(wo_, dtype)
     d_out = wo.shape[1]
     bqkv = V.vector(bqkv_, "b_qkv", dtype, 1 + 2 * d)
     bo = V.vector(bo_, "b_o", dtype, d_out)

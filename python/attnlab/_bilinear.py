@@ -375,9 +375,24 @@ def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_
     bv_ = V.optional_array(b_v, "b_v")
     bo_ = V.optional_array(b_o, "b_o")
     dtype = V.result_dtype(xq, xk, xv, wqk_, uk_, wv_, wo_, bv_, bo_)
-    if wqk_.shape != (h, d_q, d_k):
-        raise ValueError(f"w_qk: expected shape (h, d_q, d_k) = ({h}, {d_q}, {d_k}), got "
+    kv_arg = "num_heads" if num_kv_heads is None else "num_kv_heads"  # the one the user passed
+    lay_qk, lay_v = "(num_heads, d_q, d_k)", f"(d_v, {kv_arg} * d_vhead)"
+    if wqk_.ndim != 3:
+        raise ValueError(f"w_qk: expected a 3-D array {lay_qk}, got shape "
                          f"{V.shape_str(wqk_.shape)}")
+    V.check_matrix(wv_, "w_v", lay_v)
+    V.check_matrix(wo_, "w_o", "(num_heads * d_vhead, d_out)", 0)
+    if wqk_.shape[0] != h:
+        raise ValueError(f"num_heads: {h} does not match the {wqk_.shape[0]} heads of w_qk "
+                         f"{V.shape_str(wqk_.shape)}, which is {lay_qk}")
+    rv = V.reader(wv_, "w_v", lay_v, lambda n: n % h_kv == 0, d_v)
+    V.check_heads(wv_, h_kv, kv_arg, rv, "from_torch_mha")
+    rq = V.Reader("w_qk", wqk_.shape, wqk_.shape[1], "entries on axis 1", lay_qk, False)
+    rk = V.Reader("w_qk", wqk_.shape, wqk_.shape[2], "entries on axis 2", lay_qk, False)
+    groups: dict[int, tuple[str, np.ndarray, list[V.Reader]]] = {}
+    for x_name, x_, r in (("query", xq, rq), ("key", xk, rk), ("value", xv, rv)):
+        groups.setdefault(id(x_), (x_name, x_, []))[2].append(r)
+    V.check_readers(list(groups.values()), "from_torch_mha")
     wqk = V.contiguous(wqk_, dtype)
     uk = None
     if uk_ is not None:
@@ -385,15 +400,13 @@ def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_
             raise ValueError(f"u_k: expected shape (h, d_k) = ({h}, {d_k}), got "
                              f"{V.shape_str(uk_.shape)}")
         uk = V.contiguous(uk_, dtype)
-    if wv_.ndim != 2 or wv_.shape[0] != d_v or wv_.shape[1] % h_kv:
-        raise ValueError(
-            f"w_v: expected shape (d_v, h_kv * d_vhead) = ({d_v}, {h_kv} * d_vhead), got "
-            f"{V.shape_str(wv_.shape)}"
-        )
     d_vhead = wv_.shape[1] // h_kv
-    wv = V.matrix(wv_, "w_v", dtype, d_v, h_kv * d_vhead, f"({d_v}, {h_kv * d_vhead})")
-    wo = V.matrix(wo_, "w_o", dtype, h * d_vhead, None,
-                  f"(h * d_vhead, d_out) = ({h * d_vhead}, d_out)")
+    wv = V.contiguous(wv_, dtype)
+    if wo_.shape[0] != h * d_vhead:
+        raise ValueError(f"w_o: expected shape (num_heads * d_vhead, d_out) = ({h * d_vhead}, "
+                         f"d_out) with d_vhead = {d_vhead} from w_v {V.shape_str(wv_.shape)}, "
+                         f"got {V.shape_str(wo_.shape)}")
+    wo = V.contiguous(wo_, dtype)
     d_out = wo.shape[1]
     bv = V.vector(bv_, "b_v", dtype, h_kv * d_vhead)
     bo = V.vector(bo_, "b_o", dtype, d_out)

@@ -205,6 +205,7 @@ def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any,
     h_kv = h if num_kv_heads is None else V.check_positive_int(num_kv_heads, "num_kv_heads")
     if h % h_kv:
         raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {h}, got {h_kv}")
+    kv_arg = "num_heads" if num_kv_heads is None else "num_kv_heads"  # the one the user passed
     xq = V.as_array(query, "query")
     xk = xq if key is None else V.as_array(key, "key")
     xv = xk if value is None else V.as_array(value, "value")
@@ -227,27 +228,45 @@ def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any,
     bs = {n: V.optional_array(a, n) for n, a in (("b_q", b_q), ("b_k", b_k), ("b_v", b_v),
                                                     ("b_o", b_o))}
     dtype = V.result_dtype(xq, xk, xv, *ws.values(), *bs.values())
-    wq_ = ws["w_q"]
-    if wq_.ndim != 2 or wq_.shape[0] != d_q or wq_.shape[1] % h or wq_.shape[1] == 0:
-        raise ValueError(
-            f"w_q: expected shape (d_q, h * d_head) = ({d_q}, {h} * d_head), got "
-            f"{V.shape_str(wq_.shape)}"
-        )
-    d_head = wq_.shape[1] // h
-    wv_ = ws["w_v"]
-    if wv_.ndim != 2 or wv_.shape[0] != d_v or wv_.shape[1] % h_kv or wv_.shape[1] == 0:
-        raise ValueError(
-            f"w_v: expected shape (d_v, h_kv * d_vhead) = ({d_v}, {h_kv} * d_vhead), got "
-            f"{V.shape_str(wv_.shape)}"
-        )
-    d_vhead = wv_.shape[1] // h_kv
-    wq = V.matrix(wq_, "w_q", dtype, d_q, h * d_head, f"({d_q}, {h * d_head})")
-    wk = V.matrix(ws["w_k"], "w_k", dtype, d_k, h_kv * d_head,
-                  f"(d_k, h_kv * d_head) = ({d_k}, {h_kv * d_head})")
-    wv = V.matrix(wv_, "w_v", dtype, d_v, h_kv * d_vhead, f"({d_v}, {h_kv * d_vhead})")
-    wo_ = ws["w_o"]
-    wo = V.matrix(wo_, "w_o", dtype, h * d_vhead, None,
-                  f"(h * d_vhead, d_out) = ({h * d_vhead}, d_out)")
+    wq_, wk_, wv_, wo_ = ws["w_q"], ws["w_k"], ws["w_v"], ws["w_o"]
+    lay = {"w_q": "(d_q, num_heads * d_head)", "w_k": f"(d_k, {kv_arg} * d_head)",
+           "w_v": f"(d_v, {kv_arg} * d_vhead)", "w_o": "(num_heads * d_vhead, d_out)"}
+    for name, w_ in ws.items():
+        V.check_matrix(w_, name, lay[name], 0 if name == "w_o" else 1)
+    by_h = lambda n: n % h == 0  # noqa: E731  (a valid column count for the query heads)
+    by_kv = lambda n: n % h_kv == 0  # noqa: E731
+    readers = {"w_q": V.reader(wq_, "w_q", lay["w_q"], by_h, d_q),
+               "w_k": V.reader(wk_, "w_k", lay["w_k"], by_kv, d_k),
+               "w_v": V.reader(wv_, "w_v", lay["w_v"], by_kv, d_v)}
+    for name, heads, arg in (("w_q", h, "num_heads"), ("w_k", h_kv, kv_arg),
+                             ("w_v", h_kv, kv_arg)):
+        V.check_heads(ws[name], heads, arg, readers[name], "from_torch_mha")
+    groups: dict[int, tuple[str, np.ndarray, list[V.Reader]]] = {}
+    for x_name, x_, w_name in (("query", xq, "w_q"), ("key", xk, "w_k"), ("value", xv, "w_v")):
+        groups.setdefault(id(x_), (x_name, x_, []))[2].append(readers[w_name])
+    V.check_readers(list(groups.values()), "from_torch_mha")
+    d_head, d_khead, d_vhead = wq_.shape[1] // h, wk_.shape[1] // h_kv, wv_.shape[1] // h_kv
+    o_head = wo_.shape[0] / h
+    if d_head != d_khead:  # the odd one out: the value side usually has the same head width
+        if d_khead == d_vhead == o_head:
+            raise ValueError(f"w_q: expected shape {lay['w_q']} = ({d_q}, {h * d_khead}) with "
+                             f"d_head = {d_khead} as in w_k {V.shape_str(wk_.shape)}, got "
+                             f"{V.shape_str(wq_.shape)} (d_head = {d_head})")
+        raise ValueError(f"w_k: expected shape {lay['w_k']} = ({d_k}, {h_kv * d_head}) with "
+                         f"d_head = {d_head} from w_q {V.shape_str(wq_.shape)}, got "
+                         f"{V.shape_str(wk_.shape)}")
+    if wo_.shape[0] != h * d_vhead:
+        if o_head == d_head != d_vhead:
+            raise ValueError(f"w_v: expected shape {lay['w_v']} = ({d_v}, {h_kv * d_head}) with "
+                             f"d_vhead = {d_head} as in w_o {V.shape_str(wo_.shape)}, got "
+                             f"{V.shape_str(wv_.shape)}")
+        raise ValueError(f"w_o: expected shape {lay['w_o']} = ({h * d_vhead}, d_out) with "
+                         f"d_vhead = {d_vhead} from w_v {V.shape_str(wv_.shape)}, got "
+                         f"{V.shape_str(wo_.shape)}")
+    wq = V.contiguous(wq_, dtype)
+    wk = V.contiguous(wk_, dtype)
+    wv = V.contiguous(wv_, dtype)
+    wo = V.contiguous(wo_, dtype)
     d_out = wo.shape[1]
     bq = V.vector(bs["b_q"], "b_q", dtype, h * d_head)
     bk = V.vector(bs["b_k"], "b_k", dtype, h_kv * d_head)

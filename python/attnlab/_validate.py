@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -269,3 +269,87 @@ def key_padding2(kpm: Any, batch: tuple[int, ...], n_k: int) -> np.ndarray | Non
     if any(s < 0 for s in m.strides):
         m = np.ascontiguousarray(m)
     return m
+
+
+def check_flag(x: Any, name: str) -> bool:
+    """A True/False argument, refusing other truthy or falsy values (1, None, "yes")."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+# -- shape checks that find the root cause -------------------------------------------------------
+# Order (every family): each input's own shape, each weight's own rank, the head counts against
+# the weights' widths, each weight against the input it reads, then the weights against each
+# other. A weight whose transpose would fit is named with the PyTorch hint.
+
+TORCH_HINT = "PyTorch's nn.Linear.weight is (out, in): pass weight.T, or use attnlab.interop.{}"
+
+
+def check_matrix(w: np.ndarray, name: str, layout: str, min_cols: int = 1) -> None:
+    """``w`` must be 2-D with at least ``min_cols`` columns: its own shape, checked first."""
+    if w.ndim != 2 or w.shape[1] < min_cols:
+        more = f" with at least {min_cols} column{'s' if min_cols > 1 else ''}" if min_cols else ""
+        raise ValueError(f"{name}: expected a 2-D array {layout}{more}, got shape "
+                         f"{shape_str(w.shape)}")
+
+
+class Reader(NamedTuple):
+    """One weight axis that reads an input's features."""
+
+    name: str                 # the argument, e.g. "w_q"
+    shape: tuple[int, ...]    # its shape
+    width: int                # the length of the axis that reads the input
+    axis: str                 # that axis in words: "rows", "axis 1 (d_q)"
+    layout: str               # the expected layout, e.g. "(d_q, num_heads * d_head)"
+    transposed_fits: bool     # the weight would fit if transposed (the PyTorch habit)
+
+
+def reader(w: np.ndarray, name: str, layout: str, cols_ok: Any, width: int) -> Reader:
+    """A 2-D weight reading an input of ``width`` features through its rows; ``cols_ok(n)``
+    says whether ``n`` columns would be valid (to detect a transposed weight)."""
+    return Reader(name, w.shape, w.shape[0], "rows", layout,
+                  w.shape[0] != width and w.shape[1] == width and bool(cols_ok(w.shape[0])))
+
+
+def transposed(r: Reader, interop: str) -> ValueError:
+    """The error for a weight given as PyTorch stores it, ``(out, in)``."""
+    return ValueError(f"{r.name}: expected shape {r.layout}, got {shape_str(r.shape)}; "
+                      + TORCH_HINT.format(interop))
+
+
+def check_heads(w: np.ndarray, heads: int, arg: str, r: Reader, interop: str) -> None:
+    """``heads`` (the argument ``arg`` the user passed) must divide the columns of weight ``w``
+    (``r`` its reader); when its transpose would fit, the weight is the cause, not the count."""
+    if w.shape[1] % heads == 0:
+        return
+    if r.transposed_fits:
+        raise transposed(r, interop)
+    raise ValueError(f"{arg}: {heads} does not divide the {w.shape[1]} columns of {r.name} "
+                     f"{shape_str(w.shape)}, which is {r.layout}")
+
+
+def check_readers(groups: list[tuple[str, np.ndarray, list[Reader]]], interop: str) -> None:
+    """Each weight axis must match the width of the input it reads.
+
+    ``groups`` are ``(input name, input, readers)``; one input object may feed several weights
+    (self-attention). Blame, in order: a weight whose transpose fits (with the PyTorch hint);
+    the input, when every weight reading it disagrees with it and they agree among themselves;
+    else the weight that disagrees.
+    """
+    for _, _, readers in groups:
+        for r in readers:
+            if r.transposed_fits:
+                raise transposed(r, interop)
+    for x_name, x, readers in groups:
+        d = x.shape[-1]
+        bad = [r for r in readers if r.width != d]
+        if not bad:
+            continue
+        if len(bad) == len(readers) and len({r.width for r in bad}) == 1:
+            names = ", ".join(f"{r.name} {shape_str(r.shape)}" for r in bad)
+            raise ValueError(f"{x_name}: expected last dimension {bad[0].width}, as read by "
+                             f"{names}, got shape {shape_str(x.shape)}")
+        r = bad[0]
+        raise ValueError(f"{r.name}: expected {d} {r.axis} (the features of {x_name} "
+                         f"{shape_str(x.shape)}) in shape {r.layout}, got {shape_str(r.shape)}")
