@@ -346,7 +346,7 @@ class _Prepared(NamedTuple):
 def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_o: Any,
              b_v: Any, b_o: Any, num_heads: Any, num_kv_heads: Any, mask: Any,
              key_padding_mask: Any, causal: Any, scale: Any, return_weights: Any,
-             _order: Any) -> _Prepared:
+             _order: Any, warn_empty_rows: Any = True) -> _Prepared:
     h, h_kv = _heads(num_heads, num_kv_heads)
     d_head: float | None = None
     if isinstance(w_qk, BilinearQK):
@@ -421,6 +421,8 @@ def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_
     m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
     kp = V.key_padding2(key_padding_mask, batch, n_k)
     B = V.count(batch)
+    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
+        V.warn_empty(*V.empty_rows(m4, kp, code, B, h, n_q, n_k), V.ATTENTION_ROWS)
     if _order is None:
         order = collapsed_order(n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=h, batch=B,
                                 key_bias=uk is not None)
@@ -450,6 +452,7 @@ def bilinear_attention(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: bool | str = False,
+    warn_empty_rows: bool = True,
     _order: str | None = None,
 ) -> Any:
     """Attention with collapsed query-key weights: logits ``scale * (x_q W_i x_k^T + u_i x_k^T)``.
@@ -477,8 +480,12 @@ def bilinear_attention(
     num_heads : int
     num_kv_heads : int, optional
         Grouped values: query head ``i`` reads value head ``i // (h // h_kv)``.
-    mask, key_padding_mask, causal, return_weights
-        As in :func:`attnlab.multi_head_attention` (``True`` means *may attend*).
+    mask, key_padding_mask, causal, return_weights, warn_empty_rows
+        As in :func:`attnlab.multi_head_attention`: boolean ``True`` means *may attend*, the
+        opposite of ``nn.MultiheadAttention``'s masks (convert those with
+        :func:`attnlab.interop.torch_masks`); ``causal=True`` lets query ``i`` see keys
+        ``j <= i``, ``"bottom_right"`` keys ``j <= i + n_k - n_q``; ``warn_empty_rows=False``
+        silences the warning for query rows the boolean masks leave with no key.
     scale : float, optional
         Default ``1/sqrt(d_head)`` for a BilinearQK, ``1/sqrt(d_q / num_heads)`` for a raw
         ``w_qk``.
@@ -495,6 +502,9 @@ def bilinear_attention(
     X_k u_i]^T`` (key order), whichever :func:`attnlab.cost.collapsed_order` says is cheaper:
     the key order wins when ``n_q`` is much larger than ``n_k``. Fully masked query rows give
     zero weights and an output row of ``b_o``. Not valid with rotary position embeddings.
+    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
+    follow ``np.result_type``; ints and float16 become float64; bool, complex, object and
+    string data raise ``TypeError``.
 
     Examples
     --------
@@ -510,7 +520,7 @@ def bilinear_attention(
     True
     """
     a = _prepare(query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads,
-                 mask, key_padding_mask, causal, scale, return_weights, _order)
+                 mask, key_padding_mask, causal, scale, return_weights, _order, warn_empty_rows)
     B, n_q, n_k, h, d_out, dtype, mode = a.B, a.n_q, a.n_k, a.h, a.d_out, a.dtype, a.mode
     batch = a.batch
     out = V.empty((B * n_q, d_out), dtype)
@@ -545,6 +555,7 @@ def bilinear_attention_backward(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: bool | str = False,
+    warn_empty_rows: bool = True,
 ) -> dict[str, np.ndarray]:
     """Gradients of :func:`bilinear_attention` with respect to every array argument given.
 
@@ -553,8 +564,10 @@ def bilinear_attention_backward(
     grad_out : array_like, shape (..., n_q, d_out)
         Gradient of the loss with respect to the output.
     query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads, mask,
-    key_padding_mask, causal, scale
-        As for :func:`bilinear_attention`. ``return_weights`` is accepted and ignored.
+    key_padding_mask, causal, scale, warn_empty_rows
+        As for :func:`bilinear_attention` (boolean ``True`` = *may attend*, the opposite of
+        ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`).
+        ``return_weights`` is accepted and ignored.
 
     Returns
     -------
@@ -587,7 +600,7 @@ def bilinear_attention_backward(
     (['query', 'w_o', 'w_qk', 'w_v'], (2, 8, 8))
     """
     a = _prepare(query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads,
-                 mask, key_padding_mask, causal, scale, return_weights, "query")
+                 mask, key_padding_mask, causal, scale, return_weights, "query", warn_empty_rows)
     dtype, batch, B = a.dtype, a.batch, a.B
     go = _grad_out(grad_out, batch + (a.n_q, a.d_out), dtype)
     grads: dict[str, np.ndarray] = {}

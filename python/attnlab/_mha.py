@@ -49,7 +49,8 @@ class _Sdpa(NamedTuple):
     mask4: np.ndarray | None
 
 
-def _prepare_sdpa(q: Any, k: Any, v: Any, mask: Any, causal: Any, scale: Any) -> _Sdpa:
+def _prepare_sdpa(q: Any, k: Any, v: Any, mask: Any, causal: Any, scale: Any,
+                  warn_empty_rows: Any) -> _Sdpa:
     q = V.as_array(q, "q")
     k = V.as_array(k, "k")
     v = V.as_array(v, "v")
@@ -84,6 +85,9 @@ def _prepare_sdpa(q: Any, k: Any, v: Any, mask: Any, causal: Any, scale: Any) ->
 
     code_ = V.causal_code(causal)
     m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
+    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
+        V.warn_empty(*V.empty_rows(m4, None, code_, V.count(batch), h, n_q, n_k),
+                     V.ATTENTION_ROWS)
     return _Sdpa(q, k, v, V.stack(q, batch, dtype, 3), V.stack(k, batch, dtype, 3),
                  V.stack(v, batch, dtype, 3), batch, dtype, h, h_kv, n_q, n_k, d, d_v, code_, s,
                  m4)
@@ -98,6 +102,7 @@ def scaled_dot_product_attention(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: Weights = False,
+    warn_empty_rows: bool = True,
 ) -> Any:
     """Attention of queries ``q`` over keys ``k`` and values ``v``, per head.
 
@@ -113,15 +118,23 @@ def scaled_dot_product_attention(
         ``j // (h // h_kv)``. Leading batch dimensions broadcast.
     mask : array_like of bool or float, optional
         Broadcasts to ``(..., h, n_q, n_k)``. Boolean ``True`` means *may attend*; a float
-        mask is added to the scaled scores.
+        mask is added to the scaled scores. ``nn.MultiheadAttention``'s boolean masks mean the
+        opposite (``True`` = masked out): convert them with
+        :func:`attnlab.interop.torch_masks`.
     causal : bool or {"top_left", "bottom_right"}
-        ``True``/``"top_left"``: query ``i`` sees keys ``j <= i``. ``"bottom_right"``: the last
-        query is aligned with the last key (decoding with a cache).
+        ``False``: no causal mask. ``True`` or ``"top_left"``: query ``i`` sees keys
+        ``j <= i`` (as SDPA's ``is_causal``). ``"bottom_right"``: the last query is aligned with
+        the last key, query ``i`` sees keys ``j <= i + n_k - n_q`` (decoding with a cache).
+        Combined with ``mask`` (both must allow a pair).
     scale : float, optional
         Defaults to ``1 / sqrt(d)``.
     return_weights : bool or {"heads", "mean"}
         Also return the attention weights, per head ``(..., h, n_q, n_k)`` or their mean over
         heads ``(..., n_q, n_k)``.
+    warn_empty_rows : bool
+        Warn (a ``UserWarning``, once per call, with the count) when the boolean masks leave a
+        query row with no key at all: the usual sign of a mask in PyTorch's polarity. Pass
+        ``False`` when such rows are intended.
 
     Returns
     -------
@@ -131,6 +144,9 @@ def scaled_dot_product_attention(
     Notes
     -----
     A query row whose keys are all masked gets weights 0 and an output row of 0, never NaN.
+    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
+    follow ``np.result_type`` (float32 with float64 gives float64); ints and float16 become
+    float64; bool, complex, object and string data raise ``TypeError``.
 
     Examples
     --------
@@ -139,7 +155,7 @@ def scaled_dot_product_attention(
     >>> attnlab.scaled_dot_product_attention(q, k, v, causal=True).shape
     (2, 4, 8)
     """
-    a = _prepare_sdpa(q, k, v, mask, causal, scale)
+    a = _prepare_sdpa(q, k, v, mask, causal, scale, warn_empty_rows)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
@@ -200,7 +216,8 @@ class _Mha(NamedTuple):
 
 def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any,
                  b_q: Any, b_k: Any, b_v: Any, b_o: Any, num_heads: Any, num_kv_heads: Any,
-                 mask: Any, key_padding_mask: Any, causal: Any, scale: Any) -> _Mha:
+                 mask: Any, key_padding_mask: Any, causal: Any, scale: Any,
+                 warn_empty_rows: Any) -> _Mha:
     h = V.check_positive_int(num_heads, "num_heads")
     h_kv = h if num_kv_heads is None else V.check_positive_int(num_kv_heads, "num_kv_heads")
     if h % h_kv:
@@ -279,6 +296,8 @@ def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any,
     s = V.check_scale(scale, 1.0 / math.sqrt(d_head))
     m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
     kp = V.key_padding2(key_padding_mask, batch, n_k)
+    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
+        V.warn_empty(*V.empty_rows(m4, kp, code, V.count(batch), h, n_q, n_k), V.ATTENTION_ROWS)
 
     B = V.count(batch)
     rq = V.rows(xq, batch, dtype) if B * n_q else V.empty((0, d_q), dtype)
@@ -310,6 +329,7 @@ def multi_head_attention(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: Weights = False,
+    warn_empty_rows: bool = True,
 ) -> Any:
     """Multi-head attention with per-head projections (heads never share weights).
 
@@ -337,14 +357,24 @@ def multi_head_attention(
         defaults to ``num_heads``.
     mask : array_like of bool or float, optional
         Broadcasts to ``(..., h, n_q, n_k)``; ``True`` means *may attend*, floats are added to
-        the scaled scores.
+        the scaled scores. ``nn.MultiheadAttention``'s boolean masks mean the opposite
+        (``True`` = masked out): convert them with :func:`attnlab.interop.torch_masks`.
     key_padding_mask : array_like of bool, optional
-        ``(..., n_k)``, ``True`` for real tokens.
+        ``(..., n_k)``, ``True`` for real tokens (``nn.MultiheadAttention``'s ``True`` marks
+        padding; :func:`attnlab.interop.torch_masks` converts it).
     causal : bool or {"top_left", "bottom_right"}
+        ``False``: no causal mask. ``True`` or ``"top_left"``: query ``i`` sees keys
+        ``j <= i`` (as SDPA's ``is_causal``). ``"bottom_right"``: the last query is aligned with
+        the last key, query ``i`` sees keys ``j <= i + n_k - n_q`` (decoding with a cache).
+        Combined with the masks (all must allow a pair).
     scale : float, optional
         Defaults to ``1 / sqrt(d_head)``.
     return_weights : bool or {"heads", "mean"}
         ``True``/``"heads"``: also return ``(..., h, n_q, n_k)``; ``"mean"``: ``(..., n_q, n_k)``.
+    warn_empty_rows : bool
+        Warn (a ``UserWarning``, once per call, with the count) when the boolean masks leave a
+        query row with no key at all: the usual sign of a mask in PyTorch's polarity. Pass
+        ``False`` when such rows are intended (their output is ``b_o``).
 
     Returns
     -------
@@ -354,6 +384,9 @@ def multi_head_attention(
     Notes
     -----
     Fully masked query rows give zero weights and a zero context, so their output is ``b_o``.
+    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
+    follow ``np.result_type`` (float32 with float64 gives float64); ints and float16 become
+    float64; bool, complex, object and string data raise ``TypeError``.
 
     Examples
     --------
@@ -366,7 +399,7 @@ def multi_head_attention(
     (2, 5, 16)
     """
     a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
-                     num_kv_heads, mask, key_padding_mask, causal, scale)
+                     num_kv_heads, mask, key_padding_mask, causal, scale, warn_empty_rows)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
     B = V.count(batch)
@@ -411,6 +444,7 @@ def scaled_dot_product_attention_backward(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: Weights = False,
+    warn_empty_rows: bool = True,
 ) -> dict[str, np.ndarray]:
     """Gradients of :func:`scaled_dot_product_attention` with respect to ``q``, ``k``, ``v``.
 
@@ -422,8 +456,9 @@ def scaled_dot_product_attention_backward(
     ----------
     grad_out : array_like, shape (..., h, n_q, d_v)
         Gradient of the loss with respect to the output.
-    q, k, v, mask, causal, scale
-        As for :func:`scaled_dot_product_attention`. ``return_weights`` is accepted for
+    q, k, v, mask, causal, scale, warn_empty_rows
+        As for :func:`scaled_dot_product_attention` (boolean ``True`` = *may attend*, the
+        opposite of ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`). ``return_weights`` is accepted for
         symmetry and ignored: gradients flow from the output only. Masks are not
         differentiated.
 
@@ -442,7 +477,7 @@ def scaled_dot_product_attention_backward(
     ['k', 'q', 'v']
     """
     V.weights_mode(return_weights)
-    a = _prepare_sdpa(q, k, v, mask, causal, scale)
+    a = _prepare_sdpa(q, k, v, mask, causal, scale, warn_empty_rows)
     batch, dtype, h, h_kv, n_q, n_k, d, d_v = (a.batch, a.dtype, a.h, a.h_kv, a.n_q, a.n_k,
                                                a.d, a.d_v)
     go = _grad_out(grad_out, batch + (h, n_q, d_v), dtype)
@@ -484,6 +519,7 @@ def multi_head_attention_backward(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: Weights = False,
+    warn_empty_rows: bool = True,
 ) -> dict[str, np.ndarray]:
     """Gradients of :func:`multi_head_attention` with respect to every array argument given.
 
@@ -492,8 +528,10 @@ def multi_head_attention_backward(
     grad_out : array_like, shape (..., n_q, d_out)
         Gradient of the loss with respect to the output.
     query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads, num_kv_heads, mask,
-    key_padding_mask, causal, scale
-        As for :func:`multi_head_attention`. ``return_weights`` is accepted and ignored.
+    key_padding_mask, causal, scale, warn_empty_rows
+        As for :func:`multi_head_attention` (boolean ``True`` = *may attend*, the opposite of
+        ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`).
+        ``return_weights`` is accepted and ignored.
 
     Returns
     -------
@@ -515,7 +553,7 @@ def multi_head_attention_backward(
     """
     V.weights_mode(return_weights)
     a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
-                     num_kv_heads, mask, key_padding_mask, causal, scale)
+                     num_kv_heads, mask, key_padding_mask, causal, scale, warn_empty_rows)
     dtype, batch, B = a.dtype, a.batch, a.B
     go = _grad_out(grad_out, batch + (a.n_q, a.d_out), dtype)
     grads: dict[str, np.ndarray] = {}

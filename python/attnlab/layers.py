@@ -47,10 +47,7 @@ def _optional_int(x: Any, name: str, default: int) -> int:
     return default if x is None else V.check_positive_int(x, name)
 
 
-def _bool(x: Any, name: str) -> bool:
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected True or False, got {type(x).__name__} {x!r}")
-    return bool(x)
+_bool = V.check_flag
 
 
 class _Layer:
@@ -258,6 +255,7 @@ class _Layer:
         given, options, params = self._saved
         kwargs = {**self._param_kwargs(params), **self._functional_kwargs(), **options}
         kwargs.pop("return_weights", None)
+        kwargs["warn_empty_rows"] = False  # the forward call warned already
         fn = self._backward_fn()
         g = fn(grad_out, **given, **kwargs)
         grads = self._param_grads(g)
@@ -268,6 +266,20 @@ class _Layer:
             self.grads = grads
         out = tuple(g[k] for k in given)
         return out[0] if len(out) == 1 else out
+
+    def _check_width(self, x: Any, name: str, attr: str) -> None:
+        """An input's features must be the layer's ``attr`` (named: the user set it, not the
+        weights the layer passes on)."""
+        if x is None:
+            return
+        try:
+            shape = np.shape(x)
+        except Exception:  # ragged and the like: the functional call names the problem
+            return
+        width = getattr(self, attr)
+        if len(shape) >= 2 and shape[-1] != width:
+            raise ValueError(f"{name}: expected last dimension {attr} = {width} (this "
+                             f"{type(self).__name__}'s {attr}), got shape {V.shape_str(shape)}")
 
     def _param_grads(self, g: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {k: np.asarray(g[k], dtype=self.dtype).reshape(p.shape)
@@ -293,7 +305,7 @@ class _QKVLayer(_Layer):
 
     def __call__(self, query: Any, key: Any = None, value: Any = None, *, mask: Any = None,
                  key_padding_mask: Any = None, causal: bool | str = False,
-                 return_weights: bool | str = False) -> Any:
+                 return_weights: bool | str = False, warn_empty_rows: bool = True) -> Any:
         """Attend from ``query`` to ``key``/``value`` (self-attention when they are omitted).
 
         Parameters
@@ -303,8 +315,12 @@ class _QKVLayer(_Layer):
             Defaults to ``query``.
         value : array_like, shape (..., n_k, vdim), optional
             Defaults to ``key``.
-        mask, key_padding_mask, causal, return_weights
-            As for :func:`attnlab.multi_head_attention` (``True`` means *may attend*).
+        mask, key_padding_mask, causal, return_weights, warn_empty_rows
+            As for :func:`attnlab.multi_head_attention`: boolean ``True`` means *may attend*,
+            the opposite of ``nn.MultiheadAttention``'s masks (convert those with
+            :func:`attnlab.interop.torch_masks`); ``causal=True`` lets query ``i`` see keys
+            ``j <= i``; ``warn_empty_rows=False`` silences the warning for query rows the
+            boolean masks leave with no key (``backward`` does not warn again).
 
         Returns
         -------
@@ -312,9 +328,13 @@ class _QKVLayer(_Layer):
         weights : ndarray, optional
             With ``return_weights``.
         """
+        self._check_width(query, "query", "d_model")
+        self._check_width(key, "key", "kdim")
+        self._check_width(value, "value", "vdim")
         return self._run({"query": query, "key": key, "value": value},
                          {"mask": mask, "key_padding_mask": key_padding_mask,
-                          "causal": causal, "return_weights": return_weights})
+                          "causal": causal, "return_weights": return_weights,
+                          "warn_empty_rows": warn_empty_rows})
 
 
 def _heads(d_model: Any, num_heads: Any, num_kv_heads: Any, d_head: Any) -> tuple[int, ...]:
@@ -572,20 +592,27 @@ class AdditiveAttention(_Layer):
     def _functional_kwargs(self) -> dict[str, Any]:
         return {"scale": self.scale, "variant": self.variant, "eps": self.eps}
 
-    def __call__(self, x: Any, *, key_padding_mask: Any = None) -> np.ndarray:
+    def __call__(self, x: Any, *, key_padding_mask: Any = None,
+                 warn_empty_rows: bool = True) -> np.ndarray:
         """Apply the layer to tokens ``x``.
 
         Parameters
         ----------
         x : array_like, shape (..., n, d_model)
         key_padding_mask : array_like of bool, shape (..., n), optional
-            ``True`` for real tokens.
+            ``True`` for real tokens (``nn.MultiheadAttention``'s ``True`` marks padding:
+            convert it with :func:`attnlab.interop.torch_masks`).
+        warn_empty_rows : bool
+            Warn (``UserWarning``, once per call) when ``key_padding_mask`` leaves a sequence
+            with no real token; ``False`` when intended.
 
         Returns
         -------
         ndarray, shape (..., n, d_out)
         """
-        return self._run({"x": x}, {"key_padding_mask": key_padding_mask})
+        self._check_width(x, "x", "d_model")
+        return self._run({"x": x}, {"key_padding_mask": key_padding_mask,
+                                    "warn_empty_rows": warn_empty_rows})
 
 
 class SeparableAttention(_Layer):
@@ -635,17 +662,24 @@ class SeparableAttention(_Layer):
     def _functional_kwargs(self) -> dict[str, Any]:
         return {}
 
-    def __call__(self, x: Any, *, key_padding_mask: Any = None) -> np.ndarray:
+    def __call__(self, x: Any, *, key_padding_mask: Any = None,
+                 warn_empty_rows: bool = True) -> np.ndarray:
         """Apply the layer to tokens ``x``.
 
         Parameters
         ----------
         x : array_like, shape (..., n, d_model)
         key_padding_mask : array_like of bool, shape (..., n), optional
-            ``True`` for real tokens.
+            ``True`` for real tokens (``nn.MultiheadAttention``'s ``True`` marks padding:
+            convert it with :func:`attnlab.interop.torch_masks`).
+        warn_empty_rows : bool
+            Warn (``UserWarning``, once per call) when ``key_padding_mask`` leaves a sequence
+            with no real token; ``False`` when intended.
 
         Returns
         -------
         ndarray, shape (..., n, d_out)
         """
-        return self._run({"x": x}, {"key_padding_mask": key_padding_mask})
+        self._check_width(x, "x", "d_model")
+        return self._run({"x": x}, {"key_padding_mask": key_padding_mask,
+                                    "warn_empty_rows": warn_empty_rows})

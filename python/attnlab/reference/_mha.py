@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import ATTENTION_ROWS, warn_empty
+
 __all__ = ["scaled_dot_product_attention", "multi_head_attention", "allowed_and_bias"]
 
 
@@ -65,6 +67,17 @@ def allowed_and_bias(
     return allowed, bias
 
 
+def warn_if_empty(allowed: np.ndarray, n_q: int, n_k: int, causal: Any, warn: Any) -> None:
+    """attnlab's warning for query rows the boolean masks leave without a key (``allowed``,
+    broadcast to ``(..., h, n_q, n_k)``), among those ``causal`` alone leaves some key; counted
+    here the plain way, as a check on the kernels' wrapper."""
+    if not warn:
+        return
+    live = allowed_and_bias(n_q, n_k, causal=causal)[0].any(axis=-1)
+    empty = int(np.sum(~allowed.any(axis=-1) & live))
+    warn_empty(empty, int(np.prod(allowed.shape[:-1])), ATTENTION_ROWS)
+
+
 def _softmax_rows(scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     """Softmax over the last axis among allowed entries; rows with none allowed give zeros."""
     s = np.where(allowed, scores, -np.inf)
@@ -88,7 +101,7 @@ def _context(p: np.ndarray, v: np.ndarray, allowed: np.ndarray) -> np.ndarray:
 
 def scaled_dot_product_attention(
     q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, scale: Any = None,
-    return_weights: Any = False,
+    return_weights: Any = False, warn_empty_rows: Any = True,
 ) -> Any:
     """Reference for :func:`attnlab.scaled_dot_product_attention` (float64).
 
@@ -105,6 +118,8 @@ def scaled_dot_product_attention(
     scale : float, optional
         Defaults to ``1 / sqrt(d)``.
     return_weights : bool or "mean"
+    warn_empty_rows : bool
+        As for :func:`attnlab.scaled_dot_product_attention`.
 
     Returns
     -------
@@ -136,6 +151,7 @@ def scaled_dot_product_attention(
     allowed, bias = allowed_and_bias(n_q, n_k, mask, None, causal)
     scores = scores + bias
     allowed = np.broadcast_to(allowed, scores.shape)
+    warn_if_empty(allowed, n_q, n_k, causal, warn_empty_rows)
     p = _softmax_rows(scores, allowed)
     out = _context(p, v, allowed)
     if return_weights in (False, None):
@@ -148,6 +164,7 @@ def multi_head_attention(
     b_q: Any = None, b_k: Any = None, b_v: Any = None, b_o: Any = None, num_heads: int,
     num_kv_heads: int | None = None, mask: Any = None, key_padding_mask: Any = None,
     causal: Any = False, scale: Any = None, return_weights: Any = False,
+    warn_empty_rows: Any = True,
 ) -> Any:
     """Reference for :func:`attnlab.multi_head_attention` (float64), one head at a time.
 
@@ -168,7 +185,7 @@ def multi_head_attention(
     num_heads : int
     num_kv_heads : int, optional
         Defaults to ``num_heads``.
-    mask, key_padding_mask, causal, scale, return_weights
+    mask, key_padding_mask, causal, scale, return_weights, warn_empty_rows
         As for :func:`attnlab.multi_head_attention` (``scale`` defaults to
         ``1 / sqrt(d_head)``).
 
@@ -206,6 +223,7 @@ def multi_head_attention(
     batch = np.broadcast_shapes(xq.shape[:-2], xk.shape[:-2], xv.shape[:-2])
     allowed, bias = allowed_and_bias(n_q, n_k, mask, key_padding_mask, causal)
     allowed = np.broadcast_to(allowed, batch + (h, n_q, n_k))
+    warn_if_empty(allowed, n_q, n_k, causal, warn_empty_rows)
     bias = np.broadcast_to(bias, batch + (h, n_q, n_k))
     contexts, weights = [], []
     for i in range(h):
