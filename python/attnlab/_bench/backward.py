@@ -35,7 +35,7 @@ def run(quick: bool, threads: int) -> list[Row]:
             out.backward(gt)
 
         fns["torch fwd+bwd"] = tf
-    times = interleaved(fns, repeat=5 if quick else 11)
+    times = interleaved(fns, repeat=3 if quick else 11)
     fwd = mha_flops(B, n, n, d, h, d // h, False)
     flops = {"attnlab fwd": fwd, "attnlab bwd": 3 * fwd, "torch fwd+bwd": 3 * fwd}
     shape = f"B={B} n={n} d={d} h={h}"
