@@ -104,3 +104,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG0
         terminalreporter.section("largest normwise relative errors measured")
         for (label, dt), err in sorted(_MAX_ERR.items()):
             terminalreporter.write_line(f"{label:>24s} {dt:>8s}: {err:.3e}")
+
+
+# attnlab's warning for rows that boolean masks leave empty (UserWarning) is an error in this
+# suite: a test that masks whole rows on purpose says so, with @pytest.mark.empty_rows or
+# warn_empty_rows=False, or asserts the warning (pytest.warns).
+EMPTY_ROWS_WARNINGS = ("have no key they may attend to", "nothing is pooled for them")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "empty_rows: the test masks whole rows on purpose; "
+                            "attnlab's warning for them is ignored")
+    for text in EMPTY_ROWS_WARNINGS:
+        config.addinivalue_line("filterwarnings", f"error:.*{text}:UserWarning")
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+    for item in items:
+        if item.get_closest_marker("empty_rows"):
+            for text in EMPTY_ROWS_WARNINGS:
+                item.add_marker(pytest.mark.filterwarnings(f"ignore:.*{text}:UserWarning"))

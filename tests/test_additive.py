@@ -267,6 +267,7 @@ def test_padding_across_blocks(rng, close, variant):
     close(got[kp], expect[kp], np.float64, f"{variant} padded vs reference")
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
 @pytest.mark.parametrize("variant", ["official", "hf"])
 def test_additive_fully_padded(rng, close, dtype, variant):
@@ -284,6 +285,7 @@ def test_additive_fully_padded(rng, close, dtype, variant):
           "fully padded")
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
 def test_separable_fully_padded(rng, close, dtype):
     w = separable_weights(rng, 8, 3, dtype=dtype)

@@ -104,6 +104,7 @@ def compare(got, want, key):
 SHAPES = [((), 5), ((2,), 5), ((2, 2), 3), ((), 1), ((3,), 1)]
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("variant", ["official", "hf"])
 @pytest.mark.parametrize("batch,n", SHAPES)
 @pytest.mark.parametrize("masked", [False, True])
@@ -124,6 +125,7 @@ def test_additive_finite_differences(variant, batch, n, masked, biases):
         assert err < 1e-6, (name, err)
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("batch,n", SHAPES)
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("biases", [True, False])

@@ -90,6 +90,7 @@ FD_CASES = [
 ]
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("case", FD_CASES, ids=[c[0] for c in FD_CASES])
 def test_finite_differences(case):
     (name, batch, h, h_kv, n_q, n_k, d_q, d_k, d_v, d_vhead, d_out, cross, bias, u_k,
@@ -145,6 +146,7 @@ def test_finite_differences(case):
         assert np.all(grads["query"][..., 1, :] == 0)
 
 
+@pytest.mark.empty_rows
 def test_fully_masked_batch_element_gives_zero_input_gradients(rng):
     inputs, kw = make_args(rng, batch=(2,), h=2, h_kv=2, n_q=3, n_k=4, d_q=3, d_k=3, d_v=3,
                            d_vhead=2, d_out=2, cross=True, bias=True, u_k=True)

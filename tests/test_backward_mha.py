@@ -44,6 +44,7 @@ SDPA_CASES = [
 ]
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("case", SDPA_CASES)
 def test_sdpa_backward_finite_differences(case):
     B, h, h_kv, n_q, n_k, d, d_v, causal, mask_kind = case

@@ -59,6 +59,7 @@ GRID = [
 ]
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("case", GRID, ids=[f"g{i}" for i in range(len(GRID))])
 @pytest.mark.parametrize("order", [None, "query", "key"])
 @pytest.mark.parametrize("kind", MASKS)
@@ -217,6 +218,7 @@ def test_factorize(rng, mha_weights, close, rank):
     assert zero_err.tolist() == [0.0, 0.0] and not zero_q.any()
 
 
+@pytest.mark.empty_rows
 def test_fully_masked_rows_and_empty(rng, mha_weights):
     w = mha_weights(rng, 8, 2, 4)
     qk, vo = _split(w)

@@ -86,6 +86,7 @@ def restore_threads():
     attnlab.set_num_threads(before)
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_eight_threads_get_the_serial_results_bitwise(dtype: Any) -> None:
     cases = _cases(dtype)

@@ -50,6 +50,7 @@ def rand(rng: np.random.Generator, *shape: int, dtype=np.float64) -> np.ndarray:
 
 # --- multi-head attention ---------------------------------------------------------------------
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("cfg", [
     dict(d_model=12, num_heads=3),

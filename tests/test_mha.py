@@ -161,6 +161,7 @@ def make_mask(kind: str, rng, B: int, h: int, n_q: int, n_k: int, dtype=np.float
     return mask, kpm
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("mode", [False, True], ids=["flash", "weights"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 @pytest.mark.parametrize("n_q,n_k", [(7, 7), (5, 9), (65, 130), (130, 65)], ids=_ids)
@@ -201,6 +202,7 @@ def test_mha_mask_bool_vs_float_equivalent(rng):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-14)
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 @pytest.mark.parametrize("mode", [False, True], ids=["flash", "weights"])
 @pytest.mark.parametrize("n_q,n_k", [(3, 7), (7, 3), (70, 200), (200, 70)], ids=_ids)
@@ -351,6 +353,7 @@ def test_default_scale_is_inverse_sqrt_d_head(rng):
     np.testing.assert_allclose(a, b, rtol=1e-14, atol=1e-14)
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 @pytest.mark.parametrize("mode", [False, True], ids=["flash", "weights"])
 @pytest.mark.parametrize("n_k", [5, 200])
@@ -394,6 +397,7 @@ def test_fully_masked_rows(rng, how, n_k, mode, dtype):
     assert_close(out, exp[0] if mode else exp, dtype, "mha vs reference")
 
 
+@pytest.mark.empty_rows
 def test_sdpa_fully_masked_rows_zero(rng):
     q, k, v = (rng.standard_normal((2, 3, 10, 4)) for _ in range(3))
     m = np.ones((10, 10), dtype=bool)
@@ -755,6 +759,7 @@ def test_sdpa_sizes_heads(rng, n_q, n_k, heads, dtype, mode):
 SDPA_MASKS = ["bool_qk", "bool_h1k", "bool_full", "bool_1k", "float_qk", "float_b1qk"]
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("mode", [False, True], ids=["flash", "weights"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 @pytest.mark.parametrize("causal", CAUSAL, ids=_ids)

@@ -218,6 +218,7 @@ def test_separable_all_real_scores_minus_inf_give_zero_context(dtype: type) -> N
     np.testing.assert_allclose(got2, ref2, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("family", ["additive_official", "additive_hf", "separable"])
 def test_no_real_token_gives_finite_output(family: str) -> None:
     """All tokens padded (key_padding_mask all False): nothing is pooled, G = 0 (ctx = 0); the
@@ -245,6 +246,7 @@ def test_no_real_token_gives_finite_output(family: str) -> None:
     assert all(np.isfinite(a).all() for a in g.values())
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("how", ["bool", "float_inf", "key_padding", "causal_bottom_right"])
 def test_mha_fully_masked_rows_give_b_o_and_zero_gradients(how: str) -> None:
     """A query row that may attend no key: weights 0, output b_o, no NaN, and it contributes

@@ -65,6 +65,7 @@ def test_rope_forward_matches_reference(rng, case, dtype, mode):
         assert np.abs(plain - ref).max() > 1e-3
 
 
+@pytest.mark.empty_rows
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["bool", "float", "kpm"])
 def test_rope_with_masks(rng, kind, dtype):
@@ -165,6 +166,7 @@ def test_rope_backward_finite_differences(case):
         assert rel_err(grads[name], numeric_grad(loss, x)) < 1e-6, name
 
 
+@pytest.mark.empty_rows
 def test_rope_backward_fully_masked_and_no_keys(rng):
     w = make_mha_weights(rng, 8, 2, 4)
     x = rng.standard_normal((4, 8))

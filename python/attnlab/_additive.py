@@ -50,6 +50,7 @@ def _tokens(x: Any) -> np.ndarray:
 def _prepare_additive(
     x: Any, w_q: Any, b_q: Any, w_k: Any, b_k: Any, w_g: Any, w_proj: Any, b_proj: Any,
     w_final: Any, b_final: Any, scale: Any, variant: Any, eps: Any, key_padding_mask: Any,
+    warn_empty_rows: Any,
 ) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward."""
     code = _variant_code(variant)
@@ -61,15 +62,22 @@ def _prepare_additive(
     bs = {k: V.optional_array(a, k) for k, a in (("b_q", b_q), ("b_k", b_k), ("b_proj", b_proj),
                                                    ("b_final", b_final))}
     dtype = V.result_dtype(xa, *ws.values(), *bs.values())
-    wq_ = ws["w_q"]
-    if wq_.ndim != 2 or wq_.shape[0] != d_in or wq_.shape[1] < 1:
-        raise ValueError(
-            f"w_q: expected shape (d_in, D) = ({d_in}, D) with D >= 1, got "
-            f"{V.shape_str(wq_.shape)}"
-        )
+    wq_, wk_, wp_ = ws["w_q"], ws["w_k"], ws["w_proj"]
+    for name, layout in (("w_q", "(d_in, D)"), ("w_k", "(d_in, D)"), ("w_proj", "(D, D)"),
+                         ("w_final", "(D, d_out)")):
+        V.check_matrix(ws[name], name, layout, 0 if name == "w_final" else 1)
+    D_proj = wp_.shape[0] if wp_.shape[0] == wp_.shape[1] else None  # D as w_proj says
+    readers = [V.reader(ws[n], n, f"(d_in, D) = ({d_in}, D)", lambda c: c == D_proj, d_in)
+               for n in ("w_q", "w_k")]
+    V.check_readers([("x", xa, readers)], "from_swiftformer")
+    if wk_.shape[1] != wq_.shape[1]:  # the odd one out, w_proj (D, D) deciding
+        bad, good = ("w_q", wk_) if wk_.shape[1] == D_proj else ("w_k", wq_)
+        raise ValueError(f"{bad}: expected shape (d_in, D) = ({d_in}, {good.shape[1]}) as "
+                         f"{'w_k' if bad == 'w_q' else 'w_q'} {V.shape_str(good.shape)}, got "
+                         f"{V.shape_str(ws[bad].shape)}")
     D = wq_.shape[1]
-    wq = V.matrix(wq_, "w_q", dtype, d_in, D, f"({d_in}, {D})")
-    wk = V.matrix(ws["w_k"], "w_k", dtype, d_in, D, f"(d_in, D) = ({d_in}, {D})")
+    wq = V.contiguous(wq_, dtype)
+    wk = V.contiguous(wk_, dtype)
     wg_ = ws["w_g"]
     if wg_.shape not in ((D,), (D, 1)):
         raise ValueError(f"w_g: expected shape ({D},) or ({D}, 1), got {V.shape_str(wg_.shape)}")
@@ -86,6 +94,8 @@ def _prepare_additive(
     batch = tuple(xa.shape[:-2])
     kp = V.key_padding2(key_padding_mask, batch, n)
     B = V.count(batch)
+    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
+        V.warn_empty(*V.empty_rows(None, kp, 0, B, 1, 1, n), V.POOLED_ROWS)
     if d_in == 0:  # no features: x w = 0; one zero feature computes the same
         xr = V.zeros((B * n, 1), dtype)
         wq, wk = V.zeros((1, D), dtype), V.zeros((1, D), dtype)
@@ -112,6 +122,7 @@ def additive_attention(
     variant: str = "official",
     eps: float = 1e-12,
     key_padding_mask: Any = None,
+    warn_empty_rows: bool = True,
 ) -> np.ndarray:
     """SwiftFormer's efficient additive attention, exactly as the official code computes it.
 
@@ -161,7 +172,13 @@ def additive_attention(
         ``True`` for real tokens. Padded tokens are left out of the pooling (of the scores'
         norm and of ``G``), so a padded batch gives the real tokens exactly the output of the
         unpadded one; padded tokens still get an output row (computed with that ``G``). Neither
-        original offers this; it serves variable-length batches.
+        original offers this; it serves variable-length batches. ``nn.MultiheadAttention``'s
+        ``key_padding_mask`` means the opposite (``True`` = padding): convert it with
+        :func:`attnlab.interop.torch_masks`.
+    warn_empty_rows : bool
+        Warn (a ``UserWarning``, once per call, with the count) when ``key_padding_mask``
+        leaves a sequence with no real token: the usual sign of a mask in PyTorch's polarity.
+        Pass ``False`` when such sequences are intended.
 
     Returns
     -------
@@ -173,6 +190,9 @@ def additive_attention(
     ``(Q_n + b_proj) w_final + b_final``; never NaN. With ``n = 1`` the official token weight
     is ``s / max(|s|, eps)``, the sign of the score ``s`` (0 when ``|s|`` is tiny).
     NaN or Inf in real tokens propagate to the whole batch element (through ``G``).
+    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
+    follow ``np.result_type``; ints and float16 become float64; bool, complex, object and
+    string data raise ``TypeError``.
 
     Examples
     --------
@@ -185,7 +205,7 @@ def additive_attention(
     (2, 49, 8)
     """
     a = _prepare_additive(x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale,
-                          variant, eps, key_padding_mask)
+                          variant, eps, key_padding_mask, warn_empty_rows)
     B, n, d_out = a["B"], a["n"], a["d_out"]
     out = V.empty((B * n, d_out), a["dtype"])
     if out.size:
@@ -197,7 +217,8 @@ def additive_attention(
 
 
 def _prepare_separable(
-    x: Any, w_qkv: Any, b_qkv: Any, w_o: Any, b_o: Any, key_padding_mask: Any
+    x: Any, w_qkv: Any, b_qkv: Any, w_o: Any, b_o: Any, key_padding_mask: Any,
+    warn_empty_rows: Any,
 ) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward."""
     xa = _tokens(x)
@@ -207,8 +228,23 @@ def _prepare_separable(
     bqkv_ = V.optional_array(b_qkv, "b_qkv")
     bo_ = V.optional_array(b_o, "b_o")
     dtype = V.result_dtype(xa, wqkv_, wo_, bqkv_, bo_)
-    wqkv = V.matrix(wqkv_, "w_qkv", dtype, d, 1 + 2 * d, f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})")
-    wo = V.matrix(wo_, "w_o", dtype, d, None, f"(d, d_out) = ({d}, d_out)")
+    V.check_matrix(wqkv_, "w_qkv", "(d, 1 + 2 d)")
+    V.check_matrix(wo_, "w_o", "(d, d_out)", 0)
+    if wqkv_.shape[1] != 1 + 2 * wqkv_.shape[0]:  # its own shape, as long as it is not (out, in)
+        if wqkv_.shape[0] != 1 + 2 * wqkv_.shape[1]:
+            r = wqkv_.shape[0]
+            raise ValueError(f"w_qkv: expected shape (d, 1 + 2 d) = ({r}, {1 + 2 * r}), got "
+                             f"{V.shape_str(wqkv_.shape)}")
+    readers = [V.reader(wqkv_, "w_qkv", f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})",
+                        lambda c: c == 1 + 2 * d, d)]
+    V.check_readers([("x", xa, readers)], "from_mobilevitv2")
+    wqkv = V.contiguous(wqkv_, dtype)
+    if wo_.shape[0] != d:  # w_o reads the d value features
+        r_o = V.reader(wo_, "w_o", f"(d, d_out) = ({d}, d_out)", lambda c: True, d)
+        if r_o.transposed_fits:
+            raise V.transposed(r_o, "from_mobilevitv2")
+        raise ValueError(f"w_o: expected shape {r_o.layout}, got {V.shape_str(wo_.shape)}")
+    wo = V.contiguous(wo_, dtype)
     d_out = wo.shape[1]
     bqkv = V.vector(bqkv_, "b_qkv", dtype, 1 + 2 * d)
     bo = V.vector(bo_, "b_o", dtype, d_out)
@@ -216,6 +252,8 @@ def _prepare_separable(
     batch = tuple(xa.shape[:-2])
     kp = V.key_padding2(key_padding_mask, batch, n)
     B = V.count(batch)
+    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
+        V.warn_empty(*V.empty_rows(None, kp, 0, B, 1, 1, n), V.POOLED_ROWS)
     return dict(xa=xa, wqkv=wqkv, bqkv=bqkv, wo=wo, bo=bo, B=B, n=n, d=d, d_out=d_out, kp=kp,
                 batch=batch, dtype=dtype)
 
@@ -228,6 +266,7 @@ def separable_attention(
     w_o: Any,
     b_o: Any = None,
     key_padding_mask: Any = None,
+    warn_empty_rows: bool = True,
 ) -> np.ndarray:
     """MobileViT-v2's separable self-attention (``LinearSelfAttention``) on tokens.
 
@@ -257,6 +296,11 @@ def separable_attention(
     key_padding_mask : array_like of bool, shape (..., n), optional
         ``True`` for real tokens; padded tokens are left out of the softmax and of ``ctx`` (an
         addition: the original has no mask). Padded tokens still get an output row.
+        ``nn.MultiheadAttention``'s ``key_padding_mask`` means the opposite (``True`` =
+        padding): convert it with :func:`attnlab.interop.torch_masks`.
+    warn_empty_rows : bool
+        Warn (a ``UserWarning``, once per call, with the count) when ``key_padding_mask``
+        leaves a sequence with no real token. Pass ``False`` when such sequences are intended.
 
     Returns
     -------
@@ -266,6 +310,9 @@ def separable_attention(
     -----
     A batch element with no real token has ``ctx = 0``, so every output row is ``b_o``; never
     NaN. NaN in a real token's score makes its whole batch element NaN, as in torch.
+    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
+    follow ``np.result_type``; ints and float16 become float64; bool, complex, object and
+    string data raise ``TypeError``.
 
     Examples
     --------
@@ -279,7 +326,7 @@ def separable_attention(
     >>> out.transpose(0, 3, 1, 2).shape               # back to (B, C, P, N)
     (2, 8, 4, 16)
     """
-    a = _prepare_separable(x, w_qkv, b_qkv, w_o, b_o, key_padding_mask)
+    a = _prepare_separable(x, w_qkv, b_qkv, w_o, b_o, key_padding_mask, warn_empty_rows)
     xa, bo, B, n, d, d_out = a["xa"], a["bo"], a["B"], a["n"], a["d"], a["d_out"]
     batch, dtype, kp = a["batch"], a["dtype"], a["kp"]
     out = V.empty((B * n, d_out), dtype)
@@ -309,6 +356,7 @@ def additive_attention_backward(
     variant: str = "official",
     eps: float = 1e-12,
     key_padding_mask: Any = None,
+    warn_empty_rows: bool = True,
 ) -> dict[str, np.ndarray]:
     """Gradients of :func:`additive_attention` with respect to every array argument given.
 
@@ -317,8 +365,10 @@ def additive_attention_backward(
     grad_out : array_like, shape (..., n, d_out)
         Gradient of the loss with respect to the output.
     x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale, variant, eps,
-    key_padding_mask
-        As for :func:`additive_attention`.
+    key_padding_mask, warn_empty_rows
+        As for :func:`additive_attention` (``True`` = real token, the opposite of
+        ``nn.MultiheadAttention``'s ``key_padding_mask``; see
+        :func:`attnlab.interop.torch_masks`).
 
     Returns
     -------
@@ -340,7 +390,7 @@ def additive_attention_backward(
     ['w_final', 'w_g', 'w_k', 'w_proj', 'w_q', 'x']
     """
     a = _prepare_additive(x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale,
-                          variant, eps, key_padding_mask)
+                          variant, eps, key_padding_mask, warn_empty_rows)
     B, n, d_in, D, d_out, dtype = a["B"], a["n"], a["d_in"], a["D"], a["d_out"], a["dtype"]
     batch = a["batch"]
     go = V.contiguous(_grad_out(grad_out, batch + (n, d_out), dtype).reshape(-1, d_out))
@@ -380,6 +430,7 @@ def separable_attention_backward(
     w_o: Any,
     b_o: Any = None,
     key_padding_mask: Any = None,
+    warn_empty_rows: bool = True,
 ) -> dict[str, np.ndarray]:
     """Gradients of :func:`separable_attention` with respect to every array argument given.
 
@@ -387,8 +438,10 @@ def separable_attention_backward(
     ----------
     grad_out : array_like, shape (..., n, d_out)
         Gradient of the loss with respect to the output.
-    x, w_qkv, b_qkv, w_o, b_o, key_padding_mask
-        As for :func:`separable_attention`.
+    x, w_qkv, b_qkv, w_o, b_o, key_padding_mask, warn_empty_rows
+        As for :func:`separable_attention` (``True`` = real token, the opposite of
+        ``nn.MultiheadAttention``'s ``key_padding_mask``; see
+        :func:`attnlab.interop.torch_masks`).
 
     Returns
     -------
@@ -406,7 +459,7 @@ def separable_attention_backward(
     >>> sorted(g)
     ['w_o', 'w_qkv', 'x']
     """
-    a = _prepare_separable(x, w_qkv, b_qkv, w_o, b_o, key_padding_mask)
+    a = _prepare_separable(x, w_qkv, b_qkv, w_o, b_o, key_padding_mask, warn_empty_rows)
     B, n, d, d_out, dtype, batch = a["B"], a["n"], a["d"], a["d_out"], a["dtype"], a["batch"]
     go = V.contiguous(_grad_out(grad_out, batch + (n, d_out), dtype).reshape(-1, d_out))
     grads = {"x": V.zeros((B * n, d), dtype), "w_qkv": V.zeros((d, 1 + 2 * d), dtype)}

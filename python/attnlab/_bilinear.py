@@ -346,7 +346,7 @@ class _Prepared(NamedTuple):
 def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_o: Any,
              b_v: Any, b_o: Any, num_heads: Any, num_kv_heads: Any, mask: Any,
              key_padding_mask: Any, causal: Any, scale: Any, return_weights: Any,
-             _order: Any) -> _Prepared:
+             _order: Any, warn_empty_rows: Any = True) -> _Prepared:
     h, h_kv = _heads(num_heads, num_kv_heads)
     d_head: float | None = None
     if isinstance(w_qk, BilinearQK):
@@ -375,9 +375,24 @@ def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_
     bv_ = V.optional_array(b_v, "b_v")
     bo_ = V.optional_array(b_o, "b_o")
     dtype = V.result_dtype(xq, xk, xv, wqk_, uk_, wv_, wo_, bv_, bo_)
-    if wqk_.shape != (h, d_q, d_k):
-        raise ValueError(f"w_qk: expected shape (h, d_q, d_k) = ({h}, {d_q}, {d_k}), got "
+    kv_arg = "num_heads" if num_kv_heads is None else "num_kv_heads"  # the one the user passed
+    lay_qk, lay_v = "(num_heads, d_q, d_k)", f"(d_v, {kv_arg} * d_vhead)"
+    if wqk_.ndim != 3:
+        raise ValueError(f"w_qk: expected a 3-D array {lay_qk}, got shape "
                          f"{V.shape_str(wqk_.shape)}")
+    V.check_matrix(wv_, "w_v", lay_v)
+    V.check_matrix(wo_, "w_o", "(num_heads * d_vhead, d_out)", 0)
+    if wqk_.shape[0] != h:
+        raise ValueError(f"num_heads: {h} does not match the {wqk_.shape[0]} heads of w_qk "
+                         f"{V.shape_str(wqk_.shape)}, which is {lay_qk}")
+    rv = V.reader(wv_, "w_v", lay_v, lambda n: n % h_kv == 0, d_v)
+    V.check_heads(wv_, h_kv, kv_arg, rv, "from_torch_mha")
+    rq = V.Reader("w_qk", wqk_.shape, wqk_.shape[1], "entries on axis 1", lay_qk, False)
+    rk = V.Reader("w_qk", wqk_.shape, wqk_.shape[2], "entries on axis 2", lay_qk, False)
+    groups: dict[int, tuple[str, np.ndarray, list[V.Reader]]] = {}
+    for x_name, x_, r in (("query", xq, rq), ("key", xk, rk), ("value", xv, rv)):
+        groups.setdefault(id(x_), (x_name, x_, []))[2].append(r)
+    V.check_readers(list(groups.values()), "from_torch_mha")
     wqk = V.contiguous(wqk_, dtype)
     uk = None
     if uk_ is not None:
@@ -385,15 +400,13 @@ def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_
             raise ValueError(f"u_k: expected shape (h, d_k) = ({h}, {d_k}), got "
                              f"{V.shape_str(uk_.shape)}")
         uk = V.contiguous(uk_, dtype)
-    if wv_.ndim != 2 or wv_.shape[0] != d_v or wv_.shape[1] % h_kv:
-        raise ValueError(
-            f"w_v: expected shape (d_v, h_kv * d_vhead) = ({d_v}, {h_kv} * d_vhead), got "
-            f"{V.shape_str(wv_.shape)}"
-        )
     d_vhead = wv_.shape[1] // h_kv
-    wv = V.matrix(wv_, "w_v", dtype, d_v, h_kv * d_vhead, f"({d_v}, {h_kv * d_vhead})")
-    wo = V.matrix(wo_, "w_o", dtype, h * d_vhead, None,
-                  f"(h * d_vhead, d_out) = ({h * d_vhead}, d_out)")
+    wv = V.contiguous(wv_, dtype)
+    if wo_.shape[0] != h * d_vhead:
+        raise ValueError(f"w_o: expected shape (num_heads * d_vhead, d_out) = ({h * d_vhead}, "
+                         f"d_out) with d_vhead = {d_vhead} from w_v {V.shape_str(wv_.shape)}, "
+                         f"got {V.shape_str(wo_.shape)}")
+    wo = V.contiguous(wo_, dtype)
     d_out = wo.shape[1]
     bv = V.vector(bv_, "b_v", dtype, h_kv * d_vhead)
     bo = V.vector(bo_, "b_o", dtype, d_out)
@@ -408,6 +421,8 @@ def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_
     m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
     kp = V.key_padding2(key_padding_mask, batch, n_k)
     B = V.count(batch)
+    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
+        V.warn_empty(*V.empty_rows(m4, kp, code, B, h, n_q, n_k), V.ATTENTION_ROWS)
     if _order is None:
         order = collapsed_order(n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=h, batch=B,
                                 key_bias=uk is not None)
@@ -437,6 +452,7 @@ def bilinear_attention(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: bool | str = False,
+    warn_empty_rows: bool = True,
     _order: str | None = None,
     _keep: dict[str, Any] | None = None,
 ) -> Any:
@@ -465,8 +481,12 @@ def bilinear_attention(
     num_heads : int
     num_kv_heads : int, optional
         Grouped values: query head ``i`` reads value head ``i // (h // h_kv)``.
-    mask, key_padding_mask, causal, return_weights
-        As in :func:`attnlab.multi_head_attention` (``True`` means *may attend*).
+    mask, key_padding_mask, causal, return_weights, warn_empty_rows
+        As in :func:`attnlab.multi_head_attention`: boolean ``True`` means *may attend*, the
+        opposite of ``nn.MultiheadAttention``'s masks (convert those with
+        :func:`attnlab.interop.torch_masks`); ``causal=True`` lets query ``i`` see keys
+        ``j <= i``, ``"bottom_right"`` keys ``j <= i + n_k - n_q``; ``warn_empty_rows=False``
+        silences the warning for query rows the boolean masks leave with no key.
     scale : float, optional
         Default ``1/sqrt(d_head)`` for a BilinearQK, ``1/sqrt(d_q / num_heads)`` for a raw
         ``w_qk``.
@@ -483,6 +503,9 @@ def bilinear_attention(
     X_k u_i]^T`` (key order), whichever :func:`attnlab.cost.collapsed_order` says is cheaper:
     the key order wins when ``n_q`` is much larger than ``n_k``. Fully masked query rows give
     zero weights and an output row of ``b_o``. Not valid with rotary position embeddings.
+    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
+    follow ``np.result_type``; ints and float16 become float64; bool, complex, object and
+    string data raise ``TypeError``.
 
     Examples
     --------
@@ -498,7 +521,7 @@ def bilinear_attention(
     True
     """
     a = _prepare(query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads,
-                 mask, key_padding_mask, causal, scale, return_weights, _order)
+                 mask, key_padding_mask, causal, scale, return_weights, _order, warn_empty_rows)
     B, n_q, n_k, h, d_out, dtype, mode = a.B, a.n_q, a.n_k, a.h, a.d_out, a.dtype, a.mode
     batch = a.batch
     out = V.empty((B * n_q, d_out), dtype)
@@ -542,6 +565,7 @@ def bilinear_attention_backward(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: bool | str = False,
+    warn_empty_rows: bool = True,
 ) -> dict[str, np.ndarray]:
     """Gradients of :func:`bilinear_attention` with respect to every array argument given.
 
@@ -550,8 +574,10 @@ def bilinear_attention_backward(
     grad_out : array_like, shape (..., n_q, d_out)
         Gradient of the loss with respect to the output.
     query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads, mask,
-    key_padding_mask, causal, scale
-        As for :func:`bilinear_attention`. ``return_weights`` is accepted and ignored.
+    key_padding_mask, causal, scale, warn_empty_rows
+        As for :func:`bilinear_attention` (boolean ``True`` = *may attend*, the opposite of
+        ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`).
+        ``return_weights`` is accepted and ignored.
 
     Returns
     -------
@@ -584,7 +610,7 @@ def bilinear_attention_backward(
     (['query', 'w_o', 'w_qk', 'w_v'], (2, 8, 8))
     """
     a = _prepare(query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads,
-                 mask, key_padding_mask, causal, scale, return_weights, "query")
+                 mask, key_padding_mask, causal, scale, return_weights, "query", warn_empty_rows)
     return _bilinear_grads(a, grad_out, key is None, value is None)
 
 

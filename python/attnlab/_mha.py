@@ -50,7 +50,8 @@ class _Sdpa(NamedTuple):
     mask4: np.ndarray | None
 
 
-def _prepare_sdpa(q: Any, k: Any, v: Any, mask: Any, causal: Any, scale: Any) -> _Sdpa:
+def _prepare_sdpa(q: Any, k: Any, v: Any, mask: Any, causal: Any, scale: Any,
+                  warn_empty_rows: Any) -> _Sdpa:
     q = V.as_array(q, "q")
     k = V.as_array(k, "k")
     v = V.as_array(v, "v")
@@ -85,6 +86,9 @@ def _prepare_sdpa(q: Any, k: Any, v: Any, mask: Any, causal: Any, scale: Any) ->
 
     code_ = V.causal_code(causal)
     m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
+    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
+        V.warn_empty(*V.empty_rows(m4, None, code_, V.count(batch), h, n_q, n_k),
+                     V.ATTENTION_ROWS)
     return _Sdpa(q, k, v, V.stack(q, batch, dtype, 3), V.stack(k, batch, dtype, 3),
                  V.stack(v, batch, dtype, 3), batch, dtype, h, h_kv, n_q, n_k, d, d_v, code_, s,
                  m4)
@@ -99,6 +103,7 @@ def scaled_dot_product_attention(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: Weights = False,
+    warn_empty_rows: bool = True,
     _keep: dict[str, Any] | None = None,
 ) -> Any:
     """Attention of queries ``q`` over keys ``k`` and values ``v``, per head.
@@ -115,15 +120,23 @@ def scaled_dot_product_attention(
         ``j // (h // h_kv)``. Leading batch dimensions broadcast.
     mask : array_like of bool or float, optional
         Broadcasts to ``(..., h, n_q, n_k)``. Boolean ``True`` means *may attend*; a float
-        mask is added to the scaled scores.
+        mask is added to the scaled scores. ``nn.MultiheadAttention``'s boolean masks mean the
+        opposite (``True`` = masked out): convert them with
+        :func:`attnlab.interop.torch_masks`.
     causal : bool or {"top_left", "bottom_right"}
-        ``True``/``"top_left"``: query ``i`` sees keys ``j <= i``. ``"bottom_right"``: the last
-        query is aligned with the last key (decoding with a cache).
+        ``False``: no causal mask. ``True`` or ``"top_left"``: query ``i`` sees keys
+        ``j <= i`` (as SDPA's ``is_causal``). ``"bottom_right"``: the last query is aligned with
+        the last key, query ``i`` sees keys ``j <= i + n_k - n_q`` (decoding with a cache).
+        Combined with ``mask`` (both must allow a pair).
     scale : float, optional
         Defaults to ``1 / sqrt(d)``.
     return_weights : bool or {"heads", "mean"}
         Also return the attention weights, per head ``(..., h, n_q, n_k)`` or their mean over
         heads ``(..., n_q, n_k)``.
+    warn_empty_rows : bool
+        Warn (a ``UserWarning``, once per call, with the count) when the boolean masks leave a
+        query row with no key at all: the usual sign of a mask in PyTorch's polarity. Pass
+        ``False`` when such rows are intended.
 
     Returns
     -------
@@ -133,6 +146,9 @@ def scaled_dot_product_attention(
     Notes
     -----
     A query row whose keys are all masked gets weights 0 and an output row of 0, never NaN.
+    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
+    follow ``np.result_type`` (float32 with float64 gives float64); ints and float16 become
+    float64; bool, complex, object and string data raise ``TypeError``.
 
     Examples
     --------
@@ -141,7 +157,7 @@ def scaled_dot_product_attention(
     >>> attnlab.scaled_dot_product_attention(q, k, v, causal=True).shape
     (2, 4, 8)
     """
-    a = _prepare_sdpa(q, k, v, mask, causal, scale)
+    a = _prepare_sdpa(q, k, v, mask, causal, scale, warn_empty_rows)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
@@ -208,11 +224,13 @@ class _Mha(NamedTuple):
 
 def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any,
                  b_q: Any, b_k: Any, b_v: Any, b_o: Any, num_heads: Any, num_kv_heads: Any,
-                 mask: Any, key_padding_mask: Any, causal: Any, scale: Any) -> _Mha:
+                 mask: Any, key_padding_mask: Any, causal: Any, scale: Any,
+                 warn_empty_rows: Any) -> _Mha:
     h = V.check_positive_int(num_heads, "num_heads")
     h_kv = h if num_kv_heads is None else V.check_positive_int(num_kv_heads, "num_kv_heads")
     if h % h_kv:
         raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {h}, got {h_kv}")
+    kv_arg = "num_heads" if num_kv_heads is None else "num_kv_heads"  # the one the user passed
     xq = V.as_array(query, "query")
     xk = xq if key is None else V.as_array(key, "key")
     xv = xk if value is None else V.as_array(value, "value")
@@ -235,27 +253,45 @@ def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any,
     bs = {n: V.optional_array(a, n) for n, a in (("b_q", b_q), ("b_k", b_k), ("b_v", b_v),
                                                     ("b_o", b_o))}
     dtype = V.result_dtype(xq, xk, xv, *ws.values(), *bs.values())
-    wq_ = ws["w_q"]
-    if wq_.ndim != 2 or wq_.shape[0] != d_q or wq_.shape[1] % h or wq_.shape[1] == 0:
-        raise ValueError(
-            f"w_q: expected shape (d_q, h * d_head) = ({d_q}, {h} * d_head), got "
-            f"{V.shape_str(wq_.shape)}"
-        )
-    d_head = wq_.shape[1] // h
-    wv_ = ws["w_v"]
-    if wv_.ndim != 2 or wv_.shape[0] != d_v or wv_.shape[1] % h_kv or wv_.shape[1] == 0:
-        raise ValueError(
-            f"w_v: expected shape (d_v, h_kv * d_vhead) = ({d_v}, {h_kv} * d_vhead), got "
-            f"{V.shape_str(wv_.shape)}"
-        )
-    d_vhead = wv_.shape[1] // h_kv
-    wq = V.matrix(wq_, "w_q", dtype, d_q, h * d_head, f"({d_q}, {h * d_head})")
-    wk = V.matrix(ws["w_k"], "w_k", dtype, d_k, h_kv * d_head,
-                  f"(d_k, h_kv * d_head) = ({d_k}, {h_kv * d_head})")
-    wv = V.matrix(wv_, "w_v", dtype, d_v, h_kv * d_vhead, f"({d_v}, {h_kv * d_vhead})")
-    wo_ = ws["w_o"]
-    wo = V.matrix(wo_, "w_o", dtype, h * d_vhead, None,
-                  f"(h * d_vhead, d_out) = ({h * d_vhead}, d_out)")
+    wq_, wk_, wv_, wo_ = ws["w_q"], ws["w_k"], ws["w_v"], ws["w_o"]
+    lay = {"w_q": "(d_q, num_heads * d_head)", "w_k": f"(d_k, {kv_arg} * d_head)",
+           "w_v": f"(d_v, {kv_arg} * d_vhead)", "w_o": "(num_heads * d_vhead, d_out)"}
+    for name, w_ in ws.items():
+        V.check_matrix(w_, name, lay[name], 0 if name == "w_o" else 1)
+    by_h = lambda n: n % h == 0  # noqa: E731  (a valid column count for the query heads)
+    by_kv = lambda n: n % h_kv == 0  # noqa: E731
+    readers = {"w_q": V.reader(wq_, "w_q", lay["w_q"], by_h, d_q),
+               "w_k": V.reader(wk_, "w_k", lay["w_k"], by_kv, d_k),
+               "w_v": V.reader(wv_, "w_v", lay["w_v"], by_kv, d_v)}
+    for name, heads, arg in (("w_q", h, "num_heads"), ("w_k", h_kv, kv_arg),
+                             ("w_v", h_kv, kv_arg)):
+        V.check_heads(ws[name], heads, arg, readers[name], "from_torch_mha")
+    groups: dict[int, tuple[str, np.ndarray, list[V.Reader]]] = {}
+    for x_name, x_, w_name in (("query", xq, "w_q"), ("key", xk, "w_k"), ("value", xv, "w_v")):
+        groups.setdefault(id(x_), (x_name, x_, []))[2].append(readers[w_name])
+    V.check_readers(list(groups.values()), "from_torch_mha")
+    d_head, d_khead, d_vhead = wq_.shape[1] // h, wk_.shape[1] // h_kv, wv_.shape[1] // h_kv
+    o_head = wo_.shape[0] / h
+    if d_head != d_khead:  # the odd one out: the value side usually has the same head width
+        if d_khead == d_vhead == o_head:
+            raise ValueError(f"w_q: expected shape {lay['w_q']} = ({d_q}, {h * d_khead}) with "
+                             f"d_head = {d_khead} as in w_k {V.shape_str(wk_.shape)}, got "
+                             f"{V.shape_str(wq_.shape)} (d_head = {d_head})")
+        raise ValueError(f"w_k: expected shape {lay['w_k']} = ({d_k}, {h_kv * d_head}) with "
+                         f"d_head = {d_head} from w_q {V.shape_str(wq_.shape)}, got "
+                         f"{V.shape_str(wk_.shape)}")
+    if wo_.shape[0] != h * d_vhead:
+        if o_head == d_head != d_vhead:
+            raise ValueError(f"w_v: expected shape {lay['w_v']} = ({d_v}, {h_kv * d_head}) with "
+                             f"d_vhead = {d_head} as in w_o {V.shape_str(wo_.shape)}, got "
+                             f"{V.shape_str(wv_.shape)}")
+        raise ValueError(f"w_o: expected shape {lay['w_o']} = ({h * d_vhead}, d_out) with "
+                         f"d_vhead = {d_vhead} from w_v {V.shape_str(wv_.shape)}, got "
+                         f"{V.shape_str(wo_.shape)}")
+    wq = V.contiguous(wq_, dtype)
+    wk = V.contiguous(wk_, dtype)
+    wv = V.contiguous(wv_, dtype)
+    wo = V.contiguous(wo_, dtype)
     d_out = wo.shape[1]
     bq = V.vector(bs["b_q"], "b_q", dtype, h * d_head)
     bk = V.vector(bs["b_k"], "b_k", dtype, h_kv * d_head)
@@ -268,6 +304,8 @@ def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any,
     s = V.check_scale(scale, 1.0 / math.sqrt(d_head))
     m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
     kp = V.key_padding2(key_padding_mask, batch, n_k)
+    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
+        V.warn_empty(*V.empty_rows(m4, kp, code, V.count(batch), h, n_q, n_k), V.ATTENTION_ROWS)
 
     B = V.count(batch)
     rq = V.rows(xq, batch, dtype) if B * n_q else V.empty((0, d_q), dtype)
@@ -304,6 +342,7 @@ def multi_head_attention(
     rope_theta: float | None = None,
     rope_dim: int | None = None,
     positions: Any = None,
+    warn_empty_rows: bool = True,
     _keep: dict[str, Any] | None = None,
 ) -> Any:
     """Multi-head attention with per-head projections (heads never share weights).
@@ -332,10 +371,16 @@ def multi_head_attention(
         defaults to ``num_heads``.
     mask : array_like of bool or float, optional
         Broadcasts to ``(..., h, n_q, n_k)``; ``True`` means *may attend*, floats are added to
-        the scaled scores.
+        the scaled scores. ``nn.MultiheadAttention``'s boolean masks mean the opposite
+        (``True`` = masked out): convert them with :func:`attnlab.interop.torch_masks`.
     key_padding_mask : array_like of bool, optional
-        ``(..., n_k)``, ``True`` for real tokens.
+        ``(..., n_k)``, ``True`` for real tokens (``nn.MultiheadAttention``'s ``True`` marks
+        padding; :func:`attnlab.interop.torch_masks` converts it).
     causal : bool or {"top_left", "bottom_right"}
+        ``False``: no causal mask. ``True`` or ``"top_left"``: query ``i`` sees keys
+        ``j <= i`` (as SDPA's ``is_causal``). ``"bottom_right"``: the last query is aligned with
+        the last key, query ``i`` sees keys ``j <= i + n_k - n_q`` (decoding with a cache).
+        Combined with the masks (all must allow a pair).
     scale : float, optional
         Defaults to ``1 / sqrt(d_head)``.
     return_weights : bool or {"heads", "mean"}
@@ -356,6 +401,10 @@ def multi_head_attention(
         key it is aligned with by the same rule (self-attention: ``transformers``'
         ``position_ids``; decoding: the positions of the whole sequence). A pair
         ``(query_positions (..., n_q), key_positions (..., n_k))`` sets both.
+    warn_empty_rows : bool
+        Warn (a ``UserWarning``, once per call, with the count) when the boolean masks leave a
+        query row with no key at all: the usual sign of a mask in PyTorch's polarity. Pass
+        ``False`` when such rows are intended (their output is ``b_o``).
 
     Returns
     -------
@@ -365,6 +414,9 @@ def multi_head_attention(
     Notes
     -----
     Fully masked query rows give zero weights and a zero context, so their output is ``b_o``.
+    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
+    follow ``np.result_type`` (float32 with float64 gives float64); ints and float16 become
+    float64; bool, complex, object and string data raise ``TypeError``.
 
     With ``rope_theta`` the call runs the projection GEMMs, rotates Q and K (O(n d) time and
     memory), then the same flash attention core and the output GEMM; without it, the one fused
@@ -381,7 +433,7 @@ def multi_head_attention(
     (2, 5, 16)
     """
     a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
-                     num_kv_heads, mask, key_padding_mask, causal, scale)
+                     num_kv_heads, mask, key_padding_mask, causal, scale, warn_empty_rows)
     rope = _rope.prepare_for(a, rope_theta, rope_dim, positions)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
@@ -435,6 +487,7 @@ def scaled_dot_product_attention_backward(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: Weights = False,
+    warn_empty_rows: bool = True,
 ) -> dict[str, np.ndarray]:
     """Gradients of :func:`scaled_dot_product_attention` with respect to ``q``, ``k``, ``v``.
 
@@ -446,8 +499,9 @@ def scaled_dot_product_attention_backward(
     ----------
     grad_out : array_like, shape (..., h, n_q, d_v)
         Gradient of the loss with respect to the output.
-    q, k, v, mask, causal, scale
-        As for :func:`scaled_dot_product_attention`. ``return_weights`` is accepted for
+    q, k, v, mask, causal, scale, warn_empty_rows
+        As for :func:`scaled_dot_product_attention` (boolean ``True`` = *may attend*, the
+        opposite of ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`). ``return_weights`` is accepted for
         symmetry and ignored: gradients flow from the output only. Masks are not
         differentiated.
 
@@ -466,7 +520,8 @@ def scaled_dot_product_attention_backward(
     ['k', 'q', 'v']
     """
     V.weights_mode(return_weights)
-    return _sdpa_grads(_prepare_sdpa(q, k, v, mask, causal, scale), grad_out)
+    return _sdpa_grads(_prepare_sdpa(q, k, v, mask, causal, scale,
+                                     warn_empty_rows), grad_out)
 
 
 def _sdpa_grads(a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
@@ -520,6 +575,7 @@ def multi_head_attention_backward(
     rope_theta: float | None = None,
     rope_dim: int | None = None,
     positions: Any = None,
+    warn_empty_rows: bool = True,
 ) -> dict[str, np.ndarray]:
     """Gradients of :func:`multi_head_attention` with respect to every array argument given.
 
@@ -528,9 +584,10 @@ def multi_head_attention_backward(
     grad_out : array_like, shape (..., n_q, d_out)
         Gradient of the loss with respect to the output.
     query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads, num_kv_heads, mask,
-    key_padding_mask, causal, scale, rope_theta, rope_dim, positions
-        As for :func:`multi_head_attention`. ``return_weights`` is accepted and ignored.
-        Positions are not differentiated.
+    key_padding_mask, causal, scale, rope_theta, rope_dim, positions, warn_empty_rows
+        As for :func:`multi_head_attention` (boolean ``True`` = *may attend*, the opposite of
+        ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`).
+        ``return_weights`` is accepted and ignored. Positions are not differentiated.
 
     Returns
     -------
@@ -552,7 +609,7 @@ def multi_head_attention_backward(
     """
     V.weights_mode(return_weights)
     a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
-                     num_kv_heads, mask, key_padding_mask, causal, scale)
+                     num_kv_heads, mask, key_padding_mask, causal, scale, warn_empty_rows)
     rope = _rope.prepare_for(a, rope_theta, rope_dim, positions)
     return _mha_grads(a, grad_out, rope=rope)
 

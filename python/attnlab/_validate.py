@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+import os
+import sys
+import types
+import warnings
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -287,3 +291,162 @@ def owned(prepared: Any) -> Any:
         return x
 
     return type(prepared)(*(own(f) for f in prepared))
+
+
+def check_flag(x: Any, name: str) -> bool:
+    """A True/False argument, refusing other truthy or falsy values (1, None, "yes")."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+# -- shape checks that find the root cause -------------------------------------------------------
+# Order (every family): each input's own shape, each weight's own rank, the head counts against
+# the weights' widths, each weight against the input it reads, then the weights against each
+# other. A weight whose transpose would fit is named with the PyTorch hint.
+
+TORCH_HINT = "PyTorch's nn.Linear.weight is (out, in): pass weight.T, or use attnlab.interop.{}"
+
+
+def check_matrix(w: np.ndarray, name: str, layout: str, min_cols: int = 1) -> None:
+    """``w`` must be 2-D with at least ``min_cols`` columns: its own shape, checked first."""
+    if w.ndim != 2 or w.shape[1] < min_cols:
+        more = f" with at least {min_cols} column{'s' if min_cols > 1 else ''}" if min_cols else ""
+        raise ValueError(f"{name}: expected a 2-D array {layout}{more}, got shape "
+                         f"{shape_str(w.shape)}")
+
+
+class Reader(NamedTuple):
+    """One weight axis that reads an input's features."""
+
+    name: str                 # the argument, e.g. "w_q"
+    shape: tuple[int, ...]    # its shape
+    width: int                # the length of the axis that reads the input
+    axis: str                 # that axis in words: "rows", "axis 1 (d_q)"
+    layout: str               # the expected layout, e.g. "(d_q, num_heads * d_head)"
+    transposed_fits: bool     # the weight would fit if transposed (the PyTorch habit)
+
+
+def reader(w: np.ndarray, name: str, layout: str, cols_ok: Any, width: int) -> Reader:
+    """A 2-D weight reading an input of ``width`` features through its rows; ``cols_ok(n)``
+    says whether ``n`` columns would be valid (to detect a transposed weight)."""
+    return Reader(name, w.shape, w.shape[0], "rows", layout,
+                  w.shape[0] != width and w.shape[1] == width and bool(cols_ok(w.shape[0])))
+
+
+def transposed(r: Reader, interop: str) -> ValueError:
+    """The error for a weight given as PyTorch stores it, ``(out, in)``."""
+    return ValueError(f"{r.name}: expected shape {r.layout}, got {shape_str(r.shape)}; "
+                      + TORCH_HINT.format(interop))
+
+
+def check_heads(w: np.ndarray, heads: int, arg: str, r: Reader, interop: str) -> None:
+    """``heads`` (the argument ``arg`` the user passed) must divide the columns of weight ``w``
+    (``r`` its reader); when its transpose would fit, the weight is the cause, not the count."""
+    if w.shape[1] % heads == 0:
+        return
+    if r.transposed_fits:
+        raise transposed(r, interop)
+    raise ValueError(f"{arg}: {heads} does not divide the {w.shape[1]} columns of {r.name} "
+                     f"{shape_str(w.shape)}, which is {r.layout}")
+
+
+def check_readers(groups: list[tuple[str, np.ndarray, list[Reader]]], interop: str) -> None:
+    """Each weight axis must match the width of the input it reads.
+
+    ``groups`` are ``(input name, input, readers)``; one input object may feed several weights
+    (self-attention). Blame, in order: a weight whose transpose fits (with the PyTorch hint);
+    the input, when every weight reading it disagrees with it and they agree among themselves;
+    else the weight that disagrees.
+    """
+    for _, _, readers in groups:
+        for r in readers:
+            if r.transposed_fits:
+                raise transposed(r, interop)
+    for x_name, x, readers in groups:
+        d = x.shape[-1]
+        bad = [r for r in readers if r.width != d]
+        if not bad:
+            continue
+        if len(bad) == len(readers) and len({r.width for r in bad}) == 1:
+            names = ", ".join(f"{r.name} {shape_str(r.shape)}" for r in bad)
+            raise ValueError(f"{x_name}: expected last dimension {bad[0].width}, as read by "
+                             f"{names}, got shape {shape_str(x.shape)}")
+        r = bad[0]
+        raise ValueError(f"{r.name}: expected {d} {r.axis} (the features of {x_name} "
+                         f"{shape_str(x.shape)}) in shape {r.layout}, got {shape_str(r.shape)}")
+
+
+# -- rows left empty by boolean masks ------------------------------------------------------------
+
+_POLARITY = (
+    "In attnlab a boolean True means \"may attend\" (as in torch's "
+    "scaled_dot_product_attention); nn.MultiheadAttention's masks use the opposite (True = "
+    "masked out): convert them with attnlab.interop.torch_masks. If these rows are meant to be "
+    "empty, pass warn_empty_rows=False."
+)
+
+
+def _zero_strides_to_one(a: np.ndarray) -> np.ndarray:
+    """A view of ``a`` with every broadcast (stride-0) axis cut to length 1: the distinct data."""
+    return a[tuple(slice(0, 1) if s == 0 and n > 1 else slice(None)
+                   for n, s in zip(a.shape, a.strides))]
+
+
+def empty_rows(m4: np.ndarray | None, kp: np.ndarray | None, causal: int, B: int, h: int,
+               n_q: int, n_k: int) -> tuple[int, int]:
+    """``(empty, total)``: the query rows of ``(B, h, n_q)`` that the boolean masks (``m4``
+    ``(B, h, n_q, n_k)``, when bool; ``kp`` ``(B, n_k)``), combined with ``causal``, leave
+    without a key, among the rows that ``causal`` alone leaves some key; ``total = B h n_q``.
+
+    Works on the masks' distinct data (broadcast axes are not expanded) and in blocks of query
+    rows, so it needs no (n_q, n_k) temporary for the whole batch.
+    """
+    m = _zero_strides_to_one(m4) if m4 is not None and m4.dtype.kind == "b" else None
+    p = _zero_strides_to_one(kp)[:, None, None, :] if kp is not None else None
+    total = B * h * n_q
+    if (m is None and p is None) or n_q == 0 or n_k == 0:
+        return 0, total
+    offset = {0: n_k, 1: 0, 2: n_k - n_q}[causal]  # query i sees keys j <= i + offset
+    lim = np.arange(n_q) + offset                   # the last key each query row may see
+    live = lim >= 0                                  # rows causal alone leaves some key
+    same = (m is None or m.shape[2] == 1) and causal == 0   # every query row alike
+    rows_ = 1 if same else n_q
+    parts = [a for a in (m, p) if a is not None]
+    lead = np.broadcast_shapes(*[a.shape[:2] for a in parts])
+    step = max(1, (1 << 22) // max(1, count(lead) * n_k))
+    empty = 0
+    for r0 in range(0, rows_, step):
+        r1 = min(rows_, r0 + step)
+        ok = np.arange(n_k) <= lim[r0:r1, None]       # (rows, n_k)
+        for a in parts:
+            ok = ok & (a[:, :, r0:r1] if a.shape[2] > 1 else a)
+        dead = ~ok.any(axis=-1) & live[r0:r1]
+        empty += int(dead.sum()) * (n_q if same else 1)
+    empty *= (B * h) // count(lead)  # the broadcast axes repeat the same rows
+    return empty, total
+
+
+ATTENTION_ROWS = ("query rows (counted over batch and heads) have no key they may attend to: the "
+                  "boolean masks (mask, key_padding_mask, with causal) leave none, so their "
+                  "attention weights are all 0")
+POOLED_ROWS = ("sequences have no token that key_padding_mask marks as real (True), so nothing "
+               "is pooled for them")
+
+
+def warn_empty(empty: int, total: int, what: str) -> None:
+    """The warning for ``empty`` of ``total`` rows (``what`` says which) left with no key."""
+    if empty:
+        warnings.warn(f"{empty} of {total} {what}. {_POLARITY}", UserWarning,
+                      stacklevel=user_stacklevel())
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that attributes a warning to the first caller outside attnlab (and
+    outside torch.autograd, through which attnlab.torch calls attnlab)."""
+    pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    level, f = 1, sys._getframe(1)  # type: tuple[int, types.FrameType | None]
+    while f is not None and (f.f_code.co_filename.startswith(pkg)
+                             or str(f.f_globals.get("__name__", "")).startswith("torch.autograd")):
+        f, level = f.f_back, level + 1
+    return level

@@ -37,7 +37,8 @@ def _recomputing(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     backward = RECOMPUTED.get(f) or _mha.multi_head_attention_backward
     own = copy.deepcopy(dict(inspect.signature(f).bind(*args, **kwargs).arguments))
     out = f(**own)
-    return out, lambda grad_out: backward(grad_out, **own)
+    again = {**own, "warn_empty_rows": False}  # the forward warned already
+    return out, lambda grad_out: backward(grad_out, **again)
 
 
 def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback]:

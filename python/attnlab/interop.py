@@ -29,6 +29,7 @@ ignored; ``"enc.1"`` means ``"enc.1."``, so it does not take ``enc.10.*``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,11 +83,7 @@ def _mask_array(value: Any, name: str, expected: str = "a boolean or floating-po
     return a
 
 
-def _flag(value: Any, name: str) -> bool:
-    """A True/False argument, refusing other truthy or falsy values."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
-    return bool(value)
+_flag = V.check_flag  # a True/False argument, refusing other truthy or falsy values
 
 
 def _weight_array(value: Any, name: str) -> np.ndarray:
@@ -256,7 +253,8 @@ def from_torch_mha(
     Notes
     -----
     attnlab inputs are batch-first ``(..., n, d)``: with ``batch_first=False`` (PyTorch's
-    default) swap the first two axes, ``x.transpose(1, 0, 2)``. PyTorch's boolean masks have the
+    default) swap the first two axes, ``x.transpose(1, 0, 2)``; given such a module, this
+    function says so with a ``UserWarning``. PyTorch's boolean masks have the
     opposite polarity; convert them with :func:`torch_masks`. Dropout is not applied (eval
     mode).
 
@@ -290,6 +288,12 @@ def from_torch_mha(
                 "zero key and value to every sequence (they take softmax mass); attnlab's "
                 "multi_head_attention has no equivalent"
             )
+        if not getattr(module, "batch_first", True):
+            warnings.warn(
+                "from_torch_mha: the module is sequence-first (batch_first=False, PyTorch's "
+                "default) and takes (n, B, d) inputs; attnlab's are batch-first (B, n, d): swap "
+                "the first two axes, x.transpose(1, 0, 2) (NumPy) or x.transpose(0, 1) (torch), "
+                "and the output's back", UserWarning, stacklevel=V.user_stacklevel())
         state_dict = module.state_dict()
     else:
         if num_heads is None:

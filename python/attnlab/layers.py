@@ -48,10 +48,7 @@ def _optional_int(x: Any, name: str, default: int) -> int:
     return default if x is None else V.check_positive_int(x, name)
 
 
-def _bool(x: Any, name: str) -> bool:
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected True or False, got {type(x).__name__} {x!r}")
-    return bool(x)
+_bool = V.check_flag
 
 
 class _Layer:
@@ -246,6 +243,20 @@ class _Layer:
         out = tuple(g[k] for k in given)
         return out[0] if len(out) == 1 else out
 
+    def _check_width(self, x: Any, name: str, attr: str) -> None:
+        """An input's features must be the layer's ``attr`` (named: the user set it, not the
+        weights the layer passes on)."""
+        if x is None:
+            return
+        try:
+            shape = np.shape(x)
+        except Exception:  # ragged and the like: the functional call names the problem
+            return
+        width = getattr(self, attr)
+        if len(shape) >= 2 and shape[-1] != width:
+            raise ValueError(f"{name}: expected last dimension {attr} = {width} (this "
+                             f"{type(self).__name__}'s {attr}), got shape {V.shape_str(shape)}")
+
     def _param_grads(self, g: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {k: np.asarray(g[k], dtype=self.dtype).reshape(p.shape)
                 for k, p in self.params.items()}
@@ -270,7 +281,8 @@ class _QKVLayer(_Layer):
 
     def __call__(self, query: Any, key: Any = None, value: Any = None, *, mask: Any = None,
                  key_padding_mask: Any = None, causal: bool | str = False,
-                 return_weights: bool | str = False, positions: Any = None) -> Any:
+                 return_weights: bool | str = False, positions: Any = None,
+                 warn_empty_rows: bool = True) -> Any:
         """Attend from ``query`` to ``key``/``value`` (self-attention when they are omitted).
 
         Parameters
@@ -280,8 +292,12 @@ class _QKVLayer(_Layer):
             Defaults to ``query``.
         value : array_like, shape (..., n_k, vdim), optional
             Defaults to ``key``.
-        mask, key_padding_mask, causal, return_weights
-            As for :func:`attnlab.multi_head_attention` (``True`` means *may attend*).
+        mask, key_padding_mask, causal, return_weights, warn_empty_rows
+            As for :func:`attnlab.multi_head_attention`: boolean ``True`` means *may attend*,
+            the opposite of ``nn.MultiheadAttention``'s masks (convert those with
+            :func:`attnlab.interop.torch_masks`); ``causal=True`` lets query ``i`` see keys
+            ``j <= i``; ``warn_empty_rows=False`` silences the warning for query rows the
+            boolean masks leave with no key (``backward`` does not warn again).
         positions : array_like, optional
             Token positions for a layer with rotary embeddings (``rope_theta``), as for
             :func:`attnlab.multi_head_attention`.
@@ -292,8 +308,11 @@ class _QKVLayer(_Layer):
         weights : ndarray, optional
             With ``return_weights``.
         """
+        self._check_width(query, "query", "d_model")
+        self._check_width(key, "key", "kdim")
+        self._check_width(value, "value", "vdim")
         options = {"mask": mask, "key_padding_mask": key_padding_mask, "causal": causal,
-                   "return_weights": return_weights}
+                   "return_weights": return_weights, "warn_empty_rows": warn_empty_rows}
         if positions is not None:
             if getattr(self, "rope_theta", None) is None:
                 raise ValueError(f"positions: {type(self).__name__} has no rotary embeddings "
@@ -575,20 +594,27 @@ class AdditiveAttention(_Layer):
     def _functional_kwargs(self) -> dict[str, Any]:
         return {"scale": self.scale, "variant": self.variant, "eps": self.eps}
 
-    def __call__(self, x: Any, *, key_padding_mask: Any = None) -> np.ndarray:
+    def __call__(self, x: Any, *, key_padding_mask: Any = None,
+                 warn_empty_rows: bool = True) -> np.ndarray:
         """Apply the layer to tokens ``x``.
 
         Parameters
         ----------
         x : array_like, shape (..., n, d_model)
         key_padding_mask : array_like of bool, shape (..., n), optional
-            ``True`` for real tokens.
+            ``True`` for real tokens (``nn.MultiheadAttention``'s ``True`` marks padding:
+            convert it with :func:`attnlab.interop.torch_masks`).
+        warn_empty_rows : bool
+            Warn (``UserWarning``, once per call) when ``key_padding_mask`` leaves a sequence
+            with no real token; ``False`` when intended.
 
         Returns
         -------
         ndarray, shape (..., n, d_out)
         """
-        return self._run({"x": x}, {"key_padding_mask": key_padding_mask})
+        self._check_width(x, "x", "d_model")
+        return self._run({"x": x}, {"key_padding_mask": key_padding_mask,
+                                    "warn_empty_rows": warn_empty_rows})
 
 
 class SeparableAttention(_Layer):
@@ -637,17 +663,24 @@ class SeparableAttention(_Layer):
     def _functional_kwargs(self) -> dict[str, Any]:
         return {}
 
-    def __call__(self, x: Any, *, key_padding_mask: Any = None) -> np.ndarray:
+    def __call__(self, x: Any, *, key_padding_mask: Any = None,
+                 warn_empty_rows: bool = True) -> np.ndarray:
         """Apply the layer to tokens ``x``.
 
         Parameters
         ----------
         x : array_like, shape (..., n, d_model)
         key_padding_mask : array_like of bool, shape (..., n), optional
-            ``True`` for real tokens.
+            ``True`` for real tokens (``nn.MultiheadAttention``'s ``True`` marks padding:
+            convert it with :func:`attnlab.interop.torch_masks`).
+        warn_empty_rows : bool
+            Warn (``UserWarning``, once per call) when ``key_padding_mask`` leaves a sequence
+            with no real token; ``False`` when intended.
 
         Returns
         -------
         ndarray, shape (..., n, d_out)
         """
-        return self._run({"x": x}, {"key_padding_mask": key_padding_mask})
+        self._check_width(x, "x", "d_model")
+        return self._run({"x": x}, {"key_padding_mask": key_padding_mask,
+                                    "warn_empty_rows": warn_empty_rows})

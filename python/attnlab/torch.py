@@ -145,6 +145,7 @@ def scaled_dot_product_attention(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: bool | str = False,
+    warn_empty_rows: bool = True,
 ) -> Any:
     """Differentiable :func:`attnlab.scaled_dot_product_attention` on CPU tensors.
 
@@ -154,9 +155,11 @@ def scaled_dot_product_attention(
     k : torch.Tensor, shape (..., h_kv, n_k, d)
     v : torch.Tensor, shape (..., h_kv, n_k, d_v)
         float32 or float64, on the CPU.
-    mask, causal, scale, return_weights
+    mask, causal, scale, return_weights, warn_empty_rows
         As for :func:`attnlab.scaled_dot_product_attention` (``True`` in a boolean mask means
-        *may attend*, as in ``F.scaled_dot_product_attention``); a mask may be a tensor.
+        *may attend*, as in ``F.scaled_dot_product_attention``, the opposite of
+        ``nn.MultiheadAttention``'s masks: see :func:`attnlab.interop.torch_masks`); a mask may
+        be a tensor. The backward does not warn again.
 
     Returns
     -------
@@ -174,7 +177,7 @@ def scaled_dot_product_attention(
     torch.Size([2, 4, 8])
     """
     consts = dict(mask=_mask(mask, "mask"), causal=causal, scale=scale,
-                  return_weights=return_weights)
+                  return_weights=return_weights, warn_empty_rows=warn_empty_rows)
     call = _Call(_mha.scaled_dot_product_attention, dict(q=q, k=k, v=v), consts,
                  bool(return_weights))
     return call.apply()
@@ -203,6 +206,7 @@ def multi_head_attention(
     rope_theta: float | None = None,
     rope_dim: int | None = None,
     positions: Any = None,
+    warn_empty_rows: bool = True,
 ) -> Any:
     """Differentiable :func:`attnlab.multi_head_attention` on CPU tensors.
 
@@ -216,9 +220,11 @@ def multi_head_attention(
     w_q, w_k, w_v, w_o : torch.Tensor
         ``(in, out)`` weights: ``nn.Linear.weight.T``.
     b_q, b_k, b_v, b_o : torch.Tensor, optional
-    num_heads, num_kv_heads, mask, key_padding_mask, causal, scale, return_weights
+    num_heads, num_kv_heads, mask, key_padding_mask, causal, scale, return_weights,
+    warn_empty_rows
         As for :func:`attnlab.multi_head_attention` (``True`` in a boolean mask means *may
         attend*; :func:`attnlab.interop.torch_masks` converts ``nn.MultiheadAttention``'s).
+        The backward does not warn again.
     rope_theta, rope_dim, positions
         Rotary embeddings, as for :func:`attnlab.multi_head_attention`; ``positions`` (array,
         tensor or a pair of them) is a constant, not differentiated.
@@ -246,7 +252,8 @@ def multi_head_attention(
     consts = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, mask=_mask(mask, "mask"),
                   key_padding_mask=_mask(key_padding_mask, "key_padding_mask"), causal=causal,
                   scale=scale, return_weights=return_weights, rope_theta=rope_theta,
-                  rope_dim=rope_dim, positions=_positions(positions))
+                  rope_dim=rope_dim, positions=_positions(positions),
+                  warn_empty_rows=warn_empty_rows)
     call = _Call(_mha.multi_head_attention, tensors, consts,
                  bool(return_weights))
     return call.apply()
@@ -270,6 +277,7 @@ def bilinear_attention(
     causal: bool | str = False,
     scale: float | None = None,
     return_weights: bool | str = False,
+    warn_empty_rows: bool = True,
 ) -> Any:
     """Differentiable :func:`attnlab.bilinear_attention` on CPU tensors.
 
@@ -282,8 +290,10 @@ def bilinear_attention(
         A :class:`attnlab.BilinearQK` (NumPy arrays) is a constant: no gradient flows to it.
     u_k : torch.Tensor, shape (h, d_k), optional
     w_v, w_o, b_v, b_o : torch.Tensor
-    num_heads, num_kv_heads, mask, key_padding_mask, causal, scale, return_weights
-        As for :func:`attnlab.bilinear_attention`.
+    num_heads, num_kv_heads, mask, key_padding_mask, causal, scale, return_weights,
+    warn_empty_rows
+        As for :func:`attnlab.bilinear_attention` (``True`` in a boolean mask means *may
+        attend*; :func:`attnlab.interop.torch_masks` converts ``nn.MultiheadAttention``'s).
 
     Returns
     -------
@@ -309,7 +319,8 @@ def bilinear_attention(
     consts: dict[str, Any] = dict(num_heads=num_heads, num_kv_heads=num_kv_heads,
                                   mask=_mask(mask, "mask"), causal=causal, scale=scale,
                                   key_padding_mask=_mask(key_padding_mask, "key_padding_mask"),
-                                  return_weights=return_weights)
+                                  return_weights=return_weights,
+                                  warn_empty_rows=warn_empty_rows)
     if isinstance(w_qk, BilinearQK):
         consts["w_qk"] = w_qk
     else:
@@ -335,6 +346,7 @@ def additive_attention(
     variant: str = "official",
     eps: float = 1e-12,
     key_padding_mask: Any = None,
+    warn_empty_rows: bool = True,
 ) -> torch.Tensor:
     """Differentiable :func:`attnlab.additive_attention` (SwiftFormer) on CPU tensors.
 
@@ -348,8 +360,9 @@ def additive_attention(
     b_proj : torch.Tensor, shape (D,), optional
     w_final : torch.Tensor, shape (D, d_out)
     b_final : torch.Tensor, shape (d_out,), optional
-    scale, variant, eps, key_padding_mask
-        As for :func:`attnlab.additive_attention`.
+    scale, variant, eps, key_padding_mask, warn_empty_rows
+        As for :func:`attnlab.additive_attention` (``True`` = real token, the opposite of
+        ``nn.MultiheadAttention``'s; :func:`attnlab.interop.torch_masks` converts it).
 
     Returns
     -------
@@ -368,7 +381,8 @@ def additive_attention(
     tensors = dict(x=x, w_q=w_q, b_q=b_q, w_k=w_k, b_k=b_k, w_g=w_g, w_proj=w_proj,
                    b_proj=b_proj, w_final=w_final, b_final=b_final)
     consts = dict(scale=scale, variant=variant, eps=eps,
-                  key_padding_mask=_mask(key_padding_mask, "key_padding_mask"))
+                  key_padding_mask=_mask(key_padding_mask, "key_padding_mask"),
+                  warn_empty_rows=warn_empty_rows)
     call = _Call(_additive.additive_attention, tensors,
                  consts, False)
     out: torch.Tensor = call.apply()
@@ -383,6 +397,7 @@ def separable_attention(
     w_o: torch.Tensor,
     b_o: torch.Tensor | None = None,
     key_padding_mask: Any = None,
+    warn_empty_rows: bool = True,
 ) -> torch.Tensor:
     """Differentiable :func:`attnlab.separable_attention` (MobileViT-v2) on CPU tensors.
 
@@ -393,8 +408,9 @@ def separable_attention(
     b_qkv : torch.Tensor, shape (1 + 2 d,), optional
     w_o : torch.Tensor, shape (d, d_out)
     b_o : torch.Tensor, shape (d_out,), optional
-    key_padding_mask
-        As for :func:`attnlab.separable_attention`.
+    key_padding_mask, warn_empty_rows
+        As for :func:`attnlab.separable_attention` (``True`` = real token, the opposite of
+        ``nn.MultiheadAttention``'s; :func:`attnlab.interop.torch_masks` converts it).
 
     Returns
     -------
@@ -411,7 +427,8 @@ def separable_attention(
     torch.Size([2, 16, 8])
     """
     tensors = dict(x=x, w_qkv=w_qkv, b_qkv=b_qkv, w_o=w_o, b_o=b_o)
-    consts = dict(key_padding_mask=_mask(key_padding_mask, "key_padding_mask"))
+    consts = dict(key_padding_mask=_mask(key_padding_mask, "key_padding_mask"),
+                  warn_empty_rows=warn_empty_rows)
     call = _Call(_additive.separable_attention, tensors,
                  consts, False)
     out: torch.Tensor = call.apply()

@@ -3,7 +3,7 @@ attnlab against the NumPy reference and a PyTorch eager module, over n = 49 .. 1
 
 The rows of the largest n carry ``extra["slope"]``: the least-squares slope of log(time) against
 log(n) over the n >= 784 points (where fixed per-call costs no longer dominate; all points with
---quick, which times n = 196, 784, 3136), i.e. the growth
+--quick, which times n = 196, 784, 1568), i.e. the growth
 exponent of time in n: about 1 for these two, about 2 for multi-head attention (timed alongside,
 at B = 1, for contrast).
 """
@@ -21,7 +21,7 @@ from .common import Row, interleaved, try_torch
 __all__ = ["run", "additive_flops", "separable_flops", "growth_exponent"]
 
 N_ALL = (49, 196, 784, 3136, 12544)
-N_QUICK = (196, 784, 3136)
+N_QUICK = (196, 784, 1568)
 B, D = 8, 256          # the issue's main case is B=8, n=3136, d=256
 MHA_B, MHA_H = 1, 4    # the quadratic contrast
 SLOPE_MIN_N = 784

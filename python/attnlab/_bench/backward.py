@@ -66,7 +66,7 @@ def run(quick: bool, threads: int) -> list[Row]:
         if torch is not None:
             fns["torch step"] = _torch_step(torch, w, x, g, h, causal)
         long = n > 1000
-        times = interleaved(fns, repeat=3 if long else (5 if quick else 11))
+        times = interleaved(fns, repeat=3 if long or quick else 11)
         fwd = mha_flops(B, n, n, d, h, d // h, causal)
         # a backward is two of the forward's products per forward product: 3x the forward
         flops = {"attnlab fwd": fwd, "attnlab step": 3 * fwd, "attnlab pullback": 2 * fwd,

@@ -22,11 +22,9 @@ from .common import Row, interleaved
 __all__ = ["run", "grid", "layer_macs"]
 
 # (B, n_q, n_k, d, h, d_head): n_k None = self-attention, d_head None = d / h
-_QUICK = [
-    (4, 64, None, 64, 1, None), (4, 64, None, 64, 4, None), (4, 256, None, 64, 1, None),
-    (4, 256, None, 64, 4, None), (2, 128, None, 128, 1, None), (2, 128, None, 128, 2, None),
-    (2, 128, None, 128, 8, None), (2, 64, None, 128, 2, 96), (2, 512, None, 128, 2, 96),
-    (1, 512, 32, 128, 2, None), (1, 32, 512, 128, 2, None),
+_QUICK = [  # one point per regime: h = 1 (collapsed wins), h > 1, d_head > d, n_q >> n_k, n_k >> n_q
+    (4, 64, None, 64, 1, None), (4, 256, None, 64, 4, None), (2, 128, None, 128, 8, None),
+    (2, 64, None, 128, 2, 96), (1, 512, 32, 128, 2, None), (1, 32, 512, 128, 2, None),
 ]
 _FULL = [
     (B, n, None, d, h, None)
@@ -85,7 +83,7 @@ def run(quick: bool, threads: int) -> list[Row]:  # noqa: ARG001 (threads set by
         retimed = False
         for attempt in range(2):
             times = interleaved(fns, repeat=(5 if quick else (7 if big else 11)) * (1 + attempt),
-                                warmup=1, min_time=(0.3 if quick else 1.0) * (1 + attempt))
+                                warmup=1, min_time=(0.1 if quick else 1.0) * (1 + attempt))
             times["collapsed"] = times[f"coll-{order}"]
             best = min(times["separate"], times["collapsed"])
             best_order = min(times["coll-query"], times["coll-key"])

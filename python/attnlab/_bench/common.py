@@ -13,7 +13,21 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["APART", "Row", "interleaved", "try_torch"]
+__all__ = ["APART", "NOISY", "Row", "Timing", "interleaved", "try_torch"]
+
+NOISY = 1.5  # a timing whose slowest run took this many times its fastest is flagged
+
+
+class Timing(float):
+    """A median time in milliseconds that also carries ``spread``: the slowest timed run over
+    the fastest (1.0 for a steady machine). It is a float everywhere else (tables, JSON)."""
+
+    spread: float
+
+    def __new__(cls, ms: float, spread: float = 1.0) -> Timing:
+        t = super().__new__(cls, ms)
+        t.spread = float(spread)
+        return t
 
 
 @dataclass
@@ -41,8 +55,9 @@ APART = ("reference", "numpy-blas")
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int = 7, warmup: int = 1,
-                min_time: float = 0.0, max_time: float = 30.0) -> dict[str, float]:
-    """Median milliseconds of each callable, timed round-robin.
+                min_time: float = 0.0, max_time: float = 30.0) -> dict[str, Timing]:
+    """Median milliseconds of each callable (a :class:`Timing`, with its spread), timed
+    round-robin.
 
     ``repeat`` rounds (more, up to ``max_time`` seconds in all, while a round is shorter than
     ``min_time``); the first ``warmup`` calls of each are not timed. Each timed call follows an
@@ -58,7 +73,7 @@ def interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int = 7, warmup: i
 
 
 def _round_robin(fns: dict[str, Callable[[], Any]], repeat: int, warmup: int, min_time: float,
-                 max_time: float) -> dict[str, float]:
+                 max_time: float) -> dict[str, Timing]:
     for _ in range(warmup):
         for f in fns.values():
             f()
@@ -78,7 +93,8 @@ def _round_robin(fns: dict[str, Callable[[], Any]], repeat: int, warmup: int, mi
             break
         if elapsed >= max_time and rounds >= 3:
             break
-    return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+    return {k: Timing(float(np.median(v)) * 1e3, max(v) / min(v) if min(v) > 0 else 1.0)
+            for k, v in times.items()}
 
 
 def try_torch(threads: int) -> Any:

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .. import multi_head_attention, reference
-from .common import Row, interleaved, try_torch
+from .common import Row, Timing, interleaved, try_torch
 
 __all__ = ["run", "mha_flops", "peak_extra_mib"]
 
@@ -131,11 +131,12 @@ def run(quick: bool, threads: int) -> list[Row]:
         flops = mha_flops(B, n, n, d, h, d // h, causal)
         shape = f"B={B} n={n} d={d} h={h}"
         for impl, ms in times.items():
-            rows.append(Row("mha", f"{name} fwd fp32", shape, impl, ms / calls, flops,
+            rows.append(Row("mha", f"{name} fwd fp32", shape, impl,
+                            Timing(ms / calls, ms.spread), flops,
                             baseline=None if impl == "attnlab" else "attnlab"))
     # long sequence: flash tiling keeps memory O(n d); the reference would need n^2 scores.
     # Timed at several n (time against n in --plot); peak memory at the largest.
-    ns_long = (1024, 2048) if quick else (1024, 2048, 4096, 8192)
+    ns_long = (512, 1024) if quick else (1024, 2048, 4096, 8192)
     for causal in (False, True):
         for n_long in ns_long:
             rows.extend(_long_case(torch, rng, n_long, causal, quick, n_long == ns_long[-1]))
@@ -165,7 +166,7 @@ def _long_case(torch: Any, rng: np.random.Generator, n_long: int, causal: bool, 
     rows = []
     for impl, ms in times.items():
         extra: dict[str, Any] = {"n": n_long}
-        if impl == "attnlab" and memory:
+        if impl == "attnlab" and memory and not quick:  # a fresh interpreter: full runs only
             extra["peak_extra_mib"] = fresh_peak_extra_mib(n_long, causal)
         rows.append(Row("mha", label, shape, impl, ms, flops,
                         baseline=None if impl == "attnlab" else "attnlab", extra=extra))

@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import build_info, get_num_threads
 from .backward import CASES as BACKWARD_CASES
-from .common import Row
+from .common import NOISY, Row
 from .gemm import gemm_peak
 
 __all__ = ["run_all", "format_table", "targets"]
@@ -32,7 +32,7 @@ def _cpu_name() -> str:
 
 def run_all(quick: bool, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]:
     threads = get_num_threads()
-    peak, rows = gemm_peak(threads, quick)
+    peak, rows, peak_rounds = gemm_peak(threads, quick)
     for fam in families:
         try:
             mod = importlib.import_module(f"attnlab._bench.{fam}")
@@ -46,6 +46,7 @@ def run_all(quick: bool, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]
         "threads": threads,
         "isa": info.get("isa"),
         "gemm_peak_gflops": peak,
+        "gemm_peak_rounds": peak_rounds,
         "rows": rows,
     }
     result["targets"] = targets(result)
@@ -113,42 +114,75 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     for row in rows:
         if row.family == "gemm" and row.case.startswith("proj") and row.impl == "attnlab" and peak:
             share = row.gflops / peak
-            add(f"projection GEMM {row.shape} share of GEMM peak", share, ">= 0.75", share >= 0.75)
+            if share <= 1.0:  # above the peak, one of the two was timed on a busy machine
+                add(f"projection GEMM {row.shape} share of GEMM peak", share, ">= 0.75",
+                    share >= 0.75)
     return out
 
 
 def _ratio(row: Row, rows: list[Row]) -> str:
-    """How many times faster attnlab is than this row's implementation (same case)."""
+    """How many times faster attnlab is than this row's implementation (same case); "!" when
+    either timing is noisy (see :func:`_noisy`)."""
     if row.baseline is None:
         return ""
     base = next((r for r in rows if r.family == row.family and r.case == row.case
                  and r.shape == row.shape and r.impl == row.baseline), None)
     if base is None or base.ms <= 0:
         return ""
-    return f"{row.ms / base.ms:.2f}x"
+    return f"{row.ms / base.ms:.2f}x" + ("!" if _noisy(row) or _noisy(base) else "")
+
+
+def _noisy(row: Row) -> bool:
+    """Whether the row's slowest timed run took NOISY times its fastest: the machine was busy
+    during it, and its median may be an outlier."""
+    return getattr(row.ms, "spread", 1.0) >= NOISY
+
+
+def share(row: Row, peak: float | None) -> str:
+    """The row's GFLOP/s as a share of the GEMM peak, never above 100%: "-" without a stable
+    peak or a FLOP count, "n/a" when the row ran faster than the measured peak (then the peak,
+    or this row, was timed on a busy machine)."""
+    if not peak or not row.gflops:
+        return "-"
+    s = row.gflops / peak
+    return "n/a" if s > 1.0 else f"{100 * s:.0f}%"
 
 
 def format_table(result: dict[str, Any]) -> str:
     rows: list[Row] = result["rows"]
     peak = result["gemm_peak_gflops"]
+    rounds = result.get("gemm_peak_rounds") or []
+    spread = ", ".join(f"{r:.1f}" for r in rounds)
+    head = (f"GEMM peak (fp32, measured) = {peak:.1f} GFLOP/s" if peak else
+            f"GEMM peak not stable (rounds: {spread} GFLOP/s): no %peak reported")
     lines = [
         f"attnlab bench  {result['date']}  {result['cpu']}  threads={result['threads']}  "
-        f"isa={result['isa']}  GEMM peak (fp32, measured) = {peak:.1f} GFLOP/s",
+        f"isa={result['isa']}  {head}",
         "",
         f"{'family':<9} {'case':<24} {'shape':<28} {'impl':<12} {'ms':>10} {'GFLOP/s':>8} "
         f"{'%peak':>6} {'attnlab':>8}  notes",
     ]
+    flagged = 0
     for r in rows:
         gf = r.gflops
         notes = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                          for k, v in r.extra.items())
+        pk = share(r, peak)
+        if _noisy(r) or pk == "n/a":
+            flagged += 1
+            notes = (f"NOISY (slowest run {r.ms.spread:.1f}x the fastest) " if _noisy(r)  # type: ignore[attr-defined]
+                     else "") + ("ABOVE PEAK " if pk == "n/a" else "") + notes
         lines.append(
             f"{r.family:<9} {r.case:<24.24} {r.shape:<28.28} {r.impl:<12.12} {r.ms:>10.3f} "
-            f"{gf:>8.1f} {100 * gf / peak if peak and gf else 0:>5.0f}% {_ratio(r, rows):>8}  "
-            f"{notes}"
+            f"{gf:>8.1f} {pk:>6} {_ratio(r, rows):>8}  {notes}"
         )
     lines.append("")
     lines.append("attnlab column: time of that row / time of attnlab (above 1: attnlab is faster).")
+    if flagged:
+        lines.append(f"{flagged} rows flagged: NOISY = the slowest of its timed runs took "
+                     f"{NOISY}x the fastest or more (a busy machine; '!' on the ratios it "
+                     f"enters); ABOVE PEAK = faster than the measured GEMM peak. Run again on "
+                     f"a quiet machine before quoting them.")
     if result.get("targets"):
         lines += ["", "Targets (DESIGN section 7), this run:"]
         for t in result["targets"]:
@@ -159,7 +193,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 def to_json(result: dict[str, Any]) -> str:
     out = dict(result)
-    out["rows"] = [asdict(r) | {"gflops": r.gflops} for r in result["rows"]]
+    out["rows"] = [asdict(r) | {"gflops": r.gflops, "spread": getattr(r.ms, "spread", None)}
+                   for r in result["rows"]]
     return json.dumps(out, indent=2)
 
 

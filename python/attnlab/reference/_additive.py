@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import POOLED_ROWS, warn_empty
+
 __all__ = ["additive_attention", "separable_attention"]
 
 
@@ -28,11 +30,15 @@ def _normalize(v: np.ndarray, axis: int, eps: float) -> np.ndarray:
     return v / np.maximum(norm, eps)
 
 
-def _real_tokens(key_padding_mask: Any, batch: tuple[int, ...], n: int) -> np.ndarray:
-    """(..., n, 1) boolean, True for tokens that take part in the pooling."""
+def _real_tokens(key_padding_mask: Any, batch: tuple[int, ...], n: int, warn: Any
+                 ) -> np.ndarray:
+    """(..., n, 1) boolean, True for tokens that take part in the pooling; with ``warn``,
+    attnlab's warning for the sequences (n > 0) that have none."""
     if key_padding_mask is None:
         return np.ones(batch + (n, 1), dtype=bool)
     kp = np.broadcast_to(np.asarray(key_padding_mask, dtype=bool), batch + (n,))
+    if warn and n:
+        warn_empty(int(np.sum(~kp.any(axis=-1))), int(np.prod(batch)), POOLED_ROWS)
     return kp[..., None]
 
 
@@ -40,6 +46,7 @@ def additive_attention(
     x: Any, *, w_q: Any, b_q: Any = None, w_k: Any, b_k: Any = None, w_g: Any, w_proj: Any,
     b_proj: Any = None, w_final: Any, b_final: Any = None, scale: float | None = None,
     variant: str = "official", eps: float = 1e-12, key_padding_mask: Any = None,
+    warn_empty_rows: Any = True,
 ) -> np.ndarray:
     """Reference for :func:`attnlab.additive_attention` (float64): SwiftFormer's efficient
     additive attention.
@@ -61,6 +68,8 @@ def additive_attention(
         Floor of the L2 norms (as ``torch.nn.functional.normalize``).
     key_padding_mask : array_like of bool, shape (..., n), optional
         ``True`` for real tokens; the others are left out of the pooling.
+    warn_empty_rows : bool
+        As for :func:`attnlab.additive_attention`.
 
     Returns
     -------
@@ -84,7 +93,7 @@ def additive_attention(
     key = x @ _f64(w_k) + _bias(b_k)
     query = _normalize(query, -1, eps)  # (..., n, D)
     key = _normalize(key, -1, eps)
-    real = _real_tokens(key_padding_mask, x.shape[:-2], n)  # (..., n, 1)
+    real = _real_tokens(key_padding_mask, x.shape[:-2], n, warn_empty_rows)  # (..., n, 1)
     if variant == "official":
         s = scale if scale is not None else w_final.shape[1] ** -0.5
         a = (query @ _f64(w_g).reshape(-1, 1)) * s  # (..., n, 1)
@@ -101,7 +110,7 @@ def additive_attention(
 
 def separable_attention(
     x: Any, *, w_qkv: Any, b_qkv: Any = None, w_o: Any, b_o: Any = None,
-    key_padding_mask: Any = None,
+    key_padding_mask: Any = None, warn_empty_rows: Any = True,
 ) -> np.ndarray:
     """Reference for :func:`attnlab.separable_attention` (float64): MobileViT-v2's separable
     self-attention.
@@ -116,6 +125,8 @@ def separable_attention(
     b_o : array_like, shape (d_out,), optional
     key_padding_mask : array_like of bool, shape (..., n), optional
         ``True`` for real tokens; the others get no context score.
+    warn_empty_rows : bool
+        As for :func:`attnlab.separable_attention`.
 
     Returns
     -------
@@ -137,7 +148,7 @@ def separable_attention(
     n = x.shape[-2]
     qkv = x @ _f64(w_qkv) + _bias(b_qkv)
     s, k, v = qkv[..., :1], qkv[..., 1:1 + d], qkv[..., 1 + d:]
-    real = _real_tokens(key_padding_mask, x.shape[:-2], n)  # (..., n, 1)
+    real = _real_tokens(key_padding_mask, x.shape[:-2], n, warn_empty_rows)  # (..., n, 1)
     s = np.where(real, s, -np.inf)
     m = np.max(s, axis=-2, keepdims=True, initial=-np.inf)  # initial: n may be 0
     m = np.where(np.isneginf(m), 0.0, m)  # no real token (or all -inf): avoid -inf - -inf

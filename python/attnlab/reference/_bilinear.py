@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .._bilinear import BilinearQK
-from ._mha import _context, _softmax_rows, allowed_and_bias
+from ._mha import _context, _softmax_rows, add_mask, allowed_and_bias, warn_if_empty
 
 __all__ = [
     "bilinear_attention",
@@ -254,7 +254,7 @@ def bilinear_attention(
     query: Any, key: Any = None, value: Any = None, *, w_qk: Any, u_k: Any = None, w_v: Any,
     w_o: Any, b_v: Any = None, b_o: Any = None, num_heads: int, num_kv_heads: int | None = None,
     mask: Any = None, key_padding_mask: Any = None, causal: Any = False, scale: Any = None,
-    return_weights: Any = False,
+    return_weights: Any = False, warn_empty_rows: Any = True,
 ) -> Any:
     """Reference for :func:`attnlab.bilinear_attention` (float64), one head at a time.
 
@@ -272,7 +272,7 @@ def bilinear_attention(
     b_v, b_o : array_like, optional
     num_heads : int
     num_kv_heads : int, optional
-    mask, key_padding_mask, causal, scale, return_weights
+    mask, key_padding_mask, causal, scale, return_weights, warn_empty_rows
         As for :func:`attnlab.bilinear_attention`.
 
     Returns
@@ -307,8 +307,9 @@ def bilinear_attention(
     vv = _matmul(xv, w_v) + (0.0 if b_v is None else _f64(b_v))
     n_q, n_k = xq.shape[-2], xk.shape[-2]
     allowed, bias = allowed_and_bias(n_q, n_k, mask, key_padding_mask, causal)
-    logits = logits + bias
+    logits = add_mask(logits, bias)
     allowed = np.broadcast_to(allowed, logits.shape)
+    warn_if_empty(allowed, n_q, n_k, causal, warn_empty_rows)
     contexts, weights = [], []
     for i in range(h):
         j = i // (h // h_kv)

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import ATTENTION_ROWS, warn_empty
+
 __all__ = ["scaled_dot_product_attention", "multi_head_attention", "allowed_and_bias"]
 
 
@@ -59,11 +61,28 @@ def allowed_and_bias(
             allowed = allowed & m
         else:
             bias = m.astype(np.float64)
-            allowed = allowed & ~np.isneginf(bias)  # a -inf entry masks, even a NaN score
     if key_padding_mask is not None:
         kp = np.asarray(key_padding_mask, dtype=bool)
         allowed = allowed & kp[..., None, None, :]
     return allowed, bias
+
+
+def warn_if_empty(allowed: np.ndarray, n_q: int, n_k: int, causal: Any, warn: Any) -> None:
+    """attnlab's warning for query rows the boolean masks leave without a key (``allowed``,
+    broadcast to ``(..., h, n_q, n_k)``), among those ``causal`` alone leaves some key; counted
+    here the plain way, as a check on the kernels' wrapper."""
+    if not warn:
+        return
+    live = allowed_and_bias(n_q, n_k, causal=causal)[0].any(axis=-1)
+    empty = int(np.sum(~allowed.any(axis=-1) & live))
+    warn_empty(empty, int(np.prod(allowed.shape[:-1])), ATTENTION_ROWS)
+
+
+def add_mask(scores: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """``scores + bias``, where a -inf in the float mask masks the key out even when its score
+    is NaN (the kernels' rule: a masked-out key is never read)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isneginf(bias), -np.inf, scores + bias)
 
 
 def _softmax_rows(scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
@@ -113,7 +132,7 @@ def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 def scaled_dot_product_attention(
     q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, scale: Any = None,
-    return_weights: Any = False,
+    return_weights: Any = False, warn_empty_rows: Any = True,
 ) -> Any:
     """Reference for :func:`attnlab.scaled_dot_product_attention` (float64).
 
@@ -130,6 +149,8 @@ def scaled_dot_product_attention(
     scale : float, optional
         Defaults to ``1 / sqrt(d)``.
     return_weights : bool or "mean"
+    warn_empty_rows : bool
+        As for :func:`attnlab.scaled_dot_product_attention`.
 
     Returns
     -------
@@ -159,8 +180,9 @@ def scaled_dot_product_attention(
     s = (1.0 / math.sqrt(d)) if scale is None else float(scale)
     scores = s * (q @ np.swapaxes(k, -1, -2))
     allowed, bias = allowed_and_bias(n_q, n_k, mask, None, causal)
-    scores = scores + bias
+    scores = add_mask(scores, bias)
     allowed = np.broadcast_to(allowed, scores.shape)
+    warn_if_empty(allowed, n_q, n_k, causal, warn_empty_rows)
     p = _softmax_rows(scores, allowed)
     out = _context(p, v, allowed & ~np.isneginf(scores))
     if return_weights in (False, None):
@@ -174,6 +196,7 @@ def multi_head_attention(
     num_kv_heads: int | None = None, mask: Any = None, key_padding_mask: Any = None,
     causal: Any = False, scale: Any = None, return_weights: Any = False,
     rope_theta: Any = None, rope_dim: Any = None, positions: Any = None,
+    warn_empty_rows: Any = True,
 ) -> Any:
     """Reference for :func:`attnlab.multi_head_attention` (float64), one head at a time.
 
@@ -194,7 +217,7 @@ def multi_head_attention(
     num_heads : int
     num_kv_heads : int, optional
         Defaults to ``num_heads``.
-    mask, key_padding_mask, causal, scale, return_weights
+    mask, key_padding_mask, causal, scale, return_weights, warn_empty_rows
         As for :func:`attnlab.multi_head_attention` (``scale`` defaults to
         ``1 / sqrt(d_head)``).
     rope_theta, rope_dim, positions
@@ -236,6 +259,7 @@ def multi_head_attention(
     batch = np.broadcast_shapes(xq.shape[:-2], xk.shape[:-2], xv.shape[:-2])
     allowed, bias = allowed_and_bias(n_q, n_k, mask, key_padding_mask, causal)
     allowed = np.broadcast_to(allowed, batch + (h, n_q, n_k))
+    warn_if_empty(allowed, n_q, n_k, causal, warn_empty_rows)
     bias = np.broadcast_to(bias, batch + (h, n_q, n_k))
     rope_q = rope_k = None
     if rope_theta is not None:
@@ -260,7 +284,7 @@ def multi_head_attention(
             k_i = _apply_rope(k_i, *rope_k)
         v_i = Vv[..., j * d_vhead:(j + 1) * d_vhead]
         scores = s * (q_i @ np.swapaxes(k_i, -1, -2))
-        scores = scores + bias[..., i, :, :]
+        scores = add_mask(scores, bias[..., i, :, :])
         allowed_i = np.broadcast_to(allowed[..., i, :, :], scores.shape)
         p = _softmax_rows(scores, allowed_i)
         contexts.append(_context(p, v_i, allowed_i & ~np.isneginf(scores)))
