@@ -15,6 +15,8 @@ cd "$ROOT"
 PY="${PYTHON:-python}"
 export CXX="${CXX:-clang++}"
 command -v "$CXX" >/dev/null || { echo "check-compiler.sh: $CXX not found" >&2; exit 2; }
+# pybind11 and Eigen (cmeel-eigen) in the current environment when missing, as sanitize.sh does
+"$PY" -c "import pybind11, cmeel" 2>/dev/null || "$PY" -m pip install --quiet "pybind11>=2.12" "cmeel-eigen>=3.4"
 NAME="$(basename "$CXX")"
 OUT="$ROOT/build/compiler-$NAME"
 PKG="$OUT/pkg"
