@@ -110,6 +110,8 @@ def test_emulated_older_cpus_select_what_they_can_run(cpu, best, refused):
     r = subprocess.run(cmd, env=dict(os.environ, ATTNLAB_ISA=""), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+    if best not in _loader.core.BUILT_ISAS:  # a narrowed developer build (ATTNLAB_ISAS)
+        best = "generic"
     assert r.stdout.strip().splitlines()[-1] == best
     for isa in refused:
         r = subprocess.run(cmd, env=dict(os.environ, ATTNLAB_ISA=isa), capture_output=True,
