@@ -22,6 +22,9 @@ for tool in "$CXX_AARCH64" "$QEMU" cmake; do
     exit 2
   }
 done
+if [[ -z "${ATTNLAB_EIGEN_INCLUDE:-}" && ! -f /usr/include/eigen3/Eigen/Core ]]; then
+  "$PY" -c "import cmeel" 2>/dev/null || "$PY" -m pip install --quiet "cmeel-eigen>=3.4"
+fi
 EIGEN="${ATTNLAB_EIGEN_INCLUDE:-$("$PY" -c 'import sys, os; print(next((os.path.join(p, "cmeel.prefix", "include", "eigen3") for p in sys.path if os.path.isfile(os.path.join(p, "cmeel.prefix", "include", "eigen3", "Eigen", "Core"))), ""))' 2>/dev/null || true)}"
 [[ -n "$EIGEN" ]] || EIGEN=/usr/include/eigen3
 [[ -f "$EIGEN/Eigen/Core" ]] || { echo "check-aarch64.sh: Eigen not found (pip install cmeel-eigen)" >&2; exit 2; }

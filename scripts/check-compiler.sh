@@ -7,6 +7,7 @@
 #   scripts/check-compiler.sh                    # clang++: every variant built, isolation checked,
 #                                                # the kernel suites on the best variant, test_isa
 #   CXX=g++-13 scripts/check-compiler.sh test_mha.py   # another compiler, any pytest arguments
+#   ATTNLAB_ISAS="generic;avx512" scripts/check-compiler.sh   # fewer variants, a shorter build
 #
 # Needs cmake, ninja, pybind11 and Eigen (as scripts/dev-build.sh) and the compiler.
 set -euo pipefail
@@ -15,6 +16,8 @@ cd "$ROOT"
 PY="${PYTHON:-python}"
 export CXX="${CXX:-clang++}"
 command -v "$CXX" >/dev/null || { echo "check-compiler.sh: $CXX not found" >&2; exit 2; }
+# pybind11 and Eigen (cmeel-eigen) in the current environment when missing, as sanitize.sh does
+"$PY" -c "import pybind11, cmeel" 2>/dev/null || "$PY" -m pip install --quiet "pybind11>=2.12" "cmeel-eigen>=3.4"
 NAME="$(basename "$CXX")"
 OUT="$ROOT/build/compiler-$NAME"
 PKG="$OUT/pkg"
@@ -24,7 +27,7 @@ VERSION="$(sed -n 's/^version *= *"\(.*\)"/\1/p' pyproject.toml | head -1)"
 GEN=()
 if command -v ninja >/dev/null; then GEN=(-G Ninja); fi
 cmake -S . -B "$OUT/cmake" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$CXX" \
-  -DPython_EXECUTABLE="$(command -v "$PY")" \
+  -DPython_EXECUTABLE="$(command -v "$PY")" ${ATTNLAB_ISAS:+-DATTNLAB_ISAS="$ATTNLAB_ISAS"} \
   -Dpybind11_DIR="$("$PY" -c 'import pybind11; print(pybind11.get_cmake_dir())')" \
   -DSKBUILD_PROJECT_VERSION="$VERSION" -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$PKG/attnlab" \
   > "$OUT/cmake.log" 2>&1 || { cat "$OUT/cmake.log"; exit 1; }

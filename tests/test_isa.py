@@ -52,9 +52,12 @@ def test_one_module_holds_every_variant():
     assert not list(pkg.glob("_core_*")), "stale per-ISA modules next to attnlab._core"
     assert len(list(pkg.glob("_core.*"))) >= 1
     built = attnlab.build_info()["built_isas"]
+    # `pip install .` and the wheels build every variant of the platform (ATTNLAB_ISAS narrows a
+    # developer build; the sanitizer build has one)
+    if os.environ.get("ATTNLAB_SANITIZED") or os.environ.get("ATTNLAB_ISAS"):
+        return
     assert "generic" in built
-    if platform.machine().lower() in ("x86_64", "amd64") and not os.environ.get("ATTNLAB_SANITIZED"):
-        # the wheels and `pip install .` build every x86-64 variant
+    if platform.machine().lower() in ("x86_64", "amd64"):
         assert {"generic", "avx2", "avx512"} <= set(built), built
 
 
@@ -107,6 +110,8 @@ def test_emulated_older_cpus_select_what_they_can_run(cpu, best, refused):
     r = subprocess.run(cmd, env=dict(os.environ, ATTNLAB_ISA=""), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+    if best not in _loader.core.BUILT_ISAS:  # a narrowed developer build (ATTNLAB_ISAS)
+        best = "generic"
     assert r.stdout.strip().splitlines()[-1] == best
     for isa in refused:
         r = subprocess.run(cmd, env=dict(os.environ, ATTNLAB_ISA=isa), capture_output=True,
