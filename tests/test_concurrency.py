@@ -1,4 +1,4 @@
-"""Threads (DESIGN section 8): many Python threads calling at once get bitwise the serial
+"""Threads: many Python threads calling at once get bitwise the serial
 results; the kernel thread count does not change a bit of any result; the GIL is released
 around every kernel call.
 

@@ -1,5 +1,5 @@
 """Every error path of scaled_dot_product_attention and multi_head_attention: the exception type
-(ValueError or TypeError) and a message naming the argument (DESIGN section 3, "Errors").
+(ValueError or TypeError) and a message naming the argument (docs/architecture.md, section 3).
 
 Each case is a valid call with one thing broken. A last test replays every case in a fresh
 process, so a crash (rather than an exception) is reported as a failure, not a dead test run.

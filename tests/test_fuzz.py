@@ -1,4 +1,4 @@
-"""The stress run of DESIGN section 8: 10,000 random calls of every public function in a
+"""The stress run: 10,000 random calls of every public function in a
 separate process (``fuzz_stress.py``), valid and broken mixed, seeded.
 
 The child prints one JSON line of counts. The process must exit 0 (a segfault, abort or

@@ -1,4 +1,4 @@
-"""Memory (DESIGN section 8): no leak over many calls, and sizes that cannot be allocated raise
+"""Memory: no leak over many calls, and sizes that cannot be allocated raise
 ``MemoryError`` (or ``ValueError``), never crash.
 
 Both run in a fresh subprocess: the leak test so that nothing else in the test session changes

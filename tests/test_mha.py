@@ -1,5 +1,5 @@
 """attnlab.scaled_dot_product_attention and attnlab.multi_head_attention (C++ kernels) against
-the plain NumPy float64 reference (attnlab.reference), DESIGN sections 3-4.
+the plain NumPy float64 reference (attnlab.reference), with the conventions of docs/architecture.md, section 3.
 
 Kernel tiles are 64 queries x 128 keys, so the sizes below straddle one and several tiles.
 """

@@ -1,7 +1,7 @@
 """attnlab against PyTorch: torch.nn.MultiheadAttention (batch_first, eval) with its weights
 converted by hand, and torch.nn.functional.scaled_dot_product_attention.
 
-Conversions (DESIGN section 3): torch's Linear stores (out, in), so w = weight.T; in_proj_weight
+Conversions: torch's Linear stores (out, in), so w = weight.T; in_proj_weight
 packs the q, k, v rows; torch's boolean masks mean True = NOT allowed, so they are inverted.
 """
 

@@ -1,4 +1,4 @@
-"""Numerics on adversarial inputs (DESIGN section 8): float32 kernels against the float64
+"""Numerics on adversarial inputs : float32 kernels against the float64
 reference evaluated on the same float32 values; no Inf or NaN where the maths is finite.
 
 Errors are normwise relative, ``max |got - ref| / (|ref| + max|ref|)``; each test's docstring
@@ -184,7 +184,7 @@ def test_additive_extreme_magnitudes(magnitude: float, variant: str) -> None:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_separable_all_real_scores_minus_inf_give_zero_context(dtype: type) -> None:
     """Every real token's score -inf (here through b_qkv[0] = -inf) masks every token, as a
-    -inf float mask does in SDPA: by DESIGN ("fully masked rows give zeros, never NaN") the
+    -inf float mask does in SDPA: by the convention "fully masked rows give zeros, never NaN" the
     context is 0, every output row is b_o, and the gradients are finite (0 through the scores).
     The kernel used to return NaN here (torch's softmax does) while the reference gave b_o."""
     rng = np.random.default_rng(8)

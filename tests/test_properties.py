@@ -3,7 +3,7 @@
 Random valid calls (shapes, batch broadcasting, dtypes, bool/float/-inf masks, key padding,
 causal modes, grouped-query heads, biases, scales, returned weights) must agree with the float64
 oracle: normwise relative error ``max |got - ref| / (|ref| + max|ref|)`` at most 1e-12 in float64
-and 1e-5 in float32 (DESIGN section 8). Gradients are checked along random directions against
+and 1e-5 in float32 (the documented tolerance). Gradients are checked along random directions against
 central differences of the float64 *reference* (so the oracle checks the backward too), and
 float32 gradients against the float64 kernel's.
 

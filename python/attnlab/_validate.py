@@ -1,6 +1,6 @@
 """Argument normalisation and validation shared by every public function.
 
-Every error names the argument, what it got and what was expected (DESIGN section 3).
+Every error names the argument, what it got and what was expected (docs/architecture.md, section 3).
 """
 
 from __future__ import annotations

@@ -242,8 +242,8 @@ def xavier_normal(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) 
 def randn(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
     """Standard normal N(0, 1) whatever the fans: ``nn.Parameter(torch.randn(...))``.
 
-    The scheme behind DESIGN question 3: its logits grow like ``d_model`` and saturate the
-    softmax. Registered as ``"randn"`` (with zero biases).
+    The scheme behind notebook 03 (why std-1 weights train worse): its logits grow like
+    ``d_model`` and saturate the softmax. Registered as ``"randn"`` (with zero biases).
 
     Parameters
     ----------

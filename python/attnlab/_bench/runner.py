@@ -62,7 +62,7 @@ def _find(rows: list[Row], family: str, case: str, impl: str, shape: str | None 
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """DESIGN section 7, checked on this run: one entry per target whose rows were measured,
+    """The performance targets, checked on this run: one entry per target whose rows were measured,
     with the measured value, the target and whether it is met."""
     rows: list[Row] = result["rows"]
     peak = result["gemm_peak_gflops"]
@@ -90,7 +90,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             mib = r[1].extra.get("peak_extra_mib")
             if isinstance(mib, float):
                 add(f"MHA {label} ({r[1].shape}) extra memory (MiB)", mib, "< 128", mib < 128)
-    for case, _B, _n, _d, _h, _c in BACKWARD_CASES:  # DESIGN: training step targets
+    for case, _B, _n, _d, _h, _c in BACKWARD_CASES:  # the training-step targets
         fwd = _find(rows, "backward", case, "attnlab fwd")
         pull = _find(rows, "backward", case, "attnlab pullback")
         step = _find(rows, "backward", case, "attnlab step")
@@ -184,7 +184,7 @@ def format_table(result: dict[str, Any]) -> str:
                      f"enters); ABOVE PEAK = faster than the measured GEMM peak. Run again on "
                      f"a quiet machine before quoting them.")
     if result.get("targets"):
-        lines += ["", "Targets (DESIGN section 7), this run:"]
+        lines += ["", "Targets, this run:"]
         for t in result["targets"]:
             lines.append(f"  {'met ' if t['met'] else 'MISS'}  {t['target']:<62.62} "
                          f"{t['value']:>8.3g}  (goal {t['goal']})")
