@@ -52,16 +52,15 @@ constexpr Index panel_width() {
     return kPanelPackets * packet_size<T>();
 }
 
-// C[r, 0:W) (+)= sum_{t < depth} A(r, t) * B[t, 0:W) for r < MR, W = panel_width<T>().
+// C[r, 0:NP L) (+)= sum_{t < depth} A(r, t) * B[t, 0:NP L) for r < MR, L = packet_size<T>().
 // A(r, t) = a[r * a_rs + t * a_ts]; B rows are ldb apart, C rows ldc apart, any alignment
 // (unaligned loads cost the same as aligned ones on aligned data on AVX2/AVX-512 CPUs). The sum over t runs in order, so the result does not depend on the thread.
-template <typename T, int MR, bool Accumulate>
+template <typename T, int MR, int NP, bool Accumulate>
 inline void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts, const T* b, Index ldb,
                          T* c, Index ldc) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
-    constexpr int NP = kPanelPackets;
     Packet acc[MR][NP];
     for (int r = 0; r < MR; ++r)
         for (int q = 0; q < NP; ++q)
@@ -79,20 +78,40 @@ inline void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts, const 
         for (int q = 0; q < NP; ++q) ei::pstoreu(c + r * ldc + q * L, acc[r][q]);
 }
 
-// Rows [0, rows) of C for one panel, kPanelRows at a time.
+// Rows [0, rows) of C for one panel of NP packets, MR rows at a time, the rest with fewer.
+template <typename T, int NP, int MR, bool Accumulate>
+void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, const T* b, Index ldb,
+                T* c, Index ldc) {
+    Index r = 0;
+    for (; r + MR <= rows; r += MR)
+        panel_kernel<T, MR, NP, Accumulate>(depth, a + r * a_rs, a_rs, a_ts, b, ldb, c + r * ldc, ldc);
+    if constexpr (MR > 1) {
+        if (r < rows)
+            panel_rows<T, NP, MR - 1, Accumulate>(rows - r, depth, a + r * a_rs, a_rs, a_ts, b, ldb,
+                                                  c + r * ldc, ldc);
+    }
+}
+
+// Rows [0, rows) of C for one panel (W = panel_width<T>() lanes), kPanelRows at a time.
 template <typename T, bool Accumulate>
 void panel_product(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, const T* b,
                    Index ldb, T* c, Index ldc) {
-    constexpr int MR = kPanelRows;
-    Index r = 0;
-    for (; r + MR <= rows; r += MR)
-        panel_kernel<T, MR, Accumulate>(depth, a + r * a_rs, a_rs, a_ts, b, ldb, c + r * ldc, ldc);
-    const T* ar = a + r * a_rs;
-    T* cr = c + r * ldc;
-    switch (rows - r) {
-        case 3: panel_kernel<T, 3, Accumulate>(depth, ar, a_rs, a_ts, b, ldb, cr, ldc); break;
-        case 2: panel_kernel<T, 2, Accumulate>(depth, ar, a_rs, a_ts, b, ldb, cr, ldc); break;
-        case 1: panel_kernel<T, 1, Accumulate>(depth, ar, a_rs, a_ts, b, ldb, cr, ldc); break;
+    panel_rows<T, kPanelPackets, kPanelRows, Accumulate>(rows, depth, a, a_rs, a_ts, b, ldb, c, ldc);
+}
+
+// C[0:rows, 0:cols) (+)= A B with cols a whole number of packets (callers pad): three-packet
+// panels, then one panel of the one or two packets left. Narrower panels take more rows at a
+// time (6 x 2, 8 x 1), so that the accumulators still fill the registers.
+template <typename T, bool Accumulate>
+void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, Index a_ts,
+                   const T* b, Index ldb, T* c, Index ldc) {
+    constexpr Index L = packet_size<T>();
+    constexpr Index W = panel_width<T>();
+    Index j = 0;
+    for (; j + W <= cols; j += W) panel_product<T, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
+    switch ((cols - j) / L) {
+        case 2: panel_rows<T, 2, 6, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc); break;
+        case 1: panel_rows<T, 1, 8, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc); break;
         default: break;
     }
 }
