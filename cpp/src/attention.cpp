@@ -279,10 +279,13 @@ struct BackwardPlan {
     Index q_tiles = 0, k_tiles = 0;
     Index segments = 0, seg_tiles = 0;  // segments of seg_tiles key tiles each (the last fewer)
     Index dp = 0;                       // head width padded to whole packets
-    T* dq_part = nullptr;               // (segments, batch, heads, n_q, dp)
+    T* dq_part = nullptr;               // (segments, batch, heads, n_q, dp): dQ / scale per segment
+    T* qs = nullptr;                    // (batch, heads, n_q, d): scale Q
+    T* dsum = nullptr;                  // (batch, heads, n_q): D = rowsum(dO * O)
 
+    Index head(const AttentionProblem<T>& p, Index b, Index h) const { return (b * p.heads + h) * p.n_q; }
     T* part(const AttentionProblem<T>& p, Index s, Index b, Index h) const {
-        return dq_part + ((s * p.batch + b) * p.heads + h) * p.n_q * dp;
+        return dq_part + (s * p.batch * p.heads * p.n_q + head(p, b, h)) * dp;
     }
     // The first query tile that sees key j0 (and so, causal being monotone, any later key).
     Index first_query_tile(const AttentionProblem<T>& p, Index j0) const {
@@ -311,17 +314,17 @@ BackwardPlan<T> backward_plan(const AttentionProblem<T>& p) {
 // Per-thread tile buffers of the backward, carved from one scratch block.
 template <typename T>
 struct BackwardScratch {
-    T *kt, *vt, *kp, *dkt, *dvt, *qs, *s, *dp;
+    T *kt, *vt, *kp, *dkt, *dvt, *s, *dp;
 
     BackwardScratch(Index d, Index dv, Index dp_width) {
         constexpr Index tk = kBwdTileK, tq = kBwdTileQ;
-        const Index sizes[] = {d * tk, dv * tk, tk * dp_width, d * tk, dv * tk, tq * d, tq * tk, tq * tk};
-        T** slots[] = {&kt, &vt, &kp, &dkt, &dvt, &qs, &s, &dp};
+        const Index sizes[] = {d * tk, dv * tk, tk * dp_width, d * tk, dv * tk, tq * tk, tq * tk};
+        T** slots[] = {&kt, &vt, &kp, &dkt, &dvt, &s, &dp};
         auto round = [](Index n) { return (n + 15) / 16 * 16; };  // keep every slot 64-byte aligned
         Index total = 0;
         for (Index n : sizes) total += round(n);
         T* base = scratch<T, 0>(static_cast<std::size_t>(total));
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < 7; ++i) {
             *slots[i] = base;
             base += round(sizes[i]);
         }
@@ -329,8 +332,8 @@ struct BackwardScratch {
 };
 
 // One (batch, query head, query tile) against the key tile held in w (kt, vt, kp: K^T, V^T and
-// K padded to dp columns, kbp = kb padded to whole packets). Adds into w.dkt, w.dvt (dK^T,
-// dV^T of the tile, unscaled dK as Q is scaled) and writes or adds the tile's share of dQ / scale.
+// K padded to dp columns, kbp = kb padded to whole packets). Adds into w.dkt, w.dvt (dK^T, dV^T
+// of the tile) and writes or adds the tile's share of dQ / scale at dq.
 template <typename T>
 void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g, const BackwardPlan<T>& plan,
                    const BackwardScratch<T>& w, Index b, Index h, Index i0, Index mq, Index j0,
@@ -339,26 +342,23 @@ void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g, cons
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
     const Index d = p.d, dv = p.d_v, dp = plan.dp;
-    const T* q = p.q.at(b, h) + i0 * p.q.row_stride;
-    const T* o = p.out.at(b, h) + i0 * p.out.row_stride;
     const T* dout = g.d_out.at(b, h) + i0 * g.d_out.row_stride;
-    const Index qs_ = p.q.row_stride, os = p.out.row_stride, ds = g.d_out.row_stride;
-    const T* lse = p.lse + (b * p.heads + h) * p.n_q + i0;
+    const Index ds = g.d_out.row_stride;
+    const T* qs = plan.qs + (plan.head(p, b, h) + i0) * d;
+    const T* lse = p.lse + plan.head(p, b, h) + i0;
+    const T* dsum = plan.dsum + plan.head(p, b, h) + i0;
 
-    // S = (scale Q) K^T, the same products in the same order as flash_tile: the same S.
-    for (Index i = 0; i < mq; ++i)
-        for (Index c = 0; c < d; ++c) w.qs[i * d + c] = p.scale * q[i * qs_ + c];
-    lanes_product<T, false>(mq, kbp, d, w.qs, d, 1, w.kt, kbp, w.s, kbp);
+    // S = (scale Q) K^T: the products of flash_tile in the same order, so the same S
+    lanes_product<T, false>(mq, kbp, d, qs, d, 1, w.kt, kbp, w.s, kbp);
     if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, j0 + kb))
         apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, w.s, kbp, Index(1));
     // dP = dO V^T
     lanes_product<T, false>(mq, kbp, dv, dout, ds, 1, w.vt, kbp, w.dp, kbp);
     // P = exp(S - lse) in place of S (0 on a fully masked row and in the padding lanes), then
-    // dS = P * (dP - D) in place of dP, D_i = rowsum(dO_i * O_i)
+    // dS = P * (dP - D) in place of dP
     for (Index i = 0; i < mq; ++i) {
         T* si = w.s + i * kbp;
         T* dpi = w.dp + i * kbp;
-        const Packet dsum = ei::pset1<Packet>(dot(dout + i * ds, o + i * os, dv));
         if (lse[i] == neg_inf<T>()) {
             std::fill(si, si + kbp, T(0));
         } else {
@@ -367,18 +367,25 @@ void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g, cons
             for (Index j = 0; j < kbp; j += L)
                 ei::pstoreu(si + j, exp_flush(ei::psub(ei::ploadu<Packet>(si + j), l)));
         }
+        const Packet di = ei::pset1<Packet>(dsum[i]);
         for (Index j = 0; j < kbp; j += L)
-            ei::pstoreu(dpi + j, ei::pmul(ei::ploadu<Packet>(si + j),
-                                          ei::psub(ei::ploadu<Packet>(dpi + j), dsum)));
+            ei::pstoreu(dpi + j, ei::pmul(ei::ploadu<Packet>(si + j), ei::psub(ei::ploadu<Packet>(dpi + j), di)));
     }
     // dV^T += dO^T P; dK^T += (scale Q)^T dS; dQ / scale (+)= dS K
     lanes_product<T, true>(dv, kbp, mq, dout, 1, ds, w.s, kbp, w.dvt, kbp);
-    lanes_product<T, true>(d, kbp, mq, w.qs, 1, d, w.dp, kbp, w.dkt, kbp);
+    lanes_product<T, true>(d, kbp, mq, qs, 1, d, w.dp, kbp, w.dkt, kbp);
     if (accumulate_dq) {
         lanes_product<T, true>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
     } else {
         lanes_product<T, false>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
     }
+}
+
+// Rows [j0, j0 + kb) of x (row stride xs, width n) transposed into t (n x kbp), padding zeroed.
+template <typename T>
+void key_tile_transposed(const T* x, Index xs, Index j0, Index kb, Index kbp, Index n, T* t) {
+    transpose(kb, n, x + j0 * xs, xs, t, kbp);
+    for (Index c = 0; c < n; ++c) std::fill(t + c * kbp + kb, t + (c + 1) * kbp, T(0));
 }
 
 // One task: the key tiles of segment s of (batch b, kv head hk).
@@ -389,21 +396,14 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g, cons
     const Index group = p.heads / p.kv_heads;
     const Index d = p.d, dv = p.d_v, dp = plan.dp;
     const T* kbase = p.k.at(b, hk);
-    const T* vbase = p.v.at(b, hk);
-    const Index ks = p.k.row_stride, vs = p.v.row_stride;
+    const Index ks = p.k.row_stride;
     const BackwardScratch<T> w(d, dv, dp);
     const Index t0 = s * plan.seg_tiles, t1 = std::min(plan.k_tiles, t0 + plan.seg_tiles);
     for (Index kt = t0; kt < t1; ++kt) {
         const Index j0 = kt * kBwdTileK, kb = std::min(kBwdTileK, p.n_k - j0);
         const Index kbp = (kb + L - 1) / L * L;
-        for (Index c = 0; c < d; ++c) {
-            for (Index j = 0; j < kb; ++j) w.kt[c * kbp + j] = kbase[(j0 + j) * ks + c];
-            std::fill(w.kt + c * kbp + kb, w.kt + (c + 1) * kbp, T(0));
-        }
-        for (Index c = 0; c < dv; ++c) {
-            for (Index j = 0; j < kb; ++j) w.vt[c * kbp + j] = vbase[(j0 + j) * vs + c];
-            std::fill(w.vt + c * kbp + kb, w.vt + (c + 1) * kbp, T(0));
-        }
+        key_tile_transposed(kbase, ks, j0, kb, kbp, d, w.kt);
+        key_tile_transposed(p.v.at(b, hk), p.v.row_stride, j0, kb, kbp, dv, w.vt);
         for (Index j = 0; j < kb; ++j) {
             std::copy(kbase + (j0 + j) * ks, kbase + (j0 + j) * ks + d, w.kp + j * dp);
             std::fill(w.kp + j * dp + d, w.kp + (j + 1) * dp, T(0));
@@ -418,17 +418,28 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g, cons
                 backward_pair(p, g, plan, w, b, h, i0, mq, j0, kb, kbp, part + i0 * dp, kt != t0);
             }
         }
-        T* dk = g.d_k.at(b, hk) + j0 * g.d_k.row_stride;
-        T* dvo = g.d_v.at(b, hk) + j0 * g.d_v.row_stride;
-        for (Index j = 0; j < kb; ++j) {
-            for (Index c = 0; c < d; ++c) dk[j * g.d_k.row_stride + c] = w.dkt[c * kbp + j];
-            for (Index c = 0; c < dv; ++c) dvo[j * g.d_v.row_stride + c] = w.dvt[c * kbp + j];
-        }
+        transpose(d, kb, w.dkt, kbp, g.d_k.at(b, hk) + j0 * g.d_k.row_stride, g.d_k.row_stride);
+        transpose(dv, kb, w.dvt, kbp, g.d_v.at(b, hk) + j0 * g.d_v.row_stride, g.d_v.row_stride);
     }
 }
 
-// dQ of one (batch, head, query tile): scale times the sum of the segments' shares, in segment
-// order. A segment that no key of which the tile sees wrote nothing there.
+// Before the tasks, per (batch, head, query tile): scale Q and D = rowsum(dO * O).
+template <typename T>
+void backward_prepare(const AttentionProblem<T>& p, const AttentionGrad<T>& g, const BackwardPlan<T>& plan,
+                      Index b, Index h, Index qt) {
+    const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
+    const T* q = p.q.at(b, h);
+    const T* o = p.out.at(b, h);
+    const T* dout = g.d_out.at(b, h);
+    T* qs = plan.qs + plan.head(p, b, h) * p.d;
+    for (Index i = i0; i < i0 + mq; ++i) {
+        for (Index c = 0; c < p.d; ++c) qs[i * p.d + c] = p.scale * q[i * p.q.row_stride + c];
+        plan.dsum[plan.head(p, b, h) + i] = dot(dout + i * g.d_out.row_stride, o + i * p.out.row_stride, p.d_v);
+    }
+}
+
+// After the tasks, per (batch, head, query tile): dQ = scale times the sum of the segments'
+// shares, in segment order. A segment no key of which the tile sees wrote nothing there.
 template <typename T>
 void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g, const BackwardPlan<T>& plan,
                  Index b, Index h, Index qt) {
@@ -474,19 +485,26 @@ AttentionProblem<T> head_problem(const MhaProblem<T>& p, const T* q, const T* k,
 template <typename T>
 void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g) {
     if (p.batch <= 0 || p.kv_heads <= 0) return;
-    const detail::BackwardPlan<T> plan0 = detail::backward_plan(p);
-    auto dq_part = make_buffer<T>(plan0.segments * p.batch * p.heads * p.n_q * plan0.dp);
-    detail::BackwardPlan<T> plan = plan0;
+    detail::BackwardPlan<T> plan = detail::backward_plan(p);
+    const Index rows = p.batch * p.heads * p.n_q;
+    auto dq_part = make_buffer<T>(plan.segments * rows * plan.dp);
+    auto qs = make_buffer<T>(rows * p.d), dsum = make_buffer<T>(rows);
     plan.dq_part = dq_part.get();
+    plan.qs = qs.get();
+    plan.dsum = dsum.get();
+    const Index q_tasks = p.batch * p.heads * plan.q_tiles;
+    const auto per_query_tile = [&](auto f) {
+        parallel_for(q_tasks, [&](Index t) {
+            f(p, g, plan, t / (p.heads * plan.q_tiles), (t / plan.q_tiles) % p.heads, t % plan.q_tiles);
+        });
+    };
+    per_query_tile(detail::backward_prepare<T>);
     // heaviest segments first (under the causal rule the first keys are seen by most queries)
     const Index heads = p.batch * p.kv_heads;
     parallel_for(plan.segments * heads, [&](Index t) {
         detail::backward_task(p, g, plan, t / heads, (t % heads) / p.kv_heads, t % p.kv_heads);
     });
-    parallel_for(p.batch * p.heads * plan.q_tiles, [&](Index t) {
-        detail::backward_dq(p, g, plan, t / (p.heads * plan.q_tiles), (t / plan.q_tiles) % p.heads,
-                            t % plan.q_tiles);
-    });
+    per_query_tile(detail::backward_dq<T>);
 }
 
 template <typename T>
