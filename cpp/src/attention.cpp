@@ -260,15 +260,17 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
 // holds S = scale Q K^T as (queries x keys), so that recomputing P = exp(S - lse) and forming
 // dS = P * (dP - D) are whole-packet operations with one broadcast per query row, and the
 // products that sum over queries (dV^T += dO^T P, dK^T += Q^T dS) write whole key packets.
-// Every product runs in lanes_product; Q and dO are read in place through their strides, the
-// key tile's K and V are transposed once per task and reused by every query tile.
+// Every product runs in lanes_product: dO is read in place through its strides, scale Q comes
+// from a first pass (with D, once per query row instead of once per tile pair), and the key
+// tile's K and V are transposed once and reused by every query tile.
 //
 // Tasks are (key segment, batch, kv head): a task owns dK and dV of its keys (no races) and
 // loops over the query heads of its group and the query tiles that can see each key tile
 // (causal tiles above the diagonal are skipped). dQ sums over all keys, so each segment writes
-// its share into its own buffer and a second pass adds the segments in a fixed order: the
+// its share into its own buffer and a last pass adds the segments in a fixed order: the
 // result does not depend on the thread count. Segments are added only when batch x kv heads
-// gives too few tasks, so the buffers stay at most kBwdMaxSegments times the size of dQ.
+// gives too few tasks, so the buffers stay at most kBwdMaxSegments times the size of dQ (the
+// alternative, a dQ pass and a dK/dV pass each recomputing P, costs two more products).
 constexpr Index kBwdTileQ = 64;
 constexpr Index kBwdTileK = 96;  // a whole number of panels for 4, 8 and 16 lanes
 constexpr Index kBwdTasks = 16;

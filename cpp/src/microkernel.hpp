@@ -100,20 +100,22 @@ void panel_product(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, 
 }
 
 // C[0:rows, 0:cols) (+)= A B with cols a whole number of packets (callers pad): three-packet
-// panels, then one panel of the one or two packets left. Narrower panels take more rows at a
-// time (6 x 2, 8 x 1), so that the accumulators still fill the registers.
+// panels, then two-packet ones for the rest (a last single packet only when cols is one
+// packet). Narrower panels take more rows at a time (6 x 2, 8 x 1), so that the accumulators
+// still fill the registers. 4 packets as 2 + 2 rather than 3 + 1: 110 against 75 GFLOP/s
+// (64 x 64 x 96 products in L1, AVX-512, CPU time).
 template <typename T, bool Accumulate>
 void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, Index a_ts,
                    const T* b, Index ldb, T* c, Index ldc) {
     constexpr Index L = packet_size<T>();
-    constexpr Index W = panel_width<T>();
+    const Index packets = cols / L;
+    const Index wide = packets % 3 == 1 && packets > 1 ? packets / 3 - 1 : packets / 3;
     Index j = 0;
-    for (; j + W <= cols; j += W) panel_product<T, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
-    switch ((cols - j) / L) {
-        case 2: panel_rows<T, 2, 6, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc); break;
-        case 1: panel_rows<T, 1, 8, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc); break;
-        default: break;
-    }
+    for (Index i = 0; i < wide; ++i, j += kPanelPackets * L)
+        panel_product<T, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
+    for (; j + 2 * L <= cols; j += 2 * L)
+        panel_rows<T, 2, 6, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
+    if (j < cols) panel_rows<T, 1, 8, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
 }
 
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: blocks of L x L through packet
