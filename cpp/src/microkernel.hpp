@@ -102,8 +102,9 @@ void panel_product(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, 
 // C[0:rows, 0:cols) (+)= A B with cols a whole number of packets (callers pad): three-packet
 // panels, then two-packet ones for the rest (a last single packet only when cols is one
 // packet). Narrower panels take more rows at a time (6 x 2, 8 x 1), so that the accumulators
-// still fill the registers. 4 packets as 2 + 2 rather than 3 + 1: 110 against 75 GFLOP/s
-// (64 x 64 x 96 products in L1, AVX-512, CPU time).
+// still fill the registers. 4 packets as 2 + 2 rather than 3 + 1: 110 against 75 GFLOP/s for
+// a 64 x 64 x 96 product in L1 on AVX-512 (no difference on AVX2, none measurable in a whole
+// backward on a loaded machine).
 template <typename T, bool Accumulate>
 void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, Index a_ts,
                    const T* b, Index ldb, T* c, Index ldc) {
@@ -119,7 +120,8 @@ void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, 
 }
 
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: blocks of L x L through packet
-// transposes (a strided scalar copy was 3% of a backward), scalar at the edges.
+// transposes, scalar at the edges (strided scalar copies of the backward's K, V, dK and dV
+// tiles were 5% of a ViT-S backward in perf; most of what is left is the first write of dK, dV).
 template <typename T>
 void transpose(Index rows, Index cols, const T* src, Index lds, T* dst, Index ldd) {
     namespace ei = Eigen::internal;
