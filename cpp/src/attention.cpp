@@ -17,10 +17,9 @@ namespace detail {
 // Tile sizes. Forward: 96 queries (a whole number of panels for 4, 8 and 16 lanes) against 128
 // keys; the score tile (48 KiB in float) streams through L2 row by row. 4 x 3-packet panels
 // with 96 queries against 6 x 2 with 64: 2-3% faster at d_head = 64 in CPU-time measurements
-// on a 2-core AVX2 machine (n = 2048). Backward: 64 x 128 (Eigen products).
+// on a 2-core AVX2 machine (n = 2048). Backward: see backward_pair.
 constexpr Index kTileQ = 96;
 constexpr Index kTileK = 128;
-constexpr Index kBwdTileQ = 64;
 constexpr Index kDepth = 256;  // head-width chunk of the score product
 
 // Keys [0, end) may be visible to queries [i0, i1) under the causal rule.
@@ -257,70 +256,206 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
             if (sees[c * mq + r]) O.row(r) += P(r, bad[c]) * V.row(bad[c]);
 }
 
-// Backward for one (batch, kv head): every query head of its group, every query tile, against
-// the key tiles it can see. dK and dV of this kv head are owned by this task (no races).
+// Backward. Keys run along the vector lanes here (the forward has queries there): the tile
+// holds S = scale Q K^T as (queries x keys), so that recomputing P = exp(S - lse) and forming
+// dS = P * (dP - D) are whole-packet operations with one broadcast per query row, and the
+// products that sum over queries (dV^T += dO^T P, dK^T += Q^T dS) write whole key packets.
+// Every product runs in lanes_product: dO is read in place through its strides, scale Q comes
+// from a first pass (with D, once per query row instead of once per tile pair), and the key
+// tile's K and V are transposed once and reused by every query tile.
+//
+// Tasks are (key segment, batch, kv head): a task owns dK and dV of its keys (no races) and
+// loops over the query heads of its group and the query tiles that can see each key tile
+// (causal tiles above the diagonal are skipped). dQ sums over all keys, so each segment writes
+// its share into its own buffer and a last pass adds the segments in a fixed order: the
+// result does not depend on the thread count. Segments are added only when batch x kv heads
+// gives too few tasks, so the buffers stay at most kBwdMaxSegments times the size of dQ (the
+// alternative, a dQ pass and a dK/dV pass each recomputing P, costs two more products).
+constexpr Index kBwdTileQ = 64;
+constexpr Index kBwdTileK = 96;  // a whole number of panels for 4, 8 and 16 lanes
+constexpr Index kBwdTasks = 16;
+constexpr Index kBwdMaxSegments = 8;
+
 template <typename T>
-void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g, Index b, Index hk) {
-    const Index group = p.heads / p.kv_heads;
-    const Index d = p.d, dv = p.d_v, nk = p.n_k;
-    ConstRowMap<T> Kall(p.k.at(b, hk), nk, d, Eigen::OuterStride<>(p.k.row_stride));
-    ConstRowMap<T> Vall(p.v.at(b, hk), nk, dv, Eigen::OuterStride<>(p.v.row_stride));
-    RowMap<T> dK(g.d_k.at(b, hk), nk, d, Eigen::OuterStride<>(g.d_k.row_stride));
-    RowMap<T> dV(g.d_v.at(b, hk), nk, dv, Eigen::OuterStride<>(g.d_v.row_stride));
-    dK.setZero();
-    dV.setZero();
-    T* qs_buf = scratch<T, 0>(static_cast<std::size_t>(kBwdTileQ * d));
-    T* s_buf = scratch<T, 1>(static_cast<std::size_t>(kBwdTileQ * kTileK));
-    T* dq_buf = scratch<T, 2>(static_cast<std::size_t>(kBwdTileQ * d));
-    T* stat_buf = scratch<T, 3>(static_cast<std::size_t>(kBwdTileQ));
-    T* dp_buf = scratch<T, 4>(static_cast<std::size_t>(kBwdTileQ * kTileK));
-    for (Index gi = 0; gi < group; ++gi) {
-        const Index h = hk * group + gi;
-        for (Index i0 = 0; i0 < p.n_q; i0 += kBwdTileQ) {
-            const Index mq = std::min(kBwdTileQ, p.n_q - i0);
-            ConstRowMap<T> Q(p.q.at(b, h) + i0 * p.q.row_stride, mq, d,
-                             Eigen::OuterStride<>(p.q.row_stride));
-            ConstRowMap<T> O(p.out.at(b, h) + i0 * p.out.row_stride, mq, dv,
-                             Eigen::OuterStride<>(p.out.row_stride));
-            ConstRowMap<T> dO(g.d_out.at(b, h) + i0 * g.d_out.row_stride, mq, dv,
-                              Eigen::OuterStride<>(g.d_out.row_stride));
-            RowMap<T> dQ(g.d_q.at(b, h) + i0 * g.d_q.row_stride, mq, d,
-                         Eigen::OuterStride<>(g.d_q.row_stride));
-            RowMap<T> Qs(qs_buf, mq, d, Eigen::OuterStride<>(d));
-            RowMap<T> dQacc(dq_buf, mq, d, Eigen::OuterStride<>(d));
-            const T* lse = p.lse + (b * p.heads + h) * p.n_q + i0;
-            T* Drow = stat_buf;  // D_i = rowsum(dO_i * O_i)
-            for (Index r = 0; r < mq; ++r) Drow[r] = dot(dO.data() + r * dO.outerStride(), O.data() + r * O.outerStride(), dv);
-            Qs.noalias() = Q * p.scale;
-            dQacc.setZero();
-            const Index key_end = causal_key_end(p.mask, p.n_q, p.n_k, i0 + mq);
-            for (Index j0 = 0; j0 < key_end; j0 += kTileK) {
-                const Index kb = std::min(kTileK, key_end - j0);
-                auto K = Kall.middleRows(j0, kb);
-                auto V = Vall.middleRows(j0, kb);
-                RowMap<T> S(s_buf, mq, kb, Eigen::OuterStride<>(kb));
-                RowMap<T> dP(dp_buf, mq, kb, Eigen::OuterStride<>(kb));
-                S.noalias() = Qs * K.transpose();
-                if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, j0 + kb))
-                    apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, s_buf, kb, Index(1));
-                for (Index r = 0; r < mq; ++r) {  // P = exp(S - lse), in place
-                    T* srow = s_buf + r * kb;
-                    if (lse[r] == neg_inf<T>()) {
-                        std::fill(srow, srow + kb, T(0));
-                    } else {
-                        exp_row(srow, lse[r], srow, kb);
-                    }
-                }
-                dV.middleRows(j0, kb).noalias() += S.transpose() * dO;
-                dP.noalias() = dO * V.transpose();
-                for (Index r = 0; r < mq; ++r)  // dS = P * (dP - D), in place in dP
-                    dP.row(r) = S.row(r).cwiseProduct((dP.row(r).array() - Drow[r]).matrix());
-                dQacc.noalias() += dP * K;
-                dK.middleRows(j0, kb).noalias() += dP.transpose() * Qs;
-            }
-            dQ.noalias() = dQacc * p.scale;
+struct BackwardPlan {
+    Index q_tiles = 0, k_tiles = 0;
+    Index segments = 0, seg_tiles = 0;  // segments of seg_tiles key tiles each (the last fewer)
+    Index dp = 0;                       // head width padded to whole packets
+    T* dq_part = nullptr;               // (segments, batch, heads, n_q, dp): dQ / scale per segment
+    T* qs = nullptr;                    // (batch, heads, n_q, d): scale Q
+    T* dsum = nullptr;                  // (batch, heads, n_q): D = rowsum(dO * O)
+
+    Index head(const AttentionProblem<T>& p, Index b, Index h) const { return (b * p.heads + h) * p.n_q; }
+    T* part(const AttentionProblem<T>& p, Index s, Index b, Index h) const {
+        return dq_part + (s * p.batch * p.heads * p.n_q + head(p, b, h)) * dp;
+    }
+    // The first query tile that sees key j0 (and so, causal being monotone, any later key).
+    Index first_query_tile(const AttentionProblem<T>& p, Index j0) const {
+        if (p.mask.causal == Causal::none) return 0;
+        const Index i = j0 - causal_offset(p.mask, p.n_q, p.n_k);
+        return std::clamp<Index>(i / kBwdTileQ, 0, q_tiles);
+    }
+};
+
+template <typename T>
+BackwardPlan<T> backward_plan(const AttentionProblem<T>& p) {
+    constexpr Index L = packet_size<T>();
+    BackwardPlan<T> plan;
+    plan.q_tiles = (p.n_q + kBwdTileQ - 1) / kBwdTileQ;
+    plan.k_tiles = (p.n_k + kBwdTileK - 1) / kBwdTileK;
+    plan.dp = (p.d + L - 1) / L * L;
+    if (plan.k_tiles == 0) return plan;
+    const Index heads = p.batch * p.kv_heads;
+    const Index want = std::clamp<Index>((kBwdTasks + heads - 1) / heads, 1,
+                                         std::min(kBwdMaxSegments, plan.k_tiles));
+    plan.seg_tiles = (plan.k_tiles + want - 1) / want;
+    plan.segments = (plan.k_tiles + plan.seg_tiles - 1) / plan.seg_tiles;
+    return plan;
+}
+
+// Per-thread tile buffers of the backward, carved from one scratch block.
+template <typename T>
+struct BackwardScratch {
+    T *kt, *vt, *kp, *dkt, *dvt, *s, *dp;
+
+    BackwardScratch(Index d, Index dv, Index dp_width) {
+        constexpr Index tk = kBwdTileK, tq = kBwdTileQ;
+        const Index sizes[] = {d * tk, dv * tk, tk * dp_width, d * tk, dv * tk, tq * tk, tq * tk};
+        T** slots[] = {&kt, &vt, &kp, &dkt, &dvt, &s, &dp};
+        auto round = [](Index n) { return (n + 15) / 16 * 16; };  // keep every slot 64-byte aligned
+        Index total = 0;
+        for (Index n : sizes) total += round(n);
+        T* base = scratch<T, 0>(static_cast<std::size_t>(total));
+        for (int i = 0; i < 7; ++i) {
+            *slots[i] = base;
+            base += round(sizes[i]);
         }
     }
+};
+
+// One (batch, query head, query tile) against the key tile held in w (kt, vt, kp: K^T, V^T and
+// K padded to dp columns, kbp = kb padded to whole packets). Adds into w.dkt, w.dvt (dK^T, dV^T
+// of the tile) and writes or adds the tile's share of dQ / scale at dq.
+template <typename T>
+void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g, const BackwardPlan<T>& plan,
+                   const BackwardScratch<T>& w, Index b, Index h, Index i0, Index mq, Index j0,
+                   Index kb, Index kbp, T* dq, bool accumulate_dq) {
+    namespace ei = Eigen::internal;
+    using Packet = PacketOf<T>;
+    constexpr Index L = packet_size<T>();
+    const Index d = p.d, dv = p.d_v, dp = plan.dp;
+    const T* dout = g.d_out.at(b, h) + i0 * g.d_out.row_stride;
+    const Index ds = g.d_out.row_stride;
+    const T* qs = plan.qs + (plan.head(p, b, h) + i0) * d;
+    const T* lse = p.lse + plan.head(p, b, h) + i0;
+    const T* dsum = plan.dsum + plan.head(p, b, h) + i0;
+
+    // S = (scale Q) K^T: the products of flash_tile in the same order, so the same S
+    lanes_product<T, false>(mq, kbp, d, qs, d, 1, w.kt, kbp, w.s, kbp);
+    if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, j0 + kb))
+        apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, w.s, kbp, Index(1));
+    // dP = dO V^T
+    lanes_product<T, false>(mq, kbp, dv, dout, ds, 1, w.vt, kbp, w.dp, kbp);
+    // P = exp(S - lse) in place of S (0 on a fully masked row and in the padding lanes), then
+    // dS = P * (dP - D) in place of dP
+    for (Index i = 0; i < mq; ++i) {
+        T* si = w.s + i * kbp;
+        T* dpi = w.dp + i * kbp;
+        if (lse[i] == neg_inf<T>()) {
+            std::fill(si, si + kbp, T(0));
+        } else {
+            std::fill(si + kb, si + kbp, neg_inf<T>());
+            const Packet l = ei::pset1<Packet>(lse[i]);
+            for (Index j = 0; j < kbp; j += L)
+                ei::pstoreu(si + j, exp_flush(ei::psub(ei::ploadu<Packet>(si + j), l)));
+        }
+        const Packet di = ei::pset1<Packet>(dsum[i]);
+        for (Index j = 0; j < kbp; j += L)
+            ei::pstoreu(dpi + j, ei::pmul(ei::ploadu<Packet>(si + j), ei::psub(ei::ploadu<Packet>(dpi + j), di)));
+    }
+    // dV^T += dO^T P; dK^T += (scale Q)^T dS; dQ / scale (+)= dS K
+    lanes_product<T, true>(dv, kbp, mq, dout, 1, ds, w.s, kbp, w.dvt, kbp);
+    lanes_product<T, true>(d, kbp, mq, qs, 1, d, w.dp, kbp, w.dkt, kbp);
+    if (accumulate_dq) {
+        lanes_product<T, true>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
+    } else {
+        lanes_product<T, false>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
+    }
+}
+
+// Rows [j0, j0 + kb) of x (row stride xs, width n) transposed into t (n x kbp), padding zeroed.
+template <typename T>
+void key_tile_transposed(const T* x, Index xs, Index j0, Index kb, Index kbp, Index n, T* t) {
+    transpose(kb, n, x + j0 * xs, xs, t, kbp);
+    for (Index c = 0; c < n; ++c) std::fill(t + c * kbp + kb, t + (c + 1) * kbp, T(0));
+}
+
+// One task: the key tiles of segment s of (batch b, kv head hk).
+template <typename T>
+void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g, const BackwardPlan<T>& plan,
+                   Index s, Index b, Index hk) {
+    constexpr Index L = packet_size<T>();
+    const Index group = p.heads / p.kv_heads;
+    const Index d = p.d, dv = p.d_v, dp = plan.dp;
+    const T* kbase = p.k.at(b, hk);
+    const Index ks = p.k.row_stride;
+    const BackwardScratch<T> w(d, dv, dp);
+    const Index t0 = s * plan.seg_tiles, t1 = std::min(plan.k_tiles, t0 + plan.seg_tiles);
+    for (Index kt = t0; kt < t1; ++kt) {
+        const Index j0 = kt * kBwdTileK, kb = std::min(kBwdTileK, p.n_k - j0);
+        const Index kbp = (kb + L - 1) / L * L;
+        key_tile_transposed(kbase, ks, j0, kb, kbp, d, w.kt);
+        key_tile_transposed(p.v.at(b, hk), p.v.row_stride, j0, kb, kbp, dv, w.vt);
+        for (Index j = 0; j < kb; ++j) {
+            std::copy(kbase + (j0 + j) * ks, kbase + (j0 + j) * ks + d, w.kp + j * dp);
+            std::fill(w.kp + j * dp + d, w.kp + (j + 1) * dp, T(0));
+        }
+        std::fill(w.dkt, w.dkt + d * kbp, T(0));
+        std::fill(w.dvt, w.dvt + dv * kbp, T(0));
+        for (Index gi = 0; gi < group; ++gi) {
+            const Index h = hk * group + gi;
+            T* part = plan.part(p, s, b, h);
+            for (Index qt = plan.first_query_tile(p, j0); qt < plan.q_tiles; ++qt) {
+                const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
+                backward_pair(p, g, plan, w, b, h, i0, mq, j0, kb, kbp, part + i0 * dp, kt != t0);
+            }
+        }
+        transpose(d, kb, w.dkt, kbp, g.d_k.at(b, hk) + j0 * g.d_k.row_stride, g.d_k.row_stride);
+        transpose(dv, kb, w.dvt, kbp, g.d_v.at(b, hk) + j0 * g.d_v.row_stride, g.d_v.row_stride);
+    }
+}
+
+// Before the tasks, per (batch, head, query tile): scale Q and D = rowsum(dO * O).
+template <typename T>
+void backward_prepare(const AttentionProblem<T>& p, const AttentionGrad<T>& g, const BackwardPlan<T>& plan,
+                      Index b, Index h, Index qt) {
+    const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
+    const T* q = p.q.at(b, h);
+    const T* o = p.out.at(b, h);
+    const T* dout = g.d_out.at(b, h);
+    T* qs = plan.qs + plan.head(p, b, h) * p.d;
+    for (Index i = i0; i < i0 + mq; ++i) {
+        for (Index c = 0; c < p.d; ++c) qs[i * p.d + c] = p.scale * q[i * p.q.row_stride + c];
+        plan.dsum[plan.head(p, b, h) + i] = dot(dout + i * g.d_out.row_stride, o + i * p.out.row_stride, p.d_v);
+    }
+}
+
+// After the tasks, per (batch, head, query tile): dQ = scale times the sum of the segments'
+// shares, in segment order. A segment no key of which the tile sees wrote nothing there.
+template <typename T>
+void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g, const BackwardPlan<T>& plan,
+                 Index b, Index h, Index qt) {
+    const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
+    T* dq = g.d_q.at(b, h) + i0 * g.d_q.row_stride;
+    for (Index i = 0; i < mq; ++i) std::fill(dq + i * g.d_q.row_stride, dq + i * g.d_q.row_stride + p.d, T(0));
+    for (Index s = 0; s < plan.segments; ++s) {
+        if (qt < plan.first_query_tile(p, s * plan.seg_tiles * kBwdTileK)) continue;
+        const T* part = plan.part(p, s, b, h) + i0 * plan.dp;
+        for (Index i = 0; i < mq; ++i)
+            for (Index c = 0; c < p.d; ++c) dq[i * g.d_q.row_stride + c] += part[i * plan.dp + c];
+    }
+    for (Index i = 0; i < mq; ++i)
+        for (Index c = 0; c < p.d; ++c) dq[i * g.d_q.row_stride + c] *= p.scale;
 }
 
 // The attention over the heads of packed projections q (rows x h*d_head), k, v and the
@@ -352,9 +487,26 @@ AttentionProblem<T> head_problem(const MhaProblem<T>& p, const T* q, const T* k,
 template <typename T>
 void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g) {
     if (p.batch <= 0 || p.kv_heads <= 0) return;
-    parallel_for(p.batch * p.kv_heads, [&](Index t) {
-        detail::backward_task(p, g, t / p.kv_heads, t % p.kv_heads);
+    detail::BackwardPlan<T> plan = detail::backward_plan(p);
+    const Index rows = p.batch * p.heads * p.n_q;
+    auto dq_part = make_buffer<T>(plan.segments * rows * plan.dp);
+    auto qs = make_buffer<T>(rows * p.d), dsum = make_buffer<T>(rows);
+    plan.dq_part = dq_part.get();
+    plan.qs = qs.get();
+    plan.dsum = dsum.get();
+    const Index q_tasks = p.batch * p.heads * plan.q_tiles;
+    const auto per_query_tile = [&](auto f) {
+        parallel_for(q_tasks, [&](Index t) {
+            f(p, g, plan, t / (p.heads * plan.q_tiles), (t / plan.q_tiles) % p.heads, t % plan.q_tiles);
+        });
+    };
+    per_query_tile(detail::backward_prepare<T>);
+    // heaviest segments first (under the causal rule the first keys are seen by most queries)
+    const Index heads = p.batch * p.kv_heads;
+    parallel_for(plan.segments * heads, [&](Index t) {
+        detail::backward_task(p, g, plan, t / heads, (t % heads) / p.kv_heads, t % p.kv_heads);
     });
+    per_query_tile(detail::backward_dq<T>);
 }
 
 template <typename T>

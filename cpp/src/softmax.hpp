@@ -147,6 +147,24 @@ T exp_row(const T* s, T m, T* p, Index n) {
     return sum;
 }
 
+// Dot product in a fixed order whatever the alignment (packets from the start, then the lanes
+// and the tail in order): reproducible across threads.
+template <typename T>
+T dot(const T* a, const T* b, Index n) {
+    namespace ei = Eigen::internal;
+    using Packet = typename ei::packet_traits<T>::type;
+    constexpr Index L = ei::unpacket_traits<Packet>::size;
+    Packet acc = ei::pset1<Packet>(T(0));
+    Index c = 0;
+    for (; c + L <= n; c += L) acc = ei::pmadd(ei::ploadu<Packet>(a + c), ei::ploadu<Packet>(b + c), acc);
+    alignas(64) T lanes[L];
+    ei::pstore(lanes, acc);
+    T sum = 0;
+    for (Index i = 0; i < L; ++i) sum += lanes[i];
+    for (; c < n; ++c) sum += a[c] * b[c];
+    return sum;
+}
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -156,14 +174,6 @@ bool has_nan(const T* s, Index n) {
     for (Index c = 0; c < n; ++c)
         if (s[c] != s[c]) return true;
     return false;
-}
-
-// Dot product in a fixed order (no alignment-dependent peeling): reproducible across threads.
-template <typename T>
-T dot(const T* a, const T* b, Index n) {
-    T sum = 0;
-    for (Index c = 0; c < n; ++c) sum += a[c] * b[c];
-    return sum;
 }
 
 }  // namespace detail
