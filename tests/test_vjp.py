@@ -209,3 +209,24 @@ def test_vjp_with_rotary_embeddings_matches_the_backward():
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_kept_masks_are_not_materialised():
+    """vjp keeps its own copy of a broadcast mask as the distinct data, broadcast again: a
+    (n_q, n_k) causal-style mask shared by batch and heads stays (n_q, n_k) in memory."""
+    from attnlab._vjp import KEPT
+
+    rng = np.random.default_rng(7)
+    kw = _mha_kwargs(rng)
+    kw["query"] = rng.standard_normal((4, 7, 8))
+    kw["mask"] = np.tril(np.ones((7, 7), bool))
+    keep: dict = {}
+    out = attnlab.multi_head_attention(**kw, _keep=keep)
+    m4 = keep["prepared"].mask4
+    assert m4.shape == (4, 2, 7, 7)
+    assert m4.base is not None and m4.base.size == 49  # the distinct data only
+    want = attnlab.multi_head_attention_backward(np.ones_like(out), **kw)
+    kw["mask"][:] = False  # the caller's mask changes; the kept copy does not
+    got = KEPT[attnlab.multi_head_attention](keep, np.ones_like(out))
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)

@@ -284,7 +284,13 @@ def owned(prepared: Any) -> Any:
     def own(x: Any) -> Any:
         if isinstance(x, np.ndarray):
             if id(x) not in copies:
-                copies[id(x)] = np.array(x, copy=True, order="C")
+                if 0 in x.strides and x.size > 1:
+                    # a broadcast view (a mask over batch and heads): copy the distinct data
+                    # only and broadcast it again, never materialise (B, h, n_q, n_k)
+                    base = np.array(_zero_strides_to_one(x), copy=True, order="C")
+                    copies[id(x)] = np.broadcast_to(base, x.shape)
+                else:
+                    copies[id(x)] = np.array(x, copy=True, order="C")
             return copies[id(x)]
         if isinstance(x, dict):
             return {k: own(v) for k, v in x.items()}
