@@ -7,7 +7,6 @@ backward is not in this build yet has its backward tests skipped (they start run
 
 from __future__ import annotations
 
-import importlib
 import numpy as np
 import pytest
 
@@ -25,16 +24,8 @@ BACKWARD = {
 
 
 def backward_fn(cls: type):
-    """``attnlab.<family>_backward``, or the same name in the forward's private module."""
-    name = BACKWARD[cls]
-    mod = importlib.import_module(cls._forward.__module__)
-    return getattr(attnlab, name, None) or getattr(mod, name, None)
-
-
-def need_backward(cls: type) -> None:
-    if backward_fn(cls) is None:
-        pytest.skip(f"attnlab.{BACKWARD[cls]} is not implemented yet: {cls.__name__}.backward "
-                    f"needs it")
+    """``attnlab.<family>_backward`` of the layer's family."""
+    return getattr(attnlab, BACKWARD[cls])
 
 
 def same(got: np.ndarray, ref: np.ndarray) -> None:
@@ -270,7 +261,6 @@ def test_bilinear_from_mha_errors() -> None:
 
 
 def test_bilinear_backward() -> None:
-    need_backward(BilinearAttention)
     rng = np.random.default_rng(7)
     layer = BilinearAttention(8, 2, seed=0)
     x, go = rand(rng, 2, 5, 8), rand(rng, 2, 5, 8)
@@ -314,7 +304,6 @@ def test_separable_params_and_forward() -> None:
 
 @pytest.mark.parametrize("cls", [AdditiveAttention, SeparableAttention])
 def test_token_layers_backward(cls: type) -> None:
-    need_backward(cls)
     rng = np.random.default_rng(10)
     layer = cls(6, seed=0)
     x = rand(rng, 2, 7, 6)

@@ -84,8 +84,9 @@ def _mha_kwargs(rng, dtype=np.float64):
     return dict(query=x, num_heads=2, causal=True, **w)
 
 
-def test_mha_pullback_runs_no_forward(monkeypatch):
-    """The pullback calls the backward kernel with the kept state and never the forward."""
+def _count_kernels(monkeypatch) -> list[tuple[str, object]]:
+    """Records every call of the MHA forward and backward kernels with the state it got: a
+    backward given the forward's kept state runs no forward inside."""
     from attnlab._loader import core
 
     calls: list[tuple[str, object]] = []
@@ -96,15 +97,22 @@ def test_mha_pullback_runs_no_forward(monkeypatch):
         return fwd(*a)
 
     def count_bwd(*a):
-        calls.append(("backward", a[-1]))
+        calls.append(("backward from state" if a[-1] is not None else "backward + forward",
+                      a[-1]))
         return bwd(*a)
 
     monkeypatch.setattr(core, "mha_forward", count_fwd)
     monkeypatch.setattr(core, "mha_backward", count_bwd)
+    return calls
+
+
+def test_mha_pullback_runs_no_forward(monkeypatch):
+    """The pullback calls the backward kernel with the kept state and never the forward."""
+    calls = _count_kernels(monkeypatch)
     kw = _mha_kwargs(np.random.default_rng(0))
     out, pullback = attnlab.vjp(attnlab.multi_head_attention, **kw)
     pullback(np.ones_like(out))
-    assert [c[0] for c in calls] == ["forward", "backward"]
+    assert [c[0] for c in calls] == ["forward", "backward from state"]
     assert isinstance(calls[1][1], dict) and calls[1][1] is calls[0][1]  # the kept state
 
 
@@ -145,27 +153,6 @@ def test_vjp_refuses_other_functions():
         attnlab.vjp(attnlab.multi_head_attention, np.ones((2, 4)), nonsense=1)
 
 
-def _count_kernels(monkeypatch) -> list[str]:
-    """Records every call of the MHA forward kernel and whether each backward call got the
-    forward's kept state (then it runs no forward inside)."""
-    from attnlab._loader import core
-
-    calls: list[str] = []
-    fwd, bwd = core.mha_forward, core.mha_backward
-
-    def count_fwd(*a):
-        calls.append("forward")
-        return fwd(*a)
-
-    def count_bwd(*a):
-        calls.append("backward from state" if a[-1] is not None else "backward + forward")
-        return bwd(*a)
-
-    monkeypatch.setattr(core, "mha_forward", count_fwd)
-    monkeypatch.setattr(core, "mha_backward", count_bwd)
-    return calls
-
-
 def test_layer_training_step_runs_one_forward(monkeypatch):
     from attnlab import layers, optim
 
@@ -177,7 +164,7 @@ def test_layer_training_step_runs_one_forward(monkeypatch):
         out = layer(x, causal=True)
         layer.backward(2 * out)
         opt.step()
-    assert calls == ["forward", "backward from state"] * 3
+    assert [c[0] for c in calls] == ["forward", "backward from state"] * 3
 
 
 def test_torch_training_step_runs_one_forward(monkeypatch):
@@ -192,7 +179,7 @@ def test_torch_training_step_runs_one_forward(monkeypatch):
     for _ in range(2):
         loss = at.multi_head_attention(x, num_heads=2, causal=True, **w).square().sum()
         loss.backward()
-    assert calls == ["forward", "backward from state"] * 2
+    assert [c[0] for c in calls] == ["forward", "backward from state"] * 2
     assert x.grad is not None and all(t.grad is not None for t in w.values())
 
 

@@ -189,8 +189,8 @@ class _Mha(NamedTuple):
     rq: np.ndarray  # (B*n_q, d_q) rows, C-contiguous
     rk: np.ndarray
     rv: np.ndarray
-    key_is_query: bool   # key omitted: it defaults to query
-    value_is_key: bool   # value omitted: it defaults to key
+    key_omitted: bool    # key not given: it defaults to query
+    value_omitted: bool  # value not given: it defaults to key
     shapes: dict[str, tuple[int, ...]]  # the user's input shapes, for gradient reduction
     w: dict[str, np.ndarray | None]     # w_q, b_q, ... prepared for the kernel
     batch: tuple[int, ...]
@@ -653,8 +653,8 @@ def _mha_grads(a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = Non
         n_tok = a.n_q if name == "query" else a.n_k
         g = r.reshape(batch + (n_tok, r.shape[-1]))
         inputs[name] = _unbroadcast(g, a.shapes[name])
-    if a.value_is_key:
+    if a.value_omitted:
         inputs["key"] = inputs["key"] + inputs.pop("value")
-    if a.key_is_query:
+    if a.key_omitted:
         inputs["query"] = inputs["query"] + inputs.pop("key")
     return {**inputs, **grads}
