@@ -4,10 +4,15 @@ Qwen2 (grouped-query heads, rotary embeddings), in float64 (normwise error <= 1e
 with padding masks in the forms transformers passes them (2-D model masks, 4-D additive float and
 boolean layer masks).
 
-float32: the issue asked for 2e-7 normwise; that is float32 rounding itself. Measured with the
-conftest metric on ViTAttention (d=64, 4 heads): the module run in float32 is 1.4e-7 to 2.5e-7
-from the same module in float64, attnlab 1.7e-7 to 2.4e-7, and the two float32 results differ
-by 2.0e-7 to 3.1e-7. The bound used is 5e-7 (about four float32 ulps)."""
+float32: 2e-7 (the issue's bound), with the conftest metric. That is float32 rounding itself:
+each module run in float32 is 1.9e-7 (median) from the same module in float64, and so is attnlab
+(test_as_close_to_exact_as_the_module). Two float32 results with independent rounding errors
+differ by more than either: attnlab's projections used to start their sums from the bias and
+differed from these modules by up to 2.9e-7 (bound 5e-7 then); they now add the bias after the
+products, as torch's linear does, round the projections as torch does here, and differ by 1.9e-7
+at most below. Across 30 random ViT/BERT layers (not in the suite) the difference was 0.96e-7 to
+1.54e-7 (median) and 2.02e-7 at most: the bound holds for the inputs below, it is not a guarantee
+for every input or every BLAS torch may use."""
 
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention  # noqa: E40
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention  # noqa: E402
 from transformers.models.vit.modeling_vit import ViTAttention  # noqa: E402
 
-TOL = {torch.float32: 5e-7, torch.float64: 1e-12}
+TOL = {torch.float32: 2e-7, torch.float64: 1e-12}
 NP = {torch.float32: np.float32, torch.float64: np.float64}
 B, N, D = 2, 7, 64
 # right padding: the second sequence has 4 real tokens (no query row is fully masked)
@@ -215,6 +220,31 @@ def test_llama_family(family, impl, dtype):
            "transformers Llama family")
 
 
+@pytest.mark.parametrize("cls,cfg_cls", [(ViTAttention, T.ViTConfig),
+                                         (BertSelfAttention, T.BertConfig)])
+def test_as_close_to_exact_as_the_module(cls, cfg_cls):
+    """attnlab in float32 is as close to the exact result (the same module in float64) as the
+    module in float32 is: medians over 12 random layers, within 10% (measured 0.98x for ViT,
+    0.99x for BERT)."""
+    ours, theirs = [], []
+    for seed in range(12):
+        torch.manual_seed(seed)
+        m = _randomize(cls(_config(cfg_cls, "sdpa", hidden_size=D, num_attention_heads=4)))
+        gen = torch.Generator().manual_seed(100 + seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+        m64 = cls(m.config).double().eval()
+        m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+        x = torch.randn(B, N, D, generator=gen)
+        with torch.no_grad():
+            exact = m64(x.double())[0].numpy()
+            theirs.append(assert_close(m(x)[0].numpy(), exact, np.float32, "module f32", 1e-6))
+        ours.append(assert_close(attnlab.multi_head_attention(x.numpy(), **from_transformers(m)),
+                                 exact, np.float32, "attnlab f32 vs exact", 1e-6))
+    assert np.median(ours) <= 1.1 * np.median(theirs), (np.median(ours), np.median(theirs))
+
+
 def test_llama_transformers_float32_rope_tables():
     """transformers computes cos/sin in float32 (angles rounded to float32): against those,
     attnlab (angles in float64) differs by the rounding of the angles, small at small positions
@@ -224,7 +254,7 @@ def test_llama_transformers_float32_rope_tables():
     m = _randomize(LlamaAttention(cfg, layer_idx=0))
     x = torch.randn(1, N, D, generator=torch.Generator().manual_seed(7))
     kw = from_transformers(m)
-    for start, tol in ((0, 5e-7), (4000, 1e-4)):
+    for start, tol in ((0, 2e-7), (4000, 1e-4)):
         pos = torch.arange(start, start + N)[None]
         with torch.no_grad():
             ref = m(x, position_embeddings=LlamaRotaryEmbedding(cfg)(x, pos))[0]
