@@ -38,8 +38,9 @@ import sys
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -87,6 +88,7 @@ class HypothesisChooser(Chooser):
         return options[self.data.draw(self._st.integers(0, len(options) - 1))]
 
     def bool(self, p: float = 0.5) -> bool:
+        del p  # hypothesis explores both values whatever the odds
         return self.data.draw(self._st.booleans())
 
     def seed(self) -> int:
@@ -446,7 +448,7 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
                 bad = np.zeros((a.shape[0], 2), a.dtype)
             elif a.ndim >= 2:
                 bad = a.reshape(-1)[: a.shape[-1]]  # too few dimensions
-                if fam in ("scaled_dot_product_attention",) or name in ("w_qk", "w"):
+                if fam == "scaled_dot_product_attention" or name in ("w_qk", "w"):
                     bad = a[(0,) * (a.ndim - 2)] if a.ndim >= 3 else bad
                 if name == "grad_out":
                     bad = a.reshape(a.shape + (1,))
@@ -531,7 +533,7 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
                 options.append(lambda: Invalid({**kw, "u_k": np.zeros((h, xk.shape[-1]))},
                                                "u_k", label="u_k+qk"))
         options += _mask_options(kw, c, h, n_q, n_k)
-        options += _kpm_options(kw, c, n_k)
+        options += _kpm_options(kw, n_k)
         options.append(lambda: Invalid({**kw, "query": np.zeros(xq.shape[:-1] + (0,))},
                                        "query|w_q|w_qk", label="empty-features"))
     if fam == "additive_attention":
@@ -542,7 +544,7 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
                     option("variant", ("torch", None, 1), "variant"),
                     option("eps", (0.0, -1.0, float("nan"), "1e-6", None), "eps"),
                     option("scale", ("a", float("inf"), 1j), "scale")]
-        options += _kpm_options(kw, c, x.shape[-2])
+        options += _kpm_options(kw, x.shape[-2])
         for b in ("b_q", "b_k", "b_proj", "b_final"):
             if b in kw:
                 options.append(width_of(b, 0, b))
@@ -550,7 +552,7 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
         x = kw["x"]
         options += [width_of("x", -1, "x|w_qkv"), width_of("w_qkv", 1, "w_qkv"),
                     width_of("w_o", 0, "w_o")]
-        options += _kpm_options(kw, c, x.shape[-2])
+        options += _kpm_options(kw, x.shape[-2])
         for b in ("b_qkv", "b_o"):
             if b in kw:
                 options.append(width_of(b, 0, b))
@@ -593,7 +595,7 @@ def _mask_options(kw: dict[str, Any], c: Chooser, h: int, n_q: int, n_k: int
     return [wrong_dtype, wrong_shape]
 
 
-def _kpm_options(kw: dict[str, Any], c: Chooser, n_k: int) -> list[Callable[[], Invalid]]:
+def _kpm_options(kw: dict[str, Any], n_k: int) -> list[Callable[[], Invalid]]:
     return [
         lambda: Invalid({**kw, "key_padding_mask": np.ones(n_k)}, "key_padding_mask",
                         label="kpm-dtype"),
@@ -661,7 +663,7 @@ def compare(got: Any, want: Any, dtype: Any, tol: float | None = None, floor: fl
     and come out as rounding noise, as the query gradient when there is a single key."""
     if isinstance(want, tuple):
         assert isinstance(got, tuple) and len(got) == len(want)
-        return max(compare(g, w, dtype, tol, floor) for g, w in zip(got, want))
+        return max(compare(g, w, dtype, tol, floor) for g, w in zip(got, want, strict=True))
     got = np.asarray(got)
     want = np.asarray(want, dtype=np.float64)
     assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
@@ -758,8 +760,9 @@ def oracle_error(case: Case, got: Any, rng: np.random.Generator) -> float:
             w_q, w_k, rel = got
             assert w_q.dtype == w_k.dtype == rel.dtype == dtype
             heads = range(w.shape[0])
-            prod = np.stack([w_q[:, i * r:(i + 1) * r] @ w_k[:, i * r:(i + 1) * r].T for i in heads])
-            want = np.stack([rq[:, i * r:(i + 1) * r] @ rk[:, i * r:(i + 1) * r].T for i in heads])
+            cols = [slice(i * r, (i + 1) * r) for i in heads]
+            prod = np.stack([w_q[:, c] @ w_k[:, c].T for c in cols])
+            want = np.stack([rq[:, c] @ rk[:, c].T for c in cols])
             err = compare(prod.astype(dtype), want, dtype, FACTORIZE_TOL[dtype])
             np.testing.assert_allclose(rel, rrel, atol=50 * np.finfo(dtype).eps ** 0.5)
             return err
@@ -832,7 +835,7 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
             counts["result"] += 1
             counts["wrong"] += 1
             problems.append(f"{where}: {exc}")
-        except Exception as exc:  # any other exception from a valid call is a defect
+        except Exception as exc:  # noqa: BLE001 (any other exception from a valid call is a defect)
             counts["unexpected"] += 1
             problems.append(f"{where}: {type(exc).__name__}: {exc}")
         return
@@ -861,7 +864,7 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
         except AssertionError as exc:
             counts["wrong"] += 1
             problems.append(f"{where}: {exc}")
-        except Exception as exc:  # any exception but the failed check is a defect
+        except Exception as exc:  # noqa: BLE001 (any exception but the failed check is a defect)
             counts["unexpected"] += 1
             problems.append(f"{where}: {type(exc).__name__}: {exc}")
         return
@@ -874,7 +877,7 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
             counts["unnamed"] += 1
             problems.append(f"{where} {bad.label}: message does not name {bad.names!r}: {exc}")
         return
-    except Exception as exc:  # the wrong exception type is a defect
+    except Exception as exc:  # noqa: BLE001 (the wrong exception type is a defect)
         counts["unexpected"] += 1
         problems.append(f"{where} {bad.label}: {type(exc).__name__}: {exc}")
         return

@@ -69,7 +69,7 @@ def sw():
 @pytest.mark.parametrize("n", [1, 2, 7, 49, 300])
 @pytest.mark.parametrize("heads", [1, 2, 3])  # D = heads * d_out, as num_heads in the original
 @pytest.mark.parametrize("batch", [(), (3,), (2, 2)], ids=["nobatch", "B3", "B2x2"])
-def test_additive_grid(rng, close, aw, dtype, variant, n, heads, batch):
+def test_additive_grid(rng, close, dtype, variant, n, heads, batch):
     d_in, d_out = 12, 8
     w = additive_weights(rng, d_in, heads * d_out, d_out, dtype=dtype)
     x = rng.standard_normal(batch + (n, d_in)).astype(dtype)
@@ -402,7 +402,7 @@ def test_inputs_not_modified(rng):
     copies = [a.copy() for a in (x, *w.values(), *ws.values())]
     attnlab.additive_attention(x, **w)
     attnlab.separable_attention(x, **ws)
-    for a, c in zip((x, *w.values(), *ws.values()), copies):
+    for a, c in zip((x, *w.values(), *ws.values()), copies, strict=True):
         np.testing.assert_array_equal(a, c)
 
 
@@ -459,7 +459,7 @@ def test_concurrent_python_threads_match_serial(rng):
     with ThreadPoolExecutor(8) as ex:
         par = list(ex.map(lambda x: (attnlab.additive_attention(x, **w),
                                      attnlab.separable_attention(x, **ws)), xs))
-    for (a, s), (pa, ps) in zip(serial, par):
+    for (a, s), (pa, ps) in zip(serial, par, strict=True):
         np.testing.assert_array_equal(a, pa)
         np.testing.assert_array_equal(s, ps)
 
@@ -542,25 +542,25 @@ def test_core_rejects_inconsistent_buffers(rng):
     out = np.empty((10, 8))
     args = [w["w_q"], w["b_q"], w["w_k"], w["b_k"], w["w_g"].reshape(-1), w["w_proj"],
             w["b_proj"], w["w_final"], w["b_final"]]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^x: "):
         core.additive_forward(x, *args, 3, 5, 1.0, 1e-12, 0, None, out)  # 3*5 != 10 rows
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^variant: "):
         core.additive_forward(x, *args, 2, 5, 1.0, 1e-12, 2, None, out)  # bad variant
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^key_padding_mask: "):
         core.additive_forward(x, *args, 2, 5, 1.0, 1e-12, 0, np.ones((2, 4), bool), out)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^out: shape"):
         core.additive_forward(x, *args, 2, 5, 1.0, 1e-12, 0, None, np.empty((10, 8))[:, :4])
     with pytest.raises(TypeError):
         core.additive_forward(x.astype(np.float32), *args, 2, 5, 1.0, 1e-12, 0, None, out)
     ro = np.empty((10, 8))
     ro.flags.writeable = False
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^out: not writable"):
         core.additive_forward(x, *args, 2, 5, 1.0, 1e-12, 0, None, ro)
     ws = separable_weights(rng, 8)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^w_qkv: "):
         core.separable_forward(x, ws["w_qkv"][:, :16].copy(), None, ws["w_o"], None, 2, 5,
                                None, out)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="negative sizes"):
         core.separable_forward(x, ws["w_qkv"], ws["b_qkv"], ws["w_o"], ws["b_o"], -2, -5, None,
                                out)
 

@@ -173,13 +173,13 @@ def torch_additive(torch, x, p, variant, scale, eps, mask):
 
 def torch_separable(torch, x, p, mask):
     d = x.shape[-1]
-    qkv = x @ p["w_qkv"] + (p["b_qkv"] if "b_qkv" in p else 0)
+    qkv = x @ p["w_qkv"] + p.get("b_qkv", 0)
     s, k, v = qkv[..., :1], qkv[..., 1:1 + d], qkv[..., 1 + d:]
     if mask is not None:
         s = s.masked_fill(~mask.unsqueeze(-1), float("-inf"))
     c = torch.softmax(s, dim=-2)
     ctx = (c * k).sum(dim=-2, keepdim=True)
-    return (torch.relu(v) * ctx) @ p["w_o"] + (p["b_o"] if "b_o" in p else 0)
+    return (torch.relu(v) * ctx) @ p["w_o"] + p.get("b_o", 0)
 
 
 def torch_grads(torch, fn, x, params, go, **extra):

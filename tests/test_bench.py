@@ -59,8 +59,8 @@ def test_unstable_peak_reports_no_share(monkeypatch):
     """Rates that keep moving between rounds (a busy machine) give no peak, and the table says
     so instead of printing shares of a wrong one."""
     ms = iter([10.0, 20.0, 10.0, 20.0, 10.0, 20.0])  # 215 / 107 GFLOP/s alternating (n = 1024)
-    monkeypatch.setattr(gemm, "_gemm_sources", lambda n, threads: {"attnlab": None})
-    monkeypatch.setattr(gemm, "interleaved", lambda fns, repeat: {"attnlab": Timing(next(ms))})
+    monkeypatch.setattr(gemm, "_gemm_sources", lambda *_args: {"attnlab": None})
+    monkeypatch.setattr(gemm, "interleaved", lambda *_a, **_kw: {"attnlab": Timing(next(ms))})
     peak, rows, rounds = gemm.gemm_peak(2, quick=True)
     assert peak is None and len(rounds) == 4
     table = runner.format_table(_result(rows, peak, rounds))
@@ -70,8 +70,8 @@ def test_unstable_peak_reports_no_share(monkeypatch):
 
 def test_stable_peak_stops_early(monkeypatch):
     ms = iter([20.0, 10.0, 10.2, 99.0])
-    monkeypatch.setattr(gemm, "_gemm_sources", lambda n, threads: {"attnlab": None})
-    monkeypatch.setattr(gemm, "interleaved", lambda fns, repeat: {"attnlab": Timing(next(ms))})
+    monkeypatch.setattr(gemm, "_gemm_sources", lambda *_args: {"attnlab": None})
+    monkeypatch.setattr(gemm, "interleaved", lambda *_a, **_kw: {"attnlab": Timing(next(ms))})
     peak, rows, rounds = gemm.gemm_peak(2, quick=True)
     assert len(rounds) == 3 and peak == pytest.approx(2 * 1024**3 / 10e-3 / 1e9)
     assert rows[0].ms == 10.0  # the best round's time
@@ -83,7 +83,7 @@ def test_quick_gemm_bench_end_to_end():
     env["PYTHONPATH"] = os.pathsep.join([str(Path(attnlab.__file__).resolve().parents[1]),
                                          env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-m", "attnlab", "bench", "--quick", "--only", "gemm"],
-                         capture_output=True, text=True, env=env, timeout=300)
+                         capture_output=True, text=True, env=env, check=False, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "GEMM peak" in res.stdout
     assert all(s <= 100 for s in _shares(res.stdout)), res.stdout

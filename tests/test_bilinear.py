@@ -196,7 +196,7 @@ def test_factorize(rng, mha_weights, close, rank):
     folded = attnlab.collapse_qk(w["w_q"], w["w_k"], num_heads=3)
     fq, fk, err = attnlab.factorize_qk(folded, rank)
     assert fq.shape == (10, 3 * rank) and fk.shape == (10, 3 * rank) and err.shape == (3,)
-    rq, rk, rerr = reference.factorize_qk(folded, rank)
+    _, _, rerr = reference.factorize_qk(folded, rank)
     approx = attnlab.collapse_qk(fq, fk, num_heads=3).w
     measured = np.linalg.norm(folded.w - approx, axis=(1, 2)) / np.linalg.norm(folded.w,
                                                                                  axis=(1, 2))
@@ -214,7 +214,7 @@ def test_factorize(rng, mha_weights, close, rank):
         back = attnlab.multi_head_attention(x, w_q=fq, w_k=fk, w_v=w["w_v"], w_o=w["w_o"],
                                             num_heads=3, scale=1 / math.sqrt(6))
         close(back, ref, np.float64, "factorize -> mha")
-    zero_q, zero_k, zero_err = attnlab.factorize_qk(np.zeros((2, 4, 3)), 2)
+    zero_q, _, zero_err = attnlab.factorize_qk(np.zeros((2, 4, 3)), 2)
     assert zero_err.tolist() == [0.0, 0.0] and not zero_q.any()
 
 
@@ -358,7 +358,7 @@ def test_errors(rng, mha_weights):
         folded.w = folded.w  # frozen
 
 
-def test_core_rejects_bad_buffers(rng):
+def test_core_rejects_bad_buffers():
     x = np.zeros((10, 4))
     wqk = np.zeros((2, 4, 4))
     wv = np.zeros((4, 4))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -101,10 +102,9 @@ def test_eight_threads_get_the_serial_results_bitwise(dtype: Any) -> None:
             order = names[i % len(names):] + names[: i % len(names)]  # all families at once
             start.wait()
             for _ in range(3):
-                for name in order:
-                    if _bytes(cases[name]()) != serial[name]:
-                        failures.append(f"thread {i}: {name}")
-        except BaseException as exc:  # noqa: BLE001
+                failures.extend(f"thread {i}: {name}" for name in order
+                                if _bytes(cases[name]()) != serial[name])
+        except BaseException as exc:  # noqa: BLE001 (the main thread re-raises what a worker hit)
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
@@ -117,8 +117,8 @@ def test_eight_threads_get_the_serial_results_bitwise(dtype: Any) -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_one_and_two_kernel_threads_are_bitwise_equal(dtype: Any, restore_threads: None
-                                                      ) -> None:
+@pytest.mark.usefixtures("restore_threads")
+def test_one_and_two_kernel_threads_are_bitwise_equal(dtype: Any) -> None:
     cases = _cases(dtype, n=300, batch=3)  # several row blocks per batch element
     results = {}
     for threads in (1, 2, 1):
@@ -188,7 +188,8 @@ def _long_calls() -> dict[str, Callable[[], Any]]:
 
 
 @pytest.mark.parametrize("entry", list(_long_calls()))
-def test_gil_is_released_during_kernels(entry: str, restore_threads: None) -> None:
+@pytest.mark.usefixtures("restore_threads")
+def test_gil_is_released_during_kernels(entry: str) -> None:
     """With one kernel thread, a Python thread keeps running during the call: its longest
     stall is well under half the call (with the GIL held it would be the whole call). Up to
     three attempts, so a busy machine descheduling the spinner once cannot fail the test; a

@@ -283,7 +283,7 @@ def test_masked_keys_are_ignored_even_when_negative():
     """The docstring's promise: masked keys do not count, whatever they hold."""
     got = D.attention_entropy([[0.5, -1.0, 0.5]], mask=[True, False, True])
     np.testing.assert_allclose(got, [math.log(2)])
-    with pytest.raises(ValueError, match="^weights: expected non-negative"):
+    with pytest.raises(ValueError, match=r"^weights: expected non-negative"):
         D.attention_entropy([[0.5, -1.0, 0.5]], mask=[True, True, True])
 
 

@@ -11,7 +11,8 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ def _mha(**change: Any) -> Callable[[], Any]:
     def call() -> Any:
         kw = _mha_base()
         kw.update(change)
-        kw = {k: v for k, v in kw.items() if not (v is _DROP)}
+        kw = {k: v for k, v in kw.items() if v is not _DROP}
         q, k, v = kw.pop("query"), kw.pop("key", None), kw.pop("value", None)
         return attnlab.multi_head_attention(q, k, v, **kw)
     return call
@@ -228,6 +229,6 @@ def test_no_crash_in_subprocess():
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(attnlab.__file__)),
                                          env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env=env, timeout=120)
+                         env=env, check=False, timeout=120)
     assert res.returncode == 0, f"child died with {res.returncode}: {res.stderr[-2000:]}"
     assert "done" in res.stdout, res.stdout

@@ -16,7 +16,8 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -238,7 +239,7 @@ def test_torch_adapter_warns_once_for_forward_and_backward(rng, name):
 def test_from_torch_mha_warns_for_a_sequence_first_module():
     torch = pytest.importorskip("torch")
     seq_first = torch.nn.MultiheadAttention(D, H)  # batch_first=False, PyTorch's default
-    with pytest.warns(UserWarning) as rec:
+    with pytest.warns(UserWarning, match="sequence-first") as rec:
         kw = interop.from_torch_mha(seq_first)
     assert len(rec) == 1 and rec[0].filename == __file__
     assert str(rec[0].message) == (
@@ -350,20 +351,20 @@ def test_other_families_name_the_root_cause(rng):
 
 @pytest.mark.parametrize("layer, call, message", [
     (layers.MultiHeadAttention(16, 4, seed=0), lambda L, r: L(r((2, 5, 12))),
-     "query: expected last dimension d_model = 16 (this MultiHeadAttention's d_model), got shape "
-     "(2, 5, 12)"),
+     ("query: expected last dimension d_model = 16 (this MultiHeadAttention's d_model), got shape "
+      "(2, 5, 12)")),
     (layers.MultiHeadAttention(16, 4, kdim=8, seed=0), lambda L, r: L(r((2, 5, 16)), r((2, 6, 9))),
-     "key: expected last dimension kdim = 8 (this MultiHeadAttention's kdim), got shape "
-     "(2, 6, 9)"),
+     ("key: expected last dimension kdim = 8 (this MultiHeadAttention's kdim), got shape "
+      "(2, 6, 9)")),
     (layers.BilinearAttention(16, 4, seed=0), lambda L, r: L(r((5, 12))),
-     "query: expected last dimension d_model = 16 (this BilinearAttention's d_model), got shape "
-     "(5, 12)"),
+     ("query: expected last dimension d_model = 16 (this BilinearAttention's d_model), got shape "
+      "(5, 12)")),
     (layers.AdditiveAttention(16, seed=0), lambda L, r: L(r((2, 5, 12))),
-     "x: expected last dimension d_model = 16 (this AdditiveAttention's d_model), got shape "
-     "(2, 5, 12)"),
+     ("x: expected last dimension d_model = 16 (this AdditiveAttention's d_model), got shape "
+      "(2, 5, 12)")),
     (layers.SeparableAttention(16, seed=0), lambda L, r: L(r((2, 5, 12))),
-     "x: expected last dimension d_model = 16 (this SeparableAttention's d_model), got shape "
-     "(2, 5, 12)"),
+     ("x: expected last dimension d_model = 16 (this SeparableAttention's d_model), got shape "
+      "(2, 5, 12)")),
 ])
 def test_layers_name_their_own_attribute(rng, layer, call, message):
     _raises(lambda: call(layer, rng.standard_normal), message)
@@ -397,7 +398,8 @@ def test_docstrings_say_the_polarity_and_the_keyword(name, fn):
     assert "warn_empty_rows" in inspect.signature(fn).parameters, name
     for words in ("nn.MultiheadAttention", "torch_masks", "warn_empty_rows"):
         assert words in doc, f"{name}: the docstring does not mention {words}"
-    if "causal" in inspect.signature(fn).parameters and "As for" not in doc.split("causal")[1][:200]:
+    params = inspect.signature(fn).parameters
+    if "causal" in params and "As for" not in doc.split("causal")[1][:200]:
         assert "j <= i" in doc and "bottom_right" in doc, f"{name}: causal modes not explained"
 
 

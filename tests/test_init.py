@@ -134,12 +134,12 @@ def test_registry() -> None:
     s = init.get("randn")
     assert init.get(s) is s
 
-    def mine(fan_in, fan_out, rng, dtype):
+    def mine(fan_in, fan_out, _rng, dtype):
         return np.full((fan_in, fan_out), 0.5, dtype)
 
     custom = init.get(mine)
     assert custom.weight is mine and custom.bias is init.zeros_bias and custom.name == "mine"
-    mine.bias = lambda fi, fo, rng, dtype: np.ones(fo, dtype)  # type: ignore[attr-defined]
+    mine.bias = lambda _fi, fo, _rng, dtype: np.ones(fo, dtype)  # type: ignore[attr-defined]
     assert init.get(mine).bias(3, 2, None, np.float64).tolist() == [1.0, 1.0]
 
 
@@ -152,7 +152,7 @@ def test_errors() -> None:
         init.torch_default(2.0, 3, None, np.float64)
     with pytest.raises(ValueError, match="fan_out: expected an integer >= 0, got -1"):
         init.xavier_uniform(2, -1, None, np.float64)
-    with pytest.raises(TypeError, match="rng: expected a numpy.random.Generator"):
+    with pytest.raises(TypeError, match=r"rng: expected a numpy.random.Generator"):
         init.randn(2, 2, "seed", np.float64)
     with pytest.raises(TypeError, match="dtype: expected float32 or float64, got int64"):
         init.randn(2, 2, None, np.int64)

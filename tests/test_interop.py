@@ -24,7 +24,6 @@ from attnlab.interop import (
     from_vit_pytorch,
     torch_masks,
 )
-
 from conftest import assert_close
 from torch_modules import official_swiftformer_module
 
@@ -37,7 +36,8 @@ F32 = np.float32
 def test_attnlab_never_imports_torch():
     code = ("import sys, attnlab, attnlab.interop, attnlab.layers, attnlab.reference; "
             "sys.exit('torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], env=dict(os.environ)).returncode == 0
+    res = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), check=False)
+    assert res.returncode == 0
 
 
 def test_torch_masks_bool_polarity_is_inverted():
@@ -133,7 +133,7 @@ def test_from_torch_mha_errors_name_the_key(mutate, exc, words):
 
 
 def test_from_torch_mha_argument_errors():
-    with pytest.raises(ValueError, match="num_heads.*divisible"):
+    with pytest.raises(ValueError, match=r"num_heads.*divisible"):
         from_torch_mha(_mha_sd(), 3)
     with pytest.raises(ValueError, match="add_zero_attn"):
         from_torch_mha(_mha_sd(), 2, add_zero_attn=True)
@@ -202,11 +202,11 @@ def test_prefix_found_or_refused():
     kw = from_torch_mha(one, 2)
     np.testing.assert_array_equal(kw["w_o"], sd["out_proj.weight"].T)
     two = {**one, **{"enc.1.attn." + k: v for k, v in sd.items()}, "head.weight": np.zeros(2)}
-    with pytest.raises(ValueError, match="2 torch.nn.MultiheadAttention modules.*prefix="):
+    with pytest.raises(ValueError, match=r"2 torch.nn.MultiheadAttention modules.*prefix="):
         from_torch_mha(two, 2)
     kw1 = from_torch_mha(two, 2, prefix="enc.1.attn.")
     np.testing.assert_array_equal(kw1["w_q"], kw["w_q"])
-    with pytest.raises(ValueError, match="not part of.*prefix='enc.0.attn.'"):
+    with pytest.raises(ValueError, match=r"not part of.*prefix='enc.0.attn.'"):
         from_torch_mha({**one, "head.weight": np.zeros(2)}, 2)
     with pytest.raises(ValueError, match="prefix"):
         from_torch_mha(one, 2, prefix="nope.")
@@ -222,20 +222,20 @@ def test_loader_errors_other_families():
         from_swiftformer(sf, "paper")
     with pytest.raises(ValueError, match="both"):
         from_swiftformer({**sf, "proj.weight": sf["Proj.weight"]})
-    with pytest.raises(ValueError, match="w_g.*(4, 1)"):
+    with pytest.raises(ValueError, match=r"w_g.*\(4, 1\)"):
         from_swiftformer({**sf, "w_g": np.zeros((3, 1))})
-    with pytest.raises(ValueError, match="missing key 'to_key.weight'"):
+    with pytest.raises(ValueError, match=r"missing key 'to_key.weight'"):
         from_swiftformer({k: v for k, v in sf.items() if k != "to_key.weight"})
     mv = {"qkv_proj.weight": rng.standard_normal((2 * d + 1, d, 1, 1)),
           "out_proj.weight": rng.standard_normal((d, d, 1, 1))}
     assert from_mobilevitv2(mv)["w_qkv"].shape == (d, 2 * d + 1)
-    with pytest.raises(ValueError, match="qkv_proj.weight.*1 \\+ 2 d"):
+    with pytest.raises(ValueError, match=r"qkv_proj.weight.*1 \+ 2 d"):
         from_mobilevitv2({**mv, "qkv_proj.weight": np.zeros((2 * d, d, 1, 1))})
     with pytest.raises(ValueError, match="1x1"):
         from_mobilevitv2({**mv, "out_proj.weight": np.zeros((d, d, 3, 3))})
     vit = {"to_qkv.weight": rng.standard_normal((3 * d, d)), "norm.weight": np.ones(d),
            "norm.bias": np.zeros(d)}
-    with pytest.raises(ValueError, match="LayerNorm.*ignore_norm=True"):
+    with pytest.raises(ValueError, match=r"LayerNorm.*ignore_norm=True"):
         from_vit_pytorch(vit, 1)
     kw = from_vit_pytorch(vit, 1, ignore_norm=True)
     np.testing.assert_array_equal(kw["w_o"], np.eye(d))
@@ -338,7 +338,7 @@ def test_torch_mha_inside_transformer_layer_with_prefix():
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         ref = layer.self_attn(x, x, x, need_weights=False)[0]
-    with pytest.raises(ValueError, match="prefix='self_attn.'"):
+    with pytest.raises(ValueError, match=r"prefix='self_attn.'"):
         from_torch_mha(layer.state_dict(), 4)
     kw = from_torch_mha(layer.state_dict(), 4, prefix="self_attn.")
     assert_close(attnlab.multi_head_attention(_np(x), **kw), _np(ref), F32, "interop torch MHA")

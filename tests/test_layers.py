@@ -12,8 +12,12 @@ import pytest
 
 import attnlab
 from attnlab import init as ainit
-from attnlab.layers import (AdditiveAttention, BilinearAttention, MultiHeadAttention,
-                            SeparableAttention)
+from attnlab.layers import (
+    AdditiveAttention,
+    BilinearAttention,
+    MultiHeadAttention,
+    SeparableAttention,
+)
 
 BACKWARD = {
     MultiHeadAttention: "multi_head_attention_backward",
@@ -119,7 +123,7 @@ def test_mha_constructor_errors() -> None:
     with pytest.raises(TypeError, match="bias: expected True or False"):
         MultiHeadAttention(8, 2, bias=1)
     with pytest.raises(ValueError, match="init: the weight initialiser returned shape"):
-        MultiHeadAttention(8, 2, init=lambda fi, fo, rng, dt: np.zeros((fo, fi)) if fi != fo
+        MultiHeadAttention(8, 2, init=lambda fi, fo, _rng, _dt: np.zeros((fo, fi)) if fi != fo
                            else np.zeros((fi, fo + 1)))
 
 

@@ -1,5 +1,6 @@
 """attnlab.scaled_dot_product_attention and attnlab.multi_head_attention (C++ kernels) against
-the plain NumPy float64 reference (attnlab.reference), with the conventions of docs/architecture.md, section 3.
+the plain NumPy float64 reference (attnlab.reference), with the conventions of
+docs/architecture.md, section 3.
 
 Kernel tiles are 64 queries x 128 keys, so the sizes below straddle one and several tiles.
 """
@@ -12,7 +13,6 @@ import pytest
 import attnlab
 from attnlab import reference as ref
 from attnlab.reference._mha import allowed_and_bias
-
 from conftest import assert_close, make_mha_weights
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
@@ -47,7 +47,7 @@ def check_weights(w: np.ndarray, n_k: int) -> None:
     assert (w[zero_rows] == 0).all()
 
 
-def compare_mha(rng, dtype, query, key, value, w, *, mode=False, label="mha vs reference",
+def compare_mha(dtype, query, key, value, w, *, mode=False, label="mha vs reference",
                 **kw):
     """Runs both implementations; compares outputs (and weights). Returns (out, weights)."""
     cast = lambda a: None if a is None else np.asarray(a).astype(dtype)  # noqa: E731
@@ -91,7 +91,7 @@ def test_mha_sizes_heads(rng, n_q, n_k, heads, dtype, mode):
     w = make_mha_weights(rng, d, h, d_head, d_k=10, num_kv_heads=h_kv)
     query = rng.standard_normal((B, n_q, d))
     key = rng.standard_normal((B, n_k, 10))
-    out = compare_mha(rng, dtype, query, key, None, w, num_heads=h, num_kv_heads=h_kv,
+    out = compare_mha(dtype, query, key, None, w, num_heads=h, num_kv_heads=h_kv,
                       mode="heads" if mode else False)
     if mode:
         assert out[1].shape == (B, h, n_q, n_k)
@@ -104,10 +104,10 @@ def test_mha_self_attention_defaults(rng, n, dtype):
     """key and value default to query; one batch dimension."""
     w = make_mha_weights(rng, 16, 4, 4)
     x = rng.standard_normal((3, n, 16))
-    compare_mha(rng, dtype, x, None, None, w, num_heads=4)
+    compare_mha(dtype, x, None, None, w, num_heads=4)
     # value defaults to key (not to query)
     key = rng.standard_normal((3, n + 2, 16))
-    compare_mha(rng, dtype, x, key, None, w, num_heads=4)
+    compare_mha(dtype, x, key, None, w, num_heads=4)
     a = attnlab.multi_head_attention(x.astype(dtype), key.astype(dtype), **w, num_heads=4)
     b = attnlab.multi_head_attention(x.astype(dtype), key.astype(dtype), key.astype(dtype),
                                      **w, num_heads=4)
@@ -173,7 +173,7 @@ def test_mha_masks(rng, kind, causal, n_q, n_k, dtype, mode):
     mask, kpm = make_mask(kind, rng, B, h, n_q, n_k, dtype)
     query = rng.standard_normal((B, n_q, d))
     key = rng.standard_normal((B, n_k, d))
-    out, weights = compare_mha(rng, dtype, query, key, None, w, num_heads=h, num_kv_heads=2,
+    out, weights = compare_mha(dtype, query, key, None, w, num_heads=h, num_kv_heads=2,
                                mask=mask, key_padding_mask=kpm, causal=causal,
                                mode=mode and "heads")
     assert np.isfinite(out).all()
@@ -252,7 +252,7 @@ def test_mha_widths_biases(rng, widths, bias, dtype):
     query = rng.standard_normal((2, 6, d_q))
     key = rng.standard_normal((2, 9, d_k))
     value = rng.standard_normal((2, 9, d_v))
-    out, weights = compare_mha(rng, dtype, query, key, value, w, num_heads=h,
+    out, weights = compare_mha(dtype, query, key, value, w, num_heads=h,
                                num_kv_heads=h_kv, mode="heads", causal="bottom_right")
     assert out.shape == (2, 6, d_out)
     assert weights.shape == (2, h, 6, 9)
@@ -302,7 +302,7 @@ def test_mha_batch_dims(rng, batches, dtype, mode):
     batch = np.broadcast_shapes(bq, bk, bv)
     mask = None if mb is None else rng.random(mb + (n_q, n_k)) < 0.7
     kpm = rng.random(batch + (n_k,)) < 0.9 if batch else None
-    got = compare_mha(rng, dtype, query, key, value, w, num_heads=h, mask=mask,
+    got = compare_mha(dtype, query, key, value, w, num_heads=h, mask=mask,
                       key_padding_mask=kpm, mode=mode)
     out, weights = got
     assert out.shape == batch + (n_q, 8)
@@ -339,7 +339,7 @@ def test_return_weights_modes_agree(rng):
 def test_explicit_scale(rng, scale, dtype):
     w = make_mha_weights(rng, 8, 2, 4)
     x = rng.standard_normal((2, 70, 8))
-    compare_mha(rng, dtype, x, None, None, w, num_heads=2, scale=scale, mode="heads",
+    compare_mha(dtype, x, None, None, w, num_heads=2, scale=scale, mode="heads",
                 causal=True)
     q, k, v = (rng.standard_normal((2, 3, 9, 5)) for _ in range(3))
     compare_sdpa(dtype, q, k, v, scale=scale, mode=True)
@@ -537,7 +537,7 @@ def test_inputs_not_modified(rng):
     m = rng.standard_normal((5, 5))
     copies = [x.copy(), m.copy()] + [v.copy() for v in w.values()]
     attnlab.multi_head_attention(x, **w, num_heads=2, mask=m, return_weights="mean")
-    for a, b in zip([x, m] + list(w.values()), copies):
+    for a, b in zip([x, m, *w.values()], copies, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -693,7 +693,8 @@ def restore_threads():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
-def test_thread_count_bitwise(rng, restore_threads, dtype):
+@pytest.mark.usefixtures("restore_threads")
+def test_thread_count_bitwise(rng, dtype):
     w = make_mha_weights(rng, 32, 4, 8, num_kv_heads=2, dtype=dtype)
     x = rng.standard_normal((3, 300, 32)).astype(dtype)
     kpm = rng.random((3, 300)) < 0.9
@@ -719,7 +720,8 @@ def test_thread_count_bitwise(rng, restore_threads, dtype):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 @pytest.mark.parametrize("mode", [False, True], ids=["flash", "weights"])
-def test_repeatable(rng, restore_threads, mode, dtype, threads):
+@pytest.mark.usefixtures("restore_threads")
+def test_repeatable(rng, mode, dtype, threads):
     """The same call gives the same bits every time, wherever its buffers happen to land."""
     attnlab.set_num_threads(threads)
     w = make_mha_weights(rng, 16, 4, 4, dtype=dtype)
@@ -730,7 +732,7 @@ def test_repeatable(rng, restore_threads, mode, dtype, threads):
     for i in range(40):
         junk.append(np.empty(int(rng.integers(1, 64)), dtype=np.int8))  # shift the heap
         again = attnlab.multi_head_attention(x, key, **w, num_heads=4, return_weights=mode)
-        for a, b in zip(first if mode else [first], again if mode else [again]):
+        for a, b in zip(first if mode else [first], again if mode else [again], strict=True):
             np.testing.assert_array_equal(b, a, err_msg=f"call {i + 2} differs from call 1")
 
 
@@ -825,8 +827,10 @@ def test_mha_gqa_equals_repeated_kv_weights(rng):
     w = make_mha_weights(rng, 12, h, dh, num_kv_heads=h_kv)
     x = rng.standard_normal((2, 7, 12))
     a = attnlab.multi_head_attention(x, **w, num_heads=h, num_kv_heads=h_kv)
-    rep = lambda m: np.concatenate([m[..., j * dh:(j + 1) * dh] for j in range(h_kv)  # noqa
-                                    for _ in range(h // h_kv)], axis=-1)
+    def rep(m):  # each kv head repeated for its group of query heads
+        return np.concatenate([m[..., j * dh:(j + 1) * dh] for j in range(h_kv)
+                               for _ in range(h // h_kv)], axis=-1)
+
     w2 = dict(w, w_k=rep(w["w_k"]), w_v=rep(w["w_v"]), b_k=rep(w["b_k"]), b_v=rep(w["b_v"]))
     b = attnlab.multi_head_attention(x, **w2, num_heads=h)
     np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-14)

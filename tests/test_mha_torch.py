@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import attnlab
-
 from conftest import assert_close
 
 torch = pytest.importorskip("torch")
@@ -37,7 +36,7 @@ def make_torch_mha(embed_dim, num_heads, dtype, *, kdim=None, vdim=None, bias=Tr
                                     kdim=kdim, vdim=vdim, dtype=TORCH_DT[dtype])
     m.eval()
     with torch.no_grad():  # random biases too (torch initialises them to 0)
-        for name, p in m.named_parameters():
+        for p in m.parameters():
             bound = 1.0 / math.sqrt(p.shape[-1]) if p.ndim == 2 else 1.0 / math.sqrt(embed_dim)
             p.uniform_(-bound, bound)
     return m

@@ -159,8 +159,8 @@ def test_figure_rules_catch_what_they_claim():
             {"label": "_child0", "style": "-", "marker": "None"}]}]}
     assert figure_problems([fig]) == [
         "figure 1, axes 'a': a heat map without a colour bar",
-        "figure 1, axes 'b': curves 'tied' and 'untied' differ only in colour (line style '-', "
-        "marker 'None')"]
+        ("figure 1, axes 'b': curves 'tied' and 'untied' differ only in colour (line style '-', "
+         "marker 'None')")]
     fig["axes"][0]["images"].append(dict(bare, colorbar=True))  # one shared scale, one bar
     fig["axes"][1]["lines"][1]["style"] = "--"
     assert figure_problems([fig]) == []

@@ -12,7 +12,6 @@ import pytest
 
 import attnlab
 from attnlab import reference as R
-
 from conftest import _MAX_ERR
 
 U32 = 2.0**-24

@@ -3,9 +3,9 @@
 Random valid calls (shapes, batch broadcasting, dtypes, bool/float/-inf masks, key padding,
 causal modes, grouped-query heads, biases, scales, returned weights) must agree with the float64
 oracle: normwise relative error ``max |got - ref| / (|ref| + max|ref|)`` at most 1e-12 in float64
-and 1e-5 in float32 (the documented tolerance). Gradients are checked along random directions against
-central differences of the float64 *reference* (so the oracle checks the backward too), and
-float32 gradients against the float64 kernel's.
+and 1e-5 in float32 (the documented tolerance). Gradients are checked along random directions
+against central differences of the float64 *reference* (so the oracle checks the backward too),
+and float32 gradients against the float64 kernel's.
 
 Random broken calls must raise ``ValueError``/``TypeError`` naming the argument; odd memory
 layouts (Fortran order, strided, reversed, read-only, zero-strided, misaligned, nested lists)
@@ -27,10 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attnlab
+import fuzz_stress as F
 from attnlab import reference as R
 from attnlab.reference._mha import allowed_and_bias
-
-import fuzz_stress as F
 from conftest import _MAX_ERR
 
 # the random boolean masks drawn here leave whole rows empty at times, on purpose

@@ -10,7 +10,6 @@ import pytest
 
 import attnlab
 from attnlab import layers, reference
-
 from conftest import assert_close, make_mha_weights
 from test_backward_mha import numeric_grad, rel_err
 
@@ -125,7 +124,7 @@ def test_rope_full_rotation_of_a_pair():
     rng = np.random.default_rng(3)
     q, k = rng.standard_normal((1, 2)), rng.standard_normal((2, 2))
     eye = np.eye(2)
-    out, wts = attnlab.multi_head_attention(q, k, k, w_q=eye, w_k=eye, w_v=eye, w_o=eye,
+    _, wts = attnlab.multi_head_attention(q, k, k, w_q=eye, w_k=eye, w_v=eye, w_o=eye,
                                             num_heads=1, rope_theta=7.0, scale=1.0,
                                             positions=(np.array([0.3]), np.array([1.0, 2.5])),
                                             return_weights=True)
@@ -198,7 +197,7 @@ def test_rope_torch_adapter_gradcheck():
     pos = torch.tensor([[3, 4, 5, 6], [0, 2, 4, 6]])
 
     def f(x, *ws):
-        kw = dict(zip(w, ws))
+        kw = dict(zip(w, ws, strict=True))
         return at.multi_head_attention(x, num_heads=2, num_kv_heads=1, causal=True,
                                        rope_theta=100.0, positions=pos, **kw)
 
@@ -223,7 +222,7 @@ def test_rope_layer(rng, dtype):
                                               **layer.params)
     np.testing.assert_array_equal(dx, g["query"])
     np.testing.assert_array_equal(layer.grads["w_k"], g["w_k"])
-    with pytest.raises(ValueError, match="rotary embeddings.*do not fold"):
+    with pytest.raises(ValueError, match=r"rotary embeddings.*do not fold"):
         layers.BilinearAttention.from_mha(layer)
     with pytest.raises(ValueError, match="positions: MultiHeadAttention has no rotary"):
         layers.MultiHeadAttention(16, 4, seed=0)(x, positions=pos)
@@ -273,7 +272,7 @@ def test_rope_errors_shapes(rng):
     assert attnlab.multi_head_attention(np.ones((5, 8)), num_heads=2, rope_theta=10.0,
                                         rope_dim=2, **w).shape == (5, 8)
     w = make_mha_weights(rng, 8, 2, 4)
-    with pytest.raises(ValueError, match="6 queries cannot be aligned with 4 keys.*pair"):
+    with pytest.raises(ValueError, match=r"6 queries cannot be aligned with 4 keys.*pair"):
         attnlab.multi_head_attention(np.ones((6, 8)), np.ones((4, 8)), num_heads=2,
                                      rope_theta=10.0, positions=np.arange(4), **w)
     with pytest.raises(ValueError, match="rope_dim"):

@@ -12,7 +12,6 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import attnlab
@@ -40,7 +39,7 @@ def _child(code: str, timeout: float = 60, **env: str) -> subprocess.CompletedPr
         script = Path(tmp) / "child.py"
         script.write_text(_SETUP + textwrap.dedent(code))
         return subprocess.run([sys.executable, str(script)], env=full, capture_output=True,
-                              text=True, timeout=timeout)
+                              text=True, check=False, timeout=timeout)
 
 
 def _ok(r: subprocess.CompletedProcess[str]) -> str:
@@ -124,14 +123,15 @@ def test_default_threads_follow_cpu_affinity():
     env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_NUM_THREADS"}
     r = subprocess.run([sys.executable, "-c", "import json\n" + textwrap.dedent(code)],
                        env=dict(env, PYTHONPATH=_PKG_ROOT), capture_output=True, text=True,
-                       timeout=60)
+                       check=False, timeout=60)
     n, source = json.loads(_ok(r).strip().splitlines()[-1])
     assert n == 1
     assert source in ("sched_getaffinity", "cgroup cpu quota")
 
 
 def test_environment_variable_and_its_bounds():
-    code = "print(json.dumps([attnlab.get_num_threads(), attnlab.build_info()['num_threads_source']]))"
+    code = ("print(json.dumps([attnlab.get_num_threads(), "
+            "attnlab.build_info()['num_threads_source']]))")
     n, src = json.loads(_ok(_child(code, ATTNLAB_NUM_THREADS="3")).strip())
     assert (n, src) == (3, "ATTNLAB_NUM_THREADS")
     n, src = json.loads(_ok(_child(code, ATTNLAB_NUM_THREADS="5000")).strip())
@@ -142,7 +142,8 @@ def test_environment_variable_and_its_bounds():
 def test_set_num_threads_has_a_documented_cap():
     old = attnlab.get_num_threads()
     try:
-        with pytest.raises(ValueError, match=r"n: expected an integer between 1 and 1024, got 1025"):
+        with pytest.raises(ValueError,
+                           match=r"n: expected an integer between 1 and 1024, got 1025"):
             attnlab.set_num_threads(attnlab.MAX_THREADS + 1)
         with pytest.raises(ValueError, match=r"n: expected an integer >= 1, got 0"):
             attnlab.set_num_threads(0)
@@ -165,7 +166,8 @@ def test_thread_creation_failure_falls_back_instead_of_aborting():
         resource.setrlimit(resource.RLIMIT_AS, (vm * 1024 + (6 << 20), resource.RLIM_INFINITY))
         attnlab.set_num_threads(8)
         same = np.array_equal(call(), ref)
-        print(json.dumps([same, attnlab.get_num_threads(), attnlab.build_info()["num_threads_source"]]))
+        source = attnlab.build_info()["num_threads_source"]
+        print(json.dumps([same, attnlab.get_num_threads(), source]))
     """))
     same, n, source = json.loads(out.strip().splitlines()[-1])
     assert same
@@ -220,7 +222,7 @@ def test_default_is_never_above_the_real_quota_or_affinity():
     env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_NUM_THREADS"}
     env["PYTHONPATH"] = _PKG_ROOT
     r = subprocess.run([sys.executable, "-c", "import attnlab; print(attnlab.get_num_threads())"],
-                       env=env, capture_output=True, text=True, timeout=60)
+                       env=env, capture_output=True, text=True, check=False, timeout=60)
     n = int(_ok(r).strip())
     assert n == (min(cpus, quota) if quota else cpus)
 

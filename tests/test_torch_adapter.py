@@ -18,7 +18,6 @@ torch = pytest.importorskip("torch")
 import attnlab  # noqa: E402
 import attnlab.torch as at  # noqa: E402
 from attnlab.interop import torch_masks  # noqa: E402
-
 from conftest import assert_close  # noqa: E402
 from torch_modules import official_swiftformer_module  # noqa: E402
 
@@ -32,7 +31,7 @@ def _np(t):
 
 
 def _grads_close(params_ref, params_got, label):
-    for (name, a), (_, b) in zip(params_ref, params_got):
+    for (name, a), (_, b) in zip(params_ref, params_got, strict=True):
         assert a.grad is not None and b.grad is not None, name
         assert_close(_np(b.grad), _np(a.grad), F32, label)
 
@@ -92,7 +91,7 @@ def test_mha_matches_torch_outputs_and_gradients(cross):
     assert out.dtype == torch.float32
     assert_close(_np(out), _np(out_ref), F32, "torch adapter MHA")
     (out * g).sum().backward()
-    for a, b in zip(inputs_ref, inputs_got):
+    for a, b in zip(inputs_ref, inputs_got, strict=True):
         assert_close(_np(b.grad), _np(a.grad), F32, "torch adapter MHA grad")
     _grads_close(list(m_ref.named_parameters()), list(m_got.named_parameters()),
                  "torch adapter MHA grad")
@@ -149,7 +148,7 @@ def test_sdpa_matches_torch(case):
     g = torch.randn(ref.shape, generator=gen)
     (ref * g).sum().backward()
     (out * g).sum().backward()
-    for a, b in zip(leaves_ref, leaves):
+    for a, b in zip(leaves_ref, leaves, strict=True):
         assert_close(_np(b.grad), _np(a.grad), F32, "torch adapter SDPA grad")
 
 
@@ -259,7 +258,8 @@ def test_additive_hugging_face_module():
     (ref * ref).sum().backward()
     (out * out).sum().backward()
     assert_close(_np(x_got.grad), _np(x_ref.grad), F32, "torch adapter additive grad")
-    for (name, a), (_, b) in zip(m_ref.named_parameters(), m_got.named_parameters()):
+    for (name, a), (_, b) in zip(m_ref.named_parameters(), m_got.named_parameters(),
+                                        strict=True):
         if name == "w_g":
             assert a.grad is None or not a.grad.any()
             assert not b.grad.any()
@@ -373,13 +373,13 @@ def test_gradcheck_separable():
 def test_errors():
     w = {k: torch.randn(4, 4) for k in ("w_q", "w_k", "w_v", "w_o")}
     x = torch.randn(3, 4)
-    with pytest.raises(TypeError, match="query: expected a float32 or float64 tensor, got "
-                                        "torch.int64"):
+    with pytest.raises(TypeError, match=r"query: expected a float32 or float64 tensor, got "
+                                        r"torch.int64"):
         at.multi_head_attention(torch.ones(3, 4, dtype=torch.int64), num_heads=2, **w)
-    with pytest.raises(TypeError, match="w_o: expected a float32 or float64 tensor, got "
-                                        "torch.float16"):
+    with pytest.raises(TypeError, match=r"w_o: expected a float32 or float64 tensor, got "
+                                        r"torch.float16"):
         at.multi_head_attention(x, num_heads=2, **{**w, "w_o": w["w_o"].half()})
-    with pytest.raises(TypeError, match="w_q: expected a torch.Tensor, got ndarray"):
+    with pytest.raises(TypeError, match=r"w_q: expected a torch.Tensor, got ndarray"):
         at.multi_head_attention(x, num_heads=2, **{**w, "w_q": np.ones((4, 4))})
     with pytest.raises(TypeError, match="q: expected a CPU tensor, got device meta"):
         at.scaled_dot_product_attention(torch.empty(2, 3, 4, device="meta"), x[None], x[None])

@@ -18,8 +18,12 @@ import numpy as np
 import pytest
 
 import attnlab
-from attnlab.layers import (AdditiveAttention, BilinearAttention, MultiHeadAttention,
-                            SeparableAttention)
+from attnlab.layers import (
+    AdditiveAttention,
+    BilinearAttention,
+    MultiHeadAttention,
+    SeparableAttention,
+)
 from attnlab.optim import Adam
 
 FD_STEP = 1e-6
@@ -91,7 +95,7 @@ def check_layer_gradients(label: str, layer: Any, inputs: list[np.ndarray],
         e = _rel(analytic[name], numeric[name], floor)
         assert e < FD_TOL, (label, name, e)
         worst = max(worst, e)
-    for i, (dx, num) in enumerate(zip(dins, numeric_in)):
+    for i, (dx, num) in enumerate(zip(dins, numeric_in, strict=True)):
         e = _rel(dx, num, floor)
         assert e < FD_TOL, (label, f"input {i}", e)
         worst = max(worst, e)

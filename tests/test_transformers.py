@@ -21,7 +21,6 @@ import pytest
 
 import attnlab
 from attnlab.interop import from_transformers, transformers_masks
-
 from conftest import assert_close
 
 torch = pytest.importorskip("torch")
@@ -49,7 +48,7 @@ def _randomize(m):
     """Trained-looking weights: U(+-1/sqrt(fan_in)) and non-zero biases (HF zeroes them)."""
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, p in m.named_parameters():
+        for p in m.parameters():
             if p.ndim == 2:
                 fan_in = p.shape[0] if type(m).__name__ == "GPT2Attention" else p.shape[1]
                 bound = fan_in ** -0.5
@@ -109,7 +108,7 @@ def test_bert_self_attention(cls, impl, dtype):
 def test_bert_attention_needs_ignore_norm(dtype):
     cfg = _config(T.BertConfig, "sdpa", hidden_size=D, num_attention_heads=8)
     m = _randomize(BertAttention(cfg)).to(dtype)
-    with pytest.raises(ValueError, match="LayerNorm.*ignore_norm=True"):
+    with pytest.raises(ValueError, match=r"LayerNorm.*ignore_norm=True"):
         from_transformers(m)
     kw = from_transformers(m, ignore_norm=True)
     x = torch.randn(B, N, D, dtype=dtype, generator=torch.Generator().manual_seed(2))
@@ -272,7 +271,7 @@ def test_bert_model_masks_as_transformers_builds_them():
     _randomize(att)
     seen = {}
 
-    def hook(mod, args, kwargs, out):
+    def hook(_mod, args, kwargs, out):
         seen["x"], seen["mask"], seen["out"] = args[0], kwargs.get("attention_mask"), out[0]
 
     handle = att.register_forward_hook(hook, with_kwargs=True)
@@ -306,8 +305,8 @@ def test_transformers_masks_forms():
 
 
 def test_from_transformers_refuses_what_it_cannot_represent():
-    with pytest.raises(TypeError, match="module: expected a transformers attention module.*"
-                                        "GPT2Attention.*got dict"):
+    with pytest.raises(TypeError, match=r"module: expected a transformers attention module.*"
+                                        r"GPT2Attention.*got dict"):
         from_transformers({"q_proj.weight": np.zeros((4, 4))})
     with pytest.raises(TypeError, match="ignore_norm"):
         from_transformers(BertSelfAttention(T.BertConfig(hidden_size=D, num_attention_heads=4)),
@@ -319,7 +318,7 @@ def test_from_transformers_refuses_what_it_cannot_represent():
         from_transformers(LlamaAttention(cfg, layer_idx=0))
     m = LlamaAttention(T.LlamaConfig(hidden_size=D, num_attention_heads=4), layer_idx=0)
     m.q_norm = torch.nn.LayerNorm(16)  # as Qwen3 / OLMo-2 normalise the heads
-    with pytest.raises(ValueError, match="sub-modules.*'q_norm'"):
+    with pytest.raises(ValueError, match=r"sub-modules.*'q_norm'"):
         from_transformers(m)
     rel = BertSelfAttention(T.BertConfig(hidden_size=D, num_attention_heads=4))
     rel.distance_embedding = torch.nn.Embedding(5, 16)

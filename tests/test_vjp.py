@@ -3,7 +3,8 @@
 For every family: the output is bitwise the forward's, the pullback equals the family's
 ``*_backward`` (bitwise: the kept state is what the backward would recompute), calling it twice
 gives the same, and changing the caller's arrays in place after the forward does not change
-it. (With ``return_weights`` the forward runs the dense path: equal to rounding.) For the families that keep state, the pullback reads that state and runs no forward."""
+it. (With ``return_weights`` the forward runs the dense path: equal to rounding.) For the
+families that keep state, the pullback reads that state and runs no forward."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _same_grads(got: dict, want: dict, case: F.Case) -> None:
 
 def _same(a, b) -> None:
     if isinstance(a, tuple):
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             _same(x, y)
         return
     np.testing.assert_array_equal(a, b)
@@ -74,7 +75,7 @@ def test_pullback_sees_the_values_the_forward_saw(family):
     want = getattr(attnlab, family + "_backward")(g_out, **case.kwargs)
     for v in kw.values():  # the caller reuses its buffers
         if isinstance(v, np.ndarray) and v.dtype.kind == "f":
-            v *= 3.0
+            v[...] *= 3.0  # in place
     _same_grads(pullback(g_out), want, case)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from . import diagnostics, init, layers, optim, reference
-from ._loader import core as _core
 from ._additive import (
     additive_attention,
     additive_attention_backward,
@@ -23,6 +22,7 @@ from ._bilinear import (
     collapse_qk,
     factorize_qk,
 )
+from ._loader import core as _core
 from ._mha import (
     multi_head_attention,
     multi_head_attention_backward,

@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     b.add_argument("--plot", metavar="PATH", help="also plot time against n (PNG)")
     b.add_argument("--only", metavar="FAMILY", action="append",
-                   help="run only this family (gemm, mha, bilinear, additive, backward); repeatable")
+                   help="run only this family (gemm, mha, bilinear, additive, backward); "
+                        "repeatable")
     sub.add_parser("info", help="print build_info()")
     args = parser.parse_args(argv)
     if args.command == "info":

@@ -230,17 +230,17 @@ def _prepare_separable(
     dtype = V.result_dtype(xa, wqkv_, wo_, bqkv_, bo_)
     V.check_matrix(wqkv_, "w_qkv", "(d, 1 + 2 d)")
     V.check_matrix(wo_, "w_o", "(d, d_out)", 0)
-    if wqkv_.shape[1] != 1 + 2 * wqkv_.shape[0]:  # its own shape, as long as it is not (out, in)
-        if wqkv_.shape[0] != 1 + 2 * wqkv_.shape[1]:
-            r = wqkv_.shape[0]
-            raise ValueError(f"w_qkv: expected shape (d, 1 + 2 d) = ({r}, {1 + 2 * r}), got "
-                             f"{V.shape_str(wqkv_.shape)}")
+    # its own shape, as long as it is not (out, in)
+    if wqkv_.shape[1] != 1 + 2 * wqkv_.shape[0] and wqkv_.shape[0] != 1 + 2 * wqkv_.shape[1]:
+        r = wqkv_.shape[0]
+        raise ValueError(f"w_qkv: expected shape (d, 1 + 2 d) = ({r}, {1 + 2 * r}), got "
+                         f"{V.shape_str(wqkv_.shape)}")
     readers = [V.reader(wqkv_, "w_qkv", f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})",
                         lambda c: c == 1 + 2 * d, d)]
     V.check_readers([("x", xa, readers)], "from_mobilevitv2")
     wqkv = V.contiguous(wqkv_, dtype)
     if wo_.shape[0] != d:  # w_o reads the d value features
-        r_o = V.reader(wo_, "w_o", f"(d, d_out) = ({d}, d_out)", lambda c: True, d)
+        r_o = V.reader(wo_, "w_o", f"(d, d_out) = ({d}, d_out)", lambda _c: True, d)
         if r_o.transposed_fits:
             raise V.transposed(r_o, "from_mobilevitv2")
         raise ValueError(f"w_o: expected shape {r_o.layout}, got {V.shape_str(wo_.shape)}")

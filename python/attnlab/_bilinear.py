@@ -29,7 +29,8 @@ _ORDERS = {"query": 0, "key": 1}
 
 @dataclass(frozen=True, eq=False)
 class BilinearQK:
-    """Folded query-key weights of ``h`` heads: logits ``x_q W_i x_k^T + x_q v_i + u_i x_k^T + c_i``.
+    """Folded query-key weights of ``h`` heads: logits ``x_q W_i x_k^T + x_q v_i + u_i x_k^T +
+    c_i``.
 
     Attributes
     ----------
@@ -155,7 +156,7 @@ class BilinearQK:
         xk = xq if key is None else V.as_array(key, "key")
         V.check_ndim(xq, "query", 2, "(..., n_q, d_q)")
         V.check_ndim(xk, "key", 2, "(..., n_k, d_k)")
-        h, dq, dk = self.w.shape
+        _, dq, dk = self.w.shape
         if xq.shape[-1] != dq:
             raise ValueError(f"query: expected last dimension d_q = {dq}, got shape "
                              f"{V.shape_str(xq.shape)}")

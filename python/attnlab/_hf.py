@@ -52,7 +52,7 @@ def _refuse_children(module: Any, allowed: set[str]) -> None:
         )
 
 
-def _rope_theta(module: Any, head_dim: int) -> float:
+def _rope_theta(module: Any) -> float:
     config = module.config
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
@@ -119,17 +119,16 @@ def _gpt2(module: Any) -> dict[str, Any]:
 def _proj_family(module: Any, rotary: bool) -> dict[str, Any]:
     _refuse_children(module, {"q_proj", "k_proj", "v_proj", "o_proj", "rotary_emb"})
     config = module.config
-    h = V.check_positive_int(getattr(config, "num_attention_heads"), "num_attention_heads")
+    h = V.check_positive_int(config.num_attention_heads, "num_attention_heads")
     h_kv = V.check_positive_int(getattr(config, "num_key_value_heads", None) or h,
                                 "num_key_value_heads")
     out: dict[str, Any] = {}
     for p in "qkvo":
         out[f"w_{p}"], out[f"b_{p}"] = _linear(module, f"{p}_proj")
-    head_dim = out["w_q"].shape[1] // h
     out.update(num_heads=h, num_kv_heads=h_kv, causal=bool(module.is_causal),
                scale=float(module.scaling))
     if rotary:
-        out["rope_theta"] = _rope_theta(module, head_dim)
+        out["rope_theta"] = _rope_theta(module)
     return out
 
 

@@ -501,9 +501,9 @@ def scaled_dot_product_attention_backward(
         Gradient of the loss with respect to the output.
     q, k, v, mask, causal, scale, warn_empty_rows
         As for :func:`scaled_dot_product_attention` (boolean ``True`` = *may attend*, the
-        opposite of ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`). ``return_weights`` is accepted for
-        symmetry and ignored: gradients flow from the output only. Masks are not
-        differentiated.
+        opposite of ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`).
+        ``return_weights`` is accepted for symmetry and ignored: gradients flow from the output
+        only. Masks are not differentiated.
 
     Returns
     -------

@@ -57,7 +57,7 @@ def _positions_array(p: Any, name: str, n: int, batch: tuple[int, ...]) -> np.nd
     """Token positions as float64 ``(B or 1, n)``."""
     try:
         a = np.asarray(p)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (any array-like: __array__ may raise anything)
         raise TypeError(f"{name}: could not be converted to an array ({exc})") from None
     if a.dtype.kind not in "iuf" or a.dtype.kind == "b":
         raise TypeError(f"{name}: expected integer or real token positions, got dtype {a.dtype}")

@@ -30,7 +30,7 @@ def as_array(x: Any, name: str) -> np.ndarray:
         raise TypeError(f"{name}: expected an array, got None")
     try:
         a = np.asarray(x)
-    except Exception as exc:  # ragged lists and the like
+    except Exception as exc:  # noqa: BLE001 (ragged lists, or whatever __array__ raises)
         raise TypeError(f"{name}: could not be converted to an array ({exc})") from None
     kind = a.dtype.kind
     if kind == "b":
@@ -396,7 +396,7 @@ _POLARITY = (
 def _zero_strides_to_one(a: np.ndarray) -> np.ndarray:
     """A view of ``a`` with every broadcast (stride-0) axis cut to length 1: the distinct data."""
     return a[tuple(slice(0, 1) if s == 0 and n > 1 else slice(None)
-                   for n, s in zip(a.shape, a.strides))]
+                   for n, s in zip(a.shape, a.strides, strict=True))]
 
 
 def empty_rows(m4: np.ndarray | None, kp: np.ndarray | None, causal: int, B: int, h: int,
@@ -451,7 +451,8 @@ def user_stacklevel() -> int:
     """The ``stacklevel`` that attributes a warning to the first caller outside attnlab (and
     outside torch.autograd, through which attnlab.torch calls attnlab)."""
     pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    level, f = 1, sys._getframe(1)  # type: tuple[int, types.FrameType | None]
+    level = 1
+    f: types.FrameType | None = sys._getframe(1)
     while f is not None and (f.f_code.co_filename.startswith(pkg)
                              or str(f.f_globals.get("__name__", "")).startswith("torch.autograd")):
         f, level = f.f_back, level + 1

@@ -1,10 +1,10 @@
 """Diagnostics of attention: entropy of the weights, statistics of the logits, effective rank,
 and the size of the softmax Jacobian.
 
-Pure NumPy, for notebooks and tests. Inputs follow attnlab's conventions (docs/architecture.md, section 3):
-any array-like of real numbers, float32 and float64 kept (other real dtypes become float64),
-boolean masks mean *may attend*, and bad input raises ``ValueError``/``TypeError`` naming the
-argument. Rows with no allowed key give 0 (entropy, Jacobian norm), never NaN.
+Pure NumPy, for notebooks and tests. Inputs follow attnlab's conventions (docs/architecture.md,
+section 3): any array-like of real numbers, float32 and float64 kept (other real dtypes become
+float64), boolean masks mean *may attend*, and bad input raises ``ValueError``/``TypeError``
+naming the argument. Rows with no allowed key give 0 (entropy, Jacobian norm), never NaN.
 
 >>> import numpy as np
 >>> from attnlab import diagnostics

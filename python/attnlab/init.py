@@ -172,6 +172,7 @@ def zeros_bias(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> 
     >>> init.zeros_bias(16, 3, None, np.float32)
     array([0., 0., 0.], dtype=float32)
     """
+    del rng  # in the signature of every scheme; zeros draw nothing
     _, fo = _fans(fan_in, fan_out)
     return np.zeros(fo, dtype=_dtype(dtype))
 

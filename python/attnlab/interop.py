@@ -76,7 +76,7 @@ def _mask_array(value: Any, name: str, expected: str = "a boolean or floating-po
     was ``expected``. Shared by attnlab.interop, attnlab.torch and attnlab.diagnostics."""
     try:
         a = np.asarray(_plain(value))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (any array-like: __array__ may raise anything)
         raise TypeError(f"{name}: could not be converted to an array ({exc})") from None
     if a.dtype.kind not in kinds:
         raise TypeError(f"{name}: expected {expected}, got dtype {a.dtype}")
@@ -413,7 +413,6 @@ def from_vit_pytorch(
         )
     s.used.update(norm)
     w = s.array("to_qkv.weight", (2,))
-    dim = w.shape[1]
     if w.shape[0] % 3 or w.shape[0] == 0:
         raise ValueError(f"{s.full('to_qkv.weight')}: expected shape (3 * inner, dim), got "
                          f"{V.shape_str(w.shape)}")

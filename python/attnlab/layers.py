@@ -23,9 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _rope
+from . import _rope, _vjp
 from . import _validate as V
-from . import _vjp
 from . import init as _init
 from ._additive import _check_eps, _variant_code, additive_attention, separable_attention
 from ._bilinear import bilinear_attention, collapse_qk
@@ -250,7 +249,7 @@ class _Layer:
             return
         try:
             shape = np.shape(x)
-        except Exception:  # ragged and the like: the functional call names the problem
+        except Exception:  # noqa: BLE001 (ragged and the like: the functional call names it)
             return
         width = getattr(self, attr)
         if len(shape) >= 2 and shape[-1] != width:

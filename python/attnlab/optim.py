@@ -165,7 +165,7 @@ class Adam:
         all_grads = self._grads(grads)
         # check everything before touching any array
         checked: list[dict[str, np.ndarray]] = []
-        for i, (group, gd) in enumerate(zip(self.groups, all_grads)):
+        for i, (group, gd) in enumerate(zip(self.groups, all_grads, strict=True)):
             arrays = self._arrays(group)
             missing = sorted(set(arrays) - set(gd))
             if missing:
@@ -182,7 +182,7 @@ class Adam:
         b1, b2 = self.betas
         bc1 = 1.0 - b1 ** self.t
         bc2 = 1.0 - b2 ** self.t
-        for group, gd, state in zip(self.groups, checked, self.state):
+        for group, gd, state in zip(self.groups, checked, self.state, strict=True):
             for k, p in self._arrays(group).items():
                 g = gd[k].astype(p.dtype, copy=False)
                 if self.weight_decay:
@@ -196,7 +196,7 @@ class Adam:
                 v += (1.0 - b2) * (g * g)
                 denom = np.sqrt(v / bc2)
                 denom += self.eps
-                p -= (self.lr / bc1) * m / denom
+                p[...] -= (self.lr / bc1) * m / denom  # in place: p is the parameter
 
     def zero_grad(self) -> None:
         """Zero the gradients of every layer group (dict groups hold no gradients).

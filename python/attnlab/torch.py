@@ -92,7 +92,7 @@ class _Call:
         self.weights = weights
 
     def arrays(self, tensors: tuple[torch.Tensor, ...]) -> dict[str, np.ndarray]:
-        return {n: _plain(t) for n, t in zip(self.names, tensors)}
+        return {n: _plain(t) for n, t in zip(self.names, tensors, strict=True)}
 
     def apply(self) -> Any:
         inputs, self.inputs = self.inputs, []  # the autograd context keeps what it needs
@@ -116,11 +116,11 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor, *unused: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor, *_weights_grad: Any) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
         grads = ctx.pullback(_plain(grad_out))
         result: list[torch.Tensor | None] = [None]
-        for name, dtype, need in zip(call.names, ctx.dtypes, ctx.needs_input_grad[1:]):
+        for name, dtype, need in zip(call.names, ctx.dtypes, ctx.needs_input_grad[1:], strict=True):
             g = grads.get(name) if need else None
             result.append(None if g is None else _tensor(g, dtype))
         return tuple(result)

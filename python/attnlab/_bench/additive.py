@@ -11,7 +11,8 @@ at B = 1, for contrast).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -54,9 +55,9 @@ def _mha_flops(B: int, n: int, d: int) -> float:
 
 def growth_exponent(ns: list[int], ms: list[float], min_n: int = SLOPE_MIN_N) -> float:
     """Least-squares slope of log(ms) against log(n) over the points with n >= min_n."""
-    pts = [(math.log(n), math.log(t)) for n, t in zip(ns, ms) if n >= min_n and t > 0]
+    pts = [(math.log(n), math.log(t)) for n, t in zip(ns, ms, strict=True) if n >= min_n and t > 0]
     if len(pts) < 2:
-        pts = [(math.log(n), math.log(t)) for n, t in zip(ns, ms) if t > 0]
+        pts = [(math.log(n), math.log(t)) for n, t in zip(ns, ms, strict=True) if t > 0]
     if len(pts) < 2:
         return float("nan")
     x = np.array([p[0] for p in pts])

@@ -6,8 +6,13 @@ Same signatures as the functions in :mod:`attnlab`, written for clarity, not spe
 from __future__ import annotations
 
 from ._additive import additive_attention, separable_attention
-from ._bilinear import (bilinear_attention, bilinear_logits, collapse_qk, factorize_qk,
-                        separate_logits)
+from ._bilinear import (
+                        bilinear_attention,
+                        bilinear_logits,
+                        collapse_qk,
+                        factorize_qk,
+                        separate_logits,
+)
 from ._mha import multi_head_attention, scaled_dot_product_attention
 
 __all__ = [

@@ -117,7 +117,7 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     ((6, 10), (5, 10), True)
     """
     w = _f64(w.w if isinstance(w, BilinearQK) else w)
-    h, d_q, d_k = w.shape
+    h = w.shape[0]
     fq, fk, err = [], [], []
     for i in range(h):
         u, s, vt = np.linalg.svd(w[i])
