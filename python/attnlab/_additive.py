@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _args, _grad
+from . import _args, _docs, _grad
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -99,6 +99,7 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
                 code=code, kp=kp, batch=batch, dtype=dtype)
 
 
+@_docs.filled
 def additive_attention(
     x: Any,
     *,
@@ -183,9 +184,7 @@ def additive_attention(
     ``(Q_n + b_proj) w_final + b_final``; never NaN. With ``n = 1`` the official token weight
     is ``s / max(|s|, eps)``, the sign of the score ``s`` (0 when ``|s|`` is tiny).
     NaN or Inf in real tokens propagate to the whole batch element (through ``G``).
-    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
-    follow ``np.result_type``; ints and float16 become float64; bool, complex, object and
-    string data raise ``TypeError``.
+    {dtypes}
 
     Examples
     --------
@@ -245,6 +244,7 @@ def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
                 batch=batch, dtype=dtype)
 
 
+@_docs.filled
 def separable_attention(
     x: Any,
     *,
@@ -297,9 +297,7 @@ def separable_attention(
     -----
     A batch element with no real token has ``ctx = 0``, so every output row is ``b_o``; never
     NaN. NaN in a real token's score makes its whole batch element NaN, as in torch.
-    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
-    follow ``np.result_type``; ints and float16 become float64; bool, complex, object and
-    string data raise ``TypeError``.
+    {dtypes}
 
     Examples
     --------

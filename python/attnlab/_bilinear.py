@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _args, _grad
+from . import _args, _docs, _grad
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -338,8 +338,8 @@ class _Prepared(NamedTuple):
     def core_args(self) -> _CoreArgs:
         """The arguments core.bilinear_forward / bilinear_backward share (rows first)."""
         m = self.m
-        return (*self.rows(), self.wqk, self.uk, self.wv, self.bv, self.wo, self.bo, self.B, self.n_q,
-                self.n_k, self.h, self.h_kv, m.mask4, m.kp, m.causal, m.scale)
+        return (*self.rows(), self.wqk, self.uk, self.wv, self.bv, self.wo, self.bo, self.B,
+                self.n_q, self.n_k, self.h, self.h_kv, m.mask4, m.kp, m.causal, m.scale)
 
 
 def _prepare(args: dict[str, Any]) -> _Prepared:
@@ -413,6 +413,7 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
                      mode, order)
 
 
+@_docs.filled
 def bilinear_attention(
     query: Any,
     key: Any = None,
@@ -444,11 +445,7 @@ def bilinear_attention(
 
     Parameters
     ----------
-    query : array_like, shape (..., n_q, d_q)
-    key : array_like, shape (..., n_k, d_k), optional
-        Defaults to ``query``.
-    value : array_like, shape (..., n_k, d_v), optional
-        Defaults to ``key``.
+    {query_key_value}
     w_qk : array_like, shape (h, d_q, d_k), or BilinearQK
         One matrix per query head. A :class:`BilinearQK` also supplies ``u_k`` and the default
         scale ``1/sqrt(d_head)``.
@@ -482,9 +479,7 @@ def bilinear_attention(
     X_k u_i]^T`` (key order), whichever :func:`attnlab.cost.collapsed_order` says is cheaper:
     the key order wins when ``n_q`` is much larger than ``n_k``. Fully masked query rows give
     zero weights and an output row of ``b_o``. Not valid with rotary position embeddings.
-    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
-    follow ``np.result_type``; ints and float16 become float64; bool, complex, object and
-    string data raise ``TypeError``.
+    {dtypes}
 
     Examples
     --------

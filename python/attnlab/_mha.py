@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _args, _grad, _rope
+from . import _args, _docs, _grad, _rope
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -80,6 +80,7 @@ def _prepare_sdpa(args: dict[str, Any]) -> _Sdpa:
                  m.scale, m.mask4)
 
 
+@_docs.filled
 def scaled_dot_product_attention(
     q: Any,
     k: Any,
@@ -132,9 +133,7 @@ def scaled_dot_product_attention(
     Notes
     -----
     A query row whose keys are all masked gets weights 0 and an output row of 0, never NaN.
-    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
-    follow ``np.result_type`` (float32 with float64 gives float64); ints and float16 become
-    float64; bool, complex, object and string data raise ``TypeError``.
+    {dtypes_mixed}
 
     Examples
     --------
@@ -271,6 +270,7 @@ def _prepare_mha(args: dict[str, Any]) -> _Mha:
                 dtype, h, h_kv, n_q, n_k, d_out, m.causal, m.scale, m.mask4, m.kp)
 
 
+@_docs.filled
 def multi_head_attention(
     query: Any,
     key: Any = None,
@@ -366,9 +366,7 @@ def multi_head_attention(
     Notes
     -----
     Fully masked query rows give zero weights and a zero context, so their output is ``b_o``.
-    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
-    follow ``np.result_type`` (float32 with float64 gives float64); ints and float16 become
-    float64; bool, complex, object and string data raise ``TypeError``.
+    {dtypes_mixed}
 
     With ``rope_theta`` the call runs the projection GEMMs, rotates Q and K (O(n d) time and
     memory), then the same flash attention core and the output GEMM; without it, the one fused
