@@ -325,12 +325,6 @@ def separable_attention(
 
 
 _ADDITIVE_BACKWARD_DOC = """\
-Gradients of :func:`additive_attention` with respect to every array argument given.
-
-    Parameters
-    ----------
-    grad_out : array_like, shape (..., n, d_out)
-        Gradient of the loss with respect to the output.
     x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale, variant, eps,
     key_padding_mask, warn_empty_rows
         As for :func:`additive_attention` (``True`` = real token, the opposite of
@@ -391,12 +385,6 @@ def _additive_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndar
 
 
 _SEPARABLE_BACKWARD_DOC = """\
-Gradients of :func:`separable_attention` with respect to every array argument given.
-
-    Parameters
-    ----------
-    grad_out : array_like, shape (..., n, d_out)
-        Gradient of the loss with respect to the output.
     x, w_qkv, b_qkv, w_o, b_o, key_padding_mask, warn_empty_rows
         As for :func:`separable_attention` (``True`` = real token, the opposite of
         ``nn.MultiheadAttention``'s ``key_padding_mask``; see
@@ -442,6 +430,6 @@ def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.nda
 
 
 additive_attention_backward = _sig.backward_of(additive_attention, _additive_backward,
-                                               _ADDITIVE_BACKWARD_DOC)
+                                               "(..., n, d_out)", _ADDITIVE_BACKWARD_DOC)
 separable_attention_backward = _sig.backward_of(separable_attention, _separable_backward,
-                                                _SEPARABLE_BACKWARD_DOC)
+                                                "(..., n, d_out)", _SEPARABLE_BACKWARD_DOC)

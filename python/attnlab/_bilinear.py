@@ -517,12 +517,6 @@ def bilinear_attention(
 
 
 _BACKWARD_DOC = """\
-Gradients of :func:`bilinear_attention` with respect to every array argument given.
-
-    Parameters
-    ----------
-    grad_out : array_like, shape (..., n_q, d_out)
-        Gradient of the loss with respect to the output.
     query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads, mask,
     key_padding_mask, causal, scale, warn_empty_rows
         As for :func:`bilinear_attention` (boolean ``True`` = *may attend*, the opposite of
@@ -592,4 +586,4 @@ def _bilinear_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndar
 
 
 bilinear_attention_backward = _sig.backward_of(bilinear_attention, _bilinear_backward,
-                                               _BACKWARD_DOC)
+                                               "(..., n_q, d_out)", _BACKWARD_DOC)

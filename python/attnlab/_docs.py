@@ -32,6 +32,13 @@ FRAGMENTS = {
         "value : array_like, shape (..., n_k, d_v), optional\n"
         "    Defaults to ``key``."
     ),
+    # what the torch adapter's pooled families return
+    "torch_pooled_returns": (
+        "Returns\n"
+        "-------\n"
+        "out : torch.Tensor, shape (..., n, d_out)\n"
+        "    Differentiable with respect to every tensor argument but the mask."
+    ),
 }
 
 

@@ -405,17 +405,13 @@ def multi_head_attention(
     return _args.with_weights(out, weights, mode)
 
 
-_SDPA_BACKWARD_DOC = """\
-Gradients of :func:`scaled_dot_product_attention` with respect to ``q``, ``k``, ``v``.
-
+_SDPA_BACKWARD_INTRO = """\
     Recomputes the forward (keeping only the log-sum-exp per query row), then back-propagates
     tile by tile: ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``,
     ``dQ = scale dS K``, ``dK = scale dS^T Q``. Memory O(n d).
 
-    Parameters
-    ----------
-    grad_out : array_like, shape (..., h, n_q, d_v)
-        Gradient of the loss with respect to the output.
+"""
+_SDPA_BACKWARD_DOC = """\
     q, k, v, mask, causal, scale, warn_empty_rows
         As for :func:`scaled_dot_product_attention` (boolean ``True`` = *may attend*, the
         opposite of ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`).
@@ -466,12 +462,6 @@ def _sdpa_grads(a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
 
 
 _MHA_BACKWARD_DOC = """\
-Gradients of :func:`multi_head_attention` with respect to every array argument given.
-
-    Parameters
-    ----------
-    grad_out : array_like, shape (..., n_q, d_out)
-        Gradient of the loss with respect to the output.
     query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads, num_kv_heads, mask,
     key_padding_mask, causal, scale, rope_theta, rope_dim, positions, warn_empty_rows
         As for :func:`multi_head_attention` (boolean ``True`` = *may attend*, the opposite of
@@ -541,6 +531,7 @@ def _mha_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 scaled_dot_product_attention_backward = _sig.backward_of(
-    scaled_dot_product_attention, _sdpa_backward, _SDPA_BACKWARD_DOC)
+    scaled_dot_product_attention, _sdpa_backward, "(..., h, n_q, d_v)", _SDPA_BACKWARD_DOC,
+    wrt="``q``, ``k``, ``v``", intro=_SDPA_BACKWARD_INTRO)
 multi_head_attention_backward = _sig.backward_of(
-    multi_head_attention, _mha_backward, _MHA_BACKWARD_DOC)
+    multi_head_attention, _mha_backward, "(..., n_q, d_out)", _MHA_BACKWARD_DOC)

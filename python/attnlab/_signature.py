@@ -69,9 +69,17 @@ def generate(name: str, module: str, params: list[inspect.Parameter], returns: s
 
 
 def backward_of(forward: Callable[..., Any], body: Callable[[Any, dict[str, Any]], Any],
-                doc: str) -> Callable[..., dict[str, Any]]:
+                output: str, doc: str, *, wrt: str = "every array argument given",
+                intro: str = "") -> Callable[..., dict[str, Any]]:
     """``<forward>_backward(grad_out, <forward's public arguments>)``: ``body(grad_out,
-    arguments)`` computes the gradients."""
+    arguments)`` computes the gradients.
+
+    Its docstring starts as every backward's does (what it differentiates, an optional
+    ``intro`` paragraph, ``grad_out`` of shape ``output``), then ``doc``: the other
+    parameters, the returns, the examples."""
+    head = (f"Gradients of :func:`{forward.__name__}` with respect to {wrt}.\n\n{intro}"
+            f"    Parameters\n    ----------\n    grad_out : array_like, shape {output}\n"
+            f"        Gradient of the loss with respect to the output.\n")
     return generate(f"{forward.__name__}_backward", forward.__module__,
-                    public_parameters(forward), "dict[str, np.ndarray]", doc, body,
+                    public_parameters(forward), "dict[str, np.ndarray]", head + doc, body,
                     first="grad_out")

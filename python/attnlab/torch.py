@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _additive, _args, _bilinear, _mha
+from . import _additive, _args, _bilinear, _docs, _mha
 from . import _signature as _sig
 from ._bilinear import BilinearQK
 from ._vjp import vjp
@@ -163,7 +163,7 @@ def _wrapper(forward: Callable[..., Any], tensor_names: tuple[str, ...], doc: st
     annotations = {p.name: "torch.Tensor | None" if p.default is None else "torch.Tensor"
                    for p in params if p.name in tensor_names}
     annotations.update({"w_qk": "torch.Tensor | BilinearQK", "return_weights": "bool | str"})
-    return _sig.generate(forward.__name__, __name__, params, returns, doc,
+    return _sig.generate(forward.__name__, __name__, params, returns, _docs.fill(doc),
                          lambda args: _apply(forward, tensor_names, args),
                          annotations=annotations)
 
@@ -307,10 +307,7 @@ Differentiable :func:`attnlab.additive_attention` (SwiftFormer) on CPU tensors.
         As for :func:`attnlab.additive_attention` (``True`` = real token, the opposite of
         ``nn.MultiheadAttention``'s; :func:`attnlab.interop.torch_masks` converts it).
 
-    Returns
-    -------
-    out : torch.Tensor, shape (..., n, d_out)
-        Differentiable with respect to every tensor argument but the mask.
+    {torch_pooled_returns}
 
     Examples
     --------
@@ -340,10 +337,7 @@ Differentiable :func:`attnlab.separable_attention` (MobileViT-v2) on CPU tensors
         As for :func:`attnlab.separable_attention` (``True`` = real token, the opposite of
         ``nn.MultiheadAttention``'s; :func:`attnlab.interop.torch_masks` converts it).
 
-    Returns
-    -------
-    out : torch.Tensor, shape (..., n, d_out)
-        Differentiable with respect to every tensor argument but the mask.
+    {torch_pooled_returns}
 
     Examples
     --------
