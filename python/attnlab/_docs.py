@@ -32,6 +32,15 @@ FRAGMENTS = {
         "value : array_like, shape (..., n_k, d_v), optional\n"
         "    Defaults to ``key``."
     ),
+    # what the torch adapter's query/key/value families return
+    "torch_attention_returns": (
+        "Returns\n"
+        "-------\n"
+        "out : torch.Tensor, shape (..., n_q, d_out)\n"
+        "    Differentiable with respect to every tensor argument but the masks.\n"
+        "weights : torch.Tensor, optional\n"
+        "    When ``return_weights`` is set; not differentiable."
+    ),
     # what the torch adapter's pooled families return
     "torch_pooled_returns": (
         "Returns\n"

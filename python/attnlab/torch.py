@@ -228,12 +228,7 @@ Differentiable :func:`attnlab.multi_head_attention` on CPU tensors.
         Rotary embeddings, as for :func:`attnlab.multi_head_attention`; ``positions`` (array,
         tensor or a pair of them) is a constant, not differentiated.
 
-    Returns
-    -------
-    out : torch.Tensor, shape (..., n_q, d_out)
-        Differentiable with respect to every tensor argument but the masks.
-    weights : torch.Tensor, optional
-        When ``return_weights`` is set; not differentiable.
+    {torch_attention_returns}
 
     Examples
     --------
@@ -267,12 +262,7 @@ Differentiable :func:`attnlab.bilinear_attention` on CPU tensors.
         As for :func:`attnlab.bilinear_attention` (``True`` in a boolean mask means *may
         attend*; :func:`attnlab.interop.torch_masks` converts ``nn.MultiheadAttention``'s).
 
-    Returns
-    -------
-    out : torch.Tensor, shape (..., n_q, d_out)
-        Differentiable with respect to every tensor argument but the masks.
-    weights : torch.Tensor, optional
-        When ``return_weights`` is set; not differentiable.
+    {torch_attention_returns}
 
     Examples
     --------
