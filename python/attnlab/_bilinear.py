@@ -362,7 +362,7 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
     wo_ = V.as_array(args["w_o"], "w_o")
     bv_ = V.optional_array(args["b_v"], "b_v")
     bo_ = V.optional_array(args["b_o"], "b_o")
-    dtype = V.result_dtype(*x[:3], wqk_, uk_, wv_, wo_, bv_, bo_)
+    dtype = V.result_dtype(x.xq, x.xk, x.xv, wqk_, uk_, wv_, wo_, bv_, bo_)
     lay_qk, lay_v = "(num_heads, d_q, d_k)", f"(d_v, {kv_arg} * d_vhead)"
     if wqk_.ndim != 3:
         raise ValueError(f"w_qk: expected a 3-D array {lay_qk}, got shape "

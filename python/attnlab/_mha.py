@@ -217,7 +217,7 @@ def _prepare_mha(args: dict[str, Any]) -> _Mha:
     d_q, d_k, d_v = x.widths
     ws = {n: V.as_array(args[n], n) for n in ("w_q", "w_k", "w_v", "w_o")}
     bs = {n: V.optional_array(args[n], n) for n in ("b_q", "b_k", "b_v", "b_o")}
-    dtype = V.result_dtype(*x[:3], *ws.values(), *bs.values())
+    dtype = V.result_dtype(x.xq, x.xk, x.xv, *ws.values(), *bs.values())
     wq_, wk_, wv_, wo_ = ws["w_q"], ws["w_k"], ws["w_v"], ws["w_o"]
     lay = {"w_q": "(d_q, num_heads * d_head)", "w_k": f"(d_k, {kv_arg} * d_head)",
            "w_v": f"(d_v, {kv_arg} * d_vhead)", "w_o": "(num_heads * d_vhead, d_out)"}
