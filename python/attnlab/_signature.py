@@ -44,6 +44,8 @@ def generate(name: str, module: str, params: list[inspect.Parameter], returns: s
     parts: list[str] = [] if first is None else [f"{first}: Any"]
     star = False
     for p in params:
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):  # never in attnlab's API
+            raise TypeError(f"{name}: cannot generate parameter {p} ({p.kind.description})")
         if p.kind is p.KEYWORD_ONLY and not star:
             parts.append("*")
             star = True
