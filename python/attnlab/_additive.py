@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from . import _args, _docs, _grad
+from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
-from ._mha import _grad_out
 
 __all__ = [
     "additive_attention",
@@ -47,20 +48,14 @@ def _tokens(x: Any) -> np.ndarray:
     return a
 
 
-def _prepare_additive(
-    x: Any, w_q: Any, b_q: Any, w_k: Any, b_k: Any, w_g: Any, w_proj: Any, b_proj: Any,
-    w_final: Any, b_final: Any, scale: Any, variant: Any, eps: Any, key_padding_mask: Any,
-    warn_empty_rows: Any,
-) -> dict[str, Any]:
+def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward."""
-    code = _variant_code(variant)
-    e = _check_eps(eps)
-    xa = _tokens(x)
+    code = _variant_code(args["variant"])
+    e = _check_eps(args["eps"])
+    xa = _tokens(args["x"])
     n, d_in = xa.shape[-2:]
-    ws = {k: V.as_array(a, k) for k, a in (("w_q", w_q), ("w_k", w_k), ("w_g", w_g),
-                                             ("w_proj", w_proj), ("w_final", w_final))}
-    bs = {k: V.optional_array(a, k) for k, a in (("b_q", b_q), ("b_k", b_k), ("b_proj", b_proj),
-                                                   ("b_final", b_final))}
+    ws = {k: V.as_array(args[k], k) for k in ("w_q", "w_k", "w_g", "w_proj", "w_final")}
+    bs = {k: V.optional_array(args[k], k) for k in ("b_q", "b_k", "b_proj", "b_final")}
     dtype = V.result_dtype(xa, *ws.values(), *bs.values())
     wq_, wk_, wp_ = ws["w_q"], ws["w_k"], ws["w_proj"]
     for name, layout in (("w_q", "(d_in, D)"), ("w_k", "(d_in, D)"), ("w_proj", "(D, D)"),
@@ -89,13 +84,11 @@ def _prepare_additive(
     bk = V.vector(bs["b_k"], "b_k", dtype, D)
     bp = V.vector(bs["b_proj"], "b_proj", dtype, D)
     bf = V.vector(bs["b_final"], "b_final", dtype, d_out)
-    s = V.check_scale(scale, d_out ** -0.5 if d_out else 1.0)
+    s = V.check_scale(args["scale"], d_out ** -0.5 if d_out else 1.0)
 
     batch = tuple(xa.shape[:-2])
-    kp = V.key_padding2(key_padding_mask, batch, n)
+    kp = _args.pooled_padding(args, batch, n)
     B = V.count(batch)
-    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
-        V.warn_empty(*V.empty_rows(None, kp, 0, B, 1, 1, n), V.POOLED_ROWS)
     if d_in == 0:  # no features: x w = 0; one zero feature computes the same
         xr = V.zeros((B * n, 1), dtype)
         wq, wk = V.zeros((1, D), dtype), V.zeros((1, D), dtype)
@@ -106,6 +99,7 @@ def _prepare_additive(
                 code=code, kp=kp, batch=batch, dtype=dtype)
 
 
+@_docs.filled
 def additive_attention(
     x: Any,
     *,
@@ -190,9 +184,7 @@ def additive_attention(
     ``(Q_n + b_proj) w_final + b_final``; never NaN. With ``n = 1`` the official token weight
     is ``s / max(|s|, eps)``, the sign of the score ``s`` (0 when ``|s|`` is tiny).
     NaN or Inf in real tokens propagate to the whole batch element (through ``G``).
-    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
-    follow ``np.result_type``; ints and float16 become float64; bool, complex, object and
-    string data raise ``TypeError``.
+    {dtypes}
 
     Examples
     --------
@@ -204,8 +196,7 @@ def additive_attention(
     >>> attnlab.additive_attention(x, w_g=rng.standard_normal(d), **w).shape
     (2, 49, 8)
     """
-    a = _prepare_additive(x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale,
-                          variant, eps, key_padding_mask, warn_empty_rows)
+    a = _prepare_additive(_sig.arguments(locals()))
     B, n, d_out = a["B"], a["n"], a["d_out"]
     out = V.empty((B * n, d_out), a["dtype"])
     if out.size:
@@ -216,17 +207,14 @@ def additive_attention(
     return out.reshape(batch + (n, d_out))
 
 
-def _prepare_separable(
-    x: Any, w_qkv: Any, b_qkv: Any, w_o: Any, b_o: Any, key_padding_mask: Any,
-    warn_empty_rows: Any,
-) -> dict[str, Any]:
+def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward."""
-    xa = _tokens(x)
+    xa = _tokens(args["x"])
     n, d = xa.shape[-2:]
-    wqkv_ = V.as_array(w_qkv, "w_qkv")
-    wo_ = V.as_array(w_o, "w_o")
-    bqkv_ = V.optional_array(b_qkv, "b_qkv")
-    bo_ = V.optional_array(b_o, "b_o")
+    wqkv_ = V.as_array(args["w_qkv"], "w_qkv")
+    wo_ = V.as_array(args["w_o"], "w_o")
+    bqkv_ = V.optional_array(args["b_qkv"], "b_qkv")
+    bo_ = V.optional_array(args["b_o"], "b_o")
     dtype = V.result_dtype(xa, wqkv_, wo_, bqkv_, bo_)
     V.check_matrix(wqkv_, "w_qkv", "(d, 1 + 2 d)")
     V.check_matrix(wo_, "w_o", "(d, d_out)", 0)
@@ -250,14 +238,13 @@ def _prepare_separable(
     bo = V.vector(bo_, "b_o", dtype, d_out)
 
     batch = tuple(xa.shape[:-2])
-    kp = V.key_padding2(key_padding_mask, batch, n)
+    kp = _args.pooled_padding(args, batch, n)
     B = V.count(batch)
-    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
-        V.warn_empty(*V.empty_rows(None, kp, 0, B, 1, 1, n), V.POOLED_ROWS)
     return dict(xa=xa, wqkv=wqkv, bqkv=bqkv, wo=wo, bo=bo, B=B, n=n, d=d, d_out=d_out, kp=kp,
                 batch=batch, dtype=dtype)
 
 
+@_docs.filled
 def separable_attention(
     x: Any,
     *,
@@ -310,9 +297,7 @@ def separable_attention(
     -----
     A batch element with no real token has ``ctx = 0``, so every output row is ``b_o``; never
     NaN. NaN in a real token's score makes its whole batch element NaN, as in torch.
-    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
-    follow ``np.result_type``; ints and float16 become float64; bool, complex, object and
-    string data raise ``TypeError``.
+    {dtypes}
 
     Examples
     --------
@@ -326,7 +311,7 @@ def separable_attention(
     >>> out.transpose(0, 3, 1, 2).shape               # back to (B, C, P, N)
     (2, 8, 4, 16)
     """
-    a = _prepare_separable(x, w_qkv, b_qkv, w_o, b_o, key_padding_mask, warn_empty_rows)
+    a = _prepare_separable(_sig.arguments(locals()))
     xa, bo, B, n, d, d_out = a["xa"], a["bo"], a["B"], a["n"], a["d"], a["d_out"]
     batch, dtype, kp = a["batch"], a["dtype"], a["kp"]
     out = V.empty((B * n, d_out), dtype)
@@ -339,31 +324,7 @@ def separable_attention(
     return out.reshape(batch + (n, d_out))
 
 
-def additive_attention_backward(
-    grad_out: Any,
-    x: Any,
-    *,
-    w_q: Any,
-    b_q: Any = None,
-    w_k: Any,
-    b_k: Any = None,
-    w_g: Any,
-    w_proj: Any,
-    b_proj: Any = None,
-    w_final: Any,
-    b_final: Any = None,
-    scale: float | None = None,
-    variant: str = "official",
-    eps: float = 1e-12,
-    key_padding_mask: Any = None,
-    warn_empty_rows: bool = True,
-) -> dict[str, np.ndarray]:
-    """Gradients of :func:`additive_attention` with respect to every array argument given.
-
-    Parameters
-    ----------
-    grad_out : array_like, shape (..., n, d_out)
-        Gradient of the loss with respect to the output.
+_ADDITIVE_BACKWARD_DOC = """\
     x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale, variant, eps,
     key_padding_mask, warn_empty_rows
         As for :func:`additive_attention` (``True`` = real token, the opposite of
@@ -389,11 +350,13 @@ def additive_attention_backward(
     >>> sorted(g)
     ['w_final', 'w_g', 'w_k', 'w_proj', 'w_q', 'x']
     """
-    a = _prepare_additive(x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale,
-                          variant, eps, key_padding_mask, warn_empty_rows)
+
+
+def _additive_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
+    a = _prepare_additive(args)
     B, n, d_in, D, d_out, dtype = a["B"], a["n"], a["d_in"], a["D"], a["d_out"], a["dtype"]
     batch = a["batch"]
-    go = V.contiguous(_grad_out(grad_out, batch + (n, d_out), dtype).reshape(-1, d_out))
+    go = _grad.grad_out_rows(grad_out, batch + (n, d_out), dtype)
     din_c = a["xr"].shape[1]  # 1 when d_in == 0 (a zero feature stands in)
     grads = {"x": V.zeros((B * n, din_c), dtype), "w_q": V.zeros((din_c, D), dtype)}
     if a["bq"] is not None:
@@ -421,23 +384,7 @@ def additive_attention_backward(
     return grads
 
 
-def separable_attention_backward(
-    grad_out: Any,
-    x: Any,
-    *,
-    w_qkv: Any,
-    b_qkv: Any = None,
-    w_o: Any,
-    b_o: Any = None,
-    key_padding_mask: Any = None,
-    warn_empty_rows: bool = True,
-) -> dict[str, np.ndarray]:
-    """Gradients of :func:`separable_attention` with respect to every array argument given.
-
-    Parameters
-    ----------
-    grad_out : array_like, shape (..., n, d_out)
-        Gradient of the loss with respect to the output.
+_SEPARABLE_BACKWARD_DOC = """\
     x, w_qkv, b_qkv, w_o, b_o, key_padding_mask, warn_empty_rows
         As for :func:`separable_attention` (``True`` = real token, the opposite of
         ``nn.MultiheadAttention``'s ``key_padding_mask``; see
@@ -459,9 +406,12 @@ def separable_attention_backward(
     >>> sorted(g)
     ['w_o', 'w_qkv', 'x']
     """
-    a = _prepare_separable(x, w_qkv, b_qkv, w_o, b_o, key_padding_mask, warn_empty_rows)
+
+
+def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
+    a = _prepare_separable(args)
     B, n, d, d_out, dtype, batch = a["B"], a["n"], a["d"], a["d_out"], a["dtype"], a["batch"]
-    go = V.contiguous(_grad_out(grad_out, batch + (n, d_out), dtype).reshape(-1, d_out))
+    go = _grad.grad_out_rows(grad_out, batch + (n, d_out), dtype)
     grads = {"x": V.zeros((B * n, d), dtype), "w_qkv": V.zeros((d, 1 + 2 * d), dtype)}
     if a["bqkv"] is not None:
         grads["b_qkv"] = V.zeros(1 + 2 * d, dtype)
@@ -477,3 +427,9 @@ def separable_attention_backward(
                                     a["wo"], a["bo"], B, n, a["kp"], grads)
     grads["x"] = grads["x"].reshape(a["xa"].shape)
     return grads
+
+
+additive_attention_backward = _sig.backward_of(additive_attention, _additive_backward,
+                                               "(..., n, d_out)", _ADDITIVE_BACKWARD_DOC)
+separable_attention_backward = _sig.backward_of(separable_attention, _separable_backward,
+                                                "(..., n, d_out)", _SEPARABLE_BACKWARD_DOC)

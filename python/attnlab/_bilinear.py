@@ -16,9 +16,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _args, _docs, _grad
+from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
-from ._mha import _finish, _grad_out, _unbroadcast
 from .cost import collapsed_order
 
 __all__ = ["bilinear_attention", "bilinear_attention_backward", "collapse_qk", "factorize_qk",
@@ -180,14 +181,6 @@ class BilinearQK:
         return logits * dtype.type(s)
 
 
-def _heads(num_heads: Any, num_kv_heads: Any) -> tuple[int, int]:
-    h = V.check_positive_int(num_heads, "num_heads")
-    h_kv = h if num_kv_heads is None else V.check_positive_int(num_kv_heads, "num_kv_heads")
-    if h % h_kv:
-        raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {h}, got {h_kv}")
-    return h, h_kv
-
-
 def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_heads: int,
                 num_kv_heads: int | None = None) -> BilinearQK:
     """Fold per-head query and key projections into ``W_i = W_q,i W_k,i^T`` (exactly).
@@ -224,7 +217,7 @@ def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_hea
     >>> qk.w.shape, qk.rank().tolist()
     ((4, 16, 16), [4, 4, 4, 4])
     """
-    h, h_kv = _heads(num_heads, num_kv_heads)
+    h, h_kv, _ = _args.heads(num_heads, num_kv_heads)
     wq_ = V.as_array(w_q, "w_q")
     wk_ = V.as_array(w_k, "w_k")
     bq_ = V.optional_array(b_q, "b_q")
@@ -309,6 +302,13 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return w_q, w_k, rel.astype(arr.dtype)
 
 
+_Opt = np.ndarray | None
+# The leading arguments of core.bilinear_forward / bilinear_backward, typed element by element
+# so that mypy checks the starred calls against the stub.
+_CoreArgs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, _Opt, np.ndarray, _Opt,
+                  np.ndarray, _Opt, int, int, int, int, int, _Opt, _Opt, int, float]
+
+
 class _Prepared(NamedTuple):
     """Validated arguments of bilinear_attention, as the core takes them."""
 
@@ -320,35 +320,32 @@ class _Prepared(NamedTuple):
     d_out: int
     h: int
     h_kv: int
-    xq: np.ndarray
-    xk: np.ndarray
-    xv: np.ndarray
+    x: _args.Qkv
     wqk: np.ndarray
     uk: np.ndarray | None
     wv: np.ndarray
     bv: np.ndarray | None
     wo: np.ndarray
     bo: np.ndarray | None
-    m4: Any
-    kp: Any
-    code: int
-    scale: float
+    m: _args.Masks
     mode: str | None
     order: str
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """query, key, value as contiguous (B * n, d) rows (shared when key/value default)."""
-        rq = V.rows(self.xq, self.batch, self.dtype)
-        rk = rq if self.xk is self.xq else V.rows(self.xk, self.batch, self.dtype)
-        rv = rk if self.xv is self.xk else V.rows(self.xv, self.batch, self.dtype)
-        return rq, rk, rv
+        return self.x.rows(self.batch, self.dtype)
+
+    def core_args(self) -> _CoreArgs:
+        """The arguments core.bilinear_forward / bilinear_backward share (rows first)."""
+        m = self.m
+        return (*self.rows(), self.wqk, self.uk, self.wv, self.bv, self.wo, self.bo, self.B,
+                self.n_q, self.n_k, self.h, self.h_kv, m.mask4, m.kp, m.causal, m.scale)
 
 
-def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_o: Any,
-             b_v: Any, b_o: Any, num_heads: Any, num_kv_heads: Any, mask: Any,
-             key_padding_mask: Any, causal: Any, scale: Any, return_weights: Any,
-             _order: Any, warn_empty_rows: Any = True) -> _Prepared:
-    h, h_kv = _heads(num_heads, num_kv_heads)
+def _prepare(args: dict[str, Any]) -> _Prepared:
+    """The validated arguments of a bilinear_attention call (forward and backward)."""
+    h, h_kv, kv_arg = _args.heads(args["num_heads"], args["num_kv_heads"])
+    w_qk, u_k, _order = args["w_qk"], args["u_k"], args["_order"]
     d_head: float | None = None
     if isinstance(w_qk, BilinearQK):
         if u_k is not None:
@@ -356,27 +353,16 @@ def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_
         u_k = w_qk.u
         d_head = float(w_qk.d_head)
         w_qk = w_qk.w
-    xq = V.as_array(query, "query")
-    xk = xq if key is None else V.as_array(key, "key")
-    xv = xk if value is None else V.as_array(value, "value")
-    V.check_ndim(xq, "query", 2, "(..., n_q, d_q)")
-    V.check_ndim(xk, "key", 2, "(..., n_k, d_k)")
-    V.check_ndim(xv, "value", 2, "(..., n_k, d_v)")
-    n_q, d_q = xq.shape[-2:]
-    n_k, d_k = xk.shape[-2:]
-    if xv.shape[-2] != n_k:
-        raise ValueError(
-            f"value: expected {n_k} tokens (as key), got shape {V.shape_str(xv.shape)}"
-        )
-    d_v = xv.shape[-1]
+    x = _args.qkv(args)
+    n_q, n_k = x.n_q, x.n_k
+    d_q, d_k, d_v = x.widths
     wqk_ = V.as_array(w_qk, "w_qk")
     uk_ = V.optional_array(u_k, "u_k")
-    wv_ = V.as_array(w_v, "w_v")
-    wo_ = V.as_array(w_o, "w_o")
-    bv_ = V.optional_array(b_v, "b_v")
-    bo_ = V.optional_array(b_o, "b_o")
-    dtype = V.result_dtype(xq, xk, xv, wqk_, uk_, wv_, wo_, bv_, bo_)
-    kv_arg = "num_heads" if num_kv_heads is None else "num_kv_heads"  # the one the user passed
+    wv_ = V.as_array(args["w_v"], "w_v")
+    wo_ = V.as_array(args["w_o"], "w_o")
+    bv_ = V.optional_array(args["b_v"], "b_v")
+    bo_ = V.optional_array(args["b_o"], "b_o")
+    dtype = V.result_dtype(x.xq, x.xk, x.xv, wqk_, uk_, wv_, wo_, bv_, bo_)
     lay_qk, lay_v = "(num_heads, d_q, d_k)", f"(d_v, {kv_arg} * d_vhead)"
     if wqk_.ndim != 3:
         raise ValueError(f"w_qk: expected a 3-D array {lay_qk}, got shape "
@@ -390,10 +376,7 @@ def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_
     V.check_heads(wv_, h_kv, kv_arg, rv, "from_torch_mha")
     rq = V.Reader("w_qk", wqk_.shape, wqk_.shape[1], "entries on axis 1", lay_qk, False)
     rk = V.Reader("w_qk", wqk_.shape, wqk_.shape[2], "entries on axis 2", lay_qk, False)
-    groups: dict[int, tuple[str, np.ndarray, list[V.Reader]]] = {}
-    for x_name, x_, r in (("query", xq, rq), ("key", xk, rk), ("value", xv, rv)):
-        groups.setdefault(id(x_), (x_name, x_, []))[2].append(r)
-    V.check_readers(list(groups.values()), "from_torch_mha")
+    V.check_readers(x.groups((rq, rk, rv)), "from_torch_mha")
     wqk = V.contiguous(wqk_, dtype)
     uk = None
     if uk_ is not None:
@@ -412,18 +395,13 @@ def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_
     bv = V.vector(bv_, "b_v", dtype, h_kv * d_vhead)
     bo = V.vector(bo_, "b_o", dtype, d_out)
 
-    batch = V.batch_shape([("query", xq.shape[:-2]), ("key", xk.shape[:-2]),
-                           ("value", xv.shape[:-2])])
-    code = V.causal_code(causal)
+    batch = x.batch()
     if d_head is None:
         d_head = d_q / h
-    s = V.check_scale(scale, 1.0 / math.sqrt(d_head) if d_head > 0 else 1.0)
-    mode = V.weights_mode(return_weights)
-    m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
-    kp = V.key_padding2(key_padding_mask, batch, n_k)
+    mode = V.weights_mode(args["return_weights"])
+    m = _args.masks(args, batch, h, n_q, n_k, dtype,
+                    1.0 / math.sqrt(d_head) if d_head > 0 else 1.0)
     B = V.count(batch)
-    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
-        V.warn_empty(*V.empty_rows(m4, kp, code, B, h, n_q, n_k), V.ATTENTION_ROWS)
     if _order is None:
         order = collapsed_order(n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=h, batch=B,
                                 key_bias=uk is not None)
@@ -431,10 +409,11 @@ def _prepare(query: Any, key: Any, value: Any, w_qk: Any, u_k: Any, w_v: Any, w_
         order = _order
     else:
         raise ValueError(f"_order: expected None, 'query' or 'key', got {_order!r}")
-    return _Prepared(dtype, batch, B, n_q, n_k, d_out, h, h_kv, xq, xk, xv, wqk, uk, wv, bv,
-                     wo, bo, m4, kp, code, s, mode, order)
+    return _Prepared(dtype, batch, B, n_q, n_k, d_out, h, h_kv, x, wqk, uk, wv, bv, wo, bo, m,
+                     mode, order)
 
 
+@_docs.filled
 def bilinear_attention(
     query: Any,
     key: Any = None,
@@ -466,11 +445,7 @@ def bilinear_attention(
 
     Parameters
     ----------
-    query : array_like, shape (..., n_q, d_q)
-    key : array_like, shape (..., n_k, d_k), optional
-        Defaults to ``query``.
-    value : array_like, shape (..., n_k, d_v), optional
-        Defaults to ``key``.
+    {query_key_value}
     w_qk : array_like, shape (h, d_q, d_k), or BilinearQK
         One matrix per query head. A :class:`BilinearQK` also supplies ``u_k`` and the default
         scale ``1/sqrt(d_head)``.
@@ -504,9 +479,7 @@ def bilinear_attention(
     X_k u_i]^T`` (key order), whichever :func:`attnlab.cost.collapsed_order` says is cheaper:
     the key order wins when ``n_q`` is much larger than ``n_k``. Fully masked query rows give
     zero weights and an output row of ``b_o``. Not valid with rotary position embeddings.
-    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
-    follow ``np.result_type``; ints and float16 become float64; bool, complex, object and
-    string data raise ``TypeError``.
+    {dtypes}
 
     Examples
     --------
@@ -521,8 +494,7 @@ def bilinear_attention(
     >>> bool(np.allclose(out, ref, atol=1e-12))
     True
     """
-    a = _prepare(query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads,
-                 mask, key_padding_mask, causal, scale, return_weights, _order, warn_empty_rows)
+    a = _prepare(_sig.arguments(locals()))
     B, n_q, n_k, h, d_out, dtype, mode = a.B, a.n_q, a.n_k, a.h, a.d_out, a.dtype, a.mode
     batch = a.batch
     out = V.empty((B * n_q, d_out), dtype)
@@ -534,46 +506,17 @@ def bilinear_attention(
         # in that order too (else the pullback recomputes, and the output stays the one the
         # cost model's order gives)
         state = _bilinear_state(a) if a.order == "query" else None
-        _keep.update(prepared=a, state=state, key_omitted=key is None,
-                     value_omitted=value is None)
+        _keep.update(prepared=a, state=state)
     if B * n_q > 0:
         rq, rk, rv = a.rows()
-        core.bilinear_forward(rq, rk, rv, a.wqk, a.uk, a.wv, a.bv, a.wo, a.bo, B, n_q, n_k, h,
-                              a.h_kv, a.m4, a.kp, a.code, a.scale, _ORDERS[a.order], out,
-                              weights, state)
+        core.bilinear_forward(*a.core_args(), _ORDERS[a.order], out, weights, state)
     out = out.reshape(batch + (n_q, d_out))
     if weights is not None:
         weights = weights.reshape(batch + (h, n_q, n_k))
-    return _finish(out, weights, mode)
+    return _args.with_weights(out, weights, mode)
 
 
-def bilinear_attention_backward(
-    grad_out: Any,
-    query: Any,
-    key: Any = None,
-    value: Any = None,
-    *,
-    w_qk: Any,
-    u_k: Any = None,
-    w_v: Any,
-    w_o: Any,
-    b_v: Any = None,
-    b_o: Any = None,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    mask: Any = None,
-    key_padding_mask: Any = None,
-    causal: bool | str = False,
-    scale: float | None = None,
-    return_weights: bool | str = False,
-    warn_empty_rows: bool = True,
-) -> dict[str, np.ndarray]:
-    """Gradients of :func:`bilinear_attention` with respect to every array argument given.
-
-    Parameters
-    ----------
-    grad_out : array_like, shape (..., n_q, d_out)
-        Gradient of the loss with respect to the output.
+_BACKWARD_DOC = """\
     query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads, mask,
     key_padding_mask, causal, scale, warn_empty_rows
         As for :func:`bilinear_attention` (boolean ``True`` = *may attend*, the opposite of
@@ -610,9 +553,6 @@ def bilinear_attention_backward(
     >>> sorted(g), g["w_qk"].shape
     (['query', 'w_o', 'w_qk', 'w_v'], (2, 8, 8))
     """
-    a = _prepare(query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads,
-                 mask, key_padding_mask, causal, scale, return_weights, "query", warn_empty_rows)
-    return _bilinear_grads(a, grad_out, key is None, value is None)
 
 
 def _bilinear_state(a: _Prepared) -> dict[str, np.ndarray]:
@@ -624,31 +564,26 @@ def _bilinear_state(a: _Prepared) -> dict[str, np.ndarray]:
             "lse": V.empty((B, h, a.n_q), dtype)}
 
 
-def _bilinear_grads(a: _Prepared, grad_out: Any, key_omitted: bool, value_omitted: bool,
-                    state: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+def _bilinear_grads(a: _Prepared, grad_out: Any, state: dict[str, np.ndarray] | None = None
+                    ) -> dict[str, np.ndarray]:
     """The gradients of a prepared call; with ``state`` (what the forward kept for
     attnlab.vjp) the forward is not recomputed."""
     dtype, batch, B = a.dtype, a.batch, a.B
-    go = _grad_out(grad_out, batch + (a.n_q, a.d_out), dtype)
-    grads: dict[str, np.ndarray] = {}
-    for name, arr in (("w_qk", a.wqk), ("u_k", a.uk), ("w_v", a.wv), ("b_v", a.bv),
-                      ("w_o", a.wo), ("b_o", a.bo)):
-        if arr is not None:
-            grads[name] = V.zeros(arr.shape, dtype)
-    shapes = {"query": a.xq.shape, "key": a.xk.shape, "value": a.xv.shape}
+    go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype)
+    grads = _grad.zeros_like_given({"w_qk": a.wqk, "u_k": a.uk, "w_v": a.wv, "b_v": a.bv,
+                                    "w_o": a.wo, "b_o": a.bo}, dtype)
+    shapes = a.x.shapes
     rows = {name: V.zeros((B * shp[-2], shp[-1]), dtype) for name, shp in shapes.items()}
     if B * a.n_q > 0:
-        rq, rk, rv = a.rows()
-        go2 = V.contiguous(go.reshape(-1, a.d_out))
-        core.bilinear_backward(go2, rq, rk, rv, a.wqk, a.uk, a.wv, a.bv, a.wo, a.bo, B, a.n_q,
-                               a.n_k, a.h, a.h_kv, a.m4, a.kp, a.code, a.scale,
-                               {**grads, **rows}, state)
-    inputs = {}
-    for name, r in rows.items():
-        g = r.reshape(batch + (shapes[name][-2], r.shape[-1]))
-        inputs[name] = _unbroadcast(g, shapes[name])
-    if value_omitted:
-        inputs["key"] = inputs["key"] + inputs.pop("value")
-    if key_omitted:
-        inputs["query"] = inputs["query"] + inputs.pop("key")
+        core.bilinear_backward(go2, *a.core_args(), {**grads, **rows}, state)
+    inputs = _grad.input_grads(rows, batch, shapes, a.x.key_omitted, a.x.value_omitted)
     return {**inputs, **grads}
+
+
+def _bilinear_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
+    # the query order, whatever order the forward chose: the gradient is the same function
+    return _bilinear_grads(_prepare({**args, "_order": "query"}), grad_out)
+
+
+bilinear_attention_backward = _sig.backward_of(bilinear_attention, _bilinear_backward,
+                                               "(..., n_q, d_out)", _BACKWARD_DOC)

@@ -7,7 +7,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _rope
+from . import _args, _docs, _grad, _rope
+from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
 
@@ -19,15 +20,6 @@ __all__ = [
 ]
 
 Weights = bool | str
-
-
-def _finish(out: np.ndarray, weights: np.ndarray | None, mode: str | None) -> Any:
-    if mode is None:
-        return out
-    assert weights is not None
-    if mode == "mean":
-        weights = weights.mean(axis=-3)
-    return out, weights
 
 
 class _Sdpa(NamedTuple):
@@ -50,11 +42,11 @@ class _Sdpa(NamedTuple):
     mask4: np.ndarray | None
 
 
-def _prepare_sdpa(q: Any, k: Any, v: Any, mask: Any, causal: Any, scale: Any,
-                  warn_empty_rows: Any) -> _Sdpa:
-    q = V.as_array(q, "q")
-    k = V.as_array(k, "k")
-    v = V.as_array(v, "v")
+def _prepare_sdpa(args: dict[str, Any]) -> _Sdpa:
+    """The validated arguments of an SDPA call (forward and backward)."""
+    q = V.as_array(args["q"], "q")
+    k = V.as_array(args["k"], "k")
+    v = V.as_array(args["v"], "v")
     V.check_ndim(q, "q", 3, "(..., h, n_q, d)")
     V.check_ndim(k, "k", 3, "(..., h_kv, n_k, d)")
     V.check_ndim(v, "v", 3, "(..., h_kv, n_k, d_v)")
@@ -82,18 +74,13 @@ def _prepare_sdpa(q: Any, k: Any, v: Any, mask: Any, causal: Any, scale: Any,
         )
     batch = V.batch_shape([("q", q.shape[:-3]), ("k", k.shape[:-3]), ("v", v.shape[:-3])])
     dtype = V.result_dtype(q, k, v)
-    s = V.check_scale(scale, 1.0 / math.sqrt(d))
-
-    code_ = V.causal_code(causal)
-    m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
-    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
-        V.warn_empty(*V.empty_rows(m4, None, code_, V.count(batch), h, n_q, n_k),
-                     V.ATTENTION_ROWS)
+    m = _args.masks(args, batch, h, n_q, n_k, dtype, 1.0 / math.sqrt(d))
     return _Sdpa(q, k, v, V.stack(q, batch, dtype, 3), V.stack(k, batch, dtype, 3),
-                 V.stack(v, batch, dtype, 3), batch, dtype, h, h_kv, n_q, n_k, d, d_v, code_, s,
-                 m4)
+                 V.stack(v, batch, dtype, 3), batch, dtype, h, h_kv, n_q, n_k, d, d_v, m.causal,
+                 m.scale, m.mask4)
 
 
+@_docs.filled
 def scaled_dot_product_attention(
     q: Any,
     k: Any,
@@ -146,9 +133,7 @@ def scaled_dot_product_attention(
     Notes
     -----
     A query row whose keys are all masked gets weights 0 and an output row of 0, never NaN.
-    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
-    follow ``np.result_type`` (float32 with float64 gives float64); ints and float16 become
-    float64; bool, complex, object and string data raise ``TypeError``.
+    {dtypes_mixed}
 
     Examples
     --------
@@ -157,7 +142,7 @@ def scaled_dot_product_attention(
     >>> attnlab.scaled_dot_product_attention(q, k, v, causal=True).shape
     (2, 4, 8)
     """
-    a = _prepare_sdpa(q, k, v, mask, causal, scale, warn_empty_rows)
+    a = _prepare_sdpa(_sig.arguments(locals()))
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
@@ -174,7 +159,7 @@ def scaled_dot_product_attention(
     out = out.reshape(batch + (h, n_q, d_v))
     if weights is not None:
         weights = weights.reshape(batch + (h, n_q, n_k))
-    return _finish(out, weights, mode)
+    return _args.with_weights(out, weights, mode)
 
 
 _Opt = np.ndarray | None
@@ -222,37 +207,17 @@ class _Mha(NamedTuple):
                 self.h_kv, self.mask4, self.kp, self.causal, self.scale)
 
 
-def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any,
-                 b_q: Any, b_k: Any, b_v: Any, b_o: Any, num_heads: Any, num_kv_heads: Any,
-                 mask: Any, key_padding_mask: Any, causal: Any, scale: Any,
-                 warn_empty_rows: Any) -> _Mha:
-    h = V.check_positive_int(num_heads, "num_heads")
-    h_kv = h if num_kv_heads is None else V.check_positive_int(num_kv_heads, "num_kv_heads")
-    if h % h_kv:
-        raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {h}, got {h_kv}")
-    kv_arg = "num_heads" if num_kv_heads is None else "num_kv_heads"  # the one the user passed
-    xq = V.as_array(query, "query")
-    xk = xq if key is None else V.as_array(key, "key")
-    xv = xk if value is None else V.as_array(value, "value")
-    V.check_ndim(xq, "query", 2, "(..., n_q, d_q)")
-    V.check_ndim(xk, "key", 2, "(..., n_k, d_k)")
-    V.check_ndim(xv, "value", 2, "(..., n_k, d_v)")
-    n_q, d_q = xq.shape[-2:]
-    n_k, d_k = xk.shape[-2:]
-    for name, arr in (("query", xq), ("key", xk), ("value", xv)):
-        if arr.shape[-1] < 1:
-            raise ValueError(
-                f"{name}: the feature axis must be >= 1, got shape {V.shape_str(arr.shape)}"
-            )
-    if xv.shape[-2] != n_k:
-        raise ValueError(
-            f"value: expected {n_k} tokens (as key), got shape {V.shape_str(xv.shape)}"
-        )
-    d_v = xv.shape[-1]
-    ws = {n: V.as_array(a, n) for n, a in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v), ("w_o", w_o))}
-    bs = {n: V.optional_array(a, n) for n, a in (("b_q", b_q), ("b_k", b_k), ("b_v", b_v),
-                                                    ("b_o", b_o))}
-    dtype = V.result_dtype(xq, xk, xv, *ws.values(), *bs.values())
+def _prepare_mha(args: dict[str, Any]) -> _Mha:
+    """The validated arguments of an MHA call (forward and backward), checked in an order that
+    finds the root cause: head counts, the inputs' own shapes, each weight's rank, head counts
+    against widths, each weight against the input it reads, then biases and masks."""
+    h, h_kv, kv_arg = _args.heads(args["num_heads"], args["num_kv_heads"])
+    x = _args.qkv(args, min_features=True)
+    n_q, n_k = x.n_q, x.n_k
+    d_q, d_k, d_v = x.widths
+    ws = {n: V.as_array(args[n], n) for n in ("w_q", "w_k", "w_v", "w_o")}
+    bs = {n: V.optional_array(args[n], n) for n in ("b_q", "b_k", "b_v", "b_o")}
+    dtype = V.result_dtype(x.xq, x.xk, x.xv, *ws.values(), *bs.values())
     wq_, wk_, wv_, wo_ = ws["w_q"], ws["w_k"], ws["w_v"], ws["w_o"]
     lay = {"w_q": "(d_q, num_heads * d_head)", "w_k": f"(d_k, {kv_arg} * d_head)",
            "w_v": f"(d_v, {kv_arg} * d_vhead)", "w_o": "(num_heads * d_vhead, d_out)"}
@@ -266,10 +231,8 @@ def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any,
     for name, heads, arg in (("w_q", h, "num_heads"), ("w_k", h_kv, kv_arg),
                              ("w_v", h_kv, kv_arg)):
         V.check_heads(ws[name], heads, arg, readers[name], "from_torch_mha")
-    groups: dict[int, tuple[str, np.ndarray, list[V.Reader]]] = {}
-    for x_name, x_, w_name in (("query", xq, "w_q"), ("key", xk, "w_k"), ("value", xv, "w_v")):
-        groups.setdefault(id(x_), (x_name, x_, []))[2].append(readers[w_name])
-    V.check_readers(list(groups.values()), "from_torch_mha")
+    V.check_readers(x.groups((readers["w_q"], readers["w_k"], readers["w_v"])),
+                    "from_torch_mha")
     d_head, d_khead, d_vhead = wq_.shape[1] // h, wk_.shape[1] // h_kv, wv_.shape[1] // h_kv
     o_head = wo_.shape[0] / h
     if d_head != d_khead:  # the odd one out: the value side usually has the same head width
@@ -298,27 +261,16 @@ def _prepare_mha(query: Any, key: Any, value: Any, w_q: Any, w_k: Any, w_v: Any,
     bv = V.vector(bs["b_v"], "b_v", dtype, h_kv * d_vhead)
     bo = V.vector(bs["b_o"], "b_o", dtype, d_out)
 
-    names = [("query", xq.shape[:-2]), ("key", xk.shape[:-2]), ("value", xv.shape[:-2])]
-    batch = V.batch_shape(names)
-    code = V.causal_code(causal)
-    s = V.check_scale(scale, 1.0 / math.sqrt(d_head))
-    m4 = V.mask4(mask, batch, h, n_q, n_k, dtype)
-    kp = V.key_padding2(key_padding_mask, batch, n_k)
-    if V.check_flag(warn_empty_rows, "warn_empty_rows"):
-        V.warn_empty(*V.empty_rows(m4, kp, code, V.count(batch), h, n_q, n_k), V.ATTENTION_ROWS)
-
-    B = V.count(batch)
-    rq = V.rows(xq, batch, dtype) if B * n_q else V.empty((0, d_q), dtype)
-    rk = rq if xk is xq else (V.rows(xk, batch, dtype) if B * n_k else V.empty((0, d_k), dtype))
-    rv = rk if xv is xk else (V.rows(xv, batch, dtype) if B * n_k else V.empty((0, d_v), dtype))
-    shapes = {"query": xq.shape, "key": xk.shape, "value": xv.shape}
+    batch = x.batch()
+    m = _args.masks(args, batch, h, n_q, n_k, dtype, 1.0 / math.sqrt(d_head))
     w = {"w_q": wq, "b_q": bq, "w_k": wk, "b_k": bk, "w_v": wv, "b_v": bv, "w_o": wo, "b_o": bo}
-    # Gradient keys follow the arguments given, not object identity (the rows above may be
-    # shared either way: same data, one copy).
-    return _Mha(rq, rk, rv, key is None, value is None, shapes, w, batch, dtype, h, h_kv, n_q, n_k,
-                d_out, code, s, m4, kp)
+    # Gradient keys follow the arguments given, not object identity (the rows may be shared
+    # either way: same data, one copy).
+    return _Mha(*x.rows(batch, dtype), x.key_omitted, x.value_omitted, x.shapes, w, batch,
+                dtype, h, h_kv, n_q, n_k, d_out, m.causal, m.scale, m.mask4, m.kp)
 
 
+@_docs.filled
 def multi_head_attention(
     query: Any,
     key: Any = None,
@@ -414,9 +366,7 @@ def multi_head_attention(
     Notes
     -----
     Fully masked query rows give zero weights and a zero context, so their output is ``b_o``.
-    float32 and float64 are computed natively and the result keeps that dtype; mixed inputs
-    follow ``np.result_type`` (float32 with float64 gives float64); ints and float16 become
-    float64; bool, complex, object and string data raise ``TypeError``.
+    {dtypes_mixed}
 
     With ``rope_theta`` the call runs the projection GEMMs, rotates Q and K (O(n d) time and
     memory), then the same flash attention core and the output GEMM; without it, the one fused
@@ -432,8 +382,7 @@ def multi_head_attention(
     ...                              num_heads=4).shape
     (2, 5, 16)
     """
-    a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
-                     num_kv_heads, mask, key_padding_mask, causal, scale, warn_empty_rows)
+    a = _prepare_mha(_sig.arguments(locals()))
     rope = _rope.prepare_for(a, rope_theta, rope_dim, positions)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
@@ -453,52 +402,16 @@ def multi_head_attention(
     out = out.reshape(batch + (n_q, d_out))
     if weights is not None:
         weights = weights.reshape(batch + (h, n_q, n_k))
-    return _finish(out, weights, mode)
+    return _args.with_weights(out, weights, mode)
 
 
-def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Sum a gradient over the axes along which its input was broadcast."""
-    extra = g.ndim - len(shape)
-    if extra > 0:
-        g = g.sum(axis=tuple(range(extra)))
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
-    if axes:
-        g = g.sum(axis=axes, keepdims=True)
-    return g
-
-
-def _grad_out(grad_out: Any, expected: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    g = V.as_array(grad_out, "grad_out")
-    if g.shape != expected:
-        raise ValueError(
-            f"grad_out: expected the output's shape {V.shape_str(expected)}, got "
-            f"{V.shape_str(g.shape)}"
-        )
-    return g.astype(dtype, copy=False)
-
-
-def scaled_dot_product_attention_backward(
-    grad_out: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    mask: Any = None,
-    causal: bool | str = False,
-    scale: float | None = None,
-    return_weights: Weights = False,
-    warn_empty_rows: bool = True,
-) -> dict[str, np.ndarray]:
-    """Gradients of :func:`scaled_dot_product_attention` with respect to ``q``, ``k``, ``v``.
-
+_SDPA_BACKWARD_INTRO = """\
     Recomputes the forward (keeping only the log-sum-exp per query row), then back-propagates
     tile by tile: ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``,
     ``dQ = scale dS K``, ``dK = scale dS^T Q``. Memory O(n d).
 
-    Parameters
-    ----------
-    grad_out : array_like, shape (..., h, n_q, d_v)
-        Gradient of the loss with respect to the output.
+"""
+_SDPA_BACKWARD_DOC = """\
     q, k, v, mask, causal, scale, warn_empty_rows
         As for :func:`scaled_dot_product_attention` (boolean ``True`` = *may attend*, the
         opposite of ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`).
@@ -519,9 +432,6 @@ def scaled_dot_product_attention_backward(
     >>> sorted(g)
     ['k', 'q', 'v']
     """
-    V.weights_mode(return_weights)
-    return _sdpa_grads(_prepare_sdpa(q, k, v, mask, causal, scale,
-                                     warn_empty_rows), grad_out)
 
 
 def _sdpa_grads(a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
@@ -530,7 +440,7 @@ def _sdpa_grads(a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
     attnlab.vjp) the forward is not recomputed."""
     batch, dtype, h, h_kv, n_q, n_k, d, d_v = (a.batch, a.dtype, a.h, a.h_kv, a.n_q, a.n_k,
                                                a.d, a.d_v)
-    go = _grad_out(grad_out, batch + (h, n_q, d_v), dtype)
+    go = _grad.grad_out(grad_out, batch + (h, n_q, d_v), dtype)
     B = V.count(batch)
     dq = V.zeros((B, h, n_q, d), dtype)
     dk = V.zeros((B, h_kv, n_k, d), dtype)
@@ -545,44 +455,13 @@ def _sdpa_grads(a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
         core.sdpa_backward(go4, a.q4, a.k4, a.v4, a.mask4, None, a.causal, a.scale, out, lse,
                            dq, dk, dv, kept is None)
     return {
-        "q": _unbroadcast(dq.reshape(batch + dq.shape[1:]), a.q.shape),
-        "k": _unbroadcast(dk.reshape(batch + dk.shape[1:]), a.k.shape),
-        "v": _unbroadcast(dv.reshape(batch + dv.shape[1:]), a.v.shape),
+        "q": _grad.unbroadcast(dq.reshape(batch + dq.shape[1:]), a.q.shape),
+        "k": _grad.unbroadcast(dk.reshape(batch + dk.shape[1:]), a.k.shape),
+        "v": _grad.unbroadcast(dv.reshape(batch + dv.shape[1:]), a.v.shape),
     }
 
 
-def multi_head_attention_backward(
-    grad_out: Any,
-    query: Any,
-    key: Any = None,
-    value: Any = None,
-    *,
-    w_q: Any,
-    w_k: Any,
-    w_v: Any,
-    w_o: Any,
-    b_q: Any = None,
-    b_k: Any = None,
-    b_v: Any = None,
-    b_o: Any = None,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    mask: Any = None,
-    key_padding_mask: Any = None,
-    causal: bool | str = False,
-    scale: float | None = None,
-    return_weights: Weights = False,
-    rope_theta: float | None = None,
-    rope_dim: int | None = None,
-    positions: Any = None,
-    warn_empty_rows: bool = True,
-) -> dict[str, np.ndarray]:
-    """Gradients of :func:`multi_head_attention` with respect to every array argument given.
-
-    Parameters
-    ----------
-    grad_out : array_like, shape (..., n_q, d_out)
-        Gradient of the loss with respect to the output.
+_MHA_BACKWARD_DOC = """\
     query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads, num_kv_heads, mask,
     key_padding_mask, causal, scale, rope_theta, rope_dim, positions, warn_empty_rows
         As for :func:`multi_head_attention` (boolean ``True`` = *may attend*, the opposite of
@@ -607,11 +486,6 @@ def multi_head_attention_backward(
     >>> sorted(g)
     ['query', 'w_k', 'w_o', 'w_q', 'w_v']
     """
-    V.weights_mode(return_weights)
-    a = _prepare_mha(query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads,
-                     num_kv_heads, mask, key_padding_mask, causal, scale, warn_empty_rows)
-    rope = _rope.prepare_for(a, rope_theta, rope_dim, positions)
-    return _mha_grads(a, grad_out, rope=rope)
 
 
 def _mha_state(a: _Mha) -> dict[str, np.ndarray]:
@@ -633,28 +507,31 @@ def _mha_grads(a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = Non
     """The gradients of a prepared MHA call; with ``state`` (what the forward kept for
     attnlab.vjp) the forward is not recomputed; ``rope``: the rotary path (recomputes)."""
     dtype, batch, B = a.dtype, a.batch, a.B
-    go = _grad_out(grad_out, batch + (a.n_q, a.d_out), dtype)
-    grads: dict[str, np.ndarray] = {}
-    for name in ("w_q", "b_q", "w_k", "b_k", "w_v", "b_v", "w_o", "b_o"):
-        arr = a.w[name]
-        if arr is not None:
-            grads[name] = V.zeros(arr.shape, dtype)
-    for name, r in (("query", a.rq), ("key", a.rk), ("value", a.rv)):
-        grads[name] = V.zeros(r.shape, dtype)
+    go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype)
+    grads = _grad.zeros_like_given({**a.w, "query": a.rq, "key": a.rk, "value": a.rv}, dtype)
     if B * a.n_q > 0:
-        go2 = V.contiguous(go.reshape(-1, a.d_out))
         if rope is None:
             core.mha_backward(go2, *a.core_args(), grads, state)
         else:
             _rope.backward(go2, a, rope, grads)
     rows = {n: grads.pop(n) for n in ("query", "key", "value")}
-    inputs = {}
-    for name, r in rows.items():
-        n_tok = a.n_q if name == "query" else a.n_k
-        g = r.reshape(batch + (n_tok, r.shape[-1]))
-        inputs[name] = _unbroadcast(g, a.shapes[name])
-    if a.value_omitted:
-        inputs["key"] = inputs["key"] + inputs.pop("value")
-    if a.key_omitted:
-        inputs["query"] = inputs["query"] + inputs.pop("key")
-    return {**inputs, **grads}
+    return {**_grad.input_grads(rows, batch, a.shapes, a.key_omitted, a.value_omitted), **grads}
+
+
+def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
+    V.weights_mode(args["return_weights"])
+    return _sdpa_grads(_prepare_sdpa(args), grad_out)
+
+
+def _mha_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
+    V.weights_mode(args["return_weights"])
+    a = _prepare_mha(args)
+    rope = _rope.prepare_for(a, args["rope_theta"], args["rope_dim"], args["positions"])
+    return _mha_grads(a, grad_out, rope=rope)
+
+
+scaled_dot_product_attention_backward = _sig.backward_of(
+    scaled_dot_product_attention, _sdpa_backward, "(..., h, n_q, d_v)", _SDPA_BACKWARD_DOC,
+    wrt="``q``, ``k``, ``v``", intro=_SDPA_BACKWARD_INTRO)
+multi_head_attention_backward = _sig.backward_of(
+    multi_head_attention, _mha_backward, "(..., n_q, d_out)", _MHA_BACKWARD_DOC)

@@ -294,6 +294,8 @@ def owned(prepared: Any) -> Any:
             return copies[id(x)]
         if isinstance(x, dict):
             return {k: own(v) for k, v in x.items()}
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a nested prepared part
+            return type(x)(*(own(f) for f in x))
         return x
 
     return type(prepared)(*(own(f) for f in prepared))

@@ -20,8 +20,8 @@ Pullback = Callable[[Any], dict[str, np.ndarray]]
 KEPT: dict[Any, Callable[[dict[str, Any], Any], dict[str, np.ndarray]]] = {
     _mha.multi_head_attention: lambda k, g: _mha._mha_grads(k["prepared"], g, k["state"]),
     _mha.scaled_dot_product_attention: lambda k, g: _mha._sdpa_grads(k["prepared"], g, k),
-    _bilinear.bilinear_attention: lambda k, g: _bilinear._bilinear_grads(
-        k["prepared"], g, k["key_omitted"], k["value_omitted"], k["state"]),
+    _bilinear.bilinear_attention: lambda k, g: _bilinear._bilinear_grads(k["prepared"], g,
+                                                                         k["state"]),
 }
 # The others: their ``*_backward`` (which recomputes the forward) on private copies.
 RECOMPUTED: dict[Any, Callable[..., dict[str, np.ndarray]]] = {

@@ -86,16 +86,10 @@ def _uniform(bound: float, shape: tuple[int, ...], rng: Any, dtype: Any) -> np.n
     return _rng(rng).uniform(-bound, bound, size=shape).astype(_dtype(dtype), copy=False)
 
 
-def torch_default(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
-    """``nn.Linear``'s default weights: U(-1/sqrt(fan_in), +1/sqrt(fan_in)).
-
-    (``kaiming_uniform_(a=sqrt(5))``, whose bound works out to ``1/sqrt(fan_in)``.) Registered
-    as ``"torch"``. Variance ``1 / (3 fan_in)``.
-
-    Parameters
+_PARAMETERS = """Parameters
     ----------
     fan_in, fan_out : int
-        Input and output features (>= 0); the result is ``(fan_in, fan_out)``.
+        Input and output features (>= 0); the result is ``(fan_in, fan_out)``.{fans}
     rng : numpy.random.Generator or int or None
         The generator (an integer seeds a new one; None draws fresh entropy).
     dtype : float32 or float64
@@ -103,7 +97,30 @@ def torch_default(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) 
 
     Returns
     -------
-    ndarray, shape (fan_in, fan_out)
+    ndarray, shape (fan_in, fan_out)"""
+
+
+def _weight_scheme(fans: str = "") -> Callable[[Initializer], Initializer]:
+    """Writes the Parameters and Returns sections every weight initialiser shares (they all
+    have the signature ``(fan_in, fan_out, rng, dtype)``) into its ``{parameters}``; ``fans``
+    adds a sentence about the fans."""
+    text = _PARAMETERS.format(fans=f"\n        {fans}" if fans else "")
+
+    def fill(f: Initializer) -> Initializer:
+        f.__doc__ = (f.__doc__ or "").replace("{parameters}", text)
+        return f
+
+    return fill
+
+
+@_weight_scheme()
+def torch_default(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
+    """``nn.Linear``'s default weights: U(-1/sqrt(fan_in), +1/sqrt(fan_in)).
+
+    (``kaiming_uniform_(a=sqrt(5))``, whose bound works out to ``1/sqrt(fan_in)``.) Registered
+    as ``"torch"``. Variance ``1 / (3 fan_in)``.
+
+    {parameters}
 
     Examples
     --------
@@ -177,23 +194,13 @@ def zeros_bias(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> 
     return np.zeros(fo, dtype=_dtype(dtype))
 
 
+@_weight_scheme()
 def xavier_uniform(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
     """Glorot uniform: U(+-sqrt(6 / (fan_in + fan_out))), variance ``2 / (fan_in + fan_out)``.
 
     Registered as ``"xavier_uniform"`` (with zero biases).
 
-    Parameters
-    ----------
-    fan_in, fan_out : int
-        Input and output features (>= 0); the result is ``(fan_in, fan_out)``.
-    rng : numpy.random.Generator or int or None
-        The generator (an integer seeds a new one; None draws fresh entropy).
-    dtype : float32 or float64
-        The result's dtype; the samples are drawn in float64 and cast.
-
-    Returns
-    -------
-    ndarray, shape (fan_in, fan_out)
+    {parameters}
 
     Examples
     --------
@@ -209,23 +216,13 @@ def xavier_uniform(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64)
     return _uniform(math.sqrt(6.0 / (fi + fo)) if fi + fo else 0.0, (fi, fo), rng, dtype)
 
 
+@_weight_scheme()
 def xavier_normal(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
     """Glorot normal: N(0, 2 / (fan_in + fan_out)).
 
     Registered as ``"xavier_normal"`` (with zero biases).
 
-    Parameters
-    ----------
-    fan_in, fan_out : int
-        Input and output features (>= 0); the result is ``(fan_in, fan_out)``.
-    rng : numpy.random.Generator or int or None
-        The generator (an integer seeds a new one; None draws fresh entropy).
-    dtype : float32 or float64
-        The result's dtype; the samples are drawn in float64 and cast.
-
-    Returns
-    -------
-    ndarray, shape (fan_in, fan_out)
+    {parameters}
 
     Examples
     --------
@@ -240,25 +237,14 @@ def xavier_normal(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) 
     return (_rng(rng).standard_normal((fi, fo)) * std).astype(_dtype(dtype), copy=False)
 
 
+@_weight_scheme(fans="They do not change the variance.")
 def randn(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
     """Standard normal N(0, 1) whatever the fans: ``nn.Parameter(torch.randn(...))``.
 
     The scheme behind notebook 03 (why std-1 weights train worse): its logits grow like
     ``d_model`` and saturate the softmax. Registered as ``"randn"`` (with zero biases).
 
-    Parameters
-    ----------
-    fan_in, fan_out : int
-        Input and output features (>= 0); the result is ``(fan_in, fan_out)``.
-        They do not change the variance.
-    rng : numpy.random.Generator or int or None
-        The generator (an integer seeds a new one; None draws fresh entropy).
-    dtype : float32 or float64
-        The result's dtype; the samples are drawn in float64 and cast.
-
-    Returns
-    -------
-    ndarray, shape (fan_in, fan_out)
+    {parameters}
 
     Examples
     --------
@@ -271,6 +257,7 @@ def randn(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.nd
     return _rng(rng).standard_normal((fi, fo)).astype(_dtype(dtype), copy=False)
 
 
+@_weight_scheme(fans="They do not change the variance.")
 def trunc_normal(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
     """N(0, 0.02^2) truncated to +-2 std = +-0.04 (ViT/timm-style init, fans ignored).
 
@@ -282,19 +269,7 @@ def trunc_normal(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -
 
     Registered as ``"trunc_normal"`` (with zero biases).
 
-    Parameters
-    ----------
-    fan_in, fan_out : int
-        Input and output features (>= 0); the result is ``(fan_in, fan_out)``.
-        They do not change the variance.
-    rng : numpy.random.Generator or int or None
-        The generator (an integer seeds a new one; None draws fresh entropy).
-    dtype : float32 or float64
-        The result's dtype; the samples are drawn in float64 and cast.
-
-    Returns
-    -------
-    ndarray, shape (fan_in, fan_out)
+    {parameters}
 
     Examples
     --------

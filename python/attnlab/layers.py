@@ -33,16 +33,6 @@ from ._mha import multi_head_attention
 __all__ = ["AdditiveAttention", "BilinearAttention", "MultiHeadAttention", "SeparableAttention"]
 
 
-def _dtype(dtype: Any) -> np.dtype:
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype: expected float32 or float64, got {dtype!r}") from None
-    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise TypeError(f"dtype: expected float32 or float64, got {dt}")
-    return dt
-
-
 def _optional_int(x: Any, name: str, default: int) -> int:
     return default if x is None else V.check_positive_int(x, name)
 
@@ -59,9 +49,10 @@ class _Layer:
     """
 
     _forward: Callable[..., Any]
+    bias: bool  # set by the subclass before it declares its parameters
 
     def __init__(self, *, init: Any, seed: Any, dtype: Any) -> None:
-        self.dtype = _dtype(dtype)
+        self.dtype = _init._dtype(dtype)  # as the initialisers check it
         self.init = _init.get(init)
         self.seed = seed
         self._rng = np.random.default_rng(seed)
@@ -87,6 +78,14 @@ class _Layer:
                 f"expected ({fan_out},)"
             )
         self.params[name] = np.ascontiguousarray(b, dtype=self.dtype)
+
+    def _linears(self, *specs: tuple[str, int, int]) -> None:
+        """For each ``(n, fan_in, fan_out)``, in order (it sets the random draws): the weight
+        ``w_<n>`` and, when the layer has biases, ``b_<n>``."""
+        for n, fan_in, fan_out in specs:
+            self._weight(f"w_{n}", fan_in, fan_out)
+            if self.bias:
+                self._bias(f"b_{n}", fan_in, fan_out)
 
     @property
     def num_parameters(self) -> int:
@@ -405,11 +404,8 @@ class MultiHeadAttention(_QKVLayer):
         self.d_out = _optional_int(d_out, "d_out", d)
         self.bias = _bool(bias, "bias")
         self.scale = 1.0 / math.sqrt(dh)
-        for n, fan_in, fan_out in (("q", d, h * dh), ("k", self.kdim, h_kv * dh),
-                                   ("v", self.vdim, h_kv * dh), ("o", h * dh, self.d_out)):
-            self._weight(f"w_{n}", fan_in, fan_out)
-            if self.bias:
-                self._bias(f"b_{n}", fan_in, fan_out)
+        self._linears(("q", d, h * dh), ("k", self.kdim, h_kv * dh),
+                      ("v", self.vdim, h_kv * dh), ("o", h * dh, self.d_out))
 
     def _functional_kwargs(self) -> dict[str, Any]:
         kwargs = super()._functional_kwargs()
@@ -522,7 +518,35 @@ class BilinearAttention(_QKVLayer):
                 "w_o": params["w_o"], "b_v": params.get("b_v"), "b_o": params.get("b_o")}
 
 
-class AdditiveAttention(_Layer):
+class _PooledLayer(_Layer):
+    """Token call signature shared by the additive and separable layers."""
+
+    d_model: int
+
+    def __call__(self, x: Any, *, key_padding_mask: Any = None,
+                 warn_empty_rows: bool = True) -> np.ndarray:
+        """Apply the layer to tokens ``x``.
+
+        Parameters
+        ----------
+        x : array_like, shape (..., n, d_model)
+        key_padding_mask : array_like of bool, shape (..., n), optional
+            ``True`` for real tokens (``nn.MultiheadAttention``'s ``True`` marks padding:
+            convert it with :func:`attnlab.interop.torch_masks`).
+        warn_empty_rows : bool
+            Warn (``UserWarning``, once per call) when ``key_padding_mask`` leaves a sequence
+            with no real token; ``False`` when intended.
+
+        Returns
+        -------
+        ndarray, shape (..., n, d_out)
+        """
+        self._check_width(x, "x", "d_model")
+        return self._run({"x": x}, {"key_padding_mask": key_padding_mask,
+                                    "warn_empty_rows": warn_empty_rows})
+
+
+class AdditiveAttention(_PooledLayer):
     """SwiftFormer's efficient additive attention, over :func:`attnlab.additive_attention`.
 
     Parameters
@@ -579,44 +603,16 @@ class AdditiveAttention(_Layer):
         self.scale = V.check_scale(scale, self.d_out ** -0.5)
         self.eps = _check_eps(eps)
         self.bias = _bool(bias, "bias")
-        for n, fan_in, fan_out in (("q", d, D), ("k", d, D)):
-            self._weight(f"w_{n}", fan_in, fan_out)
-            if self.bias:
-                self._bias(f"b_{n}", fan_in, fan_out)
+        self._linears(("q", d, D), ("k", d, D))
         self._weight("w_g", D, 1)
         self.params["w_g"] = self.params["w_g"].reshape(D)
-        for n, fan_in, fan_out in (("proj", D, D), ("final", D, self.d_out)):
-            self._weight(f"w_{n}", fan_in, fan_out)
-            if self.bias:
-                self._bias(f"b_{n}", fan_in, fan_out)
+        self._linears(("proj", D, D), ("final", D, self.d_out))
 
     def _functional_kwargs(self) -> dict[str, Any]:
         return {"scale": self.scale, "variant": self.variant, "eps": self.eps}
 
-    def __call__(self, x: Any, *, key_padding_mask: Any = None,
-                 warn_empty_rows: bool = True) -> np.ndarray:
-        """Apply the layer to tokens ``x``.
 
-        Parameters
-        ----------
-        x : array_like, shape (..., n, d_model)
-        key_padding_mask : array_like of bool, shape (..., n), optional
-            ``True`` for real tokens (``nn.MultiheadAttention``'s ``True`` marks padding:
-            convert it with :func:`attnlab.interop.torch_masks`).
-        warn_empty_rows : bool
-            Warn (``UserWarning``, once per call) when ``key_padding_mask`` leaves a sequence
-            with no real token; ``False`` when intended.
-
-        Returns
-        -------
-        ndarray, shape (..., n, d_out)
-        """
-        self._check_width(x, "x", "d_model")
-        return self._run({"x": x}, {"key_padding_mask": key_padding_mask,
-                                    "warn_empty_rows": warn_empty_rows})
-
-
-class SeparableAttention(_Layer):
+class SeparableAttention(_PooledLayer):
     """MobileViT-v2's separable self-attention, over :func:`attnlab.separable_attention`.
 
     Parameters
@@ -654,32 +650,7 @@ class SeparableAttention(_Layer):
         self.d_model = d
         self.d_out = _optional_int(d_out, "d_out", d)
         self.bias = _bool(bias, "bias")
-        for n, fan_in, fan_out in (("qkv", d, 1 + 2 * d), ("o", d, self.d_out)):
-            self._weight(f"w_{n}", fan_in, fan_out)
-            if self.bias:
-                self._bias(f"b_{n}", fan_in, fan_out)
+        self._linears(("qkv", d, 1 + 2 * d), ("o", d, self.d_out))
 
     def _functional_kwargs(self) -> dict[str, Any]:
         return {}
-
-    def __call__(self, x: Any, *, key_padding_mask: Any = None,
-                 warn_empty_rows: bool = True) -> np.ndarray:
-        """Apply the layer to tokens ``x``.
-
-        Parameters
-        ----------
-        x : array_like, shape (..., n, d_model)
-        key_padding_mask : array_like of bool, shape (..., n), optional
-            ``True`` for real tokens (``nn.MultiheadAttention``'s ``True`` marks padding:
-            convert it with :func:`attnlab.interop.torch_masks`).
-        warn_empty_rows : bool
-            Warn (``UserWarning``, once per call) when ``key_padding_mask`` leaves a sequence
-            with no real token; ``False`` when intended.
-
-        Returns
-        -------
-        ndarray, shape (..., n, d_out)
-        """
-        self._check_width(x, "x", "d_model")
-        return self._run({"x": x}, {"key_padding_mask": key_padding_mask,
-                                    "warn_empty_rows": warn_empty_rows})

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _additive, _bilinear, _mha
+from . import _additive, _args, _bilinear, _docs, _mha
+from . import _signature as _sig
 from ._bilinear import BilinearQK
 from ._vjp import vjp
 from .interop import _plain
@@ -136,18 +137,42 @@ def _kv(query: Any, key: Any, value: Any) -> tuple[Any, Any]:
     return key, value
 
 
-def scaled_dot_product_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: Any = None,
-    causal: bool | str = False,
-    scale: float | None = None,
-    return_weights: bool | str = False,
-    warn_empty_rows: bool = True,
-) -> Any:
-    """Differentiable :func:`attnlab.scaled_dot_product_attention` on CPU tensors.
+def _apply(forward: Callable[..., Any], tensor_names: tuple[str, ...],
+           args: dict[str, Any]) -> Any:
+    """One call of ``forward`` on tensors: masks and positions become NumPy constants, the
+    tensor arguments given (in ``tensor_names`` order, the order they are checked in) become
+    the inputs of one autograd Function, everything else is passed as it is."""
+    if "key" in args:
+        args["key"], args["value"] = _kv(args["query"], args["key"], args["value"])
+    for name in _args.MASK_ARGS:
+        if name in args:
+            args[name] = _mask(args[name], name)
+    if "positions" in args:
+        args["positions"] = _positions(args["positions"])
+    names = [n for n in tensor_names if not isinstance(args[n], BilinearQK)]  # a constant
+    tensors = {n: args.pop(n) for n in names}
+    call = _Call(forward, tensors, args, bool(args.get("return_weights", False)))
+    return call.apply()
+
+
+def _wrapper(forward: Callable[..., Any], tensor_names: tuple[str, ...], doc: str,
+             returns: str = "Any") -> Callable[..., Any]:
+    """The torch version of ``forward``: its signature (tensors where it takes arrays), its
+    validation, its kernels through :func:`_apply`."""
+    params = _sig.public_parameters(forward)
+    annotations = {p.name: "torch.Tensor | None" if p.default is None else "torch.Tensor"
+                   for p in params if p.name in tensor_names}
+    annotations.update({"w_qk": "torch.Tensor | BilinearQK", "return_weights": "bool | str"})
+    return _sig.generate(forward.__name__, __name__, params, returns, _docs.fill(doc),
+                         lambda args: _apply(forward, tensor_names, args),
+                         annotations=annotations)
+
+
+# The wrappers take their NumPy function's signature (a new keyword argument of a family
+# reaches them with no edit here); the tuples name the tensor arguments, in checking order.
+
+_SDPA_DOC = """\
+Differentiable :func:`attnlab.scaled_dot_product_attention` on CPU tensors.
 
     Parameters
     ----------
@@ -176,39 +201,13 @@ def scaled_dot_product_attention(
     >>> q.grad.shape
     torch.Size([2, 4, 8])
     """
-    consts = dict(mask=_mask(mask, "mask"), causal=causal, scale=scale,
-                  return_weights=return_weights, warn_empty_rows=warn_empty_rows)
-    call = _Call(_mha.scaled_dot_product_attention, dict(q=q, k=k, v=v), consts,
-                 bool(return_weights))
-    return call.apply()
+scaled_dot_product_attention = _wrapper(
+    _mha.scaled_dot_product_attention,
+    ("q", "k", "v"),
+    _SDPA_DOC)
 
-
-def multi_head_attention(
-    query: torch.Tensor,
-    key: torch.Tensor | None = None,
-    value: torch.Tensor | None = None,
-    *,
-    w_q: torch.Tensor,
-    w_k: torch.Tensor,
-    w_v: torch.Tensor,
-    w_o: torch.Tensor,
-    b_q: torch.Tensor | None = None,
-    b_k: torch.Tensor | None = None,
-    b_v: torch.Tensor | None = None,
-    b_o: torch.Tensor | None = None,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    mask: Any = None,
-    key_padding_mask: Any = None,
-    causal: bool | str = False,
-    scale: float | None = None,
-    return_weights: bool | str = False,
-    rope_theta: float | None = None,
-    rope_dim: int | None = None,
-    positions: Any = None,
-    warn_empty_rows: bool = True,
-) -> Any:
-    """Differentiable :func:`attnlab.multi_head_attention` on CPU tensors.
+_MULTI_HEAD_DOC = """\
+Differentiable :func:`attnlab.multi_head_attention` on CPU tensors.
 
     Parameters
     ----------
@@ -229,12 +228,7 @@ def multi_head_attention(
         Rotary embeddings, as for :func:`attnlab.multi_head_attention`; ``positions`` (array,
         tensor or a pair of them) is a constant, not differentiated.
 
-    Returns
-    -------
-    out : torch.Tensor, shape (..., n_q, d_out)
-        Differentiable with respect to every tensor argument but the masks.
-    weights : torch.Tensor, optional
-        When ``return_weights`` is set; not differentiable.
+    {torch_attention_returns}
 
     Examples
     --------
@@ -246,40 +240,13 @@ def multi_head_attention(
     >>> x.grad.shape, w[0].grad.shape
     (torch.Size([2, 5, 16]), torch.Size([16, 16]))
     """
-    key, value = _kv(query, key, value)
-    tensors = dict(query=query, key=key, value=value, w_q=w_q, w_k=w_k, w_v=w_v, w_o=w_o,
-                   b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
-    consts = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, mask=_mask(mask, "mask"),
-                  key_padding_mask=_mask(key_padding_mask, "key_padding_mask"), causal=causal,
-                  scale=scale, return_weights=return_weights, rope_theta=rope_theta,
-                  rope_dim=rope_dim, positions=_positions(positions),
-                  warn_empty_rows=warn_empty_rows)
-    call = _Call(_mha.multi_head_attention, tensors, consts,
-                 bool(return_weights))
-    return call.apply()
+multi_head_attention = _wrapper(
+    _mha.multi_head_attention,
+    ("query", "key", "value", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"),
+    _MULTI_HEAD_DOC)
 
-
-def bilinear_attention(
-    query: torch.Tensor,
-    key: torch.Tensor | None = None,
-    value: torch.Tensor | None = None,
-    *,
-    w_qk: torch.Tensor | BilinearQK,
-    u_k: torch.Tensor | None = None,
-    w_v: torch.Tensor,
-    w_o: torch.Tensor,
-    b_v: torch.Tensor | None = None,
-    b_o: torch.Tensor | None = None,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    mask: Any = None,
-    key_padding_mask: Any = None,
-    causal: bool | str = False,
-    scale: float | None = None,
-    return_weights: bool | str = False,
-    warn_empty_rows: bool = True,
-) -> Any:
-    """Differentiable :func:`attnlab.bilinear_attention` on CPU tensors.
+_BILINEAR_DOC = """\
+Differentiable :func:`attnlab.bilinear_attention` on CPU tensors.
 
     Parameters
     ----------
@@ -295,12 +262,7 @@ def bilinear_attention(
         As for :func:`attnlab.bilinear_attention` (``True`` in a boolean mask means *may
         attend*; :func:`attnlab.interop.torch_masks` converts ``nn.MultiheadAttention``'s).
 
-    Returns
-    -------
-    out : torch.Tensor, shape (..., n_q, d_out)
-        Differentiable with respect to every tensor argument but the masks.
-    weights : torch.Tensor, optional
-        When ``return_weights`` is set; not differentiable.
+    {torch_attention_returns}
 
     Examples
     --------
@@ -313,42 +275,13 @@ def bilinear_attention(
     >>> w_qk.grad.shape
     torch.Size([2, 8, 8])
     """
-    key, value = _kv(query, key, value)
-    tensors: dict[str, Any] = dict(query=query, key=key, value=value, u_k=u_k, w_v=w_v, w_o=w_o,
-                                   b_v=b_v, b_o=b_o)
-    consts: dict[str, Any] = dict(num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                  mask=_mask(mask, "mask"), causal=causal, scale=scale,
-                                  key_padding_mask=_mask(key_padding_mask, "key_padding_mask"),
-                                  return_weights=return_weights,
-                                  warn_empty_rows=warn_empty_rows)
-    if isinstance(w_qk, BilinearQK):
-        consts["w_qk"] = w_qk
-    else:
-        tensors["w_qk"] = w_qk
-    call = _Call(_bilinear.bilinear_attention, tensors,
-                 consts, bool(return_weights))
-    return call.apply()
+bilinear_attention = _wrapper(
+    _bilinear.bilinear_attention,
+    ("query", "key", "value", "u_k", "w_v", "w_o", "b_v", "b_o", "w_qk"),
+    _BILINEAR_DOC)
 
-
-def additive_attention(
-    x: torch.Tensor,
-    *,
-    w_q: torch.Tensor,
-    b_q: torch.Tensor | None = None,
-    w_k: torch.Tensor,
-    b_k: torch.Tensor | None = None,
-    w_g: torch.Tensor,
-    w_proj: torch.Tensor,
-    b_proj: torch.Tensor | None = None,
-    w_final: torch.Tensor,
-    b_final: torch.Tensor | None = None,
-    scale: float | None = None,
-    variant: str = "official",
-    eps: float = 1e-12,
-    key_padding_mask: Any = None,
-    warn_empty_rows: bool = True,
-) -> torch.Tensor:
-    """Differentiable :func:`attnlab.additive_attention` (SwiftFormer) on CPU tensors.
+_ADDITIVE_DOC = """\
+Differentiable :func:`attnlab.additive_attention` (SwiftFormer) on CPU tensors.
 
     Parameters
     ----------
@@ -364,10 +297,7 @@ def additive_attention(
         As for :func:`attnlab.additive_attention` (``True`` = real token, the opposite of
         ``nn.MultiheadAttention``'s; :func:`attnlab.interop.torch_masks` converts it).
 
-    Returns
-    -------
-    out : torch.Tensor, shape (..., n, d_out)
-        Differentiable with respect to every tensor argument but the mask.
+    {torch_pooled_returns}
 
     Examples
     --------
@@ -378,28 +308,13 @@ def additive_attention(
     >>> x.grad.shape
     torch.Size([2, 49, 8])
     """
-    tensors = dict(x=x, w_q=w_q, b_q=b_q, w_k=w_k, b_k=b_k, w_g=w_g, w_proj=w_proj,
-                   b_proj=b_proj, w_final=w_final, b_final=b_final)
-    consts = dict(scale=scale, variant=variant, eps=eps,
-                  key_padding_mask=_mask(key_padding_mask, "key_padding_mask"),
-                  warn_empty_rows=warn_empty_rows)
-    call = _Call(_additive.additive_attention, tensors,
-                 consts, False)
-    out: torch.Tensor = call.apply()
-    return out
+additive_attention = _wrapper(
+    _additive.additive_attention,
+    ("x", "w_q", "b_q", "w_k", "b_k", "w_g", "w_proj", "b_proj", "w_final", "b_final"),
+    _ADDITIVE_DOC, "torch.Tensor")
 
-
-def separable_attention(
-    x: torch.Tensor,
-    *,
-    w_qkv: torch.Tensor,
-    b_qkv: torch.Tensor | None = None,
-    w_o: torch.Tensor,
-    b_o: torch.Tensor | None = None,
-    key_padding_mask: Any = None,
-    warn_empty_rows: bool = True,
-) -> torch.Tensor:
-    """Differentiable :func:`attnlab.separable_attention` (MobileViT-v2) on CPU tensors.
+_SEPARABLE_DOC = """\
+Differentiable :func:`attnlab.separable_attention` (MobileViT-v2) on CPU tensors.
 
     Parameters
     ----------
@@ -412,10 +327,7 @@ def separable_attention(
         As for :func:`attnlab.separable_attention` (``True`` = real token, the opposite of
         ``nn.MultiheadAttention``'s; :func:`attnlab.interop.torch_masks` converts it).
 
-    Returns
-    -------
-    out : torch.Tensor, shape (..., n, d_out)
-        Differentiable with respect to every tensor argument but the mask.
+    {torch_pooled_returns}
 
     Examples
     --------
@@ -426,10 +338,7 @@ def separable_attention(
     >>> x.grad.shape
     torch.Size([2, 16, 8])
     """
-    tensors = dict(x=x, w_qkv=w_qkv, b_qkv=b_qkv, w_o=w_o, b_o=b_o)
-    consts = dict(key_padding_mask=_mask(key_padding_mask, "key_padding_mask"),
-                  warn_empty_rows=warn_empty_rows)
-    call = _Call(_additive.separable_attention, tensors,
-                 consts, False)
-    out: torch.Tensor = call.apply()
-    return out
+separable_attention = _wrapper(
+    _additive.separable_attention,
+    ("x", "w_qkv", "b_qkv", "w_o", "b_o"),
+    _SEPARABLE_DOC, "torch.Tensor")

@@ -191,23 +191,21 @@ def run(quick: bool, threads: int) -> list[Row]:
     t_add = _torch_additive(torch, wa) if torch is not None else None
     t_sep = _torch_separable(torch, ws) if torch is not None else None
 
-    def additive_fns(n: int) -> dict[str, Any]:
-        x = xs[n]
-        fns: dict[str, Any] = {"attnlab": lambda: additive_attention(x, **wa)}
-        if n <= ref_max_n:
-            fns["reference"] = lambda: reference.additive_attention(x, **wa)
-        if t_add is not None:
-            fns["torch"] = _torch_call(torch, t_add, x)
-        return fns
+    def family_fns(ours: Callable[..., Any], ref: Callable[..., Any], w: dict[str, Any],
+                   module: Any) -> Callable[[int], dict[str, Any]]:
+        """The implementations timed at each n: attnlab, the reference (small n), torch."""
+        def fns_at(n: int) -> dict[str, Any]:
+            x = xs[n]
+            fns: dict[str, Any] = {"attnlab": lambda: ours(x, **w)}
+            if n <= ref_max_n:
+                fns["reference"] = lambda: ref(x, **w)
+            if module is not None:
+                fns["torch"] = _torch_call(torch, module, x)
+            return fns
+        return fns_at
 
-    def separable_fns(n: int) -> dict[str, Any]:
-        x = xs[n]
-        fns: dict[str, Any] = {"attnlab": lambda: separable_attention(x, **ws)}
-        if n <= ref_max_n:
-            fns["reference"] = lambda: reference.separable_attention(x, **ws)
-        if t_sep is not None:
-            fns["torch"] = _torch_call(torch, t_sep, x)
-        return fns
+    additive_fns = family_fns(additive_attention, reference.additive_attention, wa, t_add)
+    separable_fns = family_fns(separable_attention, reference.separable_attention, ws, t_sep)
 
     rows += _sweep("additive", "SwiftFormer fwd fp32", ns, additive_fns,
                    lambda n: additive_flops(B, n, D, D, D), lambda n: f"B={B} n={n} d={D}",

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _docs
 from .._bilinear import BilinearQK
 from ._mha import _context, _softmax_rows, add_mask, allowed_and_bias, warn_if_empty
 
@@ -250,6 +251,7 @@ def bilinear_logits(query: Any, key: Any = None, *, w_qk: Any, u_k: Any = None,
     return np.stack(out, axis=-3)
 
 
+@_docs.filled
 def bilinear_attention(
     query: Any, key: Any = None, value: Any = None, *, w_qk: Any, u_k: Any = None, w_v: Any,
     w_o: Any, b_v: Any = None, b_o: Any = None, num_heads: int, num_kv_heads: int | None = None,
@@ -260,11 +262,7 @@ def bilinear_attention(
 
     Parameters
     ----------
-    query : array_like, shape (..., n_q, d_q)
-    key : array_like, shape (..., n_k, d_k), optional
-        Defaults to ``query``.
-    value : array_like, shape (..., n_k, d_v), optional
-        Defaults to ``key``.
+    {query_key_value}
     w_qk : array_like, shape (h, d_q, d_k), or BilinearQK
     u_k : array_like, shape (h, d_k), optional
     w_v : array_like, shape (d_v, h_kv * d_vhead)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _docs
 from .._validate import ATTENTION_ROWS, warn_empty
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention", "allowed_and_bias"]
@@ -190,6 +191,7 @@ def scaled_dot_product_attention(
     return out, (p.mean(axis=-3) if return_weights == "mean" else p)
 
 
+@_docs.filled
 def multi_head_attention(
     query: Any, key: Any = None, value: Any = None, *, w_q: Any, w_k: Any, w_v: Any, w_o: Any,
     b_q: Any = None, b_k: Any = None, b_v: Any = None, b_o: Any = None, num_heads: int,
@@ -202,11 +204,7 @@ def multi_head_attention(
 
     Parameters
     ----------
-    query : array_like, shape (..., n_q, d_q)
-    key : array_like, shape (..., n_k, d_k), optional
-        Defaults to ``query``.
-    value : array_like, shape (..., n_k, d_v), optional
-        Defaults to ``key``.
+    {query_key_value}
     w_q : array_like, shape (d_q, h * d_head)
     w_k : array_like, shape (d_k, h_kv * d_head)
     w_v : array_like, shape (d_v, h_kv * d_vhead)

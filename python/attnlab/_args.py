@@ -1,0 +1,156 @@
+"""Argument normalisers shared by every family: head counts, the query/key/value inputs, the
+masks (``mask``, ``key_padding_mask``, ``causal``, ``warn_empty_rows``) and the returned
+weights. Each checks in one fixed order and names the argument in its errors, so that every
+family validates an option the same way and a new option is added here once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _validate as V
+
+__all__: list[str] = []  # private module
+
+# The mask options of the attention families, in the order the normaliser reads them: the
+# torch adapter passes these as constants (never differentiated), converting tensors.
+MASK_ARGS = ("mask", "key_padding_mask")
+
+
+def heads(num_heads: Any, num_kv_heads: Any) -> tuple[int, int, str]:
+    """``(h, h_kv, kv_arg)``: the head counts, and the name of the argument that set
+    ``h_kv`` (the one the user passed: error messages name it)."""
+    h = V.check_positive_int(num_heads, "num_heads")
+    h_kv = h if num_kv_heads is None else V.check_positive_int(num_kv_heads, "num_kv_heads")
+    if h % h_kv:
+        raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {h}, got {h_kv}")
+    return h, h_kv, "num_heads" if num_kv_heads is None else "num_kv_heads"
+
+
+class Qkv(NamedTuple):
+    """``query``, ``key`` and ``value`` as arrays (``key`` is ``query`` and ``value`` is
+    ``key`` when omitted: the same object, so the kernels read one copy)."""
+
+    xq: np.ndarray
+    xk: np.ndarray
+    xv: np.ndarray
+    key_omitted: bool
+    value_omitted: bool
+
+    @property
+    def n_q(self) -> int:
+        return int(self.xq.shape[-2])
+
+    @property
+    def n_k(self) -> int:
+        return int(self.xk.shape[-2])
+
+    @property
+    def widths(self) -> tuple[int, int, int]:
+        """``(d_q, d_k, d_v)``."""
+        return int(self.xq.shape[-1]), int(self.xk.shape[-1]), int(self.xv.shape[-1])
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The caller's input shapes, for reducing the gradients."""
+        return {"query": self.xq.shape, "key": self.xk.shape, "value": self.xv.shape}
+
+    def batch(self) -> tuple[int, ...]:
+        """The broadcast batch shape (``ValueError`` naming the inputs that disagree)."""
+        return V.batch_shape([("query", self.xq.shape[:-2]), ("key", self.xk.shape[:-2]),
+                              ("value", self.xv.shape[:-2])])
+
+    def groups(self, readers: tuple[V.Reader, V.Reader, V.Reader]
+               ) -> list[tuple[str, np.ndarray, list[V.Reader]]]:
+        """Each distinct input with the readers of its features (for ``check_readers``: an
+        input read by two weights is checked once, against both)."""
+        out: dict[int, tuple[str, np.ndarray, list[V.Reader]]] = {}
+        inputs = (("query", self.xq), ("key", self.xk), ("value", self.xv))
+        for (name, x), r in zip(inputs, readers, strict=True):
+            out.setdefault(id(x), (name, x, []))[2].append(r)
+        return list(out.values())
+
+    def rows(self, batch: tuple[int, ...], dtype: np.dtype
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Contiguous ``(B * n, d)`` rows of the result dtype, shared where the inputs are."""
+        B = V.count(batch)
+
+        def rows_of(x: np.ndarray) -> np.ndarray:
+            n, d = x.shape[-2:]
+            return V.rows(x, batch, dtype) if B * n else V.empty((0, d), dtype)
+
+        rq = rows_of(self.xq)
+        rk = rq if self.xk is self.xq else rows_of(self.xk)
+        rv = rk if self.xv is self.xk else rows_of(self.xv)
+        return rq, rk, rv
+
+
+def qkv(args: Mapping[str, Any], *, min_features: bool = False) -> Qkv:
+    """``query``, ``key``, ``value`` of a call checked in order: each as an array, each at
+    least 2-D, (with ``min_features``) each with features, then value's tokens against key's."""
+    key, value = args["key"], args["value"]
+    xq = V.as_array(args["query"], "query")
+    xk = xq if key is None else V.as_array(key, "key")
+    xv = xk if value is None else V.as_array(value, "value")
+    V.check_ndim(xq, "query", 2, "(..., n_q, d_q)")
+    V.check_ndim(xk, "key", 2, "(..., n_k, d_k)")
+    V.check_ndim(xv, "value", 2, "(..., n_k, d_v)")
+    if min_features:
+        for name, arr in (("query", xq), ("key", xk), ("value", xv)):
+            if arr.shape[-1] < 1:
+                raise ValueError(
+                    f"{name}: the feature axis must be >= 1, got shape {V.shape_str(arr.shape)}"
+                )
+    n_k = xk.shape[-2]
+    if xv.shape[-2] != n_k:
+        raise ValueError(
+            f"value: expected {n_k} tokens (as key), got shape {V.shape_str(xv.shape)}"
+        )
+    return Qkv(xq, xk, xv, key is None, value is None)
+
+
+class Masks(NamedTuple):
+    """The masks of a call as the kernels take them."""
+
+    causal: int               # 0 none, 1 top-left, 2 bottom-right
+    scale: float
+    mask4: np.ndarray | None  # (B, h, n_q, n_k) view, broadcast, never copied
+    kp: np.ndarray | None     # (B, n_k) key padding
+
+
+def masks(args: Mapping[str, Any], batch: tuple[int, ...], h: int, n_q: int, n_k: int,
+          dtype: np.dtype, default_scale: float) -> Masks:
+    """The causal mode, the scale, ``mask`` (broadcast to ``(B, h, n_q, n_k)``) and
+    ``key_padding_mask`` (``(B, n_k)``; absent from SDPA's arguments) of an attention call,
+    checked in that order; then the warning when the boolean masks leave a query row with no
+    key (unless ``warn_empty_rows=False``)."""
+    code = V.causal_code(args["causal"])
+    s = V.check_scale(args["scale"], default_scale)
+    m4 = V.mask4(args["mask"], batch, h, n_q, n_k, dtype)
+    kp = V.key_padding2(args.get("key_padding_mask"), batch, n_k)
+    if V.check_flag(args["warn_empty_rows"], "warn_empty_rows"):
+        V.warn_empty(*V.empty_rows(m4, kp, code, V.count(batch), h, n_q, n_k), V.ATTENTION_ROWS)
+    return Masks(code, s, m4, kp)
+
+
+def pooled_padding(args: Mapping[str, Any], batch: tuple[int, ...], n: int
+                   ) -> np.ndarray | None:
+    """``key_padding_mask`` of a pooled family (additive, separable) as ``(B, n)``, with the
+    warning when it leaves a sequence with no real token (unless ``warn_empty_rows=False``)."""
+    kp = V.key_padding2(args["key_padding_mask"], batch, n)
+    if V.check_flag(args["warn_empty_rows"], "warn_empty_rows"):
+        V.warn_empty(*V.empty_rows(None, kp, 0, V.count(batch), 1, 1, n), V.POOLED_ROWS)
+    return kp
+
+
+def with_weights(out: np.ndarray, weights: np.ndarray | None, mode: str | None) -> Any:
+    """The result of a forward: ``out``, or ``(out, weights)`` (averaged over the heads for
+    ``return_weights="mean"``)."""
+    if mode is None:
+        return out
+    assert weights is not None
+    if mode == "mean":
+        weights = weights.mean(axis=-3)
+    return out, weights

@@ -1,0 +1,72 @@
+"""Docstring text several public functions share word for word, written once.
+
+A docstring names a fragment on a line of its own, ``{name}``; :func:`filled` puts the
+fragment there, indented as that line. The text users read is unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__: list[str] = []  # private module
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+FRAGMENTS = {
+    # attnlab's dtype rule, as the Notes of the families state it
+    "dtypes": (
+        "float32 and float64 are computed natively and the result keeps that dtype; mixed inputs\n"
+        "follow ``np.result_type``; ints and float16 become float64; bool, complex, object and\n"
+        "string data raise ``TypeError``."
+    ),
+    "dtypes_mixed": (
+        "float32 and float64 are computed natively and the result keeps that dtype; mixed inputs\n"
+        "follow ``np.result_type`` (float32 with float64 gives float64); ints and float16 become\n"
+        "float64; bool, complex, object and string data raise ``TypeError``."
+    ),
+    # the inputs of the query/key/value families, key and value defaulting as they do
+    "query_key_value": (
+        "query : array_like, shape (..., n_q, d_q)\n"
+        "key : array_like, shape (..., n_k, d_k), optional\n"
+        "    Defaults to ``query``.\n"
+        "value : array_like, shape (..., n_k, d_v), optional\n"
+        "    Defaults to ``key``."
+    ),
+    # what the torch adapter's query/key/value families return
+    "torch_attention_returns": (
+        "Returns\n"
+        "-------\n"
+        "out : torch.Tensor, shape (..., n_q, d_out)\n"
+        "    Differentiable with respect to every tensor argument but the masks.\n"
+        "weights : torch.Tensor, optional\n"
+        "    When ``return_weights`` is set; not differentiable."
+    ),
+    # what the torch adapter's pooled families return
+    "torch_pooled_returns": (
+        "Returns\n"
+        "-------\n"
+        "out : torch.Tensor, shape (..., n, d_out)\n"
+        "    Differentiable with respect to every tensor argument but the mask."
+    ),
+}
+
+
+def fill(doc: str) -> str:
+    """``doc`` with every line that is only ``{name}`` (a fragment's name) replaced by the
+    fragment, each of its lines indented as that line was."""
+    lines = []
+    for line in doc.split("\n"):
+        name = line.strip()
+        if name.startswith("{") and name.endswith("}") and name[1:-1] in FRAGMENTS:
+            indent = line[: len(line) - len(line.lstrip())]
+            lines += [indent + part if part else part
+                      for part in FRAGMENTS[name[1:-1]].split("\n")]
+        else:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def filled(f: F) -> F:
+    """Decorator: ``f`` with its docstring's fragments filled in."""
+    f.__doc__ = fill(f.__doc__ or "")
+    return f

@@ -1,0 +1,64 @@
+"""Finishing gradients, shared by every family's backward: the incoming ``grad_out`` checked
+against the output's shape, and kernel gradients of ``(B * n, d)`` rows turned back into
+gradients shaped like the arguments the caller passed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _validate as V
+
+__all__: list[str] = []  # private module
+
+
+def grad_out(g: Any, expected: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """``grad_out`` as an array of the result dtype, refused unless shaped like the output."""
+    a = V.as_array(g, "grad_out")
+    if a.shape != expected:
+        raise ValueError(
+            f"grad_out: expected the output's shape {V.shape_str(expected)}, got "
+            f"{V.shape_str(a.shape)}"
+        )
+    return a.astype(dtype, copy=False)
+
+
+def grad_out_rows(g: Any, expected: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """``grad_out`` checked, then as contiguous ``(B * n, d_out)`` rows for a kernel."""
+    rows = V.count(expected[:-1])  # not -1: ambiguous when d_out == 0
+    return V.contiguous(grad_out(g, expected, dtype).reshape(rows, expected[-1]))
+
+
+def unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum a gradient over the axes along which its input was broadcast."""
+    extra = g.ndim - len(shape)
+    if extra > 0:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return g
+
+
+def input_grads(rows: dict[str, np.ndarray], batch: tuple[int, ...],
+                shapes: dict[str, tuple[int, ...]], key_omitted: bool, value_omitted: bool
+                ) -> dict[str, np.ndarray]:
+    """Gradients of ``query``, ``key`` and ``value`` from the kernel's row gradients: shaped
+    as given (summed over broadcast batch axes), and summed into the argument an omitted
+    ``key``/``value`` defaulted to (gradient keys follow the arguments given, not identity)."""
+    inputs = {}
+    for name, r in rows.items():
+        g = r.reshape(batch + (shapes[name][-2], r.shape[-1]))
+        inputs[name] = unbroadcast(g, shapes[name])
+    if value_omitted:
+        inputs["key"] = inputs["key"] + inputs.pop("value")
+    if key_omitted:
+        inputs["query"] = inputs["query"] + inputs.pop("key")
+    return inputs
+
+
+def zeros_like_given(arrays: dict[str, np.ndarray | None], dtype: np.dtype
+                     ) -> dict[str, np.ndarray]:
+    """Zeroed gradient buffers for the arrays given (``None``: an omitted bias, no entry)."""
+    return {name: V.zeros(a.shape, dtype) for name, a in arrays.items() if a is not None}

@@ -1,0 +1,87 @@
+"""One signature per family: the forward's. The backward (``grad_out`` first, then the
+forward's arguments) and the torch adapter's wrappers are generated from it, so a new keyword
+argument is written once, in the forward's ``def``, and every derived function takes it.
+
+Generated functions are ordinary Python functions (compiled from source, as ``dataclasses``
+builds ``__init__``): ``inspect.signature``, ``help()``, tab completion and Python's own
+argument errors see the real parameters, names, defaults and annotations."""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__: list[str] = []  # private module
+
+_PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def arguments(local_vars: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments of a call by name, from ``locals()`` taken first thing in the function
+    (then they are exactly its parameters)."""
+    return dict(local_vars)
+
+
+def public_parameters(f: Callable[..., Any]) -> list[inspect.Parameter]:
+    """``f``'s parameters but the private ones (``_keep``, ``_order``: attnlab's own)."""
+    return [p for p in inspect.signature(f).parameters.values() if not p.name.startswith("_")]
+
+
+def generate(name: str, module: str, params: list[inspect.Parameter], returns: str,
+             doc: str | None, body: Callable[..., Any], *, first: str | None = None,
+             annotations: Mapping[str, str] | None = None) -> Callable[..., Any]:
+    """A function ``name(first, <params>) -> returns`` whose body is
+    ``return body(first, {param: value, ...})`` (without ``first``: ``body({...})``).
+
+    ``annotations`` overrides the annotation (a string) of the parameters it names. The
+    function reports ``module`` as its own and lives, for tracebacks and for the warnings'
+    ``stacklevel`` (see ``_validate.user_stacklevel``), in a file name inside the package."""
+    annotations = annotations or {}
+    namespace: dict[str, Any] = {"__body": body}
+    parts: list[str] = [] if first is None else [f"{first}: Any"]
+    star = False
+    for p in params:
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):  # never in attnlab's API
+            raise TypeError(f"{name}: cannot generate parameter {p} ({p.kind.description})")
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        ann = annotations.get(p.name, p.annotation)
+        text = p.name if ann is p.empty else f"{p.name}: {ann}"
+        if p.default is not p.empty:
+            namespace[f"__d_{p.name}"] = p.default
+            text += f" = __d_{p.name}"
+        parts.append(text)
+    call = "{" + ", ".join(f"{p.name!r}: {p.name}" for p in params) + "}"
+    head = "" if first is None else f"{first}, "
+    source = (f"from __future__ import annotations\n"
+              f"def {name}({', '.join(parts)}) -> {returns}:\n"
+              f"    return __body({head}{call})\n")
+    filename = f"{_PKG}<generated {module}.{name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)  # the source is built above
+    fn: Callable[..., Any] = namespace[name]
+    fn.__module__ = module
+    fn.__qualname__ = name
+    fn.__doc__ = doc
+    return fn
+
+
+def backward_of(forward: Callable[..., Any], body: Callable[[Any, dict[str, Any]], Any],
+                output: str, doc: str, *, wrt: str = "every array argument given",
+                intro: str = "") -> Callable[..., dict[str, Any]]:
+    """``<forward>_backward(grad_out, <forward's public arguments>)``: ``body(grad_out,
+    arguments)`` computes the gradients.
+
+    Its docstring starts as every backward's does (what it differentiates, an optional
+    ``intro`` paragraph, ``grad_out`` of shape ``output``), then ``doc``: the other
+    parameters, the returns, the examples."""
+    head = (f"Gradients of :func:`{forward.__name__}` with respect to {wrt}.\n\n{intro}"
+            f"    Parameters\n    ----------\n    grad_out : array_like, shape {output}\n"
+            f"        Gradient of the loss with respect to the output.\n")
+    return generate(f"{forward.__name__}_backward", forward.__module__,
+                    public_parameters(forward), "dict[str, np.ndarray]", head + doc, body,
+                    first="grad_out")
