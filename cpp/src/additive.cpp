@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
@@ -117,7 +117,7 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         const Index b = task / per, i0 = (task % per) * kRowBlock;
         const Index m = std::min(kRowBlock, n - i0), r0 = b * n + i0;
         ConstRowMap<T> X(p.x + r0 * din, m, din, Eigen::OuterStride<>(std::max<Index>(din, 1)));
-        RowMatrix<T> KQ(m, ld);
+        auto KQ = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, ld);
         RowMap<T> KQm(KQ.data(), m, ld, Eigen::OuterStride<>(ld));
         project<T>(X, Wkq_map, bkq.data(), KQm);
         auto K = KQ.leftCols(D);
@@ -131,7 +131,7 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         }
         bool all_real = true;
         for (Index i = 0; i < m && all_real; ++i) all_real = p.key_padding.real(b, i0 + i);
-        Vec<T> share(D);
+        auto share = scratch_vector<T>(ScratchBuffer::kAdditiveShare, D);
         if (all_real) {
             if (official) {
                 share.noalias() = ConstVecMap<T>(score.get() + r0, m) * Q;
@@ -159,11 +159,12 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
             G.setZero();
             return;
         }
-        Vec<double> acc = Vec<double>::Zero(D);
+        auto acc = scratch_vector<double>(ScratchBuffer::kAdditivePooled, D);
+        acc.setZero();
         for (Index k = 0; k < per; ++k)
             acc += Eigen::Map<const Vec<double>>(partial.get() + (b * per + k) * D, D);
         if (official) {
-            Vec<T> s(real);  // the real tokens' scores
+            auto s = scratch_vector<T>(ScratchBuffer::kAdditiveWeights, real);  // real tokens' scores
             Index r = 0;
             for (Index j = 0; j < n; ++j)
                 if (p.key_padding.real(b, j)) s[r++] = score[b * n + j];
@@ -177,7 +178,8 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     parallel_for(grid.size(), [&](Index t) {
         Index b, r0, r1;
         grid.at(t, b, r0, r1);
-        const RowMatrix<T> W = ConstVecMap<T>(pooled.get() + b * D, D).asDiagonal() * M;
+        auto W = scratch_matrix<T>(ScratchBuffer::kAdditiveFolded, D, dout);
+        W = ConstVecMap<T>(pooled.get() + b * D, D).asDiagonal() * M;
         for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
             const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
             ConstRowMap<T> K(keys.get() + row * D, m, D, Eigen::OuterStride<>(D));
@@ -215,7 +217,7 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
         const Index b = task / per, i0 = (task % per) * kRowBlock;
         const Index m = std::min(kRowBlock, n - i0), r0 = b * n + i0;
         ConstRowMap<T> X(p.x + r0 * d, m, d, Eigen::OuterStride<>(std::max<Index>(d, 1)));
-        RowMatrix<T> P(m, ld);
+        auto P = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, ld);
         RowMap<T> Pm(P.data(), m, ld, Eigen::OuterStride<>(ld));
         project<T>(X, Wqkv, p.b_qkv, Pm);
         RowMap<T>(values.get() + r0 * d, m, d, Eigen::OuterStride<>(d)) =
@@ -237,7 +239,7 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
         bsum[task] = 0.0;
         breal[task] = real;
         if (real == 0 || mx == -kInf) return;  // nothing here can carry weight
-        Vec<T> e(m);
+        auto e = scratch_vector<T>(ScratchBuffer::kAdditiveWeights, m);
         double z = 0;
         for (Index i = 0; i < m; ++i) {
             e[i] = p.key_padding.real(b, i0 + i) ? std::exp(P(i, 0) - mx) : T(0);
@@ -247,7 +249,8 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
         if (real == m) {
             ctx = (e * P.middleCols(1, d)).template cast<double>();
         } else {  // skip padded tokens rather than weighting them by 0 (0 * NaN is NaN)
-            Vec<T> acc = Vec<T>::Zero(d);
+            auto acc = scratch_vector<T>(ScratchBuffer::kAdditiveShare, d);
+            acc.setZero();
             for (Index i = 0; i < m; ++i)
                 if (p.key_padding.real(b, i0 + i)) acc += e[i] * P.row(i).segment(1, d);
             ctx = acc.template cast<double>();
@@ -275,7 +278,8 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
         }
         if (nan) mx = std::numeric_limits<T>::quiet_NaN();
         double z = 0;
-        Vec<double> acc = Vec<double>::Zero(d);
+        auto acc = scratch_vector<double>(ScratchBuffer::kAdditivePooled, d);
+        acc.setZero();
         for (Index k = 0; k < per; ++k) {
             const Index t = b * per + k;
             if (breal[t] == 0 || bmax[t] == -kInf) continue;
@@ -292,7 +296,8 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
     parallel_for(grid.size(), [&](Index t) {
         Index b, r0, r1;
         grid.at(t, b, r0, r1);
-        const RowMatrix<T> Wb = ConstVecMap<T>(context.get() + b * d, d).asDiagonal() * Wo;
+        auto Wb = scratch_matrix<T>(ScratchBuffer::kAdditiveFolded, d, dout);
+        Wb = ConstVecMap<T>(context.get() + b * d, d).asDiagonal() * Wo;
         for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
             const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
             ConstRowMap<T> Vv(values.get() + row * d, m, d, Eigen::OuterStride<>(d));
@@ -310,15 +315,18 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
 namespace detail {
 namespace {
 
-// Per batch element, the sum over its blocks of kRowBlock rows of fn(b, i0, m) (a share of
-// length `width`): blocks in parallel, then added in block order in double (B x width).
+// Per batch element, the sum over its blocks of kRowBlock rows of the shares fn(b, i0, m,
+// share) writes (length `width`): blocks in parallel, then added in block order in double
+// (B x width).
 template <typename T, typename F>
 RowMatrix<double> block_sums(Index B, Index n, Index width, F fn) {
     const Index per = (n + kRowBlock - 1) / kRowBlock;
-    RowMatrix<double> partial(B * per, width);
+    auto partial_buf = make_buffer<double>(B * per * width);
+    Eigen::Map<RowMatrix<double>> partial(partial_buf.get(), B * per, width);
     parallel_for(B * per, [&](Index task) {
         const Index b = task / per, i0 = (task % per) * kRowBlock;
-        const Vec<T> share = fn(b, i0, std::min(kRowBlock, n - i0));
+        auto share = scratch_vector<T>(ScratchBuffer::kAdditiveShare, width);
+        fn(b, i0, std::min(kRowBlock, n - i0), share);
         partial.row(task) = share.template cast<double>();
     });
     RowMatrix<double> sums = RowMatrix<double>::Zero(B, width);
@@ -400,10 +408,11 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
         }
     });
     auto real = [&](Index r) { return p.key_padding.real(r / n, r % n); };
-    std::vector<Index> nreal(B, 0);
-    std::vector<T> snorm(B, T(0));  // ||s|| over the real tokens (official)
+    auto nreal = make_buffer<Index>(B);
+    auto snorm = make_buffer<T>(B);  // ||s|| over the real tokens (official)
+    std::fill(snorm.get(), snorm.get() + B, T(0));
     parallel_for(B, [&](Index b) {
-        Vec<T> s(n);
+        auto s = scratch_vector<T>(ScratchBuffer::kAdditiveWeights, n);
         Index k = 0;
         for (Index j = 0; j < n; ++j)
             if (p.key_padding.real(b, j)) s[k++] = score[b * n + j];
@@ -412,16 +421,15 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     });
     auto den = [&](Index b) { return official ? std::max(snorm[b], p.eps) : T(1); };
     // weighted sum over a block's real tokens of w(r) * M.row(r)
-    auto real_sum = [&](const T* M, Index b, Index i0, Index m, auto w) {
-        Vec<T> share = Vec<T>::Zero(D);
+    auto real_sum = [&](const T* M, Index b, Index i0, Index m, auto w, auto& share) {
+        share.setZero();
         for (Index i = 0; i < m; ++i) {
             const Index r = b * n + i0 + i;
             if (p.key_padding.real(b, i0 + i)) share += w(r) * row_map(const_cast<T*>(M), r, 1);
         }
-        return share;
     };
-    const RowMatrix<double> Gsum = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m) {
-        return real_sum(Qb.get(), b, i0, m, [&](Index r) { return score[r]; });
+    const RowMatrix<double> Gsum = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
+        real_sum(Qb.get(), b, i0, m, [&](Index r) { return score[r]; }, share);
     });
     RowMatrix<T> G(B, D);
     for (Index b = 0; b < B; ++b)
@@ -445,9 +453,9 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     linear_input_grad(rows, D, D, dH.get(), D, p.w_proj, dZ, D);
 
     // dG = sum over every token (padded ones too: they have an output) of K * dZ; dK = G * dZ.
-    const RowMatrix<double> dGd = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m) {
+    const RowMatrix<double> dGd = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
         const Index r0 = b * n + i0;
-        return Vec<T>(row_map(Kb.get(), r0, m).cwiseProduct(row_map(dZ, r0, m)).colwise().sum());
+        share = row_map(Kb.get(), r0, m).cwiseProduct(row_map(dZ, r0, m)).colwise().sum();
     });
     const RowMatrix<T> dG = dGd.template cast<T>();
     for_row_blocks(rows, [&](Index r0, Index m) {
@@ -462,11 +470,10 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
             for (Index r = r0; r < r0 + m; ++r)
                 da[r] = real(r) ? row_map(Qb.get(), r, 1).row(0).dot(dG.row(r / n)) : T(0);
         });
-        const RowMatrix<double> adot = block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m) {
-            Vec<T> acc = Vec<T>::Zero(1);
+        const RowMatrix<double> adot = block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m, auto& acc) {
+            acc.setZero();
             for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
                 if (real(r)) acc[0] += score[r] / den(r / n) * da[r];
-            return acc;
         });
         for_row_blocks(rows, [&](Index r0, Index m) {
             for (Index r = r0; r < r0 + m; ++r) {
@@ -482,8 +489,8 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
             }
         });
         // dw_g = scale * sum over batch elements and real tokens of ds_n Q_n
-        const RowMatrix<double> dwg = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m) {
-            return real_sum(Qb.get(), b, i0, m, [&](Index r) { return ds[r]; });
+        const RowMatrix<double> dwg = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
+            real_sum(Qb.get(), b, i0, m, [&](Index r) { return ds[r]; }, share);
         });
         Vec<double> acc = Vec<double>::Zero(D);
         for (Index b = 0; b < B; ++b) acc += dwg.row(b);
@@ -563,11 +570,10 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
         for (Index r = b * n; r < (b + 1) * n; ++r)
             if (real(r)) c[r] = static_cast<T>(static_cast<double>(c[r]) / z);
     });
-    const RowMatrix<T> ctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m) {
-        Vec<T> share = Vec<T>::Zero(d);
+    const RowMatrix<T> ctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m, auto& share) {
+        share.setZero();
         for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
             if (real(r)) share += c[r] * prow(Pb.get(), r).segment(1, d);
-        return share;
     }).template cast<T>();
 
     // U = relu(v) * ctx; out = U w_o + b_o.
@@ -582,13 +588,12 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
     linear_input_grad(rows, d, dout, grad_out, dout, p.w_o, dU.get(), d);
 
     // dctx = sum over every token of relu(v) * dU.
-    const RowMatrix<T> dctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m) {
-        Vec<T> share = Vec<T>::Zero(d);
+    const RowMatrix<T> dctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m, auto& share) {
+        share.setZero();
         for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
             share += prow(Pb.get(), r).tail(d).unaryExpr([](T v) {
                 return v < T(0) ? T(0) : v;
             }).cwiseProduct(drow(dU.get(), r));
-        return share;
     }).template cast<T>();
 
     // dP = [ds | dk | dv]: dv = [v > 0] ctx * dU (torch's relu: 0 at 0); dk = c dctx over real
@@ -611,11 +616,10 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
             }
         }
     });
-    const RowMatrix<double> cdot = block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m) {
-        Vec<T> acc = Vec<T>::Zero(1);
+    const RowMatrix<double> cdot = block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m, auto& acc) {
+        acc.setZero();
         for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
             if (real(r)) acc[0] += c[r] * dc[r];
-        return acc;
     });
     for_row_blocks(rows, [&](Index r0, Index m) {
         for (Index r = r0; r < r0 + m; ++r)
