@@ -15,15 +15,12 @@ namespace attnlab {
 enum class BilinearOrder : int { query = 0, key = 1 };
 
 // What the forward keeps for the backward (attnlab.vjp), as MhaState: the values V = X_v w_v +
-// b_v, the projected queries X_q W_i + u_i of every head, the attention output before w_o and
-// the log-sum-exp. A forward given them evaluates in the query order (the backward's).
+// b_v, the attention output before w_o and the log-sum-exp (KeptForward), and the projected
+// queries X_q W_i + u_i of every head. A forward given them evaluates in the query order (the
+// backward's).
 template <typename T>
-struct BilinearState {
-    T* v = nullptr;     // (batch * n_k, kv_heads * d_vhead)
+struct BilinearState : KeptForward<T> {
     T* proj = nullptr;  // (batch * n_q, heads * d_k)
-    T* ctx = nullptr;   // (batch * n_q, heads * d_vhead)
-    T* lse = nullptr;   // (batch, heads, n_q)
-    bool filled = false;
 };
 
 template <typename T>
@@ -44,11 +41,6 @@ struct BilinearProblem {
     BilinearState<T> state;  // optional: all four buffers or none
 };
 
-namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
-template <typename T>
-void bilinear_attention_forward(const BilinearProblem<T>& p);
-}  // namespace ATTNLAB_ISA_NS
-
 // Gradients of bilinear_attention_forward; any pointer may be null (not computed).
 template <typename T>
 struct BilinearGrads {
@@ -60,11 +52,16 @@ struct BilinearGrads {
     LinearGrad<T> w_v, w_o;
 };
 
+// The kernels, compiled once per instruction set (see common.hpp).
+namespace ATTNLAB_ISA_NS {
+
+template <typename T>
+void bilinear_attention_forward(const BilinearProblem<T>& p);
+
 // Recomputes the forward in the query order whatever p.order says (the gradient is the same
 // function; the query order keeps one projected tensor per query head and reads the keys raw),
 // then back-propagates grad_out (batch * n_q, d_out). Deterministic for any thread count: the
 // per-kv-head key gradients are summed in head order, never with atomics.
-namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
                                  const BilinearGrads<T>& g);

@@ -49,17 +49,27 @@ struct MatrixStack {
 enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
 enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };
 
-// Which (query, key) pairs may attend, and what is added to their scaled scores.
-// mask element (b, h, i, j) at mask[b*sb + h*sh + i*sq + j*sk]; key_padding (b, j) at
-// key_padding[b*kp_sb + j*kp_sk]. Booleans are bytes, nonzero meaning "may attend".
+// Optional per-batch token mask: element (b, j) at data[b * sb + j * sk], nonzero = real token.
+// The key padding of every family (additive and separable attention have no other mask).
+struct TokenMask {
+    const std::uint8_t* data = nullptr;
+    Index sb = 0, sk = 0;
+
+    bool real(Index b, Index j) const { return !data || data[b * sb + j * sk] != 0; }
+};
+
+// Which (query, key) pairs may attend, and what is added to their scaled scores: the one
+// struct that carries every mask option from the bindings to the kernels (a new option is a
+// field here, read in apply_mask / tile_needs_mask, cpp/src/softmax.hpp).
+// mask element (b, h, i, j) at mask[b*sb + h*sh + i*sq + j*sk]. Booleans are bytes, nonzero
+// meaning "may attend".
 template <typename T>
 struct MaskSpec {
     MaskKind kind = MaskKind::none;
     const std::uint8_t* boolean = nullptr;
     const T* additive = nullptr;
     Index sb = 0, sh = 0, sq = 0, sk = 0;
-    const std::uint8_t* key_padding = nullptr;
-    Index kp_sb = 0, kp_sk = 0;
+    TokenMask key_padding;
     Causal causal = Causal::none;
 };
 
