@@ -50,6 +50,28 @@ void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y) {
     if (b) Y.rowwise() += ConstVecMap<T>(b, Y.cols());
 }
 
+// Rows [r0, r0 + m) of x (width in) times W plus b, into this thread's kAdditiveRows block
+// (m x W.cols()): the first step of both forwards.
+template <typename T>
+auto project_block(const T* x, Index r0, Index m, Index in, const ConstRowMap<T>& W, const T* b) {
+    ConstRowMap<T> X(x + r0 * in, m, in, Eigen::OuterStride<>(std::max<Index>(in, 1)));
+    auto Y = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, W.cols());
+    RowMap<T> Ym(Y.data(), m, W.cols(), Eigen::OuterStride<>(W.cols()));
+    project<T>(X, W, b, Ym);
+    return Y;
+}
+
+// Calls fn(task, b, i0, m) for every block of kRowBlock rows [i0, i0 + m) of every batch
+// element b, in parallel; task = b * blocks_per_element + block (fixed: thread-count free).
+template <typename F>
+void for_batch_blocks(Index B, Index n, F fn) {
+    const Index per = (n + kRowBlock - 1) / kRowBlock;
+    parallel_for(B * per, [&](Index task) {
+        const Index b = task / per, i0 = (task % per) * kRowBlock;
+        fn(task, b, i0, std::min(kRowBlock, n - i0));
+    });
+}
+
 // v / max(||v||, eps) in place, for every row.
 template <typename T, typename M>
 void normalize_rows(M& Y, T eps) {
@@ -59,17 +81,27 @@ void normalize_rows(M& Y, T eps) {
     }
 }
 
-// Splits [0, rows) of each batch element into tasks of at most kRowsPerTask rows.
-struct TaskGrid {
-    Index batch, n, per;
-    TaskGrid(Index b, Index n_) : batch(b), n(n_), per((n_ + kRowsPerTask - 1) / kRowsPerTask) {}
-    Index size() const { return batch * per; }
-    void at(Index t, Index& b, Index& r0, Index& r1) const {
-        b = t / per;
-        r0 = (t % per) * kRowsPerTask;
-        r1 = std::min(n, r0 + kRowsPerTask);
-    }
-};
+// The last step of both forwards. Per task of at most kRowsPerTask rows of batch element b: the
+// weights folded with b's pooled vector, Wb = diag(pooled_b) W (width x d_out), once per task;
+// then apply(X, Y, Wb) for each block of kRowBlock rows, X the block of x (rows x width) and Y
+// the same rows of y (rows x d_out).
+template <typename T, typename WMatrix, typename F>
+void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, const WMatrix& W,
+                 const T* x, T* y, F apply) {
+    const Index per = (n + kRowsPerTask - 1) / kRowsPerTask;
+    parallel_for(B * per, [&](Index t) {
+        const Index b = t / per, r0 = (t % per) * kRowsPerTask;
+        const Index r1 = std::min(n, r0 + kRowsPerTask);
+        auto Wb = scratch_matrix<T>(ScratchBuffer::kAdditiveFolded, width, dout);
+        Wb = ConstVecMap<T>(pooled + b * width, width).asDiagonal() * W;
+        for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
+            const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
+            ConstRowMap<T> X(x + row * width, m, width, Eigen::OuterStride<>(width));
+            RowMap<T> Y(y + row * dout, m, dout, Eigen::OuterStride<>(dout));
+            apply(X, Y, Wb);
+        }
+    });
+}
 
 }  // namespace
 }  // namespace detail
@@ -113,13 +145,9 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     //    official scores s = (Q w_g) * scale; the block's share of the pooling, the sum over
     //    its real tokens of s_n Q_n (official) or Q_n (hf) (the token weights are
     //    a_n = s_n / max(||s||, eps), so G = (sum s_n Q_n) / max(||s||, eps)); out = Q w_final.
-    parallel_for(B * per, [&](Index task) {
-        const Index b = task / per, i0 = (task % per) * kRowBlock;
-        const Index m = std::min(kRowBlock, n - i0), r0 = b * n + i0;
-        ConstRowMap<T> X(p.x + r0 * din, m, din, Eigen::OuterStride<>(std::max<Index>(din, 1)));
-        auto KQ = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, ld);
-        RowMap<T> KQm(KQ.data(), m, ld, Eigen::OuterStride<>(ld));
-        project<T>(X, Wkq_map, bkq.data(), KQm);
+    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
+        const Index r0 = b * n + i0;
+        auto KQ = project_block<T>(p.x, r0, m, din, Wkq_map, bkq.data());
         auto K = KQ.leftCols(D);
         auto Q = KQ.rightCols(D);
         normalize_rows(K, p.eps);
@@ -173,21 +201,12 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         G = acc.template cast<T>();
     });
 
-    // 3. out += K (diag(G) M) + c, the folded weights built once per task.
-    const TaskGrid grid(B, n);
-    parallel_for(grid.size(), [&](Index t) {
-        Index b, r0, r1;
-        grid.at(t, b, r0, r1);
-        auto W = scratch_matrix<T>(ScratchBuffer::kAdditiveFolded, D, dout);
-        W = ConstVecMap<T>(pooled.get() + b * D, D).asDiagonal() * M;
-        for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
-            const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
-            ConstRowMap<T> K(keys.get() + row * D, m, D, Eigen::OuterStride<>(D));
-            RowMap<T> Y(p.out + row * dout, m, dout, Eigen::OuterStride<>(dout));
-            Y.noalias() += K * W;
-            Y.rowwise() += c;
-        }
-    });
+    // 3. out += K (diag(G) M) + c.
+    folded_rows<T>(B, n, D, dout, pooled.get(), M, keys.get(), p.out,
+                   [&](const auto& K, auto& Y, const auto& W) {
+                       Y.noalias() += K * W;
+                       Y.rowwise() += c;
+                   });
 }
 
 template <typename T>
@@ -213,13 +232,9 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
 
     // 1. [s | k | v] in one GEMM per block, the block's softmax state while k is in cache, and
     //    relu(v) (NaN stays NaN, as torch's relu).
-    parallel_for(B * per, [&](Index task) {
-        const Index b = task / per, i0 = (task % per) * kRowBlock;
-        const Index m = std::min(kRowBlock, n - i0), r0 = b * n + i0;
-        ConstRowMap<T> X(p.x + r0 * d, m, d, Eigen::OuterStride<>(std::max<Index>(d, 1)));
-        auto P = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, ld);
-        RowMap<T> Pm(P.data(), m, ld, Eigen::OuterStride<>(ld));
-        project<T>(X, Wqkv, p.b_qkv, Pm);
+    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
+        const Index r0 = b * n + i0;
+        auto P = project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv);
         RowMap<T>(values.get() + r0 * d, m, d, Eigen::OuterStride<>(d)) =
             P.rightCols(d).unaryExpr([](T v) { return v < T(0) ? T(0) : v; });
         T mx = -kInf;
@@ -292,24 +307,15 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
     });
 
     // 3. out = relu(v) (diag(ctx) w_o) + b_o.
-    const TaskGrid grid(B, n);
-    parallel_for(grid.size(), [&](Index t) {
-        Index b, r0, r1;
-        grid.at(t, b, r0, r1);
-        auto Wb = scratch_matrix<T>(ScratchBuffer::kAdditiveFolded, d, dout);
-        Wb = ConstVecMap<T>(context.get() + b * d, d).asDiagonal() * Wo;
-        for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
-            const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
-            ConstRowMap<T> Vv(values.get() + row * d, m, d, Eigen::OuterStride<>(d));
-            RowMap<T> Y(p.out + row * dout, m, dout, Eigen::OuterStride<>(dout));
-            if (d == 0) {
-                Y.setZero();
-            } else {
-                Y.noalias() = Vv * Wb;
-            }
-            if (p.b_o) Y.rowwise() += ConstVecMap<T>(p.b_o, dout);
-        }
-    });
+    folded_rows<T>(B, n, d, dout, context.get(), Wo, values.get(), p.out,
+                   [&](const auto& Vv, auto& Y, const auto& Wb) {
+                       if (d == 0) {
+                           Y.setZero();
+                       } else {
+                           Y.noalias() = Vv * Wb;
+                       }
+                       if (p.b_o) Y.rowwise() += ConstVecMap<T>(p.b_o, dout);
+                   });
 }
 
 namespace detail {
@@ -323,10 +329,9 @@ RowMatrix<double> block_sums(Index B, Index n, Index width, F fn) {
     const Index per = (n + kRowBlock - 1) / kRowBlock;
     auto partial_buf = make_buffer<double>(B * per * width);
     Eigen::Map<RowMatrix<double>> partial(partial_buf.get(), B * per, width);
-    parallel_for(B * per, [&](Index task) {
-        const Index b = task / per, i0 = (task % per) * kRowBlock;
+    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
         auto share = scratch_vector<T>(ScratchBuffer::kAdditiveShare, width);
-        fn(b, i0, std::min(kRowBlock, n - i0), share);
+        fn(b, i0, m, share);
         partial.row(task) = share.template cast<double>();
     });
     RowMatrix<double> sums = RowMatrix<double>::Zero(B, width);
