@@ -57,19 +57,28 @@ struct MhaState : KeptForward<T> {
     T* k = nullptr;  // (batch * n_k, kv_heads * d_head)
 };
 
+// What multi-head and bilinear attention share: the sizes, the rows of the three inputs, the
+// value and output projections, the scale and mask, the outputs. Each family adds how it forms
+// the scores (MhaProblem, BilinearProblem).
 template <typename T>
-struct MhaProblem {
+struct ProjectedAttention {
     Index batch = 0, n_q = 0, n_k = 0;
-    Index heads = 0, kv_heads = 0, d_head = 0, d_vhead = 0;
+    Index heads = 0, kv_heads = 0, d_vhead = 0;
     const T* query = nullptr;  // (batch * n_q, d_q) row-major
     const T* key = nullptr;    // (batch * n_k, d_k)
     const T* value = nullptr;  // (batch * n_k, d_v)
-    Linear<T> w_q, w_k, w_v, w_o;
+    Linear<T> w_v, w_o;        // (d_v, kv_heads * d_vhead), (heads * d_vhead, d_out)
     T scale = T(1);
     MaskSpec<T> mask;
     T* out = nullptr;      // (batch * n_q, d_out)
     T* weights = nullptr;  // optional (batch, heads, n_q, n_k)
-    MhaState<T> state;     // optional: all five buffers or none
+};
+
+template <typename T>
+struct MhaProblem : ProjectedAttention<T> {
+    Index d_head = 0;
+    Linear<T> w_q, w_k;  // (d_q, heads * d_head), (d_k, kv_heads * d_head)
+    MhaState<T> state;   // optional: all five buffers or none
 };
 
 // Gradient of a dense projection: weight and bias gradients, input gradient (any may be null).
@@ -79,12 +88,18 @@ struct LinearGrad {
     T* b = nullptr;  // (out)
 };
 
+// The gradients of what ProjectedAttention holds, and those of each family; any may be null.
 template <typename T>
-struct MhaGrads {
+struct ProjectedGrads {
     T* query = nullptr;  // (batch * n_q, d_q)
     T* key = nullptr;    // (batch * n_k, d_k)
     T* value = nullptr;  // (batch * n_k, d_v)
-    LinearGrad<T> w_q, w_k, w_v, w_o;
+    LinearGrad<T> w_v, w_o;
+};
+
+template <typename T>
+struct MhaGrads : ProjectedGrads<T> {
+    LinearGrad<T> w_q, w_k;
 };
 
 // The kernels, compiled once per instruction set (see common.hpp).

@@ -24,32 +24,19 @@ struct BilinearState : KeptForward<T> {
 };
 
 template <typename T>
-struct BilinearProblem {
-    Index batch = 0, n_q = 0, n_k = 0;
-    Index heads = 0, kv_heads = 0, d_q = 0, d_k = 0, d_vhead = 0;
-    const T* query = nullptr;  // (batch * n_q, d_q) row-major
-    const T* key = nullptr;    // (batch * n_k, d_k)
-    const T* value = nullptr;  // (batch * n_k, d_v)
-    const T* w_qk = nullptr;   // (heads, d_q, d_k) contiguous
-    const T* u_k = nullptr;    // optional (heads, d_k): the key-side term W_k,i b_q,i
-    Linear<T> w_v, w_o;        // (d_v, kv_heads * d_vhead), (heads * d_vhead, d_out)
-    T scale = T(1);
+struct BilinearProblem : ProjectedAttention<T> {
+    Index d_q = 0, d_k = 0;
+    const T* w_qk = nullptr;  // (heads, d_q, d_k) contiguous
+    const T* u_k = nullptr;   // optional (heads, d_k): the key-side term W_k,i b_q,i
     BilinearOrder order = BilinearOrder::query;
-    MaskSpec<T> mask;
-    T* out = nullptr;      // (batch * n_q, d_out)
-    T* weights = nullptr;  // optional (batch, heads, n_q, n_k)
     BilinearState<T> state;  // optional: all four buffers or none
 };
 
 // Gradients of bilinear_attention_forward; any pointer may be null (not computed).
 template <typename T>
-struct BilinearGrads {
-    T* query = nullptr;  // (batch * n_q, d_q)
-    T* key = nullptr;    // (batch * n_k, d_k)
-    T* value = nullptr;  // (batch * n_k, d_v)
-    T* w_qk = nullptr;   // (heads, d_q, d_k)
-    T* u_k = nullptr;    // (heads, d_k); only meaningful when p.u_k is set
-    LinearGrad<T> w_v, w_o;
+struct BilinearGrads : ProjectedGrads<T> {
+    T* w_qk = nullptr;  // (heads, d_q, d_k)
+    T* u_k = nullptr;   // (heads, d_k); only meaningful when p.u_k is set
 };
 
 // The kernels, compiled once per instruction set (see common.hpp).
