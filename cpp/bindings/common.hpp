@@ -8,16 +8,31 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attnlab/common.hpp"
-#include "attnlab/gemm.hpp"
 #include "attnlab/kernels.hpp"
 
 namespace attnlab {
 namespace bind {
 
 namespace py = pybind11;
+
+// A list of types, and lists joined end to end.
+template <typename... Ts>
+struct Types {};
+template <typename... Lists>
+struct JoinTypes;
+template <typename... Ts>
+struct JoinTypes<Types<Ts...>> {
+    using type = Types<Ts...>;
+};
+template <typename... A, typename... B, typename... Rest>
+struct JoinTypes<Types<A...>, Types<B...>, Rest...> : JoinTypes<Types<A..., B...>, Rest...> {};
+template <typename... Lists>
+using Join = typename JoinTypes<Lists...>::type;
 
 inline std::string shape_str(const py::array& a) {
     std::string s = "(";
@@ -86,8 +101,6 @@ const T* optional_vector(const py::object& o, const char* name, Index n) {
     return contiguous<T>(o.cast<py::array>(), name, {n});
 }
 
-// A mask viewed as (batch, heads, n_q, n_k), bool or T, possibly with zero (broadcast) strides,
-// plus a boolean key padding mask (batch, n_k).
 // A buffer of attnlab.vjp's state dict (an ndarray the caller owns, written by the forward and
 // read by the backward); null when there is no state.
 template <typename T>
@@ -101,14 +114,42 @@ T* state_array(const py::object& state, const char* name, std::vector<Index> sha
     return contiguous<T>(o.cast<py::array>(), name, std::move(shape), true);
 }
 
+// The mask arguments of scaled dot-product, multi-head and bilinear attention, as Python
+// passes them: a boolean or float mask viewed as (batch, heads, n_q, n_k) (zero strides
+// broadcast), a boolean key padding mask (batch, n_k) and the causal code (0 none, 1 top-left,
+// 2 bottom-right). A new mask option is a field here, its type in MaskFields, its name in
+// mask_arg_names and its use in mask_spec: every binding that takes the mask splices these in.
+struct MaskArgs {
+    py::object mask;
+    py::object key_padding_mask;
+    int causal = 0;
+};
+using MaskFields = Types<py::object, py::object, int>;
+inline auto mask_arg_names() {
+    return std::make_tuple(py::arg("mask"), py::arg("key_padding_mask"), py::arg("causal"));
+}
+
+// A boolean (batch, n) token mask, or none.
+inline TokenMask token_mask(const py::object& kpm, Index batch, Index n) {
+    TokenMask m;
+    if (kpm.is_none()) return m;
+    py::array a = kpm.cast<py::array>();
+    // the dtype parameter is unused for boolean arrays
+    auto st = check<float>(a, "key_padding_mask", {batch, n}, false, true, false);
+    m.data = static_cast<const std::uint8_t*>(a.data());
+    m.sb = st[0];
+    m.sk = st[1];
+    return m;
+}
+
+// The one place Python's mask arguments become the kernels' MaskSpec (all families).
 template <typename T>
-MaskSpec<T> mask_spec(const py::object& mask, const py::object& key_padding, int causal,
-                      Index batch, Index heads, Index n_q, Index n_k) {
+MaskSpec<T> mask_spec(const MaskArgs& args, Index batch, Index heads, Index n_q, Index n_k) {
     MaskSpec<T> m;
-    if (causal < 0 || causal > 2) throw py::value_error("causal: expected 0, 1 or 2");
-    m.causal = static_cast<Causal>(causal);
-    if (!mask.is_none()) {
-        py::array a = mask.cast<py::array>();
+    if (args.causal < 0 || args.causal > 2) throw py::value_error("causal: expected 0, 1 or 2");
+    m.causal = static_cast<Causal>(args.causal);
+    if (!args.mask.is_none()) {
+        py::array a = args.mask.cast<py::array>();
         const bool boolean = a.dtype().kind() == 'b';
         auto st = check<T>(a, "mask", {batch, heads, n_q, n_k}, false, boolean, false);
         m.kind = boolean ? MaskKind::boolean : MaskKind::additive;
@@ -122,14 +163,39 @@ MaskSpec<T> mask_spec(const py::object& mask, const py::object& key_padding, int
         m.sq = st[2];
         m.sk = st[3];
     }
-    if (!key_padding.is_none()) {
-        py::array a = key_padding.cast<py::array>();
-        auto st = check<T>(a, "key_padding_mask", {batch, n_k}, false, true, false);
-        m.key_padding = static_cast<const std::uint8_t*>(a.data());
-        m.kp_sb = st[0];
-        m.kp_sk = st[1];
-    }
+    m.key_padding = token_mask(args.key_padding_mask, batch, n_k);
     return m;
+}
+
+// A dense layer's checked weight (in, out) and optional bias (out).
+template <typename T>
+Linear<T> linear_arg(const py::array& w, const py::object& b, const char* wname,
+                     const char* bname, Index in, Index out) {
+    Linear<T> l;
+    l.w = contiguous<T>(w, wname, {in, out});
+    l.b = optional_vector<T>(b, bname, out);
+    l.in = in;
+    l.out = out;
+    return l;
+}
+
+// The gradient buffer grads[name] (allocated by Python, shaped like the argument), or null when
+// that gradient is not wanted.
+template <typename T>
+T* grad_buffer(const py::dict& grads, const char* name, std::vector<Index> shape) {
+    if (!grads.contains(name)) return nullptr;
+    py::object o = grads[name];
+    // an array owned by the dict: a converted temporary would be written and lost
+    if (!py::isinstance<py::array>(o))
+        throw py::type_error(std::string(name) + ": gradient output must be an ndarray");
+    return contiguous<T>(o.cast<py::array>(), name, std::move(shape), true);
+}
+
+// The gradient buffers of a dense layer's weight and bias (either null when not wanted).
+template <typename T>
+LinearGrad<T> linear_grad(const py::dict& grads, const Linear<T>& l, const char* wname,
+                          const char* bname) {
+    return {grad_buffer<T>(grads, wname, {l.in, l.out}), grad_buffer<T>(grads, bname, {l.out})};
 }
 
 // Calls f.template operator()<float>() or <double>() by the dtype of `a`.
@@ -141,56 +207,123 @@ auto dispatch(const py::array& a, const char* name, F&& f) {
                          std::string(py::str(a.dtype())));
 }
 
-// The kernels, called through the table chosen at import (attnlab::kernels()): the bindings
-// are compiled once and never see a particular instruction-set build.
-template <typename T>
-void attention_forward(const AttentionProblem<T>& p) {
-    kernels().get<T>().attention_forward(p);
+// --- Multi-head and bilinear attention. Their forward and backward take query, key, value,
+// the query-key weights of the family, then the same run of arguments: SharedArgs, in order.
+// (Brace elision fills it, and its MaskArgs, from Signature's flat field list.)
+struct SharedArgs {
+    py::array w_v;
+    py::object b_v;
+    py::array w_o;
+    py::object b_o;
+    Index batch, n_q, n_k, heads, kv_heads;
+    MaskArgs mask;
+    double scale;
+};
+using SharedFields = Join<Types<py::array, py::object, py::array, py::object, Index, Index, Index,
+                                Index, Index>,
+                          MaskFields, Types<double>>;
+inline auto shared_arg_names() {
+    return std::tuple_cat(std::make_tuple(py::arg("w_v"), py::arg("b_v"), py::arg("w_o"),
+                                          py::arg("b_o"), py::arg("batch"), py::arg("n_q"),
+                                          py::arg("n_k"), py::arg("heads"), py::arg("kv_heads")),
+                          mask_arg_names(), std::make_tuple(py::arg("scale")));
 }
-template <typename T>
-void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g) {
-    kernels().get<T>().attention_backward(p, g);
+
+// The fields of MhaProblem and BilinearProblem filled from their common arguments, checked in
+// argument order by both builders (Problem: MhaProblem or BilinearProblem).
+
+// Sizes and the three inputs (Args: MhaArgs or BilinearArgs), rows of widths d_q, d_k, d_v.
+template <typename T, typename Problem, typename Args>
+void projected_inputs(Problem& p, const Args& a, Index d_q, Index d_k, Index d_v) {
+    const SharedArgs& s = a.shared;
+    p.batch = s.batch;
+    p.n_q = s.n_q;
+    p.n_k = s.n_k;
+    p.heads = s.heads;
+    p.kv_heads = s.kv_heads;
+    p.query = contiguous<T>(a.query, "query", {s.batch * s.n_q, d_q});
+    p.key = contiguous<T>(a.key, "key", {s.batch * s.n_k, d_k});
+    p.value = contiguous<T>(a.value, "value", {s.batch * s.n_k, d_v});
 }
-template <typename T>
-void multi_head_attention_forward(const MhaProblem<T>& p) {
-    kernels().get<T>().multi_head_attention_forward(p);
+
+// The value and output projections, the scale, the mask and vjp's buffers both keep (values,
+// attention output, log-sum-exp; none without a state dict).
+template <typename T, typename Problem>
+void projected_values(Problem& p, const SharedArgs& s, Index d_vhead, const py::object& state) {
+    p.d_vhead = d_vhead;
+    p.w_v = linear_arg<T>(s.w_v, s.b_v, "w_v", "b_v", s.w_v.shape(0), s.kv_heads * d_vhead);
+    p.w_o = linear_arg<T>(s.w_o, s.b_o, "w_o", "b_o", s.heads * d_vhead, s.w_o.shape(1));
+    p.scale = static_cast<T>(s.scale);
+    p.mask = mask_spec<T>(s.mask, s.batch, s.heads, s.n_q, s.n_k);
+    p.state.v = state_array<T>(state, "v", {s.batch * s.n_k, p.w_v.out});
+    p.state.ctx = state_array<T>(state, "ctx", {s.batch * s.n_q, p.w_o.in});
+    p.state.lse = state_array<T>(state, "lse", {s.batch, s.heads, s.n_q});
 }
-template <typename T>
-void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
-                                   const MhaGrads<T>& g) {
-    kernels().get<T>().multi_head_attention_backward(p, grad_out, g);
+
+// The forward's outputs: out (batch * n_q, d_out) and, when given, the weights.
+template <typename T, typename Problem>
+void projected_outputs(Problem& p, const py::array& out, const py::object& weights) {
+    p.out = contiguous<T>(out, "out", {p.batch * p.n_q, p.w_o.out}, true);
+    if (!weights.is_none())
+        p.weights = contiguous<T>(weights.cast<py::array>(), "weights",
+                                  {p.batch, p.heads, p.n_q, p.n_k}, true);
 }
-template <typename T>
-void bilinear_attention_forward(const BilinearProblem<T>& p) {
-    kernels().get<T>().bilinear_attention_forward(p);
+
+// The backward's gradient buffers of the three inputs and of the value and output layers.
+template <typename T, typename Problem, typename Grads>
+void projected_grads(Grads& g, const py::dict& grads, const Problem& p, Index d_q, Index d_k) {
+    g.query = grad_buffer<T>(grads, "query", {p.batch * p.n_q, d_q});
+    g.key = grad_buffer<T>(grads, "key", {p.batch * p.n_k, d_k});
+    g.value = grad_buffer<T>(grads, "value", {p.batch * p.n_k, p.w_v.in});
+    g.w_v = linear_grad(grads, p.w_v, "w_v", "b_v");
+    g.w_o = linear_grad(grads, p.w_o, "w_o", "b_o");
 }
+
+// The kernels of the table chosen at import (attnlab::kernels()) for element type T: the
+// bindings are compiled once and never see a particular instruction-set build.
 template <typename T>
-void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
-                                 const BilinearGrads<T>& g) {
-    kernels().get<T>().bilinear_attention_backward(p, grad_out, g);
+const KernelSet<T>& kernels_for() {
+    return kernels().get<T>();
 }
-template <typename T>
-void additive_attention_forward(const AdditiveProblem<T>& p) {
-    kernels().get<T>().additive_attention_forward(p);
-}
-template <typename T>
-void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
-                                 const AdditiveGrads<T>& g) {
-    kernels().get<T>().additive_attention_backward(p, grad_out, g);
-}
-template <typename T>
-void separable_attention_forward(const SeparableProblem<T>& p) {
-    kernels().get<T>().separable_attention_forward(p);
-}
-template <typename T>
-void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_out,
-                                  const SeparableGrads<T>& g) {
-    kernels().get<T>().separable_attention_backward(p, grad_out, g);
-}
-template <typename T>
-void linear(Index rows, Index in, Index out, const T* x, Index ldx, const T* w, const T* b, T* y,
-            Index ldy, bool accumulate = false) {
-    kernels().get<T>().linear(rows, in, out, x, ldx, w, b, y, ldy, accumulate);
+
+// A run of positional arguments shared by several bound functions, gathered into the aggregate
+// Args (its fields, nested aggregates flattened, have the types Fields). A family's forward
+// and backward take the same run between their own leading and trailing arguments, so it is
+// written once for both:
+//   Signature<MhaArgs, MhaFields>::After<py::array>::wrap<py::dict, py::object>(f)
+// is a function (grad_out, <the fields>, grads, state) calling f(grad_out, args, grads, state).
+#if defined(__clang__)
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wmissing-braces"  // Args{fields...} elides braces on purpose
+#elif defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-braces"
+#endif
+template <typename Args, typename Fields>
+struct Signature;
+template <typename Args, typename... Fields>
+struct Signature<Args, Types<Fields...>> {
+    template <typename... Before>
+    struct After {
+        template <typename... Tail, typename F>
+        static auto wrap(F f) {
+            return [f](Before... before, Fields... fields, Tail... tail) {
+                f(std::move(before)..., Args{std::move(fields)...}, std::move(tail)...);
+            };
+        }
+    };
+};
+#if defined(__clang__)
+#pragma clang diagnostic pop
+#elif defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+// m.def(name, f, names...) for a tuple of py::arg names (a family's shared run spliced in with
+// std::tuple_cat).
+template <typename F, typename... Names>
+void def(py::module_& m, const char* name, F&& f, const std::tuple<Names...>& names) {
+    std::apply([&](const auto&... n) { m.def(name, std::forward<F>(f), n...); }, names);
 }
 
 }  // namespace bind

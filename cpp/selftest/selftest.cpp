@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
@@ -131,11 +132,50 @@ void check_grad(const char* isa, const char* what, Vec& p, const Vec& grad,
     expect_close(isa, what, {dot(grad, u)}, {(fp - fm) / (2 * h)}, 1e-6);
 }
 
+// <out, go> once forward() has written out: the scalar whose gradient a backward given go
+// computes.
+template <typename F>
+std::function<double()> objective(const Vec& out, const Vec& go, F forward) {
+    return [&out, &go, forward]() {
+        forward();
+        return dot(out, go);
+    };
+}
+
+// check_grad for several inputs of one function, in order: "<fn> <name>".
+struct GradCase {
+    const char* name;
+    Vec& param;
+    const Vec& grad;
+};
+void check_grads(const char* isa, const std::string& fn, std::initializer_list<GradCase> cases,
+                 const std::function<double()>& f, std::mt19937& g) {
+    for (const GradCase& c : cases)
+        check_grad(isa, (fn + " " + c.name).c_str(), c.param, c.grad, f, g);
+}
+
 // --- the checks, per variant
 
 // Shapes: batch 2, 4 query heads over 2 kv heads, 37 queries, 45 keys (not multiples of any tile).
 constexpr long B = 2, H = 4, Hk = 2, NQ = 37, NK = 45, DQ = 12, DK = 10, DV = 9, DH = 6, DVH = 5,
                DOUT = 7;
+
+// Scaled dot-product attention at the shapes above, scale 0.4, over contiguous (batch, head)
+// blocks: q (B, H, NQ, DH), k (B, Hk, NK, DH), v (B, Hk, NK, DVH), out (B, H, NQ, DVH).
+template <typename T>
+AttentionProblem<T> sdpa_problem(const T* q, const T* k, const T* v, T* out, T* lse,
+                                 Causal causal) {
+    AttentionProblem<T> p;
+    p.batch = B, p.heads = H, p.kv_heads = Hk, p.n_q = NQ, p.n_k = NK, p.d = DH, p.d_v = DVH;
+    p.scale = T(0.4);
+    p.q = {q, H * NQ * DH, NQ * DH, DH};
+    p.k = {k, Hk * NK * DH, NK * DH, DH};
+    p.v = {v, Hk * NK * DVH, NK * DVH, DVH};
+    p.out = {out, H * NQ * DVH, NQ * DVH, DVH};
+    p.mask.causal = causal;
+    p.lse = lse;
+    return p;
+}
 
 template <typename T>
 void check_forwards(const KernelTable& kt, std::mt19937& g) {
@@ -158,16 +198,8 @@ void check_forwards(const KernelTable& kt, std::mt19937& g) {
             v = random_vec(g, B * Hk * NK * DVH);
         auto qt = as<T>(q), kt_ = as<T>(k), vt = as<T>(v);
         std::vector<T> out(B * H * NQ * DVH), lse(B * H * NQ);
-        AttentionProblem<T> p;
-        p.batch = B, p.heads = H, p.kv_heads = Hk, p.n_q = NQ, p.n_k = NK, p.d = DH, p.d_v = DVH;
-        p.scale = T(0.4);
-        p.q = {qt.data(), H * NQ * DH, NQ * DH, DH};
-        p.k = {kt_.data(), Hk * NK * DH, NK * DH, DH};
-        p.v = {vt.data(), Hk * NK * DVH, NK * DVH, DVH};
-        p.out = {out.data(), H * NQ * DVH, NQ * DVH, DVH};
-        p.mask.causal = Causal::top_left;
-        p.lse = lse.data();
-        ks.attention_forward(p);
+        ks.attention_forward(sdpa_problem(qt.data(), kt_.data(), vt.data(), out.data(), lse.data(),
+                                          Causal::top_left));
         expect_close(isa, ("attention_forward causal gqa" + tn).c_str(),
                      Vec(out.begin(), out.end()),
                      naive_sdpa(q, k, v, B, H, Hk, NQ, NK, DH, DVH, double(T(0.4)), true), tol);
@@ -328,22 +360,10 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
             v = random_vec(g, B * Hk * NK * DVH), go = random_vec(g, B * H * NQ * DVH);
         Vec out(go.size()), lse(B * H * NQ);
         auto problem = [&]() {
-            AttentionProblem<double> p;
-            p.batch = B, p.heads = H, p.kv_heads = Hk, p.n_q = NQ, p.n_k = NK, p.d = DH,
-            p.d_v = DVH;
-            p.scale = 0.4;
-            p.q = {q.data(), H * NQ * DH, NQ * DH, DH};
-            p.k = {k.data(), Hk * NK * DH, NK * DH, DH};
-            p.v = {v.data(), Hk * NK * DVH, NK * DVH, DVH};
-            p.out = {out.data(), H * NQ * DVH, NQ * DVH, DVH};
-            p.mask.causal = Causal::bottom_right;
-            p.lse = lse.data();
-            return p;
+            return sdpa_problem(q.data(), k.data(), v.data(), out.data(), lse.data(),
+                                Causal::bottom_right);
         };
-        auto f = [&]() {
-            ks.attention_forward(problem());
-            return dot(out, go);
-        };
+        const auto f = objective(out, go, [&] { ks.attention_forward(problem()); });
         f();
         Vec dq(q.size()), dk(k.size()), dv(v.size());
         AttentionGrad<double> gr;
@@ -352,9 +372,9 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
         gr.d_k = {dk.data(), Hk * NK * DH, NK * DH, DH};
         gr.d_v = {dv.data(), Hk * NK * DVH, NK * DVH, DVH};
         ks.attention_backward(problem(), gr);
-        check_grad(isa, "attention_backward d_q", q, dq, f, g);
-        check_grad(isa, "attention_backward d_k", k, dk, f, g);
-        check_grad(isa, "attention_backward d_v", v, dv, f, g);
+        check_grads(isa, "attention_backward",
+                    {{"d_q", q, dq}, {"d_k", k, dk}, {"d_v", v, dv}},
+                    f, g);
     }
     // multi_head_attention_backward and bilinear_attention_backward
     {
@@ -378,10 +398,7 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
             p.out = out.data();
             return p;
         };
-        auto f = [&]() {
-            ks.multi_head_attention_forward(mha());
-            return dot(out, go);
-        };
+        const auto f = objective(out, go, [&] { ks.multi_head_attention_forward(mha()); });
         Vec gxq(xq.size()), gxk(xk.size()), gxv(xv.size()), gwq(wq.size()), gbq(bq.size()),
             gwk(wk.size()), gwv(wv.size()), gwo(wo.size()), gbo(bo.size());
         MhaGrads<double> gr;
@@ -389,13 +406,10 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
         gr.w_q = {gwq.data(), gbq.data()}, gr.w_k = {gwk.data(), nullptr},
         gr.w_v = {gwv.data(), nullptr}, gr.w_o = {gwo.data(), gbo.data()};
         ks.multi_head_attention_backward(mha(), go.data(), gr);
-        check_grad(isa, "multi_head_attention_backward query", xq, gxq, f, g);
-        check_grad(isa, "multi_head_attention_backward key", xk, gxk, f, g);
-        check_grad(isa, "multi_head_attention_backward value", xv, gxv, f, g);
-        check_grad(isa, "multi_head_attention_backward w_q", wq, gwq, f, g);
-        check_grad(isa, "multi_head_attention_backward b_q", bq, gbq, f, g);
-        check_grad(isa, "multi_head_attention_backward w_k", wk, gwk, f, g);
-        check_grad(isa, "multi_head_attention_backward w_o", wo, gwo, f, g);
+        check_grads(isa, "multi_head_attention_backward",
+                    {{"query", xq, gxq}, {"key", xk, gxk}, {"value", xv, gxv}, {"w_q", wq, gwq},
+                     {"b_q", bq, gbq}, {"w_k", wk, gwk}, {"w_o", wo, gwo}},
+                    f, g);
 
         Vec wqk = random_vec(g, H * DQ * DK, 0.2), uk = random_vec(g, H * DK);
         auto bil = [&]() {
@@ -410,20 +424,16 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
             p.out = out.data();
             return p;
         };
-        auto fb = [&]() {
-            ks.bilinear_attention_forward(bil());
-            return dot(out, go);
-        };
+        const auto fb = objective(out, go, [&] { ks.bilinear_attention_forward(bil()); });
         Vec gwqk(wqk.size()), guk(uk.size());
         BilinearGrads<double> bg;
         bg.query = gxq.data(), bg.key = gxk.data(), bg.value = gxv.data(), bg.w_qk = gwqk.data(),
         bg.u_k = guk.data(), bg.w_v = {gwv.data(), nullptr}, bg.w_o = {gwo.data(), gbo.data()};
         ks.bilinear_attention_backward(bil(), go.data(), bg);
-        check_grad(isa, "bilinear_attention_backward query", xq, gxq, fb, g);
-        check_grad(isa, "bilinear_attention_backward key", xk, gxk, fb, g);
-        check_grad(isa, "bilinear_attention_backward w_qk", wqk, gwqk, fb, g);
-        check_grad(isa, "bilinear_attention_backward u_k", uk, guk, fb, g);
-        check_grad(isa, "bilinear_attention_backward w_v", wv, gwv, fb, g);
+        check_grads(isa, "bilinear_attention_backward",
+                    {{"query", xq, gxq}, {"key", xk, gxk}, {"w_qk", wqk, gwqk}, {"u_k", uk, guk},
+                     {"w_v", wv, gwv}},
+                    fb, g);
     }
     // additive_attention_backward and separable_attention_backward
     {
@@ -441,21 +451,16 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
             p.scale = 0.7, p.out = out.data();
             return p;
         };
-        auto f = [&]() {
-            ks.additive_attention_forward(add());
-            return dot(out, go);
-        };
+        const auto f = objective(out, go, [&] { ks.additive_attention_forward(add()); });
         Vec gx(x.size()), gwq(wq.size()), gbq(bq.size()), gwk(wk.size()), gbk(bk.size()),
             gwg(wg.size()), gwp(wp.size()), gbp(bp.size()), gwf(wf.size()), gbf(bf.size());
         AdditiveGrads<double> ag{gx.data(),  gwq.data(), gbq.data(), gwk.data(), gbk.data(),
                                  gwg.data(), gwp.data(), gbp.data(), gwf.data(), gbf.data()};
         ks.additive_attention_backward(add(), go.data(), ag);
-        check_grad(isa, "additive_attention_backward x", x, gx, f, g);
-        check_grad(isa, "additive_attention_backward w_q", wq, gwq, f, g);
-        check_grad(isa, "additive_attention_backward w_k", wk, gwk, f, g);
-        check_grad(isa, "additive_attention_backward w_g", wg, gwg, f, g);
-        check_grad(isa, "additive_attention_backward w_proj", wp, gwp, f, g);
-        check_grad(isa, "additive_attention_backward w_final", wf, gwf, f, g);
+        check_grads(isa, "additive_attention_backward",
+                    {{"x", x, gx}, {"w_q", wq, gwq}, {"w_k", wk, gwk}, {"w_g", wg, gwg},
+                     {"w_proj", wp, gwp}, {"w_final", wf, gwf}},
+                    f, g);
 
         Vec xs = random_vec(g, B * n * d), wqkv = random_vec(g, d * (1 + 2 * d)),
             bqkv = random_vec(g, 1 + 2 * d), wo = random_vec(g, d * dout), bo = random_vec(g, dout);
@@ -466,17 +471,14 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
             p.b_o = bo.data(), p.out = out.data();
             return p;
         };
-        auto fs = [&]() {
-            ks.separable_attention_forward(sep());
-            return dot(out, go);
-        };
+        const auto fs = objective(out, go, [&] { ks.separable_attention_forward(sep()); });
         Vec gxs(xs.size()), gwqkv(wqkv.size()), gbqkv(bqkv.size()), gwo(wo.size()), gbo(bo.size());
         SeparableGrads<double> sg{gxs.data(), gwqkv.data(), gbqkv.data(), gwo.data(), gbo.data()};
         ks.separable_attention_backward(sep(), go.data(), sg);
-        check_grad(isa, "separable_attention_backward x", xs, gxs, fs, g);
-        check_grad(isa, "separable_attention_backward w_qkv", wqkv, gwqkv, fs, g);
-        check_grad(isa, "separable_attention_backward b_qkv", bqkv, gbqkv, fs, g);
-        check_grad(isa, "separable_attention_backward w_o", wo, gwo, fs, g);
+        check_grads(isa, "separable_attention_backward",
+                    {{"x", xs, gxs}, {"w_qkv", wqkv, gwqkv}, {"b_qkv", bqkv, gbqkv},
+                     {"w_o", wo, gwo}},
+                    fs, g);
     }
 }
 

@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
@@ -50,6 +50,28 @@ void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y) {
     if (b) Y.rowwise() += ConstVecMap<T>(b, Y.cols());
 }
 
+// Rows [r0, r0 + m) of x (width in) times W plus b, into this thread's kAdditiveRows block
+// (m x W.cols()): the first step of both forwards.
+template <typename T>
+auto project_block(const T* x, Index r0, Index m, Index in, const ConstRowMap<T>& W, const T* b) {
+    ConstRowMap<T> X(x + r0 * in, m, in, Eigen::OuterStride<>(std::max<Index>(in, 1)));
+    auto Y = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, W.cols());
+    RowMap<T> Ym(Y.data(), m, W.cols(), Eigen::OuterStride<>(W.cols()));
+    project<T>(X, W, b, Ym);
+    return Y;
+}
+
+// Calls fn(task, b, i0, m) for every block of kRowBlock rows [i0, i0 + m) of every batch
+// element b, in parallel; task = b * blocks_per_element + block (fixed: thread-count free).
+template <typename F>
+void for_batch_blocks(Index B, Index n, F fn) {
+    const Index per = (n + kRowBlock - 1) / kRowBlock;
+    parallel_for(B * per, [&](Index task) {
+        const Index b = task / per, i0 = (task % per) * kRowBlock;
+        fn(task, b, i0, std::min(kRowBlock, n - i0));
+    });
+}
+
 // v / max(||v||, eps) in place, for every row.
 template <typename T, typename M>
 void normalize_rows(M& Y, T eps) {
@@ -59,17 +81,27 @@ void normalize_rows(M& Y, T eps) {
     }
 }
 
-// Splits [0, rows) of each batch element into tasks of at most kRowsPerTask rows.
-struct TaskGrid {
-    Index batch, n, per;
-    TaskGrid(Index b, Index n_) : batch(b), n(n_), per((n_ + kRowsPerTask - 1) / kRowsPerTask) {}
-    Index size() const { return batch * per; }
-    void at(Index t, Index& b, Index& r0, Index& r1) const {
-        b = t / per;
-        r0 = (t % per) * kRowsPerTask;
-        r1 = std::min(n, r0 + kRowsPerTask);
-    }
-};
+// The last step of both forwards. Per task of at most kRowsPerTask rows of batch element b: the
+// weights folded with b's pooled vector, Wb = diag(pooled_b) W (width x d_out), once per task;
+// then apply(X, Y, Wb) for each block of kRowBlock rows, X the block of x (rows x width) and Y
+// the same rows of y (rows x d_out).
+template <typename T, typename WMatrix, typename F>
+void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, const WMatrix& W,
+                 const T* x, T* y, F apply) {
+    const Index per = (n + kRowsPerTask - 1) / kRowsPerTask;
+    parallel_for(B * per, [&](Index t) {
+        const Index b = t / per, r0 = (t % per) * kRowsPerTask;
+        const Index r1 = std::min(n, r0 + kRowsPerTask);
+        auto Wb = scratch_matrix<T>(ScratchBuffer::kAdditiveFolded, width, dout);
+        Wb = ConstVecMap<T>(pooled + b * width, width).asDiagonal() * W;
+        for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
+            const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
+            ConstRowMap<T> X(x + row * width, m, width, Eigen::OuterStride<>(width));
+            RowMap<T> Y(y + row * dout, m, dout, Eigen::OuterStride<>(dout));
+            apply(X, Y, Wb);
+        }
+    });
+}
 
 }  // namespace
 }  // namespace detail
@@ -113,13 +145,9 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     //    official scores s = (Q w_g) * scale; the block's share of the pooling, the sum over
     //    its real tokens of s_n Q_n (official) or Q_n (hf) (the token weights are
     //    a_n = s_n / max(||s||, eps), so G = (sum s_n Q_n) / max(||s||, eps)); out = Q w_final.
-    parallel_for(B * per, [&](Index task) {
-        const Index b = task / per, i0 = (task % per) * kRowBlock;
-        const Index m = std::min(kRowBlock, n - i0), r0 = b * n + i0;
-        ConstRowMap<T> X(p.x + r0 * din, m, din, Eigen::OuterStride<>(std::max<Index>(din, 1)));
-        RowMatrix<T> KQ(m, ld);
-        RowMap<T> KQm(KQ.data(), m, ld, Eigen::OuterStride<>(ld));
-        project<T>(X, Wkq_map, bkq.data(), KQm);
+    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
+        const Index r0 = b * n + i0;
+        auto KQ = project_block<T>(p.x, r0, m, din, Wkq_map, bkq.data());
         auto K = KQ.leftCols(D);
         auto Q = KQ.rightCols(D);
         normalize_rows(K, p.eps);
@@ -131,7 +159,7 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         }
         bool all_real = true;
         for (Index i = 0; i < m && all_real; ++i) all_real = p.key_padding.real(b, i0 + i);
-        Vec<T> share(D);
+        auto share = scratch_vector<T>(ScratchBuffer::kAdditiveShare, D);
         if (all_real) {
             if (official) {
                 share.noalias() = ConstVecMap<T>(score.get() + r0, m) * Q;
@@ -159,11 +187,12 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
             G.setZero();
             return;
         }
-        Vec<double> acc = Vec<double>::Zero(D);
+        auto acc = scratch_vector<double>(ScratchBuffer::kAdditivePooled, D);
+        acc.setZero();
         for (Index k = 0; k < per; ++k)
             acc += Eigen::Map<const Vec<double>>(partial.get() + (b * per + k) * D, D);
         if (official) {
-            Vec<T> s(real);  // the real tokens' scores
+            auto s = scratch_vector<T>(ScratchBuffer::kAdditiveWeights, real);  // real tokens' scores
             Index r = 0;
             for (Index j = 0; j < n; ++j)
                 if (p.key_padding.real(b, j)) s[r++] = score[b * n + j];
@@ -172,20 +201,12 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         G = acc.template cast<T>();
     });
 
-    // 3. out += K (diag(G) M) + c, the folded weights built once per task.
-    const TaskGrid grid(B, n);
-    parallel_for(grid.size(), [&](Index t) {
-        Index b, r0, r1;
-        grid.at(t, b, r0, r1);
-        const RowMatrix<T> W = ConstVecMap<T>(pooled.get() + b * D, D).asDiagonal() * M;
-        for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
-            const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
-            ConstRowMap<T> K(keys.get() + row * D, m, D, Eigen::OuterStride<>(D));
-            RowMap<T> Y(p.out + row * dout, m, dout, Eigen::OuterStride<>(dout));
-            Y.noalias() += K * W;
-            Y.rowwise() += c;
-        }
-    });
+    // 3. out += K (diag(G) M) + c.
+    folded_rows<T>(B, n, D, dout, pooled.get(), M, keys.get(), p.out,
+                   [&](const auto& K, auto& Y, const auto& W) {
+                       Y.noalias() += K * W;
+                       Y.rowwise() += c;
+                   });
 }
 
 template <typename T>
@@ -211,13 +232,9 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
 
     // 1. [s | k | v] in one GEMM per block, the block's softmax state while k is in cache, and
     //    relu(v) (NaN stays NaN, as torch's relu).
-    parallel_for(B * per, [&](Index task) {
-        const Index b = task / per, i0 = (task % per) * kRowBlock;
-        const Index m = std::min(kRowBlock, n - i0), r0 = b * n + i0;
-        ConstRowMap<T> X(p.x + r0 * d, m, d, Eigen::OuterStride<>(std::max<Index>(d, 1)));
-        RowMatrix<T> P(m, ld);
-        RowMap<T> Pm(P.data(), m, ld, Eigen::OuterStride<>(ld));
-        project<T>(X, Wqkv, p.b_qkv, Pm);
+    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
+        const Index r0 = b * n + i0;
+        auto P = project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv);
         RowMap<T>(values.get() + r0 * d, m, d, Eigen::OuterStride<>(d)) =
             P.rightCols(d).unaryExpr([](T v) { return v < T(0) ? T(0) : v; });
         T mx = -kInf;
@@ -237,7 +254,7 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
         bsum[task] = 0.0;
         breal[task] = real;
         if (real == 0 || mx == -kInf) return;  // nothing here can carry weight
-        Vec<T> e(m);
+        auto e = scratch_vector<T>(ScratchBuffer::kAdditiveWeights, m);
         double z = 0;
         for (Index i = 0; i < m; ++i) {
             e[i] = p.key_padding.real(b, i0 + i) ? std::exp(P(i, 0) - mx) : T(0);
@@ -247,7 +264,8 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
         if (real == m) {
             ctx = (e * P.middleCols(1, d)).template cast<double>();
         } else {  // skip padded tokens rather than weighting them by 0 (0 * NaN is NaN)
-            Vec<T> acc = Vec<T>::Zero(d);
+            auto acc = scratch_vector<T>(ScratchBuffer::kAdditiveShare, d);
+            acc.setZero();
             for (Index i = 0; i < m; ++i)
                 if (p.key_padding.real(b, i0 + i)) acc += e[i] * P.row(i).segment(1, d);
             ctx = acc.template cast<double>();
@@ -275,7 +293,8 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
         }
         if (nan) mx = std::numeric_limits<T>::quiet_NaN();
         double z = 0;
-        Vec<double> acc = Vec<double>::Zero(d);
+        auto acc = scratch_vector<double>(ScratchBuffer::kAdditivePooled, d);
+        acc.setZero();
         for (Index k = 0; k < per; ++k) {
             const Index t = b * per + k;
             if (breal[t] == 0 || bmax[t] == -kInf) continue;
@@ -288,37 +307,31 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
     });
 
     // 3. out = relu(v) (diag(ctx) w_o) + b_o.
-    const TaskGrid grid(B, n);
-    parallel_for(grid.size(), [&](Index t) {
-        Index b, r0, r1;
-        grid.at(t, b, r0, r1);
-        const RowMatrix<T> Wb = ConstVecMap<T>(context.get() + b * d, d).asDiagonal() * Wo;
-        for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
-            const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
-            ConstRowMap<T> Vv(values.get() + row * d, m, d, Eigen::OuterStride<>(d));
-            RowMap<T> Y(p.out + row * dout, m, dout, Eigen::OuterStride<>(dout));
-            if (d == 0) {
-                Y.setZero();
-            } else {
-                Y.noalias() = Vv * Wb;
-            }
-            if (p.b_o) Y.rowwise() += ConstVecMap<T>(p.b_o, dout);
-        }
-    });
+    folded_rows<T>(B, n, d, dout, context.get(), Wo, values.get(), p.out,
+                   [&](const auto& Vv, auto& Y, const auto& Wb) {
+                       if (d == 0) {
+                           Y.setZero();
+                       } else {
+                           Y.noalias() = Vv * Wb;
+                       }
+                       if (p.b_o) Y.rowwise() += ConstVecMap<T>(p.b_o, dout);
+                   });
 }
 
 namespace detail {
 namespace {
 
-// Per batch element, the sum over its blocks of kRowBlock rows of fn(b, i0, m) (a share of
-// length `width`): blocks in parallel, then added in block order in double (B x width).
+// Per batch element, the sum over its blocks of kRowBlock rows of the shares fn(b, i0, m,
+// share) writes (length `width`): blocks in parallel, then added in block order in double
+// (B x width).
 template <typename T, typename F>
 RowMatrix<double> block_sums(Index B, Index n, Index width, F fn) {
     const Index per = (n + kRowBlock - 1) / kRowBlock;
-    RowMatrix<double> partial(B * per, width);
-    parallel_for(B * per, [&](Index task) {
-        const Index b = task / per, i0 = (task % per) * kRowBlock;
-        const Vec<T> share = fn(b, i0, std::min(kRowBlock, n - i0));
+    auto partial_buf = make_buffer<double>(B * per * width);
+    Eigen::Map<RowMatrix<double>> partial(partial_buf.get(), B * per, width);
+    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
+        auto share = scratch_vector<T>(ScratchBuffer::kAdditiveShare, width);
+        fn(b, i0, m, share);
         partial.row(task) = share.template cast<double>();
     });
     RowMatrix<double> sums = RowMatrix<double>::Zero(B, width);
@@ -400,10 +413,11 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
         }
     });
     auto real = [&](Index r) { return p.key_padding.real(r / n, r % n); };
-    std::vector<Index> nreal(B, 0);
-    std::vector<T> snorm(B, T(0));  // ||s|| over the real tokens (official)
+    auto nreal = make_buffer<Index>(B);
+    auto snorm = make_buffer<T>(B);  // ||s|| over the real tokens (official)
+    std::fill(snorm.get(), snorm.get() + B, T(0));
     parallel_for(B, [&](Index b) {
-        Vec<T> s(n);
+        auto s = scratch_vector<T>(ScratchBuffer::kAdditiveWeights, n);
         Index k = 0;
         for (Index j = 0; j < n; ++j)
             if (p.key_padding.real(b, j)) s[k++] = score[b * n + j];
@@ -412,16 +426,15 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     });
     auto den = [&](Index b) { return official ? std::max(snorm[b], p.eps) : T(1); };
     // weighted sum over a block's real tokens of w(r) * M.row(r)
-    auto real_sum = [&](const T* M, Index b, Index i0, Index m, auto w) {
-        Vec<T> share = Vec<T>::Zero(D);
+    auto real_sum = [&](const T* M, Index b, Index i0, Index m, auto w, auto& share) {
+        share.setZero();
         for (Index i = 0; i < m; ++i) {
             const Index r = b * n + i0 + i;
             if (p.key_padding.real(b, i0 + i)) share += w(r) * row_map(const_cast<T*>(M), r, 1);
         }
-        return share;
     };
-    const RowMatrix<double> Gsum = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m) {
-        return real_sum(Qb.get(), b, i0, m, [&](Index r) { return score[r]; });
+    const RowMatrix<double> Gsum = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
+        real_sum(Qb.get(), b, i0, m, [&](Index r) { return score[r]; }, share);
     });
     RowMatrix<T> G(B, D);
     for (Index b = 0; b < B; ++b)
@@ -445,9 +458,9 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     linear_input_grad(rows, D, D, dH.get(), D, p.w_proj, dZ, D);
 
     // dG = sum over every token (padded ones too: they have an output) of K * dZ; dK = G * dZ.
-    const RowMatrix<double> dGd = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m) {
+    const RowMatrix<double> dGd = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
         const Index r0 = b * n + i0;
-        return Vec<T>(row_map(Kb.get(), r0, m).cwiseProduct(row_map(dZ, r0, m)).colwise().sum());
+        share = row_map(Kb.get(), r0, m).cwiseProduct(row_map(dZ, r0, m)).colwise().sum();
     });
     const RowMatrix<T> dG = dGd.template cast<T>();
     for_row_blocks(rows, [&](Index r0, Index m) {
@@ -462,11 +475,10 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
             for (Index r = r0; r < r0 + m; ++r)
                 da[r] = real(r) ? row_map(Qb.get(), r, 1).row(0).dot(dG.row(r / n)) : T(0);
         });
-        const RowMatrix<double> adot = block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m) {
-            Vec<T> acc = Vec<T>::Zero(1);
+        const RowMatrix<double> adot = block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m, auto& acc) {
+            acc.setZero();
             for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
                 if (real(r)) acc[0] += score[r] / den(r / n) * da[r];
-            return acc;
         });
         for_row_blocks(rows, [&](Index r0, Index m) {
             for (Index r = r0; r < r0 + m; ++r) {
@@ -482,8 +494,8 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
             }
         });
         // dw_g = scale * sum over batch elements and real tokens of ds_n Q_n
-        const RowMatrix<double> dwg = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m) {
-            return real_sum(Qb.get(), b, i0, m, [&](Index r) { return ds[r]; });
+        const RowMatrix<double> dwg = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
+            real_sum(Qb.get(), b, i0, m, [&](Index r) { return ds[r]; }, share);
         });
         Vec<double> acc = Vec<double>::Zero(D);
         for (Index b = 0; b < B; ++b) acc += dwg.row(b);
@@ -563,11 +575,10 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
         for (Index r = b * n; r < (b + 1) * n; ++r)
             if (real(r)) c[r] = static_cast<T>(static_cast<double>(c[r]) / z);
     });
-    const RowMatrix<T> ctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m) {
-        Vec<T> share = Vec<T>::Zero(d);
+    const RowMatrix<T> ctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m, auto& share) {
+        share.setZero();
         for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
             if (real(r)) share += c[r] * prow(Pb.get(), r).segment(1, d);
-        return share;
     }).template cast<T>();
 
     // U = relu(v) * ctx; out = U w_o + b_o.
@@ -582,13 +593,12 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
     linear_input_grad(rows, d, dout, grad_out, dout, p.w_o, dU.get(), d);
 
     // dctx = sum over every token of relu(v) * dU.
-    const RowMatrix<T> dctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m) {
-        Vec<T> share = Vec<T>::Zero(d);
+    const RowMatrix<T> dctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m, auto& share) {
+        share.setZero();
         for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
             share += prow(Pb.get(), r).tail(d).unaryExpr([](T v) {
                 return v < T(0) ? T(0) : v;
             }).cwiseProduct(drow(dU.get(), r));
-        return share;
     }).template cast<T>();
 
     // dP = [ds | dk | dv]: dv = [v > 0] ctx * dU (torch's relu: 0 at 0); dk = c dctx over real
@@ -611,11 +621,10 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
             }
         }
     });
-    const RowMatrix<double> cdot = block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m) {
-        Vec<T> acc = Vec<T>::Zero(1);
+    const RowMatrix<double> cdot = block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m, auto& acc) {
+        acc.setZero();
         for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
             if (real(r)) acc[0] += c[r] * dc[r];
-        return acc;
     });
     for_row_blocks(rows, [&](Index r0, Index m) {
         for (Index r = r0; r < r0 + m; ++r)

@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
 #include "microkernel.hpp"
+#include "scratch.hpp"
 #include "softmax.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -37,10 +37,11 @@ Index causal_key_end(const MaskSpec<T>& m, Index n_q, Index n_k, Index i1) {
 // (found once per call by nonfinite_rows; rare) are taken out of the product and added back
 // for the queries that may see them.
 
-// Flags (batch, kv_heads, n_k): 1 where the value row holds NaN or Inf. Empty when none does.
+// Flags (batch, kv_heads, n_k): 1 where the value row holds NaN or Inf. Null when none does.
 template <typename T>
-std::vector<std::uint8_t> nonfinite_rows(const AttentionProblem<T>& p) {
-    std::vector<std::uint8_t> flags;
+Buffer<std::uint8_t> nonfinite_rows(const AttentionProblem<T>& p) {
+    Buffer<std::uint8_t> flags;
+    const Index count = p.batch * p.kv_heads * p.n_k;
     for (Index b = 0; b < p.batch; ++b)
         for (Index hk = 0; hk < p.kv_heads; ++hk)
             for (Index j = 0; j < p.n_k; ++j) {
@@ -48,29 +49,53 @@ std::vector<std::uint8_t> nonfinite_rows(const AttentionProblem<T>& p) {
                 bool bad = false;
                 for (Index c = 0; c < p.d_v; ++c) bad |= !std::isfinite(row[c]);
                 if (!bad) continue;
-                if (flags.empty()) flags.assign(static_cast<std::size_t>(p.batch * p.kv_heads * p.n_k), 0);
-                flags[static_cast<std::size_t>((b * p.kv_heads + hk) * p.n_k + j)] = 1;
+                if (!flags) {
+                    flags = make_buffer<std::uint8_t>(count);
+                    std::fill(flags.get(), flags.get() + count, std::uint8_t(0));
+                }
+                flags[(b * p.kv_heads + hk) * p.n_k + j] = 1;
             }
     return flags;
 }
 
-// Rows j in [j0, j0 + kb) of a value block with a nonfinite flag.
-inline std::vector<Index> flagged(const std::uint8_t* flags, Index j0, Index kb) {
-    std::vector<Index> rows;
-    if (flags)
-        for (Index j = 0; j < kb; ++j)
-            if (flags[j0 + j]) rows.push_back(j);
-    return rows;
+// The flagged value rows j of a key block [j0, j0 + kb) and, for each, which of the mq queries
+// may see it: its masked score, entry (query i, key j) at s[i * qs + j * ks], is not -inf.
+// Taken before the exp overwrites the scores.
+struct FlaggedRows {
+    const Index* rows = nullptr;
+    const std::uint8_t* sees = nullptr;  // (count, mq)
+    Index count = 0;
+};
+
+template <typename T>
+FlaggedRows flagged_rows(const std::uint8_t* flags, Index j0, Index kb, const T* s, Index qs,
+                         Index ks, Index mq) {
+    FlaggedRows f;
+    if (!flags) return f;
+    Index* rows = nullptr;
+    for (Index j = 0; j < kb; ++j)
+        if (flags[j0 + j]) {
+            if (!rows) rows = scratch<Index>(ScratchBuffer::kFlaggedRows, static_cast<std::size_t>(kb));
+            rows[f.count++] = j;
+        }
+    if (f.count == 0) return f;
+    std::uint8_t* sees = scratch<std::uint8_t>(ScratchBuffer::kFlaggedSees,
+                                               static_cast<std::size_t>(f.count * mq));
+    for (Index r = 0; r < f.count; ++r)
+        for (Index i = 0; i < mq; ++i) sees[r * mq + i] = s[i * qs + rows[r] * ks] != neg_inf<T>();
+    f.rows = rows;
+    f.sees = sees;
+    return f;
 }
 
-// A copy of value rows [0, kb) (row stride vs) with the rows in `bad` zeroed, row stride dv.
+// A copy of value rows [0, kb) (row stride vs) with the flagged rows zeroed, row stride dv.
 template <typename T>
-const T* value_copy_without(const T* v, Index vs, Index kb, Index dv, const std::vector<Index>& bad,
-                            std::vector<T>& buf) {
-    buf.resize(static_cast<std::size_t>(kb * dv));
-    for (Index j = 0; j < kb; ++j) std::copy(v + j * vs, v + j * vs + dv, buf.data() + j * dv);
-    for (Index j : bad) std::fill(buf.data() + j * dv, buf.data() + (j + 1) * dv, T(0));
-    return buf.data();
+const T* value_copy_without(const T* v, Index vs, Index kb, Index dv, const FlaggedRows& bad) {
+    T* buf = scratch<T>(ScratchBuffer::kValueCopy, static_cast<std::size_t>(kb * dv));
+    for (Index j = 0; j < kb; ++j) std::copy(v + j * vs, v + j * vs + dv, buf + j * dv);
+    for (Index r = 0; r < bad.count; ++r)
+        std::fill(buf + bad.rows[r] * dv, buf + (bad.rows[r] + 1) * dv, T(0));
+    return buf;
 }
 
 // One (batch, head, query tile) with an online softmax over key tiles.
@@ -95,10 +120,10 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     const T* vbase = p.v.at(b, hk);
     const Index ks = p.k.row_stride, vs = p.v.row_stride;
 
-    T* qt = scratch<T, 0>(static_cast<std::size_t>(d * mp));       // scale * Q^T
-    T* st = scratch<T, 1>(static_cast<std::size_t>(kTileK * mp));  // S^T, then P^T
-    T* acc = scratch<T, 2>(static_cast<std::size_t>(dv * mp));     // (P V)^T, unnormalised
-    T* stats = scratch<T, 3>(static_cast<std::size_t>(5 * mp));  // m, l and per-tile temporaries
+    T* qt = scratch<T>(ScratchBuffer::kFlashQueries, static_cast<std::size_t>(d * mp));
+    T* st = scratch<T>(ScratchBuffer::kFlashScores, static_cast<std::size_t>(kTileK * mp));
+    T* acc = scratch<T>(ScratchBuffer::kFlashAccumulator, static_cast<std::size_t>(dv * mp));
+    T* stats = scratch<T>(ScratchBuffer::kFlashStats, static_cast<std::size_t>(5 * mp));
     T* row_m = stats;
     T* row_l = stats + mp;
     for (Index i = 0; i < mq; ++i) {
@@ -132,11 +157,7 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, j0 + kb))
             apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, st, Index(1), mp);
         // nonfinite value rows: which queries may read them, before the exp overwrites S^T
-        const std::vector<Index> bad = flagged(v_flags, j0, kb);
-        std::vector<std::uint8_t> sees(bad.size() * static_cast<std::size_t>(mq));
-        for (std::size_t r = 0; r < bad.size(); ++r)
-            for (Index i = 0; i < mq; ++i)
-                sees[r * mq + i] = st[bad[r] * mp + i] != neg_inf<T>();
+        const FlaggedRows bad = flagged_rows(v_flags, j0, kb, st, Index(1), mp, mq);
         // Online softmax, queries in lanes, the tile swept row by row (it does not fit in L1,
         // and rows stream). A column masked so far keeps m = -inf and is shifted by 0 instead,
         // so that its exponentials are exactly 0 rather than NaN.
@@ -174,19 +195,19 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
                 ei::pstore(ac, ei::pmul(ei::pload<Packet>(ac), ei::pload<Packet>(shift + io)));
             }
         // acc[c, i] += sum_j V[j0 + j, c] * P^T[j, i]
-        if (bad.empty()) {
+        if (bad.count == 0) {
             for (Index ip = 0; ip < mp; ip += W)
                 panel_product<T, true>(dv, kb, vbase + j0 * vs, 1, vs, st + ip, mp, acc + ip, mp);
         } else {
-            std::vector<T> vbuf;
-            const T* vclean = value_copy_without(vbase + j0 * vs, vs, kb, dv, bad, vbuf);
+            const T* vclean = value_copy_without(vbase + j0 * vs, vs, kb, dv, bad);
             for (Index ip = 0; ip < mp; ip += W)
                 panel_product<T, true>(dv, kb, vclean, 1, dv, st + ip, mp, acc + ip, mp);
-            for (std::size_t r = 0; r < bad.size(); ++r) {
-                const T* vrow = vbase + (j0 + bad[r]) * vs;
+            for (Index r = 0; r < bad.count; ++r) {
+                const T* vrow = vbase + (j0 + bad.rows[r]) * vs;
                 for (Index i = 0; i < mq; ++i)
-                    if (sees[r * mq + i])
-                        for (Index c = 0; c < dv; ++c) acc[c * mp + i] += vrow[c] * st[bad[r] * mp + i];
+                    if (bad.sees[r * mq + i])
+                        for (Index c = 0; c < dv; ++c)
+                            acc[c * mp + i] += vrow[c] * st[bad.rows[r] * mp + i];
             }
         }
     }
@@ -218,16 +239,13 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     RowMap<T> O(p.out.at(b, h) + i0 * p.out.row_stride, mq, dv, Eigen::OuterStride<>(p.out.row_stride));
     T* wbase = p.weights + ((b * p.heads + h) * p.n_q + i0) * nk;
     RowMap<T> P(wbase, mq, nk, Eigen::OuterStride<>(nk));
-    T* qs_buf = scratch<T, 0>(static_cast<std::size_t>(mq * d));
+    T* qs_buf = scratch<T>(ScratchBuffer::kDenseQueries, static_cast<std::size_t>(mq * d));
     RowMap<T> Qs(qs_buf, mq, d, Eigen::OuterStride<>(d));
     Qs.noalias() = Q * p.scale;
     P.noalias() = Qs * K.transpose();
     if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, nk))
         apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, Index(0), mq, nk, wbase, nk, Index(1));
-    const std::vector<Index> bad = flagged(v_flags, 0, nk);  // as in flash_tile
-    std::vector<std::uint8_t> sees(bad.size() * static_cast<std::size_t>(mq));
-    for (std::size_t c = 0; c < bad.size(); ++c)
-        for (Index r = 0; r < mq; ++r) sees[c * mq + r] = wbase[r * nk + bad[c]] != neg_inf<T>();
+    const FlaggedRows bad = flagged_rows(v_flags, 0, nk, wbase, nk, Index(1), mq);  // as in flash_tile
     for (Index r = 0; r < mq; ++r) {
         T* row = wbase + r * nk;
         const T m = row_max(row, nk);
@@ -243,17 +261,16 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         }
         if (p.lse) p.lse[(b * p.heads + h) * p.n_q + i0 + r] = lse;
     }
-    if (bad.empty()) {
+    if (bad.count == 0) {
         O.noalias() = P * V;
         return;
     }
-    std::vector<T> vbuf;
-    ConstRowMap<T> Vclean(value_copy_without(V.data(), p.v.row_stride, nk, dv, bad, vbuf), nk, dv,
+    ConstRowMap<T> Vclean(value_copy_without(V.data(), p.v.row_stride, nk, dv, bad), nk, dv,
                           Eigen::OuterStride<>(dv));
     O.noalias() = P * Vclean;
-    for (std::size_t c = 0; c < bad.size(); ++c)
+    for (Index c = 0; c < bad.count; ++c)
         for (Index r = 0; r < mq; ++r)
-            if (sees[c * mq + r]) O.row(r) += P(r, bad[c]) * V.row(bad[c]);
+            if (bad.sees[c * mq + r]) O.row(r) += P(r, bad.rows[c]) * V.row(bad.rows[c]);
 }
 
 // Backward. Keys run along the vector lanes here (the forward has queries there): the tile
@@ -325,7 +342,7 @@ struct BackwardScratch {
         auto round = [](Index n) { return (n + 15) / 16 * 16; };  // keep every slot 64-byte aligned
         Index total = 0;
         for (Index n : sizes) total += round(n);
-        T* base = scratch<T, 0>(static_cast<std::size_t>(total));
+        T* base = scratch<T>(ScratchBuffer::kBackwardTiles, static_cast<std::size_t>(total));
         for (int i = 0; i < 7; ++i) {
             *slots[i] = base;
             base += round(sizes[i]);
@@ -514,7 +531,7 @@ void attention_forward(const AttentionProblem<T>& p) {
     if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
     const Index q_tiles = (p.n_q + detail::kTileQ - 1) / detail::kTileQ;
     const Index tasks = p.batch * p.heads * q_tiles;
-    const std::vector<std::uint8_t> v_flags = detail::nonfinite_rows(p);
+    const Buffer<std::uint8_t> v_flags = detail::nonfinite_rows(p);
     parallel_for(tasks, [&](Index t) {
         const Index qt = t % q_tiles;
         const Index h = (t / q_tiles) % p.heads;
@@ -522,8 +539,7 @@ void attention_forward(const AttentionProblem<T>& p) {
         const Index i0 = qt * detail::kTileQ;
         const Index mq = std::min(detail::kTileQ, p.n_q - i0);
         const Index hk = h / (p.heads / p.kv_heads);
-        const std::uint8_t* flags =
-            v_flags.empty() ? nullptr : v_flags.data() + (b * p.kv_heads + hk) * p.n_k;
+        const std::uint8_t* flags = v_flags ? v_flags.get() + (b * p.kv_heads + hk) * p.n_k : nullptr;
         if (p.weights) {
             detail::dense_tile(p, b, h, i0, mq, flags);
         } else {

@@ -4,6 +4,7 @@
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
@@ -79,7 +80,7 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
     a.weights = p.weights;
     a.lse = p.state.lse;
 
-    decltype(make_buffer<T>(0)) proj, qpad, vexp;  // whatever make_buffer returns
+    Buffer<T> proj, qpad, vexp;
     if (order == BilinearOrder::query) {
         // Q'_i = X_q W_i + u_i for all heads; every head reads the raw keys (head stride 0).
         T* pq = keep ? p.state.proj : (proj = make_buffer<T>(rq * H * dk)).get();

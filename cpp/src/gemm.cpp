@@ -2,6 +2,7 @@
 
 #include "attnlab/threading.hpp"
 #include "microkernel.hpp"
+#include "scratch.hpp"
 
 #include <algorithm>
 
@@ -24,7 +25,7 @@ template <typename T>
 void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const T* b, Index ldb,
                 bool b_transposed, Index j0, Index nw, T* y, Index ldy) {
     constexpr Index W = detail::panel_width<T>();
-    T* bp = detail::scratch<T, 5>(static_cast<std::size_t>(kGemmDepth * W));
+    T* bp = scratch<T>(ScratchBuffer::kGemmPanel, static_cast<std::size_t>(kGemmDepth * W));
     for (Index k0 = 0; k0 < depth; k0 += kGemmDepth) {
         const Index kc = std::min(kGemmDepth, depth - k0);
         for (Index k = 0; k < kc; ++k) {
@@ -62,7 +63,7 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
             const Index j0 = p * W, nw = std::min(W, cols - j0);
             // a partial last panel goes through a padded copy of its Y block
             const bool full = nw == W;
-            T* yb = full ? y + r0 * ldy + j0 : detail::scratch<T, 6>(static_cast<std::size_t>(m * W));
+            T* yb = full ? y + r0 * ldy + j0 : scratch<T>(ScratchBuffer::kGemmEdge, static_cast<std::size_t>(m * W));
             const Index ldb_y = full ? ldy : W;
             for (Index r = 0; r < m; ++r) {
                 T* yr = yb + r * ldb_y;

@@ -7,25 +7,10 @@
 // "B" operand is a buffer we own whose lanes are queries (padded to a whole panel). Written with
 // Eigen's packet primitives, so it compiles to SSE2, AVX2+FMA or AVX-512 with the module's flags.
 
-#include <cstdint>
-#include <vector>
-
 #include "attnlab/common.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace detail {
-
-// Per-thread scratch that only grows, so tiles do not allocate on every task. Aligned to 64
-// bytes, so whole packets can be loaded from it with aligned loads.
-template <typename T, int Slot>
-T* scratch(std::size_t n) {
-    constexpr std::size_t pad = 64 / sizeof(T);
-    thread_local std::vector<T> buf;
-    if (buf.size() < n + pad) buf.resize(n + pad);
-    const auto addr = reinterpret_cast<std::uintptr_t>(buf.data());
-    return buf.data() + ((64 - addr % 64) % 64) / sizeof(T);
-}
-
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push

@@ -29,7 +29,8 @@ template <typename T>
 void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, Index i0, Index j0,
                 Index rows, Index cols, T* s, Index rs, Index cs) {
     const Index off = causal_offset(m, n_q, n_k);
-    const std::uint8_t* kp = m.key_padding ? m.key_padding + b * m.kp_sb : nullptr;
+    const TokenMask& pad = m.key_padding;
+    const std::uint8_t* kp = pad.data ? pad.data + b * pad.sb : nullptr;
     for (Index r = 0; r < rows; ++r) {
         T* srow = s + r * rs;
         const Index i = i0 + r;
@@ -47,7 +48,7 @@ void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, In
         }
         if (kp) {
             for (Index c = 0; c < cols; ++c)
-                if (!kp[(j0 + c) * m.kp_sk]) srow[c * cs] = neg_inf<T>();
+                if (!kp[(j0 + c) * pad.sk]) srow[c * cs] = neg_inf<T>();
         }
         if (m.causal != Causal::none) {
             // keys j > i + off are in the future
@@ -61,7 +62,7 @@ void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, In
 // True if the tile needs apply_mask at all (causal tiles fully below the diagonal do not).
 template <typename T>
 bool tile_needs_mask(const MaskSpec<T>& m, Index n_q, Index n_k, Index i0, Index j1) {
-    if (m.kind != MaskKind::none || m.key_padding) return true;
+    if (m.kind != MaskKind::none || m.key_padding.data) return true;
     if (m.causal == Causal::none) return false;
     return j1 - 1 > i0 + causal_offset(m, n_q, n_k);
 }

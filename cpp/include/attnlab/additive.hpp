@@ -2,8 +2,6 @@
 // Efficient additive attention (SwiftFormer) and separable self-attention (MobileViT-v2): the
 // token-pooling attentions whose cost is linear in the number of tokens. Pure C++: no Python.
 
-#include <cstdint>
-
 #include "attnlab/common.hpp"
 
 namespace attnlab {
@@ -13,33 +11,28 @@ namespace attnlab {
 // token weight is 1, so w_g and scale have no effect).
 enum class AdditiveVariant : int { official = 0, hf = 1 };
 
-// Optional per-batch token mask: element (b, j) at data[b * sb + j * sk], nonzero = real token.
-struct TokenMask {
-    const std::uint8_t* data = nullptr;
-    Index sb = 0, sk = 0;
-
-    bool real(Index b, Index j) const { return !data || data[b * sb + j * sk] != 0; }
-};
-
 // Per batch element, x (n, d_in):
 //   Q = normalize_rows(x w_q + b_q), K = normalize_rows(x w_k + b_k)       (n, D)
 //   official: a = normalize_tokens((Q w_g) * scale); hf: a = 1
 //   G = sum over real tokens of a_n Q_n                                    (D)
 //   out = ((K diag(G)) w_proj + b_proj + Q) w_final + b_final              (n, d_out)
 // normalize(v) = v / max(||v||, eps). No real token: G = 0. Biases may be null.
+//
+// The tensors are named once, in AdditiveTensors: the problem holds them as inputs (P = const
+// T*) and AdditiveGrads, their gradients, is the same struct of outputs (P = T*).
+template <typename P>
+struct AdditiveTensors {
+    P x = nullptr;                           // (batch * n, d_in) row-major contiguous
+    P w_q = nullptr, b_q = nullptr;          // (d_in, D), (D)
+    P w_k = nullptr, b_k = nullptr;          // (d_in, D), (D)
+    P w_g = nullptr;                         // (D); its gradient is zero for the hf variant
+    P w_proj = nullptr, b_proj = nullptr;    // (D, D), (D)
+    P w_final = nullptr, b_final = nullptr;  // (D, d_out), (d_out)
+};
+
 template <typename T>
-struct AdditiveProblem {
+struct AdditiveProblem : AdditiveTensors<const T*> {
     Index batch = 0, n = 0, d_in = 0, width = 0, d_out = 0;  // width is D
-    const T* x = nullptr;  // (batch * n, d_in) row-major contiguous
-    const T* w_q = nullptr;
-    const T* b_q = nullptr;  // (d_in, D), (D)
-    const T* w_k = nullptr;
-    const T* b_k = nullptr;  // (d_in, D), (D)
-    const T* w_g = nullptr;  // (D)
-    const T* w_proj = nullptr;
-    const T* b_proj = nullptr;  // (D, D), (D)
-    const T* w_final = nullptr;
-    const T* b_final = nullptr;  // (D, d_out), (d_out)
     T scale = T(1);
     T eps = T(1e-12);
     AdditiveVariant variant = AdditiveVariant::official;
@@ -47,68 +40,51 @@ struct AdditiveProblem {
     T* out = nullptr;  // (batch * n, d_out) row-major contiguous
 };
 
-namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
-template <typename T>
-void additive_attention_forward(const AdditiveProblem<T>& p);
-}  // namespace ATTNLAB_ISA_NS
-
 // Per batch element, x (n, d), [s | k | v] = x w_qkv + b_qkv with widths 1, d, d:
 //   c = softmax of s over the real tokens; ctx = sum_n c_n k_n                (d)
 //   out = (relu(v) diag(ctx)) w_o + b_o                                      (n, d_out)
 // No real token: ctx = 0 (out = b_o). Biases may be null.
+//
+// Tensors named once, as in AdditiveTensors: inputs (P = const T*) or gradients (P = T*).
+template <typename P>
+struct SeparableTensors {
+    P x = nullptr;                       // (batch * n, d)
+    P w_qkv = nullptr, b_qkv = nullptr;  // (d, 1 + 2d), (1 + 2d)
+    P w_o = nullptr, b_o = nullptr;      // (d, d_out), (d_out)
+};
+
 template <typename T>
-struct SeparableProblem {
+struct SeparableProblem : SeparableTensors<const T*> {
     Index batch = 0, n = 0, d = 0, d_out = 0;
-    const T* x = nullptr;  // (batch * n, d)
-    const T* w_qkv = nullptr;
-    const T* b_qkv = nullptr;  // (d, 1 + 2d), (1 + 2d)
-    const T* w_o = nullptr;
-    const T* b_o = nullptr;  // (d, d_out), (d_out)
     TokenMask key_padding;
     T* out = nullptr;  // (batch * n, d_out)
 };
-
-namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
-template <typename T>
-void separable_attention_forward(const SeparableProblem<T>& p);
-}  // namespace ATTNLAB_ISA_NS
 
 // Gradients of the two forwards, written to caller-owned buffers shaped like the arguments
 // (row-major contiguous; x's gradient is (batch * n, d_in)). A null bias gradient is skipped;
 // every other pointer must be valid. Every reduction runs in a fixed order (per-block partial
 // sums, then the blocks in order), so the result is bitwise the same for any thread count.
 template <typename T>
-struct AdditiveGrads {
-    T* x = nullptr;
-    T* w_q = nullptr;
-    T* b_q = nullptr;
-    T* w_k = nullptr;
-    T* b_k = nullptr;
-    T* w_g = nullptr;  // all zero for the hf variant (w_g has no effect there)
-    T* w_proj = nullptr;
-    T* b_proj = nullptr;
-    T* w_final = nullptr;
-    T* b_final = nullptr;
-};
+using AdditiveGrads = AdditiveTensors<T*>;
+
+template <typename T>
+using SeparableGrads = SeparableTensors<T*>;
+
+// The kernels, compiled once per instruction set (see common.hpp).
+namespace ATTNLAB_ISA_NS {
+
+template <typename T>
+void additive_attention_forward(const AdditiveProblem<T>& p);
+
+template <typename T>
+void separable_attention_forward(const SeparableProblem<T>& p);
 
 // p.out is not used. Matches torch's autograd, including F.normalize below eps (v / eps, a
 // constant scale) and relu at 0 (gradient 0).
-namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
                                  const AdditiveGrads<T>& g);
-}  // namespace ATTNLAB_ISA_NS
 
-template <typename T>
-struct SeparableGrads {
-    T* x = nullptr;
-    T* w_qkv = nullptr;
-    T* b_qkv = nullptr;
-    T* w_o = nullptr;
-    T* b_o = nullptr;
-};
-
-namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_out,
                                   const SeparableGrads<T>& g);

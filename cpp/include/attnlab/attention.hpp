@@ -20,13 +20,6 @@ struct AttentionProblem {
     T* lse = nullptr;      // optional (batch, heads, n_q) contiguous: log-sum-exp of the logits
 };
 
-// The flash-style core: tiles of queries against tiles of keys with an online softmax, O(n d)
-// memory; when weights are requested they are written and used directly (O(n^2), as asked).
-namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
-template <typename T>
-void attention_forward(const AttentionProblem<T>& p);
-}  // namespace ATTNLAB_ISA_NS
-
 // Gradients of attention_forward. Needs p.out and p.lse as attention_forward left them (the
 // backward recomputes P = exp(S - lse) tile by tile: no O(n^2) memory). d_q is written per query
 // head; d_k, d_v per kv head (summed over the query heads of its group). Fully masked rows give
@@ -38,11 +31,6 @@ struct AttentionGrad {
     MatrixStack<T> d_k, d_v;     // (n_k x d), (n_k x d_v) per (batch, kv head)
 };
 
-namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
-template <typename T>
-void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g);
-}  // namespace ATTNLAB_ISA_NS
-
 // A dense projection y = x w + b; w is (in, out) row-major, b may be null.
 template <typename T>
 struct Linear {
@@ -51,13 +39,12 @@ struct Linear {
     Index in = 0, out = 0;
 };
 
-// What a forward can keep for its backward (attnlab.vjp): the projections, the attention
-// output before w_o and the log-sum-exp. Buffers the caller owns, O(n d); any forward given them
-// fills them, and a backward given them with `filled` set skips its recompute of the forward.
+// What a forward can keep for its backward (attnlab.vjp): the values, the attention output
+// before w_o, the log-sum-exp (here), and the family's projections (MhaState, BilinearState).
+// Buffers the caller owns, O(n d); any forward given them fills them, and a backward given them
+// with `filled` set skips its recompute of the forward.
 template <typename T>
-struct MhaState {
-    T* q = nullptr;    // (batch * n_q, heads * d_head)
-    T* k = nullptr;    // (batch * n_k, kv_heads * d_head)
+struct KeptForward {
     T* v = nullptr;    // (batch * n_k, kv_heads * d_vhead)
     T* ctx = nullptr;  // (batch * n_q, heads * d_vhead)
     T* lse = nullptr;  // (batch, heads, n_q)
@@ -65,24 +52,34 @@ struct MhaState {
 };
 
 template <typename T>
-struct MhaProblem {
+struct MhaState : KeptForward<T> {
+    T* q = nullptr;  // (batch * n_q, heads * d_head)
+    T* k = nullptr;  // (batch * n_k, kv_heads * d_head)
+};
+
+// What multi-head and bilinear attention share: the sizes, the rows of the three inputs, the
+// value and output projections, the scale and mask, the outputs. Each family adds how it forms
+// the scores (MhaProblem, BilinearProblem).
+template <typename T>
+struct ProjectedAttention {
     Index batch = 0, n_q = 0, n_k = 0;
-    Index heads = 0, kv_heads = 0, d_head = 0, d_vhead = 0;
+    Index heads = 0, kv_heads = 0, d_vhead = 0;
     const T* query = nullptr;  // (batch * n_q, d_q) row-major
     const T* key = nullptr;    // (batch * n_k, d_k)
     const T* value = nullptr;  // (batch * n_k, d_v)
-    Linear<T> w_q, w_k, w_v, w_o;
+    Linear<T> w_v, w_o;        // (d_v, kv_heads * d_vhead), (heads * d_vhead, d_out)
     T scale = T(1);
     MaskSpec<T> mask;
     T* out = nullptr;      // (batch * n_q, d_out)
     T* weights = nullptr;  // optional (batch, heads, n_q, n_k)
-    MhaState<T> state;     // optional: all five buffers or none
 };
 
-namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
-void multi_head_attention_forward(const MhaProblem<T>& p);
-}  // namespace ATTNLAB_ISA_NS
+struct MhaProblem : ProjectedAttention<T> {
+    Index d_head = 0;
+    Linear<T> w_q, w_k;  // (d_q, heads * d_head), (d_k, kv_heads * d_head)
+    MhaState<T> state;   // optional: all five buffers or none
+};
 
 // Gradient of a dense projection: weight and bias gradients, input gradient (any may be null).
 template <typename T>
@@ -91,17 +88,36 @@ struct LinearGrad {
     T* b = nullptr;  // (out)
 };
 
+// The gradients of what ProjectedAttention holds, and those of each family; any may be null.
 template <typename T>
-struct MhaGrads {
+struct ProjectedGrads {
     T* query = nullptr;  // (batch * n_q, d_q)
     T* key = nullptr;    // (batch * n_k, d_k)
     T* value = nullptr;  // (batch * n_k, d_v)
-    LinearGrad<T> w_q, w_k, w_v, w_o;
+    LinearGrad<T> w_v, w_o;
 };
+
+template <typename T>
+struct MhaGrads : ProjectedGrads<T> {
+    LinearGrad<T> w_q, w_k;
+};
+
+// The kernels, compiled once per instruction set (see common.hpp).
+namespace ATTNLAB_ISA_NS {
+
+// The flash-style core: tiles of queries against tiles of keys with an online softmax, O(n d)
+// memory; when weights are requested they are written and used directly (O(n^2), as asked).
+template <typename T>
+void attention_forward(const AttentionProblem<T>& p);
+
+template <typename T>
+void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g);
+
+template <typename T>
+void multi_head_attention_forward(const MhaProblem<T>& p);
 
 // Recomputes the forward (projections, attention with log-sum-exp), unless p.state holds it,
 // and back-propagates grad_out (batch * n_q, d_out) into every gradient pointer that is not null.
-namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out, const MhaGrads<T>& g);
 }  // namespace ATTNLAB_ISA_NS

@@ -15,56 +15,40 @@ namespace attnlab {
 enum class BilinearOrder : int { query = 0, key = 1 };
 
 // What the forward keeps for the backward (attnlab.vjp), as MhaState: the values V = X_v w_v +
-// b_v, the projected queries X_q W_i + u_i of every head, the attention output before w_o and
-// the log-sum-exp. A forward given them evaluates in the query order (the backward's).
+// b_v, the attention output before w_o and the log-sum-exp (KeptForward), and the projected
+// queries X_q W_i + u_i of every head. A forward given them evaluates in the query order (the
+// backward's).
 template <typename T>
-struct BilinearState {
-    T* v = nullptr;     // (batch * n_k, kv_heads * d_vhead)
+struct BilinearState : KeptForward<T> {
     T* proj = nullptr;  // (batch * n_q, heads * d_k)
-    T* ctx = nullptr;   // (batch * n_q, heads * d_vhead)
-    T* lse = nullptr;   // (batch, heads, n_q)
-    bool filled = false;
 };
 
 template <typename T>
-struct BilinearProblem {
-    Index batch = 0, n_q = 0, n_k = 0;
-    Index heads = 0, kv_heads = 0, d_q = 0, d_k = 0, d_vhead = 0;
-    const T* query = nullptr;  // (batch * n_q, d_q) row-major
-    const T* key = nullptr;    // (batch * n_k, d_k)
-    const T* value = nullptr;  // (batch * n_k, d_v)
-    const T* w_qk = nullptr;   // (heads, d_q, d_k) contiguous
-    const T* u_k = nullptr;    // optional (heads, d_k): the key-side term W_k,i b_q,i
-    Linear<T> w_v, w_o;        // (d_v, kv_heads * d_vhead), (heads * d_vhead, d_out)
-    T scale = T(1);
+struct BilinearProblem : ProjectedAttention<T> {
+    Index d_q = 0, d_k = 0;
+    const T* w_qk = nullptr;  // (heads, d_q, d_k) contiguous
+    const T* u_k = nullptr;   // optional (heads, d_k): the key-side term W_k,i b_q,i
     BilinearOrder order = BilinearOrder::query;
-    MaskSpec<T> mask;
-    T* out = nullptr;      // (batch * n_q, d_out)
-    T* weights = nullptr;  // optional (batch, heads, n_q, n_k)
     BilinearState<T> state;  // optional: all four buffers or none
 };
 
-namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
-template <typename T>
-void bilinear_attention_forward(const BilinearProblem<T>& p);
-}  // namespace ATTNLAB_ISA_NS
-
 // Gradients of bilinear_attention_forward; any pointer may be null (not computed).
 template <typename T>
-struct BilinearGrads {
-    T* query = nullptr;  // (batch * n_q, d_q)
-    T* key = nullptr;    // (batch * n_k, d_k)
-    T* value = nullptr;  // (batch * n_k, d_v)
-    T* w_qk = nullptr;   // (heads, d_q, d_k)
-    T* u_k = nullptr;    // (heads, d_k); only meaningful when p.u_k is set
-    LinearGrad<T> w_v, w_o;
+struct BilinearGrads : ProjectedGrads<T> {
+    T* w_qk = nullptr;  // (heads, d_q, d_k)
+    T* u_k = nullptr;   // (heads, d_k); only meaningful when p.u_k is set
 };
+
+// The kernels, compiled once per instruction set (see common.hpp).
+namespace ATTNLAB_ISA_NS {
+
+template <typename T>
+void bilinear_attention_forward(const BilinearProblem<T>& p);
 
 // Recomputes the forward in the query order whatever p.order says (the gradient is the same
 // function; the query order keeps one projected tensor per query head and reads the keys raw),
 // then back-propagates grad_out (batch * n_q, d_out). Deterministic for any thread count: the
 // per-kv-head key gradients are summed in head order, never with atomics.
-namespace ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 template <typename T>
 void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
                                  const BilinearGrads<T>& g);
