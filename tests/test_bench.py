@@ -3,6 +3,7 @@ it is reported), no share above 100% is printed, and noisy timings are flagged."
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import attnlab
 from attnlab._bench import gemm, runner
 from attnlab._bench.common import Row, Timing, interleaved
+from attnlab._loader import core
 
 
 def _result(rows: list[Row], peak: float | None, rounds: list[float] | None = None) -> dict:
@@ -87,3 +89,15 @@ def test_quick_gemm_bench_end_to_end():
     assert res.returncode == 0, res.stderr[-2000:]
     assert "GEMM peak" in res.stdout
     assert all(s <= 100 for s in _shares(res.stdout)), res.stdout
+
+
+def test_fma_peak_kernel_structure():
+    """The FMA peak kernel of the variant in use: a finite positive rate for the whole machine and
+    one per pool thread (its size against sgemm is the bench's check, not a unit test's)."""
+    total, per_thread = core.fma_peak(0.02)
+    assert math.isfinite(total) and total > 0
+    assert len(per_thread) == attnlab.get_num_threads()
+    assert all(math.isfinite(r) and r > 0 for r in per_thread)
+    for bad in (0, -1.0, float("nan"), float("inf"), 61):
+        with pytest.raises(ValueError, match="seconds"):
+            core.fma_peak(bad)

@@ -2,8 +2,10 @@
 // cpp/src/dispatch.cpp picks at import (ATTNLAB_ISA forces one).
 #include <pybind11/pybind11.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "attnlab/kernels.hpp"
 #include "attnlab/threading.hpp"
@@ -51,6 +53,25 @@ PYBIND11_MODULE(_core, m) {
     m.attr("MAX_THREADS") = attnlab::kMaxThreads;
     m.def("cgroup_cpu_limit", &attnlab::detail::cgroup_cpu_limit, py::arg("sysroot"),
           "CPU limit of this process's cgroups read under sysroot (tests use a fake tree).");
+    m.def(
+        "fma_peak",
+        [](double seconds) {
+            if (!std::isfinite(seconds) || seconds <= 0.0 || seconds > 60.0)
+                throw py::value_error("seconds: expected a duration in (0, 60], got " +
+                                      py::str(py::float_(seconds)).cast<std::string>());
+            std::vector<double> per(static_cast<std::size_t>(attnlab::get_num_threads()));
+            double total = 0.0;
+            {
+                py::gil_scoped_release release;
+                total = attnlab::kernels().fma_peak(seconds, per.data(),
+                                                    static_cast<attnlab::Index>(per.size()));
+            }
+            py::list each;
+            for (double g : per) each.append(g);
+            return py::make_tuple(total, each);
+        },
+        py::arg("seconds"),
+        "float32 FMA peak of the variant in use: (GFLOP/s of all threads, [GFLOP/s per thread]).");
     m.def("build_info", [] {
         py::dict d;
         d["version"] = ATTNLAB_VERSION;
