@@ -23,7 +23,8 @@ from attnlab._loader import core
 
 def _result(rows: list[Row], peak: float | None, sgemm: float | None = None) -> dict:
     return {"date": "today", "cpu": "cpu", "threads": 2, "isa": "avx2",
-            "peak": {"gflops": peak, "per_thread": [(peak or 0) / 2] * 2, "bursts": [peak]},
+            "peak": {"gflops": peak, "per_thread": [(peak or 0) / 2] * 2, "bursts": [peak],
+                     "clock": "cpu", "wall_gflops": peak},
             "peak_gflops": peak, "rows": rows, "targets": [], "notes": [],
             "sgemm": None if sgemm is None else {"gflops": sgemm, "n": 1024, "ms": [1.0],
                                                  "version": "numpy"}}
@@ -90,11 +91,13 @@ def test_quick_gemm_bench_end_to_end():
 
 def test_fma_peak_kernel_structure():
     """The FMA peak kernel of the variant in use: a finite positive rate for the whole machine and
-    one per pool thread (its size against sgemm is the bench's check, not a unit test's)."""
-    total, per_thread = core.fma_peak(0.02)
+    one per pool thread, over wall and CPU time (its size against sgemm is the bench's check,
+    not a unit test's)."""
+    total, per_thread, per_thread_cpu = core.fma_peak(0.02)
     assert math.isfinite(total) and total > 0
-    assert len(per_thread) == attnlab.get_num_threads()
+    assert len(per_thread) == len(per_thread_cpu) == attnlab.get_num_threads()
     assert all(math.isfinite(r) and r > 0 for r in per_thread)
+    assert all(math.isfinite(r) and r >= 0 for r in per_thread_cpu)  # 0: no per-thread clock
     for bad in (0, -1.0, float("nan"), float("inf"), 61):
         with pytest.raises(ValueError, match="seconds"):
             core.fma_peak(bad)

@@ -59,19 +59,24 @@ PYBIND11_MODULE(_core, m) {
             if (!std::isfinite(seconds) || seconds <= 0.0 || seconds > 60.0)
                 throw py::value_error("seconds: expected a duration in (0, 60], got " +
                                       py::str(py::float_(seconds)).cast<std::string>());
-            std::vector<double> per(static_cast<std::size_t>(attnlab::get_num_threads()));
+            const auto n = static_cast<std::size_t>(attnlab::get_num_threads());
+            std::vector<double> per(n), per_cpu(n);
             double total = 0.0;
             {
                 py::gil_scoped_release release;
-                total = attnlab::kernels().fma_peak(seconds, per.data(),
-                                                    static_cast<attnlab::Index>(per.size()));
+                total = attnlab::kernels().fma_peak(seconds, per.data(), per_cpu.data(),
+                                                    static_cast<attnlab::Index>(n));
             }
-            py::list each;
-            for (double g : per) each.append(g);
-            return py::make_tuple(total, each);
+            py::list each, each_cpu;
+            for (std::size_t i = 0; i < n; ++i) {
+                each.append(per[i]);
+                each_cpu.append(per_cpu[i]);
+            }
+            return py::make_tuple(total, each, each_cpu);
         },
         py::arg("seconds"),
-        "float32 FMA peak of the variant in use: (GFLOP/s of all threads, [GFLOP/s per thread]).");
+        "float32 FMA peak of the variant in use: (GFLOP/s of all threads over the wall time, "
+        "[GFLOP/s of each thread over its wall time], [... over its CPU time, or 0]).");
     m.def("build_info", [] {
         py::dict d;
         d["version"] = ATTNLAB_VERSION;

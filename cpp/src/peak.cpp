@@ -7,6 +7,9 @@
 #include <algorithm>
 #include <chrono>
 #include <vector>
+#if defined(__unix__) || defined(__APPLE__)
+#include <time.h>
+#endif
 
 #include "attnlab/threading.hpp"
 
@@ -38,9 +41,21 @@ EIGEN_DONT_INLINE void fma_chains(Packet* acc, Packet a, Packet b, Index steps) 
     for (int c = 0; c < Chains; ++c) acc[c] = r[c];
 }
 
+// CPU seconds the calling thread has run, or -1 where there is no per-thread clock. On a shared
+// machine a thread is descheduled for part of its wall time; flops per CPU second are what its
+// core can do, whatever else runs.
+double thread_cpu_seconds() {
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+    timespec ts{};
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0)
+        return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+#endif
+    return -1.0;
+}
+
 }  // namespace
 
-double fma_peak(double seconds, double* per_task, Index tasks) {
+double fma_peak(double seconds, double* per_task, double* per_task_cpu, Index tasks) {
     using Clock = std::chrono::steady_clock;
     tasks = std::max<Index>(tasks, 1);
     // One deadline for all tasks: a task a busy thread starts late still stops with the others,
@@ -62,6 +77,7 @@ double fma_peak(double seconds, double* per_task, Index tasks) {
             acc[c] = Eigen::internal::pset1<Packet>(static_cast<float>(c + t));
         }
         const auto t0 = Clock::now();
+        const double cpu0 = thread_cpu_seconds();
         auto now = t0;
         Index steps = 0;
         do {  // at least one block, so every task reports a rate
@@ -70,9 +86,11 @@ double fma_peak(double seconds, double* per_task, Index tasks) {
             now = Clock::now();
         } while (now < deadline);
         const double secs = std::chrono::duration<double>(now - t0).count();
+        const double cpu = cpu0 >= 0 ? thread_cpu_seconds() - cpu0 : -1.0;
         const double f = 2.0 * static_cast<double>(kLanes) * kFmaChains * static_cast<double>(steps);
         flops[static_cast<std::size_t>(t)] = f;
         per_task[t] = secs > 0 ? f / secs * 1e-9 : 0.0;
+        per_task_cpu[t] = cpu > 0 ? f / cpu * 1e-9 : 0.0;
         Packet total = acc[0];
         for (int c = 1; c < kFmaChains; ++c) total = Eigen::internal::padd(total, acc[c]);
         sink[static_cast<std::size_t>(t)] = Eigen::internal::predux(total);

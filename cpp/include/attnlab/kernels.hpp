@@ -41,7 +41,7 @@ struct KernelTable {
     KernelSet<double> f64;
     // The float32 FMA peak of this build's widest vector (attnlab/peak.hpp): the benchmark's
     // denominator, per variant since each variant has its own vector width.
-    double (*fma_peak)(double seconds, double* per_task, Index tasks);
+    double (*fma_peak)(double seconds, double* per_task, double* per_task_cpu, Index tasks);
 
     template <typename T>
     const KernelSet<T>& get() const {

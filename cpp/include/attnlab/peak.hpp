@@ -9,10 +9,12 @@
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
 // Runs `tasks` parallel_for tasks (one per pool thread when tasks == get_num_threads()), each
-// looping over kFmaChains independent float multiply-add chains until `seconds` have passed
-// since the call began. Writes each task's GFLOP/s (2 flops per lane per multiply-add, over that
-// task's own running time) to per_task[0, tasks) and returns the whole machine's GFLOP/s: all
-// tasks' flops over the wall time of the call. Float32 only (the benchmarks' precision).
-double fma_peak(double seconds, double* per_task, Index tasks);
+// looping over 12 independent float multiply-add chains until `seconds` have passed since the
+// call began. Writes each task's GFLOP/s (2 flops per lane per multiply-add) over its own wall
+// time to per_task[0, tasks), and over the CPU time its thread ran to per_task_cpu (0 where the
+// system has no per-thread CPU clock: the rate of its core even when other processes share it);
+// returns the whole machine's GFLOP/s: all tasks' flops over the wall time of the call. Float32
+// only (the benchmarks' precision).
+double fma_peak(double seconds, double* per_task, double* per_task_cpu, Index tasks);
 
 }  // namespace attnlab::ATTNLAB_ISA_NS
