@@ -282,13 +282,13 @@ def format_peers(result: dict[str, Any]) -> str:
     lines = [f"attnlab bench --peers  {result['date']}  {result['cpu']}  "
              f"threads={result['threads']} (every runtime)  isa={result['isa']}  float32"]
     lines += peak_lines(result) + [""]
-    lines.append(f"{'case':<16} {'shape':<26} {'runtime':<12} {'ms':>9} {'GFLOP/s':>8} "
+    lines.append(f"{'case':<16} {'shape':<30} {'runtime':<12} {'ms':>9} {'GFLOP/s':>8} "
                  f"{'%peak':>6} {'vs best other':>24}  {'check':>8}  version")
     for r in rows:
         b = best_other(r, rows)
         vs = f"{b[0]:.2f}x ({b[1]})" if b else ""
         flag = " NOISY" if _noisy(r) else ""
-        lines.append(f"{r.case:<16.16} {r.shape:<26.26} {r.impl:<12.12} {r.ms:>9.3f} "
+        lines.append(f"{r.case:<16.16} {r.shape:<30.30} {r.impl:<12.12} {r.ms:>9.3f} "
                      f"{r.gflops:>8.1f} {share(r, peak):>6} {vs:>24}  "
                      f"{r.extra.get('check', 0):>8.1e}  {r.extra.get('version', '')}{flag}")
     lines += ["", "vs best other: the fastest other runtime's time / this row's (above 1: this "
