@@ -83,7 +83,8 @@ def test_peak_header_prints_the_sgemm_check():
 def test_quick_gemm_bench_end_to_end():
     """``python -m attnlab bench --quick --only gemm`` runs and prints no share above 100%."""
     res = subprocess.run([sys.executable, "-m", "attnlab", "bench", "--quick", "--only", "gemm"],
-                         capture_output=True, text=True, env=_env(), timeout=300)
+                         check=False, capture_output=True, text=True, env=_env(),
+                             timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "FMA peak" in res.stdout and "OpenBLAS sgemm" in res.stdout
     assert all(s <= 100 for s in _shares(res.stdout)), res.stdout
@@ -109,7 +110,8 @@ def test_relative_error_and_best_other():
     assert peers.relative_error(ref * 1.5, ref) == pytest.approx(0.5)
     assert peers.relative_error(ref[:1], ref) == math.inf
     assert peers.relative_error(ref * np.nan, ref) == math.inf
-    rows = [Row("peers", "c", "s", "attnlab", Timing(2.0)), Row("peers", "c", "s", "jax", Timing(4.0)),
+    rows = [Row("peers", "c", "s", "attnlab", Timing(2.0)),
+            Row("peers", "c", "s", "jax", Timing(4.0)),
             Row("peers", "c", "s", "torch-sdpa", Timing(1.0)),
             Row("peers", "c", "s", "torch-mha", Timing(8.0)),
             Row("peers", "other case", "s", "onnxruntime", Timing(0.1))]
@@ -123,13 +125,13 @@ class _FakeWorker:
     """Stands for a peers_worker process: writes an output (attnlab's, or a wrong one for
     'jax') and answers the protocol."""
 
-    def __init__(self, runtime: str, case: str, threads: int, out: str, log) -> None:
+    def __init__(self, runtime: str, _case: str, _threads: int, out: str, _log) -> None:
         self.runtime = runtime
         x = np.arange(12, dtype=np.float32).reshape(3, 4)
         np.save(out, x + 1.0 if runtime == "jax" else x)
         self.proc = type("P", (), {"poll": staticmethod(lambda: None)})()
 
-    def ask(self, command, timeout):
+    def ask(self, command, timeout):  # noqa: ARG002 (the protocol's signature)
         if self.runtime == "openvino":
             return {"skip": "openvino is not installed"}
         if command is None:
@@ -161,7 +163,8 @@ def test_peers_worker_one_shot_and_a_missing_runtime(tmp_path):
     module that fails to import stands for it here)."""
     cmd = [sys.executable, "-m", "attnlab._bench.peers_worker", "attnlab", "tiny", "--repeat", "2",
            "--threads", "1", "--out", str(tmp_path / "a.npy")]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(),
+                             timeout=300)
     rep = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(rep["ms"]) == 2 and rep["version"].startswith("attnlab")
     assert np.load(tmp_path / "a.npy").shape == (1, 16, 32)
@@ -169,7 +172,8 @@ def test_peers_worker_one_shot_and_a_missing_runtime(tmp_path):
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
     res = subprocess.run([sys.executable, "-m", "attnlab._bench.peers_worker", "onnxruntime",
-                          "tiny"], capture_output=True, text=True, env=env, timeout=300)
+                          "tiny"], check=False, capture_output=True, text=True, env=env,
+                         timeout=300)
     rep = json.loads(res.stdout.strip().splitlines()[-1])
     assert "not installed" in rep["skip"]
 
@@ -178,7 +182,8 @@ def test_cli_refuses_bad_peer_options():
     for args, word in ((["--case", "bert"], "--peers"), (["--peers", "--case", "nope"], "cases"),
                        (["--peers", "--runtime", "tf"], "runtimes")):
         res = subprocess.run([sys.executable, "-m", "attnlab", "bench", *args],
-                             capture_output=True, text=True, env=_env(), timeout=300)
+                             check=False, capture_output=True, text=True, env=_env(),
+                             timeout=300)
         assert res.returncode == 2 and word in res.stderr, res.stderr
 
 
@@ -186,8 +191,8 @@ def test_bench_peers_on_the_tiny_case():
     """``bench --peers --quick --case tiny``: attnlab and every installed peer are timed and
     checked, the missing ones skipped with a note."""
     res = subprocess.run([sys.executable, "-m", "attnlab", "bench", "--peers", "--quick",
-                          "--case", "tiny"], capture_output=True, text=True, env=_env(),
-                         timeout=900)
+                          "--case", "tiny"], check=False, capture_output=True, text=True,
+                         env=_env(), timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     assert "FMA peak" in out and re.search(r"tiny \(smoke\) .* attnlab ", out), out

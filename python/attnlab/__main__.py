@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     b.add_argument("--plot", metavar="PATH", help="also plot time against n (PNG)")
     b.add_argument("--only", metavar="FAMILY", action="append",
-                   help="run only this family (gemm, mha, bilinear, additive, backward); repeatable")
+                   help="run only this family (gemm, mha, bilinear, additive, backward); "
+                        "repeatable")
     b.add_argument("--peers", action="store_true",
                    help="attnlab against torch, ONNX Runtime, OpenVINO and JAX, each in its own "
                         "process (install them with the 'bench' extra; missing ones are skipped)")

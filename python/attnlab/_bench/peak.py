@@ -71,9 +71,9 @@ def sgemm_gflops(threads: int, quick: bool) -> dict[str, Any] | None:
     cmd = [sys.executable, "-m", "attnlab._bench.peers_worker", "sgemm", str(n),
            "--repeat", "5" if quick else "10", "--threads", str(threads)]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300,
                            env=worker_env(threads))
         out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
         return out
-    except Exception:
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None

@@ -141,8 +141,9 @@ def run_case(name: str, runtimes: tuple[str, ...], threads: int, quick: bool,
                 w = _Worker(rt, name, threads, out, log)
                 head = w.ask(None, timeout=1800)
                 if "skip" in head or "error" in head:
-                    notes.append(f"{case.label}: {rt} " + (f"skipped: {head['skip']}" if "skip" in head
-                                                          else f"failed: {head['error']}"))
+                    why = (f"skipped: {head['skip']}" if "skip" in head
+                           else f"failed: {head['error']}")
+                    notes.append(f"{case.label}: {rt} {why}")
                     w.close()
                     continue
                 got = np.load(out)
@@ -152,8 +153,9 @@ def run_case(name: str, runtimes: tuple[str, ...], threads: int, quick: bool,
                 elif ref is not None:
                     err = relative_error(got, ref)
                     if not err <= TOLERANCE:
-                        notes.append(f"{case.label}: {rt} WRONG, not timed: its output differs from "
-                                     f"attnlab's by {err:.2e} (normwise; tolerance {TOLERANCE:g})")
+                        notes.append(f"{case.label}: {rt} WRONG, not timed: its output differs "
+                                     f"from attnlab's by {err:.2e} (normwise; tolerance "
+                                     f"{TOLERANCE:g})")
                         w.close()
                         continue
                 live[rt] = (w, head, err)
@@ -255,11 +257,12 @@ def peak_lines(result: dict[str, Any]) -> list[str]:
     peak = result.get("peak") or {}
     sg = result.get("sgemm")
     clock = "CPU time" if peak.get("clock") == "cpu" else "wall time"
-    lines = [f"FMA peak (float32, measured: 12 independent FMA chains of the widest vector on each "
-             f"of {len(peak.get('per_thread', []))} threads, rates over each thread's {clock}, "
-             f"best of {len(peak.get('bursts', []))} bursts) = {peak.get('gflops', 0):.1f} GFLOP/s "
-             f"(per thread: {', '.join(f'{g:.1f}' for g in peak.get('per_thread', []))}; over "
-             f"the wall time, as other processes left it: {peak.get('wall_gflops', 0):.1f})"]
+    lines = [(f"FMA peak (float32, measured: 12 independent FMA chains of the widest vector on "
+              f"each of {len(peak.get('per_thread', []))} threads, rates over each thread's "
+              f"{clock}, best of {len(peak.get('bursts', []))} bursts) = "
+              f"{peak.get('gflops', 0):.1f} GFLOP/s (per thread: "
+              f"{', '.join(f'{g:.1f}' for g in peak.get('per_thread', []))}; over the wall time, "
+              f"as other processes left it: {peak.get('wall_gflops', 0):.1f})")]
     if sg:
         share = sg["gflops"] / peak["gflops"] if peak.get("gflops") else float("nan")
         lines.append(f"Check: OpenBLAS sgemm ({sg['version']}, {sg['n']}^3, own process) = "
@@ -279,8 +282,8 @@ def format_peers(result: dict[str, Any]) -> str:
 
     rows: list[Row] = result["rows"]
     peak = result.get("peak_gflops")
-    lines = [f"attnlab bench --peers  {result['date']}  {result['cpu']}  "
-             f"threads={result['threads']} (every runtime)  isa={result['isa']}  float32"]
+    lines = [(f"attnlab bench --peers  {result['date']}  {result['cpu']}  "
+              f"threads={result['threads']} (every runtime)  isa={result['isa']}  float32")]
     lines += peak_lines(result) + [""]
     lines.append(f"{'case':<16} {'shape':<30} {'runtime':<12} {'ms':>9} {'GFLOP/s':>8} "
                  f"{'%peak':>6} {'vs best other':>24}  {'check':>8}  version")
@@ -291,9 +294,10 @@ def format_peers(result: dict[str, Any]) -> str:
         lines.append(f"{r.case:<16.16} {r.shape:<30.30} {r.impl:<12.12} {r.ms:>9.3f} "
                      f"{r.gflops:>8.1f} {share(r, peak):>6} {vs:>24}  "
                      f"{r.extra.get('check', 0):>8.1e}  {r.extra.get('version', '')}{flag}")
-    lines += ["", "vs best other: the fastest other runtime's time / this row's (above 1: this "
-              "row is faster than every other runtime). check: normwise difference from "
-              "attnlab's output. NOISY: the slowest timed call took 1.5x the fastest or more."]
+    lines += ["", ("vs best other: the fastest other runtime's time / this row's (above 1: this "
+                   "row is faster than every other runtime). check: normwise difference from "
+                   "attnlab's output. NOISY: the slowest timed call took 1.5x the fastest or "
+                   "more.")]
     if result.get("notes"):
         lines += ["", "Notes:"] + [f"  {n}" for n in result["notes"]]
     return "\n".join(lines + target_lines(result.get("targets") or [], 72))

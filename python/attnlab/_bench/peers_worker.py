@@ -26,8 +26,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -176,7 +177,7 @@ def _torch_mha(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     return f, lambda t: t.numpy(), f"torch {torch.__version__} nn.MultiheadAttention"
 
 
-def _onnx_layer(onnx: Any, case: Case, a: dict[str, np.ndarray]) -> Any:
+def _onnx_layer(case: Case, a: dict[str, np.ndarray]) -> Any:
     """MatMul + Add projections around com.microsoft.MultiHeadAttention, weights as
     initializers."""
     from onnx import TensorProto, helper, numpy_helper
@@ -200,7 +201,7 @@ def _onnx_layer(onnx: Any, case: Case, a: dict[str, np.ndarray]) -> Any:
         helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
 
 
-def _onnx_core(onnx: Any, case: Case) -> Any:
+def _onnx_core(case: Case) -> Any:
     """The ONNX Attention operator (opset 23): q, k, v as (B, h, n, d_head), as given."""
     from onnx import TensorProto, helper
 
@@ -214,8 +215,8 @@ def _onnx_core(onnx: Any, case: Case) -> Any:
 
 def _onnxruntime(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     ort = _import("onnxruntime")
-    onnx = _import("onnx")
-    model = _onnx_core(onnx, case) if case.core_only else _onnx_layer(onnx, case, a)
+    _import("onnx")  # builds the graph: a Skip when missing
+    model = _onnx_core(case) if case.core_only else _onnx_layer(case, a)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads = threads
@@ -253,7 +254,7 @@ def _openvino(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     return f, np.asarray, f"openvino {ov.__version__}"
 
 
-def _jax(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
+def _jax(case: Case, a: dict[str, np.ndarray], _threads: int) -> Built:
     jax = _import("jax")
     jnp = jax.numpy
     h, dh = case.h, case.d // case.h
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     except Skip as e:
         _emit(head | {"skip": str(e)})
         return 0
-    except Exception as e:  # a runtime that fails on this case is reported, not fatal
+    except Exception as e:  # noqa: BLE001 (any runtime failure on this case is reported, not fatal)
         _emit(head | {"error": f"{type(e).__name__}: {e}"[:500]})
         return 0
     if not args.serve:
