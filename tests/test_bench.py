@@ -1,25 +1,40 @@
-"""The benchmark's table never misleads: the GEMM peak is measured until stable (or no share of
-it is reported), no share above 100% is printed, and noisy timings are flagged."""
+"""The benchmark's table never misleads: shares are of the measured FMA peak (whose sgemm check
+is printed beside it), no share above 100% is printed, noisy timings are flagged, and a peer
+runtime whose output differs from attnlab's is reported, not timed."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import attnlab
-from attnlab._bench import gemm, runner
+from attnlab._bench import peers, peers_worker, runner
 from attnlab._bench.common import Row, Timing, interleaved
+from attnlab._loader import core
 
 
-def _result(rows: list[Row], peak: float | None, rounds: list[float] | None = None) -> dict:
+def _result(rows: list[Row], peak: float | None, sgemm: float | None = None) -> dict:
     return {"date": "today", "cpu": "cpu", "threads": 2, "isa": "avx2",
-            "gemm_peak_gflops": peak, "gemm_peak_rounds": rounds or [], "rows": rows,
-            "targets": []}
+            "peak": {"gflops": peak, "per_thread": [(peak or 0) / 2] * 2, "bursts": [peak],
+                     "clock": "cpu", "wall_gflops": peak},
+            "peak_gflops": peak, "rows": rows, "targets": [], "notes": [],
+            "sgemm": None if sgemm is None else {"gflops": sgemm, "n": 1024, "ms": [1.0],
+                                                 "version": "numpy"}}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(attnlab.__file__).resolve().parents[1]),
+                                         env.get("PYTHONPATH", "")])
+    return env
 
 
 def _shares(table: str) -> list[int]:
@@ -55,35 +70,133 @@ def test_noisy_timings_are_flagged_on_the_row_and_the_ratio():
     assert "NOISY" not in calm_line
 
 
-def test_unstable_peak_reports_no_share(monkeypatch):
-    """Rates that keep moving between rounds (a busy machine) give no peak, and the table says
-    so instead of printing shares of a wrong one."""
-    ms = iter([10.0, 20.0, 10.0, 20.0, 10.0, 20.0])  # 215 / 107 GFLOP/s alternating (n = 1024)
-    monkeypatch.setattr(gemm, "_gemm_sources", lambda *_args: {"attnlab": None})
-    monkeypatch.setattr(gemm, "interleaved", lambda *_a, **_kw: {"attnlab": Timing(next(ms))})
-    peak, rows, rounds = gemm.gemm_peak(2, quick=True)
-    assert peak is None and len(rounds) == 4
-    table = runner.format_table(_result(rows, peak, rounds))
-    assert "GEMM peak not stable (rounds: 214.7, 107.4, 214.7, 107.4 GFLOP/s)" in table
-    assert _shares(table) == []
-
-
-def test_stable_peak_stops_early(monkeypatch):
-    ms = iter([20.0, 10.0, 10.2, 99.0])
-    monkeypatch.setattr(gemm, "_gemm_sources", lambda *_args: {"attnlab": None})
-    monkeypatch.setattr(gemm, "interleaved", lambda *_a, **_kw: {"attnlab": Timing(next(ms))})
-    peak, rows, rounds = gemm.gemm_peak(2, quick=True)
-    assert len(rounds) == 3 and peak == pytest.approx(2 * 1024**3 / 10e-3 / 1e9)
-    assert rows[0].ms == 10.0  # the best round's time
+def test_peak_header_prints_the_sgemm_check():
+    """The FMA peak is printed with OpenBLAS's sgemm beside it; an sgemm above the peak says the
+    peak is wrong instead of passing silently."""
+    ok = runner.format_table(_result([], 100.0, sgemm=90.0))
+    assert "FMA peak" in ok and "= 90% of the FMA peak" in ok and "ABOVE THE FMA PEAK" not in ok
+    bad = runner.format_table(_result([], 100.0, sgemm=120.0))
+    assert "ABOVE THE FMA PEAK" in bad
+    assert "could not be timed" in runner.format_table(_result([], 100.0))
 
 
 def test_quick_gemm_bench_end_to_end():
     """``python -m attnlab bench --quick --only gemm`` runs and prints no share above 100%."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(attnlab.__file__).resolve().parents[1]),
-                                         env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-m", "attnlab", "bench", "--quick", "--only", "gemm"],
-                         capture_output=True, text=True, env=env, check=False, timeout=300)
+                         check=False, capture_output=True, text=True, env=_env(),
+                             timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "GEMM peak" in res.stdout
+    assert "FMA peak" in res.stdout and "OpenBLAS sgemm" in res.stdout
     assert all(s <= 100 for s in _shares(res.stdout)), res.stdout
+
+
+def test_fma_peak_kernel_structure():
+    """The FMA peak kernel of the variant in use: a finite positive rate for the whole machine and
+    one per pool thread, over wall and CPU time (its size against sgemm is the bench's check,
+    not a unit test's)."""
+    total, per_thread, per_thread_cpu = core.fma_peak(0.02)
+    assert math.isfinite(total) and total > 0
+    assert len(per_thread) == len(per_thread_cpu) == attnlab.get_num_threads()
+    assert all(math.isfinite(r) and r > 0 for r in per_thread)
+    assert all(math.isfinite(r) and r >= 0 for r in per_thread_cpu)  # 0: no per-thread clock
+    for bad in (0, -1.0, float("nan"), float("inf"), 61):
+        with pytest.raises(ValueError, match="seconds"):
+            core.fma_peak(bad)
+
+
+def test_relative_error_and_best_other():
+    ref = np.ones((2, 3), dtype=np.float32)
+    assert peers.relative_error(ref, ref) == 0.0
+    assert peers.relative_error(ref * 1.5, ref) == pytest.approx(0.5)
+    assert peers.relative_error(ref[:1], ref) == math.inf
+    assert peers.relative_error(ref * np.nan, ref) == math.inf
+    rows = [Row("peers", "c", "s", "attnlab", Timing(2.0)),
+            Row("peers", "c", "s", "jax", Timing(4.0)),
+            Row("peers", "c", "s", "torch-sdpa", Timing(1.0)),
+            Row("peers", "c", "s", "torch-mha", Timing(8.0)),
+            Row("peers", "other case", "s", "onnxruntime", Timing(0.1))]
+    assert peers.best_other(rows[0], rows) == (0.5, "torch-sdpa")
+    # torch's two paths are one runtime: torch-mha is compared with attnlab and jax only
+    assert peers.best_other(rows[3], rows) == (0.25, "attnlab")
+    assert peers.best_other(rows[4], rows) is None
+
+
+class _FakeWorker:
+    """Stands for a peers_worker process: writes an output (attnlab's, or a wrong one for
+    'jax') and answers the protocol."""
+
+    def __init__(self, runtime: str, _case: str, _threads: int, out: str, _log) -> None:
+        self.runtime = runtime
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        np.save(out, x + 1.0 if runtime == "jax" else x)
+        self.proc = type("P", (), {"poll": staticmethod(lambda: None)})()
+
+    def ask(self, command, timeout):  # noqa: ARG002 (the protocol's signature)
+        if self.runtime == "openvino":
+            return {"skip": "openvino is not installed"}
+        if command is None:
+            return {"ready": True, "call_ms": 1.0, "version": self.runtime}
+        return {"ms": [2.0 if self.runtime == "attnlab" else 3.0] * int(command.split()[1])}
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_wrong_peer_is_reported_not_timed(monkeypatch):
+    monkeypatch.setattr(peers, "_Worker", _FakeWorker)
+    notes: list[str] = []
+    rows = peers.run_case("tiny", ("attnlab", "jax", "onnxruntime", "openvino"), 2, True, notes)
+    assert [r.impl for r in rows] == ["attnlab", "onnxruntime"]
+    assert rows[0].ms == 2.0 and rows[1].ms == 3.0 and rows[1].extra["check"] == 0.0
+    assert any("jax WRONG, not timed" in n for n in notes)
+    assert any("openvino skipped" in n for n in notes)
+    result = _result(rows, 100.0, sgemm=50.0)
+    result["targets"] = peers.peer_targets(result)
+    table = peers.format_peers(result)
+    assert "1.50x (onnxruntime)" in table and "0.67x (attnlab)" in table
+    goals = {t["goal"]: t["met"] for t in result["targets"]}
+    assert goals == {">= 1.1x": True, ">= 0.85": False}  # 1.5x onnxruntime; 0.0003 of the peak
+
+
+def test_peers_worker_one_shot_and_a_missing_runtime(tmp_path):
+    """The worker prints one JSON line: the timings, or a skip when the runtime is missing (a
+    module that fails to import stands for it here)."""
+    cmd = [sys.executable, "-m", "attnlab._bench.peers_worker", "attnlab", "tiny", "--repeat", "2",
+           "--threads", "1", "--out", str(tmp_path / "a.npy")]
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(),
+                             timeout=300)
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(rep["ms"]) == 2 and rep["version"].startswith("attnlab")
+    assert np.load(tmp_path / "a.npy").shape == (1, 16, 32)
+    (tmp_path / "onnxruntime.py").write_text("raise ImportError('hidden by the test')\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    res = subprocess.run([sys.executable, "-m", "attnlab._bench.peers_worker", "onnxruntime",
+                          "tiny"], check=False, capture_output=True, text=True, env=env,
+                         timeout=300)
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "not installed" in rep["skip"]
+
+
+def test_cli_refuses_bad_peer_options():
+    for args, word in ((["--case", "bert"], "--peers"), (["--peers", "--case", "nope"], "cases"),
+                       (["--peers", "--runtime", "tf"], "runtimes")):
+        res = subprocess.run([sys.executable, "-m", "attnlab", "bench", *args],
+                             check=False, capture_output=True, text=True, env=_env(),
+                             timeout=300)
+        assert res.returncode == 2 and word in res.stderr, res.stderr
+
+
+def test_bench_peers_on_the_tiny_case():
+    """``bench --peers --quick --case tiny``: attnlab and every installed peer are timed and
+    checked, the missing ones skipped with a note."""
+    res = subprocess.run([sys.executable, "-m", "attnlab", "bench", "--peers", "--quick",
+                          "--case", "tiny"], check=False, capture_output=True, text=True,
+                         env=_env(), timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    assert "FMA peak" in out and re.search(r"tiny \(smoke\) .* attnlab ", out), out
+    for rt in peers_worker.RUNTIMES[1:]:
+        timed = re.search(rf"tiny \(smoke\) .* {rt} ", out)
+        assert timed or f"tiny (smoke): {rt} skipped" in out or f"{rt} failed" in out, (rt, out)
+    assert "WRONG" not in out, out

@@ -2,8 +2,10 @@
 // cpp/src/dispatch.cpp picks at import (ATTNLAB_ISA forces one).
 #include <pybind11/pybind11.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "attnlab/kernels.hpp"
 #include "attnlab/threading.hpp"
@@ -51,6 +53,30 @@ PYBIND11_MODULE(_core, m) {
     m.attr("MAX_THREADS") = attnlab::kMaxThreads;
     m.def("cgroup_cpu_limit", &attnlab::detail::cgroup_cpu_limit, py::arg("sysroot"),
           "CPU limit of this process's cgroups read under sysroot (tests use a fake tree).");
+    m.def(
+        "fma_peak",
+        [](double seconds) {
+            if (!std::isfinite(seconds) || seconds <= 0.0 || seconds > 60.0)
+                throw py::value_error("seconds: expected a duration in (0, 60], got " +
+                                      py::str(py::float_(seconds)).cast<std::string>());
+            const auto n = static_cast<std::size_t>(attnlab::get_num_threads());
+            std::vector<double> per(n), per_cpu(n);
+            double total = 0.0;
+            {
+                py::gil_scoped_release release;
+                total = attnlab::kernels().fma_peak(seconds, per.data(), per_cpu.data(),
+                                                    static_cast<attnlab::Index>(n));
+            }
+            py::list each, each_cpu;
+            for (std::size_t i = 0; i < n; ++i) {
+                each.append(per[i]);
+                each_cpu.append(per_cpu[i]);
+            }
+            return py::make_tuple(total, each, each_cpu);
+        },
+        py::arg("seconds"),
+        "float32 FMA peak of the variant in use: (GFLOP/s of all threads over the wall time, "
+        "[GFLOP/s of each thread over its wall time], [... over its CPU time, or 0]).");
     m.def("build_info", [] {
         py::dict d;
         d["version"] = ATTNLAB_VERSION;

@@ -508,6 +508,15 @@ int main() {
             selftest::check_forwards<float>(kt, g);
             selftest::check_forwards<double>(kt, g);
             selftest::check_backwards(kt, g);
+            // The FMA peak kernel: a finite positive rate from every task (not a timing check).
+            std::vector<double> per(static_cast<std::size_t>(threads), -1.0), cpu(per);
+            const double peak = kt.fma_peak(0.02, per.data(), cpu.data(), threads);
+            ++selftest::checks;
+            if (!(std::isfinite(peak) && peak > 0) ||
+                std::any_of(per.begin(), per.end(), [](double r) { return !(r > 0); })) {
+                ++selftest::failures;
+                std::printf("FAIL %s fma_peak: %g GFLOP/s\n", kt.isa, peak);
+            }
         }
         ++ran;
     }

@@ -1,5 +1,5 @@
-"""Command line: ``python -m attnlab bench [--quick] [--json PATH] [--plot PATH]`` and
-``python -m attnlab info``."""
+"""Command line: ``python -m attnlab bench [--quick] [--json PATH] [--plot PATH]``,
+``python -m attnlab bench --peers [--case NAME] [--runtime NAME]`` and ``python -m attnlab info``."""
 
 from __future__ import annotations
 
@@ -20,10 +20,38 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--only", metavar="FAMILY", action="append",
                    help="run only this family (gemm, mha, bilinear, additive, backward); "
                         "repeatable")
+    b.add_argument("--peers", action="store_true",
+                   help="attnlab against torch, ONNX Runtime, OpenVINO and JAX, each in its own "
+                        "process (install them with the 'bench' extra; missing ones are skipped)")
+    b.add_argument("--case", metavar="NAME", action="append",
+                   help="with --peers: run only this case (bert, vit-s, vit-b, long, long-causal, "
+                        "sdpa, tiny); repeatable. Default: all but tiny (--quick: no long ones)")
+    b.add_argument("--runtime", metavar="NAME", action="append",
+                   help="with --peers: only this runtime (attnlab, torch-sdpa, torch-mha, "
+                        "onnxruntime, openvino, jax); repeatable")
     sub.add_parser("info", help="print build_info()")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(json.dumps(build_info(), indent=2))
+        return 0
+    if (args.case or args.runtime) and not args.peers:
+        parser.error("--case and --runtime go with --peers")
+    if args.peers:
+        if args.only or args.plot:
+            parser.error("--only and --plot do not go with --peers")
+        from ._bench.peers import format_peers, run_peers
+        from ._bench.peers_worker import RUNTIMES
+        from ._bench.runner import to_json as peers_json
+
+        try:
+            peers = run_peers(args.quick, tuple(args.case) if args.case else None,
+                              tuple(args.runtime) if args.runtime else RUNTIMES)
+        except ValueError as e:
+            parser.error(str(e))
+        print(format_peers(peers))
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(peers_json(peers))
         return 0
     from ._bench.runner import FAMILIES, format_table, plot, run_all, to_json
 

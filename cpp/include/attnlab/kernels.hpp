@@ -11,6 +11,7 @@
 #include "attnlab/attention.hpp"
 #include "attnlab/bilinear.hpp"
 #include "attnlab/common.hpp"
+#include "attnlab/peak.hpp"
 
 namespace attnlab {
 
@@ -38,6 +39,9 @@ struct KernelTable {
     const char* (*eigen_simd)();  // Eigen::SimdInstructionSetsInUse() of this build
     KernelSet<float> f32;
     KernelSet<double> f64;
+    // The float32 FMA peak of this build's widest vector (attnlab/peak.hpp): the benchmark's
+    // denominator, per variant since each variant has its own vector width.
+    double (*fma_peak)(double seconds, double* per_task, double* per_task_cpu, Index tasks);
 
     template <typename T>
     const KernelSet<T>& get() const {

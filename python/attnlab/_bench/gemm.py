@@ -1,5 +1,5 @@
-"""GEMMs: the machine's float32 GEMM peak (the reference for every "%peak" column) and the
-projection GEMMs of MHA against torch."""
+"""GEMMs: square GEMMs to set against the FMA peak (attnlab, torch, OpenBLAS) and the projection
+GEMMs of MHA against torch."""
 
 from __future__ import annotations
 
@@ -8,20 +8,19 @@ from typing import Any
 import numpy as np
 
 from .._loader import core
-from .common import Row, interleaved, try_torch
+from .common import Row, Timing, interleaved, try_torch
 
-__all__ = ["run", "gemm_peak"]
+__all__ = ["run", "square_gemm"]
 
 
 def _gemm_sources(n: int, threads: int) -> dict[str, Any]:
-    """Square float32 GEMMs of size n by every implementation at hand: attnlab's projection
-    kernel, NumPy's BLAS and torch.mm (same thread count)."""
+    """Square float32 GEMMs of size n: attnlab's projection kernel and torch.mm (same thread
+    count)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, n), dtype=np.float32)
     w = rng.standard_normal((n, n), dtype=np.float32)
     y = np.empty((n, n), dtype=np.float32)
-    fns: dict[str, Any] = {"attnlab": lambda: core.linear_forward(x, w, None, y),
-                           "numpy-blas": lambda: np.matmul(x, w, out=y)}
+    fns: dict[str, Any] = {"attnlab": lambda: core.linear_forward(x, w, None, y)}
     torch = try_torch(threads)
     if torch is not None:
         tx, tw = torch.from_numpy(x), torch.from_numpy(w)
@@ -29,36 +28,21 @@ def _gemm_sources(n: int, threads: int) -> dict[str, Any]:
     return fns
 
 
-STABLE = 0.05  # two rounds whose best GFLOP/s agree within 5% make a peak
-
-
-def gemm_peak(threads: int, quick: bool) -> tuple[float | None, list[Row], list[float]]:
-    """The machine's float32 GEMM peak in GFLOP/s, all threads: the fastest of attnlab's
-    projection kernel, NumPy's BLAS and torch.mm on a square GEMM.
-
-    Timed in rounds until two consecutive rounds' best rates agree within 5% (a busy machine
-    gives a peak that drifts from round to round); if they never do, within the rounds
-    allowed, the peak is None and no share of it is reported. Returns the peak, one row per
-    source (the round with the best rate), and every round's best rate.
-    (NumPy's BLAS may use its own thread count; it still measures what the machine can do.)"""
+def square_gemm(threads: int, quick: bool, sgemm: dict[str, Any] | None) -> list[Row]:
+    """Square float32 GEMMs (n = 1024, or 2048 for a full run): attnlab's projection kernel and
+    torch.mm timed together, and OpenBLAS's sgemm as timed in its own process (``sgemm``, from
+    :func:`attnlab._bench.peak.sgemm_gflops`; NumPy's BLAS threads would slow the others here).
+    Rows to set against the FMA peak, which none of them may exceed."""
     n = 1024 if quick else 2048
     flops = 2.0 * n**3
-    fns = _gemm_sources(n, threads)
-    best: dict[str, Any] = {}
-    rounds: list[float] = []
-    stable = False
-    for _ in range(4 if quick else 6):
-        times = interleaved(fns, repeat=3 if quick else 5)
-        for impl, ms in times.items():
-            if impl not in best or ms < best[impl]:
-                best[impl] = ms
-        rounds.append(max(flops / (ms * 1e-3) / 1e9 for ms in times.values()))
-        if len(rounds) >= 2 and abs(rounds[-1] - rounds[-2]) <= STABLE * max(rounds[-2:]):
-            stable = True
-            break
-    rows = [Row("gemm", "square GEMM fp32 (peak)", f"n={n}", impl, ms, flops,
-                baseline=None if impl == "attnlab" else "attnlab") for impl, ms in best.items()]
-    return (max(r.gflops for r in rows) if stable else None), rows, rounds
+    times = interleaved(_gemm_sources(n, threads), repeat=3 if quick else 7)
+    rows = [Row("gemm", "square GEMM fp32", f"n={n}", impl, ms, flops,
+                baseline=None if impl == "attnlab" else "attnlab") for impl, ms in times.items()]
+    if sgemm and sgemm.get("n") == n:
+        rows.append(Row("gemm", "square GEMM fp32", f"n={n}", "openblas-own-process",
+                        Timing(min(sgemm["ms"])), flops, baseline="attnlab",
+                        extra={"best_of": len(sgemm["ms"])}))
+    return rows
 
 
 def run(quick: bool, threads: int) -> list[Row]:

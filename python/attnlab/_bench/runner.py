@@ -12,7 +12,8 @@ from typing import Any
 from .. import build_info, get_num_threads
 from .backward import CASES as BACKWARD_CASES
 from .common import NOISY, Row
-from .gemm import gemm_peak
+from .gemm import square_gemm
+from .peak import fma_peak, sgemm_gflops
 
 __all__ = ["run_all", "format_table", "targets"]
 
@@ -32,7 +33,9 @@ def _cpu_name() -> str:
 
 def run_all(quick: bool, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]:
     threads = get_num_threads()
-    peak, rows, peak_rounds = gemm_peak(threads, quick)
+    peak = fma_peak(quick)
+    sgemm = sgemm_gflops(threads, quick) if "gemm" in families else None
+    rows: list[Row] = square_gemm(threads, quick, sgemm) if "gemm" in families else []
     for fam in families:
         try:
             mod = importlib.import_module(f"attnlab._bench.{fam}")
@@ -45,8 +48,9 @@ def run_all(quick: bool, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]
         "cpu": _cpu_name(),
         "threads": threads,
         "isa": info.get("isa"),
-        "gemm_peak_gflops": peak,
-        "gemm_peak_rounds": peak_rounds,
+        "peak": peak,
+        "peak_gflops": peak["gflops"],
+        "sgemm": sgemm,
         "rows": rows,
     }
     result["targets"] = targets(result)
@@ -65,7 +69,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The performance targets, checked on this run: one entry per target whose rows were measured,
     with the measured value, the target and whether it is met."""
     rows: list[Row] = result["rows"]
-    peak = result["gemm_peak_gflops"]
+    peak = result["peak_gflops"]
     out: list[dict[str, Any]] = []
 
     def add(name: str, value: float, goal: str, met: bool) -> None:
@@ -114,8 +118,8 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     for row in rows:
         if row.family == "gemm" and row.case.startswith("proj") and row.impl == "attnlab" and peak:
             share = row.gflops / peak
-            if share <= 1.0:  # above the peak, one of the two was timed on a busy machine
-                add(f"projection GEMM {row.shape} share of GEMM peak", share, ">= 0.75",
+            if share <= 1.0:  # above the peak, the peak was timed on a busy machine
+                add(f"projection GEMM {row.shape} share of FMA peak", share, ">= 0.75",
                     share >= 0.75)
     return out
 
@@ -139,9 +143,9 @@ def _noisy(row: Row) -> bool:
 
 
 def share(row: Row, peak: float | None) -> str:
-    """The row's GFLOP/s as a share of the GEMM peak, never above 100%: "-" without a stable
-    peak or a FLOP count, "n/a" when the row ran faster than the measured peak (then the peak,
-    or this row, was timed on a busy machine)."""
+    """The row's GFLOP/s as a share of the FMA peak, never above 100%: "-" without a peak or a
+    FLOP count, "n/a" when the row ran faster than the measured peak (then the peak was timed
+    while other processes took the cores, or it is wrong)."""
     if not peak or not row.gflops:
         return "-"
     s = row.gflops / peak
@@ -149,18 +153,17 @@ def share(row: Row, peak: float | None) -> str:
 
 
 def format_table(result: dict[str, Any]) -> str:
+    from .peers import best_other, peak_lines
+
     rows: list[Row] = result["rows"]
-    peak = result["gemm_peak_gflops"]
-    rounds = result.get("gemm_peak_rounds") or []
-    spread = ", ".join(f"{r:.1f}" for r in rounds)
-    head = (f"GEMM peak (fp32, measured) = {peak:.1f} GFLOP/s" if peak else
-            f"GEMM peak not stable (rounds: {spread} GFLOP/s): no %peak reported")
+    peak = result["peak_gflops"]
     lines = [
         f"attnlab bench  {result['date']}  {result['cpu']}  threads={result['threads']}  "
-        f"isa={result['isa']}  {head}",
+        f"isa={result['isa']}",
+        *peak_lines(result),
         "",
         f"{'family':<9} {'case':<24} {'shape':<28} {'impl':<12} {'ms':>10} {'GFLOP/s':>8} "
-        f"{'%peak':>6} {'attnlab':>8}  notes",
+        f"{'%peak':>6} {'attnlab':>8} {'vs best':>8}  notes",
     ]
     flagged = 0
     for r in rows:
@@ -172,23 +175,30 @@ def format_table(result: dict[str, Any]) -> str:
             flagged += 1
             notes = (f"NOISY (slowest run {r.ms.spread:.1f}x the fastest) " if _noisy(r)  # type: ignore[attr-defined]
                      else "") + ("ABOVE PEAK " if pk == "n/a" else "") + notes
+        b = best_other(r, rows)
         lines.append(
             f"{r.family:<9} {r.case:<24.24} {r.shape:<28.28} {r.impl:<12.12} {r.ms:>10.3f} "
-            f"{gf:>8.1f} {pk:>6} {_ratio(r, rows):>8}  {notes}"
+            f"{gf:>8.1f} {pk:>6} {_ratio(r, rows):>8} {f'{b[0]:.2f}x' if b else '':>8}  {notes}"
         )
     lines.append("")
-    lines.append("attnlab column: time of that row / time of attnlab (above 1: attnlab is faster).")
+    lines.append("attnlab column: time of that row / time of attnlab (above 1: attnlab is faster). "
+                 "vs best: the fastest other runtime's time / this row's (above 1: this row is "
+                 "the fastest).")
     if flagged:
         lines.append(f"{flagged} rows flagged: NOISY = the slowest of its timed runs took "
                      f"{NOISY}x the fastest or more (a busy machine; '!' on the ratios it "
-                     f"enters); ABOVE PEAK = faster than the measured GEMM peak. Run again on "
+                     f"enters); ABOVE PEAK = faster than the measured FMA peak. Run again on "
                      f"a quiet machine before quoting them.")
-    if result.get("targets"):
-        lines += ["", "Targets, this run:"]
-        for t in result["targets"]:
-            lines.append(f"  {'met ' if t['met'] else 'MISS'}  {t['target']:<62.62} "
-                         f"{t['value']:>8.3g}  (goal {t['goal']})")
-    return "\n".join(lines)
+    return "\n".join(lines + target_lines(result.get("targets") or [], 62))
+
+
+def target_lines(targets: list[dict[str, Any]], width: int) -> list[str]:
+    """The "Targets, this run" section (empty without targets), names cut to ``width``."""
+    if not targets:
+        return []
+    return ["", "Targets, this run:"] + [
+        f"  {'met ' if t['met'] else 'MISS'}  {t['target'][:width]:<{width}} "
+        f"{t['value']:>8.3g}  (goal {t['goal']})" for t in targets]
 
 
 def to_json(result: dict[str, Any]) -> str:

@@ -1,0 +1,303 @@
+"""``python -m attnlab bench --peers``: attnlab against the runtimes a user would pick instead
+(torch, ONNX Runtime, OpenVINO, JAX) on the cases of DESIGN.md section 7.
+
+Every runtime runs in a process of its own (``peers_worker``), with attnlab's thread count, on
+the same float32 inputs and weights (made from one seed in every worker). The workers of a case
+start one after the other; each one's first output is checked against attnlab's (a wrong graph
+is reported, not timed). Then the case is timed in rounds: in each round every live worker, in
+an order rotated from round to round, runs one untimed call and a few timed ones. A row's time
+is the median of all its timed calls.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+from typing import IO, Any
+
+import numpy as np
+
+from .. import build_info, get_num_threads
+from .common import Row, Timing
+from .peak import fma_peak, sgemm_gflops, worker_env
+from .peers_worker import CASES, RUNTIMES
+
+__all__ = ["DEFAULT_CASES", "TOLERANCE", "run_peers", "format_peers", "relative_error",
+           "best_other"]
+
+DEFAULT_CASES = ("bert", "vit-s", "vit-b", "long", "long-causal", "sdpa")
+# normwise relative difference from attnlab's output above which a peer's graph is wrong: float32
+# runtimes that compute the same function agree to about 1e-6
+TOLERANCE = 1e-3
+
+
+def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """Normwise relative difference ``||out - ref|| / ||ref||`` in float64 (inf when the shapes
+    differ or the output is not finite)."""
+    if out.shape != ref.shape:
+        return float("inf")
+    o, r = out.astype(np.float64), ref.astype(np.float64)
+    err = float(np.linalg.norm(o - r) / max(float(np.linalg.norm(r)), 1e-300))
+    return err if np.isfinite(err) else float("inf")
+
+
+def runtime_of(impl: str) -> str:
+    """The runtime an implementation belongs to: "torch" for "torch-sdpa" and "torch-mha"."""
+    return impl.split()[0].split("-")[0]
+
+
+def best_other(row: Row, rows: list[Row]) -> tuple[float, str] | None:
+    """The fastest row of another runtime measuring the same thing (same family, case, shape and
+    what follows the runtime's name, e.g. "step"), as (its time / this row's time, its impl):
+    above 1, this row is faster than every other runtime."""
+    def what(r: Row) -> tuple[str, str, str, str]:
+        return (r.family, r.case, r.shape, " ".join(r.impl.split()[1:]))
+
+    others = [r for r in rows if what(r) == what(row) and runtime_of(r.impl) != runtime_of(row.impl)
+              and r.ms > 0]
+    if not others or row.ms <= 0:
+        return None
+    fastest = min(others, key=lambda r: r.ms)
+    return fastest.ms / row.ms, fastest.impl
+
+
+class _Worker:
+    """One ``peers_worker --serve`` process and its line protocol."""
+
+    def __init__(self, runtime: str, case: str, threads: int, out: str, log: IO[str]) -> None:
+        self.runtime = runtime
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "attnlab._bench.peers_worker", runtime, case, "--serve",
+             "--threads", str(threads), "--out", out],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+            env=worker_env(threads))
+
+    def ask(self, command: str | None, timeout: float) -> dict[str, Any]:
+        """Sends a command (None: only reads) and returns the worker's JSON reply; a worker that
+        exits or stays silent past the timeout gives {"error": ...}."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            if command is not None:
+                self.proc.stdin.write(command + "\n")
+                self.proc.stdin.flush()
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            line = self.proc.stdout.readline() if ready else ""
+        except OSError as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+        if not line:
+            self.close()
+            return {"error": f"the worker exited or stalled (status {self.proc.poll()}); its "
+                             f"stderr: {self._stderr_tail()}"}
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def _stderr_tail(self) -> str:
+        try:
+            self.log.flush()
+            with open(self.log.name) as f:
+                return " | ".join(f.read().strip().splitlines()[-3:])[-400:]
+        except OSError:
+            return "?"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _calls_per_round(call_ms: float, quick: bool) -> int:
+    """Timed calls per worker and round: about 0.2 s (quick: 0.05 s) of work, 1 to 20 calls."""
+    target = 50.0 if quick else 200.0
+    return int(min(20, max(1, round(target / max(call_ms, 1e-3)))))
+
+
+def run_case(name: str, runtimes: tuple[str, ...], threads: int, quick: bool,
+             notes: list[str]) -> list[Row]:
+    """Times one case on every runtime (attnlab first: its output is the check of the others);
+    appends a note for every runtime skipped, failed or refused by the check."""
+    case = CASES[name]
+    order = (("attnlab",) if "attnlab" in runtimes else ()) + tuple(
+        r for r in runtimes if r != "attnlab")
+    live: dict[str, tuple[_Worker, dict[str, Any], float]] = {}
+    ref: np.ndarray | None = None
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="attnlab-peers-") as tmp:
+        try:
+            for rt in order:
+                out = os.path.join(tmp, f"{rt}.npy")
+                log = open(os.path.join(tmp, f"{rt}.log"), "w")  # noqa: SIM115 (closed with tmp)
+                w = _Worker(rt, name, threads, out, log)
+                head = w.ask(None, timeout=1800)
+                if "skip" in head or "error" in head:
+                    why = (f"skipped: {head['skip']}" if "skip" in head
+                           else f"failed: {head['error']}")
+                    notes.append(f"{case.label}: {rt} {why}")
+                    w.close()
+                    continue
+                got = np.load(out)
+                err = 0.0
+                if rt == "attnlab":
+                    ref = got
+                elif ref is not None:
+                    err = relative_error(got, ref)
+                    if not err <= TOLERANCE:
+                        notes.append(f"{case.label}: {rt} WRONG, not timed: its output differs "
+                                     f"from attnlab's by {err:.2e} (normwise; tolerance "
+                                     f"{TOLERANCE:g})")
+                        w.close()
+                        continue
+                live[rt] = (w, head, err)
+            samples: dict[str, list[float]] = {rt: [] for rt in live}
+            names = list(live)
+            for r in range(3 if quick else 5):
+                for rt in names[r % len(names):] + names[:r % len(names)] if names else []:
+                    w, head, _ = live[rt]
+                    if w.proc.poll() is not None:  # exited: reported when it failed
+                        continue
+                    k = _calls_per_round(float(head["call_ms"]), quick)
+                    rep = w.ask(f"time {k}", timeout=600 + 50 * (k + 1) * head["call_ms"] / 1e3)
+                    if "ms" in rep:
+                        samples[rt] += rep["ms"]
+                    else:
+                        notes.append(f"{case.label}: {rt} failed while timed: {rep.get('error')}")
+        finally:
+            for w, _, _ in live.values():
+                w.close()
+    for rt, (_, head, err) in live.items():
+        ms = samples[rt]
+        if not ms:
+            continue
+        rows.append(Row("peers", case.label, case.shape, rt,
+                        Timing(float(np.median(ms)), max(ms) / min(ms) if min(ms) > 0 else 1.0),
+                        case.flops, extra={"check": err, "calls": len(ms),
+                                           "version": head.get("version", "")}))
+    return rows
+
+
+def run_peers(quick: bool, cases: tuple[str, ...] | None = None,
+              runtimes: tuple[str, ...] = RUNTIMES) -> dict[str, Any]:
+    """The whole peer benchmark: the FMA peak, OpenBLAS's sgemm (its check) and every case.
+
+    Parameters
+    ----------
+    quick : bool
+        Fewer rounds and shorter peak measurements; without ``cases``, the long cases are left
+        out.
+    cases : tuple of str, optional
+        Names from ``peers_worker.CASES`` (default: every case of the design's table).
+    runtimes : tuple of str
+        Names from ``peers_worker.RUNTIMES``.
+
+    Returns
+    -------
+    dict
+        date, cpu, threads, isa, ``peak`` (see :func:`fma_peak`), ``peak_gflops``, ``sgemm``,
+        ``rows`` (one :class:`Row` per runtime and case timed), ``notes`` and ``targets``.
+    """
+    from .runner import _cpu_name
+
+    for c in cases or ():
+        if c not in CASES:
+            raise ValueError(f"cases: unknown case {c!r}; expected one of {', '.join(CASES)}")
+    for r in runtimes:
+        if r not in RUNTIMES:
+            raise ValueError(f"runtimes: unknown runtime {r!r}; expected one of "
+                             f"{', '.join(RUNTIMES)}")
+    if cases is None:
+        cases = tuple(c for c in DEFAULT_CASES if not (quick and CASES[c].long))
+    threads = get_num_threads()
+    peak = fma_peak(quick)
+    sgemm = sgemm_gflops(threads, quick)
+    notes: list[str] = []
+    rows: list[Row] = []
+    for c in cases:
+        rows.extend(run_case(c, runtimes, threads, quick, notes))
+    result: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(), "cpu": _cpu_name(), "threads": threads,
+        "isa": build_info().get("isa"), "peak": peak, "peak_gflops": peak["gflops"],
+        "sgemm": sgemm, "rows": rows, "notes": notes}
+    result["targets"] = peer_targets(result)
+    return result
+
+
+def peer_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """DESIGN.md section 7 on this run: attnlab >= 1.1x the fastest other runtime on every case,
+    every MHA layer case >= 85% of the FMA peak."""
+    out: list[dict[str, Any]] = []
+    rows: list[Row] = result["rows"]
+    for row in rows:
+        if row.impl != "attnlab":
+            continue
+        b = best_other(row, rows)
+        if b is not None:
+            out.append({"target": f"{row.case} {row.shape}: attnlab vs {b[1]}",
+                        "value": round(b[0], 3), "goal": ">= 1.1x", "met": b[0] >= 1.1})
+        case = next((c for c in CASES.values() if c.label == row.case), None)
+        if case is not None and not case.core_only and result.get("peak_gflops"):
+            s = row.gflops / result["peak_gflops"]
+            out.append({"target": f"{row.case} {row.shape}: share of the FMA peak",
+                        "value": round(s, 3), "goal": ">= 0.85", "met": s >= 0.85})
+    return out
+
+
+def peak_lines(result: dict[str, Any]) -> list[str]:
+    """The FMA peak and its sgemm check, as printed above both tables."""
+    peak = result.get("peak") or {}
+    sg = result.get("sgemm")
+    clock = "CPU time" if peak.get("clock") == "cpu" else "wall time"
+    lines = [(f"FMA peak (float32, measured: 12 independent FMA chains of the widest vector on "
+              f"each of {len(peak.get('per_thread', []))} threads, rates over each thread's "
+              f"{clock}, best of {len(peak.get('bursts', []))} bursts) = "
+              f"{peak.get('gflops', 0):.1f} GFLOP/s (per thread: "
+              f"{', '.join(f'{g:.1f}' for g in peak.get('per_thread', []))}; over the wall time, "
+              f"as other processes left it: {peak.get('wall_gflops', 0):.1f})")]
+    if sg:
+        share = sg["gflops"] / peak["gflops"] if peak.get("gflops") else float("nan")
+        lines.append(f"Check: OpenBLAS sgemm ({sg['version']}, {sg['n']}^3, own process) = "
+                     f"{sg['gflops']:.1f} GFLOP/s = {100 * share:.0f}% of the FMA peak"
+                     + ("  <-- ABOVE THE FMA PEAK: the peak is wrong (or was measured while the "
+                        "machine was busy); shares below are not trustworthy" if share > 1.0
+                        else ""))
+    else:
+        lines.append("Check: OpenBLAS sgemm could not be timed (numpy subprocess failed)")
+    return lines
+
+
+def format_peers(result: dict[str, Any]) -> str:
+    """The peer table: per case and runtime the time, GFLOP/s, share of the FMA peak, the ratio
+    to the fastest other runtime and the correctness check."""
+    from .runner import _noisy, share, target_lines
+
+    rows: list[Row] = result["rows"]
+    peak = result.get("peak_gflops")
+    lines = [(f"attnlab bench --peers  {result['date']}  {result['cpu']}  "
+              f"threads={result['threads']} (every runtime)  isa={result['isa']}  float32")]
+    lines += peak_lines(result) + [""]
+    lines.append(f"{'case':<16} {'shape':<30} {'runtime':<12} {'ms':>9} {'GFLOP/s':>8} "
+                 f"{'%peak':>6} {'vs best other':>24}  {'check':>8}  version")
+    for r in rows:
+        b = best_other(r, rows)
+        vs = f"{b[0]:.2f}x ({b[1]})" if b else ""
+        flag = " NOISY" if _noisy(r) else ""
+        lines.append(f"{r.case:<16.16} {r.shape:<30.30} {r.impl:<12.12} {r.ms:>9.3f} "
+                     f"{r.gflops:>8.1f} {share(r, peak):>6} {vs:>24}  "
+                     f"{r.extra.get('check', 0):>8.1e}  {r.extra.get('version', '')}{flag}")
+    lines += ["", ("vs best other: the fastest other runtime's time / this row's (above 1: this "
+                   "row is faster than every other runtime). check: normwise difference from "
+                   "attnlab's output. NOISY: the slowest timed call took 1.5x the fastest or "
+                   "more.")]
+    if result.get("notes"):
+        lines += ["", "Notes:"] + [f"  {n}" for n in result["notes"]]
+    return "\n".join(lines + target_lines(result.get("targets") or [], 72))

@@ -1,0 +1,371 @@
+"""One runtime, one case, in a process of its own (``python -m attnlab._bench.peers_worker``).
+
+``bench --peers`` starts one of these per runtime and case so that no runtime's threads (OpenMP,
+ONNX Runtime's and OpenVINO's spinning pools, XLA's) slow another's. Every worker builds the
+same float32 inputs and weights from the same seed, builds its runtime's version of the layer,
+runs it once (the output is saved with ``--out`` for the parent's correctness check) and then
+times it:
+
+- one-shot (default): ``--repeat`` timed calls, one JSON line on stdout;
+- ``--serve``: a JSON "ready" line, then one JSON line per ``time K`` command read from stdin
+  (one untimed call, then K timed ones), until ``quit`` or end of input. The parent alternates
+  its workers round by round without paying their start-up again.
+
+``python -m attnlab._bench.peers_worker sgemm N`` times NumPy's float32 matmul (OpenBLAS) on
+N x N matrices instead: the check of the FMA peak.
+
+The thread count is set by the parent through the environment (OMP_NUM_THREADS, XLA_FLAGS, ...)
+and ``--threads``; below the CPUs available, the worker also restricts its CPU affinity to that
+many CPUs, so that no runtime uses more cores than attnlab, whatever it reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CASES", "RUNTIMES", "Case", "main"]
+
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: an MHA layer (projections, attention, output projection) on
+    ``x (B, n, d)``, or the attention core alone on ``q, k, v (B, h, n, d / h)``."""
+
+    label: str
+    B: int
+    n: int
+    d: int
+    h: int
+    causal: bool = False
+    core_only: bool = False
+    long: bool = False  # skipped by --quick
+
+    @property
+    def shape(self) -> str:
+        if self.core_only:
+            return f"({self.B}, {self.h}, {self.n}, {self.d // self.h})" + (
+                " causal" if self.causal else "")
+        return f"B={self.B} n={self.n} d={self.d} h={self.h}" + (" causal" if self.causal else "")
+
+    @property
+    def flops(self) -> float:
+        """Floating-point operations of one call (2 per multiply-add; causal: the pairs under
+        the diagonal only)."""
+        from .mha import mha_flops
+
+        return mha_flops(self.B, self.n, self.n, 0 if self.core_only else self.d, self.h,
+                         self.d // self.h, self.causal)
+
+
+CASES: dict[str, Case] = {
+    "bert": Case("BERT-base layer", 1, 128, 768, 12),
+    "vit-s": Case("ViT-S layer", 8, 197, 384, 6),
+    "vit-b": Case("ViT-B layer", 8, 197, 768, 12),
+    "long": Case("long", 1, 8192, 512, 8, long=True),
+    "long-causal": Case("long causal", 1, 8192, 512, 8, causal=True, long=True),
+    "sdpa": Case("SDPA core", 1, 4096, 512, 8, core_only=True),
+    # not in the default list: a few-millisecond case for the tests
+    "tiny": Case("tiny (smoke)", 1, 16, 32, 2),
+}
+
+# torch-sdpa: F.linear + F.scaled_dot_product_attention (the best torch path);
+# torch-mha: nn.MultiheadAttention (what most models call).
+RUNTIMES = ("attnlab", "torch-sdpa", "torch-mha", "onnxruntime", "openvino", "jax")
+
+
+def inputs(case: Case) -> dict[str, np.ndarray]:
+    """The case's float32 inputs and weights, the same in every worker: ``x`` and the
+    ``(in, out)`` weights and biases of the layer, or ``q``, ``k``, ``v`` of the core."""
+    from .mha import _weights
+
+    rng = np.random.default_rng(SEED)
+    if case.core_only:
+        shape = (case.B, case.h, case.n, case.d // case.h)
+        return {k: rng.standard_normal(shape, dtype=np.float32) for k in ("q", "k", "v")}
+    out = {"x": rng.standard_normal((case.B, case.n, case.d), dtype=np.float32)}
+    out.update(_weights(rng, case.d, case.h, np.float32))
+    return out
+
+
+class Skip(Exception):
+    """The runtime is not installed, or cannot express this case: reported, not an error."""
+
+
+# --- one builder per runtime: (call that runs the case to completion, its output as NumPy,
+# version string)
+Built = tuple[Callable[[], Any], Callable[[Any], np.ndarray], str]
+
+
+def _import(name: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise Skip(f"{name} is not installed (pip install 'attnlab[bench]'): {e}") from None
+
+
+def _attnlab(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
+    import attnlab
+
+    attnlab.set_num_threads(threads)
+    if case.core_only:
+        def f() -> Any:
+            return attnlab.scaled_dot_product_attention(a["q"], a["k"], a["v"], causal=case.causal)
+    else:
+        w: dict[str, Any] = {k: v for k, v in a.items() if k != "x"}
+
+        def f() -> Any:
+            return attnlab.multi_head_attention(a["x"], num_heads=case.h, causal=case.causal, **w)
+    return f, np.asarray, f"attnlab {attnlab.__version__} isa={attnlab.build_info()['isa']}"
+
+
+def _torch_fn(torch: Any, case: Case, a: dict[str, np.ndarray]) -> Callable[..., Any]:
+    """The case as a torch function of its input tensors: F.linear + SDPA (also what OpenVINO
+    converts)."""
+    from .mha import _torch_sdpa_mha
+
+    if case.core_only:
+        def core(q: Any, k: Any, v: Any) -> Any:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+        return core
+    w = {k: v for k, v in a.items() if k != "x"}
+    return _torch_sdpa_mha(torch, w, case.h, case.causal)  # type: ignore[no-any-return]
+
+
+def _tensors(torch: Any, case: Case, a: dict[str, np.ndarray]) -> list[Any]:
+    return [torch.from_numpy(a[k]) for k in (("q", "k", "v") if case.core_only else ("x",))]
+
+
+def _torch_sdpa(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
+    torch = _import("torch")
+    torch.set_num_threads(threads)
+    fn, args = _torch_fn(torch, case, a), _tensors(torch, case, a)
+
+    def f() -> Any:
+        with torch.inference_mode():
+            return fn(*args)
+    return f, lambda t: t.numpy(), f"torch {torch.__version__}"
+
+
+def _torch_mha(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
+    if case.core_only:
+        raise Skip("nn.MultiheadAttention has no attention-core-only form")
+    torch = _import("torch")
+    torch.set_num_threads(threads)
+    from .mha import _torch_mha as build
+
+    m = build(torch, {k: v for k, v in a.items() if k != "x"}, case.d, case.h)
+    x = torch.from_numpy(a["x"])
+    # nn.MultiheadAttention takes is_causal only as a hint next to the mask (True = masked)
+    mask = torch.ones(case.n, case.n, dtype=torch.bool).triu(1) if case.causal else None
+
+    def f() -> Any:
+        with torch.inference_mode():
+            return m(x, x, x, need_weights=False, attn_mask=mask, is_causal=case.causal)[0]
+    return f, lambda t: t.numpy(), f"torch {torch.__version__} nn.MultiheadAttention"
+
+
+def _onnx_layer(case: Case, a: dict[str, np.ndarray]) -> Any:
+    """MatMul + Add projections around com.microsoft.MultiHeadAttention, weights as
+    initializers."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(v, name=k) for k, v in a.items() if k != "x"]
+    nodes = []
+    for p in ("q", "k", "v"):
+        nodes += [helper.make_node("MatMul", ["x", f"w_{p}"], [f"{p}0"]),
+                  helper.make_node("Add", [f"{p}0", f"b_{p}"], [p])]
+    nodes += [helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["ctx"],
+                               domain="com.microsoft", num_heads=case.h,
+                               unidirectional=int(case.causal)),
+              helper.make_node("MatMul", ["ctx", "w_o"], ["y0"]),
+              helper.make_node("Add", ["y0", "b_o"], ["y"])]
+    shape = [case.B, case.n, case.d]
+    graph = helper.make_graph(nodes, "mha", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                          shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+                              initializer=inits)
+    return helper.make_model(graph, ir_version=8, opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+def _onnx_core(case: Case) -> Any:
+    """The ONNX Attention operator (opset 23): q, k, v as (B, h, n, d_head), as given."""
+    from onnx import TensorProto, helper
+
+    shape = [case.B, case.h, case.n, case.d // case.h]
+    vi = [helper.make_tensor_value_info(k, TensorProto.FLOAT, shape) for k in ("q", "k", "v")]
+    node = helper.make_node("Attention", ["q", "k", "v"], ["y"], is_causal=int(case.causal))
+    graph = helper.make_graph([node], "sdpa", vi,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)])
+    return helper.make_model(graph, ir_version=11, opset_imports=[helper.make_opsetid("", 23)])
+
+
+def _onnxruntime(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
+    ort = _import("onnxruntime")
+    _import("onnx")  # builds the graph: a Skip when missing
+    model = _onnx_core(case) if case.core_only else _onnx_layer(case, a)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feed = {k: a[k] for k in (("q", "k", "v") if case.core_only else ("x",))}
+
+    def f() -> Any:
+        return sess.run(None, feed)[0]
+    return f, np.asarray, f"onnxruntime {ort.__version__}"
+
+
+def _openvino(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
+    ov = _import("openvino")
+    try:
+        torch = _import("torch")
+    except Skip:
+        raise Skip("openvino.convert_model converts the torch layer here: torch is not "
+                   "installed") from None
+    fn, args = _torch_fn(torch, case, a), _tensors(torch, case, a)
+
+    class Layer(torch.nn.Module):  # type: ignore[misc,name-defined]
+        def forward(self, *xs: Any) -> Any:
+            return fn(*xs)
+
+    model = ov.convert_model(Layer().eval(), example_input=tuple(args))
+    compiled = ov.Core().compile_model(model, "CPU", {
+        "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads,
+        "PERFORMANCE_HINT": "LATENCY"})
+    req = compiled.create_infer_request()
+    feed = [a[k] for k in (("q", "k", "v") if case.core_only else ("x",))]
+
+    def f() -> Any:
+        return req.infer(feed, share_inputs=True)[0]
+    return f, np.asarray, f"openvino {ov.__version__}"
+
+
+def _jax(case: Case, a: dict[str, np.ndarray], _threads: int) -> Built:
+    jax = _import("jax")
+    jnp = jax.numpy
+    h, dh = case.h, case.d // case.h
+    if case.core_only:
+        def core(q: Any, k: Any, v: Any) -> Any:
+            # jax.nn.dot_product_attention takes (B, T, N, H): the transposes are part of the call
+            t = [jnp.swapaxes(z, 1, 2) for z in (q, k, v)]
+            o = jax.nn.dot_product_attention(*t, is_causal=case.causal)
+            return jnp.swapaxes(o, 1, 2)
+        jf = jax.jit(core)
+        names: tuple[str, ...] = ("q", "k", "v")
+    else:
+        def layer(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, b_q: Any, b_k: Any, b_v: Any,
+                  b_o: Any) -> Any:
+            B, n, d = x.shape
+            q, k, v = ((x @ w + b).reshape(B, n, h, dh) for w, b in ((w_q, b_q), (w_k, b_k),
+                                                                    (w_v, b_v)))
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=case.causal)
+            return o.reshape(B, n, d) @ w_o + b_o
+        jf = jax.jit(layer)
+        names = ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+    args = [jax.device_put(a[k]) for k in names]
+
+    def f() -> Any:
+        return jf(*args).block_until_ready()
+    return f, np.asarray, f"jax {jax.__version__}"
+
+
+BUILDERS: dict[str, Callable[[Case, dict[str, np.ndarray], int], Built]] = {
+    "attnlab": _attnlab, "torch-sdpa": _torch_sdpa, "torch-mha": _torch_mha,
+    "onnxruntime": _onnxruntime, "openvino": _openvino, "jax": _jax}
+
+
+def _time(f: Callable[[], Any], k: int) -> list[float]:
+    f()  # untimed: lets the threads of whatever ran before go quiet
+    out = []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        f()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def sgemm(n: int, repeat: int) -> dict[str, Any]:
+    """NumPy's float32 matmul (OpenBLAS) on n x n: the best GFLOP/s of ``repeat`` calls."""
+    rng = np.random.default_rng(SEED)
+    x = rng.standard_normal((n, n), dtype=np.float32)
+    w = rng.standard_normal((n, n), dtype=np.float32)
+    y = np.empty_like(x)
+    ms = _time(lambda: np.matmul(x, w, out=y), repeat)
+    return {"runtime": "sgemm", "n": n, "ms": ms, "gflops": 2.0 * n**3 / (min(ms) * 1e-3) / 1e9,
+            "version": f"numpy {np.__version__}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m attnlab._bench.peers_worker")
+    p.add_argument("runtime", choices=RUNTIMES + ("sgemm",))
+    p.add_argument("case", help=f"one of {', '.join(CASES)} (for sgemm: the matrix size)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--repeat", type=int, default=5, help="timed calls (one-shot mode)")
+    p.add_argument("--out", help="save the output here (.npy) for the correctness check")
+    p.add_argument("--serve", action="store_true", help="take 'time K' commands on stdin")
+    args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads: expected a positive count, got {args.threads}")
+    if hasattr(os, "sched_getaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        if args.threads < len(cpus):
+            os.sched_setaffinity(0, cpus[:args.threads])
+    if args.runtime == "sgemm":
+        if not args.case.isdigit() or int(args.case) < 1:
+            p.error(f"case: sgemm takes a matrix size, got {args.case!r}")
+        _emit(sgemm(int(args.case), args.repeat))
+        return 0
+    if args.case not in CASES:
+        p.error(f"case: expected one of {', '.join(CASES)}, got {args.case!r}")
+    case = CASES[args.case]
+    head: dict[str, Any] = {"runtime": args.runtime, "case": args.case}
+    try:
+        f, to_numpy, version = BUILDERS[args.runtime](case, inputs(case), args.threads)
+        t0 = time.perf_counter()
+        out = to_numpy(f())  # the first call: compiles, allocates; also the checked output
+        head.update(version=version, first_ms=(time.perf_counter() - t0) * 1e3)
+        if args.out:
+            np.save(args.out, np.ascontiguousarray(out, dtype=np.float32))
+        head["call_ms"] = min(_time(f, 1))
+    except Skip as e:
+        _emit(head | {"skip": str(e)})
+        return 0
+    except Exception as e:  # noqa: BLE001 (any runtime failure on this case is reported, not fatal)
+        _emit(head | {"error": f"{type(e).__name__}: {e}"[:500]})
+        return 0
+    if not args.serve:
+        _emit(head | {"ms": _time(f, args.repeat)})
+        return 0
+    _emit(head | {"ready": True})
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        if cmd[0] == "time" and len(cmd) == 2 and cmd[1].isdigit():
+            _emit({"ms": _time(f, max(1, int(cmd[1])))})
+        else:
+            _emit({"error": f"unknown command {line.strip()!r}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
