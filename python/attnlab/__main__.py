@@ -1,5 +1,6 @@
 """Command line: ``python -m attnlab bench [--quick] [--json PATH] [--plot PATH]``,
-``python -m attnlab bench --peers [--case NAME] [--runtime NAME]`` and ``python -m attnlab info``."""
+``python -m attnlab bench --peers [--case NAME] [--runtime NAME]`` and
+``python -m attnlab info``."""
 
 from __future__ import annotations
 

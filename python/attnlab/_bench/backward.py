@@ -42,27 +42,33 @@ def _torch_step(torch: Any, w: dict[str, np.ndarray], x: np.ndarray, g: np.ndarr
     return step
 
 
+def _attnlab_fns(x: np.ndarray, g: np.ndarray, kw: dict[str, Any]) -> dict[str, Any]:
+    """The forward, a training step (vjp + pullback), the pullback alone and the recomputing
+    backward of one case."""
+    _, pullback = vjp(multi_head_attention, x, **kw)
+
+    def step() -> None:
+        _, pb = vjp(multi_head_attention, x, **kw)
+        pb(g)
+
+    return {
+        "attnlab fwd": lambda: multi_head_attention(x, **kw),
+        "attnlab step": step,
+        "attnlab pullback": lambda: pullback(g),
+        "attnlab bwd (recompute)": lambda: multi_head_attention_backward(g, x, **kw),
+    }
+
+
 def run(quick: bool, threads: int) -> list[Row]:
     torch = try_torch(threads)
     rows: list[Row] = []
     for label, B, n, d, h, causal in CASES[:1] if quick else CASES:
         rng = np.random.default_rng(1)
         x = rng.standard_normal((B, n, d)).astype(np.float32)
-        w = _weights(rng, d, h, np.float32)
+        w = _weights(rng, d, np.float32)
         g = rng.standard_normal((B, n, d)).astype(np.float32)
         kw = dict(num_heads=h, causal=causal, **w)
-        _, pullback = vjp(multi_head_attention, x, **kw)
-
-        def step() -> None:
-            _, pb = vjp(multi_head_attention, x, **kw)
-            pb(g)
-
-        fns: dict[str, Any] = {
-            "attnlab fwd": lambda: multi_head_attention(x, **kw),
-            "attnlab step": step,
-            "attnlab pullback": lambda: pullback(g),
-            "attnlab bwd (recompute)": lambda: multi_head_attention_backward(g, x, **kw),
-        }
+        fns = _attnlab_fns(x, g, kw)
         if torch is not None:
             fns["torch step"] = _torch_step(torch, w, x, g, h, causal)
         long = n > 1000

@@ -22,7 +22,8 @@ from .common import Row, interleaved
 __all__ = ["run", "grid", "layer_macs"]
 
 # (B, n_q, n_k, d, h, d_head): n_k None = self-attention, d_head None = d / h
-_QUICK = [  # one point per regime: h = 1 (collapsed wins), h > 1, d_head > d, n_q >> n_k, n_k >> n_q
+# one point per regime: h = 1 (collapsed wins), h > 1, d_head > d, n_q >> n_k, n_k >> n_q
+_QUICK = [
     (4, 64, None, 64, 1, None), (4, 256, None, 64, 4, None), (2, 128, None, 128, 8, None),
     (2, 64, None, 128, 2, 96), (1, 512, 32, 128, 2, None), (1, 32, 512, 128, 2, None),
 ]

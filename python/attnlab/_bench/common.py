@@ -8,8 +8,9 @@ call preceded by an untimed one of the same implementation (see ``interleaved``)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -101,7 +102,7 @@ def try_torch(threads: int) -> Any:
     """torch, set to ``threads`` threads, or None when it is not installed."""
     try:
         import torch
-    except Exception:
+    except ImportError:
         return None
     torch.set_num_threads(threads)
     return torch

@@ -94,7 +94,7 @@ def inputs(case: Case) -> dict[str, np.ndarray]:
         shape = (case.B, case.h, case.n, case.d // case.h)
         return {k: rng.standard_normal(shape, dtype=np.float32) for k in ("q", "k", "v")}
     out = {"x": rng.standard_normal((case.B, case.n, case.d), dtype=np.float32)}
-    out.update(_weights(rng, case.d, case.h, np.float32))
+    out.update(_weights(rng, case.d, np.float32))
     return out
 
 

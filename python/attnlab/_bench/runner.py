@@ -57,7 +57,8 @@ def run_all(quick: bool, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]
     return result
 
 
-def _find(rows: list[Row], family: str, case: str, impl: str, shape: str | None = None) -> Row | None:
+def _find(rows: list[Row], family: str, case: str, impl: str,
+          shape: str | None = None) -> Row | None:
     """The row of that family, case and implementation (the last of them when shape is None,
     i.e. the largest n of a sweep)."""
     hits = [r for r in rows if r.family == family and r.case == case and r.impl == impl
@@ -158,12 +159,12 @@ def format_table(result: dict[str, Any]) -> str:
     rows: list[Row] = result["rows"]
     peak = result["peak_gflops"]
     lines = [
-        f"attnlab bench  {result['date']}  {result['cpu']}  threads={result['threads']}  "
-        f"isa={result['isa']}",
+        (f"attnlab bench  {result['date']}  {result['cpu']}  threads={result['threads']}  "
+         f"isa={result['isa']}"),
         *peak_lines(result),
         "",
-        f"{'family':<9} {'case':<24} {'shape':<28} {'impl':<12} {'ms':>10} {'GFLOP/s':>8} "
-        f"{'%peak':>6} {'attnlab':>8} {'vs best':>8}  notes",
+        (f"{'family':<9} {'case':<24} {'shape':<28} {'impl':<12} {'ms':>10} {'GFLOP/s':>8} "
+         f"{'%peak':>6} {'attnlab':>8} {'vs best':>8}  notes"),
     ]
     flagged = 0
     for r in rows:
@@ -226,7 +227,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     if not fams:
         return
     fig, axes = plt.subplots(1, len(fams), figsize=(5.5 * len(fams), 4.5), squeeze=False)
-    for ax, (fam, lines) in zip(axes[0], sorted(fams.items())):
+    for ax, (fam, lines) in zip(axes[0], sorted(fams.items()), strict=True):
         for label, pts in sorted(lines.items()):
             if len(pts) < 2:
                 continue
