@@ -177,6 +177,43 @@ AttentionProblem<T> sdpa_problem(const T* q, const T* k, const T* v, T* out, T* 
     return p;
 }
 
+// Multi-head and bilinear attention at the shapes above: x_q (B*NQ, DQ), x_k (B*NK, DK),
+// x_v (B*NK, DV), head widths DH (query/key) and DVH (value), output (B*NQ, DOUT). Any bias may
+// be null.
+template <typename T>
+void projected_problem(ProjectedAttention<T>& p, const T* xq, const T* xk, const T* xv, const T* wv,
+                       const T* bv, const T* wo, const T* bo, T scale, T* out) {
+    p.batch = B, p.n_q = NQ, p.n_k = NK, p.heads = H, p.kv_heads = Hk, p.d_vhead = DVH;
+    p.query = xq, p.key = xk, p.value = xv;
+    p.w_v = {wv, bv, DV, Hk * DVH};
+    p.w_o = {wo, bo, H * DVH, DOUT};
+    p.scale = scale;
+    p.out = out;
+}
+
+template <typename T>
+MhaProblem<T> mha_problem(const T* xq, const T* xk, const T* xv, const T* wq, const T* bq,
+                          const T* wk, const T* wv, const T* bv, const T* wo, const T* bo, T scale,
+                          T* out) {
+    MhaProblem<T> p;
+    projected_problem<T>(p, xq, xk, xv, wv, bv, wo, bo, scale, out);
+    p.d_head = DH;
+    p.w_q = {wq, bq, DQ, H * DH};
+    p.w_k = {wk, nullptr, DK, Hk * DH};
+    return p;
+}
+
+template <typename T>
+BilinearProblem<T> bilinear_problem(const T* xq, const T* xk, const T* xv, const T* wqk,
+                                    const T* uk, const T* wv, const T* bv, const T* wo, const T* bo,
+                                    T scale, T* out) {
+    BilinearProblem<T> p;
+    projected_problem<T>(p, xq, xk, xv, wv, bv, wo, bo, scale, out);
+    p.d_q = DQ, p.d_k = DK;
+    p.w_qk = wqk, p.u_k = uk;
+    return p;
+}
+
 template <typename T>
 void check_forwards(const KernelTable& kt, std::mt19937& g) {
     const KernelSet<T>& ks = kt.get<T>();
@@ -221,17 +258,9 @@ void check_forwards(const KernelTable& kt, std::mt19937& g) {
         auto xqt = as<T>(xq), xkt = as<T>(xk), xvt = as<T>(xv), wqt = as<T>(wq), wkt = as<T>(wk),
              wvt = as<T>(wv), wot = as<T>(wo), bqt = as<T>(bq), bvt = as<T>(bv), bot = as<T>(bo);
         std::vector<T> out(B * NQ * DOUT);
-        MhaProblem<T> p;
-        p.batch = B, p.n_q = NQ, p.n_k = NK, p.heads = H, p.kv_heads = Hk, p.d_head = DH,
-        p.d_vhead = DVH;
-        p.query = xqt.data(), p.key = xkt.data(), p.value = xvt.data();
-        p.w_q = {wqt.data(), bqt.data(), DQ, H * DH};
-        p.w_k = {wkt.data(), nullptr, DK, Hk * DH};
-        p.w_v = {wvt.data(), bvt.data(), DV, Hk * DVH};
-        p.w_o = {wot.data(), bot.data(), H * DVH, DOUT};
-        p.scale = T(scale);
-        p.out = out.data();
-        ks.multi_head_attention_forward(p);
+        ks.multi_head_attention_forward(mha_problem(xqt.data(), xkt.data(), xvt.data(), wqt.data(),
+                                                    bqt.data(), wkt.data(), wvt.data(), bvt.data(),
+                                                    wot.data(), bot.data(), T(scale), out.data()));
         expect_close(isa, ("multi_head_attention_forward" + tn).c_str(),
                      Vec(out.begin(), out.end()), want, tol);
         // W_i = Wq_i Wk_i^T (DQ x DK), u_i = Wk_i bq_i (DK)
@@ -249,16 +278,11 @@ void check_forwards(const KernelTable& kt, std::mt19937& g) {
         }
         auto wqkt = as<T>(wqk), ukt = as<T>(uk);
         for (int order = 0; order < 2; ++order) {
-            BilinearProblem<T> bp;
-            bp.batch = B, bp.n_q = NQ, bp.n_k = NK, bp.heads = H, bp.kv_heads = Hk, bp.d_q = DQ,
-            bp.d_k = DK, bp.d_vhead = DVH;
-            bp.query = xqt.data(), bp.key = xkt.data(), bp.value = xvt.data();
-            bp.w_qk = wqkt.data(), bp.u_k = ukt.data();
-            bp.w_v = p.w_v, bp.w_o = p.w_o;
-            bp.scale = T(scale);
-            bp.order = order ? BilinearOrder::key : BilinearOrder::query;
             std::vector<T> bout(B * NQ * DOUT);
-            bp.out = bout.data();
+            BilinearProblem<T> bp = bilinear_problem(
+                xqt.data(), xkt.data(), xvt.data(), wqkt.data(), ukt.data(), wvt.data(), bvt.data(),
+                wot.data(), bot.data(), T(scale), bout.data());
+            bp.order = order ? BilinearOrder::key : BilinearOrder::query;
             ks.bilinear_attention_forward(bp);
             expect_close(
                 isa,
@@ -385,17 +409,10 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
             bq = random_vec(g, H * DH), bo = random_vec(g, DOUT);
         Vec go = random_vec(g, B * NQ * DOUT), out(go.size());
         auto mha = [&]() {
-            MhaProblem<double> p;
-            p.batch = B, p.n_q = NQ, p.n_k = NK, p.heads = H, p.kv_heads = Hk, p.d_head = DH,
-            p.d_vhead = DVH;
-            p.query = xq.data(), p.key = xk.data(), p.value = xv.data();
-            p.w_q = {wq.data(), bq.data(), DQ, H * DH};
-            p.w_k = {wk.data(), nullptr, DK, Hk * DH};
-            p.w_v = {wv.data(), nullptr, DV, Hk * DVH};
-            p.w_o = {wo.data(), bo.data(), H * DVH, DOUT};
-            p.scale = 0.3;
+            MhaProblem<double> p = mha_problem<double>(xq.data(), xk.data(), xv.data(), wq.data(),
+                                                       bq.data(), wk.data(), wv.data(), nullptr,
+                                                       wo.data(), bo.data(), 0.3, out.data());
             p.mask.causal = Causal::top_left;
-            p.out = out.data();
             return p;
         };
         const auto f = objective(out, go, [&] { ks.multi_head_attention_forward(mha()); });
@@ -413,16 +430,9 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
 
         Vec wqk = random_vec(g, H * DQ * DK, 0.2), uk = random_vec(g, H * DK);
         auto bil = [&]() {
-            BilinearProblem<double> p;
-            p.batch = B, p.n_q = NQ, p.n_k = NK, p.heads = H, p.kv_heads = Hk, p.d_q = DQ,
-            p.d_k = DK, p.d_vhead = DVH;
-            p.query = xq.data(), p.key = xk.data(), p.value = xv.data();
-            p.w_qk = wqk.data(), p.u_k = uk.data();
-            p.w_v = {wv.data(), nullptr, DV, Hk * DVH};
-            p.w_o = {wo.data(), bo.data(), H * DVH, DOUT};
-            p.scale = 0.3;
-            p.out = out.data();
-            return p;
+            return bilinear_problem<double>(xq.data(), xk.data(), xv.data(), wqk.data(), uk.data(),
+                                            wv.data(), nullptr, wo.data(), bo.data(), 0.3,
+                                            out.data());
         };
         const auto fb = objective(out, go, [&] { ks.bilinear_attention_forward(bil()); });
         Vec gwqk(wqk.size()), guk(uk.size());

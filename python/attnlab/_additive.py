@@ -186,10 +186,7 @@ def additive_attention(
     NaN or Inf in real tokens propagate to the whole batch element (through ``G``).
     {dtypes}
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
-    >>> rng = np.random.default_rng(0)
+    {examples}
     >>> d = 8
     >>> w = {k: rng.standard_normal((d, d)) * 0.3 for k in ("w_q", "w_k", "w_proj", "w_final")}
     >>> x = rng.standard_normal((2, 49, d))
@@ -299,10 +296,7 @@ def separable_attention(
     NaN. NaN in a real token's score makes its whole batch element NaN, as in torch.
     {dtypes}
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
-    >>> rng = np.random.default_rng(0)
+    {examples}
     >>> B, C, P, N = 2, 8, 4, 16                      # MobileViT-v2's unfolded map
     >>> fmap = rng.standard_normal((B, C, P, N))
     >>> w_qkv = rng.standard_normal((C, 1 + 2 * C)) * 0.3
@@ -340,10 +334,7 @@ _ADDITIVE_BACKWARD_DOC = """\
         not differentiated. Below ``eps`` a norm is treated as torch's autograd treats
         ``F.normalize``: ``v / eps``, a constant scale.
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
-    >>> rng = np.random.default_rng(0)
+    {examples}
     >>> w = {k: rng.standard_normal((8, 8)) * 0.3 for k in ("w_q", "w_k", "w_proj", "w_final")}
     >>> x = rng.standard_normal((49, 8))
     >>> g = attnlab.additive_attention_backward(np.ones((49, 8)), x, w_g=np.ones(8), **w)
@@ -396,10 +387,7 @@ _SEPARABLE_BACKWARD_DOC = """\
         Keyed by argument name: ``"x"``, ``"w_qkv"``, ``"w_o"`` and each bias given. The mask
         is not differentiated; relu's gradient at 0 is 0, as torch's.
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
-    >>> rng = np.random.default_rng(0)
+    {examples}
     >>> x = rng.standard_normal((16, 8))
     >>> w_qkv, w_o = rng.standard_normal((8, 17)) * 0.3, rng.standard_normal((8, 8)) * 0.3
     >>> g = attnlab.separable_attention_backward(np.ones((16, 8)), x, w_qkv=w_qkv, w_o=w_o)

@@ -62,6 +62,7 @@ class BilinearQK:
     def num_heads(self) -> int:
         return int(self.w.shape[0])
 
+    @_docs.filled
     def homogeneous(self) -> np.ndarray:
         """The ``(h, d_q + 1, d_k + 1)`` matrices ``[[W_i, v_i], [u_i, c_i]]``.
 
@@ -73,10 +74,7 @@ class BilinearQK:
         ndarray, shape (h, d_q + 1, d_k + 1)
             A new array, dtype of ``w``.
 
-        Examples
-        --------
-        >>> import numpy as np, attnlab
-        >>> rng = np.random.default_rng(0)
+        {examples}
         >>> w_q, w_k = rng.standard_normal((6, 4)), rng.standard_normal((5, 4))
         >>> b_q, b_k = rng.standard_normal(4), rng.standard_normal(4)
         >>> qk = attnlab.collapse_qk(w_q, w_k, b_q, b_k, num_heads=2)
@@ -97,6 +95,7 @@ class BilinearQK:
             m[:, dq, dk] = self.c
         return m
 
+    @_docs.filled
     def rank(self, tol: float | None = None) -> np.ndarray:
         """Numerical rank of each ``W_i`` (``np.linalg.matrix_rank``): at most ``d_head``.
 
@@ -110,10 +109,7 @@ class BilinearQK:
         -------
         ndarray of int64, shape (h,)
 
-        Examples
-        --------
-        >>> import numpy as np, attnlab
-        >>> rng = np.random.default_rng(0)
+        {examples}
         >>> qk = attnlab.collapse_qk(rng.standard_normal((16, 8)), rng.standard_normal((16, 8)),
         ...                          num_heads=2)
         >>> qk.w.shape, qk.rank().tolist()          # d_head = 4 bounds the rank of 16 x 16
@@ -123,6 +119,7 @@ class BilinearQK:
             tol = V.check_scale(tol, 0.0)
         return np.array([np.linalg.matrix_rank(w, tol=tol) for w in self.w], dtype=np.int64)
 
+    @_docs.filled
     def scores(self, query: Any, key: Any = None, scale: float | None = None) -> np.ndarray:
         """Exact logits ``scale * (x_q W_i x_k^T + x_q v_i + u_i x_k^T + c_i)``.
 
@@ -141,10 +138,7 @@ class BilinearQK:
         ndarray, shape (..., h, n_q, n_k)
             float32 only when the inputs and ``w`` all are, else float64.
 
-        Examples
-        --------
-        >>> import numpy as np, attnlab
-        >>> rng = np.random.default_rng(0)
+        {examples}
         >>> w_q, w_k = rng.standard_normal((8, 8)), rng.standard_normal((8, 8))
         >>> qk = attnlab.collapse_qk(w_q, w_k, num_heads=2)
         >>> x = rng.standard_normal((3, 5, 8))
@@ -181,6 +175,7 @@ class BilinearQK:
         return logits * dtype.type(s)
 
 
+@_docs.filled
 def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_heads: int,
                 num_kv_heads: int | None = None) -> BilinearQK:
     """Fold per-head query and key projections into ``W_i = W_q,i W_k,i^T`` (exactly).
@@ -208,10 +203,7 @@ def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_hea
     ``v`` and ``c`` cancel in the softmax, ``u`` does not. Invalid with rotary position
     embeddings.
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
-    >>> rng = np.random.default_rng(0)
+    {examples}
     >>> qk = attnlab.collapse_qk(rng.standard_normal((16, 16)), rng.standard_normal((16, 16)),
     ...                          num_heads=4)
     >>> qk.w.shape, qk.rank().tolist()
@@ -246,6 +238,7 @@ def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_hea
     return BilinearQK(w=w, u=u, v=v, c=c, d_head=int(d_head))
 
 
+@_docs.filled
 def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Factor each ``W_i`` back into query and key projections of width ``rank`` (truncated SVD).
 
@@ -268,10 +261,7 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         ``||W_i - w_q,i w_k,i^T||_F / ||W_i||_F = sqrt(sum of dropped sigma^2) / ||W_i||_F``
         (0 for a zero ``W_i``).
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
-    >>> rng = np.random.default_rng(0)
+    {examples}
     >>> qk = attnlab.collapse_qk(rng.standard_normal((8, 8)), rng.standard_normal((8, 8)),
     ...                          num_heads=2)
     >>> w_q, w_k, err = attnlab.factorize_qk(qk, 4)
@@ -481,10 +471,7 @@ def bilinear_attention(
     zero weights and an output row of ``b_o``. Not valid with rotary position embeddings.
     {dtypes}
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
-    >>> rng = np.random.default_rng(0)
+    {examples}
     >>> x = rng.standard_normal((2, 5, 16))
     >>> w = [rng.standard_normal((16, 16)) * 0.25 for _ in range(4)]
     >>> qk = attnlab.collapse_qk(w[0], w[1], num_heads=4)
@@ -540,10 +527,7 @@ _BACKWARD_DOC = """\
     forward chose; the gradient is the same function. Results are bitwise the same for any
     thread count.
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
-    >>> rng = np.random.default_rng(0)
+    {examples}
     >>> x = rng.standard_normal((5, 8))
     >>> w = {n: rng.standard_normal((8, 8)) / 3 for n in ("w_q", "w_k", "w_v", "w_o")}
     >>> qk = attnlab.collapse_qk(w["w_q"], w["w_k"], num_heads=2)

@@ -32,6 +32,21 @@ FRAGMENTS = {
         "value : array_like, shape (..., n_k, d_v), optional\n"
         "    Defaults to ``key``."
     ),
+    # the opening of most examples of attnlab's functions
+    "examples": (
+        "Examples\n"
+        "--------\n"
+        ">>> import numpy as np, attnlab\n"
+        ">>> rng = np.random.default_rng(0)"
+    ),
+    # the opening of every example of attnlab.reference
+    "reference_examples": (
+        "Examples\n"
+        "--------\n"
+        ">>> import numpy as np\n"
+        ">>> from attnlab import reference\n"
+        ">>> rng = np.random.default_rng(0)"
+    ),
     # what the torch adapter's query/key/value families return
     "torch_attention_returns": (
         "Returns\n"

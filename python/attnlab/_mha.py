@@ -372,10 +372,7 @@ def multi_head_attention(
     memory), then the same flash attention core and the output GEMM; without it, the one fused
     C++ call.
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
-    >>> rng = np.random.default_rng(0)
+    {examples}
     >>> x = rng.standard_normal((2, 5, 16))
     >>> w = [rng.standard_normal((16, 16)) * 0.25 for _ in range(4)]
     >>> attnlab.multi_head_attention(x, w_q=w[0], w_k=w[1], w_v=w[2], w_o=w[3],
@@ -476,10 +473,7 @@ _MHA_BACKWARD_DOC = """\
         ``"w_q"``, ``"w_k"``, ``"w_v"``, ``"w_o"`` and each bias given. Masks are not
         differentiated.
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
-    >>> rng = np.random.default_rng(0)
+    {examples}
     >>> x = rng.standard_normal((5, 8))
     >>> w = {n: rng.standard_normal((8, 8)) / 3 for n in ("w_q", "w_k", "w_v", "w_o")}
     >>> g = attnlab.multi_head_attention_backward(np.ones((5, 8)), x, num_heads=2, **w)

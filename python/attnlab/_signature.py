@@ -14,6 +14,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from . import _docs
+
 __all__: list[str] = []  # private module
 
 _PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -78,10 +80,10 @@ def backward_of(forward: Callable[..., Any], body: Callable[[Any, dict[str, Any]
 
     Its docstring starts as every backward's does (what it differentiates, an optional
     ``intro`` paragraph, ``grad_out`` of shape ``output``), then ``doc``: the other
-    parameters, the returns, the examples."""
+    parameters, the returns, the examples, with :mod:`attnlab._docs`' fragments filled in."""
     head = (f"Gradients of :func:`{forward.__name__}` with respect to {wrt}.\n\n{intro}"
             f"    Parameters\n    ----------\n    grad_out : array_like, shape {output}\n"
             f"        Gradient of the loss with respect to the output.\n")
     return generate(f"{forward.__name__}_backward", forward.__module__,
-                    public_parameters(forward), "dict[str, np.ndarray]", head + doc, body,
-                    first="grad_out")
+                    public_parameters(forward), "dict[str, np.ndarray]",
+                    _docs.fill(head + doc), body, first="grad_out")

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _additive, _bilinear, _mha
+from . import _additive, _bilinear, _docs, _mha
 
 __all__ = ["vjp"]
 
@@ -41,6 +41,7 @@ def _recomputing(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     return out, lambda grad_out: backward(grad_out, **again)
 
 
+@_docs.filled
 def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback]:
     """Run an attnlab forward once and return its output with a pullback for its gradients.
 
@@ -82,10 +83,7 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
     ``separable_attention`` and ``multi_head_attention`` with ``rope_theta`` keep copies of
     their arguments and their pullback recomputes the forward (linear in n for the first two).
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
-    >>> rng = np.random.default_rng(0)
+    {examples}
     >>> x = rng.standard_normal((2, 5, 8))
     >>> w = {n: rng.standard_normal((8, 8)) / 3 for n in ("w_q", "w_k", "w_v", "w_o")}
     >>> out, pullback = attnlab.vjp(attnlab.multi_head_attention, x, num_heads=2, **w)

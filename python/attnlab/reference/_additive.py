@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _docs
 from .._validate import POOLED_ROWS, warn_empty
 
 __all__ = ["additive_attention", "separable_attention"]
@@ -42,6 +43,7 @@ def _real_tokens(key_padding_mask: Any, batch: tuple[int, ...], n: int, warn: An
     return kp[..., None]
 
 
+@_docs.filled
 def additive_attention(
     x: Any, *, w_q: Any, b_q: Any = None, w_k: Any, b_k: Any = None, w_g: Any, w_proj: Any,
     b_proj: Any = None, w_final: Any, b_final: Any = None, scale: float | None = None,
@@ -76,11 +78,7 @@ def additive_attention(
     ndarray, shape (..., n, d_out)
         float64.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import reference
-    >>> rng = np.random.default_rng(0)
+    {reference_examples}
     >>> w = {k: rng.standard_normal((8, 8)) / 3 for k in ("w_q", "w_k", "w_proj", "w_final")}
     >>> reference.additive_attention(rng.standard_normal((2, 49, 8)), w_g=np.ones((8, 1)),
     ...                              **w).shape
@@ -108,6 +106,7 @@ def additive_attention(
     return out @ w_final + _bias(b_final)
 
 
+@_docs.filled
 def separable_attention(
     x: Any, *, w_qkv: Any, b_qkv: Any = None, w_o: Any, b_o: Any = None,
     key_padding_mask: Any = None, warn_empty_rows: Any = True,
@@ -133,11 +132,7 @@ def separable_attention(
     ndarray, shape (..., n, d_out)
         float64.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import reference
-    >>> rng = np.random.default_rng(0)
+    {reference_examples}
     >>> x = rng.standard_normal((2, 16, 8))
     >>> reference.separable_attention(x, w_qkv=rng.standard_normal((8, 17)),
     ...                               w_o=rng.standard_normal((8, 4))).shape

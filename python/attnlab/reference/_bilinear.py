@@ -34,6 +34,7 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a @ b
 
 
+@_docs.filled
 def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_heads: int,
                 num_kv_heads: int | None = None) -> BilinearQK:
     """Reference for :func:`attnlab.collapse_qk`, head by head.
@@ -54,11 +55,7 @@ def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_hea
         ``w (h, d_q, d_k)`` with ``W_i = W_q,i W_k,i^T``; ``u (h, d_k)``, ``v (h, d_q)`` and
         ``c (h,)`` when the biases give them; ``d_head``.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import reference
-    >>> rng = np.random.default_rng(0)
+    {reference_examples}
     >>> qk = reference.collapse_qk(rng.standard_normal((16, 8)), rng.standard_normal((12, 8)),
     ...                            b_q=np.ones(8), num_heads=2)
     >>> qk.w.shape, qk.u.shape, qk.v is None, qk.d_head
@@ -88,6 +85,7 @@ def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_hea
     )
 
 
+@_docs.filled
 def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference for :func:`attnlab.factorize_qk`: SVD per head; the error is measured directly.
 
@@ -107,11 +105,7 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         ``||W_i - w_q,i w_k,i^T||_F / ||W_i||_F``, computed from the reconstruction (0 for a
         zero ``W_i``).
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import reference
-    >>> rng = np.random.default_rng(0)
+    {reference_examples}
     >>> w = rng.standard_normal((2, 6, 5))
     >>> w_q, w_k, err = reference.factorize_qk(w, 5)    # full rank: exact
     >>> w_q.shape, w_k.shape, bool(err.max() < 1e-12)
@@ -131,6 +125,7 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return np.concatenate(fq, axis=1), np.concatenate(fk, axis=1), np.array(err)
 
 
+@_docs.filled
 def separate_logits(query: Any, key: Any = None, *, w_q: Any, w_k: Any, b_q: Any = None,
                     b_k: Any = None, num_heads: int, num_kv_heads: int | None = None,
                     scale: Any = None) -> np.ndarray:
@@ -157,11 +152,7 @@ def separate_logits(query: Any, key: Any = None, *, w_q: Any, w_k: Any, b_q: Any
     ndarray, shape (..., h, n_q, n_k)
         float64 ``scale * Q_i K_i^T`` per head.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import reference
-    >>> rng = np.random.default_rng(0)
+    {reference_examples}
     >>> wq, wk = rng.standard_normal((8, 8)), rng.standard_normal((8, 8))
     >>> x = rng.standard_normal((3, 8))
     >>> sep = reference.separate_logits(x, w_q=wq, w_k=wk, num_heads=2)
@@ -187,6 +178,7 @@ def separate_logits(query: Any, key: Any = None, *, w_q: Any, w_k: Any, b_q: Any
     return np.stack(out, axis=-3)
 
 
+@_docs.filled
 def bilinear_logits(query: Any, key: Any = None, *, w_qk: Any, u_k: Any = None,
                     scale: Any = None, order: str = "query") -> np.ndarray:
     """Scaled logits ``scale * (x_q W_i x_k^T + u_i x_k^T)``, ``(..., h, n_q, n_k)``.
@@ -213,11 +205,7 @@ def bilinear_logits(query: Any, key: Any = None, *, w_qk: Any, u_k: Any = None,
         float64 scaled logits (``v_i`` and ``c_i`` of a BilinearQK are left out: they cancel
         in the softmax).
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import reference
-    >>> rng = np.random.default_rng(0)
+    {reference_examples}
     >>> w = rng.standard_normal((2, 8, 6))
     >>> xq, xk = rng.standard_normal((4, 8)), rng.standard_normal((5, 6))
     >>> a = reference.bilinear_logits(xq, xk, w_qk=w)
@@ -280,11 +268,7 @@ def bilinear_attention(
     weights : ndarray, shape (..., h, n_q, n_k) or (..., n_q, n_k)
         Only with ``return_weights``.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import reference
-    >>> rng = np.random.default_rng(0)
+    {reference_examples}
     >>> w = [rng.standard_normal((8, 8)) / 3 for _ in range(4)]
     >>> x = rng.standard_normal((5, 8))
     >>> kw = dict(w_v=w[2], w_o=w[3], num_heads=2)

@@ -131,6 +131,7 @@ def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([rot * cos + half * sin, rest], axis=-1)
 
 
+@_docs.filled
 def scaled_dot_product_attention(
     q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, scale: Any = None,
     return_weights: Any = False, warn_empty_rows: Any = True,
@@ -160,11 +161,7 @@ def scaled_dot_product_attention(
     weights : ndarray, shape (..., h, n_q, n_k) or (..., n_q, n_k)
         Only with ``return_weights`` (``"mean"`` averages over heads).
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import reference
-    >>> rng = np.random.default_rng(0)
+    {reference_examples}
     >>> q = rng.standard_normal((2, 4, 5, 8))
     >>> out, w = reference.scaled_dot_product_attention(q, q, q, causal=True,
     ...                                                 return_weights=True)
@@ -230,11 +227,7 @@ def multi_head_attention(
     weights : ndarray, shape (..., h, n_q, n_k) or (..., n_q, n_k)
         Only with ``return_weights`` (``"mean"`` averages over heads).
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import reference
-    >>> rng = np.random.default_rng(0)
+    {reference_examples}
     >>> w = [rng.standard_normal((16, 16)) / 4 for _ in range(4)]
     >>> x = rng.standard_normal((2, 5, 16))
     >>> reference.multi_head_attention(x, w_q=w[0], w_k=w[1], w_v=w[2], w_o=w[3],
