@@ -29,6 +29,7 @@ EIGEN="${ATTNLAB_EIGEN_INCLUDE:-$("$PY" -c 'import sys, os; print(next((os.path.
 [[ -n "$EIGEN" ]] || EIGEN=/usr/include/eigen3
 [[ -f "$EIGEN/Eigen/Core" ]] || { echo "check-aarch64.sh: Eigen not found (pip install cmeel-eigen)" >&2; exit 2; }
 OUT="$ROOT/build/aarch64"
+mkdir -p "$ROOT/build"  # the log sits beside the build folder: a fresh clone has neither
 GEN=()
 if command -v ninja >/dev/null; then GEN=(-G Ninja); fi
 start=$(date +%s)
