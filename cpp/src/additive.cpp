@@ -7,6 +7,7 @@
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "products.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
@@ -45,7 +46,7 @@ void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y) {
     if (X.cols() == 0) {
         Y.setZero();
     } else {
-        Y.noalias() = X * W;
+        eigen_product<T>(X, W, Y);
     }
     if (b) Y.rowwise() += ConstVecMap<T>(b, Y.cols());
 }
@@ -90,9 +91,10 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     // d_out = D / num_heads) this costs no more operations than the two-step form.
     const ConstRowMap<T> Wproj(p.w_proj, D, D, Eigen::OuterStride<>(D));
     const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
-    const RowMatrix<T> M = Wproj * Wfinal;
+    RowMatrix<T> M(D, dout);
+    eigen_product<T>(Wproj, Wfinal, view<T>(M.data(), D, dout, dout));
     Vec<T> c = p.b_final ? Vec<T>(ConstVecMap<T>(p.b_final, dout)) : Vec<T>(Vec<T>::Zero(dout));
-    if (p.b_proj) c.noalias() += ConstVecMap<T>(p.b_proj, D) * Wfinal;
+    if (p.b_proj) eigen_product<T>(cview<T>(p.b_proj, 1, D, D), Wfinal, view<T>(c.data(), 1, dout, dout), true);
 
     // [w_k | w_q] and [b_k | b_q]: both projections in one GEMM per block.
     RowMatrix<T> Wkq(din, ld);
@@ -134,7 +136,8 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         Vec<T> share(D);
         if (all_real) {
             if (official) {
-                share.noalias() = ConstVecMap<T>(score.get() + r0, m) * Q;
+                eigen_product<T>(cview<T>(score.get() + r0, 1, m, m), cview<T>(KQ.data() + D, m, D, ld),
+                                 view<T>(share.data(), 1, D, D));
             } else {
                 share = Q.colwise().sum();
             }
@@ -146,7 +149,7 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         }
         Eigen::Map<Vec<double>>(partial.get() + task * D, D) = share.template cast<double>();
         RowMap<T> Y(p.out + r0 * dout, m, dout, Eigen::OuterStride<>(dout));
-        Y.noalias() = Q * Wfinal;
+        eigen_product<T>(cview<T>(KQ.data() + D, m, D, ld), Wfinal, Y);
     });
 
     // 2. Per batch element: the norm of the real tokens' scores and G, summing the blocks'
@@ -182,7 +185,7 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
             const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
             ConstRowMap<T> K(keys.get() + row * D, m, D, Eigen::OuterStride<>(D));
             RowMap<T> Y(p.out + row * dout, m, dout, Eigen::OuterStride<>(dout));
-            Y.noalias() += K * W;
+            eigen_product<T>(K, cview<T>(W.data(), D, dout, dout), Y, true);
             Y.rowwise() += c;
         }
     });
@@ -245,7 +248,9 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
         }
         bsum[task] = z;
         if (real == m) {
-            ctx = (e * P.middleCols(1, d)).template cast<double>();
+            Vec<T> eP(d);
+            eigen_product<T>(cview<T>(e.data(), 1, m, m), cview<T>(P.data() + 1, m, d, ld), view<T>(eP.data(), 1, d, d));
+            ctx = eP.template cast<double>();
         } else {  // skip padded tokens rather than weighting them by 0 (0 * NaN is NaN)
             Vec<T> acc = Vec<T>::Zero(d);
             for (Index i = 0; i < m; ++i)
@@ -300,7 +305,7 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
             if (d == 0) {
                 Y.setZero();
             } else {
-                Y.noalias() = Vv * Wb;
+                eigen_product<T>(Vv, cview<T>(Wb.data(), d, dout, dout), Y);
             }
             if (p.b_o) Y.rowwise() += ConstVecMap<T>(p.b_o, dout);
         }

@@ -8,6 +8,7 @@
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
 #include "microkernel.hpp"
+#include "products.hpp"
 #include "softmax.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -221,7 +222,7 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     T* qs_buf = scratch<T, 0>(static_cast<std::size_t>(mq * d));
     RowMap<T> Qs(qs_buf, mq, d, Eigen::OuterStride<>(d));
     Qs.noalias() = Q * p.scale;
-    P.noalias() = Qs * K.transpose();
+    eigen_product_bt<T>(cview<T>(qs_buf, mq, d, d), K, P);
     if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, nk))
         apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, Index(0), mq, nk, wbase, nk, Index(1));
     const std::vector<Index> bad = flagged(v_flags, 0, nk);  // as in flash_tile
@@ -244,13 +245,13 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         if (p.lse) p.lse[(b * p.heads + h) * p.n_q + i0 + r] = lse;
     }
     if (bad.empty()) {
-        O.noalias() = P * V;
+        eigen_product<T>(cview<T>(wbase, mq, nk, nk), V, O);
         return;
     }
     std::vector<T> vbuf;
     ConstRowMap<T> Vclean(value_copy_without(V.data(), p.v.row_stride, nk, dv, bad, vbuf), nk, dv,
                           Eigen::OuterStride<>(dv));
-    O.noalias() = P * Vclean;
+    eigen_product<T>(cview<T>(wbase, mq, nk, nk), Vclean, O);
     for (std::size_t c = 0; c < bad.size(); ++c)
         for (Index r = 0; r < mq; ++r)
             if (sees[c * mq + r]) O.row(r) += P(r, bad[c]) * V.row(bad[c]);
