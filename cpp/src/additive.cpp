@@ -30,14 +30,36 @@ using ConstVecMap = Eigen::Map<const Vec<T>>;
 
 // ||v||_2 as sqrt(sum v^2), the formula torch and NumPy use, falling back to Eigen's scaled
 // norm only when the squares underflow or overflow (so tiny and huge rows stay exact).
-template <typename Derived>
-typename Derived::Scalar robust_norm(const Eigen::MatrixBase<Derived>& v) {
-    using T = typename Derived::Scalar;
+// Out of line, on n contiguous values seen as a vector or (AsRow) as a 1 x n row-major matrix,
+// whose reductions Eigen sums in another order: one instantiation of each per scalar type
+// (Eigen's stableNorm is costly to compile, and was instantiated for every expression type).
+template <typename T, bool AsRow>
+EIGEN_DONT_INLINE T robust_norm(const T* data, Index n) {
+    const auto v = [&] {
+        if constexpr (AsRow) {
+            return ConstRowMap<T>(data, 1, n, Eigen::OuterStride<>(n));
+        } else {
+            return ConstVecMap<T>(data, n);
+        }
+    }();
     const T sq = v.squaredNorm();
     if (std::isnan(sq)) return sq;
     if (sq >= std::numeric_limits<T>::min() && sq <= std::numeric_limits<T>::max())
         return std::sqrt(sq);
     return v.stableNorm();
+}
+
+// A vector expression over contiguous values, or a one-row row-major matrix view.
+template <typename Derived>
+typename Derived::Scalar robust_norm(const Eigen::MatrixBase<Derived>& v) {
+    static_assert(Derived::InnerStrideAtCompileTime == 1, "robust_norm reads contiguous values");
+    using T = typename Derived::Scalar;
+    if constexpr (Derived::IsVectorAtCompileTime) {
+        return robust_norm<T, false>(v.derived().data(), v.size());
+    } else {
+        eigen_assert(v.rows() == 1);
+        return robust_norm<T, true>(v.derived().data(), v.size());
+    }
 }
 
 // Y = X W + b over a block of rows (W row-major (in, out), possibly a strided column block).
