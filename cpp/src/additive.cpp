@@ -6,6 +6,7 @@
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "products.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -29,14 +30,36 @@ using ConstVecMap = Eigen::Map<const Vec<T>>;
 
 // ||v||_2 as sqrt(sum v^2), the formula torch and NumPy use, falling back to Eigen's scaled
 // norm only when the squares underflow or overflow (so tiny and huge rows stay exact).
-template <typename Derived>
-typename Derived::Scalar robust_norm(const Eigen::MatrixBase<Derived>& v) {
-    using T = typename Derived::Scalar;
+// Out of line, on n contiguous values seen as a vector or (AsRow) as a 1 x n row-major matrix,
+// whose reductions Eigen sums in another order: one instantiation of each per scalar type
+// (Eigen's stableNorm is costly to compile, and was instantiated for every expression type).
+template <typename T, bool AsRow>
+EIGEN_DONT_INLINE T robust_norm(const T* data, Index n) {
+    const auto v = [&] {
+        if constexpr (AsRow) {
+            return ConstRowMap<T>(data, 1, n, Eigen::OuterStride<>(n));
+        } else {
+            return ConstVecMap<T>(data, n);
+        }
+    }();
     const T sq = v.squaredNorm();
     if (std::isnan(sq)) return sq;
     if (sq >= std::numeric_limits<T>::min() && sq <= std::numeric_limits<T>::max())
         return std::sqrt(sq);
     return v.stableNorm();
+}
+
+// A vector expression over contiguous values, or a one-row row-major matrix view.
+template <typename Derived>
+typename Derived::Scalar robust_norm(const Eigen::MatrixBase<Derived>& v) {
+    static_assert(Derived::InnerStrideAtCompileTime == 1, "robust_norm reads contiguous values");
+    using T = typename Derived::Scalar;
+    if constexpr (Derived::IsVectorAtCompileTime) {
+        return robust_norm<T, false>(v.derived().data(), v.size());
+    } else {
+        eigen_assert(v.rows() == 1);
+        return robust_norm<T, true>(v.derived().data(), v.size());
+    }
 }
 
 // Y = X W + b over a block of rows (W row-major (in, out), possibly a strided column block).
@@ -45,7 +68,7 @@ void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y) {
     if (X.cols() == 0) {
         Y.setZero();
     } else {
-        Y.noalias() = X * W;
+        eigen_product<T>(X, W, Y);
     }
     if (b) Y.rowwise() += ConstVecMap<T>(b, Y.cols());
 }
@@ -122,9 +145,10 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     // d_out = D / num_heads) this costs no more operations than the two-step form.
     const ConstRowMap<T> Wproj(p.w_proj, D, D, Eigen::OuterStride<>(D));
     const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
-    const RowMatrix<T> M = Wproj * Wfinal;
+    RowMatrix<T> M(D, dout);
+    eigen_product<T>(Wproj, Wfinal, view<T>(M.data(), D, dout, dout));
     Vec<T> c = p.b_final ? Vec<T>(ConstVecMap<T>(p.b_final, dout)) : Vec<T>(Vec<T>::Zero(dout));
-    if (p.b_proj) c.noalias() += ConstVecMap<T>(p.b_proj, D) * Wfinal;
+    if (p.b_proj) eigen_product<T>(cview<T>(p.b_proj, 1, D, D), Wfinal, view<T>(c.data(), 1, dout, dout), true);
 
     // [w_k | w_q] and [b_k | b_q]: both projections in one GEMM per block.
     RowMatrix<T> Wkq(din, ld);
@@ -162,7 +186,8 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         auto share = scratch_vector<T>(ScratchBuffer::kAdditiveShare, D);
         if (all_real) {
             if (official) {
-                share.noalias() = ConstVecMap<T>(score.get() + r0, m) * Q;
+                eigen_product<T>(cview<T>(score.get() + r0, 1, m, m), cview<T>(KQ.data() + D, m, D, ld),
+                                 view<T>(share.data(), 1, D, D));
             } else {
                 share = Q.colwise().sum();
             }
@@ -174,7 +199,7 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         }
         Eigen::Map<Vec<double>>(partial.get() + task * D, D) = share.template cast<double>();
         RowMap<T> Y(p.out + r0 * dout, m, dout, Eigen::OuterStride<>(dout));
-        Y.noalias() = Q * Wfinal;
+        eigen_product<T>(cview<T>(KQ.data() + D, m, D, ld), Wfinal, Y);
     });
 
     // 2. Per batch element: the norm of the real tokens' scores and G, summing the blocks'
@@ -204,7 +229,7 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     // 3. out += K (diag(G) M) + c.
     folded_rows<T>(B, n, D, dout, pooled.get(), M, keys.get(), p.out,
                    [&](const auto& K, auto& Y, const auto& W) {
-                       Y.noalias() += K * W;
+                       eigen_product<T>(K, cview<T>(W.data(), D, dout, dout), Y, true);
                        Y.rowwise() += c;
                    });
 }
@@ -262,7 +287,9 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
         }
         bsum[task] = z;
         if (real == m) {
-            ctx = (e * P.middleCols(1, d)).template cast<double>();
+            Vec<T> eP(d);
+            eigen_product<T>(cview<T>(e.data(), 1, m, m), cview<T>(P.data() + 1, m, d, ld), view<T>(eP.data(), 1, d, d));
+            ctx = eP.template cast<double>();
         } else {  // skip padded tokens rather than weighting them by 0 (0 * NaN is NaN)
             auto acc = scratch_vector<T>(ScratchBuffer::kAdditiveShare, d);
             acc.setZero();
@@ -312,7 +339,7 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
                        if (d == 0) {
                            Y.setZero();
                        } else {
-                           Y.noalias() = Vv * Wb;
+                           eigen_product<T>(Vv, cview<T>(Wb.data(), d, dout, dout), Y);
                        }
                        if (p.b_o) Y.rowwise() += ConstVecMap<T>(p.b_o, dout);
                    });

@@ -7,6 +7,7 @@
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
 #include "microkernel.hpp"
+#include "products.hpp"
 #include "scratch.hpp"
 #include "softmax.hpp"
 
@@ -242,7 +243,7 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     T* qs_buf = scratch<T>(ScratchBuffer::kDenseQueries, static_cast<std::size_t>(mq * d));
     RowMap<T> Qs(qs_buf, mq, d, Eigen::OuterStride<>(d));
     Qs.noalias() = Q * p.scale;
-    P.noalias() = Qs * K.transpose();
+    eigen_product_bt<T>(cview<T>(qs_buf, mq, d, d), K, P);
     if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, nk))
         apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, Index(0), mq, nk, wbase, nk, Index(1));
     const FlaggedRows bad = flagged_rows(v_flags, 0, nk, wbase, nk, Index(1), mq);  // as in flash_tile
@@ -262,12 +263,12 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         if (p.lse) p.lse[(b * p.heads + h) * p.n_q + i0 + r] = lse;
     }
     if (bad.count == 0) {
-        O.noalias() = P * V;
+        eigen_product<T>(cview<T>(wbase, mq, nk, nk), V, O);
         return;
     }
     ConstRowMap<T> Vclean(value_copy_without(V.data(), p.v.row_stride, nk, dv, bad), nk, dv,
                           Eigen::OuterStride<>(dv));
-    O.noalias() = P * Vclean;
+    eigen_product<T>(cview<T>(wbase, mq, nk, nk), Vclean, O);
     for (Index c = 0; c < bad.count; ++c)
         for (Index r = 0; r < mq; ++r)
             if (bad.sees[c * mq + r]) O.row(r) += P(r, bad.rows[c]) * V.row(bad.rows[c]);

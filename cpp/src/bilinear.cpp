@@ -4,6 +4,7 @@
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "products.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -35,20 +36,16 @@ void project_heads(const BilinearProblem<T>& p, BilinearOrder order, Index rows,
         T* yb = y + r0 * ldy + i * ldh;
         if (order == BilinearOrder::query) {
             RowMap<T> Y(yb, m, dk, Eigen::OuterStride<>(ldy));
-            Y.noalias() = X * W;
+            eigen_product<T>(X, W, Y);
             if (p.u_k)
                 Y.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(
                     p.u_k + i * dk, dk);
         } else {
             RowMap<T> Y(yb, m, dq, Eigen::OuterStride<>(ldy));
-            Y.noalias() = X * W.transpose();
+            eigen_product_bt<T>(X, W, Y);
             if (p.u_k) {
                 // u_i . x_k, a per-key bias, stored as the last column; queries carry a 1 there
-                Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, 1>, Eigen::Unaligned,
-                           Eigen::InnerStride<>>
-                    col(yb + dq, m, Eigen::InnerStride<>(ldy));
-                col.noalias() = X * Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, 1>>(
-                                        p.u_k + i * dk, dk);
+                eigen_product<T>(X, cview<T>(p.u_k + i * dk, dk, 1, 1), view<T>(yb + dq, m, 1, ldy));
             }
         }
     });

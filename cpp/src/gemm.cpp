@@ -2,6 +2,7 @@
 
 #include "attnlab/threading.hpp"
 #include "microkernel.hpp"
+#include "products.hpp"
 #include "scratch.hpp"
 
 #include <algorithm>
@@ -135,5 +136,40 @@ template void linear<float>(Index, Index, Index, const float*, Index, const floa
                             float*, Index, bool);
 template void linear<double>(Index, Index, Index, const double*, Index, const double*,
                              const double*, double*, Index, bool);
+
+namespace detail {
+
+template <typename T>
+void eigen_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,
+                   bool accumulate) {
+    RowMap<T> dst = c;
+    if (accumulate) {
+        dst.noalias() += a * b;
+    } else {
+        dst.noalias() = a * b;
+    }
+}
+
+template <typename T>
+void eigen_product_bt(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,
+                      bool accumulate) {
+    RowMap<T> dst = c;
+    if (accumulate) {
+        dst.noalias() += a * b.transpose();
+    } else {
+        dst.noalias() = a * b.transpose();
+    }
+}
+
+template void eigen_product<float>(const ConstRowMap<float>&, const ConstRowMap<float>&,
+                                   const RowMap<float>&, bool);
+template void eigen_product<double>(const ConstRowMap<double>&, const ConstRowMap<double>&,
+                                    const RowMap<double>&, bool);
+template void eigen_product_bt<float>(const ConstRowMap<float>&, const ConstRowMap<float>&,
+                                      const RowMap<float>&, bool);
+template void eigen_product_bt<double>(const ConstRowMap<double>&, const ConstRowMap<double>&,
+                                       const RowMap<double>&, bool);
+
+}  // namespace detail
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

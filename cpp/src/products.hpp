@@ -1,0 +1,35 @@
+#pragma once
+// Eigen's matrix products, compiled once per instruction set (in gemm.cpp) and called from every
+// kernel source through these two functions. Written inline at each call site, every distinct
+// expression type (Map, Block, Matrix, their transposes) instantiated Eigen's GEMM and GEMV
+// machinery again, for float and double, in every source file of every variant: a third of the
+// kernels' compile time. The results are those of the inline expressions: the same Eigen
+// product path (GEMM, or GEMV when C has one row or one column; storage orders unchanged).
+
+#include "attnlab/common.hpp"
+
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
+namespace detail {
+
+// C = A B, or C += A B when accumulate (row-major views).
+template <typename T>
+void eigen_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,
+                   bool accumulate = false);
+
+// C = A B^T, or C += A B^T when accumulate (B as stored, row-major).
+template <typename T>
+void eigen_product_bt(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,
+                      bool accumulate = false);
+
+// Row-major views of contiguous or strided blocks.
+template <typename T>
+ConstRowMap<T> cview(const T* data, Index rows, Index cols, Index stride) {
+    return ConstRowMap<T>(data, rows, cols, Eigen::OuterStride<>(stride));
+}
+template <typename T>
+RowMap<T> view(T* data, Index rows, Index cols, Index stride) {
+    return RowMap<T>(data, rows, cols, Eigen::OuterStride<>(stride));
+}
+
+}  // namespace detail
+}  // namespace attnlab::ATTNLAB_ISA_NS
