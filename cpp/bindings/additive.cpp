@@ -1,6 +1,7 @@
 // Bindings for efficient additive attention (SwiftFormer) and separable self-attention
 // (MobileViT-v2): dtype dispatch, raw-buffer checks and GIL release only.
 #include "attnlab/additive.hpp"
+
 #include "common.hpp"
 
 namespace attnlab {
@@ -42,18 +43,18 @@ void visit_separable(const Args& a, SeparableTensors<P>& t, Index rows, Index d,
 
 // For the visitors: an input checked as C-contiguous T of its shape (null for an absent bias).
 template <typename T>
-void check_input(const T*& ptr, const py::object& arg, const char* name,
-                 std::vector<Index> shape, bool optional) {
-    ptr = optional && arg.is_none()
-              ? nullptr
-              : contiguous<T>(arg.cast<py::array>(), name, std::move(shape));
+void check_input(const T*& ptr, const py::object& arg, const char* name, std::vector<Index> shape,
+                 bool optional) {
+    ptr = optional && arg.is_none() ? nullptr
+                                    : contiguous<T>(arg.cast<py::array>(), name, std::move(shape));
 }
 
 // For the visitors: the gradient buffer of each tensor (null when not wanted).
 template <typename T>
 auto grad_from(const py::dict& grads) {
-    return [&grads](T*& ptr, const py::object&, const char* name, std::vector<Index> shape,
-                    bool) { ptr = grad_buffer<T>(grads, name, std::move(shape)); };
+    return [&grads](T*& ptr, const py::object&, const char* name, std::vector<Index> shape, bool) {
+        ptr = grad_buffer<T>(grads, name, std::move(shape));
+    };
 }
 
 // The arguments additive_forward and additive_backward share, in their positional order.
@@ -115,9 +116,9 @@ struct SeparableArgs {
     Index batch, n;
     py::object key_padding_mask;
 };
-using SeparableSignature = Signature<SeparableArgs, Types<py::array, py::array, py::object,
-                                                          py::array, py::object, Index, Index,
-                                                          py::object>>;
+using SeparableSignature =
+    Signature<SeparableArgs, Types<py::array, py::array, py::object, py::array, py::object, Index,
+                                   Index, py::object>>;
 auto separable_arg_names() {
     return std::make_tuple(py::arg("x"), py::arg("w_qkv"), py::arg("b_qkv"), py::arg("w_o"),
                            py::arg("b_o"), py::arg("batch"), py::arg("n"),

@@ -1,5 +1,6 @@
 // Bindings for bilinear-collapsed attention.
 #include "attnlab/bilinear.hpp"
+
 #include "common.hpp"
 
 namespace attnlab {

@@ -169,8 +169,8 @@ MaskSpec<T> mask_spec(const MaskArgs& args, Index batch, Index heads, Index n_q,
 
 // A dense layer's checked weight (in, out) and optional bias (out).
 template <typename T>
-Linear<T> linear_arg(const py::array& w, const py::object& b, const char* wname,
-                     const char* bname, Index in, Index out) {
+Linear<T> linear_arg(const py::array& w, const py::object& b, const char* wname, const char* bname,
+                     Index in, Index out) {
     Linear<T> l;
     l.w = contiguous<T>(w, wname, {in, out});
     l.b = optional_vector<T>(b, bname, out);
@@ -219,9 +219,9 @@ struct SharedArgs {
     MaskArgs mask;
     double scale;
 };
-using SharedFields = Join<Types<py::array, py::object, py::array, py::object, Index, Index, Index,
-                                Index, Index>,
-                          MaskFields, Types<double>>;
+using SharedFields =
+    Join<Types<py::array, py::object, py::array, py::object, Index, Index, Index, Index, Index>,
+         MaskFields, Types<double>>;
 inline auto shared_arg_names() {
     return std::tuple_cat(std::make_tuple(py::arg("w_v"), py::arg("b_v"), py::arg("w_o"),
                                           py::arg("b_o"), py::arg("batch"), py::arg("n_q"),

@@ -62,9 +62,9 @@ void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const Ma
 
 // Forward with log-sum-exp (unless recompute is false: out and lse are then the forward's),
 // then backward: gradients of q, k, v for grad_out.
-void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v,
-                   const MaskArgs& mask, double scale, py::array out, py::array lse,
-                   py::array d_q, py::array d_k, py::array d_v, bool recompute) {
+void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, const MaskArgs& mask,
+                   double scale, py::array out, py::array lse, py::array d_q, py::array d_k,
+                   py::array d_v, bool recompute) {
     dispatch(q, "q", [&](auto tag) {
         using T = decltype(tag);
         AttentionProblem<T> p = sdpa_problem<T>(q, k, v, scale);
@@ -99,15 +99,15 @@ struct MhaArgs {
     py::object b_k;
     SharedArgs shared;
 };
-using MhaSignature =
-    Signature<MhaArgs, Join<Types<py::array, py::array, py::array, py::array, py::object,
-                                  py::array, py::object>,
-                            SharedFields>>;
+using MhaSignature = Signature<
+    MhaArgs,
+    Join<Types<py::array, py::array, py::array, py::array, py::object, py::array, py::object>,
+         SharedFields>>;
 auto mha_arg_names() {
-    return std::tuple_cat(std::make_tuple(py::arg("query"), py::arg("key"), py::arg("value"),
-                                          py::arg("w_q"), py::arg("b_q"), py::arg("w_k"),
-                                          py::arg("b_k")),
-                          shared_arg_names());
+    return std::tuple_cat(
+        std::make_tuple(py::arg("query"), py::arg("key"), py::arg("value"), py::arg("w_q"),
+                        py::arg("b_q"), py::arg("w_k"), py::arg("b_k")),
+        shared_arg_names());
 }
 
 // Checks every buffer against the sizes and fills the problem (forward and backward; the
@@ -187,8 +187,8 @@ void linear_forward(py::array x, py::array w, py::object b, py::array y) {
 void bind_mha(py::module_& m) {
     using MaskSignature = Signature<MaskArgs, MaskFields>;
     def(m, "sdpa_forward",
-        MaskSignature::After<py::array, py::array, py::array, py::array>::wrap<
-            double, py::object, py::object>(&sdpa_forward),
+        MaskSignature::After<py::array, py::array, py::array,
+                             py::array>::wrap<double, py::object, py::object>(&sdpa_forward),
         std::tuple_cat(std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out")),
                        mask_arg_names(),
                        std::make_tuple(py::arg("scale"), py::arg("weights"), py::arg("lse"))));

@@ -396,9 +396,8 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
         gr.d_k = {dk.data(), Hk * NK * DH, NK * DH, DH};
         gr.d_v = {dv.data(), Hk * NK * DVH, NK * DVH, DVH};
         ks.attention_backward(problem(), gr);
-        check_grads(isa, "attention_backward",
-                    {{"d_q", q, dq}, {"d_k", k, dk}, {"d_v", v, dv}},
-                    f, g);
+        check_grads(isa, "attention_backward", {{"d_q", q, dq}, {"d_k", k, dk}, {"d_v", v, dv}}, f,
+                    g);
     }
     // multi_head_attention_backward and bilinear_attention_backward
     {
@@ -424,8 +423,13 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
         gr.w_v = {gwv.data(), nullptr}, gr.w_o = {gwo.data(), gbo.data()};
         ks.multi_head_attention_backward(mha(), go.data(), gr);
         check_grads(isa, "multi_head_attention_backward",
-                    {{"query", xq, gxq}, {"key", xk, gxk}, {"value", xv, gxv}, {"w_q", wq, gwq},
-                     {"b_q", bq, gbq}, {"w_k", wk, gwk}, {"w_o", wo, gwo}},
+                    {{"query", xq, gxq},
+                     {"key", xk, gxk},
+                     {"value", xv, gxv},
+                     {"w_q", wq, gwq},
+                     {"b_q", bq, gbq},
+                     {"w_k", wk, gwk},
+                     {"w_o", wo, gwo}},
                     f, g);
 
         Vec wqk = random_vec(g, H * DQ * DK, 0.2), uk = random_vec(g, H * DK);
@@ -441,7 +445,10 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
         bg.u_k = guk.data(), bg.w_v = {gwv.data(), nullptr}, bg.w_o = {gwo.data(), gbo.data()};
         ks.bilinear_attention_backward(bil(), go.data(), bg);
         check_grads(isa, "bilinear_attention_backward",
-                    {{"query", xq, gxq}, {"key", xk, gxk}, {"w_qk", wqk, gwqk}, {"u_k", uk, guk},
+                    {{"query", xq, gxq},
+                     {"key", xk, gxk},
+                     {"w_qk", wqk, gwqk},
+                     {"u_k", uk, guk},
                      {"w_v", wv, gwv}},
                     fb, g);
     }
@@ -468,8 +475,12 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
                                  gwg.data(), gwp.data(), gbp.data(), gwf.data(), gbf.data()};
         ks.additive_attention_backward(add(), go.data(), ag);
         check_grads(isa, "additive_attention_backward",
-                    {{"x", x, gx}, {"w_q", wq, gwq}, {"w_k", wk, gwk}, {"w_g", wg, gwg},
-                     {"w_proj", wp, gwp}, {"w_final", wf, gwf}},
+                    {{"x", x, gx},
+                     {"w_q", wq, gwq},
+                     {"w_k", wk, gwk},
+                     {"w_g", wg, gwg},
+                     {"w_proj", wp, gwp},
+                     {"w_final", wf, gwf}},
                     f, g);
 
         Vec xs = random_vec(g, B * n * d), wqkv = random_vec(g, d * (1 + 2 * d)),
@@ -485,10 +496,10 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
         Vec gxs(xs.size()), gwqkv(wqkv.size()), gbqkv(bqkv.size()), gwo(wo.size()), gbo(bo.size());
         SeparableGrads<double> sg{gxs.data(), gwqkv.data(), gbqkv.data(), gwo.data(), gbo.data()};
         ks.separable_attention_backward(sep(), go.data(), sg);
-        check_grads(isa, "separable_attention_backward",
-                    {{"x", xs, gxs}, {"w_qkv", wqkv, gwqkv}, {"b_qkv", bqkv, gbqkv},
-                     {"w_o", wo, gwo}},
-                    fs, g);
+        check_grads(
+            isa, "separable_attention_backward",
+            {{"x", xs, gxs}, {"w_qkv", wqkv, gwqkv}, {"b_qkv", bqkv, gbqkv}, {"w_o", wo, gwo}}, fs,
+            g);
     }
 }
 

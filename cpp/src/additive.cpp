@@ -148,7 +148,9 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     RowMatrix<T> M(D, dout);
     eigen_product<T>(Wproj, Wfinal, view<T>(M.data(), D, dout, dout));
     Vec<T> c = p.b_final ? Vec<T>(ConstVecMap<T>(p.b_final, dout)) : Vec<T>(Vec<T>::Zero(dout));
-    if (p.b_proj) eigen_product<T>(cview<T>(p.b_proj, 1, D, D), Wfinal, view<T>(c.data(), 1, dout, dout), true);
+    if (p.b_proj)
+        eigen_product<T>(cview<T>(p.b_proj, 1, D, D), Wfinal, view<T>(c.data(), 1, dout, dout),
+                         true);
 
     // [w_k | w_q] and [b_k | b_q]: both projections in one GEMM per block.
     RowMatrix<T> Wkq(din, ld);
@@ -186,8 +188,8 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         auto share = scratch_vector<T>(ScratchBuffer::kAdditiveShare, D);
         if (all_real) {
             if (official) {
-                eigen_product<T>(cview<T>(score.get() + r0, 1, m, m), cview<T>(KQ.data() + D, m, D, ld),
-                                 view<T>(share.data(), 1, D, D));
+                eigen_product<T>(cview<T>(score.get() + r0, 1, m, m),
+                                 cview<T>(KQ.data() + D, m, D, ld), view<T>(share.data(), 1, D, D));
             } else {
                 share = Q.colwise().sum();
             }
@@ -217,7 +219,8 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         for (Index k = 0; k < per; ++k)
             acc += Eigen::Map<const Vec<double>>(partial.get() + (b * per + k) * D, D);
         if (official) {
-            auto s = scratch_vector<T>(ScratchBuffer::kAdditiveWeights, real);  // real tokens' scores
+            auto s =
+                scratch_vector<T>(ScratchBuffer::kAdditiveWeights, real);  // real tokens' scores
             Index r = 0;
             for (Index j = 0; j < n; ++j)
                 if (p.key_padding.real(b, j)) s[r++] = score[b * n + j];
@@ -288,7 +291,8 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
         bsum[task] = z;
         if (real == m) {
             Vec<T> eP(d);
-            eigen_product<T>(cview<T>(e.data(), 1, m, m), cview<T>(P.data() + 1, m, d, ld), view<T>(eP.data(), 1, d, d));
+            eigen_product<T>(cview<T>(e.data(), 1, m, m), cview<T>(P.data() + 1, m, d, ld),
+                             view<T>(eP.data(), 1, d, d));
             ctx = eP.template cast<double>();
         } else {  // skip padded tokens rather than weighting them by 0 (0 * NaN is NaN)
             auto acc = scratch_vector<T>(ScratchBuffer::kAdditiveShare, d);
@@ -460,24 +464,26 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
             if (p.key_padding.real(b, i0 + i)) share += w(r) * row_map(const_cast<T*>(M), r, 1);
         }
     };
-    const RowMatrix<double> Gsum = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
-        real_sum(Qb.get(), b, i0, m, [&](Index r) { return score[r]; }, share);
-    });
+    const RowMatrix<double> Gsum =
+        block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
+            real_sum(
+                Qb.get(), b, i0, m, [&](Index r) { return score[r]; }, share);
+        });
     RowMatrix<T> G(B, D);
     for (Index b = 0; b < B; ++b)
         G.row(b) = nreal[b] ? Vec<T>((Gsum.row(b) / static_cast<double>(den(b))).template cast<T>())
                             : Vec<T>(Vec<T>::Zero(D));
 
     // Z = G * K, H = Z w_proj + b_proj + Q; then the two output layers' gradients.
-    auto Zb = make_buffer<T>(rows * D), Hb = make_buffer<T>(rows * D), dH = make_buffer<T>(rows * D);
+    auto Zb = make_buffer<T>(rows * D), Hb = make_buffer<T>(rows * D),
+         dH = make_buffer<T>(rows * D);
     for_row_blocks(rows, [&](Index r0, Index m) {
         for (Index r = r0; r < r0 + m; ++r)
             row_map(Zb.get(), r, 1) = row_map(Kb.get(), r, 1).cwiseProduct(G.row(r / n));
     });
     linear(rows, D, D, Zb.get(), D, p.w_proj, p.b_proj, Hb.get(), D);
-    for_row_blocks(rows, [&](Index r0, Index m) {
-        row_map(Hb.get(), r0, m) += row_map(Qb.get(), r0, m);
-    });
+    for_row_blocks(
+        rows, [&](Index r0, Index m) { row_map(Hb.get(), r0, m) += row_map(Qb.get(), r0, m); });
     linear_weight_grad(rows, D, dout, Hb.get(), D, grad_out, dout, g.w_final, g.b_final);
     linear_input_grad(rows, D, dout, grad_out, dout, p.w_final, dH.get(), D);
     linear_weight_grad(rows, D, D, Zb.get(), D, dH.get(), D, g.w_proj, g.b_proj);
@@ -485,10 +491,11 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     linear_input_grad(rows, D, D, dH.get(), D, p.w_proj, dZ, D);
 
     // dG = sum over every token (padded ones too: they have an output) of K * dZ; dK = G * dZ.
-    const RowMatrix<double> dGd = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
-        const Index r0 = b * n + i0;
-        share = row_map(Kb.get(), r0, m).cwiseProduct(row_map(dZ, r0, m)).colwise().sum();
-    });
+    const RowMatrix<double> dGd =
+        block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
+            const Index r0 = b * n + i0;
+            share = row_map(Kb.get(), r0, m).cwiseProduct(row_map(dZ, r0, m)).colwise().sum();
+        });
     const RowMatrix<T> dG = dGd.template cast<T>();
     for_row_blocks(rows, [&](Index r0, Index m) {
         for (Index r = r0; r < r0 + m; ++r) row_map(dZ, r, 1).array() *= G.row(r / n).array();
@@ -502,11 +509,12 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
             for (Index r = r0; r < r0 + m; ++r)
                 da[r] = real(r) ? row_map(Qb.get(), r, 1).row(0).dot(dG.row(r / n)) : T(0);
         });
-        const RowMatrix<double> adot = block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m, auto& acc) {
-            acc.setZero();
-            for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
-                if (real(r)) acc[0] += score[r] / den(r / n) * da[r];
-        });
+        const RowMatrix<double> adot =
+            block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m, auto& acc) {
+                acc.setZero();
+                for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
+                    if (real(r)) acc[0] += score[r] / den(r / n) * da[r];
+            });
         for_row_blocks(rows, [&](Index r0, Index m) {
             for (Index r = r0; r < r0 + m; ++r) {
                 const Index b = r / n;
@@ -521,9 +529,11 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
             }
         });
         // dw_g = scale * sum over batch elements and real tokens of ds_n Q_n
-        const RowMatrix<double> dwg = block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
-            real_sum(Qb.get(), b, i0, m, [&](Index r) { return ds[r]; }, share);
-        });
+        const RowMatrix<double> dwg =
+            block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
+                real_sum(
+                    Qb.get(), b, i0, m, [&](Index r) { return ds[r]; }, share);
+            });
         Vec<double> acc = Vec<double>::Zero(D);
         for (Index b = 0; b < B; ++b) acc += dwg.row(b);
         VecMap<T>(g.w_g, D) = (acc * static_cast<double>(p.scale)).template cast<T>();
@@ -603,30 +613,33 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
             if (real(r)) c[r] = static_cast<T>(static_cast<double>(c[r]) / z);
     });
     const RowMatrix<T> ctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m, auto& share) {
-        share.setZero();
-        for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
-            if (real(r)) share += c[r] * prow(Pb.get(), r).segment(1, d);
-    }).template cast<T>();
+                                 share.setZero();
+                                 for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
+                                     if (real(r)) share += c[r] * prow(Pb.get(), r).segment(1, d);
+                             }).template cast<T>();
 
     // U = relu(v) * ctx; out = U w_o + b_o.
     auto Ub = make_buffer<T>(rows * d), dU = make_buffer<T>(rows * d);
     for_row_blocks(rows, [&](Index r0, Index m) {
         for (Index r = r0; r < r0 + m; ++r)
-            drow(Ub.get(), r) = prow(Pb.get(), r).tail(d).unaryExpr([](T v) {
-                return v < T(0) ? T(0) : v;
-            }).cwiseProduct(ctx.row(r / n));
+            drow(Ub.get(), r) = prow(Pb.get(), r)
+                                    .tail(d)
+                                    .unaryExpr([](T v) { return v < T(0) ? T(0) : v; })
+                                    .cwiseProduct(ctx.row(r / n));
     });
     linear_weight_grad(rows, d, dout, Ub.get(), d, grad_out, dout, g.w_o, g.b_o);
     linear_input_grad(rows, d, dout, grad_out, dout, p.w_o, dU.get(), d);
 
     // dctx = sum over every token of relu(v) * dU.
     const RowMatrix<T> dctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m, auto& share) {
-        share.setZero();
-        for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
-            share += prow(Pb.get(), r).tail(d).unaryExpr([](T v) {
-                return v < T(0) ? T(0) : v;
-            }).cwiseProduct(drow(dU.get(), r));
-    }).template cast<T>();
+                                  share.setZero();
+                                  for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
+                                      share +=
+                                          prow(Pb.get(), r)
+                                              .tail(d)
+                                              .unaryExpr([](T v) { return v < T(0) ? T(0) : v; })
+                                              .cwiseProduct(drow(dU.get(), r));
+                              }).template cast<T>();
 
     // dP = [ds | dk | dv]: dv = [v > 0] ctx * dU (torch's relu: 0 at 0); dk = c dctx over real
     // tokens; ds = c (dc - sum_R c dc), dc_n = k_n . dctx.
@@ -648,11 +661,12 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
             }
         }
     });
-    const RowMatrix<double> cdot = block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m, auto& acc) {
-        acc.setZero();
-        for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
-            if (real(r)) acc[0] += c[r] * dc[r];
-    });
+    const RowMatrix<double> cdot =
+        block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m, auto& acc) {
+            acc.setZero();
+            for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
+                if (real(r)) acc[0] += c[r] * dc[r];
+        });
     for_row_blocks(rows, [&](Index r0, Index m) {
         for (Index r = r0; r < r0 + m; ++r)
             dP[r * ld] = real(r) ? c[r] * (dc[r] - static_cast<T>(cdot(r / n, 0))) : T(0);
@@ -672,7 +686,7 @@ template void additive_attention_backward<double>(const AdditiveProblem<double>&
                                                   const AdditiveGrads<double>&);
 template void separable_attention_backward<float>(const SeparableProblem<float>&, const float*,
                                                   const SeparableGrads<float>&);
-template void separable_attention_backward<double>(const SeparableProblem<double>&,
-                                                   const double*, const SeparableGrads<double>&);
+template void separable_attention_backward<double>(const SeparableProblem<double>&, const double*,
+                                                   const SeparableGrads<double>&);
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

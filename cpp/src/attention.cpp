@@ -76,12 +76,13 @@ FlaggedRows flagged_rows(const std::uint8_t* flags, Index j0, Index kb, const T*
     Index* rows = nullptr;
     for (Index j = 0; j < kb; ++j)
         if (flags[j0 + j]) {
-            if (!rows) rows = scratch<Index>(ScratchBuffer::kFlaggedRows, static_cast<std::size_t>(kb));
+            if (!rows)
+                rows = scratch<Index>(ScratchBuffer::kFlaggedRows, static_cast<std::size_t>(kb));
             rows[f.count++] = j;
         }
     if (f.count == 0) return f;
-    std::uint8_t* sees = scratch<std::uint8_t>(ScratchBuffer::kFlaggedSees,
-                                               static_cast<std::size_t>(f.count * mq));
+    std::uint8_t* sees =
+        scratch<std::uint8_t>(ScratchBuffer::kFlaggedSees, static_cast<std::size_t>(f.count * mq));
     for (Index r = 0; r < f.count; ++r)
         for (Index i = 0; i < mq; ++i) sees[r * mq + i] = s[i * qs + rows[r] * ks] != neg_inf<T>();
     f.rows = rows;
@@ -178,13 +179,15 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         for (Index j = 0; j < kb; ++j) {
             T* sj = st + j * mp;
             for (Index io = 0; io < mp; io += L) {
-                const Packet e = exp_flush(ei::psub(ei::pload<Packet>(sj + io), ei::pload<Packet>(shift + io)));
+                const Packet e =
+                    exp_flush(ei::psub(ei::pload<Packet>(sj + io), ei::pload<Packet>(shift + io)));
                 ei::pstore(sj + io, e);
                 ei::pstore(sum + io, ei::padd(ei::pload<Packet>(sum + io), e));
             }
         }
         for (Index io = 0; io < mp; io += L) {
-            const Packet alpha = exp_flush(ei::psub(ei::pload<Packet>(row_m + io), ei::pload<Packet>(shift + io)));
+            const Packet alpha =
+                exp_flush(ei::psub(ei::pload<Packet>(row_m + io), ei::pload<Packet>(shift + io)));
             ei::pstore(row_l + io, ei::padd(ei::pmul(ei::pload<Packet>(row_l + io), alpha),
                                             ei::pload<Packet>(sum + io)));
             ei::pstore(row_m + io, ei::pload<Packet>(m_new + io));
@@ -234,10 +237,12 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
                 const std::uint8_t* v_flags) {
     const Index hk = h / (p.heads / p.kv_heads);
     const Index d = p.d, dv = p.d_v, nk = p.n_k;
-    ConstRowMap<T> Q(p.q.at(b, h) + i0 * p.q.row_stride, mq, d, Eigen::OuterStride<>(p.q.row_stride));
+    ConstRowMap<T> Q(p.q.at(b, h) + i0 * p.q.row_stride, mq, d,
+                     Eigen::OuterStride<>(p.q.row_stride));
     ConstRowMap<T> K(p.k.at(b, hk), nk, d, Eigen::OuterStride<>(p.k.row_stride));
     ConstRowMap<T> V(p.v.at(b, hk), nk, dv, Eigen::OuterStride<>(p.v.row_stride));
-    RowMap<T> O(p.out.at(b, h) + i0 * p.out.row_stride, mq, dv, Eigen::OuterStride<>(p.out.row_stride));
+    RowMap<T> O(p.out.at(b, h) + i0 * p.out.row_stride, mq, dv,
+                Eigen::OuterStride<>(p.out.row_stride));
     T* wbase = p.weights + ((b * p.heads + h) * p.n_q + i0) * nk;
     RowMap<T> P(wbase, mq, nk, Eigen::OuterStride<>(nk));
     T* qs_buf = scratch<T>(ScratchBuffer::kDenseQueries, static_cast<std::size_t>(mq * d));
@@ -246,7 +251,8 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     eigen_product_bt<T>(cview<T>(qs_buf, mq, d, d), K, P);
     if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, nk))
         apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, Index(0), mq, nk, wbase, nk, Index(1));
-    const FlaggedRows bad = flagged_rows(v_flags, 0, nk, wbase, nk, Index(1), mq);  // as in flash_tile
+    const FlaggedRows bad =
+        flagged_rows(v_flags, 0, nk, wbase, nk, Index(1), mq);  // as in flash_tile
     for (Index r = 0; r < mq; ++r) {
         T* row = wbase + r * nk;
         const T m = row_max(row, nk);
@@ -303,7 +309,9 @@ struct BackwardPlan {
     T* qs = nullptr;                    // (batch, heads, n_q, d): scale Q
     T* dsum = nullptr;                  // (batch, heads, n_q): D = rowsum(dO * O)
 
-    Index head(const AttentionProblem<T>& p, Index b, Index h) const { return (b * p.heads + h) * p.n_q; }
+    Index head(const AttentionProblem<T>& p, Index b, Index h) const {
+        return (b * p.heads + h) * p.n_q;
+    }
     T* part(const AttentionProblem<T>& p, Index s, Index b, Index h) const {
         return dq_part + (s * p.batch * p.heads * p.n_q + head(p, b, h)) * dp;
     }
@@ -355,9 +363,9 @@ struct BackwardScratch {
 // K padded to dp columns, kbp = kb padded to whole packets). Adds into w.dkt, w.dvt (dK^T, dV^T
 // of the tile) and writes or adds the tile's share of dQ / scale at dq.
 template <typename T>
-void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g, const BackwardPlan<T>& plan,
-                   const BackwardScratch<T>& w, Index b, Index h, Index i0, Index mq, Index j0,
-                   Index kb, Index kbp, T* dq, bool accumulate_dq) {
+void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
+                   const BackwardPlan<T>& plan, const BackwardScratch<T>& w, Index b, Index h,
+                   Index i0, Index mq, Index j0, Index kb, Index kbp, T* dq, bool accumulate_dq) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -389,7 +397,8 @@ void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g, cons
         }
         const Packet di = ei::pset1<Packet>(dsum[i]);
         for (Index j = 0; j < kbp; j += L)
-            ei::pstoreu(dpi + j, ei::pmul(ei::ploadu<Packet>(si + j), ei::psub(ei::ploadu<Packet>(dpi + j), di)));
+            ei::pstoreu(dpi + j, ei::pmul(ei::ploadu<Packet>(si + j),
+                                          ei::psub(ei::ploadu<Packet>(dpi + j), di)));
     }
     // dV^T += dO^T P; dK^T += (scale Q)^T dS; dQ / scale (+)= dS K
     lanes_product<T, true>(dv, kbp, mq, dout, 1, ds, w.s, kbp, w.dvt, kbp);
@@ -410,8 +419,8 @@ void key_tile_transposed(const T* x, Index xs, Index j0, Index kb, Index kbp, In
 
 // One task: the key tiles of segment s of (batch b, kv head hk).
 template <typename T>
-void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g, const BackwardPlan<T>& plan,
-                   Index s, Index b, Index hk) {
+void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
+                   const BackwardPlan<T>& plan, Index s, Index b, Index hk) {
     constexpr Index L = packet_size<T>();
     const Index group = p.heads / p.kv_heads;
     const Index d = p.d, dv = p.d_v, dp = plan.dp;
@@ -445,8 +454,8 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g, cons
 
 // Before the tasks, per (batch, head, query tile): scale Q and D = rowsum(dO * O).
 template <typename T>
-void backward_prepare(const AttentionProblem<T>& p, const AttentionGrad<T>& g, const BackwardPlan<T>& plan,
-                      Index b, Index h, Index qt) {
+void backward_prepare(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
+                      const BackwardPlan<T>& plan, Index b, Index h, Index qt) {
     const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
     const T* q = p.q.at(b, h);
     const T* o = p.out.at(b, h);
@@ -454,18 +463,20 @@ void backward_prepare(const AttentionProblem<T>& p, const AttentionGrad<T>& g, c
     T* qs = plan.qs + plan.head(p, b, h) * p.d;
     for (Index i = i0; i < i0 + mq; ++i) {
         for (Index c = 0; c < p.d; ++c) qs[i * p.d + c] = p.scale * q[i * p.q.row_stride + c];
-        plan.dsum[plan.head(p, b, h) + i] = dot(dout + i * g.d_out.row_stride, o + i * p.out.row_stride, p.d_v);
+        plan.dsum[plan.head(p, b, h) + i] =
+            dot(dout + i * g.d_out.row_stride, o + i * p.out.row_stride, p.d_v);
     }
 }
 
 // After the tasks, per (batch, head, query tile): dQ = scale times the sum of the segments'
 // shares, in segment order. A segment no key of which the tile sees wrote nothing there.
 template <typename T>
-void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g, const BackwardPlan<T>& plan,
-                 Index b, Index h, Index qt) {
+void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
+                 const BackwardPlan<T>& plan, Index b, Index h, Index qt) {
     const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
     T* dq = g.d_q.at(b, h) + i0 * g.d_q.row_stride;
-    for (Index i = 0; i < mq; ++i) std::fill(dq + i * g.d_q.row_stride, dq + i * g.d_q.row_stride + p.d, T(0));
+    for (Index i = 0; i < mq; ++i)
+        std::fill(dq + i * g.d_q.row_stride, dq + i * g.d_q.row_stride + p.d, T(0));
     for (Index s = 0; s < plan.segments; ++s) {
         if (qt < plan.first_query_tile(p, s * plan.seg_tiles * kBwdTileK)) continue;
         const T* part = plan.part(p, s, b, h) + i0 * plan.dp;
@@ -515,7 +526,8 @@ void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g)
     const Index q_tasks = p.batch * p.heads * plan.q_tiles;
     const auto per_query_tile = [&](auto f) {
         parallel_for(q_tasks, [&](Index t) {
-            f(p, g, plan, t / (p.heads * plan.q_tiles), (t / plan.q_tiles) % p.heads, t % plan.q_tiles);
+            f(p, g, plan, t / (p.heads * plan.q_tiles), (t / plan.q_tiles) % p.heads,
+              t % plan.q_tiles);
         });
     };
     per_query_tile(detail::backward_prepare<T>);
@@ -540,7 +552,8 @@ void attention_forward(const AttentionProblem<T>& p) {
         const Index i0 = qt * detail::kTileQ;
         const Index mq = std::min(detail::kTileQ, p.n_q - i0);
         const Index hk = h / (p.heads / p.kv_heads);
-        const std::uint8_t* flags = v_flags ? v_flags.get() + (b * p.kv_heads + hk) * p.n_k : nullptr;
+        const std::uint8_t* flags =
+            v_flags ? v_flags.get() + (b * p.kv_heads + hk) * p.n_k : nullptr;
         if (p.weights) {
             detail::dense_tile(p, b, h, i0, mq, flags);
         } else {
@@ -601,7 +614,8 @@ void multi_head_attention_forward(const MhaProblem<T>& p) {
 }
 
 template <typename T>
-void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out, const MhaGrads<T>& g) {
+void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
+                                   const MhaGrads<T>& g) {
     const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
     const Index wq = p.heads * p.d_head, wk = p.kv_heads * p.d_head;
     const Index wv = p.kv_heads * p.d_vhead, wc = p.heads * p.d_vhead;

@@ -21,8 +21,8 @@ constexpr Index kBilinearRows = 128;
 //   query order: Y_i = X W_i + u_i              (X: rows x d_q, Y_i: rows x d_k)
 //   key order:   Y_i = [X W_i^T | X u_i]         (X: rows x d_k, Y_i: rows x (d_q + has_u))
 template <typename T>
-void project_heads(const BilinearProblem<T>& p, BilinearOrder order, Index rows, const T* x,
-                   T* y, Index ldh) {
+void project_heads(const BilinearProblem<T>& p, BilinearOrder order, Index rows, const T* x, T* y,
+                   Index ldh) {
     const Index heads = p.heads, dq = p.d_q, dk = p.d_k;
     const Index in = order == BilinearOrder::query ? dq : dk;
     const Index ldy = heads * ldh;
@@ -38,14 +38,15 @@ void project_heads(const BilinearProblem<T>& p, BilinearOrder order, Index rows,
             RowMap<T> Y(yb, m, dk, Eigen::OuterStride<>(ldy));
             eigen_product<T>(X, W, Y);
             if (p.u_k)
-                Y.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(
-                    p.u_k + i * dk, dk);
+                Y.rowwise() +=
+                    Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(p.u_k + i * dk, dk);
         } else {
             RowMap<T> Y(yb, m, dq, Eigen::OuterStride<>(ldy));
             eigen_product_bt<T>(X, W, Y);
             if (p.u_k) {
                 // u_i . x_k, a per-key bias, stored as the last column; queries carry a 1 there
-                eigen_product<T>(X, cview<T>(p.u_k + i * dk, dk, 1, 1), view<T>(yb + dq, m, 1, ldy));
+                eigen_product<T>(X, cview<T>(p.u_k + i * dk, dk, 1, 1),
+                                 view<T>(yb + dq, m, 1, ldy));
             }
         }
     });

@@ -1,11 +1,11 @@
 #include "attnlab/gemm.hpp"
 
+#include <algorithm>
+
 #include "attnlab/threading.hpp"
 #include "microkernel.hpp"
 #include "products.hpp"
 #include "scratch.hpp"
-
-#include <algorithm>
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
@@ -64,7 +64,8 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
             const Index j0 = p * W, nw = std::min(W, cols - j0);
             // a partial last panel goes through a padded copy of its Y block
             const bool full = nw == W;
-            T* yb = full ? y + r0 * ldy + j0 : scratch<T>(ScratchBuffer::kGemmEdge, static_cast<std::size_t>(m * W));
+            T* yb = full ? y + r0 * ldy + j0
+                         : scratch<T>(ScratchBuffer::kGemmEdge, static_cast<std::size_t>(m * W));
             const Index ldb_y = full ? ldy : W;
             for (Index r = 0; r < m; ++r) {
                 T* yr = yb + r * ldb_y;
@@ -103,8 +104,8 @@ template <typename T>
 void linear_input_grad(Index rows, Index in, Index out, const T* dy, Index lddy, const T* w, T* dx,
                        Index lddx, bool accumulate) {
     // dX = dY W^T: B(t, j) = W[j, t]
-    gemm(rows, out, in, dy, lddy, Index(1), w, out, true, static_cast<const T*>(nullptr), dx,
-         lddx, accumulate);
+    gemm(rows, out, in, dy, lddy, Index(1), w, out, true, static_cast<const T*>(nullptr), dx, lddx,
+         accumulate);
 }
 
 template <typename T>
@@ -129,8 +130,8 @@ template void linear_input_grad<double>(Index, Index, Index, const double*, Inde
                                         double*, Index, bool);
 template void linear_weight_grad<float>(Index, Index, Index, const float*, Index, const float*,
                                         Index, float*, float*);
-template void linear_weight_grad<double>(Index, Index, Index, const double*, Index,
-                                         const double*, Index, double*, double*);
+template void linear_weight_grad<double>(Index, Index, Index, const double*, Index, const double*,
+                                         Index, double*, double*);
 
 template void linear<float>(Index, Index, Index, const float*, Index, const float*, const float*,
                             float*, Index, bool);

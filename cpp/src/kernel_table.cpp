@@ -53,7 +53,9 @@ constexpr KernelTable kernel_table = {ATTNLAB_ISA_NAME,
                                       "neon "
 #endif
                                       ,
-                                      &eigen_simd, kernel_set<float>(), kernel_set<double>(),
+                                      &eigen_simd,
+                                      kernel_set<float>(),
+                                      kernel_set<double>(),
                                       &fma_peak};
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

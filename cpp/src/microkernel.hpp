@@ -39,8 +39,9 @@ constexpr Index panel_width() {
 
 // C[r, 0:NP L) (+)= sum_{t < depth} A(r, t) * B[t, 0:NP L) for r < MR, L = packet_size<T>().
 // A(r, t) = a[r * a_rs + t * a_ts]; B rows are ldb apart, C rows ldc apart, any alignment
-// (unaligned loads cost the same as aligned ones on aligned data on AVX2/AVX-512 CPUs). The sum over t runs in order, so the result does not depend on the thread.
-// Always inlined: with more callers GCC kept it out of line and flash_tile got 2-3% slower.
+// (unaligned loads cost the same as aligned ones on aligned data on AVX2/AVX-512 CPUs). The sum
+// over t runs in order, so the result does not depend on the thread. Always inlined: with more
+// callers GCC kept it out of line and flash_tile got 2-3% slower.
 template <typename T, int MR, int NP, bool Accumulate>
 EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts, const T* b,
                                       Index ldb, T* c, Index ldc) {
@@ -50,7 +51,8 @@ EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index
     Packet acc[MR][NP];
     for (int r = 0; r < MR; ++r)
         for (int q = 0; q < NP; ++q)
-            acc[r][q] = Accumulate ? ei::ploadu<Packet>(c + r * ldc + q * L) : ei::pset1<Packet>(T(0));
+            acc[r][q] =
+                Accumulate ? ei::ploadu<Packet>(c + r * ldc + q * L) : ei::pset1<Packet>(T(0));
     for (Index t = 0; t < depth; ++t) {
         Packet bt[NP];
         for (int q = 0; q < NP; ++q) bt[q] = ei::ploadu<Packet>(b + t * ldb + q * L);
@@ -70,7 +72,8 @@ void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, con
                 T* c, Index ldc) {
     Index r = 0;
     for (; r + MR <= rows; r += MR)
-        panel_kernel<T, MR, NP, Accumulate>(depth, a + r * a_rs, a_rs, a_ts, b, ldb, c + r * ldc, ldc);
+        panel_kernel<T, MR, NP, Accumulate>(depth, a + r * a_rs, a_rs, a_ts, b, ldb, c + r * ldc,
+                                            ldc);
     if constexpr (MR > 1) {
         if (r < rows)
             panel_rows<T, NP, MR - 1, Accumulate>(rows - r, depth, a + r * a_rs, a_rs, a_ts, b, ldb,
@@ -82,7 +85,8 @@ void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, con
 template <typename T, bool Accumulate>
 void panel_product(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, const T* b,
                    Index ldb, T* c, Index ldc) {
-    panel_rows<T, kPanelPackets, kPanelRows, Accumulate>(rows, depth, a, a_rs, a_ts, b, ldb, c, ldc);
+    panel_rows<T, kPanelPackets, kPanelRows, Accumulate>(rows, depth, a, a_rs, a_ts, b, ldb, c,
+                                                         ldc);
 }
 
 // C[0:rows, 0:cols) (+)= A B with cols a whole number of packets (callers pad): three-packet
@@ -102,7 +106,8 @@ void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, 
         panel_product<T, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
     for (; j + 2 * L <= cols; j += 2 * L)
         panel_rows<T, 2, 6, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
-    if (j < cols) panel_rows<T, 1, 8, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
+    if (j < cols)
+        panel_rows<T, 1, 8, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
 }
 
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: blocks of L x L through packet
@@ -118,7 +123,8 @@ void transpose(Index rows, Index cols, const T* src, Index lds, T* dst, Index ld
         Index c = 0;
         for (; c + L <= cols; c += L) {
             ei::PacketBlock<Packet, L> block;
-            for (int i = 0; i < L; ++i) block.packet[i] = ei::ploadu<Packet>(src + (r + i) * lds + c);
+            for (int i = 0; i < L; ++i)
+                block.packet[i] = ei::ploadu<Packet>(src + (r + i) * lds + c);
             ei::ptranspose(block);
             for (int i = 0; i < L; ++i) ei::pstoreu(dst + (c + i) * ldd + r, block.packet[i]);
         }

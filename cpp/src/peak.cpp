@@ -87,7 +87,8 @@ double fma_peak(double seconds, double* per_task, double* per_task_cpu, Index ta
         } while (now < deadline);
         const double secs = std::chrono::duration<double>(now - t0).count();
         const double cpu = cpu0 >= 0 ? thread_cpu_seconds() - cpu0 : -1.0;
-        const double f = 2.0 * static_cast<double>(kLanes) * kFmaChains * static_cast<double>(steps);
+        const double f =
+            2.0 * static_cast<double>(kLanes) * kFmaChains * static_cast<double>(steps);
         flops[static_cast<std::size_t>(t)] = f;
         per_task[t] = secs > 0 ? f / secs * 1e-9 : 0.0;
         per_task_cpu[t] = cpu > 0 ? f / cpu * 1e-9 : 0.0;

@@ -79,7 +79,8 @@ inline void free_aligned(void* p) noexcept {
 template <typename T>
 std::size_t page_bytes(Index n) {
     const std::size_t count = static_cast<std::size_t>(n > 0 ? n : 1);
-    if (count > (std::numeric_limits<std::size_t>::max() - 8191) / sizeof(T)) throw std::bad_alloc();
+    if (count > (std::numeric_limits<std::size_t>::max() - 8191) / sizeof(T))
+        throw std::bad_alloc();
     return (count * sizeof(T) + 4095) / 4096 * 4096;
 }
 
@@ -88,7 +89,7 @@ std::size_t page_bytes(Index n) {
 // time. Blocks are kept by exact (page-rounded) size up to kCapBytes in all, so repeated calls
 // with the same shapes reuse them and the memory held stays bounded.
 class BufferPool {
-public:
+  public:
     static BufferPool& instance() {
         static BufferPool* pool = new BufferPool;  // never destroyed: no exit-order hazards
         return *pool;
@@ -122,7 +123,7 @@ public:
         free_aligned(p);
     }
 
-private:
+  private:
     static constexpr std::size_t kCapBytes = std::size_t(64) << 20;
     std::mutex mutex_;
     std::multimap<std::size_t, void*> free_;
@@ -137,7 +138,7 @@ struct PoolDeleter {
 // One thread's named blocks for element type T.
 template <typename T>
 class ThreadScratch {
-public:
+  public:
     ThreadScratch() = default;
     ThreadScratch(const ThreadScratch&) = delete;
     ThreadScratch& operator=(const ThreadScratch&) = delete;
@@ -148,7 +149,8 @@ public:
     T* get(ScratchBuffer name, std::size_t n) {
         Block& b = blocks_[static_cast<int>(name)];
         if (b.size < n || !b.data) {  // grows only: the next task of the same shape finds it ready
-            if (n > std::numeric_limits<std::size_t>::max() / sizeof(T) - 64) throw std::bad_alloc();
+            if (n > std::numeric_limits<std::size_t>::max() / sizeof(T) - 64)
+                throw std::bad_alloc();
             void* fresh = aligned_bytes((std::max<std::size_t>(n, 1) * sizeof(T) + 63) / 64 * 64);
             free_aligned(b.data);
             b.data = static_cast<T*>(fresh);
@@ -157,7 +159,7 @@ public:
         return b.data;
     }
 
-private:
+  private:
     struct Block {
         T* data = nullptr;
         std::size_t size = 0;
@@ -182,8 +184,8 @@ Eigen::Map<RowMatrix<T>, Eigen::AlignedMax> scratch_matrix(ScratchBuffer name, I
     return {scratch<T>(name, static_cast<std::size_t>(rows * cols)), rows, cols};
 }
 template <typename T>
-Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>, Eigen::AlignedMax> scratch_vector(ScratchBuffer name,
-                                                                                  Index n) {
+Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>, Eigen::AlignedMax> scratch_vector(
+    ScratchBuffer name, Index n) {
     return {scratch<T>(name, static_cast<std::size_t>(n)), n};
 }
 

@@ -86,8 +86,8 @@ T row_max(const T* s, Index n) {
 // about 1 ulp), exp(r) by the degree-6 Cephes polynomial, 2^n built in the exponent bits. As
 // x <= 0, n is at least -126 wherever the result is kept, so no range clamping is needed: about
 // 18 vector operations against Eigen's 27 or so (counted, not timed alone). Worth it because
-// the softmax took 16% of a flash tile's time in perf (the two products the rest). exp(0) is exactly 1.
-// double: Eigen's pexp. NaN propagates in both.
+// the softmax took 16% of a flash tile's time in perf (the two products the rest). exp(0) is
+// exactly 1. double: Eigen's pexp. NaN propagates in both.
 template <typename Packet>
 Packet exp_flush(const Packet& x) {
     namespace ei = Eigen::internal;
@@ -99,7 +99,8 @@ Packet exp_flush(const Packet& x) {
         Packet r = ei::pmadd(n, ei::pset1<Packet>(-0.693359375f), x);
         r = ei::pmadd(n, ei::pset1<Packet>(2.12194440e-4f), r);
         const Packet r2 = ei::pmul(r, r);
-        Packet y = ei::pmadd(ei::pset1<Packet>(1.9875691500e-4f), r, ei::pset1<Packet>(1.3981999507e-3f));
+        Packet y =
+            ei::pmadd(ei::pset1<Packet>(1.9875691500e-4f), r, ei::pset1<Packet>(1.3981999507e-3f));
         y = ei::pmadd(y, r, ei::pset1<Packet>(8.3334519073e-3f));
         y = ei::pmadd(y, r, ei::pset1<Packet>(4.1665795894e-2f));
         y = ei::pmadd(y, r, ei::pset1<Packet>(1.6666665459e-1f));
@@ -110,7 +111,8 @@ Packet exp_flush(const Packet& x) {
         return ei::pselect(ei::pcmp_lt(x, ei::pset1<Packet>(-87.33654f)), zero, y);
     } else {
         const Packet e = ei::pexp(x);
-        return ei::pselect(ei::pcmp_lt(e, ei::pset1<Packet>(std::numeric_limits<T>::min())), zero, e);
+        return ei::pselect(ei::pcmp_lt(e, ei::pset1<Packet>(std::numeric_limits<T>::min())), zero,
+                           e);
     }
 }
 
@@ -157,7 +159,8 @@ T dot(const T* a, const T* b, Index n) {
     constexpr Index L = ei::unpacket_traits<Packet>::size;
     Packet acc = ei::pset1<Packet>(T(0));
     Index c = 0;
-    for (; c + L <= n; c += L) acc = ei::pmadd(ei::ploadu<Packet>(a + c), ei::ploadu<Packet>(b + c), acc);
+    for (; c + L <= n; c += L)
+        acc = ei::pmadd(ei::ploadu<Packet>(a + c), ei::ploadu<Packet>(b + c), acc);
     alignas(64) T lanes[L];
     ei::pstore(lanes, acc);
     T sum = 0;

@@ -53,7 +53,7 @@ static void work_on(Job& job) {
 }
 
 class ThreadPool {
-public:
+  public:
     // Starts up to `workers` threads. When the system refuses one (std::system_error under a
     // process or memory limit), the pool keeps those already running: destroying a joinable
     // std::thread would call std::terminate.
@@ -84,7 +84,7 @@ public:
         cv_.notify_all();
     }
 
-private:
+  private:
     void loop() {
         for (;;) {
             std::shared_ptr<Job> job;
@@ -147,7 +147,8 @@ static int cgroup_dir_limit(const std::string& dir, bool v2) {
         return ceil_ratio(std::atoll(quota.c_str()), period);
     }
     std::string period;
-    if (!read_file(dir + "/cpu.cfs_quota_us", text) || !read_file(dir + "/cpu.cfs_period_us", period))
+    if (!read_file(dir + "/cpu.cfs_quota_us", text) ||
+        !read_file(dir + "/cpu.cfs_period_us", period))
         return 0;
     return ceil_ratio(std::atoll(text.c_str()), std::atoll(period.c_str()));
 }
@@ -284,7 +285,8 @@ static void atfork_child() {
     new std::shared_ptr<ThreadPool>(std::move(g_pool));  // leaked on purpose, see above
     g_pool_mutex.unlock();
 }
-[[maybe_unused]] static const int g_atfork_registered = pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+[[maybe_unused]] static const int g_atfork_registered =
+    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 #endif
 
 }  // namespace detail
