@@ -44,8 +44,12 @@ def make_mha_weights(
     d_vhead = d_head if d_vhead is None else d_vhead
     d_out = d_q if d_out is None else d_out
     which = "qkvo" if bias is True else ("" if bias is False else bias)
-    shapes = {"q": (d_q, num_heads * d_head), "k": (d_k, h_kv * d_head),
-              "v": (d_v, h_kv * d_vhead), "o": (num_heads * d_vhead, d_out)}
+    shapes = {
+        "q": (d_q, num_heads * d_head),
+        "k": (d_k, h_kv * d_head),
+        "v": (d_v, h_kv * d_vhead),
+        "o": (num_heads * d_vhead, d_out),
+    }
     out: dict[str, np.ndarray] = {}
     for name, (fan_in, fan_out) in shapes.items():
         bound = 1.0 / math.sqrt(max(fan_in, 1))
@@ -55,8 +59,9 @@ def make_mha_weights(
     return out
 
 
-def assert_close(got: Any, ref: Any, dtype: Any, label: str = "ref", tol: float | None = None
-                 ) -> float:
+def assert_close(
+    got: Any, ref: Any, dtype: Any, label: str = "ref", tol: float | None = None
+) -> float:
     """Checks dtype, shape and values (NaN positions must agree); returns the error measured."""
     got = np.asarray(got)
     ref = np.asarray(ref, dtype=np.float64)
@@ -113,8 +118,10 @@ EMPTY_ROWS_WARNINGS = ("have no key they may attend to", "nothing is pooled for 
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "empty_rows: the test masks whole rows on purpose; "
-                            "attnlab's warning for them is ignored")
+    config.addinivalue_line(
+        "markers",
+        "empty_rows: the test masks whole rows on purpose; attnlab's warning for them is ignored",
+    )
     for text in EMPTY_ROWS_WARNINGS:
         config.addinivalue_line("filterwarnings", f"error:.*{text}:UserWarning")
 

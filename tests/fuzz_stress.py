@@ -78,8 +78,7 @@ class HypothesisChooser(Chooser):
 
         self._st = st
         self.data = data
-        super().__init__(np.random.default_rng(data.draw(st.integers(0, 2**32 - 1),
-                                                         label="seed")))
+        super().__init__(np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed")))
 
     def int(self, lo: int, hi: int) -> int:
         return self.data.draw(self._st.integers(lo, hi))
@@ -102,11 +101,11 @@ DTYPES = (np.float32, np.float64)
 
 @dataclass
 class Case:
-    name: str                      # the public function
-    kwargs: dict[str, Any]         # every argument, by keyword
-    dtype: Any                     # the result dtype
-    ref: Callable[..., Any] | None = None   # float64 oracle with the same keyword arguments
-    grad_of: str | None = None     # for a *_backward case: the forward function's name
+    name: str  # the public function
+    kwargs: dict[str, Any]  # every argument, by keyword
+    dtype: Any  # the result dtype
+    ref: Callable[..., Any] | None = None  # float64 oracle with the same keyword arguments
+    grad_of: str | None = None  # for a *_backward case: the forward function's name
     arrays: list[str] = field(default_factory=list)  # float array arguments (mutable data)
 
     @property
@@ -138,14 +137,15 @@ def _batch(c: Chooser) -> tuple[int, ...]:
     return tuple(c.int(1, 3) for _ in range(c.int(0, 2)))
 
 
-def _mask(c: Chooser, batch: tuple[int, ...], h: int, n_q: int, n_k: int, dtype: Any
-          ) -> np.ndarray | None:
+def _mask(
+    c: Chooser, batch: tuple[int, ...], h: int, n_q: int, n_k: int, dtype: Any
+) -> np.ndarray | None:
     """None, a bool mask or a float mask broadcasting to batch + (h, n_q, n_k)."""
     kind = c.choice(("none", "none", "bool", "float", "float_inf"))
     if kind == "none":
         return None
     shape = tuple(s if c.bool() else 1 for s in batch + (h,)) + (n_q, n_k)
-    shape = shape[c.int(0, len(batch) + 1):] if c.bool() else shape  # fewer leading axes
+    shape = shape[c.int(0, len(batch) + 1) :] if c.bool() else shape  # fewer leading axes
     rng = np.random.default_rng(c.seed())
     if kind == "bool":
         return rng.random(shape) < 0.7
@@ -176,15 +176,25 @@ def build_sdpa(c: Chooser, dtype: Any) -> Case:
     h_kv = c.int(1, 2)
     h = h_kv * c.int(1, 3)
     n_q, n_k, d, d_v = c.int(1, 9), c.int(1, 9), c.int(1, 8), c.int(1, 6)
-    kw = dict(q=_arr(c, batch + (h, n_q, d), dtype), k=_arr(c, batch + (h_kv, n_k, d), dtype),
-              v=_arr(c, batch + (h_kv, n_k, d_v), dtype),
-              mask=_mask(c, batch, h, n_q, n_k, dtype), causal=_causal(c), scale=_scale(c),
-              return_weights=c.choice((False, False, True, "heads", "mean")))
+    kw = dict(
+        q=_arr(c, batch + (h, n_q, d), dtype),
+        k=_arr(c, batch + (h_kv, n_k, d), dtype),
+        v=_arr(c, batch + (h_kv, n_k, d_v), dtype),
+        mask=_mask(c, batch, h, n_q, n_k, dtype),
+        causal=_causal(c),
+        scale=_scale(c),
+        return_weights=c.choice((False, False, True, "heads", "mean")),
+    )
     if c.bool(0.2):  # batch broadcast between q and k/v
         kw["k"] = kw["k"][(0,) * len(batch)] if batch else kw["k"]
         kw["v"] = kw["v"][(0,) * len(batch)] if batch else kw["v"]
-    return Case("scaled_dot_product_attention", kw, dtype, R.scaled_dot_product_attention,
-                arrays=["q", "k", "v"])
+    return Case(
+        "scaled_dot_product_attention",
+        kw,
+        dtype,
+        R.scaled_dot_product_attention,
+        arrays=["q", "k", "v"],
+    )
 
 
 def build_mha(c: Chooser, dtype: Any) -> Case:
@@ -204,16 +214,28 @@ def build_mha(c: Chooser, dtype: Any) -> Case:
         kw["key"] = _arr(c, batch + (n_k, d_k), dtype)
     if form == "cross_kv":
         kw["value"] = _arr(c, batch + (n_k, d_v), dtype)
-    kw.update(w_q=_weight(c, d_q, h * d_head, dtype), w_k=_weight(c, d_k, h_kv * d_head, dtype),
-              w_v=_weight(c, d_v, h_kv * d_vhead, dtype),
-              w_o=_weight(c, h * d_vhead, d_out, dtype))
-    for name, n in (("b_q", h * d_head), ("b_k", h_kv * d_head), ("b_v", h_kv * d_vhead),
-                    ("b_o", d_out)):
+    kw.update(
+        w_q=_weight(c, d_q, h * d_head, dtype),
+        w_k=_weight(c, d_k, h_kv * d_head, dtype),
+        w_v=_weight(c, d_v, h_kv * d_vhead, dtype),
+        w_o=_weight(c, h * d_vhead, d_out, dtype),
+    )
+    for name, n in (
+        ("b_q", h * d_head),
+        ("b_k", h_kv * d_head),
+        ("b_v", h_kv * d_vhead),
+        ("b_o", d_out),
+    ):
         if c.bool():
             kw[name] = _vec(c, n, dtype)
-    kw.update(num_heads=h, mask=_mask(c, batch, h, n_q, n_k, dtype),
-              key_padding_mask=_kpm(c, batch, n_k), causal=_causal(c), scale=_scale(c),
-              return_weights=c.choice((False, False, True, "heads", "mean")))
+    kw.update(
+        num_heads=h,
+        mask=_mask(c, batch, h, n_q, n_k, dtype),
+        key_padding_mask=_kpm(c, batch, n_k),
+        causal=_causal(c),
+        scale=_scale(c),
+        return_weights=c.choice((False, False, True, "heads", "mean")),
+    )
     if h_kv != h or c.bool(0.2):
         kw["num_kv_heads"] = h_kv
     arrays = [k for k in kw if k in ("query", "key", "value") or k[:2] in ("w_", "b_")]
@@ -227,15 +249,15 @@ def build_bilinear(c: Chooser, dtype: Any) -> Case:
     w_q, w_k = kw.pop("w_q"), kw.pop("w_k")
     b_q, b_k = kw.pop("b_q", None), kw.pop("b_k", None)
     if c.bool():  # a BilinearQK (carries u and the scale) or raw arrays
-        kw["w_qk"] = attnlab.collapse_qk(w_q, w_k, b_q, b_k, num_heads=h,
-                                         num_kv_heads=kw.get("num_kv_heads"))
+        kw["w_qk"] = attnlab.collapse_qk(
+            w_q, w_k, b_q, b_k, num_heads=h, num_kv_heads=kw.get("num_kv_heads")
+        )
     else:
         d_q, d_k = w_q.shape[0], w_k.shape[0]
         kw["w_qk"] = _arr(c, (h, d_q, d_k), dtype, 0.4)
         if c.bool():
             kw["u_k"] = _arr(c, (h, d_k), dtype, 0.4)
-    arrays = [k for k in kw if k in ("query", "key", "value", "w_v", "w_o", "b_v", "b_o",
-                                      "u_k")]
+    arrays = [k for k in kw if k in ("query", "key", "value", "w_v", "w_o", "b_v", "b_o", "u_k")]
     if isinstance(kw["w_qk"], np.ndarray):
         arrays.append("w_qk")
     return Case("bilinear_attention", kw, dtype, R.bilinear_attention, arrays=arrays)
@@ -244,10 +266,14 @@ def build_bilinear(c: Chooser, dtype: Any) -> Case:
 def build_additive(c: Chooser, dtype: Any) -> Case:
     batch = _batch(c)
     n, d_in, D, d_out = c.int(1, 9), c.int(1, 8), c.int(1, 8), c.int(1, 8)
-    kw: dict[str, Any] = dict(x=_arr(c, batch + (n, d_in), dtype),
-                              w_q=_weight(c, d_in, D, dtype), w_k=_weight(c, d_in, D, dtype),
-                              w_g=_arr(c, (D,) if c.bool() else (D, 1), dtype),
-                              w_proj=_weight(c, D, D, dtype), w_final=_weight(c, D, d_out, dtype))
+    kw: dict[str, Any] = dict(
+        x=_arr(c, batch + (n, d_in), dtype),
+        w_q=_weight(c, d_in, D, dtype),
+        w_k=_weight(c, d_in, D, dtype),
+        w_g=_arr(c, (D,) if c.bool() else (D, 1), dtype),
+        w_proj=_weight(c, D, D, dtype),
+        w_final=_weight(c, D, d_out, dtype),
+    )
     for name, k in (("b_q", D), ("b_k", D), ("b_proj", D), ("b_final", d_out)):
         if c.bool():
             kw[name] = _vec(c, k, dtype)
@@ -263,9 +289,11 @@ def build_additive(c: Chooser, dtype: Any) -> Case:
 def build_separable(c: Chooser, dtype: Any) -> Case:
     batch = _batch(c)
     n, d, d_out = c.int(1, 9), c.int(1, 8), c.int(1, 8)
-    kw: dict[str, Any] = dict(x=_arr(c, batch + (n, d), dtype),
-                              w_qkv=_weight(c, d, 1 + 2 * d, dtype),
-                              w_o=_weight(c, d, d_out, dtype))
+    kw: dict[str, Any] = dict(
+        x=_arr(c, batch + (n, d), dtype),
+        w_qkv=_weight(c, d, 1 + 2 * d, dtype),
+        w_o=_weight(c, d, d_out, dtype),
+    )
     if c.bool():
         kw["b_qkv"] = _vec(c, 1 + 2 * d, dtype)
     if c.bool():
@@ -281,16 +309,20 @@ def build_collapse(c: Chooser, dtype: Any) -> Case:
     h_kv = c.int(1, 2)
     h = h_kv * c.int(1, 3)
     d_head, d_q, d_k = c.int(1, 4), c.int(1, 8), c.int(1, 8)
-    kw: dict[str, Any] = dict(w_q=_weight(c, d_q, h * d_head, dtype),
-                              w_k=_weight(c, d_k, h_kv * d_head, dtype), num_heads=h)
+    kw: dict[str, Any] = dict(
+        w_q=_weight(c, d_q, h * d_head, dtype),
+        w_k=_weight(c, d_k, h_kv * d_head, dtype),
+        num_heads=h,
+    )
     if c.bool():
         kw["b_q"] = _vec(c, h * d_head, dtype)
     if c.bool():
         kw["b_k"] = _vec(c, h_kv * d_head, dtype)
     if h_kv != h or c.bool(0.2):
         kw["num_kv_heads"] = h_kv
-    return Case("collapse_qk", kw, dtype, R.collapse_qk,
-                arrays=[k for k in kw if k[:2] in ("w_", "b_")])
+    return Case(
+        "collapse_qk", kw, dtype, R.collapse_qk, arrays=[k for k in kw if k[:2] in ("w_", "b_")]
+    )
 
 
 def build_factorize(c: Chooser, dtype: Any) -> Case:
@@ -324,8 +356,14 @@ def backward_case(c: Chooser, fwd: Case) -> Case:
         shape = output_of(fwd).shape
     kw = dict(fwd.kwargs)
     kw["grad_out"] = _arr(c, shape, fwd.dtype)
-    return Case(fwd.name + "_backward", kw, fwd.dtype, None, grad_of=fwd.name,
-                arrays=fwd.arrays + ["grad_out"])
+    return Case(
+        fwd.name + "_backward",
+        kw,
+        fwd.dtype,
+        None,
+        grad_of=fwd.name,
+        arrays=fwd.arrays + ["grad_out"],
+    )
 
 
 def build(c: Chooser, family: str, dtype: Any) -> Case:
@@ -336,8 +374,9 @@ def build(c: Chooser, family: str, dtype: Any) -> Case:
     return builder(c, dtype)
 
 
-FAMILIES = (list(FORWARD_BUILDERS) + [f + "_backward" for f in FORWARD_BUILDERS]
-            + list(OTHER_BUILDERS))
+FAMILIES = (
+    list(FORWARD_BUILDERS) + [f + "_backward" for f in FORWARD_BUILDERS] + list(OTHER_BUILDERS)
+)
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -380,8 +419,11 @@ def relayout(a: np.ndarray, kind: str, c: Chooser) -> Any:
 def layout_variant(c: Chooser, case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
     """(kwargs in odd layouts, the same values as contiguous float arrays)."""
     odd, plain = dict(case.kwargs), dict(case.kwargs)
-    names = [n for n in case.arrays + ["mask", "key_padding_mask"]
-             if isinstance(case.kwargs.get(n), np.ndarray)]
+    names = [
+        n
+        for n in case.arrays + ["mask", "key_padding_mask"]
+        if isinstance(case.kwargs.get(n), np.ndarray)
+    ]
     for name in names:
         if not c.bool(0.6):
             continue
@@ -400,7 +442,7 @@ def layout_variant(c: Chooser, case: Case) -> tuple[dict[str, Any], dict[str, An
 @dataclass
 class Invalid:
     kwargs: dict[str, Any]
-    names: str                         # regex: the argument(s) the message must name
+    names: str  # regex: the argument(s) the message must name
     errors: tuple[type, ...] = (ValueError, TypeError)
     label: str = ""
 
@@ -422,8 +464,24 @@ def _bad_data(c: Chooser, a: np.ndarray) -> Any:
     return [[1.0, 2.0], [3.0]]  # ragged
 
 
-_REQUIRED = {"q", "k", "v", "query", "x", "w_q", "w_k", "w_v", "w_o", "w_g", "w_proj",
-             "w_final", "w_qkv", "w_qk", "w", "grad_out"}
+_REQUIRED = {
+    "q",
+    "k",
+    "v",
+    "query",
+    "x",
+    "w_q",
+    "w_k",
+    "w_v",
+    "w_o",
+    "w_g",
+    "w_proj",
+    "w_final",
+    "w_qkv",
+    "w_qk",
+    "w",
+    "grad_out",
+}
 _HUGE = 2**62
 
 
@@ -439,6 +497,7 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
             if bad is None and name not in _REQUIRED:
                 bad = kw[name].astype(np.complex64)  # None is valid for optional arguments
             return Invalid({**kw, name: bad}, name, label=f"data:{name}")
+
         return f
 
     def rank_of(name: str) -> Callable[[], Invalid]:
@@ -455,6 +514,7 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
             else:  # vectors: a matrix
                 bad = np.stack([a, a], axis=1)
             return Invalid({**kw, name: bad}, name, label=f"rank:{name}")
+
         return f
 
     def width_of(name: str, axis: int, names: str) -> Callable[[], Invalid]:
@@ -463,16 +523,17 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
             pad = [(0, 0)] * a.ndim
             pad[axis] = (0, 1)
             return Invalid({**kw, name: np.pad(a, pad)}, names, label=f"width:{name}:{axis}")
+
         return f
 
-    def option(name: str, values: Sequence[Any], names: str | None = None
-               ) -> Callable[[], Invalid]:
+    def option(name: str, values: Sequence[Any], names: str | None = None) -> Callable[[], Invalid]:
         def f() -> Invalid:
             v = c.choice(values)
             errors: tuple[type, ...] = (ValueError, TypeError)
             if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 2**40:
                 errors = (ValueError, TypeError, MemoryError, OverflowError)
             return Invalid({**kw, name: v}, names or name, errors, label=f"option:{name}")
+
         return f
 
     for name in case.arrays:
@@ -485,39 +546,45 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
 
     bad_ints = (0, -1, 2.5, True, "2", None, _HUGE)
     if fam == "scaled_dot_product_attention":
-        options += [width_of("k", -1, "k"), width_of("v", -2, "v"),
-                    width_of("k", -3, "k|v")]
+        options += [width_of("k", -1, "k"), width_of("v", -2, "v"), width_of("k", -3, "k|v")]
         h, n_q, n_k = kw["q"].shape[-3], kw["q"].shape[-2], kw["k"].shape[-2]
         options += _mask_options(kw, c, h, n_q, n_k)
-        options.append(lambda: Invalid({**kw, "q": kw["q"][..., :0], "k": kw["k"][..., :0]},
-                                       "q", label="empty-features"))
+        options.append(
+            lambda: Invalid(
+                {**kw, "q": kw["q"][..., :0], "k": kw["k"][..., :0]}, "q", label="empty-features"
+            )
+        )
     if fam in ("multi_head_attention", "bilinear_attention"):
         h = kw["num_heads"]
         xq = kw["query"]
         xk = kw.get("key", xq)
         n_q, n_k = xq.shape[-2], xk.shape[-2]
-        options += [width_of("query", -1, "query|w_q|w_qk"),
-                    width_of("w_v", 0, "w_v|value|key|query"),
-                    width_of("w_o", 0, "w_o"),
-                    option("num_heads", bad_ints, "num_heads|w_q|w_qk|w_o|w_v"),
-                    option("num_kv_heads", (0, -2, 1.5, "1", h + 1),
-                           "num_kv_heads|w_k|w_v|w_o"),
-                    option("causal", ("yes", 2, "bottom"), "causal"),
-                    option("scale", ("a", float("nan"), float("inf"), 1j), "scale"),
-                    option("return_weights", ("all", 2, None), "return_weights")]
+        options += [
+            width_of("query", -1, "query|w_q|w_qk"),
+            width_of("w_v", 0, "w_v|value|key|query"),
+            width_of("w_o", 0, "w_o"),
+            option("num_heads", bad_ints, "num_heads|w_q|w_qk|w_o|w_v"),
+            option("num_kv_heads", (0, -2, 1.5, "1", h + 1), "num_kv_heads|w_k|w_v|w_o"),
+            option("causal", ("yes", 2, "bottom"), "causal"),
+            option("scale", ("a", float("nan"), float("inf"), 1j), "scale"),
+            option("return_weights", ("all", 2, None), "return_weights"),
+        ]
         if "value" in kw:
             options.append(width_of("value", -2, "value"))
         if "key" in kw:
             options.append(width_of("key", -1, "key|w_k|w_qk|w_v"))
         if "key" in kw:  # batch axes that do not broadcast: (2, ...) against (3, ...)
+
             def batch_mismatch() -> Invalid:
                 new = {k: v for k, v in kw.items() if k not in ("mask", "key_padding_mask")}
                 for name, b in (("query", 2), ("key", 3), ("value", 3)):
                     if name in kw:
                         a = kw[name]
-                        new[name] = np.broadcast_to(a.reshape((-1,) + a.shape[-2:])[:1],
-                                                    (b,) + a.shape[-2:]).copy()
+                        new[name] = np.broadcast_to(
+                            a.reshape((-1,) + a.shape[-2:])[:1], (b,) + a.shape[-2:]
+                        ).copy()
                 return Invalid(new, "batch|query|key|value", label="batch")
+
             options.append(batch_mismatch)
         for b in ("b_q", "b_k", "b_v", "b_o"):
             if b in kw:
@@ -530,47 +597,68 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
                 options.append(width_of("w_qk", 0, "w_qk"))
                 options.append(width_of("w_qk", 2, "w_qk"))
             else:
-                options.append(lambda: Invalid({**kw, "u_k": np.zeros((h, xk.shape[-1]))},
-                                               "u_k", label="u_k+qk"))
+                options.append(
+                    lambda: Invalid(
+                        {**kw, "u_k": np.zeros((h, xk.shape[-1]))}, "u_k", label="u_k+qk"
+                    )
+                )
         options += _mask_options(kw, c, h, n_q, n_k)
         options += _kpm_options(kw, n_k)
-        options.append(lambda: Invalid({**kw, "query": np.zeros(xq.shape[:-1] + (0,))},
-                                       "query|w_q|w_qk", label="empty-features"))
+        options.append(
+            lambda: Invalid(
+                {**kw, "query": np.zeros(xq.shape[:-1] + (0,))},
+                "query|w_q|w_qk",
+                label="empty-features",
+            )
+        )
     if fam == "additive_attention":
         x = kw["x"]
-        options += [width_of("x", -1, "x|w_q"), width_of("w_k", 1, "w_k"),
-                    width_of("w_g", 0, "w_g"), width_of("w_proj", 0, "w_proj"),
-                    width_of("w_final", 0, "w_final"),
-                    option("variant", ("torch", None, 1), "variant"),
-                    option("eps", (0.0, -1.0, float("nan"), "1e-6", None), "eps"),
-                    option("scale", ("a", float("inf"), 1j), "scale")]
+        options += [
+            width_of("x", -1, "x|w_q"),
+            width_of("w_k", 1, "w_k"),
+            width_of("w_g", 0, "w_g"),
+            width_of("w_proj", 0, "w_proj"),
+            width_of("w_final", 0, "w_final"),
+            option("variant", ("torch", None, 1), "variant"),
+            option("eps", (0.0, -1.0, float("nan"), "1e-6", None), "eps"),
+            option("scale", ("a", float("inf"), 1j), "scale"),
+        ]
         options += _kpm_options(kw, x.shape[-2])
         for b in ("b_q", "b_k", "b_proj", "b_final"):
             if b in kw:
                 options.append(width_of(b, 0, b))
     if fam == "separable_attention":
         x = kw["x"]
-        options += [width_of("x", -1, "x|w_qkv"), width_of("w_qkv", 1, "w_qkv"),
-                    width_of("w_o", 0, "w_o")]
+        options += [
+            width_of("x", -1, "x|w_qkv"),
+            width_of("w_qkv", 1, "w_qkv"),
+            width_of("w_o", 0, "w_o"),
+        ]
         options += _kpm_options(kw, x.shape[-2])
         for b in ("b_qkv", "b_o"):
             if b in kw:
                 options.append(width_of(b, 0, b))
     if fam == "collapse_qk":
-        options += [option("num_heads", bad_ints, "num_heads|w_q"),
-                    option("num_kv_heads", (0, -2, 1.5, kw["num_heads"] + 1),
-                           "num_kv_heads|w_k"),
-                    width_of("w_q", 1, "w_q|num_heads|w_k"), width_of("w_k", 1, "w_k")]
+        options += [
+            option("num_heads", bad_ints, "num_heads|w_q"),
+            option("num_kv_heads", (0, -2, 1.5, kw["num_heads"] + 1), "num_kv_heads|w_k"),
+            width_of("w_q", 1, "w_q|num_heads|w_k"),
+            width_of("w_k", 1, "w_k"),
+        ]
         for b in ("b_q", "b_k"):
             if b in kw:
                 options.append(width_of(b, 0, b))
     if fam == "factorize_qk":
         w = kw["w"]
-        options += [option("rank", (0, -1, 1.5, "2", None, min(w.shape[1:]) + 1), "rank"),
-                    lambda: Invalid({**kw, "w": np.zeros((w.shape[0], 0, w.shape[2]))}, "w",
-                                    label="empty"),
-                    lambda: Invalid({**kw, "w": np.where(np.arange(w.size).reshape(w.shape)
-                                                         == 0, np.nan, w)}, "w", label="nan")]
+        options += [
+            option("rank", (0, -1, 1.5, "2", None, min(w.shape[1:]) + 1), "rank"),
+            lambda: Invalid({**kw, "w": np.zeros((w.shape[0], 0, w.shape[2]))}, "w", label="empty"),
+            lambda: Invalid(
+                {**kw, "w": np.where(np.arange(w.size).reshape(w.shape) == 0, np.nan, w)},
+                "w",
+                label="nan",
+            ),
+        ]
     if fam in ("scaled_dot_product_attention", "multi_head_attention", "bilinear_attention"):
         options.append(option("causal", ("yes", 3, "bottom"), "causal"))
         options.append(option("return_weights", ("all", 2), "return_weights"))
@@ -579,11 +667,18 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
     return c.choice(options)()
 
 
-def _mask_options(kw: dict[str, Any], c: Chooser, h: int, n_q: int, n_k: int
-                  ) -> list[Callable[[], Invalid]]:
+def _mask_options(
+    kw: dict[str, Any], c: Chooser, h: int, n_q: int, n_k: int
+) -> list[Callable[[], Invalid]]:
     def wrong_dtype() -> Invalid:
-        m = c.choice((np.ones((n_q, n_k), np.int64), np.ones((n_q, n_k), complex),
-                      np.full((n_q, n_k), "a"), np.ones((n_q, n_k), object)))
+        m = c.choice(
+            (
+                np.ones((n_q, n_k), np.int64),
+                np.ones((n_q, n_k), complex),
+                np.full((n_q, n_k), "a"),
+                np.ones((n_q, n_k), object),
+            )
+        )
         return Invalid({**kw, "mask": m}, "mask", label="mask-dtype")
 
     def wrong_shape() -> Invalid:
@@ -597,10 +692,14 @@ def _mask_options(kw: dict[str, Any], c: Chooser, h: int, n_q: int, n_k: int
 
 def _kpm_options(kw: dict[str, Any], n_k: int) -> list[Callable[[], Invalid]]:
     return [
-        lambda: Invalid({**kw, "key_padding_mask": np.ones(n_k)}, "key_padding_mask",
-                        label="kpm-dtype"),
-        lambda: Invalid({**kw, "key_padding_mask": np.ones(n_k + 1, bool)},
-                        "key_padding_mask", label="kpm-shape"),
+        lambda: Invalid(
+            {**kw, "key_padding_mask": np.ones(n_k)}, "key_padding_mask", label="kpm-dtype"
+        ),
+        lambda: Invalid(
+            {**kw, "key_padding_mask": np.ones(n_k + 1, bool)},
+            "key_padding_mask",
+            label="kpm-shape",
+        ),
     ]
 
 
@@ -618,14 +717,14 @@ def huge_variant(c: Chooser, case: Case) -> Invalid:
         kw.pop("mask", None)
     elif fam in ("multi_head_attention", "bilinear_attention"):
         xq = kw["query"]
-        kw["query"] = np.broadcast_to(xq.reshape(-1, xq.shape[-1])[:1],
-                                      (2**20, 2**21) + xq.shape[-1:])
+        kw["query"] = np.broadcast_to(
+            xq.reshape(-1, xq.shape[-1])[:1], (2**20, 2**21) + xq.shape[-1:]
+        )
         for k in ("key", "value", "mask", "key_padding_mask"):
             kw.pop(k, None)
     elif fam in ("additive_attention", "separable_attention"):
         x = kw["x"]
-        kw["x"] = np.broadcast_to(x.reshape(-1, x.shape[-1])[:1],
-                                  (2**20, 2**21) + x.shape[-1:])
+        kw["x"] = np.broadcast_to(x.reshape(-1, x.shape[-1])[:1], (2**20, 2**21) + x.shape[-1:])
         kw.pop("key_padding_mask", None)
     else:
         return invalid_variant(c, case)
@@ -638,8 +737,7 @@ def huge_variant(c: Chooser, case: Case) -> Invalid:
 
 def nonfinite_variant(c: Chooser, case: Case) -> dict[str, Any]:
     kw = dict(case.kwargs)
-    name = c.choice([n for n in case.arrays if isinstance(kw.get(n), np.ndarray)
-                     and kw[n].size])
+    name = c.choice([n for n in case.arrays if isinstance(kw.get(n), np.ndarray) and kw[n].size])
     a = kw[name].copy()
     rng = np.random.default_rng(c.seed())
     idx = tuple(int(rng.integers(s)) for s in a.shape)
@@ -655,8 +753,7 @@ def message_names(exc: BaseException, names: str) -> bool:
     return re.search(names, str(exc)) is not None
 
 
-def compare(got: Any, want: Any, dtype: Any, tol: float | None = None, floor: float = 0.0
-            ) -> float:
+def compare(got: Any, want: Any, dtype: Any, tol: float | None = None, floor: float = 0.0) -> float:
     """Largest normwise relative error |got - want| / (|want| + max(max|want|, floor)), NaN
     positions must agree; raises AssertionError on a mismatch beyond ``tol`` (default per
     dtype). ``floor``: the scale of the computation, for results that are (mathematically) 0
@@ -688,13 +785,11 @@ def compare(got: Any, want: Any, dtype: Any, tol: float | None = None, floor: fl
 
 def grad_scale(grads: dict[str, np.ndarray]) -> float:
     """The largest finite gradient entry: the scale rounding noise is measured against."""
-    m = [float(np.max(np.abs(g[np.isfinite(g)]))) for g in grads.values()
-         if np.isfinite(g).any()]
+    m = [float(np.max(np.abs(g[np.isfinite(g)]))) for g in grads.values() if np.isfinite(g).any()]
     return max(m, default=0.0)
 
 
-def directional_error(case: Case, grads: dict[str, np.ndarray], rng: np.random.Generator
-                      ) -> float:
+def directional_error(case: Case, grads: dict[str, np.ndarray], rng: np.random.Generator) -> float:
     """Largest |<grad, D> - (f(x + eD) - f(x - eD)) / 2e| / (|grad| |D| + floor) over the
     array arguments of a ``*_backward`` case, f = <grad_out, reference forward>, in float64."""
     fwd = {k: v for k, v in case.kwargs.items() if k != "grad_out"}
@@ -713,8 +808,9 @@ def directional_error(case: Case, grads: dict[str, np.ndarray], rng: np.random.G
     floor = 1e-3 * float(np.sum(np.abs(g_out * out0))) + 1e-12
     # A gradient that is mathematically 0 (b_k's) is rounding noise of the size of the call's
     # largest gradient times the dtype's eps: measured against that, not against itself.
-    big = max((float(np.linalg.norm(g)) for g in grads.values() if np.isfinite(g).all()),
-              default=0.0)
+    big = max(
+        (float(np.linalg.norm(g)) for g in grads.values() if np.isfinite(g).all()), default=0.0
+    )
     noise = 100 * float(np.finfo(case.dtype).eps) * big
 
     worst = 0.0
@@ -752,7 +848,8 @@ def oracle_error(case: Case, got: Any, rng: np.random.Generator) -> float:
         if case.grad_of is not None:
             err = directional_error(case, got, rng)
             assert err <= GRAD_TOL[dtype], (
-                f"gradient off the finite differences by {err:.3e} > {GRAD_TOL[dtype]:.0e}")
+                f"gradient off the finite differences by {err:.3e} > {GRAD_TOL[dtype]:.0e}"
+            )
             return err
         if case.name == "factorize_qk":
             w, r = case.kwargs["w"], case.kwargs["rank"]
@@ -785,8 +882,7 @@ def results_equal(a: Any, b: Any, dtype: Any) -> None:
         assert sorted(a) == sorted(b), (sorted(a), sorted(b))
         floor = grad_scale(b)
         for k in a:
-            compare(a[k], b[k], dtype, 1e-6 if np.dtype(dtype) == np.float32 else 1e-13,
-                    floor)
+            compare(a[k], b[k], dtype, 1e-6 if np.dtype(dtype) == np.float32 else 1e-13, floor)
         return
     if isinstance(a, attnlab.BilinearQK):
         for f in ("w", "u", "v", "c"):
@@ -799,8 +895,7 @@ def results_equal(a: Any, b: Any, dtype: Any) -> None:
 
 
 def snapshot(kw: dict[str, Any]) -> dict[str, Any]:
-    return {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
-            for k, v in kw.items()}
+    return {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
 
 
 def unchanged(before: dict[str, Any], kw: dict[str, Any]) -> bool:

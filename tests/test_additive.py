@@ -25,8 +25,15 @@ DTYPES = [np.float64, np.float32]
 # ----------------------------------------------------------------------------- weights
 
 
-def additive_weights(rng: np.random.Generator, d_in: int, D: int, d_out: int, *,
-                     bias: bool = True, dtype: Any = np.float64) -> dict[str, np.ndarray]:
+def additive_weights(
+    rng: np.random.Generator,
+    d_in: int,
+    D: int,
+    d_out: int,
+    *,
+    bias: bool = True,
+    dtype: Any = np.float64,
+) -> dict[str, np.ndarray]:
     """Keyword arguments w_q .. b_final, nn.Linear-like U(+-1/sqrt(fan_in)); w_g ~ N(0, 1)."""
     shapes = {"q": (d_in, D), "k": (d_in, D), "proj": (D, D), "final": (D, d_out)}
     out: dict[str, np.ndarray] = {}
@@ -39,12 +46,20 @@ def additive_weights(rng: np.random.Generator, d_in: int, D: int, d_out: int, *,
     return out
 
 
-def separable_weights(rng: np.random.Generator, d: int, d_out: int | None = None, *,
-                      bias: bool = True, dtype: Any = np.float64) -> dict[str, np.ndarray]:
+def separable_weights(
+    rng: np.random.Generator,
+    d: int,
+    d_out: int | None = None,
+    *,
+    bias: bool = True,
+    dtype: Any = np.float64,
+) -> dict[str, np.ndarray]:
     d_out = d if d_out is None else d_out
     bound = 1.0 / math.sqrt(max(d, 1))
-    out = {"w_qkv": rng.uniform(-bound, bound, (d, 1 + 2 * d)).astype(dtype),
-           "w_o": rng.uniform(-bound, bound, (d, d_out)).astype(dtype)}
+    out = {
+        "w_qkv": rng.uniform(-bound, bound, (d, 1 + 2 * d)).astype(dtype),
+        "w_o": rng.uniform(-bound, bound, (d, d_out)).astype(dtype),
+    }
     if bias:
         out["b_qkv"] = rng.uniform(-bound, bound, 1 + 2 * d).astype(dtype)
         out["b_o"] = rng.uniform(-bound, bound, d_out).astype(dtype)
@@ -102,8 +117,12 @@ def test_additive_no_biases_and_vector_w_g(rng, close, dtype, variant):
 def test_separable_no_biases(rng, close, dtype):
     w = separable_weights(rng, 9, bias=False, dtype=dtype)
     x = rng.standard_normal((2, 40, 9)).astype(dtype)
-    close(attnlab.separable_attention(x, **w), R.separable_attention(x, **w), dtype,
-          "separable vs reference")
+    close(
+        attnlab.separable_attention(x, **w),
+        R.separable_attention(x, **w),
+        dtype,
+        "separable vs reference",
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
@@ -112,11 +131,19 @@ def test_long_sequences(rng, close, dtype):
     x = rng.standard_normal((2, 2500, 16)).astype(dtype)
     w = additive_weights(rng, 16, 24, 12, dtype=dtype)
     for variant in ("official", "hf"):
-        close(attnlab.additive_attention(x, variant=variant, **w),
-              R.additive_attention(x, variant=variant, **w), dtype, "additive vs reference")
+        close(
+            attnlab.additive_attention(x, variant=variant, **w),
+            R.additive_attention(x, variant=variant, **w),
+            dtype,
+            "additive vs reference",
+        )
     ws = separable_weights(rng, 16, dtype=dtype)
-    close(attnlab.separable_attention(x, **ws), R.separable_attention(x, **ws), dtype,
-          "separable vs reference")
+    close(
+        attnlab.separable_attention(x, **ws),
+        R.separable_attention(x, **ws),
+        dtype,
+        "separable vs reference",
+    )
 
 
 # ----------------------------------------------------------------------------- semantics
@@ -135,12 +162,14 @@ def test_official_scale_only_matters_through_sign_and_eps(rng):
     w = additive_weights(rng, 8, 8, 8)
     x = rng.standard_normal((2, 10, 8))
     a = attnlab.additive_attention(x, **w)
-    np.testing.assert_allclose(attnlab.additive_attention(x, scale=5.0, **w), a, rtol=1e-13,
-                               atol=1e-13)
+    np.testing.assert_allclose(
+        attnlab.additive_attention(x, scale=5.0, **w), a, rtol=1e-13, atol=1e-13
+    )
     flipped = attnlab.additive_attention(x, scale=-1.0, **w)
     # G -> -G: compare with the reference rather than with a
-    np.testing.assert_allclose(flipped, R.additive_attention(x, scale=-1.0, **w), rtol=1e-12,
-                               atol=1e-12)
+    np.testing.assert_allclose(
+        flipped, R.additive_attention(x, scale=-1.0, **w), rtol=1e-12, atol=1e-12
+    )
     assert not np.allclose(flipped, a)
 
 
@@ -165,7 +194,7 @@ def test_official_n1_token_weight_is_sign(rng, close, dtype):
     Q /= np.linalg.norm(Q, axis=-1, keepdims=True)
     K = x64 @ W["w_k"] + W["b_k"]
     K /= np.linalg.norm(K, axis=-1, keepdims=True)
-    s = (Q @ W["w_g"]) * d ** -0.5
+    s = (Q @ W["w_g"]) * d**-0.5
     G = np.sign(s) * Q
     expect = ((G * K) @ W["w_proj"] + W["b_proj"] + Q) @ W["w_final"] + W["b_final"]
     close(got, expect, dtype, "additive n=1 sign")
@@ -178,9 +207,9 @@ def test_eps_tiny_and_zero_rows(rng, close, dtype, variant):
     d = 8
     w = additive_weights(rng, d, d, d, bias=False, dtype=dtype)
     x = rng.standard_normal((3, 6, d)).astype(dtype)
-    x[0, 1] = 0.0              # Q, K rows exactly zero
-    x[1, 2] *= 1e-14           # Q, K rows of norm ~1e-14 < eps
-    x[2] *= 1e-15              # a whole batch element below eps
+    x[0, 1] = 0.0  # Q, K rows exactly zero
+    x[1, 2] *= 1e-14  # Q, K rows of norm ~1e-14 < eps
+    x[2] *= 1e-15  # a whole batch element below eps
     got = attnlab.additive_attention(x, variant=variant, **w)
     close(got, R.additive_attention(x, variant=variant, **w), dtype, "additive eps")
     assert np.isfinite(got).all()
@@ -194,11 +223,19 @@ def test_scores_norm_below_eps_uses_eps(rng, close):
     w = additive_weights(rng, 8, 8, 8)
     x = rng.standard_normal((2, 5, 8))
     for scale in (1e-14, 1e-12, 3e-13):
-        close(attnlab.additive_attention(x, scale=scale, **w),
-              R.additive_attention(x, scale=scale, **w), np.float64, "additive eps")
+        close(
+            attnlab.additive_attention(x, scale=scale, **w),
+            R.additive_attention(x, scale=scale, **w),
+            np.float64,
+            "additive eps",
+        )
     for eps in (1e-3, 0.5, 1e-300):
-        close(attnlab.additive_attention(x, eps=eps, **w),
-              R.additive_attention(x, eps=eps, **w), np.float64, "additive eps")
+        close(
+            attnlab.additive_attention(x, eps=eps, **w),
+            R.additive_attention(x, eps=eps, **w),
+            np.float64,
+            "additive eps",
+        )
 
 
 def test_tiny_float32_rows_are_exact(rng, close):
@@ -250,7 +287,7 @@ def test_padding_across_blocks(rng, close, variant):
     """Masks spanning several row blocks: fully padded blocks, partly padded ones, NaN padding."""
     n, d = 700, 8
     kp = rng.random((2, n)) > 0.5
-    kp[0, 128:384] = False          # two whole blocks of padding
+    kp[0, 128:384] = False  # two whole blocks of padding
     kp[1, :] = True
     kp[1, 650:] = False
     x = rng.standard_normal((2, n, d))
@@ -281,8 +318,12 @@ def test_additive_fully_padded(rng, close, dtype, variant):
     Q = x[0].astype(np.float64) @ W["w_q"] + W["b_q"]
     Q /= np.linalg.norm(Q, axis=-1, keepdims=True)
     close(got[0], (Q + W["b_proj"]) @ W["w_final"] + W["b_final"], dtype, "fully padded")
-    close(got, R.additive_attention(x, key_padding_mask=kp, variant=variant, **w), dtype,
-          "fully padded")
+    close(
+        got,
+        R.additive_attention(x, key_padding_mask=kp, variant=variant, **w),
+        dtype,
+        "fully padded",
+    )
 
 
 @pytest.mark.empty_rows
@@ -305,8 +346,12 @@ def test_padding_mask_broadcasts(rng, close):
     close(got, R.additive_attention(x, key_padding_mask=kp, **w), np.float64, "padding bcast")
     ws = separable_weights(rng, 8)
     kp2 = rng.random((3, 6)) > 0.3  # (3, n) broadcast over the leading 2
-    close(attnlab.separable_attention(x, key_padding_mask=kp2, **ws),
-          R.separable_attention(x, key_padding_mask=kp2, **ws), np.float64, "padding bcast")
+    close(
+        attnlab.separable_attention(x, key_padding_mask=kp2, **ws),
+        R.separable_attention(x, key_padding_mask=kp2, **ws),
+        np.float64,
+        "padding bcast",
+    )
 
 
 def test_all_true_mask_equals_no_mask(rng):
@@ -314,11 +359,13 @@ def test_all_true_mask_equals_no_mask(rng):
     x = rng.standard_normal((2, 9, 8))
     np.testing.assert_array_equal(
         attnlab.additive_attention(x, key_padding_mask=np.ones((2, 9), bool), **w),
-        attnlab.additive_attention(x, **w))
+        attnlab.additive_attention(x, **w),
+    )
     ws = separable_weights(rng, 8)
     np.testing.assert_array_equal(
         attnlab.separable_attention(x, key_padding_mask=np.ones(9, bool), **ws),
-        attnlab.separable_attention(x, **ws))
+        attnlab.separable_attention(x, **ws),
+    )
 
 
 # ----------------------------------------------------------------------------- NaN / Inf / large
@@ -416,8 +463,9 @@ def test_empty(rng, shape):
         close_ref = R.additive_attention(x, **w)
         np.testing.assert_allclose(attnlab.additive_attention(x, **w), close_ref, atol=1e-12)
         ws = separable_weights(rng, 0, 3)
-        np.testing.assert_allclose(attnlab.separable_attention(x, **ws),
-                                   R.separable_attention(x, **ws), atol=1e-12)
+        np.testing.assert_allclose(
+            attnlab.separable_attention(x, **ws), R.separable_attention(x, **ws), atol=1e-12
+        )
         return
     w = additive_weights(rng, d, 4, 5)
     x = np.zeros(shape)
@@ -454,11 +502,19 @@ def test_concurrent_python_threads_match_serial(rng):
     w = additive_weights(rng, 16, 16, 16)
     ws = separable_weights(rng, 16)
     xs = [rng.standard_normal((2, 300, 16)) for _ in range(8)]
-    serial = [(attnlab.additive_attention(x, **w), attnlab.separable_attention(x, **ws))
-              for x in xs]
+    serial = [
+        (attnlab.additive_attention(x, **w), attnlab.separable_attention(x, **ws)) for x in xs
+    ]
     with ThreadPoolExecutor(8) as ex:
-        par = list(ex.map(lambda x: (attnlab.additive_attention(x, **w),
-                                     attnlab.separable_attention(x, **ws)), xs))
+        par = list(
+            ex.map(
+                lambda x: (
+                    attnlab.additive_attention(x, **w),
+                    attnlab.separable_attention(x, **ws),
+                ),
+                xs,
+            )
+        )
     for (a, s), (pa, ps) in zip(serial, par, strict=True):
         np.testing.assert_array_equal(a, pa)
         np.testing.assert_array_equal(s, ps)
@@ -471,9 +527,12 @@ def test_feature_map_recipe(rng, close):
     ws = separable_weights(rng, C)
     out = attnlab.separable_attention(fmap.transpose(0, 2, 3, 1), **ws).transpose(0, 3, 1, 2)
     for p in range(P):
-        close(out[:, :, p, :].transpose(0, 2, 1),
-              R.separable_attention(fmap[:, :, p, :].transpose(0, 2, 1), **ws), np.float64,
-              "feature map recipe")
+        close(
+            out[:, :, p, :].transpose(0, 2, 1),
+            R.separable_attention(fmap[:, :, p, :].transpose(0, 2, 1), **ws),
+            np.float64,
+            "feature map recipe",
+        )
 
 
 # ----------------------------------------------------------------------------- errors
@@ -540,8 +599,17 @@ def test_core_rejects_inconsistent_buffers(rng):
     w = additive_weights(rng, 8, 8, 8)
     x = np.ones((10, 8))
     out = np.empty((10, 8))
-    args = [w["w_q"], w["b_q"], w["w_k"], w["b_k"], w["w_g"].reshape(-1), w["w_proj"],
-            w["b_proj"], w["w_final"], w["b_final"]]
+    args = [
+        w["w_q"],
+        w["b_q"],
+        w["w_k"],
+        w["b_k"],
+        w["w_g"].reshape(-1),
+        w["w_proj"],
+        w["b_proj"],
+        w["w_final"],
+        w["b_final"],
+    ]
     with pytest.raises(ValueError, match=r"^x: "):
         core.additive_forward(x, *args, 3, 5, 1.0, 1e-12, 0, None, out)  # 3*5 != 10 rows
     with pytest.raises(ValueError, match=r"^variant: "):
@@ -558,15 +626,14 @@ def test_core_rejects_inconsistent_buffers(rng):
         core.additive_forward(x, *args, 2, 5, 1.0, 1e-12, 0, None, ro)
     ws = separable_weights(rng, 8)
     with pytest.raises(ValueError, match=r"^w_qkv: "):
-        core.separable_forward(x, ws["w_qkv"][:, :16].copy(), None, ws["w_o"], None, 2, 5,
-                               None, out)
+        core.separable_forward(
+            x, ws["w_qkv"][:, :16].copy(), None, ws["w_o"], None, 2, 5, None, out
+        )
     with pytest.raises(ValueError, match="negative sizes"):
-        core.separable_forward(x, ws["w_qkv"], ws["b_qkv"], ws["w_o"], ws["b_o"], -2, -5, None,
-                               out)
+        core.separable_forward(x, ws["w_qkv"], ws["b_qkv"], ws["w_o"], ws["b_o"], -2, -5, None, out)
 
 
 # ----------------------------------------------------------------------------- PyTorch
-
 
 
 def _torch():
@@ -579,15 +646,24 @@ def _np(t):
 
 def additive_kwargs(m, proj: str = "Proj") -> dict[str, np.ndarray]:
     p = getattr(m, proj)
-    return {"w_q": _np(m.to_query.weight).T, "b_q": _np(m.to_query.bias),
-            "w_k": _np(m.to_key.weight).T, "b_k": _np(m.to_key.bias), "w_g": _np(m.w_g),
-            "w_proj": _np(p.weight).T, "b_proj": _np(p.bias),
-            "w_final": _np(m.final.weight).T, "b_final": _np(m.final.bias)}
+    return {
+        "w_q": _np(m.to_query.weight).T,
+        "b_q": _np(m.to_query.bias),
+        "w_k": _np(m.to_key.weight).T,
+        "b_k": _np(m.to_key.bias),
+        "w_g": _np(m.w_g),
+        "w_proj": _np(p.weight).T,
+        "b_proj": _np(p.bias),
+        "w_final": _np(m.final.weight).T,
+        "b_final": _np(m.final.bias),
+    }
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
-@pytest.mark.parametrize("in_dims,token_dim,num_heads,n", [(32, 32, 1, 49), (24, 16, 2, 196),
-                                                           (8, 8, 1, 1), (16, 12, 3, 5)])
+@pytest.mark.parametrize(
+    "in_dims,token_dim,num_heads,n",
+    [(32, 32, 1, 49), (24, 16, 2, 196), (8, 8, 1, 1), (16, 12, 3, 5)],
+)
 def test_vs_official_swiftformer_torch(rng, close, dtype, in_dims, token_dim, num_heads, n):
     torch = _torch()
     torch.manual_seed(0)
@@ -616,18 +692,21 @@ def test_vs_mobilevitv2_torch(rng, close, dtype):
     B, C, P, N = 2, 16, 4, 64
     tdt = torch.float64 if dtype == np.float64 else torch.float32
     g = torch.Generator().manual_seed(0)
-    wq = torch.randn(1 + 2 * C, C, 1, 1, generator=g, dtype=tdt) * C ** -0.5
+    wq = torch.randn(1 + 2 * C, C, 1, 1, generator=g, dtype=tdt) * C**-0.5
     bq = torch.randn(1 + 2 * C, generator=g, dtype=tdt) * 0.1
-    wo = torch.randn(C, C, 1, 1, generator=g, dtype=tdt) * C ** -0.5
+    wo = torch.randn(C, C, 1, 1, generator=g, dtype=tdt) * C**-0.5
     bo = torch.randn(C, generator=g, dtype=tdt) * 0.1
     fmap = rng.standard_normal((B, C, P, N)).astype(dtype)
     with torch.inference_mode():
         ref = _np(_linear_self_attention_torch(torch, torch.from_numpy(fmap), wq, bq, wo, bo, C))
-    kw = {"w_qkv": _np(wq[:, :, 0, 0]).T, "b_qkv": _np(bq), "w_o": _np(wo[:, :, 0, 0]).T,
-          "b_o": _np(bo)}
+    kw = {
+        "w_qkv": _np(wq[:, :, 0, 0]).T,
+        "b_qkv": _np(bq),
+        "w_o": _np(wo[:, :, 0, 0]).T,
+        "b_o": _np(bo),
+    }
     got = attnlab.separable_attention(fmap.transpose(0, 2, 3, 1), **kw).transpose(0, 3, 1, 2)
-    close(got, ref, dtype, "separable vs torch cvnets",
-          tol=1e-5 if dtype == np.float32 else 1e-12)
+    close(got, ref, dtype, "separable vs torch cvnets", tol=1e-5 if dtype == np.float32 else 1e-12)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
@@ -649,8 +728,7 @@ def test_vs_transformers_swiftformer(rng, close, dtype):
     with torch.inference_mode():
         ref = _np(m(torch.from_numpy(x)))
     got = attnlab.additive_attention(x, variant="hf", **additive_kwargs(m, "proj"))
-    close(got, ref, dtype, "additive vs transformers",
-          tol=1e-5 if dtype == np.float32 else 1e-12)
+    close(got, ref, dtype, "additive vs transformers", tol=1e-5 if dtype == np.float32 else 1e-12)
     # and the official variant really is a different function of the same weights
     other = attnlab.additive_attention(x, variant="official", **additive_kwargs(m, "proj"))
     assert not np.allclose(other, ref, rtol=1e-3, atol=1e-3)
@@ -672,11 +750,14 @@ def test_vs_transformers_mobilevitv2(rng, close, dtype):
     with torch.inference_mode():
         ref = _np(m(torch.from_numpy(fmap)))
     qkv, o = m.qkv_proj.convolution, m.out_proj.convolution
-    kw = {"w_qkv": _np(qkv.weight[:, :, 0, 0]).T, "b_qkv": _np(qkv.bias),
-          "w_o": _np(o.weight[:, :, 0, 0]).T, "b_o": _np(o.bias)}
+    kw = {
+        "w_qkv": _np(qkv.weight[:, :, 0, 0]).T,
+        "b_qkv": _np(qkv.bias),
+        "w_o": _np(o.weight[:, :, 0, 0]).T,
+        "b_o": _np(o.bias),
+    }
     got = attnlab.separable_attention(fmap.transpose(0, 2, 3, 1), **kw).transpose(0, 3, 1, 2)
-    close(got, ref, dtype, "separable vs transformers",
-          tol=1e-5 if dtype == np.float32 else 1e-12)
+    close(got, ref, dtype, "separable vs transformers", tol=1e-5 if dtype == np.float32 else 1e-12)
 
 
 # ----------------------------------------------------------------------------- bench helpers
@@ -689,7 +770,8 @@ def test_bench_growth_exponent_and_flops():
     assert growth_exponent(ns, [0.1 * n for n in ns]) == pytest.approx(1.0)
     assert growth_exponent(ns, [1e-4 * n * n for n in ns]) == pytest.approx(2.0)
     # fixed costs at small n are left out of the fit (n >= 784)
-    assert growth_exponent(ns, [5.0 + 0.1 * n if n < 784 else 0.1 * n for n in ns]) == \
-        pytest.approx(1.0)
+    assert growth_exponent(
+        ns, [5.0 + 0.1 * n if n < 784 else 0.1 * n for n in ns]
+    ) == pytest.approx(1.0)
     assert additive_flops(2, 10, 4, 4, 4) == 2 * additive_flops(1, 10, 4, 4, 4)
     assert separable_flops(1, 20, 8, 8) == 2 * separable_flops(1, 10, 8, 8)

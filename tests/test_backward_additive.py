@@ -24,6 +24,7 @@ separable_attention_backward = A.separable_attention_backward
 def seed(*key) -> int:
     return zlib.crc32(repr(key).encode())
 
+
 # Largest error seen by each comparison, printed at the end of the module (pytest -s).
 MEASURED: dict[str, float] = {}
 
@@ -48,14 +49,20 @@ def additive_args(rng, d_in=4, D=6, d_out=5, biases=True, dtype=np.float64):
         "w_final": rng.standard_normal((D, d_out)) * 0.4,
     }
     if biases:
-        kw.update(b_q=rng.standard_normal(D) * 0.3, b_k=rng.standard_normal(D) * 0.3,
-                  b_proj=rng.standard_normal(D) * 0.3, b_final=rng.standard_normal(d_out) * 0.3)
+        kw.update(
+            b_q=rng.standard_normal(D) * 0.3,
+            b_k=rng.standard_normal(D) * 0.3,
+            b_proj=rng.standard_normal(D) * 0.3,
+            b_final=rng.standard_normal(d_out) * 0.3,
+        )
     return {k: v.astype(dtype) for k, v in kw.items()}
 
 
 def separable_args(rng, d=4, d_out=5, biases=True, dtype=np.float64):
-    kw = {"w_qkv": rng.standard_normal((d, 1 + 2 * d)) * 0.5,
-          "w_o": rng.standard_normal((d, d_out)) * 0.5}
+    kw = {
+        "w_qkv": rng.standard_normal((d, 1 + 2 * d)) * 0.5,
+        "w_o": rng.standard_normal((d, d_out)) * 0.5,
+    }
     if biases:
         kw.update(b_qkv=rng.standard_normal(1 + 2 * d) * 0.3, b_o=rng.standard_normal(d_out) * 0.3)
     return {k: v.astype(dtype) for k, v in kw.items()}
@@ -152,6 +159,7 @@ def test_w_g_column_shape_kept():
 
 # torch transcriptions of the modules (official SwiftFormer, MobileViT-v2), masks as in attnlab.
 
+
 def torch_additive(torch, x, p, variant, scale, eps, mask):
     F = torch.nn.functional
 
@@ -174,7 +182,7 @@ def torch_additive(torch, x, p, variant, scale, eps, mask):
 def torch_separable(torch, x, p, mask):
     d = x.shape[-1]
     qkv = x @ p["w_qkv"] + p.get("b_qkv", 0)
-    s, k, v = qkv[..., :1], qkv[..., 1:1 + d], qkv[..., 1 + d:]
+    s, k, v = qkv[..., :1], qkv[..., 1 : 1 + d], qkv[..., 1 + d :]
     if mask is not None:
         s = s.masked_fill(~mask.unsqueeze(-1), float("-inf"))
     c = torch.softmax(s, dim=-2)
@@ -188,9 +196,12 @@ def torch_grads(torch, fn, x, params, go, **extra):
     out = fn(torch, tx, tp, **extra)
     (out * torch.tensor(go)).sum().backward()
     # an argument the module does not use (hf's w_g) gets no gradient in torch: zero
-    return {"x": tx.grad.numpy(),
-            **{k: np.zeros_like(params[k]) if v.grad is None else v.grad.numpy()
-               for k, v in tp.items()}}
+    return {
+        "x": tx.grad.numpy(),
+        **{
+            k: np.zeros_like(params[k]) if v.grad is None else v.grad.numpy() for k, v in tp.items()
+        },
+    }
 
 
 @pytest.mark.parametrize("variant", ["official", "hf"])
@@ -206,10 +217,18 @@ def test_additive_vs_torch(variant, batch, masked):
     if masked:
         mask = rng.random(batch + (n,)) < 0.7
         mask[..., 0] = True
-    got = additive_attention_backward(go, x, **p, variant=variant, scale=0.5,
-                                              key_padding_mask=mask)
-    want = torch_grads(torch, torch_additive, x, p, go, variant=variant, scale=0.5, eps=1e-12,
-                       mask=None if mask is None else torch.tensor(mask))
+    got = additive_attention_backward(go, x, **p, variant=variant, scale=0.5, key_padding_mask=mask)
+    want = torch_grads(
+        torch,
+        torch_additive,
+        x,
+        p,
+        go,
+        variant=variant,
+        scale=0.5,
+        eps=1e-12,
+        mask=None if mask is None else torch.tensor(mask),
+    )
     for name, err in compare(got, want, f"additive {variant} vs torch float32"):
         assert err < 1e-4, (name, err)
 
@@ -227,8 +246,9 @@ def test_separable_vs_torch(batch, masked):
         mask = rng.random(batch + (n,)) < 0.7
         mask[..., 0] = True
     got = separable_attention_backward(go, x, **p, key_padding_mask=mask)
-    want = torch_grads(torch, torch_separable, x, p, go,
-                       mask=None if mask is None else torch.tensor(mask))
+    want = torch_grads(
+        torch, torch_separable, x, p, go, mask=None if mask is None else torch.tensor(mask)
+    )
     for name, err in compare(got, want, "separable vs torch float32"):
         assert err < 1e-4, (name, err)
 
@@ -245,8 +265,9 @@ def test_additive_below_eps_matches_torch():
     x[0, 2] = 0.0  # no biases: this token's projections are 0, below eps
     go = rng.standard_normal((2, n, 5))
     got = additive_attention_backward(go, x, **p, scale=0.5, eps=1e-3)
-    want = torch_grads(torch, torch_additive, x, p, go, variant="official", scale=0.5,
-                       eps=1e-3, mask=None)
+    want = torch_grads(
+        torch, torch_additive, x, p, go, variant="official", scale=0.5, eps=1e-3, mask=None
+    )
     for name, err in compare(got, want, "additive below eps vs torch float64"):
         assert err < 1e-10, (name, err)
 
@@ -277,8 +298,8 @@ def test_bitwise_identical_across_threads(dtype, family):
         p = additive_args(rng, d_in=16, D=32, d_out=16, dtype=dtype)
 
         def run():
-            return additive_attention_backward(go, x, **p, variant=family,
-                                                       key_padding_mask=mask)
+            return additive_attention_backward(go, x, **p, variant=family, key_padding_mask=mask)
+
     one, two = _with_threads(1, run), _with_threads(2, run)
     assert set(one) == set(two)
     for name in one:
@@ -296,8 +317,7 @@ def test_grad_out_shape_checked():
 
 def test_empty_and_featureless():
     rng = np.random.default_rng(13)
-    g = additive_attention_backward(np.ones((0, 5)), np.ones((0, 4)),
-                                            **additive_args(rng))
+    g = additive_attention_backward(np.ones((0, 5)), np.ones((0, 4)), **additive_args(rng))
     assert g["x"].shape == (0, 4) and not np.any(g["w_q"]) and not np.any(g["b_final"])
     p = additive_args(rng, d_in=0)
     g = additive_attention_backward(np.ones((3, 5)), np.ones((3, 0)), **p)

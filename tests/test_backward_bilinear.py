@@ -42,8 +42,24 @@ def uniform(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int) -> np
     return rng.uniform(-bound, bound, shape)
 
 
-def make_args(rng, *, batch, h, h_kv, n_q, n_k, d_q, d_k, d_v, d_vhead, d_out, cross,
-              bias, u_k, dtype=np.float64):
+def make_args(
+    rng,
+    *,
+    batch,
+    h,
+    h_kv,
+    n_q,
+    n_k,
+    d_q,
+    d_k,
+    d_v,
+    d_vhead,
+    d_out,
+    cross,
+    bias,
+    u_k,
+    dtype=np.float64,
+):
     """Inputs and keyword arguments of bilinear_attention (key/value only when cross)."""
     query = rng.standard_normal(batch + (n_q, d_q))
     inputs = {"query": query}
@@ -79,8 +95,23 @@ FD_CASES = [
     ("self_nobias", (), 2, 2, 4, 4, 4, 4, 4, 2, 3, False, False, False, {}),
     ("self_bias_u", (2,), 2, 2, 4, 4, 4, 4, 4, 3, 4, False, True, True, {}),
     ("gqa_cross", (2,), 4, 2, 3, 5, 4, 3, 2, 2, 3, True, True, True, {}),
-    ("mqa_cross_causal", (), 4, 1, 4, 6, 3, 4, 3, 2, 2, True, False, True,
-     {"causal": "bottom_right"}),
+    (
+        "mqa_cross_causal",
+        (),
+        4,
+        1,
+        4,
+        6,
+        3,
+        4,
+        3,
+        2,
+        2,
+        True,
+        False,
+        True,
+        {"causal": "bottom_right"},
+    ),
     ("self_causal", (1, 2), 2, 1, 5, 5, 4, 4, 4, 2, 3, False, True, False, {"causal": True}),
     ("cross_padding", (2,), 2, 2, 3, 5, 3, 4, 3, 2, 2, True, True, True, {"padding": True}),
     ("cross_masked_row", (2,), 2, 1, 4, 5, 3, 3, 2, 2, 3, True, True, True, {"masked_row": True}),
@@ -93,18 +124,31 @@ FD_CASES = [
 @pytest.mark.empty_rows
 @pytest.mark.parametrize("case", FD_CASES, ids=[c[0] for c in FD_CASES])
 def test_finite_differences(case):
-    (name, batch, h, h_kv, n_q, n_k, d_q, d_k, d_v, d_vhead, d_out, cross, bias, u_k,
-     extra) = case
+    (name, batch, h, h_kv, n_q, n_k, d_q, d_k, d_v, d_vhead, d_out, cross, bias, u_k, extra) = case
     rng = np.random.default_rng(zlib.crc32(name.encode()))
-    inputs, kw = make_args(rng, batch=batch, h=h, h_kv=h_kv, n_q=n_q, n_k=n_k, d_q=d_q,
-                           d_k=d_k, d_v=d_v, d_vhead=d_vhead, d_out=d_out, cross=cross,
-                           bias=bias, u_k=u_k)
+    inputs, kw = make_args(
+        rng,
+        batch=batch,
+        h=h,
+        h_kv=h_kv,
+        n_q=n_q,
+        n_k=n_k,
+        d_q=d_q,
+        d_k=d_k,
+        d_v=d_v,
+        d_vhead=d_vhead,
+        d_out=d_out,
+        cross=cross,
+        bias=bias,
+        u_k=u_k,
+    )
     if extra.get("qk"):
         # a folded BilinearQK (with u from b_q): differentiate its w and u arrays in place
         dh = 2
         wq, wk = rng.standard_normal((d_q, h * dh)) / 2, rng.standard_normal((d_k, h_kv * dh)) / 2
-        qk = attnlab.collapse_qk(wq, wk, rng.standard_normal(h * dh), None, num_heads=h,
-                                 num_kv_heads=h_kv)
+        qk = attnlab.collapse_qk(
+            wq, wk, rng.standard_normal(h * dh), None, num_heads=h, num_kv_heads=h_kv
+        )
         kw["w_qk"] = qk
     if "causal" in extra:
         kw["causal"] = extra["causal"]
@@ -148,8 +192,22 @@ def test_finite_differences(case):
 
 @pytest.mark.empty_rows
 def test_fully_masked_batch_element_gives_zero_input_gradients(rng):
-    inputs, kw = make_args(rng, batch=(2,), h=2, h_kv=2, n_q=3, n_k=4, d_q=3, d_k=3, d_v=3,
-                           d_vhead=2, d_out=2, cross=True, bias=True, u_k=True)
+    inputs, kw = make_args(
+        rng,
+        batch=(2,),
+        h=2,
+        h_kv=2,
+        n_q=3,
+        n_k=4,
+        d_q=3,
+        d_k=3,
+        d_v=3,
+        d_vhead=2,
+        d_out=2,
+        cross=True,
+        bias=True,
+        u_k=True,
+    )
     kp = np.ones((2, 4), bool)
     kp[1] = False
     G = rng.standard_normal((2, 3, 2))
@@ -164,8 +222,12 @@ def test_broadcast_batch_and_defaults(rng):
     # key without a batch axis, value defaulting to key: gradients summed over the broadcast
     query = rng.standard_normal((2, 3, 4))
     key = rng.standard_normal((5, 3))
-    kw = {"w_qk": rng.standard_normal((2, 4, 3)) / 3, "w_v": uniform(rng, (3, 4), 3),
-          "w_o": uniform(rng, (4, 2), 4), "num_heads": 2}
+    kw = {
+        "w_qk": rng.standard_normal((2, 4, 3)) / 3,
+        "w_v": uniform(rng, (3, 4), 3),
+        "w_o": uniform(rng, (4, 2), 4),
+        "num_heads": 2,
+    }
     G = rng.standard_normal((2, 3, 2))
     g = bilinear_attention_backward(G, query, key, **kw)
     assert set(g) == {"query", "key", "w_qk", "w_v", "w_o"}
@@ -179,8 +241,22 @@ def test_broadcast_batch_and_defaults(rng):
 
 
 def test_empty_keys(rng):
-    inputs, kw = make_args(rng, batch=(), h=2, h_kv=2, n_q=3, n_k=0, d_q=3, d_k=3, d_v=3,
-                           d_vhead=2, d_out=2, cross=True, bias=True, u_k=True)
+    inputs, kw = make_args(
+        rng,
+        batch=(),
+        h=2,
+        h_kv=2,
+        n_q=3,
+        n_k=0,
+        d_q=3,
+        d_k=3,
+        d_v=3,
+        d_vhead=2,
+        d_out=2,
+        cross=True,
+        bias=True,
+        u_k=True,
+    )
     G = rng.standard_normal((3, 2))
     g = bilinear_attention_backward(G, **inputs, **kw)
     for n, arr in g.items():
@@ -204,8 +280,10 @@ def test_consistent_with_mha_backward(case):
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     which = "qkvo" if bias is True else bias
     w = {
-        "w_q": uniform(rng, (d, h * dh), d), "w_k": uniform(rng, (d, h_kv * dh), d),
-        "w_v": uniform(rng, (d, h_kv * dh), d), "w_o": uniform(rng, (h * dh, d), h * dh),
+        "w_q": uniform(rng, (d, h * dh), d),
+        "w_k": uniform(rng, (d, h_kv * dh), d),
+        "w_v": uniform(rng, (d, h_kv * dh), d),
+        "w_o": uniform(rng, (h * dh, d), h * dh),
     }
     for c in which:
         w["b_" + c] = uniform(rng, (w["w_" + c].shape[1],), d) * 3
@@ -217,8 +295,9 @@ def test_consistent_with_mha_backward(case):
     common = {"num_heads": h, "num_kv_heads": h_kv, "causal": causal}
     G = rng.standard_normal(batch + (n_q, d))
     gm = attnlab.multi_head_attention_backward(G, **inputs, **w, **common)
-    qk = attnlab.collapse_qk(w["w_q"], w["w_k"], w.get("b_q"), w.get("b_k"), num_heads=h,
-                             num_kv_heads=h_kv)
+    qk = attnlab.collapse_qk(
+        w["w_q"], w["w_k"], w.get("b_q"), w.get("b_k"), num_heads=h, num_kv_heads=h_kv
+    )
     rest = {n: w[n] for n in ("w_v", "w_o", "b_v", "b_o") if n in w}
     gb = bilinear_attention_backward(G, **inputs, w_qk=qk, **rest, **common)
 
@@ -227,20 +306,20 @@ def test_consistent_with_mha_backward(case):
     # chain rule through W_i = W_q,i W_k,i^T and u_i = W_k,i b_q,i (the dropped v_i, c_i
     # terms cancel in the softmax: their gradient is zero)
     g = h // h_kv
-    wq = w["w_q"].reshape(d, h, dh).transpose(1, 0, 2)               # (h, d, dh)
+    wq = w["w_q"].reshape(d, h, dh).transpose(1, 0, 2)  # (h, d, dh)
     wk = np.repeat(w["w_k"].reshape(d, h_kv, dh).transpose(1, 0, 2), g, axis=0)
     dW = gb["w_qk"]
-    dwq = dW @ wk                                                     # (h, d, dh)
-    dwk = np.swapaxes(dW, -1, -2) @ wq                                # per query head
+    dwq = dW @ wk  # (h, d, dh)
+    dwk = np.swapaxes(dW, -1, -2) @ wq  # per query head
     if "b_q" in w:
         bq = w["b_q"].reshape(h, dh)
-        du = gb["u_k"]                                                # (h, d)
+        du = gb["u_k"]  # (h, d)
         dwk = dwk + du[:, :, None] * bq[:, None, :]
         dbq = np.einsum("hde,hd->he", wk, du).reshape(-1)
         assert rel_err(dbq, gm["b_q"]) < 1e-10
     else:
         assert "u_k" not in gb
-    dwk = dwk.reshape(h_kv, g, d, dh).sum(axis=1)                     # sum over the group
+    dwk = dwk.reshape(h_kv, g, d, dh).sum(axis=1)  # sum over the group
     assert rel_err(dwq.transpose(1, 0, 2).reshape(d, h * dh), gm["w_q"]) < 1e-10
     assert rel_err(dwk.transpose(1, 0, 2).reshape(d, h_kv * dh), gm["w_k"]) < 1e-10
 
@@ -264,15 +343,31 @@ def _torch_bilinear(torch, xq, xk, xv, wqk, uk, wv, bv, wo, bo, h, h_kv, scale, 
     return out if bo is None else out + bo
 
 
-@pytest.mark.parametrize("h_kv,u_k,bias,causal", [(4, True, True, False), (2, False, True, True),
-                                                  (1, True, False, False)])
+@pytest.mark.parametrize(
+    "h_kv,u_k,bias,causal",
+    [(4, True, True, False), (2, False, True, True), (1, True, False, False)],
+)
 def test_torch_autograd_float32(h_kv, u_k, bias, causal):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(11 + h_kv)
     h, B, n_q, n_k = 4, 2, 9, 70
-    inputs, kw = make_args(rng, batch=(B,), h=h, h_kv=h_kv, n_q=n_q, n_k=n_k, d_q=8, d_k=6,
-                           d_v=5, d_vhead=3, d_out=7, cross=True, bias=bias, u_k=u_k,
-                           dtype=np.float32)
+    inputs, kw = make_args(
+        rng,
+        batch=(B,),
+        h=h,
+        h_kv=h_kv,
+        n_q=n_q,
+        n_k=n_k,
+        d_q=8,
+        d_k=6,
+        d_v=5,
+        d_vhead=3,
+        d_out=7,
+        cross=True,
+        bias=bias,
+        u_k=u_k,
+        dtype=np.float32,
+    )
     kp = np.ones((B, n_k), bool)
     kp[1, 50:] = False
     mask = np.broadcast_to(kp[:, None, None, :], (B, h, n_q, n_k))
@@ -280,14 +375,34 @@ def test_torch_autograd_float32(h_kv, u_k, bias, causal):
         mask = mask & np.tril(np.ones((n_q, n_k), bool), k=n_k - n_q)
     G = rng.standard_normal((B, n_q, 7)).astype(np.float32)
     scale = 0.4
-    g = bilinear_attention_backward(G, **inputs, **kw, key_padding_mask=kp, scale=scale,
-                                    causal="bottom_right" if causal else False)
-    t = {n: torch.tensor(v, requires_grad=True)
-         for n, v in {**inputs, **{k: v for k, v in kw.items()
-                                   if isinstance(v, np.ndarray)}}.items()}
-    out = _torch_bilinear(torch, t["query"], t["key"], t["value"], t["w_qk"], t.get("u_k"),
-                          t["w_v"], t.get("b_v"), t["w_o"], t.get("b_o"), h, h_kv, scale,
-                          torch.tensor(np.ascontiguousarray(mask)))
+    g = bilinear_attention_backward(
+        G,
+        **inputs,
+        **kw,
+        key_padding_mask=kp,
+        scale=scale,
+        causal="bottom_right" if causal else False,
+    )
+    t = {
+        n: torch.tensor(v, requires_grad=True)
+        for n, v in {**inputs, **{k: v for k, v in kw.items() if isinstance(v, np.ndarray)}}.items()
+    }
+    out = _torch_bilinear(
+        torch,
+        t["query"],
+        t["key"],
+        t["value"],
+        t["w_qk"],
+        t.get("u_k"),
+        t["w_v"],
+        t.get("b_v"),
+        t["w_o"],
+        t.get("b_o"),
+        h,
+        h_kv,
+        scale,
+        torch.tensor(np.ascontiguousarray(mask)),
+    )
     out.backward(torch.tensor(G))
     assert set(g) == set(t)
     for n, tv in t.items():
@@ -297,8 +412,22 @@ def test_torch_autograd_float32(h_kv, u_k, bias, causal):
 
 def test_thread_count_bitwise_identical():
     rng = np.random.default_rng(5)
-    inputs, kw = make_args(rng, batch=(2,), h=4, h_kv=2, n_q=150, n_k=300, d_q=16, d_k=12,
-                           d_v=10, d_vhead=8, d_out=16, cross=True, bias=True, u_k=True)
+    inputs, kw = make_args(
+        rng,
+        batch=(2,),
+        h=4,
+        h_kv=2,
+        n_q=150,
+        n_k=300,
+        d_q=16,
+        d_k=12,
+        d_v=10,
+        d_vhead=8,
+        d_out=16,
+        cross=True,
+        bias=True,
+        u_k=True,
+    )
     G = rng.standard_normal((2, 150, 16))
     kw["causal"] = "bottom_right"
     before = attnlab.get_num_threads()
@@ -315,8 +444,22 @@ def test_thread_count_bitwise_identical():
 
 
 def test_grad_out_wrong_shape(rng):
-    inputs, kw = make_args(rng, batch=(2,), h=2, h_kv=2, n_q=3, n_k=3, d_q=4, d_k=4, d_v=4,
-                           d_vhead=2, d_out=5, cross=False, bias=False, u_k=False)
+    inputs, kw = make_args(
+        rng,
+        batch=(2,),
+        h=2,
+        h_kv=2,
+        n_q=3,
+        n_k=3,
+        d_q=4,
+        d_k=4,
+        d_v=4,
+        d_vhead=2,
+        d_out=5,
+        cross=False,
+        bias=False,
+        u_k=False,
+    )
     with pytest.raises(ValueError, match="grad_out"):
         bilinear_attention_backward(np.ones((2, 3, 4)), **inputs, **kw)
     with pytest.raises(ValueError, match="grad_out"):
@@ -326,9 +469,19 @@ def test_grad_out_wrong_shape(rng):
 
 
 def test_u_k_with_bilinearqk_rejected(rng):
-    qk = attnlab.collapse_qk(rng.standard_normal((4, 4)), rng.standard_normal((4, 4)),
-                             rng.standard_normal(4), num_heads=2)
+    qk = attnlab.collapse_qk(
+        rng.standard_normal((4, 4)),
+        rng.standard_normal((4, 4)),
+        rng.standard_normal(4),
+        num_heads=2,
+    )
     with pytest.raises(ValueError, match="u_k"):
-        bilinear_attention_backward(np.ones((3, 4)), np.ones((3, 4)), w_qk=qk,
-                                    u_k=np.ones((2, 4)), w_v=np.ones((4, 4)),
-                                    w_o=np.ones((4, 4)), num_heads=2)
+        bilinear_attention_backward(
+            np.ones((3, 4)),
+            np.ones((3, 4)),
+            w_qk=qk,
+            u_k=np.ones((2, 4)),
+            w_v=np.ones((4, 4)),
+            w_o=np.ones((4, 4)),
+            num_heads=2,
+        )

@@ -86,11 +86,15 @@ def test_sdpa_backward_long_slice():
     g = attnlab.scaled_dot_product_attention_backward(G, q, k, v, causal="bottom_right")
 
     def loss():
-        return float((attnlab.scaled_dot_product_attention(q, k, v, causal="bottom_right")
-                      * G).sum())
+        return float(
+            (attnlab.scaled_dot_product_attention(q, k, v, causal="bottom_right") * G).sum()
+        )
 
-    for name, x, idx in (("q", q, (0, 1, 129, 2)), ("k", k, (0, 0, 257, 1)),
-                         ("v", v, (0, 0, 3, 0))):
+    for name, x, idx in (
+        ("q", q, (0, 1, 129, 2)),
+        ("k", k, (0, 0, 257, 1)),
+        ("v", v, (0, 0, 3, 0)),
+    ):
         eps = 1e-6
         old = x[idx]
         x[idx] = old + eps
@@ -127,8 +131,12 @@ def test_mha_backward_finite_differences(case):
         "w_o": rng.standard_normal((h * d_vhead, d_out)) * 0.5,
     }
     if biases:
-        w.update(b_q=rng.standard_normal(h * d_head), b_k=rng.standard_normal(h_kv * d_head),
-                 b_v=rng.standard_normal(h_kv * d_vhead), b_o=rng.standard_normal(d_out))
+        w.update(
+            b_q=rng.standard_normal(h * d_head),
+            b_k=rng.standard_normal(h_kv * d_head),
+            b_v=rng.standard_normal(h_kv * d_vhead),
+            b_o=rng.standard_normal(d_out),
+        )
     kp = (rng.random(batch + (n_k,)) > 0.3) if padding else None
     kw = dict(num_heads=h, num_kv_heads=h_kv, causal=causal, key_padding_mask=kp, **w)
     G = rng.standard_normal(batch + (n_q, d_out))
@@ -165,8 +173,10 @@ def test_mha_backward_value_defaults_to_key_and_broadcast_batch():
 def test_backward_bitwise_identical_across_thread_counts():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, 150, 32)).astype(np.float32)
-    w = {n: (rng.standard_normal((32, 32)) * 0.2).astype(np.float32)
-         for n in ("w_q", "w_k", "w_v", "w_o")}
+    w = {
+        n: (rng.standard_normal((32, 32)) * 0.2).astype(np.float32)
+        for n in ("w_q", "w_k", "w_v", "w_o")
+    }
     G = rng.standard_normal((4, 150, 32)).astype(np.float32)
     before = attnlab.get_num_threads()
     try:
@@ -186,8 +196,9 @@ def test_grad_out_shape_error():
     with pytest.raises(ValueError, match="grad_out"):
         attnlab.multi_head_attention_backward(np.ones((4, 5)), x, num_heads=2, **w)
     with pytest.raises(ValueError, match="grad_out"):
-        attnlab.scaled_dot_product_attention_backward(np.ones((2, 4, 5)), np.ones((2, 4, 6)),
-                                                      np.ones((2, 4, 6)), np.ones((2, 4, 6)))
+        attnlab.scaled_dot_product_attention_backward(
+            np.ones((2, 4, 5)), np.ones((2, 4, 6)), np.ones((2, 4, 6)), np.ones((2, 4, 6))
+        )
 
 
 torch = None
@@ -225,9 +236,16 @@ def test_mha_backward_matches_torch_autograd(th):
     m = th.nn.MultiheadAttention(d, h, batch_first=True)
     sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
     W, b = sd["in_proj_weight"], sd["in_proj_bias"]
-    w = dict(w_q=W[:d].T.copy(), w_k=W[d:2 * d].T.copy(), w_v=W[2 * d:].T.copy(),
-             w_o=sd["out_proj.weight"].T.copy(), b_q=b[:d], b_k=b[d:2 * d], b_v=b[2 * d:],
-             b_o=sd["out_proj.bias"])
+    w = dict(
+        w_q=W[:d].T.copy(),
+        w_k=W[d : 2 * d].T.copy(),
+        w_v=W[2 * d :].T.copy(),
+        w_o=sd["out_proj.weight"].T.copy(),
+        b_q=b[:d],
+        b_k=b[d : 2 * d],
+        b_v=b[2 * d :],
+        b_o=sd["out_proj.bias"],
+    )
     G = rng.standard_normal((B, n, d)).astype(np.float32)
     kp = rng.random((B, n)) > 0.2
     kp[:, 0] = True
@@ -238,7 +256,7 @@ def test_mha_backward_matches_torch_autograd(th):
     assert np.abs(g["query"] - tx.grad.numpy()).max() < 1e-4
     tw = m.in_proj_weight.grad.numpy()
     assert np.abs(g["w_q"] - tw[:d].T).max() < 1e-4
-    assert np.abs(g["w_v"] - tw[2 * d:].T).max() < 1e-4
+    assert np.abs(g["w_v"] - tw[2 * d :].T).max() < 1e-4
     assert np.abs(g["w_o"] - m.out_proj.weight.grad.numpy().T).max() < 1e-4
     assert np.abs(g["b_o"] - m.out_proj.bias.grad.numpy()).max() < 1e-4
 
@@ -268,5 +286,4 @@ def test_gradient_keys_follow_the_arguments_given_not_object_identity(fn):
         np.testing.assert_array_equal(same[k], as_list[k])
     total = same["query"] + same["key"] + same["value"]
     np.testing.assert_allclose(omitted["query"], total, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(key_only["key"], same["key"] + same["value"], rtol=1e-12,
-                               atol=1e-12)
+    np.testing.assert_allclose(key_only["key"], same["key"] + same["value"], rtol=1e-12, atol=1e-12)

@@ -22,18 +22,33 @@ from attnlab._loader import core
 
 
 def _result(rows: list[Row], peak: float | None, sgemm: float | None = None) -> dict:
-    return {"date": "today", "cpu": "cpu", "threads": 2, "isa": "avx2",
-            "peak": {"gflops": peak, "per_thread": [(peak or 0) / 2] * 2, "bursts": [peak],
-                     "clock": "cpu", "wall_gflops": peak},
-            "peak_gflops": peak, "rows": rows, "targets": [], "notes": [],
-            "sgemm": None if sgemm is None else {"gflops": sgemm, "n": 1024, "ms": [1.0],
-                                                 "version": "numpy"}}
+    return {
+        "date": "today",
+        "cpu": "cpu",
+        "threads": 2,
+        "isa": "avx2",
+        "peak": {
+            "gflops": peak,
+            "per_thread": [(peak or 0) / 2] * 2,
+            "bursts": [peak],
+            "clock": "cpu",
+            "wall_gflops": peak,
+        },
+        "peak_gflops": peak,
+        "rows": rows,
+        "targets": [],
+        "notes": [],
+        "sgemm": None
+        if sgemm is None
+        else {"gflops": sgemm, "n": 1024, "ms": [1.0], "version": "numpy"},
+    }
 
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(attnlab.__file__).resolve().parents[1]),
-                                         env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(attnlab.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
+    )
     return env
 
 
@@ -50,8 +65,8 @@ def test_timing_carries_its_spread():
 
 def test_share_is_never_above_100_percent():
     peak = 100.0
-    fast = Row("gemm", "proj", "s", "attnlab", Timing(1.0), flops=2.7e8)   # 270 GFLOP/s
-    ok = Row("mha", "case", "s", "attnlab", Timing(1.0), flops=0.85e8)     # 85 GFLOP/s
+    fast = Row("gemm", "proj", "s", "attnlab", Timing(1.0), flops=2.7e8)  # 270 GFLOP/s
+    ok = Row("mha", "case", "s", "attnlab", Timing(1.0), flops=0.85e8)  # 85 GFLOP/s
     assert runner.share(fast, peak) == "n/a"
     assert runner.share(ok, peak) == "85%"
     assert runner.share(ok, None) == "-"
@@ -82,9 +97,14 @@ def test_peak_header_prints_the_sgemm_check():
 
 def test_quick_gemm_bench_end_to_end():
     """``python -m attnlab bench --quick --only gemm`` runs and prints no share above 100%."""
-    res = subprocess.run([sys.executable, "-m", "attnlab", "bench", "--quick", "--only", "gemm"],
-                         check=False, capture_output=True, text=True, env=_env(),
-                             timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "attnlab", "bench", "--quick", "--only", "gemm"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "FMA peak" in res.stdout and "OpenBLAS sgemm" in res.stdout
     assert all(s <= 100 for s in _shares(res.stdout)), res.stdout
@@ -110,11 +130,13 @@ def test_relative_error_and_best_other():
     assert peers.relative_error(ref * 1.5, ref) == pytest.approx(0.5)
     assert peers.relative_error(ref[:1], ref) == math.inf
     assert peers.relative_error(ref * np.nan, ref) == math.inf
-    rows = [Row("peers", "c", "s", "attnlab", Timing(2.0)),
-            Row("peers", "c", "s", "jax", Timing(4.0)),
-            Row("peers", "c", "s", "torch-sdpa", Timing(1.0)),
-            Row("peers", "c", "s", "torch-mha", Timing(8.0)),
-            Row("peers", "other case", "s", "onnxruntime", Timing(0.1))]
+    rows = [
+        Row("peers", "c", "s", "attnlab", Timing(2.0)),
+        Row("peers", "c", "s", "jax", Timing(4.0)),
+        Row("peers", "c", "s", "torch-sdpa", Timing(1.0)),
+        Row("peers", "c", "s", "torch-mha", Timing(8.0)),
+        Row("peers", "other case", "s", "onnxruntime", Timing(0.1)),
+    ]
     assert peers.best_other(rows[0], rows) == (0.5, "torch-sdpa")
     # torch's two paths are one runtime: torch-mha is compared with attnlab and jax only
     assert peers.best_other(rows[3], rows) == (0.25, "attnlab")
@@ -161,38 +183,66 @@ def test_a_wrong_peer_is_reported_not_timed(monkeypatch):
 def test_peers_worker_one_shot_and_a_missing_runtime(tmp_path):
     """The worker prints one JSON line: the timings, or a skip when the runtime is missing (a
     module that fails to import stands for it here)."""
-    cmd = [sys.executable, "-m", "attnlab._bench.peers_worker", "attnlab", "tiny", "--repeat", "2",
-           "--threads", "1", "--out", str(tmp_path / "a.npy")]
-    res = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(),
-                             timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "attnlab._bench.peers_worker",
+        "attnlab",
+        "tiny",
+        "--repeat",
+        "2",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path / "a.npy"),
+    ]
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(), timeout=300)
     rep = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(rep["ms"]) == 2 and rep["version"].startswith("attnlab")
     assert np.load(tmp_path / "a.npy").shape == (1, 16, 32)
     (tmp_path / "onnxruntime.py").write_text("raise ImportError('hidden by the test')\n")
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
-    res = subprocess.run([sys.executable, "-m", "attnlab._bench.peers_worker", "onnxruntime",
-                          "tiny"], check=False, capture_output=True, text=True, env=env,
-                         timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "attnlab._bench.peers_worker", "onnxruntime", "tiny"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     rep = json.loads(res.stdout.strip().splitlines()[-1])
     assert "not installed" in rep["skip"]
 
 
 def test_cli_refuses_bad_peer_options():
-    for args, word in ((["--case", "bert"], "--peers"), (["--peers", "--case", "nope"], "cases"),
-                       (["--peers", "--runtime", "tf"], "runtimes")):
-        res = subprocess.run([sys.executable, "-m", "attnlab", "bench", *args],
-                             check=False, capture_output=True, text=True, env=_env(),
-                             timeout=300)
+    for args, word in (
+        (["--case", "bert"], "--peers"),
+        (["--peers", "--case", "nope"], "cases"),
+        (["--peers", "--runtime", "tf"], "runtimes"),
+    ):
+        res = subprocess.run(
+            [sys.executable, "-m", "attnlab", "bench", *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=300,
+        )
         assert res.returncode == 2 and word in res.stderr, res.stderr
 
 
 def test_bench_peers_on_the_tiny_case():
     """``bench --peers --quick --case tiny``: attnlab and every installed peer are timed and
     checked, the missing ones skipped with a note."""
-    res = subprocess.run([sys.executable, "-m", "attnlab", "bench", "--peers", "--quick",
-                          "--case", "tiny"], check=False, capture_output=True, text=True,
-                         env=_env(), timeout=900)
+    res = subprocess.run(
+        [sys.executable, "-m", "attnlab", "bench", "--peers", "--quick", "--case", "tiny"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=900,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     assert "FMA peak" in out and re.search(r"tiny \(smoke\) .* attnlab ", out), out

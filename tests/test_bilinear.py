@@ -24,8 +24,9 @@ def _split(w: dict) -> tuple[dict, dict]:
 MASKS = ["none", "bool", "float", "padding", "causal", "bottom_right", "all"]
 
 
-def _mask_kwargs(kind: str, rng: np.random.Generator, batch: tuple, h: int, n_q: int, n_k: int
-                 ) -> dict:
+def _mask_kwargs(
+    kind: str, rng: np.random.Generator, batch: tuple, h: int, n_q: int, n_k: int
+) -> dict:
     if kind == "none":
         return {}
     if kind == "bool":
@@ -72,11 +73,20 @@ def test_exact_vs_mha(rng, mha_weights, close, case, order, kind):
     nk = n_q if n_k is None else n_k
     mk = _mask_kwargs(kind, rng, batch, h, n_q, nk)
     folded = attnlab.collapse_qk(**qk, num_heads=h, num_kv_heads=h_kv)
-    got, gw = attnlab.bilinear_attention(x, y, w_qk=folded, **vo, num_heads=h,
-                                         num_kv_heads=h_kv, return_weights=True, _order=order,
-                                         **mk)
-    ref, rw = attnlab.multi_head_attention(x, y, **w, num_heads=h, num_kv_heads=h_kv,
-                                           return_weights=True, **mk)
+    got, gw = attnlab.bilinear_attention(
+        x,
+        y,
+        w_qk=folded,
+        **vo,
+        num_heads=h,
+        num_kv_heads=h_kv,
+        return_weights=True,
+        _order=order,
+        **mk,
+    )
+    ref, rw = attnlab.multi_head_attention(
+        x, y, **w, num_heads=h, num_kv_heads=h_kv, return_weights=True, **mk
+    )
     close(got, ref, np.float64, "bilinear vs mha")
     close(gw, rw, np.float64, "bilinear weights vs mha")
     oracle = reference.multi_head_attention(x, y, **w, num_heads=h, num_kv_heads=h_kv, **mk)
@@ -92,8 +102,9 @@ def test_float32(rng, mha_weights, close, order, bias):
     x = rng.standard_normal((2, 40, 32)).astype(np.float32)
     folded = attnlab.collapse_qk(**qk, num_heads=4, num_kv_heads=2)
     assert folded.w.dtype == np.float32
-    got = attnlab.bilinear_attention(x, w_qk=folded, **vo, num_heads=4, num_kv_heads=2,
-                                     causal=True, _order=order)
+    got = attnlab.bilinear_attention(
+        x, w_qk=folded, **vo, num_heads=4, num_kv_heads=2, causal=True, _order=order
+    )
     ref = reference.multi_head_attention(x, **w, num_heads=4, num_kv_heads=2, causal=True)
     close(got, ref, np.float32, "bilinear fp32")
 
@@ -103,10 +114,12 @@ def test_reference_matches_mha_reference(rng, mha_weights, close):
     qk, vo = _split(w)
     x = rng.standard_normal((3, 11, 20))
     folded = reference.collapse_qk(**qk, num_heads=4, num_kv_heads=2)
-    got = reference.bilinear_attention(x, w_qk=folded, **vo, num_heads=4, num_kv_heads=2,
-                                       causal=True, return_weights="mean")
-    ref = reference.multi_head_attention(x, **w, num_heads=4, num_kv_heads=2, causal=True,
-                                         return_weights="mean")
+    got = reference.bilinear_attention(
+        x, w_qk=folded, **vo, num_heads=4, num_kv_heads=2, causal=True, return_weights="mean"
+    )
+    ref = reference.multi_head_attention(
+        x, **w, num_heads=4, num_kv_heads=2, causal=True, return_weights="mean"
+    )
     close(got[0], ref[0], np.float64, "reference bilinear")
     close(got[1], ref[1], np.float64, "reference bilinear")
     fast = attnlab.collapse_qk(**qk, num_heads=4, num_kv_heads=2)
@@ -136,12 +149,21 @@ def test_homogeneous_and_scores_are_exact_logits(rng, mha_weights, close, bias):
     close(folded.scores(xq, xk, scale=1.0), exact * 2.0, np.float64, "scores")
     # the dropped v, c terms: softmax of the bilinear logits equals softmax of the exact ones
     bl = reference.bilinear_logits(xq, xk, w_qk=folded)
-    close(np.exp(bl - bl.max(-1, keepdims=True)) / np.exp(bl - bl.max(-1, keepdims=True)).sum(
-        -1, keepdims=True), np.exp(exact - exact.max(-1, keepdims=True)) / np.exp(
-        exact - exact.max(-1, keepdims=True)).sum(-1, keepdims=True), np.float64, "softmax")
+    close(
+        np.exp(bl - bl.max(-1, keepdims=True))
+        / np.exp(bl - bl.max(-1, keepdims=True)).sum(-1, keepdims=True),
+        np.exp(exact - exact.max(-1, keepdims=True))
+        / np.exp(exact - exact.max(-1, keepdims=True)).sum(-1, keepdims=True),
+        np.float64,
+        "softmax",
+    )
     for order in ("query", "key"):
-        close(reference.bilinear_logits(xq, xk, w_qk=folded, order=order), bl, np.float64,
-              "bilinear_logits")
+        close(
+            reference.bilinear_logits(xq, xk, w_qk=folded, order=order),
+            bl,
+            np.float64,
+            "bilinear_logits",
+        )
 
 
 def test_rank_is_d_head(rng, mha_weights):
@@ -183,10 +205,17 @@ def test_raw_w_qk_and_default_scale(rng, mha_weights, close):
     got = attnlab.bilinear_attention(x, w_qk=folded, **vo, num_heads=2)
     close(got, ref, np.float64, "default scale")
     raw = attnlab.bilinear_attention(x, w_qk=folded.w, u_k=folded.u, **vo, num_heads=2)
-    close(raw, reference.bilinear_attention(x, w_qk=folded.w, u_k=folded.u, **vo, num_heads=2,
-                                            scale=1 / math.sqrt(12)), np.float64, "raw scale")
-    explicit = attnlab.bilinear_attention(x, w_qk=folded.w, u_k=folded.u, **vo, num_heads=2,
-                                          scale=1 / math.sqrt(6))
+    close(
+        raw,
+        reference.bilinear_attention(
+            x, w_qk=folded.w, u_k=folded.u, **vo, num_heads=2, scale=1 / math.sqrt(12)
+        ),
+        np.float64,
+        "raw scale",
+    )
+    explicit = attnlab.bilinear_attention(
+        x, w_qk=folded.w, u_k=folded.u, **vo, num_heads=2, scale=1 / math.sqrt(6)
+    )
     close(explicit, ref, np.float64, "explicit scale")
 
 
@@ -198,10 +227,11 @@ def test_factorize(rng, mha_weights, close, rank):
     assert fq.shape == (10, 3 * rank) and fk.shape == (10, 3 * rank) and err.shape == (3,)
     _, _, rerr = reference.factorize_qk(folded, rank)
     approx = attnlab.collapse_qk(fq, fk, num_heads=3).w
-    measured = np.linalg.norm(folded.w - approx, axis=(1, 2)) / np.linalg.norm(folded.w,
-                                                                                 axis=(1, 2))
+    measured = np.linalg.norm(folded.w - approx, axis=(1, 2)) / np.linalg.norm(
+        folded.w, axis=(1, 2)
+    )
     sig = np.linalg.svd(folded.w, compute_uv=False)
-    eckart_young = np.sqrt((sig[:, rank:] ** 2).sum(1)) / np.sqrt((sig ** 2).sum(1))
+    eckart_young = np.sqrt((sig[:, rank:] ** 2).sum(1)) / np.sqrt((sig**2).sum(1))
     np.testing.assert_allclose(err, eckart_young, rtol=1e-10, atol=1e-15)
     np.testing.assert_allclose(err, measured, rtol=1e-6, atol=1e-13)
     np.testing.assert_allclose(err, rerr, rtol=1e-6, atol=1e-13)
@@ -209,10 +239,10 @@ def test_factorize(rng, mha_weights, close, rank):
         assert err.max() < 1e-13
         close(approx, folded.w, np.float64, "factorize full rank")
         x = rng.standard_normal((2, 9, 10))
-        ref = attnlab.bilinear_attention(x, w_qk=folded, w_v=w["w_v"], w_o=w["w_o"],
-                                         num_heads=3)
-        back = attnlab.multi_head_attention(x, w_q=fq, w_k=fk, w_v=w["w_v"], w_o=w["w_o"],
-                                            num_heads=3, scale=1 / math.sqrt(6))
+        ref = attnlab.bilinear_attention(x, w_qk=folded, w_v=w["w_v"], w_o=w["w_o"], num_heads=3)
+        back = attnlab.multi_head_attention(
+            x, w_q=fq, w_k=fk, w_v=w["w_v"], w_o=w["w_o"], num_heads=3, scale=1 / math.sqrt(6)
+        )
         close(back, ref, np.float64, "factorize -> mha")
     zero_q, _, zero_err = attnlab.factorize_qk(np.zeros((2, 4, 3)), 2)
     assert zero_err.tolist() == [0.0, 0.0] and not zero_q.any()
@@ -226,17 +256,26 @@ def test_fully_masked_rows_and_empty(rng, mha_weights):
     x = rng.standard_normal((2, 5, 8))
     kp = np.zeros((2, 5), dtype=bool)
     for order in ("query", "key"):
-        out, wts = attnlab.bilinear_attention(x, w_qk=folded, **vo, num_heads=2,
-                                              key_padding_mask=kp, return_weights=True,
-                                              _order=order)
+        out, wts = attnlab.bilinear_attention(
+            x,
+            w_qk=folded,
+            **vo,
+            num_heads=2,
+            key_padding_mask=kp,
+            return_weights=True,
+            _order=order,
+        )
         np.testing.assert_array_equal(out, np.broadcast_to(w["b_o"], out.shape))
         assert not wts.any()
-        assert attnlab.bilinear_attention(np.zeros((0, 3, 8)), w_qk=folded, **vo,
-                                          num_heads=2, _order=order).shape == (0, 3, 8)
-        assert attnlab.bilinear_attention(np.zeros((2, 0, 8)), w_qk=folded, **vo,
-                                          num_heads=2, _order=order).shape == (2, 0, 8)
-        e = attnlab.bilinear_attention(x, np.zeros((2, 0, 8)), w_qk=folded, **vo, num_heads=2,
-                                       _order=order)
+        assert attnlab.bilinear_attention(
+            np.zeros((0, 3, 8)), w_qk=folded, **vo, num_heads=2, _order=order
+        ).shape == (0, 3, 8)
+        assert attnlab.bilinear_attention(
+            np.zeros((2, 0, 8)), w_qk=folded, **vo, num_heads=2, _order=order
+        ).shape == (2, 0, 8)
+        e = attnlab.bilinear_attention(
+            x, np.zeros((2, 0, 8)), w_qk=folded, **vo, num_heads=2, _order=order
+        )
         np.testing.assert_array_equal(e, np.broadcast_to(w["b_o"], e.shape))
 
 
@@ -249,8 +288,9 @@ def test_input_forms(rng, mha_weights, close):
     xf = np.asfortranarray(x)
     xf.flags.writeable = False
     vo_nc = {k: (np.asfortranarray(v) if v.ndim == 2 else v[::-1][::-1]) for k, v in vo.items()}
-    got = attnlab.bilinear_attention(xf, w_qk=folded.w[:, :, ::-1][:, :, ::-1], u_k=folded.u,
-                                     **vo_nc, num_heads=4, scale=0.5)
+    got = attnlab.bilinear_attention(
+        xf, w_qk=folded.w[:, :, ::-1][:, :, ::-1], u_k=folded.u, **vo_nc, num_heads=4, scale=0.5
+    )
     close(got, ref, np.float64, "non-contiguous")
     xi = (x * 10).astype(np.int32)
     assert attnlab.bilinear_attention(xi, w_qk=folded, **vo, num_heads=4).dtype == np.float64
@@ -268,8 +308,12 @@ def test_thread_count_bitwise(rng, mha_weights):
         outs = []
         for t in (1, 2):
             attnlab.set_num_threads(t)
-            outs.append([attnlab.bilinear_attention(x, w_qk=folded, **vo, num_heads=4,
-                                                    _order=o) for o in ("query", "key")])
+            outs.append(
+                [
+                    attnlab.bilinear_attention(x, w_qk=folded, **vo, num_heads=4, _order=o)
+                    for o in ("query", "key")
+                ]
+            )
         np.testing.assert_array_equal(outs[0][0], outs[1][0])
         np.testing.assert_array_equal(outs[0][1], outs[1][1])
     finally:
@@ -364,13 +408,41 @@ def test_core_rejects_bad_buffers():
     wv = np.zeros((4, 4))
     wo = np.zeros((4, 4))
     out = np.zeros((10, 4))
-    args = dict(query=x, key=x, value=x, w_qk=wqk, u_k=None, w_v=wv, b_v=None, w_o=wo, b_o=None,
-                batch=2, n_q=5, n_k=5, heads=2, kv_heads=2, mask=None, key_padding_mask=None,
-                causal=0, scale=1.0, order=0, out=out, weights=None)
+    args = dict(
+        query=x,
+        key=x,
+        value=x,
+        w_qk=wqk,
+        u_k=None,
+        w_v=wv,
+        b_v=None,
+        w_o=wo,
+        b_o=None,
+        batch=2,
+        n_q=5,
+        n_k=5,
+        heads=2,
+        kv_heads=2,
+        mask=None,
+        key_padding_mask=None,
+        causal=0,
+        scale=1.0,
+        order=0,
+        out=out,
+        weights=None,
+    )
     core.bilinear_forward(**args)
-    for bad in (dict(n_q=6), dict(w_qk=np.zeros((3, 4, 4))), dict(u_k=np.zeros((2, 3))),
-                dict(order=2), dict(kv_heads=3), dict(out=np.zeros((10, 4), np.float32)),
-                dict(weights=np.zeros((2, 2, 5, 4))), dict(causal=5), dict(batch=-1)):
+    for bad in (
+        dict(n_q=6),
+        dict(w_qk=np.zeros((3, 4, 4))),
+        dict(u_k=np.zeros((2, 3))),
+        dict(order=2),
+        dict(kv_heads=3),
+        dict(out=np.zeros((10, 4), np.float32)),
+        dict(weights=np.zeros((2, 2, 5, 4))),
+        dict(causal=5),
+        dict(batch=-1),
+    ):
         with pytest.raises((ValueError, TypeError)):
             core.bilinear_forward(**dict(args, **bad))
 

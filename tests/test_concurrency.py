@@ -28,41 +28,75 @@ def _cases(dtype: Any, n: int = N, batch: int = 2) -> dict[str, Callable[[], Any
     r = lambda *s: rng.standard_normal(s).astype(dtype)  # noqa: E731
     u = lambda *s: (rng.uniform(-1, 1, s) / np.sqrt(s[0])).astype(dtype)  # noqa: E731
     x = r(batch, n, D)
-    mha = dict(w_q=u(D, D), w_k=u(D, D // 2), w_v=u(D, D // 2), w_o=u(D, D), b_q=r(D),
-               b_k=r(D // 2), b_v=r(D // 2), b_o=r(D), num_heads=H, num_kv_heads=H // 2)
+    mha = dict(
+        w_q=u(D, D),
+        w_k=u(D, D // 2),
+        w_v=u(D, D // 2),
+        w_o=u(D, D),
+        b_q=r(D),
+        b_k=r(D // 2),
+        b_v=r(D // 2),
+        b_o=r(D),
+        num_heads=H,
+        num_kv_heads=H // 2,
+    )
     kpm = rng.random((batch, n)) < 0.8
     q, k, v = r(batch, H, n, D // H), r(batch, H // 2, n, D // H), r(batch, H // 2, n, 8)
     mask = rng.random((n, n)) < 0.7
-    qk = attnlab.collapse_qk(mha["w_q"], mha["w_k"], mha["b_q"], mha["b_k"], num_heads=H,
-                             num_kv_heads=H // 2)
-    bil = dict(w_qk=qk, w_v=mha["w_v"], w_o=mha["w_o"], b_v=mha["b_v"], b_o=mha["b_o"],
-               num_heads=H, num_kv_heads=H // 2)
-    add = dict(w_q=u(D, D), b_q=r(D), w_k=u(D, D), b_k=r(D), w_g=r(D), w_proj=u(D, D),
-               b_proj=r(D), w_final=u(D, D), b_final=r(D))
+    qk = attnlab.collapse_qk(
+        mha["w_q"], mha["w_k"], mha["b_q"], mha["b_k"], num_heads=H, num_kv_heads=H // 2
+    )
+    bil = dict(
+        w_qk=qk,
+        w_v=mha["w_v"],
+        w_o=mha["w_o"],
+        b_v=mha["b_v"],
+        b_o=mha["b_o"],
+        num_heads=H,
+        num_kv_heads=H // 2,
+    )
+    add = dict(
+        w_q=u(D, D),
+        b_q=r(D),
+        w_k=u(D, D),
+        b_k=r(D),
+        w_g=r(D),
+        w_proj=u(D, D),
+        b_proj=r(D),
+        w_final=u(D, D),
+        b_final=r(D),
+    )
     sep = dict(w_qkv=u(D, 1 + 2 * D), b_qkv=r(1 + 2 * D), w_o=u(D, D), b_o=r(D))
     g = r(batch, n, D)
     gs = r(batch, H, n, 8)
     return {
-        "sdpa": lambda: attnlab.scaled_dot_product_attention(q, k, v, mask=mask,
-                                                             return_weights=True),
+        "sdpa": lambda: attnlab.scaled_dot_product_attention(
+            q, k, v, mask=mask, return_weights=True
+        ),
         "sdpa_causal": lambda: attnlab.scaled_dot_product_attention(q, k, v, causal=True),
         "sdpa_backward": lambda: attnlab.scaled_dot_product_attention_backward(
-            gs, q, k, v, mask=mask),
-        "mha": lambda: attnlab.multi_head_attention(x, key_padding_mask=kpm,
-                                                    return_weights="mean", **mha),
+            gs, q, k, v, mask=mask
+        ),
+        "mha": lambda: attnlab.multi_head_attention(
+            x, key_padding_mask=kpm, return_weights="mean", **mha
+        ),
         "mha_backward": lambda: attnlab.multi_head_attention_backward(
-            g, x, key_padding_mask=kpm, causal=True, **mha),
+            g, x, key_padding_mask=kpm, causal=True, **mha
+        ),
         "bilinear": lambda: attnlab.bilinear_attention(x, key_padding_mask=kpm, **bil),
         "bilinear_backward": lambda: attnlab.bilinear_attention_backward(
-            g, x, causal="bottom_right", **bil),
+            g, x, causal="bottom_right", **bil
+        ),
         "additive": lambda: attnlab.additive_attention(x, key_padding_mask=kpm, **add),
         "additive_hf": lambda: attnlab.additive_attention(x, variant="hf", **add),
         "additive_backward": lambda: attnlab.additive_attention_backward(
-            g, x, key_padding_mask=kpm, **add),
+            g, x, key_padding_mask=kpm, **add
+        ),
         "separable": lambda: attnlab.separable_attention(x, key_padding_mask=kpm, **sep),
         "separable_backward": lambda: attnlab.separable_attention_backward(g, x, **sep),
-        "collapse_qk": lambda: attnlab.collapse_qk(mha["w_q"], mha["w_k"], mha["b_q"],
-                                                   num_heads=H, num_kv_heads=H // 2),
+        "collapse_qk": lambda: attnlab.collapse_qk(
+            mha["w_q"], mha["w_k"], mha["b_q"], num_heads=H, num_kv_heads=H // 2
+        ),
     }
 
 
@@ -75,8 +109,7 @@ def _bytes(result: Any) -> Any:
     if isinstance(result, tuple):
         return tuple(_bytes(v) for v in result)
     if isinstance(result, attnlab.BilinearQK):
-        return tuple(_bytes(getattr(result, f)) for f in ("w", "u", "v", "c")) + (
-            result.d_head,)
+        return tuple(_bytes(getattr(result, f)) for f in ("w", "u", "v", "c")) + (result.d_head,)
     return result
 
 
@@ -99,11 +132,12 @@ def test_eight_threads_get_the_serial_results_bitwise(dtype: Any) -> None:
 
     def worker(i: int) -> None:
         try:
-            order = names[i % len(names):] + names[: i % len(names)]  # all families at once
+            order = names[i % len(names) :] + names[: i % len(names)]  # all families at once
             start.wait()
             for _ in range(3):
-                failures.extend(f"thread {i}: {name}" for name in order
-                                if _bytes(cases[name]()) != serial[name])
+                failures.extend(
+                    f"thread {i}: {name}" for name in order if _bytes(cases[name]()) != serial[name]
+                )
         except BaseException as exc:  # noqa: BLE001 (the main thread re-raises what a worker hit)
             errors.append(exc)
 
@@ -176,12 +210,15 @@ def _long_calls() -> dict[str, Callable[[], Any]]:
         "mha_forward": lambda: attnlab.multi_head_attention(x, num_heads=4, **w),
         "mha_backward": lambda: attnlab.multi_head_attention_backward(g, x, num_heads=4, **w),
         "bilinear_forward": lambda: attnlab.bilinear_attention(
-            x, w_qk=qk, w_v=w["w_v"], w_o=w["w_o"], num_heads=4),
+            x, w_qk=qk, w_v=w["w_v"], w_o=w["w_o"], num_heads=4
+        ),
         "bilinear_backward": lambda: attnlab.bilinear_attention_backward(
-            g, x, w_qk=qk, w_v=w["w_v"], w_o=w["w_o"], num_heads=4),
+            g, x, w_qk=qk, w_v=w["w_v"], w_o=w["w_o"], num_heads=4
+        ),
         "additive_forward": lambda: attnlab.additive_attention(xa, w_g=np.ones(d), **add),
         "additive_backward": lambda: attnlab.additive_attention_backward(
-            ga, xa, w_g=np.ones(d), **add),
+            ga, xa, w_g=np.ones(d), **add
+        ),
         "separable_forward": lambda: attnlab.separable_attention(xa, **sep),
         "separable_backward": lambda: attnlab.separable_attention_backward(ga, xa, **sep),
     }
@@ -215,8 +252,9 @@ def test_repeated_calls_are_bitwise_equal_whatever_the_heap_holds(dtype: Any) ->
     first = {name: _bytes(f()) for name, f in cases.items()}
     rng = np.random.default_rng(0)
     for _ in range(15):
-        junk = [np.empty(int(rng.integers(1, 300)), np.uint8)
-                for _ in range(int(rng.integers(1, 40)))]
+        junk = [
+            np.empty(int(rng.integers(1, 300)), np.uint8) for _ in range(int(rng.integers(1, 40)))
+        ]
         again = {name: _bytes(f()) for name, f in cases.items()}
         del junk
         assert again == first, [n for n in cases if again[n] != first[n]]

@@ -37,12 +37,12 @@ def counter(monkeypatch):
 
 CASES = [
     # batch, n_q, n_k, d, h, h_kv, d_head
-    (1, 16, None, 32, 1, 1, 32),        # self, h = 1
-    (2, 12, None, 24, 4, 4, 6),         # self, d_head = d / h
-    (3, 10, None, 16, 4, 2, 12),        # self, GQA, d_head > d / 2
-    (1, 5, 40, 16, 2, 2, 8),            # cross, n_q < n_k
-    (2, 50, 3, 16, 2, 1, 8),            # cross, n_q >> n_k: collapsed uses the key order
-    (1, 1, 64, 32, 4, 4, 8),            # one query against 64 keys
+    (1, 16, None, 32, 1, 1, 32),  # self, h = 1
+    (2, 12, None, 24, 4, 4, 6),  # self, d_head = d / h
+    (3, 10, None, 16, 4, 2, 12),  # self, GQA, d_head > d / 2
+    (1, 5, 40, 16, 2, 2, 8),  # cross, n_q < n_k
+    (2, 50, 3, 16, 2, 1, 8),  # cross, n_q >> n_k: collapsed uses the key order
+    (1, 1, 64, 32, 4, 4, 8),  # one query against 64 keys
 ]
 
 
@@ -118,8 +118,10 @@ def test_plan():
     assert cost.collapsed_order(n_q=1000, n_k=10, d_q=64, d_k=64, num_heads=4) == "key"
     assert cost.collapsed_order(n_q=10, n_k=1000, d_q=64, d_k=64, num_heads=4) == "query"
     assert cost.collapsed_order(n_q=100, n_k=100, d_q=64, d_k=64, num_heads=4) == "query"
-    assert cost.collapsed_order(n_q=100, n_k=100, d_q=64, d_k=64, num_heads=4,
-                                key_bias=True) == "query"
+    assert (
+        cost.collapsed_order(n_q=100, n_k=100, d_q=64, d_k=64, num_heads=4, key_bias=True)
+        == "query"
+    )
 
 
 def test_errors():

@@ -23,6 +23,7 @@ def _jacobian(p: np.ndarray) -> np.ndarray:
 
 # -- attention_entropy ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 1000])
 def test_entropy_uniform_is_log_n(n):
     w = np.full((3, 2, n), 1.0 / n)
@@ -43,8 +44,9 @@ def test_entropy_matches_definition(rng):
     p = _softmax(rng.standard_normal((4, 6, 9)) * 2)
     ref = -(p * np.log(p)).sum(axis=-1)
     np.testing.assert_allclose(D.attention_entropy(p), ref, rtol=1e-12)
-    np.testing.assert_allclose(D.attention_entropy(p, normalize=True), ref / math.log(9),
-                               rtol=1e-12)
+    np.testing.assert_allclose(
+        D.attention_entropy(p, normalize=True), ref / math.log(9), rtol=1e-12
+    )
 
 
 def test_entropy_two_point_closed_form():
@@ -65,7 +67,7 @@ def test_entropy_mask_ignores_masked_keys_and_counts_allowed():
 def test_entropy_mask_broadcasts_and_fully_masked_rows_give_zero():
     w = np.full((2, 3, 4), 0.25)
     mask = np.array([[True, True, True, True], [False] * 4, [True, False, False, False]])
-    h = D.attention_entropy(w, mask)          # mask (3, 4) broadcasts to (2, 3, 4)
+    h = D.attention_entropy(w, mask)  # mask (3, 4) broadcasts to (2, 3, 4)
     np.testing.assert_allclose(h, np.broadcast_to([math.log(4), 0.0, 0.0], (2, 3)), atol=1e-12)
     hn = D.attention_entropy(w, mask, normalize=True)
     assert np.all(np.isfinite(hn))
@@ -80,8 +82,9 @@ def test_entropy_renormalises_rows_and_zero_rows_give_zero():
 def test_entropy_of_attnlab_weights(rng, mha_weights):
     """Causal weights: row i is spread over i + 1 keys, so normalised entropy stays in [0, 1]."""
     x = rng.standard_normal((2, 6, 8))
-    _, w = attnlab.multi_head_attention(x, **mha_weights(rng, 8, 2, 4), num_heads=2, causal=True,
-                                        return_weights=True)
+    _, w = attnlab.multi_head_attention(
+        x, **mha_weights(rng, 8, 2, 4), num_heads=2, causal=True, return_weights=True
+    )
     causal = np.tril(np.ones((6, 6), dtype=bool))
     h = D.attention_entropy(w, causal, normalize=True)
     assert h.shape == (2, 2, 6)
@@ -100,6 +103,7 @@ def test_entropy_dtypes_and_nan():
 
 
 # -- logit_stats ----------------------------------------------------------------------------
+
 
 def test_logit_stats_against_direct_computation(rng):
     q = rng.standard_normal((2, 3, 5, 8))
@@ -134,6 +138,7 @@ def test_logit_stats_mask_and_broadcast():
 
 # -- effective_rank -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("r", [1, 2, 5, 8])
 def test_effective_rank_equal_singular_values_is_rank(rng, r):
     u, _ = np.linalg.qr(rng.standard_normal((12, 12)))
@@ -166,20 +171,23 @@ def test_effective_rank_closed_form_two_values_and_stack():
 
 def test_effective_rank_of_folded_weights(rng):
     """A folded W_i = W_q,i W_k,i^T has rank <= d_head, so its effective rank is <= d_head."""
-    qk = attnlab.collapse_qk(rng.standard_normal((16, 8)), rng.standard_normal((16, 8)),
-                             num_heads=2)
+    qk = attnlab.collapse_qk(
+        rng.standard_normal((16, 8)), rng.standard_normal((16, 8)), num_heads=2
+    )
     e = D.effective_rank(qk.w)
     assert e.shape == (2,) and np.all(e <= 4 + 1e-9) and np.all(e >= 1)
 
 
 # -- softmax_jacobian_norm ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [1, 2, 5, 32])
 def test_jacobian_norm_uniform(n):
     z = np.zeros((3, n))
     np.testing.assert_allclose(D.softmax_jacobian_norm(z), math.sqrt(n - 1) / n, atol=1e-15)
-    np.testing.assert_allclose(D.softmax_jacobian_norm(z, ord=2), 1.0 / n if n > 1 else 0.0,
-                               atol=1e-15)
+    np.testing.assert_allclose(
+        D.softmax_jacobian_norm(z, ord=2), 1.0 / n if n > 1 else 0.0, atol=1e-15
+    )
 
 
 def test_jacobian_norm_two_keys_closed_form():
@@ -217,8 +225,7 @@ def test_jacobian_norm_masks():
     keep = np.array([True, False, True, True])
     np.testing.assert_allclose(D.softmax_jacobian_norm(z, keep), math.sqrt(2) / 3, atol=1e-15)
     additive = np.where(keep, 0.0, -np.inf)
-    np.testing.assert_allclose(D.softmax_jacobian_norm(z, additive), math.sqrt(2) / 3,
-                               atol=1e-15)
+    np.testing.assert_allclose(D.softmax_jacobian_norm(z, additive), math.sqrt(2) / 3, atol=1e-15)
     assert D.softmax_jacobian_norm(z, np.zeros(4, dtype=bool)).tolist() == [0.0]
     assert D.softmax_jacobian_norm(np.full((2, 3), -np.inf)).tolist() == [0.0, 0.0]
 
@@ -241,38 +248,57 @@ def test_entropy_and_jacobian_fall_with_logit_scale(rng):
 
 # -- errors ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("call, exc, words", [
-    (lambda: D.attention_entropy(None), TypeError, "^weights:"),
-    (lambda: D.attention_entropy(np.ones(3, dtype=bool)), TypeError, "^weights:"),
-    (lambda: D.attention_entropy(np.ones(3) * 1j), TypeError, "^weights:"),
-    (lambda: D.attention_entropy(np.float64(0.5)), ValueError, "^weights:"),
-    (lambda: D.attention_entropy([[0.5, -0.5]]), ValueError, "^weights: expected non-negative"),
-    (lambda: D.attention_entropy(np.ones((2, 3)), mask=np.ones((2, 4), bool)), ValueError,
-     "^mask:"),
-    (lambda: D.attention_entropy(np.ones((2, 3)), mask=np.ones((2, 3))), TypeError, "^mask:"),
-    (lambda: D.attention_entropy(np.ones((2, 3)), normalize=1), TypeError, "^normalize:"),
-    (lambda: D.logit_stats(np.ones(4), np.ones((3, 4))), ValueError, "^q:"),
-    (lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 5))), ValueError, "^k:"),
-    (lambda: D.logit_stats(np.ones((2, 2, 4)), np.ones((3, 3, 4))), ValueError,
-     "^batch dimensions do not broadcast: q"),
-    (lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 4)), scale="x"), TypeError, "^scale:"),
-    (lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 4)), scale=math.inf), ValueError,
-     "^scale:"),
-    (lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 4)), mask=np.ones((2, 2), bool)),
-     ValueError, "^mask:"),
-    (lambda: D.logit_stats(np.ones((2, 4)), "abc"), TypeError, "^k:"),
-    (lambda: D.effective_rank(np.ones(3)), ValueError, "^matrix:"),
-    (lambda: D.effective_rank(np.array([[1.0, np.nan]])), ValueError, "^matrix:"),
-    (lambda: D.effective_rank([["a"]]), TypeError, "^matrix:"),
-    (lambda: D.softmax_jacobian_norm(np.float64(1)), ValueError, "^logits:"),
-    (lambda: D.softmax_jacobian_norm(np.ones(3), ord=1), ValueError, "^ord:"),
-    (lambda: D.softmax_jacobian_norm(np.ones(3), ord=True), ValueError, "^ord:"),
-    (lambda: D.softmax_jacobian_norm(np.ones(3), mask=np.ones(3, np.int64)), TypeError,
-     "^mask:"),
-    (lambda: D.softmax_jacobian_norm(np.ones(3), mask=np.ones(4)), ValueError, "^mask:"),
-    (lambda: D.softmax_jacobian_norm(np.ones(3), mask=np.ones(4, bool)), ValueError, "^mask:"),
-    (lambda: D.softmax_jacobian_norm(np.ones(3, complex)), TypeError, "^logits:"),
-])
+
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda: D.attention_entropy(None), TypeError, "^weights:"),
+        (lambda: D.attention_entropy(np.ones(3, dtype=bool)), TypeError, "^weights:"),
+        (lambda: D.attention_entropy(np.ones(3) * 1j), TypeError, "^weights:"),
+        (lambda: D.attention_entropy(np.float64(0.5)), ValueError, "^weights:"),
+        (lambda: D.attention_entropy([[0.5, -0.5]]), ValueError, "^weights: expected non-negative"),
+        (
+            lambda: D.attention_entropy(np.ones((2, 3)), mask=np.ones((2, 4), bool)),
+            ValueError,
+            "^mask:",
+        ),
+        (lambda: D.attention_entropy(np.ones((2, 3)), mask=np.ones((2, 3))), TypeError, "^mask:"),
+        (lambda: D.attention_entropy(np.ones((2, 3)), normalize=1), TypeError, "^normalize:"),
+        (lambda: D.logit_stats(np.ones(4), np.ones((3, 4))), ValueError, "^q:"),
+        (lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 5))), ValueError, "^k:"),
+        (
+            lambda: D.logit_stats(np.ones((2, 2, 4)), np.ones((3, 3, 4))),
+            ValueError,
+            "^batch dimensions do not broadcast: q",
+        ),
+        (lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 4)), scale="x"), TypeError, "^scale:"),
+        (
+            lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 4)), scale=math.inf),
+            ValueError,
+            "^scale:",
+        ),
+        (
+            lambda: D.logit_stats(np.ones((2, 4)), np.ones((3, 4)), mask=np.ones((2, 2), bool)),
+            ValueError,
+            "^mask:",
+        ),
+        (lambda: D.logit_stats(np.ones((2, 4)), "abc"), TypeError, "^k:"),
+        (lambda: D.effective_rank(np.ones(3)), ValueError, "^matrix:"),
+        (lambda: D.effective_rank(np.array([[1.0, np.nan]])), ValueError, "^matrix:"),
+        (lambda: D.effective_rank([["a"]]), TypeError, "^matrix:"),
+        (lambda: D.softmax_jacobian_norm(np.float64(1)), ValueError, "^logits:"),
+        (lambda: D.softmax_jacobian_norm(np.ones(3), ord=1), ValueError, "^ord:"),
+        (lambda: D.softmax_jacobian_norm(np.ones(3), ord=True), ValueError, "^ord:"),
+        (
+            lambda: D.softmax_jacobian_norm(np.ones(3), mask=np.ones(3, np.int64)),
+            TypeError,
+            "^mask:",
+        ),
+        (lambda: D.softmax_jacobian_norm(np.ones(3), mask=np.ones(4)), ValueError, "^mask:"),
+        (lambda: D.softmax_jacobian_norm(np.ones(3), mask=np.ones(4, bool)), ValueError, "^mask:"),
+        (lambda: D.softmax_jacobian_norm(np.ones(3, complex)), TypeError, "^logits:"),
+    ],
+)
 def test_errors_name_the_argument(call, exc, words):
     """Each message starts with the argument it is about (``"k: ..."``, not just any "k")."""
     with pytest.raises(exc, match=words):
@@ -293,8 +319,11 @@ def test_saturated_jacobian_matches_the_documented_eps_factor(m):
     p = np.r_[1 - eps, np.full(m - 1, eps / (m - 1))]
     got = float(D.softmax_jacobian_norm(np.log(p)))
     np.testing.assert_allclose(got / eps, math.sqrt(1 + 3 / (m - 1)), rtol=1e-6)
-    np.testing.assert_allclose(float(D.softmax_jacobian_norm([100.0, 0.0, 0.0])),
-                               math.sqrt(10) * math.exp(-100), rtol=1e-12)
+    np.testing.assert_allclose(
+        float(D.softmax_jacobian_norm([100.0, 0.0, 0.0])),
+        math.sqrt(10) * math.exp(-100),
+        rtol=1e-12,
+    )
 
 
 def test_torch_tensor_masks_are_accepted():
@@ -303,12 +332,18 @@ def test_torch_tensor_masks_are_accepted():
     got = D.attention_entropy(w, mask=torch.tensor([True, False, True]), normalize=True)
     np.testing.assert_allclose(got, [1.0])
     z = np.zeros((1, 3))
-    np.testing.assert_allclose(D.softmax_jacobian_norm(z, mask=torch.tensor([True, True, False])),
-                               D.softmax_jacobian_norm(z[:, :2]))
+    np.testing.assert_allclose(
+        D.softmax_jacobian_norm(z, mask=torch.tensor([True, True, False])),
+        D.softmax_jacobian_norm(z[:, :2]),
+    )
 
 
 def test_all_is_curated():
-    assert sorted(D.__all__) == ["attention_entropy", "effective_rank", "logit_stats",
-                                 "softmax_jacobian_norm"]
+    assert sorted(D.__all__) == [
+        "attention_entropy",
+        "effective_rank",
+        "logit_stats",
+        "softmax_jacobian_norm",
+    ]
     for name in D.__all__:
         assert callable(getattr(D, name)) and getattr(D, name).__doc__

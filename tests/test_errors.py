@@ -25,14 +25,29 @@ D, H = 8, 2
 def _mha_base() -> dict[str, Any]:
     rng = np.random.default_rng(0)
     w = lambda *s: rng.standard_normal(s) * 0.3  # noqa: E731
-    return dict(query=w(2, 5, D), key=w(2, 6, D), value=w(2, 6, D), w_q=w(D, D), w_k=w(D, D),
-                w_v=w(D, D), w_o=w(D, D), b_q=w(D), b_k=w(D), b_v=w(D), b_o=w(D), num_heads=H)
+    return dict(
+        query=w(2, 5, D),
+        key=w(2, 6, D),
+        value=w(2, 6, D),
+        w_q=w(D, D),
+        w_k=w(D, D),
+        w_v=w(D, D),
+        w_o=w(D, D),
+        b_q=w(D),
+        b_k=w(D),
+        b_v=w(D),
+        b_o=w(D),
+        num_heads=H,
+    )
 
 
 def _sdpa_base() -> dict[str, Any]:
     rng = np.random.default_rng(1)
-    return dict(q=rng.standard_normal((2, 4, 5, 8)), k=rng.standard_normal((2, 2, 6, 8)),
-                v=rng.standard_normal((2, 2, 6, 3)))
+    return dict(
+        q=rng.standard_normal((2, 4, 5, 8)),
+        k=rng.standard_normal((2, 2, 6, 8)),
+        v=rng.standard_normal((2, 2, 6, 3)),
+    )
 
 
 def _mha(**change: Any) -> Callable[[], Any]:
@@ -42,6 +57,7 @@ def _mha(**change: Any) -> Callable[[], Any]:
         kw = {k: v for k, v in kw.items() if v is not _DROP}
         q, k, v = kw.pop("query"), kw.pop("key", None), kw.pop("value", None)
         return attnlab.multi_head_attention(q, k, v, **kw)
+
     return call
 
 
@@ -51,6 +67,7 @@ def _sdpa(**change: Any) -> Callable[[], Any]:
         kw.update(change)
         q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
         return attnlab.scaled_dot_product_attention(q, k, v, **kw)
+
     return call
 
 
@@ -151,8 +168,12 @@ CASES: list[tuple[str, Callable[[], Any], type, str]] = [
     # ---------------- batch dims
     ("mha-batch-mismatch", _mha(key=E((3, 6, D)), value=E((3, 6, D))), VE, "batch|query|key"),
     ("mha-batch-mismatch-value", _mha(value=E((4, 6, D))), VE, "batch|value"),
-    ("mha-batch-mismatch-2d", _mha(query=E((2, 3, 5, D)), key=E((3, 2, 6, D)),
-                                   value=E((3, 2, 6, D))), VE, "batch|query|key"),
+    (
+        "mha-batch-mismatch-2d",
+        _mha(query=E((2, 3, 5, D)), key=E((3, 2, 6, D)), value=E((3, 2, 6, D))),
+        VE,
+        "batch|query|key",
+    ),
     # ---------------- zero-width feature axes
     ("mha-query-d0", _mha(query=E((2, 5, 0)), w_q=E((0, D))), VE, "query|d_q"),
     ("mha-query-d0-vs-w_q", _mha(query=E((2, 5, 0))), VE, "w_q|query"),
@@ -226,9 +247,16 @@ def test_no_crash_in_subprocess():
         print("done", n)
     """)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(attnlab.__file__)),
-                                         env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env=env, check=False, timeout=120)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(attnlab.__file__)), env.get("PYTHONPATH", "")]
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=120,
+    )
     assert res.returncode == 0, f"child died with {res.returncode}: {res.stderr[-2000:]}"
     assert "done" in res.stdout, res.stdout

@@ -29,8 +29,14 @@ def _run(calls: int, **env_extra: str) -> subprocess.CompletedProcess[str]:
 
     pkg_root = str(Path(attnlab.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, str(SCRIPT), "--calls", str(calls)], env=env,
-                          capture_output=True, text=True, check=False, timeout=900)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--calls", str(calls)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=900,
+    )
 
 
 def test_a_crash_is_seen_by_its_exit_status() -> None:
@@ -44,7 +50,8 @@ def test_a_crash_is_seen_by_its_exit_status() -> None:
 def test_ten_thousand_random_calls_never_crash() -> None:
     proc = _run(CALLS)
     assert proc.returncode == 0, (
-        f"fuzz process died with status {proc.returncode}\n{proc.stderr[-4000:]}")
+        f"fuzz process died with status {proc.returncode}\n{proc.stderr[-4000:]}"
+    )
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     summary = {k: v for k, v in report.items() if k != "problems"}
     print("\nfuzz:", json.dumps(summary, sort_keys=True))
@@ -59,6 +66,8 @@ def test_ten_thousand_random_calls_never_crash() -> None:
     errors = sum(v for k, v in report.items() if k.startswith("error:"))
     assert report["result"] + errors == CALLS
     if CALLS >= 1000:  # every kind of call and every family was exercised
-        assert all(report.get(f"kind:{k}", 0) > 0 for k in ("valid", "layout", "invalid",
-                                                             "nonfinite", "huge"))
+        assert all(
+            report.get(f"kind:{k}", 0) > 0
+            for k in ("valid", "layout", "invalid", "nonfinite", "huge")
+        )
         assert sum(1 for k in report if k.startswith("family:")) == 12

@@ -15,8 +15,8 @@ import pytest
 
 from attnlab import init
 
-Z = 6.0                       # standard errors allowed
-FAN_IN, FAN_OUT = 1200, 800   # unequal, so swapping them is detected
+Z = 6.0  # standard errors allowed
+FAN_IN, FAN_OUT = 1200, 800  # unequal, so swapping them is detected
 N = FAN_IN * FAN_OUT
 
 
@@ -30,20 +30,20 @@ def _Phi(t: float) -> float:
 
 def _uniform(a: float):
     """(bound, variance, 4th central moment, cdf) of U(-a, a)."""
-    return a, a * a / 3, a ** 4 / 5, lambda t: min(max((t + a) / (2 * a), 0.0), 1.0)
+    return a, a * a / 3, a**4 / 5, lambda t: min(max((t + a) / (2 * a), 0.0), 1.0)
 
 
 def _normal(s: float):
-    return math.inf, s * s, 3 * s ** 4, lambda t: _Phi(t / s)
+    return math.inf, s * s, 3 * s**4, lambda t: _Phi(t / s)
 
 
 def _trunc(s: float, c: float):
     """N(0, s^2) cut at +-c std: E z^2 = 1 - 2c phi/Zc, E z^4 = 3 E z^2 - 2c^3 phi/Zc."""
     zc = 2 * _Phi(c) - 1
     m2 = 1 - 2 * c * _phi(c) / zc
-    m4 = 3 * m2 - 2 * c ** 3 * _phi(c) / zc
+    m4 = 3 * m2 - 2 * c**3 * _phi(c) / zc
     cdf = lambda t: min(max((_Phi(t / s) - _Phi(-c)) / zc, 0.0), 1.0)  # noqa: E731
-    return c * s, m2 * s * s, m4 * s ** 4, cdf
+    return c * s, m2 * s * s, m4 * s**4, cdf
 
 
 SCHEMES = {
@@ -91,8 +91,8 @@ def test_weight_distribution(name: str) -> None:
 def test_law_formulas_are_distinct() -> None:
     """The tolerances above are far below the gaps between the schemes' variances."""
     v_torch = 1 / (3 * FAN_IN)
-    assert abs(v_torch - 1 / (3 * FAN_OUT)) / v_torch > 0.3           # fan swap
-    assert abs(SCHEMES["trunc_normal"][1][1] - 0.02 ** 2) / 0.02 ** 2 > 0.2  # cut ignored
+    assert abs(v_torch - 1 / (3 * FAN_OUT)) / v_torch > 0.3  # fan swap
+    assert abs(SCHEMES["trunc_normal"][1][1] - 0.02**2) / 0.02**2 > 0.2  # cut ignored
     # the truncated law's std, as documented
     assert math.sqrt(SCHEMES["trunc_normal"][1][1]) == pytest.approx(0.02 * 0.8796, rel=1e-4)
 
@@ -127,8 +127,7 @@ def test_dtype_seed_and_empty(name: str) -> None:
 
 
 def test_registry() -> None:
-    assert init.names() == ["torch", "xavier_uniform", "xavier_normal", "randn",
-                            "trunc_normal"]
+    assert init.names() == ["torch", "xavier_uniform", "xavier_normal", "randn", "trunc_normal"]
     assert init.get("torch").weight is init.torch_default
     assert init.get(init.xavier_normal).name == "xavier_normal"
     s = init.get("randn")

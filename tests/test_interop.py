@@ -34,8 +34,10 @@ F32 = np.float32
 
 
 def test_attnlab_never_imports_torch():
-    code = ("import sys, attnlab, attnlab.interop, attnlab.layers, attnlab.reference; "
-            "sys.exit('torch' in sys.modules)")
+    code = (
+        "import sys, attnlab, attnlab.interop, attnlab.layers, attnlab.reference; "
+        "sys.exit('torch' in sys.modules)"
+    )
     res = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), check=False)
     assert res.returncode == 0
 
@@ -88,9 +90,11 @@ def _mha_sd(E=8, kdim=None, bias=True, rng=None):
     if kdim is None:
         sd = {"in_proj_weight": rng.standard_normal((3 * E, E)) / 3}
     else:
-        sd = {"q_proj_weight": rng.standard_normal((E, E)) / 3,
-              "k_proj_weight": rng.standard_normal((E, kdim)) / 3,
-              "v_proj_weight": rng.standard_normal((E, kdim)) / 3}
+        sd = {
+            "q_proj_weight": rng.standard_normal((E, E)) / 3,
+            "k_proj_weight": rng.standard_normal((E, kdim)) / 3,
+            "v_proj_weight": rng.standard_normal((E, kdim)) / 3,
+        }
     sd["out_proj.weight"] = rng.standard_normal((E, E)) / 3
     if bias:
         sd["in_proj_bias"] = rng.standard_normal(3 * E)
@@ -105,8 +109,7 @@ def test_from_torch_mha_numpy_layout():
     np.testing.assert_array_equal(kw["w_k"], sd["in_proj_weight"][8:16].T)
     np.testing.assert_array_equal(kw["b_v"], sd["in_proj_bias"][16:])
     assert kw["w_q"].flags.c_contiguous and not np.shares_memory(kw["w_q"], sd["in_proj_weight"])
-    assert set(from_torch_mha(_mha_sd(bias=False), 2)) == {"w_q", "w_k", "w_v", "w_o",
-                                                            "num_heads"}
+    assert set(from_torch_mha(_mha_sd(bias=False), 2)) == {"w_q", "w_k", "w_v", "w_o", "num_heads"}
     kw = from_torch_mha(_mha_sd(kdim=5), 4)
     assert kw["w_k"].shape == (5, 8) and kw["w_v"].shape == (5, 8)
 
@@ -118,11 +121,17 @@ def test_from_torch_mha_numpy_layout():
         (lambda sd: sd.update(extra=np.zeros(2)), ValueError, "unexpected keys.*'extra'"),
         (lambda sd: sd.update(in_proj_bias=np.zeros(5)), ValueError, "in_proj_bias.*(24,)"),
         (lambda sd: sd.update(in_proj_weight=np.zeros((20, 8))), ValueError, "in_proj_weight"),
-        (lambda sd: sd.update(bias_k=np.zeros((1, 1, 8)), bias_v=np.zeros((1, 1, 8))),
-         ValueError, "add_bias_kv"),
+        (
+            lambda sd: sd.update(bias_k=np.zeros((1, 1, 8)), bias_v=np.zeros((1, 1, 8))),
+            ValueError,
+            "add_bias_kv",
+        ),
         (lambda sd: sd.update(q_proj_weight=np.zeros((8, 8))), ValueError, "both"),
-        (lambda sd: sd.update({"out_proj.weight": np.zeros((8, 8), complex)}), TypeError,
-         "out_proj.weight"),
+        (
+            lambda sd: sd.update({"out_proj.weight": np.zeros((8, 8), complex)}),
+            TypeError,
+            "out_proj.weight",
+        ),
     ],
 )
 def test_from_torch_mha_errors_name_the_key(mutate, exc, words):
@@ -176,8 +185,7 @@ def test_bool_flags_are_checked():
     for bad in (1, "yes", None, np.float64(1.0)):
         with pytest.raises(TypeError, match="add_zero_attn: expected True or False"):
             from_torch_mha(_mha_sd(), 2, add_zero_attn=bad)
-    vit = {"to_qkv.weight": np.zeros((24, 8)), "norm.weight": np.ones(8),
-           "norm.bias": np.zeros(8)}
+    vit = {"to_qkv.weight": np.zeros((24, 8)), "norm.weight": np.ones(8), "norm.bias": np.zeros(8)}
     for bad in (1, "yes", None):
         with pytest.raises(TypeError, match="ignore_norm: expected True or False"):
             from_vit_pytorch(vit, 2, ignore_norm=bad)
@@ -189,8 +197,9 @@ def test_prefix_without_trailing_dot():
     many = {f"enc.{i}.{k}": v * (i + 1) for i in (1, 10) for k, v in sd.items()}
     kw = from_torch_mha(many, 2, prefix="enc.1")  # not also enc.10.*
     np.testing.assert_array_equal(kw["w_o"], sd["out_proj.weight"].T * 2)
-    np.testing.assert_array_equal(from_torch_mha(many, 2, prefix="enc.10")["w_o"],
-                                  sd["out_proj.weight"].T * 11)
+    np.testing.assert_array_equal(
+        from_torch_mha(many, 2, prefix="enc.10")["w_o"], sd["out_proj.weight"].T * 11
+    )
     one = {"self_attn." + k: v for k, v in sd.items() if k != "out_proj.weight"}
     with pytest.raises(ValueError, match=r"missing key 'self_attn\.out_proj\.weight'"):
         from_torch_mha(one, 2, prefix="self_attn")
@@ -215,8 +224,9 @@ def test_prefix_found_or_refused():
 def test_loader_errors_other_families():
     rng = np.random.default_rng(2)
     d = 4
-    sf = {f"{m}.weight": rng.standard_normal((d, d)) for m in ("to_query", "to_key", "Proj",
-                                                               "final")}
+    sf = {
+        f"{m}.weight": rng.standard_normal((d, d)) for m in ("to_query", "to_key", "Proj", "final")
+    }
     sf["w_g"] = rng.standard_normal((d, 1))
     with pytest.raises(ValueError, match="variant"):
         from_swiftformer(sf, "paper")
@@ -226,15 +236,20 @@ def test_loader_errors_other_families():
         from_swiftformer({**sf, "w_g": np.zeros((3, 1))})
     with pytest.raises(ValueError, match=r"missing key 'to_key.weight'"):
         from_swiftformer({k: v for k, v in sf.items() if k != "to_key.weight"})
-    mv = {"qkv_proj.weight": rng.standard_normal((2 * d + 1, d, 1, 1)),
-          "out_proj.weight": rng.standard_normal((d, d, 1, 1))}
+    mv = {
+        "qkv_proj.weight": rng.standard_normal((2 * d + 1, d, 1, 1)),
+        "out_proj.weight": rng.standard_normal((d, d, 1, 1)),
+    }
     assert from_mobilevitv2(mv)["w_qkv"].shape == (d, 2 * d + 1)
     with pytest.raises(ValueError, match=r"qkv_proj.weight.*1 \+ 2 d"):
         from_mobilevitv2({**mv, "qkv_proj.weight": np.zeros((2 * d, d, 1, 1))})
     with pytest.raises(ValueError, match="1x1"):
         from_mobilevitv2({**mv, "out_proj.weight": np.zeros((d, d, 3, 3))})
-    vit = {"to_qkv.weight": rng.standard_normal((3 * d, d)), "norm.weight": np.ones(d),
-           "norm.bias": np.zeros(d)}
+    vit = {
+        "to_qkv.weight": rng.standard_normal((3 * d, d)),
+        "norm.weight": np.ones(d),
+        "norm.bias": np.zeros(d),
+    }
     with pytest.raises(ValueError, match=r"LayerNorm.*ignore_norm=True"):
         from_vit_pytorch(vit, 1)
     kw = from_vit_pytorch(vit, 1, ignore_norm=True)
@@ -378,25 +393,31 @@ def test_bfloat16_tensors_become_float32():
 # vit_pytorch/vit.py (LayerNorm first, to_qkv without bias, to_out = Linear + Dropout unless
 # heads == 1 and dim_head == dim).
 if torch is not None:
+
     class VitAttention(nn.Module):
         def __init__(self, dim, heads=8, dim_head=64, dropout=0.0):
             super().__init__()
             inner_dim = dim_head * heads
             project_out = not (heads == 1 and dim_head == dim)
             self.heads = heads
-            self.scale = dim_head ** -0.5
+            self.scale = dim_head**-0.5
             self.norm = nn.LayerNorm(dim)
             self.attend = nn.Softmax(dim=-1)
             self.dropout = nn.Dropout(dropout)
             self.to_qkv = nn.Linear(dim, inner_dim * 3, bias=False)
-            self.to_out = (nn.Sequential(nn.Linear(inner_dim, dim), nn.Dropout(dropout))
-                           if project_out else nn.Identity())
+            self.to_out = (
+                nn.Sequential(nn.Linear(inner_dim, dim), nn.Dropout(dropout))
+                if project_out
+                else nn.Identity()
+            )
 
         def forward(self, x):
             x = self.norm(x)
             b, n, _ = x.shape
-            q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2)
-                       for t in self.to_qkv(x).chunk(3, dim=-1))
+            q, k, v = (
+                t.reshape(b, n, self.heads, -1).transpose(1, 2)
+                for t in self.to_qkv(x).chunk(3, dim=-1)
+            )
             attn = self.dropout(self.attend(q @ k.transpose(-1, -2) * self.scale))
             out = (attn @ v).transpose(1, 2).reshape(b, n, -1)
             return self.to_out(out)
@@ -425,8 +446,9 @@ def test_vit_pytorch_attention(dim, heads, dim_head):
 @needs_torch
 def test_vit_pytorch_prefix_in_a_model():
     torch.manual_seed(2)
-    layers = nn.ModuleList([nn.ModuleList([VitAttention(16, 2, 8), nn.Linear(16, 16)])
-                            for _ in range(2)])
+    layers = nn.ModuleList(
+        [nn.ModuleList([VitAttention(16, 2, 8), nn.Linear(16, 16)]) for _ in range(2)]
+    )
     sd = {"transformer.layers." + k: v for k, v in layers.state_dict().items()}
     with pytest.raises(ValueError, match="2 vit-pytorch Attention modules"):
         from_vit_pytorch(sd, 2, ignore_norm=True)
@@ -435,16 +457,16 @@ def test_vit_pytorch_prefix_in_a_model():
     with torch.no_grad():
         ref = layers[1][0](x)
         xn = layers[1][0].norm(x)
-    assert_close(attnlab.multi_head_attention(_np(xn), **kw), _np(ref), F32,
-                 "interop vit-pytorch")
+    assert_close(attnlab.multi_head_attention(_np(xn), **kw), _np(ref), F32, "interop vit-pytorch")
 
 
 # timm's EfficientAdditiveAttention: the same computation on (B, C, H, W), with `proj`.
 if torch is not None:
+
     class TimmAdditive(nn.Module):
         def __init__(self, in_dims, token_dim, num_heads=1):
             super().__init__()
-            self.scale_factor = token_dim ** -0.5
+            self.scale_factor = token_dim**-0.5
             self.to_query = nn.Linear(in_dims, token_dim * num_heads)
             self.to_key = nn.Linear(in_dims, token_dim * num_heads)
             self.w_g = nn.Parameter(torch.randn(token_dim * num_heads, 1))
@@ -471,8 +493,7 @@ def test_swiftformer_official(in_dims, token_dim, num_heads):
     with torch.no_grad():
         ref = m(x)
     kw = from_swiftformer(m.state_dict(), "official")
-    assert kw["variant"] == "official" and kw["w_final"].shape == (token_dim * num_heads,
-                                                                   token_dim)
+    assert kw["variant"] == "official" and kw["w_final"].shape == (token_dim * num_heads, token_dim)
     assert_close(attnlab.additive_attention(_np(x), **kw), _np(ref), F32, "interop SwiftFormer")
 
 
@@ -511,6 +532,7 @@ def test_swiftformer_hugging_face():
 # apple/ml-cvnets LinearSelfAttention names its 1x1 convolutions qkv_proj.block.conv and
 # out_proj.block.conv (ConvLayer2d); the computation is that of the Hugging Face port.
 if torch is not None:
+
     class _ConvLayer(nn.Module):
         def __init__(self, c_in, c_out):
             super().__init__()

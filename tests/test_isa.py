@@ -32,14 +32,29 @@ print(attnlab.build_info()["isa"])
 
 def _run(isa: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, ATTNLAB_ISA=isa)
-    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
-                          text=True, check=False, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
 
 
 def test_build_info_reports_the_variant_in_use():
     info = attnlab.build_info()
-    for key in ("version", "isa", "compiler", "eigen_version", "num_threads", "available_isas",
-                "built_isas", "compiled_for", "cpu_features"):
+    for key in (
+        "version",
+        "isa",
+        "compiler",
+        "eigen_version",
+        "num_threads",
+        "available_isas",
+        "built_isas",
+        "compiled_for",
+        "cpu_features",
+    ):
         assert key in info
     assert info["isa"] in info["available_isas"]
     assert info["isa"] == info["available_isas"][0] or os.environ.get("ATTNLAB_ISA")
@@ -99,23 +114,38 @@ QEMU = shutil.which("qemu-x86_64-static") or shutil.which("qemu-x86_64")
 # Older CPUs, emulated: the whole Python process runs under qemu-user with the CPU model given,
 # so cpuid reports what that CPU has and any AVX instruction would be SIGILL (qemu has no
 # AVX-512). Nehalem: SSE4.2, no AVX; Haswell: AVX2 + FMA, no AVX-512.
-@pytest.mark.skipif(QEMU is None or platform.machine() != "x86_64",
-                    reason="needs qemu-x86_64 (Debian: qemu-user-static) on x86-64")
-@pytest.mark.parametrize(("cpu", "best", "refused"),
-                         [("Nehalem", "generic", ["avx2", "avx512"]),
-                          ("Haswell", "avx2", ["avx512"])])
+@pytest.mark.skipif(
+    QEMU is None or platform.machine() != "x86_64",
+    reason="needs qemu-x86_64 (Debian: qemu-user-static) on x86-64",
+)
+@pytest.mark.parametrize(
+    ("cpu", "best", "refused"),
+    [("Nehalem", "generic", ["avx2", "avx512"]), ("Haswell", "avx2", ["avx512"])],
+)
 def test_emulated_older_cpus_select_what_they_can_run(cpu, best, refused):
     assert QEMU is not None
     cmd = [QEMU, "-cpu", cpu, sys.executable, "-c", PROBE]
-    r = subprocess.run(cmd, env=dict(os.environ, ATTNLAB_ISA=""), capture_output=True, text=True,
-                       check=False, timeout=600)
+    r = subprocess.run(
+        cmd,
+        env=dict(os.environ, ATTNLAB_ISA=""),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     if best not in _loader.core.BUILT_ISAS:  # a narrowed developer build (ATTNLAB_ISAS)
         best = "generic"
     assert r.stdout.strip().splitlines()[-1] == best
     for isa in refused:
-        r = subprocess.run(cmd, env=dict(os.environ, ATTNLAB_ISA=isa), capture_output=True,
-                           text=True, check=False, timeout=600)
+        r = subprocess.run(
+            cmd,
+            env=dict(os.environ, ATTNLAB_ISA=isa),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=600,
+        )
         assert r.returncode == 1, (isa, r.returncode, r.stderr[-2000:])
         assert "ATTNLAB_ISA" in r.stderr and "does not support it" in r.stderr
 
@@ -123,8 +153,15 @@ def test_emulated_older_cpus_select_what_they_can_run(cpu, best, refused):
 # The comparison suites (forward and backward of every family against the float64 reference,
 # finite differences and torch), run again in a subprocess on each other variant this CPU
 # supports: the variant in use already ran them in this session.
-SUITES = ("test_mha.py", "test_bilinear.py", "test_additive.py", "test_backward_mha.py",
-          "test_backward_bilinear.py", "test_backward_additive.py", "test_rope.py")
+SUITES = (
+    "test_mha.py",
+    "test_bilinear.py",
+    "test_additive.py",
+    "test_backward_mha.py",
+    "test_backward_bilinear.py",
+    "test_backward_additive.py",
+    "test_rope.py",
+)
 
 
 @pytest.mark.parametrize("isa", _loader.available())
@@ -133,9 +170,26 @@ def test_comparison_suites_pass_on_every_supported_variant(isa):
         pytest.skip(f"{isa} is the variant in use: the suites ran on it in this session")
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, ATTNLAB_ISA=isa)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        "-p", "no:randomly", *SUITES], cwd=here, env=env, capture_output=True,
-                       text=True, check=False, timeout=1200)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            *SUITES,
+        ],
+        cwd=here,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1200,
+    )
     tail = "\n".join(r.stdout.splitlines()[-15:])
     assert r.returncode == 0, f"ATTNLAB_ISA={isa}:\n{tail}\n{r.stderr[-2000:]}"
     assert " passed" in tail

@@ -45,13 +45,17 @@ def rand(rng: np.random.Generator, *shape: int, dtype=np.float64) -> np.ndarray:
 
 # --- multi-head attention ---------------------------------------------------------------------
 
+
 @pytest.mark.empty_rows
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("cfg", [
-    dict(d_model=12, num_heads=3),
-    dict(d_model=12, num_heads=4, num_kv_heads=2, d_head=5, kdim=7, vdim=9, d_out=6),
-    dict(d_model=8, num_heads=2, num_kv_heads=1),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(d_model=12, num_heads=3),
+        dict(d_model=12, num_heads=4, num_kv_heads=2, d_head=5, kdim=7, vdim=9, d_out=6),
+        dict(d_model=8, num_heads=2, num_kv_heads=1),
+    ],
+)
 def test_mha_params_and_forward(cfg: dict, bias: bool) -> None:
     layer = MultiHeadAttention(**cfg, bias=bias, seed=0)
     d = cfg["d_model"]
@@ -61,8 +65,12 @@ def test_mha_params_and_forward(cfg: dict, bias: bool) -> None:
     kdim = cfg.get("kdim", d)
     vdim = cfg.get("vdim", kdim)
     d_out = cfg.get("d_out", d)
-    shapes = {"w_q": (d, h * dh), "w_k": (kdim, h_kv * dh), "w_v": (vdim, h_kv * dh),
-              "w_o": (h * dh, d_out)}
+    shapes = {
+        "w_q": (d, h * dh),
+        "w_k": (kdim, h_kv * dh),
+        "w_v": (vdim, h_kv * dh),
+        "w_o": (h * dh, d_out),
+    }
     if bias:
         shapes.update(b_q=(h * dh,), b_k=(h_kv * dh,), b_v=(h_kv * dh,), b_o=(d_out,))
     assert {k: v.shape for k, v in layer.params.items()} == shapes
@@ -75,8 +83,9 @@ def test_mha_params_and_forward(cfg: dict, bias: bool) -> None:
     v = rand(rng, 2, 4, vdim)
     mask = rng.random((5, 4)) > 0.3
     got = layer(q, k, v, mask=mask)
-    ref = attnlab.multi_head_attention(q, k, v, **layer.params, num_heads=h, num_kv_heads=h_kv,
-                                       mask=mask)
+    ref = attnlab.multi_head_attention(
+        q, k, v, **layer.params, num_heads=h, num_kv_heads=h_kv, mask=mask
+    )
     same(got, ref)
     out, w = layer(q, k, v, causal=True, return_weights=True)
     assert out.shape == (2, 5, d_out) and w.shape == (2, h, 5, 4)
@@ -92,8 +101,9 @@ def test_mha_seed_and_init() -> None:
     # the scheme's draws, in the documented order: w_q, b_q, w_k, ...
     rng = np.random.default_rng(3)
     np.testing.assert_array_equal(a.params["w_q"], ainit.torch_default(16, 16, rng, np.float64))
-    np.testing.assert_array_equal(a.params["b_q"],
-                                  ainit.torch_default_bias(16, 16, rng, np.float64))
+    np.testing.assert_array_equal(
+        a.params["b_q"], ainit.torch_default_bias(16, 16, rng, np.float64)
+    )
     r = MultiHeadAttention(64, 4, init="randn", seed=0)
     assert 0.9 < r.params["w_q"].std() < 1.1 and not r.params["b_q"].any()
     t = MultiHeadAttention(64, 4, init="trunc_normal", seed=0)
@@ -123,8 +133,13 @@ def test_mha_constructor_errors() -> None:
     with pytest.raises(TypeError, match="bias: expected True or False"):
         MultiHeadAttention(8, 2, bias=1)
     with pytest.raises(ValueError, match="init: the weight initialiser returned shape"):
-        MultiHeadAttention(8, 2, init=lambda fi, fo, _rng, _dt: np.zeros((fo, fi)) if fi != fo
-                           else np.zeros((fi, fo + 1)))
+        MultiHeadAttention(
+            8,
+            2,
+            init=lambda fi, fo, _rng, _dt: (
+                np.zeros((fo, fi)) if fi != fo else np.zeros((fi, fo + 1))
+            ),
+        )
 
 
 def test_mha_backward_matches_functional_and_return_types() -> None:
@@ -134,8 +149,9 @@ def test_mha_backward_matches_functional_and_return_types() -> None:
     go = rand(rng, 3, 4, 8)
     layer(q, k, v, causal="bottom_right")
     dq, dk, dv = layer.backward(go)
-    ref = attnlab.multi_head_attention_backward(go, q, k, v, **layer.params, num_heads=2,
-                                                causal="bottom_right")
+    ref = attnlab.multi_head_attention_backward(
+        go, q, k, v, **layer.params, num_heads=2, causal="bottom_right"
+    )
     for name, g in (("query", dq), ("key", dk), ("value", dv)):
         same(g, ref[name])
     for name in layer.params:
@@ -154,7 +170,7 @@ def test_mha_backward_matches_functional_and_return_types() -> None:
     np.testing.assert_allclose(d1 + d2, dx, rtol=1e-12, atol=1e-12)
     self_layer(x, x, x)
     assert len(self_layer.backward(go)) == 3
-    self_layer(x, value=x)          # key defaults to query: (d_query, d_value)
+    self_layer(x, value=x)  # key defaults to query: (d_query, d_value)
     dq2, dv2 = self_layer.backward(go)
     assert dq2.shape == dv2.shape == x.shape
 
@@ -167,7 +183,7 @@ def test_backward_uses_parameters_of_the_call() -> None:
     layer(x)
     g_before = layer.backward(go)
     layer(x)
-    layer.params["w_q"] += 1.0       # an optimiser stepping between forward and backward
+    layer.params["w_q"] += 1.0  # an optimiser stepping between forward and backward
     same(layer.backward(go), g_before)
 
 
@@ -197,11 +213,11 @@ def test_state_dict_round_trip_and_errors() -> None:
     a = MultiHeadAttention(8, 2, seed=0)
     b = MultiHeadAttention(8, 2, seed=1)
     sd = a.state_dict()
-    sd["w_q"][0, 0] = 123.0             # a copy: the layer is unchanged
+    sd["w_q"][0, 0] = 123.0  # a copy: the layer is unchanged
     assert a.params["w_q"][0, 0] != 123.0
     ids = {k: id(v) for k, v in b.params.items()}
     b.load_state_dict(a.state_dict())
-    assert {k: id(v) for k, v in b.params.items()} == ids   # in place
+    assert {k: id(v) for k, v in b.params.items()} == ids  # in place
     x = np.random.default_rng(0).standard_normal((2, 3, 8))
     same(a(x), b(x))
     b.load_state_dict({k: v.astype(np.float32) for k, v in a.params.items()})
@@ -214,11 +230,11 @@ def test_state_dict_round_trip_and_errors() -> None:
     with pytest.raises(KeyError, match=r"missing \['b_o'\], unexpected \['extra'\]"):
         b.load_state_dict(bad)
     bad = a.state_dict()
-    bad["w_q"] = np.ones((8, 8))         # fine
+    bad["w_q"] = np.ones((8, 8))  # fine
     bad["w_o"] = np.ones((8, 4))
     with pytest.raises(ValueError, match=r"state\['w_o'\]: expected shape \(8, 8\), got \(8, 4\)"):
         b.load_state_dict(bad)
-    for k in before:                     # nothing was written by a failed load
+    for k in before:  # nothing was written by a failed load
         np.testing.assert_array_equal(b.params[k], before[k])
     with pytest.raises(TypeError, match="state: expected a mapping"):
         b.load_state_dict([1, 2])
@@ -231,26 +247,37 @@ def test_state_dict_round_trip_and_errors() -> None:
 
 # --- bilinear ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("cfg", [
-    dict(d_model=12, num_heads=3),
-    dict(d_model=12, num_heads=4, num_kv_heads=2, d_head=5, kdim=7, vdim=9, d_out=6),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(d_model=12, num_heads=3),
+        dict(d_model=12, num_heads=4, num_kv_heads=2, d_head=5, kdim=7, vdim=9, d_out=6),
+    ],
+)
 def test_bilinear_from_mha_is_exact(cfg: dict, bias: bool) -> None:
     mha = MultiHeadAttention(**cfg, bias=bias, seed=5)
     bil = BilinearAttention.from_mha(mha)
     h, d = cfg["num_heads"], cfg["d_model"]
     kdim = cfg.get("kdim", d)
-    names = ["w_qk"] + (["u_k"] if bias else []) + ["w_v"] + (["b_v"] if bias else []) + \
-        ["w_o"] + (["b_o"] if bias else [])
+    names = (
+        ["w_qk"]
+        + (["u_k"] if bias else [])
+        + ["w_v"]
+        + (["b_v"] if bias else [])
+        + ["w_o"]
+        + (["b_o"] if bias else [])
+    )
     assert list(bil.params) == names
     assert bil.params["w_qk"].shape == (h, d, kdim)
     assert bil.scale == mha.scale
     rng = np.random.default_rng(6)
     q, k, v = rand(rng, 2, 5, d), rand(rng, 2, 4, kdim), rand(rng, 2, 4, cfg.get("vdim", kdim))
     kp = np.array([[True, True, False, True], [True] * 4])
-    np.testing.assert_allclose(bil(q, k, v, key_padding_mask=kp),
-                               mha(q, k, v, key_padding_mask=kp), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        bil(q, k, v, key_padding_mask=kp), mha(q, k, v, key_padding_mask=kp), rtol=0, atol=1e-12
+    )
     # owns its parameters
     bil.params["w_v"] += 1
     assert not np.array_equal(bil.params["w_v"], mha.params["w_v"])
@@ -270,20 +297,31 @@ def test_bilinear_backward() -> None:
     x, go = rand(rng, 2, 5, 8), rand(rng, 2, 5, 8)
     layer(x, causal=True)
     dx = layer.backward(go)
-    ref = backward_fn(BilinearAttention)(go, x, **layer.params, num_heads=2,
-                                              scale=layer.scale, causal=True)
+    ref = backward_fn(BilinearAttention)(
+        go, x, **layer.params, num_heads=2, scale=layer.scale, causal=True
+    )
     same(dx, ref["query"])
     assert set(layer.grads) == set(layer.params)
 
 
 # --- additive and separable -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("variant", ["official", "hf"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_additive_params_and_forward(variant: str, bias: bool) -> None:
     layer = AdditiveAttention(6, d_hidden=10, d_out=4, variant=variant, bias=bias, seed=0)
-    shapes = {"w_q": (6, 10), "b_q": (10,), "w_k": (6, 10), "b_k": (10,), "w_g": (10,),
-              "w_proj": (10, 10), "b_proj": (10,), "w_final": (10, 4), "b_final": (4,)}
+    shapes = {
+        "w_q": (6, 10),
+        "b_q": (10,),
+        "w_k": (6, 10),
+        "b_k": (10,),
+        "w_g": (10,),
+        "w_proj": (10, 10),
+        "b_proj": (10,),
+        "w_final": (10, 4),
+        "b_final": (4,),
+    }
     if not bias:
         shapes = {k: s for k, s in shapes.items() if not k.startswith("b_")}
     assert {k: v.shape for k, v in layer.params.items()} == shapes
@@ -300,7 +338,11 @@ def test_additive_params_and_forward(variant: str, bias: bool) -> None:
 def test_separable_params_and_forward() -> None:
     layer = SeparableAttention(6, d_out=5, seed=0)
     assert {k: v.shape for k, v in layer.params.items()} == {
-        "w_qkv": (6, 13), "b_qkv": (13,), "w_o": (6, 5), "b_o": (5,)}
+        "w_qkv": (6, 13),
+        "b_qkv": (13,),
+        "w_o": (6, 5),
+        "b_o": (5,),
+    }
     x = rand(np.random.default_rng(9), 2, 3, 7, 6)
     same(layer(x), attnlab.separable_attention(x, **layer.params))
     assert list(SeparableAttention(4, bias=False).params) == ["w_qkv", "w_o"]
@@ -317,5 +359,3 @@ def test_token_layers_backward(cls: type) -> None:
     assert isinstance(dx, np.ndarray) and dx.shape == x.shape
     assert set(layer.grads) == set(layer.params)
     assert all(layer.grads[k].shape == p.shape for k, p in layer.params.items())
-
-

@@ -28,8 +28,14 @@ def _run(code: str, timeout: float = 300) -> dict:
     env = dict(os.environ)
     root = str(Path(attnlab.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, check=False, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"status {proc.returncode}\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -110,8 +116,12 @@ print(json.dumps(growth))
 @pytest.mark.skipif(SANITIZED, reason="AddressSanitizer's quarantine holds freed memory")
 def test_rss_does_not_grow_over_ten_thousand_calls_per_family() -> None:
     growth = _run(LEAK.format(calls=CALLS))
-    print("\nRSS growth over", CALLS, "calls (MiB):",
-          json.dumps({k: round(v, 3) for k, v in growth.items()}))
+    print(
+        "\nRSS growth over",
+        CALLS,
+        "calls (MiB):",
+        json.dumps({k: round(v, 3) for k, v in growth.items()}),
+    )
     assert len(growth) == 12
     leaking = {k: v for k, v in growth.items() if v >= LIMIT_MIB}
     assert not leaking, f"resident memory grew by >= {LIMIT_MIB} MiB: {leaking}"

@@ -47,8 +47,7 @@ def check_weights(w: np.ndarray, n_k: int) -> None:
     assert (w[zero_rows] == 0).all()
 
 
-def compare_mha(dtype, query, key, value, w, *, mode=False, label="mha vs reference",
-                **kw):
+def compare_mha(dtype, query, key, value, w, *, mode=False, label="mha vs reference", **kw):
     """Runs both implementations; compares outputs (and weights). Returns (out, weights)."""
     cast = lambda a: None if a is None else np.asarray(a).astype(dtype)  # noqa: E731
     args = [cast(query), cast(key), cast(value)]
@@ -91,8 +90,9 @@ def test_mha_sizes_heads(rng, n_q, n_k, heads, dtype, mode):
     w = make_mha_weights(rng, d, h, d_head, d_k=10, num_kv_heads=h_kv)
     query = rng.standard_normal((B, n_q, d))
     key = rng.standard_normal((B, n_k, 10))
-    out = compare_mha(dtype, query, key, None, w, num_heads=h, num_kv_heads=h_kv,
-                      mode="heads" if mode else False)
+    out = compare_mha(
+        dtype, query, key, None, w, num_heads=h, num_kv_heads=h_kv, mode="heads" if mode else False
+    )
     if mode:
         assert out[1].shape == (B, h, n_q, n_k)
         check_weights(out[1], n_k)
@@ -109,8 +109,9 @@ def test_mha_self_attention_defaults(rng, n, dtype):
     key = rng.standard_normal((3, n + 2, 16))
     compare_mha(dtype, x, key, None, w, num_heads=4)
     a = attnlab.multi_head_attention(x.astype(dtype), key.astype(dtype), **w, num_heads=4)
-    b = attnlab.multi_head_attention(x.astype(dtype), key.astype(dtype), key.astype(dtype),
-                                     **w, num_heads=4)
+    b = attnlab.multi_head_attention(
+        x.astype(dtype), key.astype(dtype), key.astype(dtype), **w, num_heads=4
+    )
     np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15)
 
 
@@ -173,9 +174,19 @@ def test_mha_masks(rng, kind, causal, n_q, n_k, dtype, mode):
     mask, kpm = make_mask(kind, rng, B, h, n_q, n_k, dtype)
     query = rng.standard_normal((B, n_q, d))
     key = rng.standard_normal((B, n_k, d))
-    out, weights = compare_mha(dtype, query, key, None, w, num_heads=h, num_kv_heads=2,
-                               mask=mask, key_padding_mask=kpm, causal=causal,
-                               mode=mode and "heads")
+    out, weights = compare_mha(
+        dtype,
+        query,
+        key,
+        None,
+        w,
+        num_heads=h,
+        num_kv_heads=2,
+        mask=mask,
+        key_padding_mask=kpm,
+        causal=causal,
+        mode=mode and "heads",
+    )
     assert np.isfinite(out).all()
     if weights is not None:
         check_weights(weights, n_k)
@@ -188,7 +199,8 @@ def check_masked_exact_zero(weights, B, h, n_q, n_k, mask, kpm, causal):
     allowed = np.broadcast_to(allowed & ~np.isneginf(bias), (B, h, n_q, n_k))
     bad = weights[~allowed]
     assert (bad == 0).all(), (
-        f"{np.count_nonzero(bad)} masked weights are not 0, e.g. {bad[bad != 0][:3]}")
+        f"{np.count_nonzero(bad)} masked weights are not 0, e.g. {bad[bad != 0][:3]}"
+    )
 
 
 def test_mha_mask_bool_vs_float_equivalent(rng):
@@ -213,16 +225,19 @@ def test_causal_alignment(rng, n_q, n_k, mode, dtype):
     v = rng.standard_normal((2, 2, n_k, 5)).astype(dtype)
     i = np.arange(n_q)[:, None]
     j = np.arange(n_k)[None, :]
-    for causal, allowed in ((True, j <= i), ("top_left", j <= i),
-                            ("bottom_right", j <= i + n_k - n_q)):
-        got = attnlab.scaled_dot_product_attention(q, k, v, causal=causal,
-                                                   return_weights=mode)
+    for causal, allowed in (
+        (True, j <= i),
+        ("top_left", j <= i),
+        ("bottom_right", j <= i + n_k - n_q),
+    ):
+        got = attnlab.scaled_dot_product_attention(q, k, v, causal=causal, return_weights=mode)
         exp = attnlab.scaled_dot_product_attention(q, k, v, mask=allowed, return_weights=mode)
         if mode:
             np.testing.assert_array_equal(got[1] > 0, np.broadcast_to(allowed, got[1].shape))
             got, exp = got[0], exp[0]
-        np.testing.assert_allclose(got, exp, rtol=1e-6 if dtype == F32 else 1e-14,
-                                   atol=1e-6 if dtype == F32 else 1e-14)
+        np.testing.assert_allclose(
+            got, exp, rtol=1e-6 if dtype == F32 else 1e-14, atol=1e-6 if dtype == F32 else 1e-14
+        )
         empty_rows = ~allowed.any(axis=1)
         assert (got[..., empty_rows, :] == 0).all()
 
@@ -247,13 +262,32 @@ WIDTHS = [  # (d_q, d_k, d_v, h, h_kv, d_head, d_vhead, d_out)
 @pytest.mark.parametrize("widths", WIDTHS, ids=_ids)
 def test_mha_widths_biases(rng, widths, bias, dtype):
     d_q, d_k, d_v, h, h_kv, d_head, d_vhead, d_out = widths
-    w = make_mha_weights(rng, d_q, h, d_head, d_k=d_k, d_v=d_v, num_kv_heads=h_kv,
-                         d_vhead=d_vhead, d_out=d_out, bias=bias)
+    w = make_mha_weights(
+        rng,
+        d_q,
+        h,
+        d_head,
+        d_k=d_k,
+        d_v=d_v,
+        num_kv_heads=h_kv,
+        d_vhead=d_vhead,
+        d_out=d_out,
+        bias=bias,
+    )
     query = rng.standard_normal((2, 6, d_q))
     key = rng.standard_normal((2, 9, d_k))
     value = rng.standard_normal((2, 9, d_v))
-    out, weights = compare_mha(dtype, query, key, value, w, num_heads=h,
-                               num_kv_heads=h_kv, mode="heads", causal="bottom_right")
+    out, weights = compare_mha(
+        dtype,
+        query,
+        key,
+        value,
+        w,
+        num_heads=h,
+        num_kv_heads=h_kv,
+        mode="heads",
+        causal="bottom_right",
+    )
     assert out.shape == (2, 6, d_out)
     assert weights.shape == (2, h, 6, 9)
 
@@ -302,8 +336,9 @@ def test_mha_batch_dims(rng, batches, dtype, mode):
     batch = np.broadcast_shapes(bq, bk, bv)
     mask = None if mb is None else rng.random(mb + (n_q, n_k)) < 0.7
     kpm = rng.random(batch + (n_k,)) < 0.9 if batch else None
-    got = compare_mha(dtype, query, key, value, w, num_heads=h, mask=mask,
-                      key_padding_mask=kpm, mode=mode)
+    got = compare_mha(
+        dtype, query, key, value, w, num_heads=h, mask=mask, key_padding_mask=kpm, mode=mode
+    )
     out, weights = got
     assert out.shape == batch + (n_q, 8)
     if mode in (True, "heads"):
@@ -339,8 +374,7 @@ def test_return_weights_modes_agree(rng):
 def test_explicit_scale(rng, scale, dtype):
     w = make_mha_weights(rng, 8, 2, 4)
     x = rng.standard_normal((2, 70, 8))
-    compare_mha(dtype, x, None, None, w, num_heads=2, scale=scale, mode="heads",
-                causal=True)
+    compare_mha(dtype, x, None, None, w, num_heads=2, scale=scale, mode="heads", causal=True)
     q, k, v = (rng.standard_normal((2, 3, 9, 5)) for _ in range(3))
     compare_sdpa(dtype, q, k, v, scale=scale, mode=True)
 
@@ -425,8 +459,10 @@ MIXED = [  # dtypes of (query, weights) -> result
 
 @pytest.mark.parametrize("dq,dw,expected", MIXED, ids=_ids)
 def test_mha_mixed_dtypes(rng, dq, dw, expected):
-    w = {k: (v * 4).round().astype(dw) if np.dtype(dw).kind in "iu" else v.astype(dw)
-         for k, v in make_mha_weights(rng, 8, 2, 4).items()}
+    w = {
+        k: (v * 4).round().astype(dw) if np.dtype(dw).kind in "iu" else v.astype(dw)
+        for k, v in make_mha_weights(rng, 8, 2, 4).items()
+    }
     x = rng.integers(0, 3, (2, 5, 8)).astype(dq)
     got = attnlab.multi_head_attention(x, **w, num_heads=2)
     assert got.dtype == expected
@@ -457,11 +493,18 @@ def test_float_mask_dtype_follows_data(rng):
 def test_array_likes(rng):
     w = make_mha_weights(rng, 4, 2, 2)
     x = rng.standard_normal((3, 4))
-    got = attnlab.multi_head_attention(x.tolist(), **{k: v.tolist() for k, v in w.items()},
-                                       num_heads=np.int64(2), mask=(np.eye(3) > 0).tolist())
+    got = attnlab.multi_head_attention(
+        x.tolist(),
+        **{k: v.tolist() for k, v in w.items()},
+        num_heads=np.int64(2),
+        mask=(np.eye(3) > 0).tolist(),
+    )
     np.testing.assert_allclose(
-        got, attnlab.multi_head_attention(x, **w, num_heads=2, mask=np.eye(3) > 0),
-        rtol=1e-14, atol=1e-15)
+        got,
+        attnlab.multi_head_attention(x, **w, num_heads=2, mask=np.eye(3) > 0),
+        rtol=1e-14,
+        atol=1e-15,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,8 +523,13 @@ def _layouts(a: np.ndarray):
     # data at an odd address (np.ndarray over a byte buffer): flags.aligned is False
     un = np.ndarray(a.shape, dtype=a.dtype, buffer=bytearray(a.nbytes + 1), offset=1)
     un[...] = a
-    return {"strided": big[..., ::2], "fortran": f, "readonly": ro, "reversed": rev,
-            "unaligned": un}
+    return {
+        "strided": big[..., ::2],
+        "fortran": f,
+        "readonly": ro,
+        "reversed": rev,
+        "unaligned": un,
+    }
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
@@ -492,12 +540,19 @@ def test_mha_layouts(rng, layout, dtype):
     key = rng.standard_normal((2, 130, 6)).astype(dtype)
     mask = rng.random((2, 1, 70, 130)) < 0.8
     kpm = rng.random((2, 130)) < 0.9
-    expected = attnlab.multi_head_attention(query, key, **w, num_heads=2, mask=mask,
-                                            key_padding_mask=kpm, return_weights=True)
+    expected = attnlab.multi_head_attention(
+        query, key, **w, num_heads=2, mask=mask, key_padding_mask=kpm, return_weights=True
+    )
     L = lambda a: _layouts(a)[layout]  # noqa: E731
-    got = attnlab.multi_head_attention(L(query), L(key), **{k: L(v) for k, v in w.items()},
-                                       num_heads=2, mask=L(mask), key_padding_mask=L(kpm),
-                                       return_weights=True)
+    got = attnlab.multi_head_attention(
+        L(query),
+        L(key),
+        **{k: L(v) for k, v in w.items()},
+        num_heads=2,
+        mask=L(mask),
+        key_padding_mask=L(kpm),
+        return_weights=True,
+    )
     # (bitwise equality is the determinism tests' business: see test_repeatable)
     tol = 1e-6 if dtype == F32 else 1e-14
     assert_close(got[0], expected[0], dtype, "mha layouts vs contiguous", tol=tol)
@@ -505,8 +560,9 @@ def test_mha_layouts(rng, layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
-@pytest.mark.parametrize("layout", ["strided", "fortran", "readonly", "reversed", "unaligned",
-                                    "heads_view"])
+@pytest.mark.parametrize(
+    "layout", ["strided", "fortran", "readonly", "reversed", "unaligned", "heads_view"]
+)
 def test_sdpa_layouts(rng, layout, dtype):
     B, n, h, d = 2, 70, 3, 8
     x = {c: rng.standard_normal((B, n, h * d)).astype(dtype) for c in "qkv"}
@@ -514,19 +570,32 @@ def test_sdpa_layouts(rng, layout, dtype):
     views = {c: a.reshape(B, n, h, d).transpose(0, 2, 1, 3) for c, a in x.items()}
     dense = {c: np.ascontiguousarray(a) for c, a in views.items()}
     mask = rng.standard_normal((B, 1, n, n)).astype(dtype)
-    expected = attnlab.scaled_dot_product_attention(dense["q"], dense["k"], dense["v"],
-                                                    mask=mask, return_weights=True)
+    expected = attnlab.scaled_dot_product_attention(
+        dense["q"], dense["k"], dense["v"], mask=mask, return_weights=True
+    )
     if layout == "heads_view":
         args = [views[c] for c in "qkv"]
     else:
         args = [_layouts(dense[c])[layout] for c in "qkv"]
-    got = attnlab.scaled_dot_product_attention(*args, mask=_layouts(mask)["strided"]
-                                               if layout != "heads_view" else mask,
-                                               return_weights=True)
-    assert_close(got[0], expected[0], dtype, "sdpa layouts vs contiguous", tol=1e-6
-                 if dtype == F32 else 1e-14)
-    assert_close(got[1], expected[1], dtype, "sdpa layouts vs contiguous", tol=1e-6
-                 if dtype == F32 else 1e-14)
+    got = attnlab.scaled_dot_product_attention(
+        *args,
+        mask=_layouts(mask)["strided"] if layout != "heads_view" else mask,
+        return_weights=True,
+    )
+    assert_close(
+        got[0],
+        expected[0],
+        dtype,
+        "sdpa layouts vs contiguous",
+        tol=1e-6 if dtype == F32 else 1e-14,
+    )
+    assert_close(
+        got[1],
+        expected[1],
+        dtype,
+        "sdpa layouts vs contiguous",
+        tol=1e-6 if dtype == F32 else 1e-14,
+    )
     exp_ref = ref.scaled_dot_product_attention(*args, mask=mask, return_weights=True)
     assert_close(got[0], exp_ref[0], dtype, "sdpa vs reference")
 
@@ -547,14 +616,18 @@ def test_inputs_not_modified(rng):
 
 
 @pytest.mark.parametrize("mode", [False, True, "mean"], ids=_ids)
-@pytest.mark.parametrize("batch,n_q,n_k", [((2,), 0, 5), ((2,), 4, 0), ((0,), 4, 5),
-                                           ((2, 0), 4, 5), ((), 0, 0), ((3,), 0, 0)], ids=_ids)
+@pytest.mark.parametrize(
+    "batch,n_q,n_k",
+    [((2,), 0, 5), ((2,), 4, 0), ((0,), 4, 5), ((2, 0), 4, 5), ((), 0, 0), ((3,), 0, 0)],
+    ids=_ids,
+)
 def test_mha_empty(rng, batch, n_q, n_k, mode):
     w = make_mha_weights(rng, 8, 2, 4, d_out=5)
     query = rng.standard_normal(batch + (n_q, 8))
     key = rng.standard_normal(batch + (n_k, 8))
-    res = attnlab.multi_head_attention(query, key, **w, num_heads=2, return_weights=mode,
-                                       causal=True)
+    res = attnlab.multi_head_attention(
+        query, key, **w, num_heads=2, return_weights=mode, causal=True
+    )
     out = res[0] if mode else res
     assert out.shape == batch + (n_q, 5)
     np.testing.assert_array_equal(out, np.broadcast_to(w["b_o"], out.shape))
@@ -564,10 +637,16 @@ def test_mha_empty(rng, batch, n_q, n_k, mode):
 
 
 @pytest.mark.parametrize("mode", [False, True], ids=_ids)
-@pytest.mark.parametrize("shape_q,shape_k", [((2, 3, 0, 4), (2, 3, 5, 4)),
-                                             ((2, 3, 4, 4), (2, 3, 0, 4)),
-                                             ((0, 3, 4, 4), (0, 3, 5, 4)),
-                                             ((3, 0, 4), (3, 0, 4))], ids=_ids)
+@pytest.mark.parametrize(
+    "shape_q,shape_k",
+    [
+        ((2, 3, 0, 4), (2, 3, 5, 4)),
+        ((2, 3, 4, 4), (2, 3, 0, 4)),
+        ((0, 3, 4, 4), (0, 3, 5, 4)),
+        ((3, 0, 4), (3, 0, 4)),
+    ],
+    ids=_ids,
+)
 def test_sdpa_empty(rng, shape_q, shape_k, mode):
     q = rng.standard_normal(shape_q)
     k = rng.standard_normal(shape_k)
@@ -659,8 +738,7 @@ def test_large_logits_float32(rng, magnitude, causal, mode):
     v = rng.standard_normal((2, 2, 150, 8))
     c = np.sqrt(magnitude)  # logits = q.k / sqrt(d) ~ magnitude
     q32, k32, v32 = (q * c).astype(np.float32), (k * c).astype(np.float32), v.astype(np.float32)
-    res = attnlab.scaled_dot_product_attention(q32, k32, v32, causal=causal,
-                                               return_weights=mode)
+    res = attnlab.scaled_dot_product_attention(q32, k32, v32, causal=causal, return_weights=mode)
     out = res[0] if mode else res
     assert np.isfinite(out).all()
     # the reference sees the same rounded float32 inputs; near-ties between the two largest
@@ -703,13 +781,17 @@ def test_thread_count_bitwise(rng, dtype):
     for t in (1, 2, 1, 2):
         attnlab.set_num_threads(t)
         assert attnlab.get_num_threads() == t
-        results.append((
-            attnlab.multi_head_attention(x, **w, num_heads=4, num_kv_heads=2, causal=True,
-                                         key_padding_mask=kpm),
-            attnlab.multi_head_attention(x, **w, num_heads=4, num_kv_heads=2,
-                                         return_weights=True),
-            attnlab.scaled_dot_product_attention(q, k, v, causal="bottom_right"),
-        ))
+        results.append(
+            (
+                attnlab.multi_head_attention(
+                    x, **w, num_heads=4, num_kv_heads=2, causal=True, key_padding_mask=kpm
+                ),
+                attnlab.multi_head_attention(
+                    x, **w, num_heads=4, num_kv_heads=2, return_weights=True
+                ),
+                attnlab.scaled_dot_product_attention(q, k, v, causal="bottom_right"),
+            )
+        )
     for r in results[1:]:
         np.testing.assert_array_equal(r[0], results[0][0])
         np.testing.assert_array_equal(r[1][0], results[0][1][0])
@@ -816,8 +898,9 @@ def test_sdpa_gqa_equals_repeated_heads(rng, dtype):
     k = rng.standard_normal((2, 2, 12, 4)).astype(dtype)
     v = rng.standard_normal((2, 2, 12, 3)).astype(dtype)
     a = attnlab.scaled_dot_product_attention(q, k, v, causal=True)
-    b = attnlab.scaled_dot_product_attention(q, np.repeat(k, 3, axis=1),
-                                             np.repeat(v, 3, axis=1), causal=True)
+    b = attnlab.scaled_dot_product_attention(
+        q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1), causal=True
+    )
     np.testing.assert_array_equal(a, b)
 
 
@@ -827,9 +910,11 @@ def test_mha_gqa_equals_repeated_kv_weights(rng):
     w = make_mha_weights(rng, 12, h, dh, num_kv_heads=h_kv)
     x = rng.standard_normal((2, 7, 12))
     a = attnlab.multi_head_attention(x, **w, num_heads=h, num_kv_heads=h_kv)
+
     def rep(m):  # each kv head repeated for its group of query heads
-        return np.concatenate([m[..., j * dh:(j + 1) * dh] for j in range(h_kv)
-                               for _ in range(h // h_kv)], axis=-1)
+        return np.concatenate(
+            [m[..., j * dh : (j + 1) * dh] for j in range(h_kv) for _ in range(h // h_kv)], axis=-1
+        )
 
     w2 = dict(w, w_k=rep(w["w_k"]), w_v=rep(w["w_v"]), b_k=rep(w["b_k"]), b_v=rep(w["b_v"]))
     b = attnlab.multi_head_attention(x, **w2, num_heads=h)

@@ -32,8 +32,15 @@ def _t(a, dtype):
 
 def make_torch_mha(embed_dim, num_heads, dtype, *, kdim=None, vdim=None, bias=True, seed=0):
     torch.manual_seed(seed)
-    m = torch.nn.MultiheadAttention(embed_dim, num_heads, bias=bias, batch_first=True,
-                                    kdim=kdim, vdim=vdim, dtype=TORCH_DT[dtype])
+    m = torch.nn.MultiheadAttention(
+        embed_dim,
+        num_heads,
+        bias=bias,
+        batch_first=True,
+        kdim=kdim,
+        vdim=vdim,
+        dtype=TORCH_DT[dtype],
+    )
     m.eval()
     with torch.no_grad():  # random biases too (torch initialises them to 0)
         for p in m.parameters():
@@ -48,13 +55,16 @@ def weights_from_torch(m) -> dict[str, np.ndarray]:
     sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
     if "in_proj_weight" in sd:
         w = sd["in_proj_weight"]
-        out = {"w_q": w[:E].T, "w_k": w[E:2 * E].T, "w_v": w[2 * E:].T}
+        out = {"w_q": w[:E].T, "w_k": w[E : 2 * E].T, "w_v": w[2 * E :].T}
     else:
-        out = {"w_q": sd["q_proj_weight"].T, "w_k": sd["k_proj_weight"].T,
-               "w_v": sd["v_proj_weight"].T}
+        out = {
+            "w_q": sd["q_proj_weight"].T,
+            "w_k": sd["k_proj_weight"].T,
+            "w_v": sd["v_proj_weight"].T,
+        }
     if "in_proj_bias" in sd:
         b = sd["in_proj_bias"]
-        out.update(b_q=b[:E], b_k=b[E:2 * E], b_v=b[2 * E:])
+        out.update(b_q=b[:E], b_k=b[E : 2 * E], b_v=b[2 * E :])
     out["w_o"] = sd["out_proj.weight"].T
     if "out_proj.bias" in sd:
         out["b_o"] = sd["out_proj.bias"]
@@ -106,13 +116,24 @@ def test_nn_multihead_attention(n_q, n_k, mask_kind, dtype, need_weights):
         t_mask = t_mask.to(TORCH_DT[dtype])
         mask = mask.astype(dtype)
     with torch.inference_mode():
-        t_out, t_w = m(_t(query, dtype), _t(key, dtype), _t(value, dtype), attn_mask=t_mask,
-                       key_padding_mask=t_kpm, need_weights=need_weights is not None,
-                       average_attn_weights=need_weights == "mean")
+        t_out, t_w = m(
+            _t(query, dtype),
+            _t(key, dtype),
+            _t(value, dtype),
+            attn_mask=t_mask,
+            key_padding_mask=t_kpm,
+            need_weights=need_weights is not None,
+            average_attn_weights=need_weights == "mean",
+        )
     args = [a.astype(dtype) for a in (query, key, value)]
-    res = attnlab.multi_head_attention(*args, **{k: v.astype(dtype) for k, v in w.items()},
-                                       num_heads=h, mask=mask, key_padding_mask=kpm,
-                                       return_weights=need_weights or False)
+    res = attnlab.multi_head_attention(
+        *args,
+        **{k: v.astype(dtype) for k, v in w.items()},
+        num_heads=h,
+        mask=mask,
+        key_padding_mask=kpm,
+        return_weights=need_weights or False,
+    )
     out = res[0] if need_weights else res
     assert_close(out, t_out.numpy(), dtype, "mha vs torch MHA")
     if need_weights:
@@ -132,11 +153,19 @@ def test_nn_multihead_attention_kdim_vdim(kdim, vdim, bias, dtype):
     key = rng.standard_normal((B, n_k, kdim))
     value = rng.standard_normal((B, n_k, vdim))
     with torch.inference_mode():
-        t_out, t_w = m(_t(query, dtype), _t(key, dtype), _t(value, dtype),
-                       need_weights=True, average_attn_weights=False)
+        t_out, t_w = m(
+            _t(query, dtype),
+            _t(key, dtype),
+            _t(value, dtype),
+            need_weights=True,
+            average_attn_weights=False,
+        )
     out, wts = attnlab.multi_head_attention(
         *[a.astype(dtype) for a in (query, key, value)],
-        **{k: v.astype(dtype) for k, v in w.items()}, num_heads=h, return_weights="heads")
+        **{k: v.astype(dtype) for k, v in w.items()},
+        num_heads=h,
+        return_weights="heads",
+    )
     assert_close(out, t_out.numpy(), dtype, "mha vs torch MHA")
     assert_close(wts, t_w.numpy(), dtype, "mha vs torch MHA (weights)")
 
@@ -153,12 +182,23 @@ def test_nn_multihead_attention_self_fast_path(n, dtype):
     with torch.inference_mode():
         t_out, _ = m(_t(x, dtype), _t(x, dtype), _t(x, dtype), need_weights=False)
         causal = torch.nn.Transformer.generate_square_subsequent_mask(n, dtype=TORCH_DT[dtype])
-        t_causal, _ = m(_t(x, dtype), _t(x, dtype), _t(x, dtype), attn_mask=causal,
-                        need_weights=False, is_causal=True)
-    assert_close(attnlab.multi_head_attention(x, **w, num_heads=h), t_out.numpy(), dtype,
-                 "mha vs torch MHA")
-    assert_close(attnlab.multi_head_attention(x, **w, num_heads=h, causal=True),
-                 t_causal.numpy(), dtype, "mha vs torch MHA")
+        t_causal, _ = m(
+            _t(x, dtype),
+            _t(x, dtype),
+            _t(x, dtype),
+            attn_mask=causal,
+            need_weights=False,
+            is_causal=True,
+        )
+    assert_close(
+        attnlab.multi_head_attention(x, **w, num_heads=h), t_out.numpy(), dtype, "mha vs torch MHA"
+    )
+    assert_close(
+        attnlab.multi_head_attention(x, **w, num_heads=h, causal=True),
+        t_causal.numpy(),
+        dtype,
+        "mha vs torch MHA",
+    )
 
 
 def test_batchless_input_matches_torch_unbatched():
@@ -181,7 +221,8 @@ def test_batchless_input_matches_torch_unbatched():
 def _sdpa_torch(q, k, v, dtype, **kw):
     with torch.inference_mode():
         return torch.nn.functional.scaled_dot_product_attention(
-            _t(q, dtype), _t(k, dtype), _t(v, dtype), **kw).numpy()
+            _t(q, dtype), _t(k, dtype), _t(v, dtype), **kw
+        ).numpy()
 
 
 SDPA_SHAPES = [  # (batch, h, h_kv, n_q, n_k, d, d_v)
@@ -244,6 +285,7 @@ def test_functional_sdpa_bottom_right_as_mask(dtype):
     v = rng.standard_normal((2, 4, n_k, 16))
     allowed = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + n_k - n_q
     expected = _sdpa_torch(q, k, v, dtype, attn_mask=torch.from_numpy(allowed))
-    got = attnlab.scaled_dot_product_attention(*[a.astype(dtype) for a in (q, k, v)],
-                                               causal="bottom_right")
+    got = attnlab.scaled_dot_product_attention(
+        *[a.astype(dtype) for a in (q, k, v)], causal="bottom_right"
+    )
     assert_close(got, expected, dtype, "sdpa vs torch SDPA")

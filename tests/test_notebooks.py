@@ -85,8 +85,10 @@ def figure_problems(figures: list[dict], curves: bool = True) -> list[str]:
         with_bar = [(im["cmap"], im["norm"]) for im in images if im["colorbar"]]
         for ax in fig["axes"]:
             where = f"figure {fig['figure']}, axes {ax['title']!r}"
-            if any(not im["colorbar"] and (im["cmap"], im["norm"]) not in with_bar
-                   for im in ax["images"]):
+            if any(
+                not im["colorbar"] and (im["cmap"], im["norm"]) not in with_bar
+                for im in ax["images"]
+            ):
                 problems.append(f"{where}: a heat map without a colour bar")
             seen: dict[tuple[str, str], str] = {}
             for ln in ax["lines"] if curves else []:
@@ -94,10 +96,13 @@ def figure_problems(figures: list[dict], curves: bool = True) -> list[str]:
                     continue
                 key = (ln["style"], ln["marker"])
                 if key in seen:
-                    problems.append(f"{where}: curves {seen[key]!r} and {ln['label']!r} differ "
-                                    f"only in colour (line style {key[0]!r}, marker {key[1]!r})")
+                    problems.append(
+                        f"{where}: curves {seen[key]!r} and {ln['label']!r} differ "
+                        f"only in colour (line style {key[0]!r}, marker {key[1]!r})"
+                    )
                 seen.setdefault(key, ln["label"])
     return problems
+
 
 nbformat = pytest.importorskip("nbformat")
 
@@ -118,8 +123,11 @@ def _kernel_env() -> dict[str, str]:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: Path) -> None:
     for module in NEEDS.get(path.name, ()):
-        pytest.importorskip(module, reason=f"{path.name} needs {module}, from attnlab's "
-                                           f"'models' extra: pip install \".[models]\"")
+        pytest.importorskip(
+            module,
+            reason=f"{path.name} needs {module}, from attnlab's "
+            f"'models' extra: pip install \".[models]\"",
+        )
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("matplotlib")
     pytest.importorskip("ipykernel")
@@ -151,16 +159,28 @@ def test_notebook_runs(path: Path) -> None:
 
 def test_figure_rules_catch_what_they_claim():
     bare = {"colorbar": False, "cmap": "RdBu_r", "norm": [-0.4, 0.4]}
-    fig = {"figure": 1, "axes": [
-        {"title": "a", "images": [bare], "lines": []},
-        {"title": "b", "images": [], "lines": [
-            {"label": "tied", "style": "-", "marker": "None"},
-            {"label": "untied", "style": "-", "marker": "None"},
-            {"label": "_child0", "style": "-", "marker": "None"}]}]}
+    fig = {
+        "figure": 1,
+        "axes": [
+            {"title": "a", "images": [bare], "lines": []},
+            {
+                "title": "b",
+                "images": [],
+                "lines": [
+                    {"label": "tied", "style": "-", "marker": "None"},
+                    {"label": "untied", "style": "-", "marker": "None"},
+                    {"label": "_child0", "style": "-", "marker": "None"},
+                ],
+            },
+        ],
+    }
     assert figure_problems([fig]) == [
         "figure 1, axes 'a': a heat map without a colour bar",
-        ("figure 1, axes 'b': curves 'tied' and 'untied' differ only in colour (line style '-', "
-         "marker 'None')")]
+        (
+            "figure 1, axes 'b': curves 'tied' and 'untied' differ only in colour (line style '-', "
+            "marker 'None')"
+        ),
+    ]
     fig["axes"][0]["images"].append(dict(bare, colorbar=True))  # one shared scale, one bar
     fig["axes"][1]["lines"][1]["style"] = "--"
     assert figure_problems([fig]) == []

@@ -32,8 +32,9 @@ def _check(label: str, got: np.ndarray, ref: np.ndarray, tol: float) -> None:
     assert e <= tol, f"{label}: {e:.3e} > {tol:.1e}"
 
 
-def _qkv(rng: np.random.Generator, b: int, h: int, n_q: int, n_k: int, d: int
-         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _qkv(
+    rng: np.random.Generator, b: int, h: int, n_q: int, n_k: int, d: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     return f(b, h, n_q, d), f(b, h, n_k, d), f(b, h, n_k, d)
 
@@ -55,8 +56,9 @@ def test_large_logits(logit: float, causal: bool) -> None:
     q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
     got64 = attnlab.scaled_dot_product_attention(q64, k64, v64, scale=s, causal=causal)
     _check(f"sdpa logits {logit:g} float64", got64, ref, 1e-12 * max(1.0, logit / 100))
-    grads = attnlab.scaled_dot_product_attention_backward(np.ones_like(got), q, k, v, scale=s,
-                                                          causal=causal)
+    grads = attnlab.scaled_dot_product_attention_backward(
+        np.ones_like(got), q, k, v, scale=s, causal=causal
+    )
     assert all(np.isfinite(g).all() for g in grads.values())
 
 
@@ -129,16 +131,28 @@ def test_very_long_rows(n: int) -> None:
     got = attnlab.scaled_dot_product_attention(q, k, v, causal="bottom_right")
     _check(f"sdpa n_k={n} bottom_right float32", got, ref, 1e-5)
     x = rng.standard_normal((2, n, 8)).astype(np.float32)
-    w = {k_: (rng.standard_normal((8, 8)) / 3).astype(np.float32)
-         for k_ in ("w_q", "w_k", "w_proj", "w_final")}
+    w = {
+        k_: (rng.standard_normal((8, 8)) / 3).astype(np.float32)
+        for k_ in ("w_q", "w_k", "w_proj", "w_final")
+    }
     for variant in ("official", "hf"):
         kw = dict(w_g=np.ones(8, np.float32), variant=variant, **w)
-        _check(f"additive {variant} n={n} float32", attnlab.additive_attention(x, **kw),
-               R.additive_attention(x, **kw), 1e-5)
-    sep = dict(w_qkv=(rng.standard_normal((8, 17)) / 3).astype(np.float32),
-               w_o=(rng.standard_normal((8, 8)) / 3).astype(np.float32))
-    _check(f"separable n={n} float32", attnlab.separable_attention(x, **sep),
-           R.separable_attention(x, **sep), 1e-5)
+        _check(
+            f"additive {variant} n={n} float32",
+            attnlab.additive_attention(x, **kw),
+            R.additive_attention(x, **kw),
+            1e-5,
+        )
+    sep = dict(
+        w_qkv=(rng.standard_normal((8, 17)) / 3).astype(np.float32),
+        w_o=(rng.standard_normal((8, 8)) / 3).astype(np.float32),
+    )
+    _check(
+        f"separable n={n} float32",
+        attnlab.separable_attention(x, **sep),
+        R.separable_attention(x, **sep),
+        1e-5,
+    )
 
 
 def test_separable_large_scores() -> None:
@@ -167,12 +181,13 @@ def test_additive_extreme_magnitudes(magnitude: float, variant: str) -> None:
     rng = np.random.default_rng(7)
     d = 8
     x = (rng.standard_normal((2, 50, d)) * magnitude).astype(np.float32)
-    w = {k: (rng.standard_normal((d, d)) / 3).astype(np.float32)
-         for k in ("w_q", "w_k", "w_proj", "w_final")}
+    w = {
+        k: (rng.standard_normal((d, d)) / 3).astype(np.float32)
+        for k in ("w_q", "w_k", "w_proj", "w_final")
+    }
     kw = dict(w_g=rng.standard_normal(d).astype(np.float32), variant=variant, **w)
     got = attnlab.additive_attention(x, **kw)
-    _check(f"additive {variant} x*{magnitude:g} float32", got, R.additive_attention(x, **kw),
-           1e-5)
+    _check(f"additive {variant} x*{magnitude:g} float32", got, R.additive_attention(x, **kw), 1e-5)
     grads = attnlab.additive_attention_backward(np.ones_like(got), x, **kw)
     assert all(np.isfinite(g).all() for g in grads.values())
 
@@ -228,16 +243,27 @@ def test_no_real_token_gives_finite_output(family: str) -> None:
     kpm = np.zeros((2, n), bool)
     kpm[1, :5] = True  # the second batch element has a few real tokens
     if family == "separable":
-        kw = dict(w_qkv=rng.standard_normal((d, 1 + 2 * d)) / 3, b_qkv=rng.standard_normal(13),
-                  w_o=rng.standard_normal((d, 4)), b_o=rng.standard_normal(4))
-        f, fb, ref = (attnlab.separable_attention, attnlab.separable_attention_backward,
-                      R.separable_attention)
+        kw = dict(
+            w_qkv=rng.standard_normal((d, 1 + 2 * d)) / 3,
+            b_qkv=rng.standard_normal(13),
+            w_o=rng.standard_normal((d, 4)),
+            b_o=rng.standard_normal(4),
+        )
+        f, fb, ref = (
+            attnlab.separable_attention,
+            attnlab.separable_attention_backward,
+            R.separable_attention,
+        )
     else:
         kw = {k: rng.standard_normal((d, d)) / 3 for k in ("w_q", "w_k", "w_proj", "w_final")}
-        kw.update(w_g=rng.standard_normal(d), b_q=rng.standard_normal(d),
-                  variant=family.split("_")[1])
-        f, fb, ref = (attnlab.additive_attention, attnlab.additive_attention_backward,
-                      R.additive_attention)
+        kw.update(
+            w_g=rng.standard_normal(d), b_q=rng.standard_normal(d), variant=family.split("_")[1]
+        )
+        f, fb, ref = (
+            attnlab.additive_attention,
+            attnlab.additive_attention_backward,
+            R.additive_attention,
+        )
     got = f(x, key_padding_mask=kpm, **kw)
     want = ref(x, key_padding_mask=kpm, **kw)
     _check(f"{family} no real token float64", got, want, 1e-12)
@@ -305,14 +331,15 @@ def test_masked_out_nonfinite_keys_and_values_reach_no_output(return_weights, dt
     k[0, 0, 40] = np.nan
     v[0, 0, 41] = np.inf
     boolean = np.ones((300, 300), bool)
-    boolean[:, 40] = False           # key 40 hidden from every query of head 0 and 1
-    boolean[200:, 40] = True         # ... except queries 200.. (they see the NaN key)
+    boolean[:, 40] = False  # key 40 hidden from every query of head 0 and 1
+    boolean[200:, 40] = True  # ... except queries 200.. (they see the NaN key)
     flt = np.where(np.arange(300) == 41, -np.inf, 0.0).astype(dtype)[None, :].repeat(300, 0)
-    flt[250:, 41] = 0.0              # the Inf value reaches queries 250.. only
+    flt[250:, 41] = 0.0  # the Inf value reaches queries 250.. only
     mask = np.where(boolean, flt, -np.inf).astype(dtype)
     with np.errstate(all="ignore"):
-        got = attnlab.scaled_dot_product_attention(q, k, v, causal=True, mask=mask,
-                                                   return_weights=return_weights)
+        got = attnlab.scaled_dot_product_attention(
+            q, k, v, causal=True, mask=mask, return_weights=return_weights
+        )
         ref = attnlab.reference.scaled_dot_product_attention(q, k, v, causal=True, mask=mask)
     got = got[0] if return_weights else got
     bad = ~np.isfinite(got)
@@ -323,8 +350,12 @@ def test_masked_out_nonfinite_keys_and_values_reach_no_output(return_weights, dt
     assert bad[0, 0, rows >= 200].all() and not bad[0, 0, rows < 200].any()
     assert np.array_equal(bad, ~np.isfinite(ref))
     ok = ~bad
-    np.testing.assert_allclose(got[ok], ref[ok], rtol=2e-5 if dtype == np.float32 else 1e-12,
-                               atol=2e-5 if dtype == np.float32 else 1e-12)
+    np.testing.assert_allclose(
+        got[ok],
+        ref[ok],
+        rtol=2e-5 if dtype == np.float32 else 1e-12,
+        atol=2e-5 if dtype == np.float32 else 1e-12,
+    )
 
 
 @pytest.mark.parametrize("d", [64, 384])
@@ -338,8 +369,9 @@ def test_projection_bias_rounds_once(d: int) -> None:
     x = (rng.standard_normal((3, 1, d)) * 1e-2).astype(np.float32)
     w = {k: (rng.standard_normal((d, d)) / np.sqrt(d)).astype(np.float32) for k in "qkvo"}
     b_o = rng.uniform(1.0, 2.0, d).astype(np.float32)
-    got = attnlab.multi_head_attention(x, w_q=w["q"], w_k=w["k"], w_v=w["v"], w_o=w["o"],
-                                       b_o=b_o, num_heads=4)
+    got = attnlab.multi_head_attention(
+        x, w_q=w["q"], w_k=w["k"], w_v=w["v"], w_o=w["o"], b_o=b_o, num_heads=4
+    )
     ref = (x.astype(np.float64) @ w["v"] @ w["o"]) + b_o
     ulps = np.abs(got - ref) / np.spacing(np.abs(ref).astype(np.float32))
     assert ulps.max() <= 1.0, f"{ulps.max():.2f} ulps"

@@ -38,11 +38,14 @@ pytestmark = pytest.mark.empty_rows
 FORWARD = list(F.FORWARD_BUILDERS)
 ALL = F.FAMILIES
 
-_base = dict(deadline=None, derandomize=True, database=None,
-             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_base = dict(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 FAST = settings(max_examples=60, **_base)
 SLOW = settings(max_examples=25, **_base)
-
 
 
 def _note(key: str, err: float) -> None:
@@ -99,8 +102,9 @@ def test_backward_matches_finite_differences(family: str, data: st.DataObject) -
     c = F.HypothesisChooser(data)
     case = F.build(c, family + "_backward", np.float64)
     grads = case.call()
-    expected = {n for n in case.arrays if n != "grad_out"
-                and isinstance(case.kwargs.get(n), np.ndarray)}
+    expected = {
+        n for n in case.arrays if n != "grad_out" and isinstance(case.kwargs.get(n), np.ndarray)
+    }
     if family == "bilinear_attention" and isinstance(case.kwargs["w_qk"], attnlab.BilinearQK):
         expected.add("w_qk")
         if case.kwargs["w_qk"].u is not None:
@@ -126,19 +130,21 @@ def test_backward_float32_matches_float64(family: str, data: st.DataObject) -> N
     rounding noise)."""
     case = F.build(F.HypothesisChooser(data), family + "_backward", np.float32)
     got = case.call()
-    kw64 = {k: (v.astype(np.float64) if isinstance(v, np.ndarray) and v.dtype == np.float32
-                else v) for k, v in case.kwargs.items()}
+    kw64 = {
+        k: (v.astype(np.float64) if isinstance(v, np.ndarray) and v.dtype == np.float32 else v)
+        for k, v in case.kwargs.items()
+    }
     if isinstance(kw64.get("w_qk"), attnlab.BilinearQK):
         qk = kw64["w_qk"]
         kw64["w_qk"] = attnlab.BilinearQK(
             *(None if a is None else a.astype(np.float64) for a in (qk.w, qk.u, qk.v, qk.c)),
-            d_head=qk.d_head)
+            d_head=qk.d_head,
+        )
     want = case.fn(**kw64)
     assert sorted(got) == sorted(want)
     floor = F.grad_scale(want)
     for k in got:
-        _note(f"{family}_backward float32",
-              F.compare(got[k], want[k], np.float32, 1e-4, floor))
+        _note(f"{family}_backward float32", F.compare(got[k], want[k], np.float32, 1e-4, floor))
 
 
 # ----------------------------------------------------------------------------- invalid calls
@@ -205,8 +211,9 @@ def test_nan_inf_never_crash(family: str, data: st.DataObject) -> None:
 @pytest.mark.parametrize("dtype", F.DTYPES)
 @FAST
 @given(data=st.data())
-def test_sdpa_nan_propagates_to_exactly_the_rows_it_reaches(path: str, where: str, dtype: type,
-                                                            data: st.DataObject) -> None:
+def test_sdpa_nan_propagates_to_exactly_the_rows_it_reaches(
+    path: str, where: str, dtype: type, data: st.DataObject
+) -> None:
     """A NaN in q[i] makes row i NaN; a NaN in k[j] every row that may attend key j; a NaN in
     v[j, c] column c of those rows; and nothing else: a masked-out key is never read, so a row
     that may not attend key j never sees its NaN, whatever the tile sizes and on both the flash
@@ -223,8 +230,9 @@ def test_sdpa_nan_propagates_to_exactly_the_rows_it_reaches(path: str, where: st
     with np.errstate(all="ignore"):
         got = case.fn(**kw)
         got = got[0] if path == "weights" else got
-        clean = R.scaled_dot_product_attention(**{**kw, where: np.nan_to_num(a, nan=0.0),
-                                                  "return_weights": False})
+        clean = R.scaled_dot_product_attention(
+            **{**kw, where: np.nan_to_num(a, nan=0.0), "return_weights": False}
+        )
         want = R.scaled_dot_product_attention(**{**kw, "return_weights": False})
     q, k, v = kw["q"], kw["k"], kw["v"]
     h, n_q, n_k = q.shape[-3], q.shape[-2], k.shape[-2]
@@ -232,11 +240,11 @@ def test_sdpa_nan_propagates_to_exactly_the_rows_it_reaches(path: str, where: st
     allowed, _ = allowed_and_bias(n_q, n_k, kw["mask"], None, kw["causal"])
     A = np.broadcast_to(allowed, got.shape[:-1] + (n_k,)).astype(np.float64)
     if where == "q":
-        must = np.isnan(q).any(-1) & (A.sum(-1) > 0)                 # (..., h, n_q)
+        must = np.isnan(q).any(-1) & (A.sum(-1) > 0)  # (..., h, n_q)
         must = np.broadcast_to(must[..., None], got.shape)
     elif where == "k":
-        kn = np.repeat(np.isnan(k).any(-1), group, axis=-2)           # (..., h, n_k)
-        must = (A @ kn[..., None].astype(np.float64))[..., 0] > 0   # (..., h, n_q)
+        kn = np.repeat(np.isnan(k).any(-1), group, axis=-2)  # (..., h, n_k)
+        must = (A @ kn[..., None].astype(np.float64))[..., 0] > 0  # (..., h, n_q)
         must = np.broadcast_to(must[..., None], got.shape)
     else:
         vn = np.repeat(np.isnan(v), group, axis=-3).astype(np.float64)  # (..., h, n_k, d_v)
@@ -262,9 +270,11 @@ def test_empty_dimensions(family: str, axis: str) -> None:
     c = F.Chooser(np.random.default_rng(3))
     case = F.build(c, family, np.float64)
     kw = dict(case.kwargs)
-    names = {"scaled_dot_product_attention": ["q", "k", "v"],
-             "multi_head_attention": ["query", "key", "value"],
-             "bilinear_attention": ["query", "key", "value"]}.get(family, ["x"])
+    names = {
+        "scaled_dot_product_attention": ["q", "k", "v"],
+        "multi_head_attention": ["query", "key", "value"],
+        "bilinear_attention": ["query", "key", "value"],
+    }.get(family, ["x"])
     for k in ("mask", "key_padding_mask"):
         kw.pop(k, None)
     for name in names:

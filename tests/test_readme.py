@@ -74,7 +74,7 @@ def _tokens(text: str) -> list[str]:
     """Numbers and the text between them (whitespace-normalised), in order."""
     out, pos = [], 0
     for m in _NUMBER.finditer(text):
-        gap = " ".join(text[pos:m.start()].split())
+        gap = " ".join(text[pos : m.start()].split())
         if gap:
             out.append(gap)
         out.append(m.group())
@@ -107,7 +107,8 @@ def matches(shown: str, claim: str) -> bool:
                 return False
             exact = not any(c in w for c in ".eE")
             if (exact and float(g) != float(w)) or abs(float(g) - float(w)) > _half_unit(w) * (
-                    1 + 1e-9):
+                1 + 1e-9
+            ):
                 return False
         # a claim may stop inside the shown text's last word group ("(2, 197, 384)")
         elif w != g and not (w == want[-1] and g.startswith(w)):
@@ -117,8 +118,9 @@ def matches(shown: str, claim: str) -> bool:
 
 def _imports_torch(tree: ast.Module) -> bool:
     for node in ast.walk(tree):
-        names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) \
-            else []
+        names = (
+            [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+        )
         mod = node.module if isinstance(node, ast.ImportFrom) else None
         if any(n.split(".")[0] == "torch" for n in names) or (mod or "").split(".")[0] == "torch":
             return True
@@ -143,21 +145,30 @@ def run_block(source: str) -> list[tuple[int, str, str]]:
             else:
                 exec(compile(ast.Module([stmt], []), "<README>", "exec"), ns)
         printed = buf.getvalue().strip()
-        is_print = (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
-                    and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id == "print")
+        is_print = (
+            isinstance(stmt, ast.Expr)
+            and isinstance(stmt.value, ast.Call)
+            and isinstance(stmt.value.func, ast.Name)
+            and stmt.value.func.id == "print"
+        )
         if isinstance(stmt, ast.Expr):
             shown = printed if is_print else (None if value is None else render(value))
-        elif (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
-              and isinstance(stmt.targets[0], ast.Name)):
+        elif (
+            isinstance(stmt, ast.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name)
+        ):
             shown = render(ns[stmt.targets[0].id]) if is_claim(claim) else None
         else:
             shown = None
         if shown is None:
             continue
-        assert is_claim(claim), (f"README line {line}: shows {shown!r} with no comment saying "
-                                 f"what it should be")
-        assert matches(shown, claim), (f"README line {line}: shows {shown!r}, the comment says "
-                                       f"{claim!r}")
+        assert is_claim(claim), (
+            f"README line {line}: shows {shown!r} with no comment saying what it should be"
+        )
+        assert matches(shown, claim), (
+            f"README line {line}: shows {shown!r}, the comment says {claim!r}"
+        )
         checked.append((line, shown, claim))
     return checked
 
@@ -172,8 +183,9 @@ def test_readme_block(start: int, source: str) -> None:
     try:
         checked = run_block(source)
     except AssertionError as exc:
-        raise AssertionError(f"README.md block at line {start}: {exc}".replace(
-            "README line ", "line +")) from None
+        raise AssertionError(
+            f"README.md block at line {start}: {exc}".replace("README line ", "line +")
+        ) from None
     assert checked or "print(" not in source, f"README.md line {start}: no claim was checked"
 
 
@@ -185,21 +197,24 @@ def test_readme_has_the_promised_blocks() -> None:
     assert claims >= 8, claims
 
 
-@pytest.mark.parametrize("shown, claim, ok", [
-    ("(2, 197, 384) float32", "(2, 197, 384) float32", True),
-    ("(2, 197, 384) float32", "(2, 197, 384)", True),
-    ("(2, 197, 384) float64", "(2, 197, 384) float32", False),
-    ("(2, 197, 385) float32", "(2, 197, 384)", False),
-    ("1.2026", "< 1e-5", False),
-    ("1.19e-07", "< 1e-5", True),
-    ("test loss 0.0312", "test loss 0.031", True),
-    ("test loss 0.0316", "test loss 0.031", False),
-    ("2.9e-07", "3e-07", True),
-    ("3.6e-07", "3e-07", False),
-    ("0.5", "0.50", True),
-    ("0.506", "0.50", False),
-    ("(1, 6)", "(1, 6, 1)", False),
-])
+@pytest.mark.parametrize(
+    "shown, claim, ok",
+    [
+        ("(2, 197, 384) float32", "(2, 197, 384) float32", True),
+        ("(2, 197, 384) float32", "(2, 197, 384)", True),
+        ("(2, 197, 384) float64", "(2, 197, 384) float32", False),
+        ("(2, 197, 385) float32", "(2, 197, 384)", False),
+        ("1.2026", "< 1e-5", False),
+        ("1.19e-07", "< 1e-5", True),
+        ("test loss 0.0312", "test loss 0.031", True),
+        ("test loss 0.0316", "test loss 0.031", False),
+        ("2.9e-07", "3e-07", True),
+        ("3.6e-07", "3e-07", False),
+        ("0.5", "0.50", True),
+        ("0.506", "0.50", False),
+        ("(1, 6)", "(1, 6, 1)", False),
+    ],
+)
 def test_claim_matcher(shown: str, claim: str, ok: bool) -> None:
     assert matches(shown, claim) is ok
 
@@ -210,4 +225,6 @@ def test_a_shown_value_needs_a_claim() -> None:
     with pytest.raises(AssertionError, match="the comment says"):
         run_block("x = 1.5\nx * 2          # 3.1\n")
     assert run_block("x = 1.5\nx * 2          # 3.0\nprint(x)  # 1.5\n") == [
-        (2, "3.0", "3.0"), (3, "1.5", "1.5")]
+        (2, "3.0", "3.0"),
+        (3, "1.5", "1.5"),
+    ]

@@ -42,8 +42,15 @@ def _case(rng, case, dtype, d_model=16):
     w = make_mha_weights(rng, d_model, h, d_head, num_kv_heads=h_kv, dtype=dtype)
     xq = rng.standard_normal(batch + (n_q, d_model)).astype(dtype)
     xk = rng.standard_normal(batch + (n_k, d_model)).astype(dtype) if cross else None
-    kw = dict(num_heads=h, num_kv_heads=h_kv, causal=causal, rope_theta=500.0,
-              rope_dim=rope_dim, positions=_positions(pos, rng, batch, n_q, n_k), **w)
+    kw = dict(
+        num_heads=h,
+        num_kv_heads=h_kv,
+        causal=causal,
+        rope_theta=500.0,
+        rope_dim=rope_dim,
+        positions=_positions(pos, rng, batch, n_q, n_k),
+        **w,
+    )
     return xq, xk, kw
 
 
@@ -58,8 +65,9 @@ def test_rope_forward_matches_reference(rng, case, dtype, mode):
         assert_close(got[1], ref[1], dtype, "rope weights")
         got, ref = got[0], ref[0]
     assert_close(got, ref, dtype, "rope mha vs reference")
-    plain = reference.multi_head_attention(xq, xk, **{**kw, "rope_theta": None, "rope_dim": None,
-                                                      "positions": None})
+    plain = reference.multi_head_attention(
+        xq, xk, **{**kw, "rope_theta": None, "rope_dim": None, "positions": None}
+    )
     if case[1] > 1:  # one query over one key at the same position: RoPE changes nothing
         assert np.abs(plain - ref).max() > 1e-3
 
@@ -82,8 +90,12 @@ def test_rope_with_masks(rng, kind, dtype):
         kp = np.ones((B, n), bool)
         kp[1, 6:] = False
         kw["key_padding_mask"] = kp
-    assert_close(attnlab.multi_head_attention(x, **kw), reference.multi_head_attention(x, **kw),
-                 dtype, "rope mha vs reference")
+    assert_close(
+        attnlab.multi_head_attention(x, **kw),
+        reference.multi_head_attention(x, **kw),
+        dtype,
+        "rope mha vs reference",
+    )
 
 
 def test_rope_depends_on_relative_positions_only(rng):
@@ -92,8 +104,9 @@ def test_rope_depends_on_relative_positions_only(rng):
     pq, pk = np.arange(6) + 2.0, np.arange(8) * 1.5
     base = attnlab.multi_head_attention(xq, xk, **{**kw, "positions": (pq, pk)})
     for shift in (1, 37, 1000):
-        moved = attnlab.multi_head_attention(xq, xk, **{**kw, "positions": (pq + shift,
-                                                                            pk + shift)})
+        moved = attnlab.multi_head_attention(
+            xq, xk, **{**kw, "positions": (pq + shift, pk + shift)}
+        )
         assert_close(moved, base, np.float64, "rope shift invariance", tol=1e-11)
     other = attnlab.multi_head_attention(xq, xk, **{**kw, "positions": (pq + 1, pk)})
     assert np.abs(other - base).max() > 1e-3
@@ -112,8 +125,9 @@ def test_rope_default_positions_decode_like_a_cache(rng, dtype):
     assert_close(step, full[:, -n_new:].astype(np.float64), dtype, "rope decode")
     # positions of the whole sequence, queries aligned to its end
     pos = np.arange(n) + 5
-    step = attnlab.multi_head_attention(x[:, -n_new:], x, causal="bottom_right", positions=pos,
-                                        **kw)
+    step = attnlab.multi_head_attention(
+        x[:, -n_new:], x, causal="bottom_right", positions=pos, **kw
+    )
     full = attnlab.multi_head_attention(x, causal=True, positions=pos, **kw)
     assert_close(step, full[:, -n_new:].astype(np.float64), dtype, "rope decode")
 
@@ -124,10 +138,20 @@ def test_rope_full_rotation_of_a_pair():
     rng = np.random.default_rng(3)
     q, k = rng.standard_normal((1, 2)), rng.standard_normal((2, 2))
     eye = np.eye(2)
-    _, wts = attnlab.multi_head_attention(q, k, k, w_q=eye, w_k=eye, w_v=eye, w_o=eye,
-                                            num_heads=1, rope_theta=7.0, scale=1.0,
-                                            positions=(np.array([0.3]), np.array([1.0, 2.5])),
-                                            return_weights=True)
+    _, wts = attnlab.multi_head_attention(
+        q,
+        k,
+        k,
+        w_q=eye,
+        w_k=eye,
+        w_v=eye,
+        w_o=eye,
+        num_heads=1,
+        rope_theta=7.0,
+        scale=1.0,
+        positions=(np.array([0.3]), np.array([1.0, 2.5])),
+        return_weights=True,
+    )
 
     def rot(x, a):  # transformers: [x0, x1] -> [x0 cos - x1 sin, x1 cos + x0 sin]
         c, s = np.cos(a), np.sin(a)
@@ -171,11 +195,13 @@ def test_rope_backward_fully_masked_and_no_keys(rng):
     x = rng.standard_normal((4, 8))
     m = np.ones((4, 4), bool)
     m[1] = False
-    g = attnlab.multi_head_attention_backward(np.ones((4, 8)), x, mask=m, num_heads=2,
-                                              rope_theta=10.0, **w)
+    g = attnlab.multi_head_attention_backward(
+        np.ones((4, 8)), x, mask=m, num_heads=2, rope_theta=10.0, **w
+    )
     assert all(np.isfinite(v).all() for v in g.values())
-    g0 = attnlab.multi_head_attention_backward(np.ones((2, 8)), x[:2], x[:0], num_heads=2,
-                                               rope_theta=10.0, **w)
+    g0 = attnlab.multi_head_attention_backward(
+        np.ones((2, 8)), x[:2], x[:0], num_heads=2, rope_theta=10.0, **w
+    )
     np.testing.assert_array_equal(g0["w_q"], 0)
     np.testing.assert_array_equal(g0["b_o"], 2.0)
 
@@ -191,35 +217,54 @@ def test_rope_torch_adapter_gradcheck():
     import attnlab.torch as at
 
     rng = np.random.default_rng(5)
-    w = {k: torch.tensor(v, requires_grad=True)
-         for k, v in make_mha_weights(rng, 6, 2, 4, num_kv_heads=1).items()}
+    w = {
+        k: torch.tensor(v, requires_grad=True)
+        for k, v in make_mha_weights(rng, 6, 2, 4, num_kv_heads=1).items()
+    }
     x = torch.tensor(rng.standard_normal((2, 4, 6)), requires_grad=True)
     pos = torch.tensor([[3, 4, 5, 6], [0, 2, 4, 6]])
 
     def f(x, *ws):
         kw = dict(zip(w, ws, strict=True))
-        return at.multi_head_attention(x, num_heads=2, num_kv_heads=1, causal=True,
-                                       rope_theta=100.0, positions=pos, **kw)
+        return at.multi_head_attention(
+            x, num_heads=2, num_kv_heads=1, causal=True, rope_theta=100.0, positions=pos, **kw
+        )
 
     assert torch.autograd.gradcheck(f, (x, *w.values()), eps=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_layer(rng, dtype):
-    layer = layers.MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=1000.0, rope_dim=2,
-                                      seed=0, dtype=dtype)
+    layer = layers.MultiHeadAttention(
+        16, 4, num_kv_heads=2, rope_theta=1000.0, rope_dim=2, seed=0, dtype=dtype
+    )
     x = rng.standard_normal((2, 6, 16)).astype(dtype)
     pos = np.arange(6) * 2
     y = layer(x, causal=True, positions=pos)
-    ref = reference.multi_head_attention(x, causal=True, num_heads=4, num_kv_heads=2,
-                                         rope_theta=1000.0, rope_dim=2, positions=pos,
-                                         **layer.params)
+    ref = reference.multi_head_attention(
+        x,
+        causal=True,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=1000.0,
+        rope_dim=2,
+        positions=pos,
+        **layer.params,
+    )
     assert_close(y, ref, dtype, "rope layer")
     G = rng.standard_normal(y.shape).astype(dtype)
     dx = layer.backward(G)
-    g = attnlab.multi_head_attention_backward(G, x, causal=True, num_heads=4, num_kv_heads=2,
-                                              rope_theta=1000.0, rope_dim=2, positions=pos,
-                                              **layer.params)
+    g = attnlab.multi_head_attention_backward(
+        G,
+        x,
+        causal=True,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=1000.0,
+        rope_dim=2,
+        positions=pos,
+        **layer.params,
+    )
     np.testing.assert_array_equal(dx, g["query"])
     np.testing.assert_array_equal(layer.grads["w_k"], g["w_k"])
     with pytest.raises(ValueError, match=r"rotary embeddings.*do not fold"):
@@ -232,8 +277,9 @@ def test_bilinear_has_no_rotary_option(rng):
     w = make_mha_weights(rng, 8, 2, 4)
     qk = attnlab.collapse_qk(w["w_q"], w["w_k"], num_heads=2)
     with pytest.raises(TypeError, match="rope_theta"):
-        attnlab.bilinear_attention(np.ones((3, 8)), w_qk=qk, w_v=w["w_v"], w_o=w["w_o"],
-                                   num_heads=2, rope_theta=10.0)
+        attnlab.bilinear_attention(
+            np.ones((3, 8)), w_qk=qk, w_v=w["w_v"], w_o=w["w_o"], num_heads=2, rope_theta=10.0
+        )
 
 
 @pytest.mark.parametrize(
@@ -249,14 +295,20 @@ def test_bilinear_has_no_rotary_option(rng):
         (dict(rope_theta=np.inf), ValueError, "rope_theta"),
         (dict(rope_theta=True), TypeError, "rope_theta"),
         (dict(rope_theta="10000"), TypeError, "rope_theta"),
-        (dict(rope_theta=10.0, positions=np.arange(4)), ValueError,
-         r"positions: expected shape \(..., 5\).*got \(4,\)"),
+        (
+            dict(rope_theta=10.0, positions=np.arange(4)),
+            ValueError,
+            r"positions: expected shape \(..., 5\).*got \(4,\)",
+        ),
         (dict(rope_theta=10.0, positions=np.ones(5, bool)), TypeError, "positions.*bool"),
         (dict(rope_theta=10.0, positions=np.array([0, 1, np.nan, 3, 4])), ValueError, "finite"),
         (dict(rope_theta=10.0, positions=np.zeros((3, 5))), ValueError, "broadcast"),
         (dict(rope_theta=10.0, positions=(np.arange(5),)), ValueError, "pair"),
-        (dict(rope_theta=10.0, positions=(np.arange(5), np.arange(4))), ValueError,
-         r"positions\[1\] \(keys\)"),
+        (
+            dict(rope_theta=10.0, positions=(np.arange(5), np.arange(4))),
+            ValueError,
+            r"positions\[1\] \(keys\)",
+        ),
     ],
 )
 def test_rope_errors(rng, extra, exc, words):
@@ -269,11 +321,18 @@ def test_rope_errors_shapes(rng):
     w = make_mha_weights(rng, 8, 2, 3)  # d_head 3: odd
     with pytest.raises(ValueError, match="rope_dim: d_head = 3 is odd"):
         attnlab.multi_head_attention(np.ones((5, 8)), num_heads=2, rope_theta=10.0, **w)
-    assert attnlab.multi_head_attention(np.ones((5, 8)), num_heads=2, rope_theta=10.0,
-                                        rope_dim=2, **w).shape == (5, 8)
+    assert attnlab.multi_head_attention(
+        np.ones((5, 8)), num_heads=2, rope_theta=10.0, rope_dim=2, **w
+    ).shape == (5, 8)
     w = make_mha_weights(rng, 8, 2, 4)
     with pytest.raises(ValueError, match=r"6 queries cannot be aligned with 4 keys.*pair"):
-        attnlab.multi_head_attention(np.ones((6, 8)), np.ones((4, 8)), num_heads=2,
-                                     rope_theta=10.0, positions=np.arange(4), **w)
+        attnlab.multi_head_attention(
+            np.ones((6, 8)),
+            np.ones((4, 8)),
+            num_heads=2,
+            rope_theta=10.0,
+            positions=np.arange(4),
+            **w,
+        )
     with pytest.raises(ValueError, match="rope_dim"):
         layers.MultiHeadAttention(8, 2, rope_theta=10.0, rope_dim=5)

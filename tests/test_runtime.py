@@ -38,8 +38,14 @@ def _child(code: str, timeout: float = 60, **env: str) -> subprocess.CompletedPr
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "child.py"
         script.write_text(_SETUP + textwrap.dedent(code))
-        return subprocess.run([sys.executable, str(script)], env=full, capture_output=True,
-                              text=True, check=False, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, str(script)],
+            env=full,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout,
+        )
 
 
 def _ok(r: subprocess.CompletedProcess[str]) -> str:
@@ -55,7 +61,9 @@ def test_forked_children_compute_and_exit_normally():
     """Fork right after a call, ten times; every other child computes. Each child gets the
     same numbers and exits within 10 s (it used to hang in exit on a pool mutex or on worker
     threads that do not exist in the child), and the parent goes on computing."""
-    out = _ok(_child("""
+    out = _ok(
+        _child(
+            """
         import time
         attnlab.set_num_threads(2)
         ref = call()
@@ -77,7 +85,10 @@ def test_forked_children_compute_and_exit_normally():
                 os.kill(pid, 9)
                 os.waitpid(pid, 0)
         print(json.dumps([codes, bool(np.array_equal(call(), ref))]))
-    """, timeout=150))
+    """,
+            timeout=150,
+        )
+    )
     codes, parent_ok = json.loads(out.strip().splitlines()[-1])
     assert codes == [0] * 10
     assert parent_ok
@@ -87,7 +98,9 @@ def test_forked_children_compute_and_exit_normally():
 def test_multiprocessing_pool_start_methods(method):
     if method not in __import__("multiprocessing").get_all_start_methods():
         pytest.skip(f"start method {method} not available")
-    out = _ok(_child(f"""
+    out = _ok(
+        _child(
+            f"""
         import multiprocessing as mp
         def work(seed):
             import numpy as np, attnlab
@@ -101,7 +114,10 @@ def test_multiprocessing_pool_start_methods(method):
             with mp.get_context("{method}").Pool(2) as pool:
                 outs = pool.map(work, range(4))
             print(all(np.array_equal(o, ref) for o in outs))
-    """, timeout=120))
+    """,
+            timeout=120,
+        )
+    )
     assert out.split() == ["True"]
 
 
@@ -121,17 +137,23 @@ def test_default_threads_follow_cpu_affinity():
     """
     # attnlab reads the affinity when first asked, so the mask set before the call counts
     env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_NUM_THREADS"}
-    r = subprocess.run([sys.executable, "-c", "import json\n" + textwrap.dedent(code)],
-                       env=dict(env, PYTHONPATH=_PKG_ROOT), capture_output=True, text=True,
-                       check=False, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", "import json\n" + textwrap.dedent(code)],
+        env=dict(env, PYTHONPATH=_PKG_ROOT),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     n, source = json.loads(_ok(r).strip().splitlines()[-1])
     assert n == 1
     assert source in ("sched_getaffinity", "cgroup cpu quota")
 
 
 def test_environment_variable_and_its_bounds():
-    code = ("print(json.dumps([attnlab.get_num_threads(), "
-            "attnlab.build_info()['num_threads_source']]))")
+    code = (
+        "print(json.dumps([attnlab.get_num_threads(), attnlab.build_info()['num_threads_source']]))"
+    )
     n, src = json.loads(_ok(_child(code, ATTNLAB_NUM_THREADS="3")).strip())
     assert (n, src) == (3, "ATTNLAB_NUM_THREADS")
     n, src = json.loads(_ok(_child(code, ATTNLAB_NUM_THREADS="5000")).strip())
@@ -142,8 +164,9 @@ def test_environment_variable_and_its_bounds():
 def test_set_num_threads_has_a_documented_cap():
     old = attnlab.get_num_threads()
     try:
-        with pytest.raises(ValueError,
-                           match=r"n: expected an integer between 1 and 1024, got 1025"):
+        with pytest.raises(
+            ValueError, match=r"n: expected an integer between 1 and 1024, got 1025"
+        ):
             attnlab.set_num_threads(attnlab.MAX_THREADS + 1)
         with pytest.raises(ValueError, match=r"n: expected an integer >= 1, got 0"):
             attnlab.set_num_threads(0)
@@ -158,7 +181,8 @@ def test_set_num_threads_has_a_documented_cap():
 def test_thread_creation_failure_falls_back_instead_of_aborting():
     """Under an address-space limit that leaves no room for another thread stack, asking for
     eight threads runs on those that could start (it used to std::terminate)."""
-    out = _ok(_child("""
+    out = _ok(
+        _child("""
         import resource
         attnlab.set_num_threads(1)
         ref = call()
@@ -168,7 +192,8 @@ def test_thread_creation_failure_falls_back_instead_of_aborting():
         same = np.array_equal(call(), ref)
         source = attnlab.build_info()["num_threads_source"]
         print(json.dumps([same, attnlab.get_num_threads(), source]))
-    """))
+    """)
+    )
     same, n, source = json.loads(out.strip().splitlines()[-1])
     assert same
     assert 1 <= n < 8
@@ -187,27 +212,62 @@ def _tree(root: Path, files: dict[str, str]) -> str:
 
 
 _MOUNT_V2 = "30 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw\n"
-_MOUNT_V1 = ("35 25 0:30 / /sys/fs/cgroup/cpu,cpuacct rw shared:10 - cgroup cgroup "
-             "rw,cpu,cpuacct\n36 25 0:31 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n")
+_MOUNT_V1 = (
+    "35 25 0:30 / /sys/fs/cgroup/cpu,cpuacct rw shared:10 - cgroup cgroup "
+    "rw,cpu,cpuacct\n36 25 0:31 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+)
 
 
-@pytest.mark.parametrize("files, expected", [
-    ({"/proc/self/cgroup": "0::/app\n", "/proc/self/mountinfo": _MOUNT_V2,
-      "/sys/fs/cgroup/app/cpu.max": "150000 100000\n"}, 2),           # 1.5 CPUs -> 2 threads
-    ({"/proc/self/cgroup": "0::/app\n", "/proc/self/mountinfo": _MOUNT_V2,
-      "/sys/fs/cgroup/app/cpu.max": "max 100000\n"}, 0),              # no quota
-    ({"/proc/self/cgroup": "0::/a/b\n", "/proc/self/mountinfo": _MOUNT_V2,
-      "/sys/fs/cgroup/a/cpu.max": "300000 100000\n",
-      "/sys/fs/cgroup/a/b/cpu.max": "max 100000\n"}, 3),              # a parent's quota binds
-    ({"/proc/self/cgroup": "4:memory:/x\n3:cpu,cpuacct:/x\n", "/proc/self/mountinfo": _MOUNT_V1,
-      "/sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_quota_us": "400000\n",
-      "/sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}, 4),
-    ({"/proc/self/cgroup": "3:cpu,cpuacct:/x\n", "/proc/self/mountinfo": _MOUNT_V1,
-      "/sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_quota_us": "-1\n",
-      "/sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}, 0),
-    ({"/proc/self/cgroup": "garbage\n", "/proc/self/mountinfo": "nonsense line\n"}, 0),
-    ({}, 0),
-])
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        (
+            {
+                "/proc/self/cgroup": "0::/app\n",
+                "/proc/self/mountinfo": _MOUNT_V2,
+                "/sys/fs/cgroup/app/cpu.max": "150000 100000\n",
+            },
+            2,
+        ),  # 1.5 CPUs -> 2 threads
+        (
+            {
+                "/proc/self/cgroup": "0::/app\n",
+                "/proc/self/mountinfo": _MOUNT_V2,
+                "/sys/fs/cgroup/app/cpu.max": "max 100000\n",
+            },
+            0,
+        ),  # no quota
+        (
+            {
+                "/proc/self/cgroup": "0::/a/b\n",
+                "/proc/self/mountinfo": _MOUNT_V2,
+                "/sys/fs/cgroup/a/cpu.max": "300000 100000\n",
+                "/sys/fs/cgroup/a/b/cpu.max": "max 100000\n",
+            },
+            3,
+        ),  # a parent's quota binds
+        (
+            {
+                "/proc/self/cgroup": "4:memory:/x\n3:cpu,cpuacct:/x\n",
+                "/proc/self/mountinfo": _MOUNT_V1,
+                "/sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_quota_us": "400000\n",
+                "/sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n",
+            },
+            4,
+        ),
+        (
+            {
+                "/proc/self/cgroup": "3:cpu,cpuacct:/x\n",
+                "/proc/self/mountinfo": _MOUNT_V1,
+                "/sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_quota_us": "-1\n",
+                "/sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n",
+            },
+            0,
+        ),
+        ({"/proc/self/cgroup": "garbage\n", "/proc/self/mountinfo": "nonsense line\n"}, 0),
+        ({}, 0),
+    ],
+)
 def test_cgroup_cpu_quota_is_read(tmp_path, files, expected):
     from attnlab._loader import core
 
@@ -221,8 +281,14 @@ def test_default_is_never_above_the_real_quota_or_affinity():
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_NUM_THREADS"}
     env["PYTHONPATH"] = _PKG_ROOT
-    r = subprocess.run([sys.executable, "-c", "import attnlab; print(attnlab.get_num_threads())"],
-                       env=env, capture_output=True, text=True, check=False, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", "import attnlab; print(attnlab.get_num_threads())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     n = int(_ok(r).strip())
     assert n == (min(cpus, quota) if quota else cpus)
 
@@ -235,7 +301,9 @@ def test_torch_numpy_and_attnlab_threads_busy_together():
     several Python threads: attnlab's results stay bitwise those of a quiet process, and
     nothing deadlocks (the child has a timeout)."""
     pytest.importorskip("torch")
-    out = _ok(_child("""
+    out = _ok(
+        _child(
+            """
         import threading, torch
         attnlab.set_num_threads(2)
         torch.set_num_threads(2)
@@ -262,5 +330,8 @@ def test_torch_numpy_and_attnlab_threads_busy_together():
         for th in noise:
             th.join()
         print(len(results), all(results))
-    """, timeout=300))
+    """,
+            timeout=300,
+        )
+    )
     assert out.split() == ["20", "True"]

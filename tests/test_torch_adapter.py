@@ -54,12 +54,12 @@ def _mha_kwargs(m):
     E = m.embed_dim
     if m.in_proj_weight is not None:
         W = m.in_proj_weight
-        w = dict(w_q=W[:E].t(), w_k=W[E:2 * E].t(), w_v=W[2 * E:].t())
+        w = dict(w_q=W[:E].t(), w_k=W[E : 2 * E].t(), w_v=W[2 * E :].t())
     else:
         w = dict(w_q=m.q_proj_weight.t(), w_k=m.k_proj_weight.t(), w_v=m.v_proj_weight.t())
     if m.in_proj_bias is not None:
         b = m.in_proj_bias
-        w.update(b_q=b[:E], b_k=b[E:2 * E], b_v=b[2 * E:])
+        w.update(b_q=b[:E], b_k=b[E : 2 * E], b_v=b[2 * E :])
     w["w_o"] = m.out_proj.weight.t()
     if m.out_proj.bias is not None:
         w["b_o"] = m.out_proj.bias
@@ -86,15 +86,17 @@ def test_mha_matches_torch_outputs_and_gradients(cross):
 
     inputs_got = [t.clone().requires_grad_() for t in ((q, k, v) if cross else (q,))]
     qg, kg, vg = inputs_got if cross else inputs_got * 3
-    out = at.multi_head_attention(qg, kg, vg, **torch_masks(key_padding_mask=kp),
-                                  **_mha_kwargs(m_got))
+    out = at.multi_head_attention(
+        qg, kg, vg, **torch_masks(key_padding_mask=kp), **_mha_kwargs(m_got)
+    )
     assert out.dtype == torch.float32
     assert_close(_np(out), _np(out_ref), F32, "torch adapter MHA")
     (out * g).sum().backward()
     for a, b in zip(inputs_ref, inputs_got, strict=True):
         assert_close(_np(b.grad), _np(a.grad), F32, "torch adapter MHA grad")
-    _grads_close(list(m_ref.named_parameters()), list(m_got.named_parameters()),
-                 "torch adapter MHA grad")
+    _grads_close(
+        list(m_ref.named_parameters()), list(m_got.named_parameters()), "torch adapter MHA grad"
+    )
 
 
 def test_mha_return_weights_and_no_grad():
@@ -169,27 +171,53 @@ def test_bilinear_matches_plain_torch():
     gen = torch.Generator().manual_seed(3)
     h, d = 2, 8
     xq, xk = torch.randn(2, 4, d, generator=gen), torch.randn(2, 6, d, generator=gen)
-    params = dict(w_qk=torch.randn(h, d, d, generator=gen) * 0.3,
-                  u_k=torch.randn(h, d, generator=gen) * 0.3,
-                  w_v=torch.randn(d, d, generator=gen) * 0.3,
-                  w_o=torch.randn(d, 5, generator=gen) * 0.3,
-                  b_v=torch.randn(d, generator=gen), b_o=torch.randn(5, generator=gen))
+    params = dict(
+        w_qk=torch.randn(h, d, d, generator=gen) * 0.3,
+        u_k=torch.randn(h, d, generator=gen) * 0.3,
+        w_v=torch.randn(d, d, generator=gen) * 0.3,
+        w_o=torch.randn(d, 5, generator=gen) * 0.3,
+        b_v=torch.randn(d, generator=gen),
+        b_o=torch.randn(5, generator=gen),
+    )
     ref_leaves = {k_: t.clone().requires_grad_() for k_, t in dict(xq=xq, xk=xk, **params).items()}
     got_leaves = {k_: t.clone().requires_grad_() for k_, t in dict(xq=xq, xk=xk, **params).items()}
     r = ref_leaves
-    ref = _torch_bilinear(r["xq"], r["xk"], r["xk"], r["w_qk"], r["u_k"], r["w_v"], r["w_o"],
-                          r["b_v"], r["b_o"], h, (d / h) ** -0.5)
+    ref = _torch_bilinear(
+        r["xq"],
+        r["xk"],
+        r["xk"],
+        r["w_qk"],
+        r["u_k"],
+        r["w_v"],
+        r["w_o"],
+        r["b_v"],
+        r["b_o"],
+        h,
+        (d / h) ** -0.5,
+    )
     g_ = got_leaves
-    out = at.bilinear_attention(g_["xq"], g_["xk"], w_qk=g_["w_qk"], u_k=g_["u_k"],
-                                w_v=g_["w_v"], w_o=g_["w_o"], b_v=g_["b_v"], b_o=g_["b_o"],
-                                num_heads=h)
+    out = at.bilinear_attention(
+        g_["xq"],
+        g_["xk"],
+        w_qk=g_["w_qk"],
+        u_k=g_["u_k"],
+        w_v=g_["w_v"],
+        w_o=g_["w_o"],
+        b_v=g_["b_v"],
+        b_o=g_["b_o"],
+        num_heads=h,
+    )
     assert_close(_np(out), _np(ref), F32, "torch adapter bilinear")
     gout = torch.randn(ref.shape, generator=gen)
     (ref * gout).sum().backward()
     (out * gout).sum().backward()
     for name in ref_leaves:
-        assert_close(_np(got_leaves[name].grad), _np(ref_leaves[name].grad), F32,
-                     "torch adapter bilinear grad")
+        assert_close(
+            _np(got_leaves[name].grad),
+            _np(ref_leaves[name].grad),
+            F32,
+            "torch adapter bilinear grad",
+        )
 
 
 def test_bilinear_with_a_bilinearqk_constant():
@@ -197,10 +225,10 @@ def test_bilinear_with_a_bilinearqk_constant():
     w = [rng.standard_normal((8, 8)).astype(F32) * 0.3 for _ in range(4)]
     qk = attnlab.collapse_qk(w[0], w[1], num_heads=2)
     x = torch.randn(3, 8, requires_grad=True)
-    out = at.bilinear_attention(x, w_qk=qk, w_v=torch.from_numpy(w[2]),
-                                w_o=torch.from_numpy(w[3]), num_heads=2)
-    ref = attnlab.multi_head_attention(_np(x), w_q=w[0], w_k=w[1], w_v=w[2], w_o=w[3],
-                                       num_heads=2)
+    out = at.bilinear_attention(
+        x, w_qk=qk, w_v=torch.from_numpy(w[2]), w_o=torch.from_numpy(w[3]), num_heads=2
+    )
+    ref = attnlab.multi_head_attention(_np(x), w_q=w[0], w_k=w[1], w_v=w[2], w_o=w[3], num_heads=2)
     assert_close(_np(out), ref, F32, "torch adapter bilinear")
     out.sum().backward()
     assert x.grad.shape == x.shape
@@ -211,9 +239,18 @@ def test_bilinear_with_a_bilinearqk_constant():
 
 def _additive_kwargs(m, variant):
     proj = m.Proj if hasattr(m, "Proj") else m.proj
-    return dict(w_q=m.to_query.weight.t(), b_q=m.to_query.bias, w_k=m.to_key.weight.t(),
-                b_k=m.to_key.bias, w_g=m.w_g, w_proj=proj.weight.t(), b_proj=proj.bias,
-                w_final=m.final.weight.t(), b_final=m.final.bias, variant=variant)
+    return dict(
+        w_q=m.to_query.weight.t(),
+        b_q=m.to_query.bias,
+        w_k=m.to_key.weight.t(),
+        b_k=m.to_key.bias,
+        w_g=m.w_g,
+        w_proj=proj.weight.t(),
+        b_proj=proj.bias,
+        w_final=m.final.weight.t(),
+        b_final=m.final.bias,
+        variant=variant,
+    )
 
 
 def _check_module(m_ref, fmap_or_x, ours, label):
@@ -234,9 +271,12 @@ def test_additive_official_module():
     torch.manual_seed(5)
     m = official_swiftformer_module(torch, 12, 8, 2).eval()
     x = torch.randn(2, 30, 12)
-    _check_module(m, x, lambda mg, xg: at.additive_attention(xg, **_additive_kwargs(mg,
-                                                                                 "official")),
-                  "torch adapter additive")
+    _check_module(
+        m,
+        x,
+        lambda mg, xg: at.additive_attention(xg, **_additive_kwargs(mg, "official")),
+        "torch adapter additive",
+    )
 
 
 def test_additive_hugging_face_module():
@@ -258,8 +298,7 @@ def test_additive_hugging_face_module():
     (ref * ref).sum().backward()
     (out * out).sum().backward()
     assert_close(_np(x_got.grad), _np(x_ref.grad), F32, "torch adapter additive grad")
-    for (name, a), (_, b) in zip(m_ref.named_parameters(), m_got.named_parameters(),
-                                        strict=True):
+    for (name, a), (_, b) in zip(m_ref.named_parameters(), m_got.named_parameters(), strict=True):
         if name == "w_g":
             assert a.grad is None or not a.grad.any()
             assert not b.grad.any()
@@ -279,8 +318,13 @@ def test_separable_hugging_face_module():
 
     def ours(mg, fg):
         qkv, o = mg.qkv_proj.convolution, mg.out_proj.convolution
-        out = at.separable_attention(fg.permute(0, 2, 3, 1), w_qkv=qkv.weight[:, :, 0, 0].t(),
-                                     b_qkv=qkv.bias, w_o=o.weight[:, :, 0, 0].t(), b_o=o.bias)
+        out = at.separable_attention(
+            fg.permute(0, 2, 3, 1),
+            w_qkv=qkv.weight[:, :, 0, 0].t(),
+            b_qkv=qkv.bias,
+            w_o=o.weight[:, :, 0, 0].t(),
+            b_o=o.bias,
+        )
         return out.permute(0, 3, 1, 2)
 
     _check_module(m, fmap, ours, "torch adapter separable")
@@ -295,27 +339,44 @@ NONDET = 0.0
 
 
 def _leaves(gen, *shapes, scale=0.5):
-    return [(torch.randn(s, generator=gen, dtype=torch.float64) * scale).requires_grad_()
-            for s in shapes]
+    return [
+        (torch.randn(s, generator=gen, dtype=torch.float64) * scale).requires_grad_()
+        for s in shapes
+    ]
 
 
 def test_gradcheck_mha():
     gen = torch.Generator().manual_seed(10)
-    xq, xk, wq, wk, wv, wo, bq, bk, bv, bo = _leaves(gen, (2, 3, 4), (2, 5, 3), (4, 4), (3, 4),
-                                                     (3, 4), (4, 5), 4, 4, 4, 5)
+    xq, xk, wq, wk, wv, wo, bq, bk, bv, bo = _leaves(
+        gen, (2, 3, 4), (2, 5, 3), (4, 4), (3, 4), (3, 4), (4, 5), 4, 4, 4, 5
+    )
     kp = torch.tensor([[True] * 5, [True, True, True, False, False]])
 
     def cross(xq, xk, wq, wk, wv, wo, bq, bk, bv, bo):
-        return at.multi_head_attention(xq, xk, w_q=wq, w_k=wk, w_v=wv, w_o=wo, b_q=bq, b_k=bk,
-                                       b_v=bv, b_o=bo, num_heads=2, key_padding_mask=kp)
+        return at.multi_head_attention(
+            xq,
+            xk,
+            w_q=wq,
+            w_k=wk,
+            w_v=wv,
+            w_o=wo,
+            b_q=bq,
+            b_k=bk,
+            b_v=bv,
+            b_o=bo,
+            num_heads=2,
+            key_padding_mask=kp,
+        )
 
-    assert torch.autograd.gradcheck(cross, (xq, xk, wq, wk, wv, wo, bq, bk, bv, bo),
-                                    nondet_tol=NONDET)
+    assert torch.autograd.gradcheck(
+        cross, (xq, xk, wq, wk, wv, wo, bq, bk, bv, bo), nondet_tol=NONDET
+    )
     x, w1, w2, w3, w4 = _leaves(gen, (2, 3, 4), (4, 4), (4, 2), (4, 2), (4, 4))
 
     def self_gqa(x, w1, w2, w3, w4):  # the same tensor as query, key and value
-        return at.multi_head_attention(x, x, x, w_q=w1, w_k=w2, w_v=w3, w_o=w4, num_heads=2,
-                                       num_kv_heads=1, causal=True)
+        return at.multi_head_attention(
+            x, x, x, w_q=w1, w_k=w2, w_v=w3, w_o=w4, num_heads=2, num_kv_heads=1, causal=True
+        )
 
     assert torch.autograd.gradcheck(self_gqa, (x, w1, w2, w3, w4), nondet_tol=NONDET)
 
@@ -326,17 +387,30 @@ def test_gradcheck_sdpa():
     mask = torch.randn(3, 5, generator=gen, dtype=torch.float64)
     assert torch.autograd.gradcheck(
         lambda q, k, v: at.scaled_dot_product_attention(q, k, v, mask=mask, scale=0.7),
-        (q, k, v), nondet_tol=NONDET)
+        (q, k, v),
+        nondet_tol=NONDET,
+    )
 
 
 def test_gradcheck_bilinear():
     gen = torch.Generator().manual_seed(12)
-    xq, xk, wqk, uk, wv, wo, bv, bo = _leaves(gen, (2, 3, 4), (2, 4, 4), (2, 4, 4), (2, 4),
-                                              (4, 4), (4, 3), 4, 3)
+    xq, xk, wqk, uk, wv, wo, bv, bo = _leaves(
+        gen, (2, 3, 4), (2, 4, 4), (2, 4, 4), (2, 4), (4, 4), (4, 3), 4, 3
+    )
 
     def f(xq, xk, wqk, uk, wv, wo, bv, bo):
-        return at.bilinear_attention(xq, xk, w_qk=wqk, u_k=uk, w_v=wv, w_o=wo, b_v=bv, b_o=bo,
-                                     num_heads=2, causal="bottom_right")
+        return at.bilinear_attention(
+            xq,
+            xk,
+            w_qk=wqk,
+            u_k=uk,
+            w_v=wv,
+            w_o=wo,
+            b_v=bv,
+            b_o=bo,
+            num_heads=2,
+            causal="bottom_right",
+        )
 
     assert torch.autograd.gradcheck(f, (xq, xk, wqk, uk, wv, wo, bv, bo), nondet_tol=NONDET)
 
@@ -344,15 +418,26 @@ def test_gradcheck_bilinear():
 @pytest.mark.parametrize("variant", ["official", "hf"])
 def test_gradcheck_additive(variant):
     gen = torch.Generator().manual_seed(13)
-    x, wq, bq, wk, bk, wg, wp, bp, wf, bf = _leaves(gen, (2, 5, 3), (3, 4), 4, (3, 4), 4, (4, 1),
-                                                    (4, 4), 4, (4, 2), 2, scale=1.0)
+    x, wq, bq, wk, bk, wg, wp, bp, wf, bf = _leaves(
+        gen, (2, 5, 3), (3, 4), 4, (3, 4), 4, (4, 1), (4, 4), 4, (4, 2), 2, scale=1.0
+    )
 
     def f(x, wq, bq, wk, bk, wg, wp, bp, wf, bf):
-        return at.additive_attention(x, w_q=wq, b_q=bq, w_k=wk, b_k=bk, w_g=wg, w_proj=wp,
-                                     b_proj=bp, w_final=wf, b_final=bf, variant=variant)
+        return at.additive_attention(
+            x,
+            w_q=wq,
+            b_q=bq,
+            w_k=wk,
+            b_k=bk,
+            w_g=wg,
+            w_proj=wp,
+            b_proj=bp,
+            w_final=wf,
+            b_final=bf,
+            variant=variant,
+        )
 
-    assert torch.autograd.gradcheck(f, (x, wq, bq, wk, bk, wg, wp, bp, wf, bf),
-                                    nondet_tol=NONDET)
+    assert torch.autograd.gradcheck(f, (x, wq, bq, wk, bk, wg, wp, bp, wf, bf), nondet_tol=NONDET)
 
 
 def test_gradcheck_separable():
@@ -361,8 +446,9 @@ def test_gradcheck_separable():
     kp = torch.tensor([[True] * 5, [True, False, True, True, False]])
 
     def f(x, wqkv, bqkv, wo, bo):
-        return at.separable_attention(x, w_qkv=wqkv, b_qkv=bqkv, w_o=wo, b_o=bo,
-                                      key_padding_mask=kp)
+        return at.separable_attention(
+            x, w_qkv=wqkv, b_qkv=bqkv, w_o=wo, b_o=bo, key_padding_mask=kp
+        )
 
     assert torch.autograd.gradcheck(f, (x, wqkv, bqkv, wo, bo), nondet_tol=NONDET)
 
@@ -373,19 +459,26 @@ def test_gradcheck_separable():
 def test_errors():
     w = {k: torch.randn(4, 4) for k in ("w_q", "w_k", "w_v", "w_o")}
     x = torch.randn(3, 4)
-    with pytest.raises(TypeError, match=r"query: expected a float32 or float64 tensor, got "
-                                        r"torch.int64"):
+    with pytest.raises(
+        TypeError,
+        match=r"query: expected a float32 or float64 tensor, got "
+        r"torch.int64",
+    ):
         at.multi_head_attention(torch.ones(3, 4, dtype=torch.int64), num_heads=2, **w)
-    with pytest.raises(TypeError, match=r"w_o: expected a float32 or float64 tensor, got "
-                                        r"torch.float16"):
+    with pytest.raises(
+        TypeError,
+        match=r"w_o: expected a float32 or float64 tensor, got "
+        r"torch.float16",
+    ):
         at.multi_head_attention(x, num_heads=2, **{**w, "w_o": w["w_o"].half()})
     with pytest.raises(TypeError, match=r"w_q: expected a torch.Tensor, got ndarray"):
         at.multi_head_attention(x, num_heads=2, **{**w, "w_q": np.ones((4, 4))})
     with pytest.raises(TypeError, match="q: expected a CPU tensor, got device meta"):
         at.scaled_dot_product_attention(torch.empty(2, 3, 4, device="meta"), x[None], x[None])
     with pytest.raises(TypeError, match="mask: expected a bool or floating-point tensor"):
-        at.scaled_dot_product_attention(x[None], x[None], x[None],
-                                        mask=torch.ones(3, 3, dtype=torch.int32))
+        at.scaled_dot_product_attention(
+            x[None], x[None], x[None], mask=torch.ones(3, 3, dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match="w_q"):  # attnlab's own validation still applies
         at.multi_head_attention(x, num_heads=3, **w)
 

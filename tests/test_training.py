@@ -47,8 +47,9 @@ def backward_fn(cls: type):
 
 def need_backward(cls: type) -> None:
     if backward_fn(cls) is None:
-        pytest.skip(f"attnlab.{BACKWARD[cls]} is not implemented yet: {cls.__name__}.backward "
-                    f"needs it")
+        pytest.skip(
+            f"attnlab.{BACKWARD[cls]} is not implemented yet: {cls.__name__}.backward needs it"
+        )
 
 
 def _numeric(f, a: np.ndarray) -> np.ndarray:
@@ -73,8 +74,9 @@ def _rel(got: np.ndarray, ref: np.ndarray, floor: float) -> float:
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), floor))
 
 
-def check_layer_gradients(label: str, layer: Any, inputs: list[np.ndarray],
-                          call: dict[str, Any]) -> None:
+def check_layer_gradients(
+    label: str, layer: Any, inputs: list[np.ndarray], call: dict[str, Any]
+) -> None:
     rng = np.random.default_rng(99)
     out = layer(*inputs, **call)
     R = rng.standard_normal(out.shape)
@@ -115,33 +117,40 @@ def test_mha_layer_gradients_self_attention() -> None:
 
 def test_mha_layer_gradients_cross_gqa_masks_no_bias() -> None:
     rng = np.random.default_rng(1)
-    layer = MultiHeadAttention(6, 4, num_kv_heads=2, d_head=3, kdim=5, vdim=4, d_out=3,
-                               bias=False, seed=1)
-    mask = rng.random((4, 1, 6)) > 0.3           # per-head pattern broadcast over queries
+    layer = MultiHeadAttention(
+        6, 4, num_kv_heads=2, d_head=3, kdim=5, vdim=4, d_out=3, bias=False, seed=1
+    )
+    mask = rng.random((4, 1, 6)) > 0.3  # per-head pattern broadcast over queries
     kp = np.ones((2, 6), bool)
     kp[1, :2] = False
-    check_layer_gradients("mha cross gqa masked", layer,
-                          [_x(rng, 2, 4, 6), _x(rng, 2, 6, 5), _x(rng, 2, 6, 4)],
-                          {"mask": mask, "key_padding_mask": kp})
+    check_layer_gradients(
+        "mha cross gqa masked",
+        layer,
+        [_x(rng, 2, 4, 6), _x(rng, 2, 6, 5), _x(rng, 2, 6, 4)],
+        {"mask": mask, "key_padding_mask": kp},
+    )
 
 
 def test_bilinear_layer_gradients() -> None:
     need_backward(BilinearAttention)
     rng = np.random.default_rng(2)
     layer = BilinearAttention(6, 2, kdim=5, seed=2)
-    check_layer_gradients("bilinear cross", layer, [_x(rng, 2, 4, 6), _x(rng, 2, 5, 5)],
-                          {"causal": "bottom_right"})
+    check_layer_gradients(
+        "bilinear cross", layer, [_x(rng, 2, 4, 6), _x(rng, 2, 5, 5)], {"causal": "bottom_right"}
+    )
 
 
 def test_bilinear_layer_gradients_gqa_masked_no_bias() -> None:
     need_backward(BilinearAttention)
     rng = np.random.default_rng(12)
-    layer = BilinearAttention(6, 4, num_kv_heads=2, d_head=2, vdim=5, d_out=4, bias=False,
-                              seed=12)
+    layer = BilinearAttention(6, 4, num_kv_heads=2, d_head=2, vdim=5, d_out=4, bias=False, seed=12)
     kp = np.array([[True, False, True, True, True], [True] * 5])
-    check_layer_gradients("bilinear gqa masked", layer,
-                          [_x(rng, 2, 3, 6), _x(rng, 2, 5, 6), _x(rng, 2, 5, 5)],
-                          {"key_padding_mask": kp, "causal": True})
+    check_layer_gradients(
+        "bilinear gqa masked",
+        layer,
+        [_x(rng, 2, 3, 6), _x(rng, 2, 5, 6), _x(rng, 2, 5, 5)],
+        {"key_padding_mask": kp, "causal": True},
+    )
 
 
 @pytest.mark.parametrize("variant", ["official", "hf"])
@@ -161,6 +170,7 @@ def test_separable_layer_gradients() -> None:
 
 # --- Adam -------------------------------------------------------------------------------------
 
+
 def test_adam_first_step_closed_form() -> None:
     """At t = 1, m_hat = g and v_hat = g^2: p -= lr * g / (|g| + eps)."""
     rng = np.random.default_rng(5)
@@ -171,8 +181,7 @@ def test_adam_first_step_closed_form() -> None:
         p = p0.copy()
         Adam({"p": p}, lr=0.01, eps=1e-3, weight_decay=wd).step({"p": g})
         ge = g + wd * p0
-        np.testing.assert_allclose(p, p0 - 0.01 * ge / (np.abs(ge) + 1e-3), rtol=1e-14,
-                                   atol=1e-16)
+        np.testing.assert_allclose(p, p0 - 0.01 * ge / (np.abs(ge) + 1e-3), rtol=1e-14, atol=1e-16)
 
 
 def test_adam_two_steps_closed_form_and_float32() -> None:
@@ -185,8 +194,8 @@ def test_adam_two_steps_closed_form_and_float32() -> None:
         opt.step({"p": g1})
         opt.step({"p": g2})
         m = (1 - b1) * (b1 * g1 + g2)
-        v = (1 - b2) * (b2 * g1 ** 2 + g2 ** 2)
-        step2 = lr * (m / (1 - b1 ** 2)) / (np.sqrt(v / (1 - b2 ** 2)) + eps)
+        v = (1 - b2) * (b2 * g1**2 + g2**2)
+        step2 = lr * (m / (1 - b1**2)) / (np.sqrt(v / (1 - b2**2)) + eps)
         expected = -lr * g1 / (np.abs(g1) + eps) - step2
         assert p is ref_obj and p.dtype == dtype and opt.t == 2
         np.testing.assert_allclose(p, expected, rtol=1e-14 if dtype == np.float64 else 1e-6)
@@ -276,7 +285,7 @@ def test_mha_learns_to_copy_the_previous_token() -> None:
     """One MultiHeadAttention layer (d_model 16, 2 heads, float64) trained with Adam on MSE."""
     layer = MultiHeadAttention(D_CONTENT + N_TOK, 2, d_out=D_CONTENT, seed=0)
     opt = Adam(layer, lr=1e-2)
-    x_test, y_test = _copy_batch(np.random.default_rng(123))   # held out
+    x_test, y_test = _copy_batch(np.random.default_rng(123))  # held out
 
     def test_loss() -> float:
         return float(np.mean((layer(x_test) - y_test) ** 2))
@@ -293,8 +302,10 @@ def test_mha_learns_to_copy_the_previous_token() -> None:
     final = test_loss()
     _, w = layer(x_test, return_weights="mean")
     on_previous = float(np.mean(w[:, np.arange(N_TOK), (np.arange(N_TOK) - 1) % N_TOK]))
-    print(f"copy task: test MSE {initial:.3f} -> {final:.2e} ({initial / final:.0f}x) in "
-          f"{elapsed:.2f} s; mean attention on the previous token {on_previous:.3f}")
+    print(
+        f"copy task: test MSE {initial:.3f} -> {final:.2e} ({initial / final:.0f}x) in "
+        f"{elapsed:.2f} s; mean attention on the previous token {on_previous:.3f}"
+    )
     assert math.isfinite(final)
     assert final <= initial / 10
     assert on_previous > 0.8

@@ -51,7 +51,7 @@ def _randomize(m):
         for p in m.parameters():
             if p.ndim == 2:
                 fan_in = p.shape[0] if type(m).__name__ == "GPT2Attention" else p.shape[1]
-                bound = fan_in ** -0.5
+                bound = fan_in**-0.5
                 p.copy_(torch.rand(p.shape, generator=gen) * 2 * bound - bound)
             else:
                 p.copy_(torch.rand(p.shape, generator=gen) * 0.6 - 0.3)
@@ -84,8 +84,10 @@ DTYPES = [torch.float32, torch.float64]
 
 def _skip_eager64(impl, dtype, upcasts):
     if impl == "eager" and dtype == torch.float64 and upcasts:
-        pytest.skip("this eager attention takes its softmax in float32 even for float64 "
-                    "modules; the sdpa implementation is checked in float64")
+        pytest.skip(
+            "this eager attention takes its softmax in float32 even for float64 "
+            "modules; the sdpa implementation is checked in float64"
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -100,8 +102,9 @@ def test_bert_self_attention(cls, impl, dtype):
     with torch.no_grad():
         ref = m(x, attention_mask=_hf_mask(dtype, False, impl))[0]
     for masks in (transformers_masks(PAD), transformers_masks(_hf_mask(dtype, False, impl))):
-        _check(attnlab.multi_head_attention(x.numpy(), **masks, **kw), ref, dtype,
-               "transformers BERT")
+        _check(
+            attnlab.multi_head_attention(x.numpy(), **masks, **kw), ref, dtype, "transformers BERT"
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -138,14 +141,15 @@ def test_vit_attention(qkv_bias, impl, dtype):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layer_scaled", [False, True])
 def test_gpt2_attention(layer_scaled, impl, dtype):
-    cfg = _config(T.GPT2Config, impl, n_embd=D, n_head=4,
-                  scale_attn_by_inverse_layer_idx=layer_scaled)
+    cfg = _config(
+        T.GPT2Config, impl, n_embd=D, n_head=4, scale_attn_by_inverse_layer_idx=layer_scaled
+    )
     m = _randomize(GPT2Attention(cfg, layer_idx=2)).to(dtype)
     kw = from_transformers(m)
     assert kw["causal"] is True
-    assert kw["scale"] == pytest.approx(16 ** -0.5 / (3 if layer_scaled else 1), rel=1e-15)
+    assert kw["scale"] == pytest.approx(16**-0.5 / (3 if layer_scaled else 1), rel=1e-15)
     # Conv1D stores (in, out): c_attn's columns are [Q | K | V], used as they are
-    np.testing.assert_array_equal(kw["w_k"], m.c_attn.weight.detach().numpy()[:, D:2 * D])
+    np.testing.assert_array_equal(kw["w_k"], m.c_attn.weight.detach().numpy()[:, D : 2 * D])
     x = torch.randn(B, N, D, dtype=dtype, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ref = m(x, attention_mask=_hf_mask(dtype, True, impl))[0]
@@ -163,8 +167,11 @@ def test_gpt2_cross_attention(dtype):
     x = torch.randn(B, 5, D, dtype=dtype, generator=gen)
     enc = torch.randn(B, N, D, dtype=dtype, generator=gen)
     with torch.no_grad():
-        ref = m(x, encoder_hidden_states=enc,
-                encoder_attention_mask=_hf_mask(dtype, False, "sdpa", 5, N))[0]
+        ref = m(
+            x,
+            encoder_hidden_states=enc,
+            encoder_attention_mask=_hf_mask(dtype, False, "sdpa", 5, N),
+        )[0]
     got = attnlab.multi_head_attention(x.numpy(), enc.numpy(), **transformers_masks(PAD), **kw)
     _check(got, ref, dtype, "transformers GPT-2")
 
@@ -173,7 +180,8 @@ def _rope_tables(cfg, head_dim, pos, dtype):
     """cos and sin as LlamaRotaryEmbedding computes them, but in float64 (transformers computes
     them in float32 even for a float64 model); the attention module takes them as input."""
     inv = 1.0 / cfg.rope_parameters["rope_theta"] ** (
-        torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    )
     freqs = pos[..., None].double() * inv
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -183,20 +191,27 @@ LLAMA_FAMILY = [
     (LlamaAttention, T.LlamaConfig, dict(attention_bias=True)),
     (LlamaAttention, T.LlamaConfig, dict(num_key_value_heads=1)),
     (MistralAttention, T.MistralConfig, dict(head_dim=32)),
-    (Qwen2Attention, T.Qwen2Config, dict(rope_parameters={"rope_type": "default",
-                                                          "rope_theta": 1e6})),
+    (
+        Qwen2Attention,
+        T.Qwen2Config,
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("family", LLAMA_FAMILY, ids=lambda f: f[0].__name__ if isinstance(
-    f, tuple) else str(f))
+@pytest.mark.parametrize(
+    "family", LLAMA_FAMILY, ids=lambda f: f[0].__name__ if isinstance(f, tuple) else str(f)
+)
 def test_llama_family(family, impl, dtype):
     _skip_eager64(impl, dtype, upcasts=True)
     cls, cfg_cls, extra = family
-    cfg = _config(cfg_cls, impl, **{"hidden_size": D, "num_attention_heads": 4,
-                                    "num_key_value_heads": 2, **extra})
+    cfg = _config(
+        cfg_cls,
+        impl,
+        **{"hidden_size": D, "num_attention_heads": 4, "num_key_value_heads": 2, **extra},
+    )
     m = _randomize(cls(cfg, layer_idx=0)).to(dtype)
     kw = from_transformers(m)
     assert kw["num_kv_heads"] == cfg.num_key_value_heads and kw["causal"] is True
@@ -208,19 +223,27 @@ def test_llama_family(family, impl, dtype):
     pe = _rope_tables(cfg, m.head_dim, pos, dtype)
     with torch.no_grad():
         ref = m(x, position_embeddings=pe, attention_mask=_hf_mask(dtype, True, impl))[0]
-        ref_nomask = m(x[:1], position_embeddings=_rope_tables(cfg, m.head_dim, pos[:1], dtype),
-                       attention_mask=_hf_mask(dtype, True, impl)[:1] if impl == "eager"
-                       else None)[0]
-    got = attnlab.multi_head_attention(x.numpy(), positions=pos.numpy(),
-                                       **transformers_masks(PAD), **kw)
+        ref_nomask = m(
+            x[:1],
+            position_embeddings=_rope_tables(cfg, m.head_dim, pos[:1], dtype),
+            attention_mask=_hf_mask(dtype, True, impl)[:1] if impl == "eager" else None,
+        )[0]
+    got = attnlab.multi_head_attention(
+        x.numpy(), positions=pos.numpy(), **transformers_masks(PAD), **kw
+    )
     _check(got, ref, dtype, "transformers Llama family")
     # default positions 0..n-1 and the module's own causal mask (sdpa applies it when given none)
-    _check(attnlab.multi_head_attention(x.numpy()[:1], **kw), ref_nomask, dtype,
-           "transformers Llama family")
+    _check(
+        attnlab.multi_head_attention(x.numpy()[:1], **kw),
+        ref_nomask,
+        dtype,
+        "transformers Llama family",
+    )
 
 
-@pytest.mark.parametrize("cls,cfg_cls", [(ViTAttention, T.ViTConfig),
-                                         (BertSelfAttention, T.BertConfig)])
+@pytest.mark.parametrize(
+    "cls,cfg_cls", [(ViTAttention, T.ViTConfig), (BertSelfAttention, T.BertConfig)]
+)
 def test_as_close_to_exact_as_the_module(cls, cfg_cls):
     """attnlab in float32 is as close to the exact result (the same module in float64) as the
     module in float32 is: medians over 12 random layers, within 10% (measured 0.98x for ViT,
@@ -239,8 +262,15 @@ def test_as_close_to_exact_as_the_module(cls, cfg_cls):
         with torch.no_grad():
             exact = m64(x.double())[0].numpy()
             theirs.append(assert_close(m(x)[0].numpy(), exact, np.float32, "module f32", 1e-6))
-        ours.append(assert_close(attnlab.multi_head_attention(x.numpy(), **from_transformers(m)),
-                                 exact, np.float32, "attnlab f32 vs exact", 1e-6))
+        ours.append(
+            assert_close(
+                attnlab.multi_head_attention(x.numpy(), **from_transformers(m)),
+                exact,
+                np.float32,
+                "attnlab f32 vs exact",
+                1e-6,
+            )
+        )
     assert np.median(ours) <= 1.1 * np.median(theirs), (np.median(ours), np.median(theirs))
 
 
@@ -248,8 +278,9 @@ def test_llama_transformers_float32_rope_tables():
     """transformers computes cos/sin in float32 (angles rounded to float32): against those,
     attnlab (angles in float64) differs by the rounding of the angles, small at small positions
     and growing with them."""
-    cfg = _config(T.LlamaConfig, "sdpa", hidden_size=D, num_attention_heads=4,
-                  num_key_value_heads=2)
+    cfg = _config(
+        T.LlamaConfig, "sdpa", hidden_size=D, num_attention_heads=4, num_key_value_heads=2
+    )
     m = _randomize(LlamaAttention(cfg, layer_idx=0))
     x = torch.randn(1, N, D, generator=torch.Generator().manual_seed(7))
     kw = from_transformers(m)
@@ -264,8 +295,15 @@ def test_llama_transformers_float32_rope_tables():
 def test_bert_model_masks_as_transformers_builds_them():
     """A whole (tiny) BertModel: the 2-D attention_mask given to the model and the 4-D mask its
     first layer receives both convert to masks that reproduce that layer's attention."""
-    cfg = _config(T.BertConfig, "eager", hidden_size=D, num_attention_heads=4,
-                  num_hidden_layers=1, intermediate_size=32, vocab_size=50)
+    cfg = _config(
+        T.BertConfig,
+        "eager",
+        hidden_size=D,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        vocab_size=50,
+    )
     model = T.BertModel(cfg).eval()
     att = model.encoder.layer[0].attention.self
     _randomize(att)
@@ -288,7 +326,9 @@ def test_bert_model_masks_as_transformers_builds_them():
 def test_transformers_masks_forms():
     f32min = np.finfo(np.float32).min
     assert transformers_masks(np.array([[1, 0], [1, 1]]))["key_padding_mask"].tolist() == [
-        [True, False], [True, True]]
+        [True, False],
+        [True, True],
+    ]
     b = np.array([[[[True, False]]]])
     assert transformers_masks(b)["mask"].tolist() == b.tolist()
     add = np.array([[[[0.0, f32min], [-np.inf, 0.0]]]], np.float32)
@@ -305,15 +345,21 @@ def test_transformers_masks_forms():
 
 
 def test_from_transformers_refuses_what_it_cannot_represent():
-    with pytest.raises(TypeError, match=r"module: expected a transformers attention module.*"
-                                        r"GPT2Attention.*got dict"):
+    with pytest.raises(
+        TypeError,
+        match=r"module: expected a transformers attention module.*"
+        r"GPT2Attention.*got dict",
+    ):
         from_transformers({"q_proj.weight": np.zeros((4, 4))})
     with pytest.raises(TypeError, match="ignore_norm"):
-        from_transformers(BertSelfAttention(T.BertConfig(hidden_size=D, num_attention_heads=4)),
-                          ignore_norm=1)
-    cfg = T.LlamaConfig(hidden_size=D, num_attention_heads=4,
-                        rope_parameters={"rope_type": "linear", "rope_theta": 1e4,
-                                         "factor": 2.0})
+        from_transformers(
+            BertSelfAttention(T.BertConfig(hidden_size=D, num_attention_heads=4)), ignore_norm=1
+        )
+    cfg = T.LlamaConfig(
+        hidden_size=D,
+        num_attention_heads=4,
+        rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+    )
     with pytest.raises(ValueError, match="'linear' rescale the frequencies"):
         from_transformers(LlamaAttention(cfg, layer_idx=0))
     m = LlamaAttention(T.LlamaConfig(hidden_size=D, num_attention_heads=4), layer_idx=0)
@@ -329,9 +375,11 @@ def test_from_transformers_refuses_what_it_cannot_represent():
         from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
         with pytest.raises(TypeError, match="got Qwen3Attention"):
-            from_transformers(Qwen3Attention(T.Qwen3Config(hidden_size=D,
-                                                           num_attention_heads=4,
-                                                           head_dim=16), layer_idx=0))
+            from_transformers(
+                Qwen3Attention(
+                    T.Qwen3Config(hidden_size=D, num_attention_heads=4, head_dim=16), layer_idx=0
+                )
+            )
 
 
 def test_from_transformers_bfloat16_and_copies():

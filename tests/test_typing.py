@@ -52,21 +52,37 @@ def test_package_ships_stub_and_marker():
 def test_mypy_passes_on_installed_package(tmp_path):
     pytest.importorskip("mypy")
     # A copy outside site-packages: mypy refuses to check a package inside its own search path.
-    shutil.copytree(PKG, tmp_path / "attnlab",
-                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    shutil.copytree(
+        PKG, tmp_path / "attnlab", ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__")
+    )
     (tmp_path / "mypy.ini").write_text(MYPY_INI)
     proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(tmp_path / "mypy.ini"),
-         "--cache-dir", str(tmp_path / "cache"), "attnlab"],
-        cwd=tmp_path, capture_output=True, text=True, check=False, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(tmp_path / "mypy.ini"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "attnlab",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def _stub_functions() -> dict[str, list[str]]:
     tree = ast.parse((PKG / "_core.pyi").read_text())
-    return {node.name: [a.arg for a in node.args.args]
-            for node in tree.body if isinstance(node, ast.FunctionDef)}
+    return {
+        node.name: [a.arg for a in node.args.args]
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+    }
 
 
 def _runtime_functions() -> dict[str, list[str]]:
@@ -94,8 +110,16 @@ def test_stub_matches_compiled_module():
     assert isinstance(getattr(core, "ISA", None), str)
 
 
-DOC_MODULES = ["attnlab", "attnlab.interop", "attnlab.diagnostics", "attnlab.init",
-               "attnlab.reference", "attnlab.layers", "attnlab.optim", "attnlab.torch"]
+DOC_MODULES = [
+    "attnlab",
+    "attnlab.interop",
+    "attnlab.diagnostics",
+    "attnlab.init",
+    "attnlab.reference",
+    "attnlab.layers",
+    "attnlab.optim",
+    "attnlab.torch",
+]
 
 
 def _public_functions():
@@ -122,8 +146,11 @@ def _public_functions():
                         if attr.startswith("_") or attr in seen:
                             continue
                         seen.add(attr)
-                        fn = member.__func__ if isinstance(member, (staticmethod, classmethod)) \
+                        fn = (
+                            member.__func__
+                            if isinstance(member, (staticmethod, classmethod))
                             else member
+                        )
                         if inspect.isfunction(fn) and fn not in done:
                             done.add(fn)  # a base-class method is checked once
                             yield f"{modname}.{name}.{attr}", fn
@@ -156,8 +183,10 @@ def test_numpy_docstring(name, fn):
 @pytest.mark.parametrize("name, fn", PUBLIC, ids=[n for n, _ in PUBLIC])
 def test_docstring_examples_run(name, fn):
     """The "Examples" of every checked function run and print what they show."""
-    if "from transformers" in (fn.__doc__ or "") and importlib.util.find_spec(
-            "transformers") is None:
+    if (
+        "from transformers" in (fn.__doc__ or "")
+        and importlib.util.find_spec("transformers") is None
+    ):
         pytest.skip("the example builds a transformers module; transformers is not installed")
     finder = doctest.DocTestFinder(recurse=False)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)

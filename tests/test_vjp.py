@@ -98,8 +98,7 @@ def _count_kernels(monkeypatch) -> list[tuple[str, object]]:
         return fwd(*a)
 
     def count_bwd(*a):
-        calls.append(("backward from state" if a[-1] is not None else "backward + forward",
-                      a[-1]))
+        calls.append(("backward from state" if a[-1] is not None else "backward + forward", a[-1]))
         return bwd(*a)
 
     monkeypatch.setattr(core, "mha_forward", count_fwd)
@@ -117,8 +116,9 @@ def test_mha_pullback_runs_no_forward(monkeypatch):
     assert isinstance(calls[1][1], dict) and calls[1][1] is calls[0][1]  # the kept state
 
 
-@pytest.mark.parametrize("family", ["multi_head_attention", "scaled_dot_product_attention",
-                                    "bilinear_attention"])
+@pytest.mark.parametrize(
+    "family", ["multi_head_attention", "scaled_dot_product_attention", "bilinear_attention"]
+)
 def test_kernel_backward_reads_the_kept_state(family):
     """Spoiling the kept state changes the gradients: the C++ backward used it rather than
     recomputing the forward."""
@@ -174,8 +174,10 @@ def test_torch_training_step_runs_one_forward(monkeypatch):
 
     rng = np.random.default_rng(0)
     x = torch.tensor(rng.standard_normal((2, 5, 8)), requires_grad=True)
-    w = {n: torch.tensor(rng.standard_normal((8, 8)) / 3, requires_grad=True)
-         for n in ("w_q", "w_k", "w_v", "w_o")}
+    w = {
+        n: torch.tensor(rng.standard_normal((8, 8)) / 3, requires_grad=True)
+        for n in ("w_q", "w_k", "w_v", "w_o")
+    }
     calls = _count_kernels(monkeypatch)
     for _ in range(2):
         loss = at.multi_head_attention(x, num_heads=2, causal=True, **w).square().sum()

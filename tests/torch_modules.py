@@ -17,7 +17,7 @@ def official_swiftformer_module(torch: Any, in_dims: int, token_dim: int, num_he
             self.to_query = nn.Linear(in_dims, token_dim * num_heads)
             self.to_key = nn.Linear(in_dims, token_dim * num_heads)
             self.w_g = nn.Parameter(torch.randn(token_dim * num_heads, 1))
-            self.scale_factor = token_dim ** -0.5
+            self.scale_factor = token_dim**-0.5
             self.Proj = nn.Linear(token_dim * num_heads, token_dim * num_heads)
             self.final = nn.Linear(token_dim * num_heads, token_dim)
 

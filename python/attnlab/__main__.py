@@ -18,18 +18,32 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quick", action="store_true", help="small sizes, finishes in about a minute")
     b.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     b.add_argument("--plot", metavar="PATH", help="also plot time against n (PNG)")
-    b.add_argument("--only", metavar="FAMILY", action="append",
-                   help="run only this family (gemm, mha, bilinear, additive, backward); "
-                        "repeatable")
-    b.add_argument("--peers", action="store_true",
-                   help="attnlab against torch, ONNX Runtime, OpenVINO and JAX, each in its own "
-                        "process (install them with the 'bench' extra; missing ones are skipped)")
-    b.add_argument("--case", metavar="NAME", action="append",
-                   help="with --peers: run only this case (bert, vit-s, vit-b, long, long-causal, "
-                        "sdpa, tiny); repeatable. Default: all but tiny (--quick: no long ones)")
-    b.add_argument("--runtime", metavar="NAME", action="append",
-                   help="with --peers: only this runtime (attnlab, torch-sdpa, torch-mha, "
-                        "onnxruntime, openvino, jax); repeatable")
+    b.add_argument(
+        "--only",
+        metavar="FAMILY",
+        action="append",
+        help="run only this family (gemm, mha, bilinear, additive, backward); repeatable",
+    )
+    b.add_argument(
+        "--peers",
+        action="store_true",
+        help="attnlab against torch, ONNX Runtime, OpenVINO and JAX, each in its own "
+        "process (install them with the 'bench' extra; missing ones are skipped)",
+    )
+    b.add_argument(
+        "--case",
+        metavar="NAME",
+        action="append",
+        help="with --peers: run only this case (bert, vit-s, vit-b, long, long-causal, "
+        "sdpa, tiny); repeatable. Default: all but tiny (--quick: no long ones)",
+    )
+    b.add_argument(
+        "--runtime",
+        metavar="NAME",
+        action="append",
+        help="with --peers: only this runtime (attnlab, torch-sdpa, torch-mha, "
+        "onnxruntime, openvino, jax); repeatable",
+    )
     sub.add_parser("info", help="print build_info()")
     args = parser.parse_args(argv)
     if args.command == "info":
@@ -45,8 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         from ._bench.runner import to_json as peers_json
 
         try:
-            peers = run_peers(args.quick, tuple(args.case) if args.case else None,
-                              tuple(args.runtime) if args.runtime else RUNTIMES)
+            peers = run_peers(
+                args.quick,
+                tuple(args.case) if args.case else None,
+                tuple(args.runtime) if args.runtime else RUNTIMES,
+            )
         except ValueError as e:
             parser.error(str(e))
         print(format_peers(peers))

@@ -58,18 +58,26 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
     bs = {k: V.optional_array(args[k], k) for k in ("b_q", "b_k", "b_proj", "b_final")}
     dtype = V.result_dtype(xa, *ws.values(), *bs.values())
     wq_, wk_, wp_ = ws["w_q"], ws["w_k"], ws["w_proj"]
-    for name, layout in (("w_q", "(d_in, D)"), ("w_k", "(d_in, D)"), ("w_proj", "(D, D)"),
-                         ("w_final", "(D, d_out)")):
+    for name, layout in (
+        ("w_q", "(d_in, D)"),
+        ("w_k", "(d_in, D)"),
+        ("w_proj", "(D, D)"),
+        ("w_final", "(D, d_out)"),
+    ):
         V.check_matrix(ws[name], name, layout, 0 if name == "w_final" else 1)
     D_proj = wp_.shape[0] if wp_.shape[0] == wp_.shape[1] else None  # D as w_proj says
-    readers = [V.reader(ws[n], n, f"(d_in, D) = ({d_in}, D)", lambda c: c == D_proj, d_in)
-               for n in ("w_q", "w_k")]
+    readers = [
+        V.reader(ws[n], n, f"(d_in, D) = ({d_in}, D)", lambda c: c == D_proj, d_in)
+        for n in ("w_q", "w_k")
+    ]
     V.check_readers([("x", xa, readers)], "from_swiftformer")
     if wk_.shape[1] != wq_.shape[1]:  # the odd one out, w_proj (D, D) deciding
         bad, good = ("w_q", wk_) if wk_.shape[1] == D_proj else ("w_k", wq_)
-        raise ValueError(f"{bad}: expected shape (d_in, D) = ({d_in}, {good.shape[1]}) as "
-                         f"{'w_k' if bad == 'w_q' else 'w_q'} {V.shape_str(good.shape)}, got "
-                         f"{V.shape_str(ws[bad].shape)}")
+        raise ValueError(
+            f"{bad}: expected shape (d_in, D) = ({d_in}, {good.shape[1]}) as "
+            f"{'w_k' if bad == 'w_q' else 'w_q'} {V.shape_str(good.shape)}, got "
+            f"{V.shape_str(ws[bad].shape)}"
+        )
     D = wq_.shape[1]
     wq = V.contiguous(wq_, dtype)
     wk = V.contiguous(wk_, dtype)
@@ -84,7 +92,7 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
     bk = V.vector(bs["b_k"], "b_k", dtype, D)
     bp = V.vector(bs["b_proj"], "b_proj", dtype, D)
     bf = V.vector(bs["b_final"], "b_final", dtype, d_out)
-    s = V.check_scale(args["scale"], d_out ** -0.5 if d_out else 1.0)
+    s = V.check_scale(args["scale"], d_out**-0.5 if d_out else 1.0)
 
     batch = tuple(xa.shape[:-2])
     kp = _args.pooled_padding(args, batch, n)
@@ -94,9 +102,31 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
         wq, wk = V.zeros((1, D), dtype), V.zeros((1, D), dtype)
     else:
         xr = V.rows(xa, batch, dtype)
-    return dict(xa=xa, xr=xr, wq=wq, bq=bq, wk=wk, bk=bk, wg=wg, wg_shape=wg_.shape, wp=wp,
-                bp=bp, wf=wf, bf=bf, B=B, n=n, d_in=d_in, D=D, d_out=d_out, s=s, e=e,
-                code=code, kp=kp, batch=batch, dtype=dtype)
+    return dict(
+        xa=xa,
+        xr=xr,
+        wq=wq,
+        bq=bq,
+        wk=wk,
+        bk=bk,
+        wg=wg,
+        wg_shape=wg_.shape,
+        wp=wp,
+        bp=bp,
+        wf=wf,
+        bf=bf,
+        B=B,
+        n=n,
+        d_in=d_in,
+        D=D,
+        d_out=d_out,
+        s=s,
+        e=e,
+        code=code,
+        kp=kp,
+        batch=batch,
+        dtype=dtype,
+    )
 
 
 @_docs.filled
@@ -197,9 +227,25 @@ def additive_attention(
     B, n, d_out = a["B"], a["n"], a["d_out"]
     out = V.empty((B * n, d_out), a["dtype"])
     if out.size:
-        core.additive_forward(a["xr"], a["wq"], a["bq"], a["wk"], a["bk"], a["wg"], a["wp"],
-                              a["bp"], a["wf"], a["bf"], B, n, a["s"], a["e"], a["code"],
-                              a["kp"], out)
+        core.additive_forward(
+            a["xr"],
+            a["wq"],
+            a["bq"],
+            a["wk"],
+            a["bk"],
+            a["wg"],
+            a["wp"],
+            a["bp"],
+            a["wf"],
+            a["bf"],
+            B,
+            n,
+            a["s"],
+            a["e"],
+            a["code"],
+            a["kp"],
+            out,
+        )
     batch = a["batch"]
     return out.reshape(batch + (n, d_out))
 
@@ -218,10 +264,13 @@ def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
     # its own shape, as long as it is not (out, in)
     if wqkv_.shape[1] != 1 + 2 * wqkv_.shape[0] and wqkv_.shape[0] != 1 + 2 * wqkv_.shape[1]:
         r = wqkv_.shape[0]
-        raise ValueError(f"w_qkv: expected shape (d, 1 + 2 d) = ({r}, {1 + 2 * r}), got "
-                         f"{V.shape_str(wqkv_.shape)}")
-    readers = [V.reader(wqkv_, "w_qkv", f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})",
-                        lambda c: c == 1 + 2 * d, d)]
+        raise ValueError(
+            f"w_qkv: expected shape (d, 1 + 2 d) = ({r}, {1 + 2 * r}), got "
+            f"{V.shape_str(wqkv_.shape)}"
+        )
+    readers = [
+        V.reader(wqkv_, "w_qkv", f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})", lambda c: c == 1 + 2 * d, d)
+    ]
     V.check_readers([("x", xa, readers)], "from_mobilevitv2")
     wqkv = V.contiguous(wqkv_, dtype)
     if wo_.shape[0] != d:  # w_o reads the d value features
@@ -237,8 +286,20 @@ def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
     batch = tuple(xa.shape[:-2])
     kp = _args.pooled_padding(args, batch, n)
     B = V.count(batch)
-    return dict(xa=xa, wqkv=wqkv, bqkv=bqkv, wo=wo, bo=bo, B=B, n=n, d=d, d_out=d_out, kp=kp,
-                batch=batch, dtype=dtype)
+    return dict(
+        xa=xa,
+        wqkv=wqkv,
+        bqkv=bqkv,
+        wo=wo,
+        bo=bo,
+        B=B,
+        n=n,
+        d=d,
+        d_out=d_out,
+        kp=kp,
+        batch=batch,
+        dtype=dtype,
+    )
 
 
 @_docs.filled
@@ -313,8 +374,9 @@ def separable_attention(
         if d == 0:  # no features: no keys or values, ctx is empty and out = b_o
             out[...] = 0.0 if bo is None else bo
         else:
-            core.separable_forward(V.rows(xa, batch, dtype), a["wqkv"], a["bqkv"], a["wo"], bo,
-                                   B, n, kp, out)
+            core.separable_forward(
+                V.rows(xa, batch, dtype), a["wqkv"], a["bqkv"], a["wo"], bo, B, n, kp, out
+            )
     return out.reshape(batch + (n, d_out))
 
 
@@ -363,9 +425,26 @@ def _additive_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndar
     if a["bf"] is not None:
         grads["b_final"] = V.zeros(d_out, dtype)
     if B * n > 0 and d_out > 0:
-        core.additive_backward(go, a["xr"], a["wq"], a["bq"], a["wk"], a["bk"], a["wg"], a["wp"],
-                               a["bp"], a["wf"], a["bf"], B, n, a["s"], a["e"], a["code"],
-                               a["kp"], grads)
+        core.additive_backward(
+            go,
+            a["xr"],
+            a["wq"],
+            a["bq"],
+            a["wk"],
+            a["bk"],
+            a["wg"],
+            a["wp"],
+            a["bp"],
+            a["wf"],
+            a["bf"],
+            B,
+            n,
+            a["s"],
+            a["e"],
+            a["code"],
+            a["kp"],
+            grads,
+        )
     if d_in == 0:
         grads["x"] = V.zeros((B * n, 0), dtype)
         grads["w_q"] = V.zeros((0, D), dtype)
@@ -411,13 +490,25 @@ def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.nda
             if a["bo"] is not None:
                 grads["b_o"] = go.sum(axis=0)
         else:
-            core.separable_backward(go, V.rows(a["xa"], batch, dtype), a["wqkv"], a["bqkv"],
-                                    a["wo"], a["bo"], B, n, a["kp"], grads)
+            core.separable_backward(
+                go,
+                V.rows(a["xa"], batch, dtype),
+                a["wqkv"],
+                a["bqkv"],
+                a["wo"],
+                a["bo"],
+                B,
+                n,
+                a["kp"],
+                grads,
+            )
     grads["x"] = grads["x"].reshape(a["xa"].shape)
     return grads
 
 
-additive_attention_backward = _sig.backward_of(additive_attention, _additive_backward,
-                                               "(..., n, d_out)", _ADDITIVE_BACKWARD_DOC)
-separable_attention_backward = _sig.backward_of(separable_attention, _separable_backward,
-                                                "(..., n, d_out)", _SEPARABLE_BACKWARD_DOC)
+additive_attention_backward = _sig.backward_of(
+    additive_attention, _additive_backward, "(..., n, d_out)", _ADDITIVE_BACKWARD_DOC
+)
+separable_attention_backward = _sig.backward_of(
+    separable_attention, _separable_backward, "(..., n, d_out)", _SEPARABLE_BACKWARD_DOC
+)

@@ -59,11 +59,17 @@ class Qkv(NamedTuple):
 
     def batch(self) -> tuple[int, ...]:
         """The broadcast batch shape (``ValueError`` naming the inputs that disagree)."""
-        return V.batch_shape([("query", self.xq.shape[:-2]), ("key", self.xk.shape[:-2]),
-                              ("value", self.xv.shape[:-2])])
+        return V.batch_shape(
+            [
+                ("query", self.xq.shape[:-2]),
+                ("key", self.xk.shape[:-2]),
+                ("value", self.xv.shape[:-2]),
+            ]
+        )
 
-    def groups(self, readers: tuple[V.Reader, V.Reader, V.Reader]
-               ) -> list[tuple[str, np.ndarray, list[V.Reader]]]:
+    def groups(
+        self, readers: tuple[V.Reader, V.Reader, V.Reader]
+    ) -> list[tuple[str, np.ndarray, list[V.Reader]]]:
         """Each distinct input with the readers of its features (for ``check_readers``: an
         input read by two weights is checked once, against both)."""
         out: dict[int, tuple[str, np.ndarray, list[V.Reader]]] = {}
@@ -72,8 +78,9 @@ class Qkv(NamedTuple):
             out.setdefault(id(x), (name, x, []))[2].append(r)
         return list(out.values())
 
-    def rows(self, batch: tuple[int, ...], dtype: np.dtype
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def rows(
+        self, batch: tuple[int, ...], dtype: np.dtype
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Contiguous ``(B * n, d)`` rows of the result dtype, shared where the inputs are."""
         B = V.count(batch)
 
@@ -114,14 +121,21 @@ def qkv(args: Mapping[str, Any], *, min_features: bool = False) -> Qkv:
 class Masks(NamedTuple):
     """The masks of a call as the kernels take them."""
 
-    causal: int               # 0 none, 1 top-left, 2 bottom-right
+    causal: int  # 0 none, 1 top-left, 2 bottom-right
     scale: float
     mask4: np.ndarray | None  # (B, h, n_q, n_k) view, broadcast, never copied
-    kp: np.ndarray | None     # (B, n_k) key padding
+    kp: np.ndarray | None  # (B, n_k) key padding
 
 
-def masks(args: Mapping[str, Any], batch: tuple[int, ...], h: int, n_q: int, n_k: int,
-          dtype: np.dtype, default_scale: float) -> Masks:
+def masks(
+    args: Mapping[str, Any],
+    batch: tuple[int, ...],
+    h: int,
+    n_q: int,
+    n_k: int,
+    dtype: np.dtype,
+    default_scale: float,
+) -> Masks:
     """The causal mode, the scale, ``mask`` (broadcast to ``(B, h, n_q, n_k)``) and
     ``key_padding_mask`` (``(B, n_k)``; absent from SDPA's arguments) of an attention call,
     checked in that order; then the warning when the boolean masks leave a query row with no
@@ -135,8 +149,7 @@ def masks(args: Mapping[str, Any], batch: tuple[int, ...], h: int, n_q: int, n_k
     return Masks(code, s, m4, kp)
 
 
-def pooled_padding(args: Mapping[str, Any], batch: tuple[int, ...], n: int
-                   ) -> np.ndarray | None:
+def pooled_padding(args: Mapping[str, Any], batch: tuple[int, ...], n: int) -> np.ndarray | None:
     """``key_padding_mask`` of a pooled family (additive, separable) as ``(B, n)``, with the
     warning when it leaves a sequence with no real token (unless ``warn_empty_rows=False``)."""
     kp = V.key_padding2(args["key_padding_mask"], batch, n)

@@ -22,8 +22,13 @@ from . import _validate as V
 from ._loader import core
 from .cost import collapsed_order
 
-__all__ = ["bilinear_attention", "bilinear_attention_backward", "collapse_qk", "factorize_qk",
-           "BilinearQK"]
+__all__ = [
+    "bilinear_attention",
+    "bilinear_attention_backward",
+    "collapse_qk",
+    "factorize_qk",
+    "BilinearQK",
+]
 
 _ORDERS = {"query": 0, "key": 1}
 
@@ -153,11 +158,13 @@ class BilinearQK:
         V.check_ndim(xk, "key", 2, "(..., n_k, d_k)")
         _, dq, dk = self.w.shape
         if xq.shape[-1] != dq:
-            raise ValueError(f"query: expected last dimension d_q = {dq}, got shape "
-                             f"{V.shape_str(xq.shape)}")
+            raise ValueError(
+                f"query: expected last dimension d_q = {dq}, got shape {V.shape_str(xq.shape)}"
+            )
         if xk.shape[-1] != dk:
-            raise ValueError(f"key: expected last dimension d_k = {dk}, got shape "
-                             f"{V.shape_str(xk.shape)}")
+            raise ValueError(
+                f"key: expected last dimension d_k = {dk}, got shape {V.shape_str(xk.shape)}"
+            )
         V.batch_shape([("query", xq.shape[:-2]), ("key", xk.shape[:-2])])
         s = V.check_scale(scale, 1.0 / math.sqrt(self.d_head))
         dtype = V.result_dtype(xq, xk, self.w)
@@ -168,16 +175,24 @@ class BilinearQK:
         if self.v is not None:
             logits = logits + (xq @ self.v.astype(dtype, copy=False)[:, :, None])
         if self.u is not None:
-            logits = logits + (self.u.astype(dtype, copy=False)[:, None, :]
-                               @ np.swapaxes(xk, -1, -2))
+            logits = logits + (
+                self.u.astype(dtype, copy=False)[:, None, :] @ np.swapaxes(xk, -1, -2)
+            )
         if self.c is not None:
             logits = logits + self.c.astype(dtype, copy=False)[:, None, None]
         return logits * dtype.type(s)
 
 
 @_docs.filled
-def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_heads: int,
-                num_kv_heads: int | None = None) -> BilinearQK:
+def collapse_qk(
+    w_q: Any,
+    w_k: Any,
+    b_q: Any = None,
+    b_k: Any = None,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+) -> BilinearQK:
     """Fold per-head query and key projections into ``W_i = W_q,i W_k,i^T`` (exactly).
 
     Parameters
@@ -216,20 +231,22 @@ def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_hea
     bk_ = V.optional_array(b_k, "b_k")
     dtype = V.result_dtype(wq_, wk_, bq_, bk_)
     if wq_.ndim != 2 or wq_.shape[1] % h or wq_.shape[1] == 0:
-        raise ValueError(f"w_q: expected shape (d_q, h * d_head) with h = {h}, got "
-                         f"{V.shape_str(wq_.shape)}")
+        raise ValueError(
+            f"w_q: expected shape (d_q, h * d_head) with h = {h}, got {V.shape_str(wq_.shape)}"
+        )
     d_q, d_head = wq_.shape[0], wq_.shape[1] // h
     wq = V.matrix(wq_, "w_q", dtype, d_q, h * d_head, f"(d_q, {h * d_head})")
-    wk = V.matrix(wk_, "w_k", dtype, None, h_kv * d_head,
-                  f"(d_k, h_kv * d_head) = (d_k, {h_kv * d_head})")
+    wk = V.matrix(
+        wk_, "w_k", dtype, None, h_kv * d_head, f"(d_k, h_kv * d_head) = (d_k, {h_kv * d_head})"
+    )
     d_k = wk.shape[0]
     bq = V.vector(bq_, "b_q", dtype, h * d_head)
     bk = V.vector(bk_, "b_k", dtype, h_kv * d_head)
     group = h // h_kv
     # (d, heads, d_head) views, then key heads repeated to pair with their query heads
-    wq3 = wq.reshape(d_q, h, d_head).transpose(1, 0, 2)          # (h, d_q, d_head)
+    wq3 = wq.reshape(d_q, h, d_head).transpose(1, 0, 2)  # (h, d_q, d_head)
     wk3 = np.repeat(wk.reshape(d_k, h_kv, d_head).transpose(1, 0, 2), group, axis=0)
-    w = np.ascontiguousarray(wq3 @ np.swapaxes(wk3, -1, -2))      # (h, d_q, d_k)
+    w = np.ascontiguousarray(wq3 @ np.swapaxes(wk3, -1, -2))  # (h, d_q, d_k)
     bq2 = None if bq is None else bq.reshape(h, d_head)
     bk2 = None if bk is None else np.repeat(bk.reshape(h_kv, d_head), group, axis=0)
     u = None if bq2 is None else np.ascontiguousarray((wk3 @ bq2[:, :, None])[..., 0])
@@ -270,17 +287,18 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     """
     arr = V.as_array(w.w if isinstance(w, BilinearQK) else w, "w")
     if arr.ndim != 3 or 0 in arr.shape:
-        raise ValueError(f"w: expected a non-empty array of shape (h, d_q, d_k), got "
-                         f"{V.shape_str(arr.shape)}")
+        raise ValueError(
+            f"w: expected a non-empty array of shape (h, d_q, d_k), got {V.shape_str(arr.shape)}"
+        )
     h, dq, dk = arr.shape
     r = V.check_positive_int(rank, "rank")
     if r > min(dq, dk):
         raise ValueError(f"rank: expected an integer <= min(d_q, d_k) = {min(dq, dk)}, got {r}")
     if not np.all(np.isfinite(arr)):
         raise ValueError("w: contains NaN or Inf; the SVD is undefined")
-    u, s, vt = np.linalg.svd(arr, full_matrices=False)   # (h, dq, m), (h, m), (h, m, dk)
+    u, s, vt = np.linalg.svd(arr, full_matrices=False)  # (h, dq, m), (h, m), (h, m, dk)
     root = np.sqrt(s[:, :r])
-    fq = u[:, :, :r] * root[:, None, :]                      # (h, dq, r)
+    fq = u[:, :, :r] * root[:, None, :]  # (h, dq, r)
     fk = np.swapaxes(vt[:, :r, :], -1, -2) * root[:, None, :]  # (h, dk, r)
     w_q = np.ascontiguousarray(fq.transpose(1, 0, 2).reshape(dq, h * r))
     w_k = np.ascontiguousarray(fk.transpose(1, 0, 2).reshape(dk, h * r))
@@ -295,8 +313,26 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 _Opt = np.ndarray | None
 # The leading arguments of core.bilinear_forward / bilinear_backward, typed element by element
 # so that mypy checks the starred calls against the stub.
-_CoreArgs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, _Opt, np.ndarray, _Opt,
-                  np.ndarray, _Opt, int, int, int, int, int, _Opt, _Opt, int, float]
+_CoreArgs = tuple[
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    _Opt,
+    np.ndarray,
+    _Opt,
+    np.ndarray,
+    _Opt,
+    int,
+    int,
+    int,
+    int,
+    int,
+    _Opt,
+    _Opt,
+    int,
+    float,
+]
 
 
 class _Prepared(NamedTuple):
@@ -328,8 +364,24 @@ class _Prepared(NamedTuple):
     def core_args(self) -> _CoreArgs:
         """The arguments core.bilinear_forward / bilinear_backward share (rows first)."""
         m = self.m
-        return (*self.rows(), self.wqk, self.uk, self.wv, self.bv, self.wo, self.bo, self.B,
-                self.n_q, self.n_k, self.h, self.h_kv, m.mask4, m.kp, m.causal, m.scale)
+        return (
+            *self.rows(),
+            self.wqk,
+            self.uk,
+            self.wv,
+            self.bv,
+            self.wo,
+            self.bo,
+            self.B,
+            self.n_q,
+            self.n_k,
+            self.h,
+            self.h_kv,
+            m.mask4,
+            m.kp,
+            m.causal,
+            m.scale,
+        )
 
 
 def _prepare(args: dict[str, Any]) -> _Prepared:
@@ -355,13 +407,16 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
     dtype = V.result_dtype(x.xq, x.xk, x.xv, wqk_, uk_, wv_, wo_, bv_, bo_)
     lay_qk, lay_v = "(num_heads, d_q, d_k)", f"(d_v, {kv_arg} * d_vhead)"
     if wqk_.ndim != 3:
-        raise ValueError(f"w_qk: expected a 3-D array {lay_qk}, got shape "
-                         f"{V.shape_str(wqk_.shape)}")
+        raise ValueError(
+            f"w_qk: expected a 3-D array {lay_qk}, got shape {V.shape_str(wqk_.shape)}"
+        )
     V.check_matrix(wv_, "w_v", lay_v)
     V.check_matrix(wo_, "w_o", "(num_heads * d_vhead, d_out)", 0)
     if wqk_.shape[0] != h:
-        raise ValueError(f"num_heads: {h} does not match the {wqk_.shape[0]} heads of w_qk "
-                         f"{V.shape_str(wqk_.shape)}, which is {lay_qk}")
+        raise ValueError(
+            f"num_heads: {h} does not match the {wqk_.shape[0]} heads of w_qk "
+            f"{V.shape_str(wqk_.shape)}, which is {lay_qk}"
+        )
     rv = V.reader(wv_, "w_v", lay_v, lambda n: n % h_kv == 0, d_v)
     V.check_heads(wv_, h_kv, kv_arg, rv, "from_torch_mha")
     rq = V.Reader("w_qk", wqk_.shape, wqk_.shape[1], "entries on axis 1", lay_qk, False)
@@ -371,15 +426,18 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
     uk = None
     if uk_ is not None:
         if uk_.shape != (h, d_k):
-            raise ValueError(f"u_k: expected shape (h, d_k) = ({h}, {d_k}), got "
-                             f"{V.shape_str(uk_.shape)}")
+            raise ValueError(
+                f"u_k: expected shape (h, d_k) = ({h}, {d_k}), got {V.shape_str(uk_.shape)}"
+            )
         uk = V.contiguous(uk_, dtype)
     d_vhead = wv_.shape[1] // h_kv
     wv = V.contiguous(wv_, dtype)
     if wo_.shape[0] != h * d_vhead:
-        raise ValueError(f"w_o: expected shape (num_heads * d_vhead, d_out) = ({h * d_vhead}, "
-                         f"d_out) with d_vhead = {d_vhead} from w_v {V.shape_str(wv_.shape)}, "
-                         f"got {V.shape_str(wo_.shape)}")
+        raise ValueError(
+            f"w_o: expected shape (num_heads * d_vhead, d_out) = ({h * d_vhead}, "
+            f"d_out) with d_vhead = {d_vhead} from w_v {V.shape_str(wv_.shape)}, "
+            f"got {V.shape_str(wo_.shape)}"
+        )
     wo = V.contiguous(wo_, dtype)
     d_out = wo.shape[1]
     bv = V.vector(bv_, "b_v", dtype, h_kv * d_vhead)
@@ -389,18 +447,19 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
     if d_head is None:
         d_head = d_q / h
     mode = V.weights_mode(args["return_weights"])
-    m = _args.masks(args, batch, h, n_q, n_k, dtype,
-                    1.0 / math.sqrt(d_head) if d_head > 0 else 1.0)
+    m = _args.masks(args, batch, h, n_q, n_k, dtype, 1.0 / math.sqrt(d_head) if d_head > 0 else 1.0)
     B = V.count(batch)
     if _order is None:
-        order = collapsed_order(n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=h, batch=B,
-                                key_bias=uk is not None)
+        order = collapsed_order(
+            n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=h, batch=B, key_bias=uk is not None
+        )
     elif _order in _ORDERS:
         order = _order
     else:
         raise ValueError(f"_order: expected None, 'query' or 'key', got {_order!r}")
-    return _Prepared(dtype, batch, B, n_q, n_k, d_out, h, h_kv, x, wqk, uk, wv, bv, wo, bo, m,
-                     mode, order)
+    return _Prepared(
+        dtype, batch, B, n_q, n_k, d_out, h, h_kv, x, wqk, uk, wv, bv, wo, bo, m, mode, order
+    )
 
 
 @_docs.filled
@@ -542,20 +601,24 @@ _BACKWARD_DOC = """\
 def _bilinear_state(a: _Prepared) -> dict[str, np.ndarray]:
     """Buffers for what the forward keeps for attnlab.vjp's pullback (O(n d))."""
     B, h, dtype = a.B, a.h, a.dtype
-    return {"v": V.empty((B * a.n_k, a.wv.shape[1]), dtype),
-            "proj": V.empty((B * a.n_q, h * a.wqk.shape[2]), dtype),
-            "ctx": V.empty((B * a.n_q, a.wo.shape[0]), dtype),
-            "lse": V.empty((B, h, a.n_q), dtype)}
+    return {
+        "v": V.empty((B * a.n_k, a.wv.shape[1]), dtype),
+        "proj": V.empty((B * a.n_q, h * a.wqk.shape[2]), dtype),
+        "ctx": V.empty((B * a.n_q, a.wo.shape[0]), dtype),
+        "lse": V.empty((B, h, a.n_q), dtype),
+    }
 
 
-def _bilinear_grads(a: _Prepared, grad_out: Any, state: dict[str, np.ndarray] | None = None
-                    ) -> dict[str, np.ndarray]:
+def _bilinear_grads(
+    a: _Prepared, grad_out: Any, state: dict[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
     """The gradients of a prepared call; with ``state`` (what the forward kept for
     attnlab.vjp) the forward is not recomputed."""
     dtype, batch, B = a.dtype, a.batch, a.B
     go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype)
-    grads = _grad.zeros_like_given({"w_qk": a.wqk, "u_k": a.uk, "w_v": a.wv, "b_v": a.bv,
-                                    "w_o": a.wo, "b_o": a.bo}, dtype)
+    grads = _grad.zeros_like_given(
+        {"w_qk": a.wqk, "u_k": a.uk, "w_v": a.wv, "b_v": a.bv, "w_o": a.wo, "b_o": a.bo}, dtype
+    )
     shapes = a.x.shapes
     rows = {name: V.zeros((B * shp[-2], shp[-1]), dtype) for name, shp in shapes.items()}
     if B * a.n_q > 0:
@@ -569,5 +632,6 @@ def _bilinear_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndar
     return _bilinear_grads(_prepare({**args, "_order": "query"}), grad_out)
 
 
-bilinear_attention_backward = _sig.backward_of(bilinear_attention, _bilinear_backward,
-                                               "(..., n_q, d_out)", _BACKWARD_DOC)
+bilinear_attention_backward = _sig.backward_of(
+    bilinear_attention, _bilinear_backward, "(..., n_q, d_out)", _BACKWARD_DOC
+)

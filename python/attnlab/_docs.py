@@ -34,10 +34,7 @@ FRAGMENTS = {
     ),
     # the opening of most examples of attnlab's functions
     "examples": (
-        "Examples\n"
-        "--------\n"
-        ">>> import numpy as np, attnlab\n"
-        ">>> rng = np.random.default_rng(0)"
+        "Examples\n--------\n>>> import numpy as np, attnlab\n>>> rng = np.random.default_rng(0)"
     ),
     # the opening of every example of attnlab.reference
     "reference_examples": (
@@ -74,8 +71,7 @@ def fill(doc: str) -> str:
         name = line.strip()
         if name.startswith("{") and name.endswith("}") and name[1:-1] in FRAGMENTS:
             indent = line[: len(line) - len(line.lstrip())]
-            lines += [indent + part if part else part
-                      for part in FRAGMENTS[name[1:-1]].split("\n")]
+            lines += [indent + part if part else part for part in FRAGMENTS[name[1:-1]].split("\n")]
         else:
             lines.append(line)
     return "\n".join(lines)

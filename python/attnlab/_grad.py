@@ -41,9 +41,13 @@ def unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return g
 
 
-def input_grads(rows: dict[str, np.ndarray], batch: tuple[int, ...],
-                shapes: dict[str, tuple[int, ...]], key_omitted: bool, value_omitted: bool
-                ) -> dict[str, np.ndarray]:
+def input_grads(
+    rows: dict[str, np.ndarray],
+    batch: tuple[int, ...],
+    shapes: dict[str, tuple[int, ...]],
+    key_omitted: bool,
+    value_omitted: bool,
+) -> dict[str, np.ndarray]:
     """Gradients of ``query``, ``key`` and ``value`` from the kernel's row gradients: shaped
     as given (summed over broadcast batch axes), and summed into the argument an omitted
     ``key``/``value`` defaulted to (gradient keys follow the arguments given, not identity)."""
@@ -58,7 +62,8 @@ def input_grads(rows: dict[str, np.ndarray], batch: tuple[int, ...],
     return inputs
 
 
-def zeros_like_given(arrays: dict[str, np.ndarray | None], dtype: np.dtype
-                     ) -> dict[str, np.ndarray]:
+def zeros_like_given(
+    arrays: dict[str, np.ndarray | None], dtype: np.dtype
+) -> dict[str, np.ndarray]:
     """Zeroed gradient buffers for the arrays given (``None``: an omitted bias, no entry)."""
     return {name: V.zeros(a.shape, dtype) for name, a in arrays.items() if a is not None}

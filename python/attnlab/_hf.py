@@ -17,8 +17,12 @@ from .interop import _list, _mask_array, _plain, _t
 __all__ = ["from_transformers", "transformers_masks"]
 
 # q_proj / k_proj / v_proj / o_proj modules; True: they apply rotary embeddings.
-_PROJ_FAMILIES = {"ViTAttention": False, "LlamaAttention": True, "MistralAttention": True,
-                  "Qwen2Attention": True}
+_PROJ_FAMILIES = {
+    "ViTAttention": False,
+    "LlamaAttention": True,
+    "MistralAttention": True,
+    "Qwen2Attention": True,
+}
 _BERT_SELF = ("BertSelfAttention", "RobertaSelfAttention")
 _BERT = ("BertAttention", "RobertaAttention")
 _SUPPORTED = (*_BERT, *_BERT_SELF, "GPT2Attention", *_PROJ_FAMILIES)
@@ -29,8 +33,10 @@ def _linear(module: Any, name: str) -> tuple[np.ndarray, np.ndarray | None]:
     lin = getattr(module, name, None)
     w = None if lin is None else getattr(lin, "weight", None)
     if w is None:
-        raise ValueError(f"module: {type(module).__name__} has no {name}.weight; expected the "
-                         f"module of a transformers model")
+        raise ValueError(
+            f"module: {type(module).__name__} has no {name}.weight; expected the "
+            f"module of a transformers model"
+        )
     w = _weight(w, f"{name}.weight")
     b = getattr(lin, "bias", None)
     return _t(w), None if b is None else np.array(_weight(b, f"{name}.bias"), copy=True)
@@ -64,8 +70,10 @@ def _rope_theta(module: Any) -> float:
         )
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if factor not in (None, 1, 1.0):
-        raise ValueError(f"module: partial_rotary_factor = {factor} is not supported for "
-                         f"{type(module).__name__} (its attention rotates whole heads)")
+        raise ValueError(
+            f"module: partial_rotary_factor = {factor} is not supported for "
+            f"{type(module).__name__} (its attention rotates whole heads)"
+        )
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
         raise ValueError(f"module: no rope_theta in {type(module).__name__}'s config")
@@ -85,8 +93,9 @@ def _bert_self(module: Any) -> dict[str, Any]:
     for ours, theirs in (("q", "query"), ("k", "key"), ("v", "value")):
         out[f"w_{ours}"], out[f"b_{ours}"] = _linear(module, theirs)
     out["w_o"] = np.eye(out["w_q"].shape[1], dtype=out["w_q"].dtype)  # no output projection
-    out.update(num_heads=h, causal=bool(getattr(module, "is_causal", False)),
-               scale=float(module.scaling))
+    out.update(
+        num_heads=h, causal=bool(getattr(module, "is_causal", False)), scale=float(module.scaling)
+    )
     return out
 
 
@@ -105,11 +114,12 @@ def _gpt2(module: Any) -> dict[str, Any]:
     else:
         parts = ("q", "k", "v")
     if w.shape != (E, len(parts) * E):
-        raise ValueError(f"c_attn.weight: expected shape ({E}, {len(parts)} * {E}), got "
-                         f"{V.shape_str(w.shape)}")
+        raise ValueError(
+            f"c_attn.weight: expected shape ({E}, {len(parts)} * {E}), got {V.shape_str(w.shape)}"
+        )
     for i, p in enumerate(parts):
-        out[f"w_{p}"] = np.ascontiguousarray(w[:, i * E:(i + 1) * E])
-        out[f"b_{p}"] = np.array(b[i * E:(i + 1) * E], copy=True)
+        out[f"w_{p}"] = np.ascontiguousarray(w[:, i * E : (i + 1) * E])
+        out[f"b_{p}"] = np.array(b[i * E : (i + 1) * E], copy=True)
     out["w_o"] = np.array(_weight(module.c_proj.weight, "c_proj.weight"), copy=True)
     out["b_o"] = np.array(_weight(module.c_proj.bias, "c_proj.bias"), copy=True)
     out.update(num_heads=h, causal=bool(module.is_causal), scale=float(module.scaling))
@@ -120,13 +130,15 @@ def _proj_family(module: Any, rotary: bool) -> dict[str, Any]:
     _refuse_children(module, {"q_proj", "k_proj", "v_proj", "o_proj", "rotary_emb"})
     config = module.config
     h = V.check_positive_int(config.num_attention_heads, "num_attention_heads")
-    h_kv = V.check_positive_int(getattr(config, "num_key_value_heads", None) or h,
-                                "num_key_value_heads")
+    h_kv = V.check_positive_int(
+        getattr(config, "num_key_value_heads", None) or h, "num_key_value_heads"
+    )
     out: dict[str, Any] = {}
     for p in "qkvo":
         out[f"w_{p}"], out[f"b_{p}"] = _linear(module, f"{p}_proj")
-    out.update(num_heads=h, num_kv_heads=h_kv, causal=bool(module.is_causal),
-               scale=float(module.scaling))
+    out.update(
+        num_heads=h, num_kv_heads=h_kv, causal=bool(module.is_causal), scale=float(module.scaling)
+    )
     if rotary:
         out["rope_theta"] = _rope_theta(module)
     return out
@@ -194,8 +206,9 @@ def from_transformers(module: Any, *, ignore_norm: bool = False) -> dict[str, An
     (5, 64)
     """
     if not isinstance(ignore_norm, (bool, np.bool_)):
-        raise TypeError(f"ignore_norm: expected True or False, got {type(ignore_norm).__name__} "
-                        f"{ignore_norm!r}")
+        raise TypeError(
+            f"ignore_norm: expected True or False, got {type(ignore_norm).__name__} {ignore_norm!r}"
+        )
     kwargs = _from_transformers(module, bool(ignore_norm))
     return {k: v for k, v in kwargs.items() if v is not None}  # biases the module lacks
 
@@ -213,8 +226,9 @@ def _from_transformers(module: Any, ignore_norm: bool) -> dict[str, Any]:
                 "module.self for the attention without the output projection)"
             )
         if getattr(module, "is_cross_attention", False):
-            raise ValueError(f"module: cross-attention {name} (BertCrossAttention) is not "
-                             "supported")
+            raise ValueError(
+                f"module: cross-attention {name} (BertCrossAttention) is not supported"
+            )
         out = _bert_self(module.self)
         out["w_o"], out["b_o"] = _linear(module.output, "dense")
         return out
@@ -222,8 +236,10 @@ def _from_transformers(module: Any, ignore_norm: bool) -> dict[str, Any]:
         return _gpt2(module)
     if name in _PROJ_FAMILIES:
         return _proj_family(module, _PROJ_FAMILIES[name])
-    raise TypeError(f"module: expected a transformers attention module, one of "
-                    f"{', '.join(_SUPPORTED)}; got {name}")
+    raise TypeError(
+        f"module: expected a transformers attention module, one of "
+        f"{', '.join(_SUPPORTED)}; got {name}"
+    )
 
 
 def transformers_masks(attention_mask: Any) -> dict[str, np.ndarray]:
@@ -254,18 +270,25 @@ def transformers_masks(attention_mask: Any) -> dict[str, np.ndarray]:
     >>> transformers_masks(m)["mask"]
     array([[[[ True, False]]]])
     """
-    m = _mask_array(attention_mask, "attention_mask",
-                    "a 2-D (batch, n) or 4-D (batch, 1 or h, n_q, n_k) mask", "biuf")
+    m = _mask_array(
+        attention_mask,
+        "attention_mask",
+        "a 2-D (batch, n) or 4-D (batch, 1 or h, n_q, n_k) mask",
+        "biuf",
+    )
     if m.ndim == 2:
         return {"key_padding_mask": m != 0}
     if m.ndim != 4:
-        raise ValueError(f"attention_mask: expected shape (batch, n_k) or (batch, 1 or h, n_q, "
-                         f"n_k), got {V.shape_str(m.shape)}")
+        raise ValueError(
+            f"attention_mask: expected shape (batch, n_k) or (batch, 1 or h, n_q, "
+            f"n_k), got {V.shape_str(m.shape)}"
+        )
     if m.dtype.kind == "b":
         return {"mask": np.array(m, copy=True)}
     if m.dtype.kind != "f":
-        raise TypeError(f"attention_mask: a 4-D mask must be boolean or additive float, got "
-                        f"dtype {m.dtype}")
+        raise TypeError(
+            f"attention_mask: a 4-D mask must be boolean or additive float, got dtype {m.dtype}"
+        )
     blocked = m <= np.finfo(m.dtype).min / 2  # HF writes finfo(dtype).min (or -inf)
     if np.all(m[~blocked] == 0):
         return {"mask": ~blocked}

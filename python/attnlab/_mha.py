@@ -75,9 +75,25 @@ def _prepare_sdpa(args: dict[str, Any]) -> _Sdpa:
     batch = V.batch_shape([("q", q.shape[:-3]), ("k", k.shape[:-3]), ("v", v.shape[:-3])])
     dtype = V.result_dtype(q, k, v)
     m = _args.masks(args, batch, h, n_q, n_k, dtype, 1.0 / math.sqrt(d))
-    return _Sdpa(q, k, v, V.stack(q, batch, dtype, 3), V.stack(k, batch, dtype, 3),
-                 V.stack(v, batch, dtype, 3), batch, dtype, h, h_kv, n_q, n_k, d, d_v, m.causal,
-                 m.scale, m.mask4)
+    return _Sdpa(
+        q,
+        k,
+        v,
+        V.stack(q, batch, dtype, 3),
+        V.stack(k, batch, dtype, 3),
+        V.stack(v, batch, dtype, 3),
+        batch,
+        dtype,
+        h,
+        h_kv,
+        n_q,
+        n_k,
+        d,
+        d_v,
+        m.causal,
+        m.scale,
+        m.mask4,
+    )
 
 
 @_docs.filled
@@ -165,19 +181,38 @@ def scaled_dot_product_attention(
 _Opt = np.ndarray | None
 # The leading arguments of core.mha_forward / mha_backward, typed element by element so that
 # mypy checks the starred calls against the stub.
-_CoreArgs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, _Opt, np.ndarray, _Opt,
-                  np.ndarray, _Opt, np.ndarray, _Opt, int, int, int, int, int, _Opt, _Opt, int,
-                  float]
+_CoreArgs = tuple[
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    _Opt,
+    np.ndarray,
+    _Opt,
+    np.ndarray,
+    _Opt,
+    np.ndarray,
+    _Opt,
+    int,
+    int,
+    int,
+    int,
+    int,
+    _Opt,
+    _Opt,
+    int,
+    float,
+]
 
 
 class _Mha(NamedTuple):
     rq: np.ndarray  # (B*n_q, d_q) rows, C-contiguous
     rk: np.ndarray
     rv: np.ndarray
-    key_omitted: bool    # key not given: it defaults to query
+    key_omitted: bool  # key not given: it defaults to query
     value_omitted: bool  # value not given: it defaults to key
     shapes: dict[str, tuple[int, ...]]  # the user's input shapes, for gradient reduction
-    w: dict[str, np.ndarray | None]     # w_q, b_q, ... prepared for the kernel
+    w: dict[str, np.ndarray | None]  # w_q, b_q, ... prepared for the kernel
     batch: tuple[int, ...]
     dtype: np.dtype
     h: int
@@ -202,9 +237,28 @@ class _Mha(NamedTuple):
             assert a is not None
             return a
 
-        return (self.rq, self.rk, self.rv, req("w_q"), w["b_q"], req("w_k"), w["b_k"],
-                req("w_v"), w["b_v"], req("w_o"), w["b_o"], self.B, self.n_q, self.n_k, self.h,
-                self.h_kv, self.mask4, self.kp, self.causal, self.scale)
+        return (
+            self.rq,
+            self.rk,
+            self.rv,
+            req("w_q"),
+            w["b_q"],
+            req("w_k"),
+            w["b_k"],
+            req("w_v"),
+            w["b_v"],
+            req("w_o"),
+            w["b_o"],
+            self.B,
+            self.n_q,
+            self.n_k,
+            self.h,
+            self.h_kv,
+            self.mask4,
+            self.kp,
+            self.causal,
+            self.scale,
+        )
 
 
 def _prepare_mha(args: dict[str, Any]) -> _Mha:
@@ -219,38 +273,50 @@ def _prepare_mha(args: dict[str, Any]) -> _Mha:
     bs = {n: V.optional_array(args[n], n) for n in ("b_q", "b_k", "b_v", "b_o")}
     dtype = V.result_dtype(x.xq, x.xk, x.xv, *ws.values(), *bs.values())
     wq_, wk_, wv_, wo_ = ws["w_q"], ws["w_k"], ws["w_v"], ws["w_o"]
-    lay = {"w_q": "(d_q, num_heads * d_head)", "w_k": f"(d_k, {kv_arg} * d_head)",
-           "w_v": f"(d_v, {kv_arg} * d_vhead)", "w_o": "(num_heads * d_vhead, d_out)"}
+    lay = {
+        "w_q": "(d_q, num_heads * d_head)",
+        "w_k": f"(d_k, {kv_arg} * d_head)",
+        "w_v": f"(d_v, {kv_arg} * d_vhead)",
+        "w_o": "(num_heads * d_vhead, d_out)",
+    }
     for name, w_ in ws.items():
         V.check_matrix(w_, name, lay[name], 0 if name == "w_o" else 1)
     by_h = lambda n: n % h == 0  # noqa: E731  (a valid column count for the query heads)
     by_kv = lambda n: n % h_kv == 0  # noqa: E731
-    readers = {"w_q": V.reader(wq_, "w_q", lay["w_q"], by_h, d_q),
-               "w_k": V.reader(wk_, "w_k", lay["w_k"], by_kv, d_k),
-               "w_v": V.reader(wv_, "w_v", lay["w_v"], by_kv, d_v)}
-    for name, heads, arg in (("w_q", h, "num_heads"), ("w_k", h_kv, kv_arg),
-                             ("w_v", h_kv, kv_arg)):
+    readers = {
+        "w_q": V.reader(wq_, "w_q", lay["w_q"], by_h, d_q),
+        "w_k": V.reader(wk_, "w_k", lay["w_k"], by_kv, d_k),
+        "w_v": V.reader(wv_, "w_v", lay["w_v"], by_kv, d_v),
+    }
+    for name, heads, arg in (("w_q", h, "num_heads"), ("w_k", h_kv, kv_arg), ("w_v", h_kv, kv_arg)):
         V.check_heads(ws[name], heads, arg, readers[name], "from_torch_mha")
-    V.check_readers(x.groups((readers["w_q"], readers["w_k"], readers["w_v"])),
-                    "from_torch_mha")
+    V.check_readers(x.groups((readers["w_q"], readers["w_k"], readers["w_v"])), "from_torch_mha")
     d_head, d_khead, d_vhead = wq_.shape[1] // h, wk_.shape[1] // h_kv, wv_.shape[1] // h_kv
     o_head = wo_.shape[0] / h
     if d_head != d_khead:  # the odd one out: the value side usually has the same head width
         if d_khead == d_vhead == o_head:
-            raise ValueError(f"w_q: expected shape {lay['w_q']} = ({d_q}, {h * d_khead}) with "
-                             f"d_head = {d_khead} as in w_k {V.shape_str(wk_.shape)}, got "
-                             f"{V.shape_str(wq_.shape)} (d_head = {d_head})")
-        raise ValueError(f"w_k: expected shape {lay['w_k']} = ({d_k}, {h_kv * d_head}) with "
-                         f"d_head = {d_head} from w_q {V.shape_str(wq_.shape)}, got "
-                         f"{V.shape_str(wk_.shape)}")
+            raise ValueError(
+                f"w_q: expected shape {lay['w_q']} = ({d_q}, {h * d_khead}) with "
+                f"d_head = {d_khead} as in w_k {V.shape_str(wk_.shape)}, got "
+                f"{V.shape_str(wq_.shape)} (d_head = {d_head})"
+            )
+        raise ValueError(
+            f"w_k: expected shape {lay['w_k']} = ({d_k}, {h_kv * d_head}) with "
+            f"d_head = {d_head} from w_q {V.shape_str(wq_.shape)}, got "
+            f"{V.shape_str(wk_.shape)}"
+        )
     if wo_.shape[0] != h * d_vhead:
         if o_head == d_head != d_vhead:
-            raise ValueError(f"w_v: expected shape {lay['w_v']} = ({d_v}, {h_kv * d_head}) with "
-                             f"d_vhead = {d_head} as in w_o {V.shape_str(wo_.shape)}, got "
-                             f"{V.shape_str(wv_.shape)}")
-        raise ValueError(f"w_o: expected shape {lay['w_o']} = ({h * d_vhead}, d_out) with "
-                         f"d_vhead = {d_vhead} from w_v {V.shape_str(wv_.shape)}, got "
-                         f"{V.shape_str(wo_.shape)}")
+            raise ValueError(
+                f"w_v: expected shape {lay['w_v']} = ({d_v}, {h_kv * d_head}) with "
+                f"d_vhead = {d_head} as in w_o {V.shape_str(wo_.shape)}, got "
+                f"{V.shape_str(wv_.shape)}"
+            )
+        raise ValueError(
+            f"w_o: expected shape {lay['w_o']} = ({h * d_vhead}, d_out) with "
+            f"d_vhead = {d_vhead} from w_v {V.shape_str(wv_.shape)}, got "
+            f"{V.shape_str(wo_.shape)}"
+        )
     wq = V.contiguous(wq_, dtype)
     wk = V.contiguous(wk_, dtype)
     wv = V.contiguous(wv_, dtype)
@@ -266,8 +332,24 @@ def _prepare_mha(args: dict[str, Any]) -> _Mha:
     w = {"w_q": wq, "b_q": bq, "w_k": wk, "b_k": bk, "w_v": wv, "b_v": bv, "w_o": wo, "b_o": bo}
     # Gradient keys follow the arguments given, not object identity (the rows may be shared
     # either way: same data, one copy).
-    return _Mha(*x.rows(batch, dtype), x.key_omitted, x.value_omitted, x.shapes, w, batch,
-                dtype, h, h_kv, n_q, n_k, d_out, m.causal, m.scale, m.mask4, m.kp)
+    return _Mha(
+        *x.rows(batch, dtype),
+        x.key_omitted,
+        x.value_omitted,
+        x.shapes,
+        w,
+        batch,
+        dtype,
+        h,
+        h_kv,
+        n_q,
+        n_k,
+        d_out,
+        m.causal,
+        m.scale,
+        m.mask4,
+        m.kp,
+    )
 
 
 @_docs.filled
@@ -431,12 +513,21 @@ _SDPA_BACKWARD_DOC = """\
     """
 
 
-def _sdpa_grads(a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
-                ) -> dict[str, np.ndarray]:
+def _sdpa_grads(
+    a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
+) -> dict[str, np.ndarray]:
     """The gradients of a prepared SDPA call; with ``kept`` (what the forward kept for
     attnlab.vjp) the forward is not recomputed."""
-    batch, dtype, h, h_kv, n_q, n_k, d, d_v = (a.batch, a.dtype, a.h, a.h_kv, a.n_q, a.n_k,
-                                               a.d, a.d_v)
+    batch, dtype, h, h_kv, n_q, n_k, d, d_v = (
+        a.batch,
+        a.dtype,
+        a.h,
+        a.h_kv,
+        a.n_q,
+        a.n_k,
+        a.d,
+        a.d_v,
+    )
     go = _grad.grad_out(grad_out, batch + (h, n_q, d_v), dtype)
     B = V.count(batch)
     dq = V.zeros((B, h, n_q, d), dtype)
@@ -449,8 +540,22 @@ def _sdpa_grads(a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
             lse = V.empty((B, h, n_q), dtype)
         else:
             out, lse = kept["out"], kept["lse"]
-        core.sdpa_backward(go4, a.q4, a.k4, a.v4, a.mask4, None, a.causal, a.scale, out, lse,
-                           dq, dk, dv, kept is None)
+        core.sdpa_backward(
+            go4,
+            a.q4,
+            a.k4,
+            a.v4,
+            a.mask4,
+            None,
+            a.causal,
+            a.scale,
+            out,
+            lse,
+            dq,
+            dk,
+            dv,
+            kept is None,
+        )
     return {
         "q": _grad.unbroadcast(dq.reshape(batch + dq.shape[1:]), a.q.shape),
         "k": _grad.unbroadcast(dk.reshape(batch + dk.shape[1:]), a.k.shape),
@@ -489,15 +594,18 @@ def _mha_state(a: _Mha) -> dict[str, np.ndarray]:
     wo = a.w["w_o"]
     assert wq is not None and wv is not None and wo is not None
     d_head, d_vhead, B = wq.shape[1] // a.h, wv.shape[1] // a.h_kv, a.B
-    return {"q": V.empty((B * a.n_q, a.h * d_head), a.dtype),
-            "k": V.empty((B * a.n_k, a.h_kv * d_head), a.dtype),
-            "v": V.empty((B * a.n_k, a.h_kv * d_vhead), a.dtype),
-            "ctx": V.empty((B * a.n_q, wo.shape[0]), a.dtype),
-            "lse": V.empty((B, a.h, a.n_q), a.dtype)}
+    return {
+        "q": V.empty((B * a.n_q, a.h * d_head), a.dtype),
+        "k": V.empty((B * a.n_k, a.h_kv * d_head), a.dtype),
+        "v": V.empty((B * a.n_k, a.h_kv * d_vhead), a.dtype),
+        "ctx": V.empty((B * a.n_q, wo.shape[0]), a.dtype),
+        "lse": V.empty((B, a.h, a.n_q), a.dtype),
+    }
 
 
-def _mha_grads(a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = None,
-               rope: Any = None) -> dict[str, np.ndarray]:
+def _mha_grads(
+    a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = None, rope: Any = None
+) -> dict[str, np.ndarray]:
     """The gradients of a prepared MHA call; with ``state`` (what the forward kept for
     attnlab.vjp) the forward is not recomputed; ``rope``: the rotary path (recomputes)."""
     dtype, batch, B = a.dtype, a.batch, a.B
@@ -525,7 +633,13 @@ def _mha_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 scaled_dot_product_attention_backward = _sig.backward_of(
-    scaled_dot_product_attention, _sdpa_backward, "(..., h, n_q, d_v)", _SDPA_BACKWARD_DOC,
-    wrt="``q``, ``k``, ``v``", intro=_SDPA_BACKWARD_INTRO)
+    scaled_dot_product_attention,
+    _sdpa_backward,
+    "(..., h, n_q, d_v)",
+    _SDPA_BACKWARD_DOC,
+    wrt="``q``, ``k``, ``v``",
+    intro=_SDPA_BACKWARD_INTRO,
+)
 multi_head_attention_backward = _sig.backward_of(
-    multi_head_attention, _mha_backward, "(..., n_q, d_out)", _MHA_BACKWARD_DOC)
+    multi_head_attention, _mha_backward, "(..., n_q, d_out)", _MHA_BACKWARD_DOC
+)

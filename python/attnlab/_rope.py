@@ -36,7 +36,7 @@ __all__: list[str] = []  # private module
 class Rope(NamedTuple):
     """The rotation tables, broadcastable to ``(B, n, 1, r/2)`` (B may be 1)."""
 
-    dim: int            # r, features rotated per head
+    dim: int  # r, features rotated per head
     cos_q: np.ndarray
     sin_q: np.ndarray
     cos_k: np.ndarray
@@ -45,8 +45,10 @@ class Rope(NamedTuple):
 
 def _theta(rope_theta: Any) -> float:
     if isinstance(rope_theta, (bool, np.bool_)) or not isinstance(rope_theta, numbers.Real):
-        raise TypeError(f"rope_theta: expected a positive real number or None, got "
-                        f"{type(rope_theta).__name__} {rope_theta!r}")
+        raise TypeError(
+            f"rope_theta: expected a positive real number or None, got "
+            f"{type(rope_theta).__name__} {rope_theta!r}"
+        )
     t = float(rope_theta)
     if not (np.isfinite(t) and t > 0):
         raise ValueError(f"rope_theta: expected a finite number > 0, got {t}")
@@ -62,8 +64,10 @@ def _positions_array(p: Any, name: str, n: int, batch: tuple[int, ...]) -> np.nd
     if a.dtype.kind not in "iuf" or a.dtype.kind == "b":
         raise TypeError(f"{name}: expected integer or real token positions, got dtype {a.dtype}")
     if a.ndim < 1 or a.shape[-1] != n:
-        raise ValueError(f"{name}: expected shape (..., {n}) (one position per token), got "
-                         f"{V.shape_str(a.shape)}")
+        raise ValueError(
+            f"{name}: expected shape (..., {n}) (one position per token), got "
+            f"{V.shape_str(a.shape)}"
+        )
     a = a.astype(np.float64)
     if not np.all(np.isfinite(a)):
         raise ValueError(f"{name}: positions must be finite")
@@ -71,15 +75,18 @@ def _positions_array(p: Any, name: str, n: int, batch: tuple[int, ...]) -> np.nd
     try:
         np.broadcast_shapes(lead, batch)
     except ValueError:
-        raise ValueError(f"{name}: shape {V.shape_str(a.shape)} does not broadcast to the "
-                         f"batch {V.shape_str(batch)} + (n,)") from None
+        raise ValueError(
+            f"{name}: shape {V.shape_str(a.shape)} does not broadcast to the "
+            f"batch {V.shape_str(batch)} + (n,)"
+        ) from None
     if not lead or V.count(lead) == 1:
         return a.reshape(1, n)
     return np.broadcast_to(a, batch + (n,)).reshape(V.count(batch), n)
 
 
-def resolve_positions(positions: Any, n_q: int, n_k: int, causal: int,
-                      batch: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+def resolve_positions(
+    positions: Any, n_q: int, n_k: int, causal: int, batch: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
     """Query and key positions, ``(B or 1, n_q)`` and ``(B or 1, n_k)``, float64.
 
     ``None``: keys ``arange(n_k)``, queries aligned as the causal mask aligns them
@@ -90,10 +97,14 @@ def resolve_positions(positions: Any, n_q: int, n_k: int, causal: int,
     offset = n_k - n_q if causal == 2 else 0
     if isinstance(positions, tuple):
         if len(positions) != 2:
-            raise ValueError(f"positions: expected an array or a pair (query_positions, "
-                             f"key_positions), got a tuple of {len(positions)}")
-        return (_positions_array(positions[0], "positions[0] (queries)", n_q, batch),
-                _positions_array(positions[1], "positions[1] (keys)", n_k, batch))
+            raise ValueError(
+                f"positions: expected an array or a pair (query_positions, "
+                f"key_positions), got a tuple of {len(positions)}"
+            )
+        return (
+            _positions_array(positions[0], "positions[0] (queries)", n_q, batch),
+            _positions_array(positions[1], "positions[1] (keys)", n_k, batch),
+        )
     if positions is None:
         pk = np.arange(n_k, dtype=np.float64)[None]
         return np.arange(offset, offset + n_q, dtype=np.float64)[None], pk
@@ -104,7 +115,7 @@ def resolve_positions(positions: Any, n_q: int, n_k: int, causal: int,
             f"(causal={'bottom_right' if causal == 2 else 'top_left/False'}); pass a pair "
             f"(query_positions, key_positions)"
         )
-    return pk[:, offset:offset + n_q], pk
+    return pk[:, offset : offset + n_q], pk
 
 
 def tables(theta: float, dim: int, pos: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, ...]:
@@ -115,26 +126,38 @@ def tables(theta: float, dim: int, pos: np.ndarray, dtype: np.dtype) -> tuple[np
     return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
 
 
-def prepare(rope_theta: Any, rope_dim: Any, positions: Any, d_head: int, n_q: int, n_k: int,
-            causal: int, batch: tuple[int, ...], dtype: np.dtype) -> Rope | None:
+def prepare(
+    rope_theta: Any,
+    rope_dim: Any,
+    positions: Any,
+    d_head: int,
+    n_q: int,
+    n_k: int,
+    causal: int,
+    batch: tuple[int, ...],
+    dtype: np.dtype,
+) -> Rope | None:
     """Validate the rotary arguments; ``None`` when ``rope_theta`` is ``None`` (off)."""
     if rope_theta is None:
         for name, val in (("rope_dim", rope_dim), ("positions", positions)):
             if val is not None:
-                raise ValueError(f"{name}: given without rope_theta (rotary embeddings are off "
-                                 f"when rope_theta is None)")
+                raise ValueError(
+                    f"{name}: given without rope_theta (rotary embeddings are off "
+                    f"when rope_theta is None)"
+                )
         return None
     theta = _theta(rope_theta)
     if rope_dim is None:
         if d_head % 2:
-            raise ValueError(f"rope_dim: d_head = {d_head} is odd, and rotary embeddings "
-                             f"rotate pairs of features; pass an even rope_dim <= {d_head}")
+            raise ValueError(
+                f"rope_dim: d_head = {d_head} is odd, and rotary embeddings "
+                f"rotate pairs of features; pass an even rope_dim <= {d_head}"
+            )
         dim = d_head
     else:
         dim = V.check_positive_int(rope_dim, "rope_dim")
         if dim % 2 or dim > d_head:
-            raise ValueError(f"rope_dim: expected an even number <= d_head = {d_head}, got "
-                             f"{dim}")
+            raise ValueError(f"rope_dim: expected an even number <= d_head = {d_head}, got {dim}")
     pq, pk = resolve_positions(positions, n_q, n_k, causal, batch)
     cq, sq = tables(theta, dim, pq, dtype)
     ck, sk = tables(theta, dim, pk, dtype)
@@ -143,12 +166,22 @@ def prepare(rope_theta: Any, rope_dim: Any, positions: Any, d_head: int, n_q: in
 
 def prepare_for(a: _Mha, rope_theta: Any, rope_dim: Any, positions: Any) -> Rope | None:
     """:func:`prepare` for a prepared multi-head call."""
-    return prepare(rope_theta, rope_dim, positions, _w(a, "w_q").shape[1] // a.h, a.n_q, a.n_k,
-                   a.causal, a.batch, a.dtype)
+    return prepare(
+        rope_theta,
+        rope_dim,
+        positions,
+        _w(a, "w_q").shape[1] // a.h,
+        a.n_q,
+        a.n_k,
+        a.causal,
+        a.batch,
+        a.dtype,
+    )
 
 
-def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dim: int, inverse: bool = False
-           ) -> None:
+def rotate(
+    x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dim: int, inverse: bool = False
+) -> None:
     """Rotate ``x`` ``(B, n, heads, d_head)`` in place; ``inverse`` applies the transpose."""
     half = dim // 2
     x1 = x[..., :half]
@@ -161,8 +194,9 @@ def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, dim: int, inverse: b
     x1[...] = a
 
 
-def _project(rows: np.ndarray, w: np.ndarray, b: np.ndarray | None, B: int, n: int,
-             heads: int) -> np.ndarray:
+def _project(
+    rows: np.ndarray, w: np.ndarray, b: np.ndarray | None, B: int, n: int, heads: int
+) -> np.ndarray:
     """``rows w + b`` by the C++ GEMM, viewed as ``(B, n, heads, d_head)``."""
     y = V.empty((rows.shape[0], w.shape[1]), w.dtype)
     if y.size:
@@ -216,8 +250,18 @@ def forward(a: _Mha, rope: Rope, out: np.ndarray, weights: np.ndarray | None) ->
     """Rotary multi-head attention into ``out`` ``(B*n_q, d_out)`` (and ``weights``)."""
     q, k, v = _qkv(a, rope)
     ctx = V.empty((a.B, a.n_q, a.h, v.shape[-1]), a.dtype)
-    core.sdpa_forward(_heads(q), _heads(k), _heads(v), _heads(ctx), a.mask4, a.kp, a.causal,
-                      a.scale, weights, None)
+    core.sdpa_forward(
+        _heads(q),
+        _heads(k),
+        _heads(v),
+        _heads(ctx),
+        a.mask4,
+        a.kp,
+        a.causal,
+        a.scale,
+        weights,
+        None,
+    )
     core.linear_forward(_rows(ctx), _w(a, "w_o"), a.w["b_o"], out)
 
 
@@ -235,16 +279,32 @@ def backward(go: np.ndarray, a: _Mha, rope: Rope, grads: dict[str, np.ndarray]) 
     dv = V.zeros((B, a.h_kv, a.n_k, d_vhead), dtype)
     if a.n_k:  # no key: the context is 0 and so are the gradients through it
         lse = V.empty((B, a.h, a.n_q), dtype)
-        core.sdpa_backward(_heads(g_ctx), _heads(q), _heads(k), _heads(v), a.mask4, a.kp,
-                           a.causal, a.scale, ctx, lse, dq, dk, dv)
+        core.sdpa_backward(
+            _heads(g_ctx),
+            _heads(q),
+            _heads(k),
+            _heads(v),
+            a.mask4,
+            a.kp,
+            a.causal,
+            a.scale,
+            ctx,
+            lse,
+            dq,
+            dk,
+            dv,
+        )
     grads["w_o"][...] = _gemm(_rows(_heads(ctx)).T, go)
     if "b_o" in grads:
         grads["b_o"][...] = go.sum(axis=0)
     dq_rows, dk_rows = _heads(dq).copy(), _heads(dk).copy()  # (B, n, heads, d)
     rotate(dq_rows, rope.cos_q, rope.sin_q, rope.dim, inverse=True)
     rotate(dk_rows, rope.cos_k, rope.sin_k, rope.dim, inverse=True)
-    for x, g, rows, name in ((a.rq, dq_rows, "query", "q"), (a.rk, dk_rows, "key", "k"),
-                             (a.rv, _heads(dv), "value", "v")):
+    for x, g, rows, name in (
+        (a.rq, dq_rows, "query", "q"),
+        (a.rk, dk_rows, "key", "k"),
+        (a.rv, _heads(dv), "value", "v"),
+    ):
         g2 = _rows(g)
         w = _w(a, f"w_{name}")
         grads[f"w_{name}"][...] = _gemm(x.T, g2)

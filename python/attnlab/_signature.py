@@ -32,9 +32,17 @@ def public_parameters(f: Callable[..., Any]) -> list[inspect.Parameter]:
     return [p for p in inspect.signature(f).parameters.values() if not p.name.startswith("_")]
 
 
-def generate(name: str, module: str, params: list[inspect.Parameter], returns: str,
-             doc: str | None, body: Callable[..., Any], *, first: str | None = None,
-             annotations: Mapping[str, str] | None = None) -> Callable[..., Any]:
+def generate(
+    name: str,
+    module: str,
+    params: list[inspect.Parameter],
+    returns: str,
+    doc: str | None,
+    body: Callable[..., Any],
+    *,
+    first: str | None = None,
+    annotations: Mapping[str, str] | None = None,
+) -> Callable[..., Any]:
     """A function ``name(first, <params>) -> returns`` whose body is
     ``return body(first, {param: value, ...})`` (without ``first``: ``body({...})``).
 
@@ -59,9 +67,11 @@ def generate(name: str, module: str, params: list[inspect.Parameter], returns: s
         parts.append(text)
     call = "{" + ", ".join(f"{p.name!r}: {p.name}" for p in params) + "}"
     head = "" if first is None else f"{first}, "
-    source = (f"from __future__ import annotations\n"
-              f"def {name}({', '.join(parts)}) -> {returns}:\n"
-              f"    return __body({head}{call})\n")
+    source = (
+        f"from __future__ import annotations\n"
+        f"def {name}({', '.join(parts)}) -> {returns}:\n"
+        f"    return __body({head}{call})\n"
+    )
     filename = f"{_PKG}<generated {module}.{name}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), namespace)  # the source is built above
@@ -72,18 +82,32 @@ def generate(name: str, module: str, params: list[inspect.Parameter], returns: s
     return fn
 
 
-def backward_of(forward: Callable[..., Any], body: Callable[[Any, dict[str, Any]], Any],
-                output: str, doc: str, *, wrt: str = "every array argument given",
-                intro: str = "") -> Callable[..., dict[str, Any]]:
+def backward_of(
+    forward: Callable[..., Any],
+    body: Callable[[Any, dict[str, Any]], Any],
+    output: str,
+    doc: str,
+    *,
+    wrt: str = "every array argument given",
+    intro: str = "",
+) -> Callable[..., dict[str, Any]]:
     """``<forward>_backward(grad_out, <forward's public arguments>)``: ``body(grad_out,
     arguments)`` computes the gradients.
 
     Its docstring starts as every backward's does (what it differentiates, an optional
     ``intro`` paragraph, ``grad_out`` of shape ``output``), then ``doc``: the other
     parameters, the returns, the examples, with :mod:`attnlab._docs`' fragments filled in."""
-    head = (f"Gradients of :func:`{forward.__name__}` with respect to {wrt}.\n\n{intro}"
-            f"    Parameters\n    ----------\n    grad_out : array_like, shape {output}\n"
-            f"        Gradient of the loss with respect to the output.\n")
-    return generate(f"{forward.__name__}_backward", forward.__module__,
-                    public_parameters(forward), "dict[str, np.ndarray]",
-                    _docs.fill(head + doc), body, first="grad_out")
+    head = (
+        f"Gradients of :func:`{forward.__name__}` with respect to {wrt}.\n\n{intro}"
+        f"    Parameters\n    ----------\n    grad_out : array_like, shape {output}\n"
+        f"        Gradient of the loss with respect to the output.\n"
+    )
+    return generate(
+        f"{forward.__name__}_backward",
+        forward.__module__,
+        public_parameters(forward),
+        "dict[str, np.ndarray]",
+        _docs.fill(head + doc),
+        body,
+        first="grad_out",
+    )

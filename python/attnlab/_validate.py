@@ -36,9 +36,7 @@ def as_array(x: Any, name: str) -> np.ndarray:
     if kind == "b":
         raise TypeError(f"{name}: expected real floating-point data, got dtype bool")
     if kind not in "fiu":
-        raise TypeError(
-            f"{name}: expected real floating-point data, got dtype {a.dtype}"
-        )
+        raise TypeError(f"{name}: expected real floating-point data, got dtype {a.dtype}")
     if a.dtype not in _NATIVE:
         a = a.astype(np.float64)
     return a
@@ -94,9 +92,7 @@ def causal_code(causal: Any) -> int:
         return 1 if causal else 0
     if isinstance(causal, str) and causal in _CAUSAL:
         return _CAUSAL[causal]
-    raise ValueError(
-        f"causal: expected False, True, 'top_left' or 'bottom_right', got {causal!r}"
-    )
+    raise ValueError(f"causal: expected False, True, 'top_left' or 'bottom_right', got {causal!r}")
 
 
 def weights_mode(return_weights: Any) -> str | None:
@@ -146,7 +142,7 @@ def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     nbytes = math.prod(shape) * dt.itemsize
     buf = np.empty(nbytes + _ALIGN, np.uint8)
     start = (-buf.ctypes.data) % _ALIGN
-    return buf[start:start + nbytes].view(dt).reshape(shape)
+    return buf[start : start + nbytes].view(dt).reshape(shape)
 
 
 def zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -165,8 +161,12 @@ def copy(a: np.ndarray, dtype: Any = None) -> np.ndarray:
 
 def contiguous(a: np.ndarray, dtype: Any = None) -> np.ndarray:
     """``a`` itself when it is C-contiguous, aligned and of ``dtype``; else :func:`copy`."""
-    if (dtype is None or a.dtype == np.dtype(dtype)) and a.flags.c_contiguous and \
-            a.flags.aligned and all(s >= 0 for s in a.strides):
+    if (
+        (dtype is None or a.dtype == np.dtype(dtype))
+        and a.flags.c_contiguous
+        and a.flags.aligned
+        and all(s >= 0 for s in a.strides)
+    ):
         return a
     return copy(a, dtype)
 
@@ -207,10 +207,13 @@ def rows(a: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return contiguous(a.reshape(total, d))
 
 
-def matrix(w: np.ndarray, name: str, dtype: np.dtype, rows_: int | None, cols: int | None,
-           layout: str) -> np.ndarray:
-    if w.ndim != 2 or (rows_ is not None and w.shape[0] != rows_) or (
-        cols is not None and w.shape[1] != cols
+def matrix(
+    w: np.ndarray, name: str, dtype: np.dtype, rows_: int | None, cols: int | None, layout: str
+) -> np.ndarray:
+    if (
+        w.ndim != 2
+        or (rows_ is not None and w.shape[0] != rows_)
+        or (cols is not None and w.shape[1] != cols)
     ):
         raise ValueError(f"{name}: expected shape {layout}, got {shape_str(w.shape)}")
     return contiguous(w, dtype)
@@ -224,8 +227,9 @@ def vector(b: np.ndarray | None, name: str, dtype: np.dtype, n: int) -> np.ndarr
     return contiguous(b, dtype)
 
 
-def mask4(mask: Any, batch: tuple[int, ...], heads: int, n_q: int, n_k: int,
-          dtype: np.dtype) -> np.ndarray | None:
+def mask4(
+    mask: Any, batch: tuple[int, ...], heads: int, n_q: int, n_k: int, dtype: np.dtype
+) -> np.ndarray | None:
     """The attention mask broadcast to (B, heads, n_q, n_k): bool ("may attend") or additive."""
     if mask is None:
         return None
@@ -320,32 +324,41 @@ def check_matrix(w: np.ndarray, name: str, layout: str, min_cols: int = 1) -> No
     """``w`` must be 2-D with at least ``min_cols`` columns: its own shape, checked first."""
     if w.ndim != 2 or w.shape[1] < min_cols:
         more = f" with at least {min_cols} column{'s' if min_cols > 1 else ''}" if min_cols else ""
-        raise ValueError(f"{name}: expected a 2-D array {layout}{more}, got shape "
-                         f"{shape_str(w.shape)}")
+        raise ValueError(
+            f"{name}: expected a 2-D array {layout}{more}, got shape {shape_str(w.shape)}"
+        )
 
 
 class Reader(NamedTuple):
     """One weight axis that reads an input's features."""
 
-    name: str                 # the argument, e.g. "w_q"
-    shape: tuple[int, ...]    # its shape
-    width: int                # the length of the axis that reads the input
-    axis: str                 # that axis in words: "rows", "axis 1 (d_q)"
-    layout: str               # the expected layout, e.g. "(d_q, num_heads * d_head)"
-    transposed_fits: bool     # the weight would fit if transposed (the PyTorch habit)
+    name: str  # the argument, e.g. "w_q"
+    shape: tuple[int, ...]  # its shape
+    width: int  # the length of the axis that reads the input
+    axis: str  # that axis in words: "rows", "axis 1 (d_q)"
+    layout: str  # the expected layout, e.g. "(d_q, num_heads * d_head)"
+    transposed_fits: bool  # the weight would fit if transposed (the PyTorch habit)
 
 
 def reader(w: np.ndarray, name: str, layout: str, cols_ok: Any, width: int) -> Reader:
     """A 2-D weight reading an input of ``width`` features through its rows; ``cols_ok(n)``
     says whether ``n`` columns would be valid (to detect a transposed weight)."""
-    return Reader(name, w.shape, w.shape[0], "rows", layout,
-                  w.shape[0] != width and w.shape[1] == width and bool(cols_ok(w.shape[0])))
+    return Reader(
+        name,
+        w.shape,
+        w.shape[0],
+        "rows",
+        layout,
+        w.shape[0] != width and w.shape[1] == width and bool(cols_ok(w.shape[0])),
+    )
 
 
 def transposed(r: Reader, interop: str) -> ValueError:
     """The error for a weight given as PyTorch stores it, ``(out, in)``."""
-    return ValueError(f"{r.name}: expected shape {r.layout}, got {shape_str(r.shape)}; "
-                      + TORCH_HINT.format(interop))
+    return ValueError(
+        f"{r.name}: expected shape {r.layout}, got {shape_str(r.shape)}; "
+        + TORCH_HINT.format(interop)
+    )
 
 
 def check_heads(w: np.ndarray, heads: int, arg: str, r: Reader, interop: str) -> None:
@@ -355,8 +368,10 @@ def check_heads(w: np.ndarray, heads: int, arg: str, r: Reader, interop: str) ->
         return
     if r.transposed_fits:
         raise transposed(r, interop)
-    raise ValueError(f"{arg}: {heads} does not divide the {w.shape[1]} columns of {r.name} "
-                     f"{shape_str(w.shape)}, which is {r.layout}")
+    raise ValueError(
+        f"{arg}: {heads} does not divide the {w.shape[1]} columns of {r.name} "
+        f"{shape_str(w.shape)}, which is {r.layout}"
+    )
 
 
 def check_readers(groups: list[tuple[str, np.ndarray, list[Reader]]], interop: str) -> None:
@@ -378,17 +393,21 @@ def check_readers(groups: list[tuple[str, np.ndarray, list[Reader]]], interop: s
             continue
         if len(bad) == len(readers) and len({r.width for r in bad}) == 1:
             names = ", ".join(f"{r.name} {shape_str(r.shape)}" for r in bad)
-            raise ValueError(f"{x_name}: expected last dimension {bad[0].width}, as read by "
-                             f"{names}, got shape {shape_str(x.shape)}")
+            raise ValueError(
+                f"{x_name}: expected last dimension {bad[0].width}, as read by "
+                f"{names}, got shape {shape_str(x.shape)}"
+            )
         r = bad[0]
-        raise ValueError(f"{r.name}: expected {d} {r.axis} (the features of {x_name} "
-                         f"{shape_str(x.shape)}) in shape {r.layout}, got {shape_str(r.shape)}")
+        raise ValueError(
+            f"{r.name}: expected {d} {r.axis} (the features of {x_name} "
+            f"{shape_str(x.shape)}) in shape {r.layout}, got {shape_str(r.shape)}"
+        )
 
 
 # -- rows left empty by boolean masks ------------------------------------------------------------
 
 _POLARITY = (
-    "In attnlab a boolean True means \"may attend\" (as in torch's "
+    'In attnlab a boolean True means "may attend" (as in torch\'s '
     "scaled_dot_product_attention); nn.MultiheadAttention's masks use the opposite (True = "
     "masked out): convert them with attnlab.interop.torch_masks. If these rows are meant to be "
     "empty, pass warn_empty_rows=False."
@@ -397,12 +416,17 @@ _POLARITY = (
 
 def _zero_strides_to_one(a: np.ndarray) -> np.ndarray:
     """A view of ``a`` with every broadcast (stride-0) axis cut to length 1: the distinct data."""
-    return a[tuple(slice(0, 1) if s == 0 and n > 1 else slice(None)
-                   for n, s in zip(a.shape, a.strides, strict=True))]
+    return a[
+        tuple(
+            slice(0, 1) if s == 0 and n > 1 else slice(None)
+            for n, s in zip(a.shape, a.strides, strict=True)
+        )
+    ]
 
 
-def empty_rows(m4: np.ndarray | None, kp: np.ndarray | None, causal: int, B: int, h: int,
-               n_q: int, n_k: int) -> tuple[int, int]:
+def empty_rows(
+    m4: np.ndarray | None, kp: np.ndarray | None, causal: int, B: int, h: int, n_q: int, n_k: int
+) -> tuple[int, int]:
     """``(empty, total)``: the query rows of ``(B, h, n_q)`` that the boolean masks (``m4``
     ``(B, h, n_q, n_k)``, when bool; ``kp`` ``(B, n_k)``), combined with ``causal``, leave
     without a key, among the rows that ``causal`` alone leaves some key; ``total = B h n_q``.
@@ -416,9 +440,9 @@ def empty_rows(m4: np.ndarray | None, kp: np.ndarray | None, causal: int, B: int
     if (m is None and p is None) or n_q == 0 or n_k == 0:
         return 0, total
     offset = {0: n_k, 1: 0, 2: n_k - n_q}[causal]  # query i sees keys j <= i + offset
-    lim = np.arange(n_q) + offset                   # the last key each query row may see
-    live = lim >= 0                                  # rows causal alone leaves some key
-    same = (m is None or m.shape[2] == 1) and causal == 0   # every query row alike
+    lim = np.arange(n_q) + offset  # the last key each query row may see
+    live = lim >= 0  # rows causal alone leaves some key
+    same = (m is None or m.shape[2] == 1) and causal == 0  # every query row alike
     rows_ = 1 if same else n_q
     parts = [a for a in (m, p) if a is not None]
     lead = np.broadcast_shapes(*[a.shape[:2] for a in parts])
@@ -426,7 +450,7 @@ def empty_rows(m4: np.ndarray | None, kp: np.ndarray | None, causal: int, B: int
     empty = 0
     for r0 in range(0, rows_, step):
         r1 = min(rows_, r0 + step)
-        ok = np.arange(n_k) <= lim[r0:r1, None]       # (rows, n_k)
+        ok = np.arange(n_k) <= lim[r0:r1, None]  # (rows, n_k)
         for a in parts:
             ok = ok & (a[:, :, r0:r1] if a.shape[2] > 1 else a)
         dead = ~ok.any(axis=-1) & live[r0:r1]
@@ -435,18 +459,23 @@ def empty_rows(m4: np.ndarray | None, kp: np.ndarray | None, causal: int, B: int
     return empty, total
 
 
-ATTENTION_ROWS = ("query rows (counted over batch and heads) have no key they may attend to: the "
-                  "boolean masks (mask, key_padding_mask, with causal) leave none, so their "
-                  "attention weights are all 0")
-POOLED_ROWS = ("sequences have no token that key_padding_mask marks as real (True), so nothing "
-               "is pooled for them")
+ATTENTION_ROWS = (
+    "query rows (counted over batch and heads) have no key they may attend to: the "
+    "boolean masks (mask, key_padding_mask, with causal) leave none, so their "
+    "attention weights are all 0"
+)
+POOLED_ROWS = (
+    "sequences have no token that key_padding_mask marks as real (True), so nothing "
+    "is pooled for them"
+)
 
 
 def warn_empty(empty: int, total: int, what: str) -> None:
     """The warning for ``empty`` of ``total`` rows (``what`` says which) left with no key."""
     if empty:
-        warnings.warn(f"{empty} of {total} {what}. {_POLARITY}", UserWarning,
-                      stacklevel=user_stacklevel())
+        warnings.warn(
+            f"{empty} of {total} {what}. {_POLARITY}", UserWarning, stacklevel=user_stacklevel()
+        )
 
 
 def user_stacklevel() -> int:
@@ -455,7 +484,9 @@ def user_stacklevel() -> int:
     pkg = os.path.dirname(os.path.abspath(__file__)) + os.sep
     level = 1
     f: types.FrameType | None = sys._getframe(1)
-    while f is not None and (f.f_code.co_filename.startswith(pkg)
-                             or str(f.f_globals.get("__name__", "")).startswith("torch.autograd")):
+    while f is not None and (
+        f.f_code.co_filename.startswith(pkg)
+        or str(f.f_globals.get("__name__", "")).startswith("torch.autograd")
+    ):
         f, level = f.f_back, level + 1
     return level

@@ -20,8 +20,9 @@ Pullback = Callable[[Any], dict[str, np.ndarray]]
 KEPT: dict[Any, Callable[[dict[str, Any], Any], dict[str, np.ndarray]]] = {
     _mha.multi_head_attention: lambda k, g: _mha._mha_grads(k["prepared"], g, k["state"]),
     _mha.scaled_dot_product_attention: lambda k, g: _mha._sdpa_grads(k["prepared"], g, k),
-    _bilinear.bilinear_attention: lambda k, g: _bilinear._bilinear_grads(k["prepared"], g,
-                                                                         k["state"]),
+    _bilinear.bilinear_attention: lambda k, g: _bilinear._bilinear_grads(
+        k["prepared"], g, k["state"]
+    ),
 }
 # The others: their ``*_backward`` (which recomputes the forward) on private copies.
 RECOMPUTED: dict[Any, Callable[..., dict[str, np.ndarray]]] = {
@@ -30,8 +31,9 @@ RECOMPUTED: dict[Any, Callable[..., dict[str, np.ndarray]]] = {
 }
 
 
-def _recomputing(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-                 ) -> tuple[Any, Pullback]:
+def _recomputing(
+    f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Pullback]:
     """The forward on a private copy of the arguments (later in-place changes of the caller's
     arrays do not reach the pullback), the pullback through ``f``'s ``*_backward``."""
     backward = RECOMPUTED.get(f) or _mha.multi_head_attention_backward
@@ -97,8 +99,10 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
     if f not in KEPT and f not in RECOMPUTED:
         names = ", ".join(f"attnlab.{g.__name__}" for g in (*KEPT, *RECOMPUTED))
         raise TypeError(f"f: expected one of {names}, got {f!r}")
-    rotary = f is _mha.multi_head_attention and inspect.signature(f).bind(
-        *args, **kwargs).arguments.get("rope_theta") is not None
+    rotary = (
+        f is _mha.multi_head_attention
+        and inspect.signature(f).bind(*args, **kwargs).arguments.get("rope_theta") is not None
+    )
     if f in RECOMPUTED or rotary:  # the rotary path keeps no state yet
         return _recomputing(f, args, kwargs)
     keep: dict[str, Any] = {}

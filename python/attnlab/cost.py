@@ -24,8 +24,16 @@ __all__ = ["attention_cost", "plan_qk", "collapsed_order", "collapsed_order_flop
 _FORMS = ("separate", "collapsed")
 
 
-def collapsed_order_flops(*, n_q: int, n_k: int, d_q: int, d_k: int, num_heads: int,
-                          batch: int = 1, key_bias: bool = False) -> dict[str, int]:
+def collapsed_order_flops(
+    *,
+    n_q: int,
+    n_k: int,
+    d_q: int,
+    d_k: int,
+    num_heads: int,
+    batch: int = 1,
+    key_bias: bool = False,
+) -> dict[str, int]:
     """Multiply-adds of the two evaluation orders of the collapsed logits.
 
     ``{"query": batch*h*(n_q*d_q*d_k + n_q*n_k*d_k), "key": batch*h*(n_k*d_k*d_q +
@@ -38,19 +46,29 @@ def collapsed_order_flops(*, n_q: int, n_k: int, d_q: int, d_k: int, num_heads: 
     return {"query": int(a), "key": int(b)}
 
 
-def collapsed_order(*, n_q: int, n_k: int, d_q: int, d_k: int, num_heads: int,
-                    batch: int = 1, key_bias: bool = False) -> str:
+def collapsed_order(
+    *,
+    n_q: int,
+    n_k: int,
+    d_q: int,
+    d_k: int,
+    num_heads: int,
+    batch: int = 1,
+    key_bias: bool = False,
+) -> str:
     """``"query"`` or ``"key"``: the cheaper order by :func:`collapsed_order_flops`.
 
     Ties go to ``"query"``, which needs no extra copies (self-attention without ``u`` is a tie).
     """
-    f = collapsed_order_flops(n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=num_heads,
-                              batch=batch, key_bias=key_bias)
+    f = collapsed_order_flops(
+        n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=num_heads, batch=batch, key_bias=key_bias
+    )
     return "key" if f["key"] < f["query"] else "query"
 
 
-def _sizes(n_q: Any, n_k: Any, d_model: Any, num_heads: Any, d_head: Any, batch: Any,
-           num_kv_heads: Any) -> tuple[int, int, int, int, int, int, int]:
+def _sizes(
+    n_q: Any, n_k: Any, d_model: Any, num_heads: Any, d_head: Any, batch: Any, num_kv_heads: Any
+) -> tuple[int, int, int, int, int, int, int]:
     nq = V.check_positive_int(n_q, "n_q", 0)
     nk = nq if n_k is None else V.check_positive_int(n_k, "n_k", 0)
     d = V.check_positive_int(d_model, "d_model")
@@ -70,10 +88,19 @@ def _sizes(n_q: Any, n_k: Any, d_model: Any, num_heads: Any, d_head: Any, batch:
     return nq, nk, d, h, dh, b, hk
 
 
-def attention_cost(form: str, *, n_q: int, n_k: int | None = None, d_model: int,
-                   num_heads: int, d_head: int | None = None, batch: int = 1,
-                   num_kv_heads: int | None = None, cached: bool = False,
-                   itemsize: int = 8) -> dict[str, int]:
+def attention_cost(
+    form: str,
+    *,
+    n_q: int,
+    n_k: int | None = None,
+    d_model: int,
+    num_heads: int,
+    d_head: int | None = None,
+    batch: int = 1,
+    num_kv_heads: int | None = None,
+    cached: bool = False,
+    itemsize: int = 8,
+) -> dict[str, int]:
     """Cost of the query-key logits of one attention layer, in the separate or collapsed form.
 
     Parameters
@@ -164,9 +191,17 @@ def attention_cost(form: str, *, n_q: int, n_k: int | None = None, d_model: int,
     return {"params": int(params), "flops": int(flops), "bytes": int(nbytes)}
 
 
-def plan_qk(*, n_q: int, n_k: int | None = None, d_model: int, num_heads: int,
-            d_head: int | None = None, batch: int = 1, num_kv_heads: int | None = None,
-            cached: bool = False) -> str:
+def plan_qk(
+    *,
+    n_q: int,
+    n_k: int | None = None,
+    d_model: int,
+    num_heads: int,
+    d_head: int | None = None,
+    batch: int = 1,
+    num_kv_heads: int | None = None,
+    cached: bool = False,
+) -> str:
     """``"separate"`` or ``"collapsed"``: the form with fewer multiply-adds by
     :func:`attention_cost` (ties go to ``"separate"``, which has fewer parameters).
 
@@ -186,8 +221,16 @@ def plan_qk(*, n_q: int, n_k: int | None = None, d_model: int, num_heads: int,
     >>> plan_qk(n_q=197, d_model=384, num_heads=6), plan_qk(n_q=197, d_model=384, num_heads=1)
     ('separate', 'collapsed')
     """
-    kw = dict(n_q=n_q, n_k=n_k, d_model=d_model, num_heads=num_heads, d_head=d_head,
-              batch=batch, num_kv_heads=num_kv_heads, cached=cached)
+    kw = dict(
+        n_q=n_q,
+        n_k=n_k,
+        d_model=d_model,
+        num_heads=num_heads,
+        d_head=d_head,
+        batch=batch,
+        num_kv_heads=num_kv_heads,
+        cached=cached,
+    )
     sep = attention_cost("separate", **kw)["flops"]  # type: ignore[arg-type]
     col = attention_cost("collapsed", **kw)["flops"]  # type: ignore[arg-type]
     return "collapsed" if col < sep else "separate"

@@ -120,17 +120,22 @@ def attention_entropy(weights: Any, mask: Any = None, *, normalize: bool = False
     h = -plogp.sum(axis=-1)
     h = np.maximum(h, 0.0)  # -0.0 and tiny negative rounding of one-hot rows
     if norm:
-        allowed = (np.full(p.shape[:-1], p.shape[-1], dtype=np.float64) if m is None
-                   else m.sum(axis=-1).astype(np.float64))
+        allowed = (
+            np.full(p.shape[:-1], p.shape[-1], dtype=np.float64)
+            if m is None
+            else m.sum(axis=-1).astype(np.float64)
+        )
         logm = np.log(np.maximum(allowed, 1.0))
         with np.errstate(invalid="ignore", divide="ignore"):
-            h = np.where(logm > 0, h / np.where(logm > 0, logm, 1.0), np.where(np.isnan(h),
-                                                                                np.nan, 0.0))
+            h = np.where(
+                logm > 0, h / np.where(logm > 0, logm, 1.0), np.where(np.isnan(h), np.nan, 0.0)
+            )
     return np.asarray(h, dtype=out_dtype)
 
 
-def logit_stats(q: Any, k: Any, *, scale: float | None = None, mask: Any = None
-                ) -> dict[str, float]:
+def logit_stats(
+    q: Any, k: Any, *, scale: float | None = None, mask: Any = None
+) -> dict[str, float]:
     """Statistics of the attention logits ``scale * q k^T``.
 
     Parameters
@@ -195,9 +200,13 @@ def logit_stats(q: Any, k: Any, *, scale: float | None = None, mask: Any = None
         row_mean = np.where(m, logits, 0.0).sum(axis=-1) / rows
         row_var = np.where(m, (logits - row_mean[..., None]) ** 2, 0.0).sum(axis=-1) / rows
     row_var = row_var[rows > 0]
-    return {"mean": float(vals.mean()), "std": float(vals.std()),
-            "max_abs": float(np.abs(vals).max()), "row_std": float(np.sqrt(row_var.mean())),
-            "count": float(count)}
+    return {
+        "mean": float(vals.mean()),
+        "std": float(vals.std()),
+        "max_abs": float(np.abs(vals).max()),
+        "row_std": float(np.sqrt(row_var.mean())),
+        "count": float(count),
+    }
 
 
 def effective_rank(matrix: Any) -> np.ndarray | float:

@@ -67,8 +67,7 @@ def _rng(rng: Any) -> np.random.Generator:
     if isinstance(rng, numbers.Integral):
         return np.random.default_rng(int(rng))
     raise TypeError(
-        f"rng: expected a numpy.random.Generator, an integer seed or None, got "
-        f"{type(rng).__name__}"
+        f"rng: expected a numpy.random.Generator, an integer seed or None, got {type(rng).__name__}"
     )
 
 
@@ -134,8 +133,7 @@ def torch_default(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) 
     return _uniform(1.0 / math.sqrt(fi) if fi else 0.0, (fi, fo), rng, dtype)
 
 
-def torch_default_bias(fan_in: int, fan_out: int, rng: Any,
-                       dtype: Any = np.float64) -> np.ndarray:
+def torch_default_bias(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
     """``nn.Linear``'s default bias: U(-1/sqrt(fan_in), +1/sqrt(fan_in)), shape ``(fan_out,)``.
 
     Registered as the bias of ``"torch"``.

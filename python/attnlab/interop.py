@@ -69,8 +69,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _mask_array(value: Any, name: str, expected: str = "a boolean or floating-point mask",
-                kinds: str = "bf") -> np.ndarray:
+def _mask_array(
+    value: Any, name: str, expected: str = "a boolean or floating-point mask", kinds: str = "bf"
+) -> np.ndarray:
     """A mask (array_like or torch tensor) as a NumPy array whose dtype kind is in ``kinds``
     (``"b"`` bool, ``"f"`` floating point), else ``TypeError`` naming ``name`` and saying what
     was ``expected``. Shared by attnlab.interop, attnlab.torch and attnlab.diagnostics."""
@@ -94,8 +95,9 @@ class _Scope:
     """The keys of one module inside a state dict: lookup by short name, with full names in
     errors, and a final check that every key was used."""
 
-    def __init__(self, state_dict: Any, anchors: tuple[str, ...], prefix: str | None,
-                 module: str) -> None:
+    def __init__(
+        self, state_dict: Any, anchors: tuple[str, ...], prefix: str | None, module: str
+    ) -> None:
         if not isinstance(state_dict, Mapping):
             raise TypeError(
                 f"state_dict: expected a mapping of names to arrays or tensors (a module's "
@@ -112,11 +114,13 @@ class _Scope:
                 prefix += "."  # "enc.1" must not take enc.10.*, nor make "enc.1q_proj_weight"
             inside = [k for k in keys if k.startswith(prefix)]
             if not inside:
-                raise ValueError(f"prefix: no key of state_dict starts with {prefix!r}; keys: "
-                                 f"{_list(keys)}")
+                raise ValueError(
+                    f"prefix: no key of state_dict starts with {prefix!r}; keys: {_list(keys)}"
+                )
         else:
-            found = {k[: len(k) - len(a)] for k in keys for a in anchors
-                     if k == a or k.endswith("." + a)}
+            found = {
+                k[: len(k) - len(a)] for k in keys for a in anchors if k == a or k.endswith("." + a)
+            }
             if not found:
                 names = " or ".join(repr(a) for a in anchors)
                 raise ValueError(
@@ -137,7 +141,7 @@ class _Scope:
                 )
             inside = keys
         self.prefix = prefix
-        self.items = {k[len(prefix):]: state_dict[k] for k in inside}
+        self.items = {k[len(prefix) :]: state_dict[k] for k in inside}
         self.used: set[str] = set()
         self.module = module
 
@@ -153,8 +157,10 @@ class _Scope:
         self.used.add(name)
         a = _weight_array(self.items[name], self.full(name))
         if a.ndim not in ndims:
-            raise ValueError(f"{self.full(name)}: expected {' or '.join(map(str, ndims))} "
-                             f"dimensions, got shape {V.shape_str(a.shape)}")
+            raise ValueError(
+                f"{self.full(name)}: expected {' or '.join(map(str, ndims))} "
+                f"dimensions, got shape {V.shape_str(a.shape)}"
+            )
         return a
 
     def optional(self, name: str, ndims: tuple[int, ...] = (1,)) -> np.ndarray | None:
@@ -162,8 +168,10 @@ class _Scope:
 
     def expect(self, name: str, a: np.ndarray, shape: tuple[int, ...], meaning: str) -> None:
         if a.shape != shape:
-            raise ValueError(f"{self.full(name)}: expected shape {V.shape_str(shape)} "
-                             f"({meaning}), got {V.shape_str(a.shape)}")
+            raise ValueError(
+                f"{self.full(name)}: expected shape {V.shape_str(shape)} "
+                f"({meaning}), got {V.shape_str(a.shape)}"
+            )
 
     def finish(self) -> None:
         extra = [self.full(k) for k in self.items if k not in self.used]
@@ -192,8 +200,11 @@ def _put(kwargs: dict[str, Any], **items: Any) -> dict[str, Any]:
 
 def _is_module(obj: Any) -> bool:
     """Whether ``obj`` looks like an ``nn.MultiheadAttention`` (duck typing, no torch import)."""
-    return (not isinstance(obj, Mapping) and callable(getattr(obj, "state_dict", None))
-            and all(hasattr(obj, a) for a in ("num_heads", "add_zero_attn", "bias_k")))
+    return (
+        not isinstance(obj, Mapping)
+        and callable(getattr(obj, "state_dict", None))
+        and all(hasattr(obj, a) for a in ("num_heads", "add_zero_attn", "bias_k"))
+    )
 
 
 def from_torch_mha(
@@ -293,20 +304,26 @@ def from_torch_mha(
                 "from_torch_mha: the module is sequence-first (batch_first=False, PyTorch's "
                 "default) and takes (n, B, d) inputs; attnlab's are batch-first (B, n, d): swap "
                 "the first two axes, x.transpose(1, 0, 2) (NumPy) or x.transpose(0, 1) (torch), "
-                "and the output's back", UserWarning, stacklevel=V.user_stacklevel())
+                "and the output's back",
+                UserWarning,
+                stacklevel=V.user_stacklevel(),
+            )
         state_dict = module.state_dict()
     else:
         if num_heads is None:
-            raise ValueError("num_heads: needed with a state_dict (pass mha.num_heads), or pass "
-                             "the module itself")
+            raise ValueError(
+                "num_heads: needed with a state_dict (pass mha.num_heads), or pass "
+                "the module itself"
+            )
         h = V.check_positive_int(num_heads, "num_heads")
     if zero_attn:
         raise ValueError(
             "add_zero_attn: True appends a zero key and value to every sequence (they take "
             "softmax mass); attnlab's multi_head_attention has no equivalent"
         )
-    s = _Scope(state_dict, ("in_proj_weight", "q_proj_weight"), prefix,
-               "torch.nn.MultiheadAttention")
+    s = _Scope(
+        state_dict, ("in_proj_weight", "q_proj_weight"), prefix, "torch.nn.MultiheadAttention"
+    )
     for name in ("bias_k", "bias_v"):
         if name in s:
             raise ValueError(
@@ -316,12 +333,14 @@ def from_torch_mha(
             )
     if "in_proj_weight" in s:
         if "q_proj_weight" in s:
-            raise ValueError(f"state_dict: both {s.full('in_proj_weight')!r} and "
-                             f"{s.full('q_proj_weight')!r}; expected one of them")
+            raise ValueError(
+                f"state_dict: both {s.full('in_proj_weight')!r} and "
+                f"{s.full('q_proj_weight')!r}; expected one of them"
+            )
         w = s.array("in_proj_weight", (2,))
         E = w.shape[1]
         s.expect("in_proj_weight", w, (3 * E, E), "3 * embed_dim, embed_dim")
-        wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
+        wq, wk, wv = w[:E], w[E : 2 * E], w[2 * E :]
     else:
         wq = s.array("q_proj_weight", (2,))
         E = wq.shape[0]
@@ -343,7 +362,7 @@ def from_torch_mha(
     s.finish()
     out: dict[str, Any] = {"w_q": _t(wq), "w_k": _t(wk), "w_v": _t(wv), "w_o": _t(wo)}
     if b is not None:
-        _put(out, b_q=_copy(b[:E]), b_k=_copy(b[E:2 * E]), b_v=_copy(b[2 * E:]))
+        _put(out, b_q=_copy(b[:E]), b_k=_copy(b[E : 2 * E]), b_v=_copy(b[2 * E :]))
     _put(out, b_o=_copy(bo))
     out["num_heads"] = h
     return out
@@ -414,19 +433,25 @@ def from_vit_pytorch(
     s.used.update(norm)
     w = s.array("to_qkv.weight", (2,))
     if w.shape[0] % 3 or w.shape[0] == 0:
-        raise ValueError(f"{s.full('to_qkv.weight')}: expected shape (3 * inner, dim), got "
-                         f"{V.shape_str(w.shape)}")
+        raise ValueError(
+            f"{s.full('to_qkv.weight')}: expected shape (3 * inner, dim), got "
+            f"{V.shape_str(w.shape)}"
+        )
     inner = w.shape[0] // 3
     if inner % h:
-        raise ValueError(f"heads: inner = {inner} (to_qkv.weight rows / 3) is not divisible by "
-                         f"heads = {h}")
+        raise ValueError(
+            f"heads: inner = {inner} (to_qkv.weight rows / 3) is not divisible by heads = {h}"
+        )
     b = s.optional("to_qkv.bias")
     if b is not None:
         s.expect("to_qkv.bias", b, (3 * inner,), "3 * inner")
-    out: dict[str, Any] = {"w_q": _t(w[:inner]), "w_k": _t(w[inner:2 * inner]),
-                           "w_v": _t(w[2 * inner:])}
+    out: dict[str, Any] = {
+        "w_q": _t(w[:inner]),
+        "w_k": _t(w[inner : 2 * inner]),
+        "w_v": _t(w[2 * inner :]),
+    }
     if b is not None:
-        _put(out, b_q=_copy(b[:inner]), b_k=_copy(b[inner:2 * inner]), b_v=_copy(b[2 * inner:]))
+        _put(out, b_q=_copy(b[:inner]), b_k=_copy(b[inner : 2 * inner]), b_v=_copy(b[2 * inner :]))
     lin = next((p for p in ("to_out.0.", "to_out.") if p + "weight" in s), None)
     if lin is None:
         stray = [s.full(k) for k in s.items if k.startswith("to_out.")]
@@ -498,8 +523,7 @@ def from_swiftformer(
     (2, 49, 8)
     """
     _variant_code(variant)
-    s = _Scope(state_dict, ("to_query.weight",), prefix, "SwiftFormer efficient additive "
-               "attention")
+    s = _Scope(state_dict, ("to_query.weight",), prefix, "SwiftFormer efficient additive attention")
     wq = s.array("to_query.weight", (2,))
     D, d_in = wq.shape
     bq = s.optional("to_query.bias")
@@ -513,8 +537,10 @@ def from_swiftformer(
     if wg.shape not in ((D,), (D, 1)):
         s.expect("w_g", wg, (D, 1), "D, 1")
     if "Proj.weight" in s and "proj.weight" in s:
-        raise ValueError(f"state_dict: both {s.full('Proj.weight')!r} and "
-                         f"{s.full('proj.weight')!r}; expected one of them")
+        raise ValueError(
+            f"state_dict: both {s.full('Proj.weight')!r} and "
+            f"{s.full('proj.weight')!r}; expected one of them"
+        )
     pj = "Proj." if "Proj.weight" in s else "proj."
     wp = s.array(pj + "weight", (2,))
     s.expect(pj + "weight", wp, (D, D), "D, D")
@@ -527,8 +553,13 @@ def from_swiftformer(
     if bf is not None:
         s.expect("final.bias", bf, (wf.shape[0],), "d_out")
     s.finish()
-    out: dict[str, Any] = {"w_q": _t(wq), "w_k": _t(wk), "w_g": np.array(wg, copy=True),
-                           "w_proj": _t(wp), "w_final": _t(wf)}
+    out: dict[str, Any] = {
+        "w_q": _t(wq),
+        "w_k": _t(wk),
+        "w_g": np.array(wg, copy=True),
+        "w_proj": _t(wp),
+        "w_final": _t(wf),
+    }
     _put(out, b_q=_copy(bq), b_k=_copy(bk), b_proj=_copy(bp), b_final=_copy(bf))
     out["variant"] = variant
     return out
@@ -584,31 +615,39 @@ def from_mobilevitv2(
     s = _Scope(state_dict, anchors, prefix, "MobileViT-v2 LinearSelfAttention")
     styles = [st for st in _MOBILEVIT_STYLES if f"qkv_proj.{st}weight" in s]
     if len(styles) != 1:
-        raise ValueError(f"state_dict: expected one qkv_proj weight, got "
-                         f"{_list([s.full(f'qkv_proj.{st}weight') for st in styles])}")
+        raise ValueError(
+            f"state_dict: expected one qkv_proj weight, got "
+            f"{_list([s.full(f'qkv_proj.{st}weight') for st in styles])}"
+        )
     st = styles[0]
 
     def conv(name: str) -> np.ndarray:
         w = s.array(name, (2, 4))
         if w.ndim == 4:
             if w.shape[2:] != (1, 1):
-                raise ValueError(f"{s.full(name)}: expected a 1x1 convolution (out, in, 1, 1), "
-                                 f"got shape {V.shape_str(w.shape)}")
+                raise ValueError(
+                    f"{s.full(name)}: expected a 1x1 convolution (out, in, 1, 1), "
+                    f"got shape {V.shape_str(w.shape)}"
+                )
             w = w[:, :, 0, 0]
         return w
 
     wqkv = conv(f"qkv_proj.{st}weight")
     d = wqkv.shape[1]
     if wqkv.shape != (1 + 2 * d, d):
-        raise ValueError(f"{s.full(f'qkv_proj.{st}weight')}: expected shape (1 + 2 d, d, 1, 1) "
-                         f"= ({1 + 2 * d}, {d}, 1, 1), got {V.shape_str(wqkv.shape)}")
+        raise ValueError(
+            f"{s.full(f'qkv_proj.{st}weight')}: expected shape (1 + 2 d, d, 1, 1) "
+            f"= ({1 + 2 * d}, {d}, 1, 1), got {V.shape_str(wqkv.shape)}"
+        )
     bqkv = s.optional(f"qkv_proj.{st}bias")
     if bqkv is not None:
         s.expect(f"qkv_proj.{st}bias", bqkv, (1 + 2 * d,), "1 + 2 d")
     wo = conv(f"out_proj.{st}weight")
     if wo.shape[1] != d:
-        raise ValueError(f"{s.full(f'out_proj.{st}weight')}: expected shape (d_out, d = {d}, "
-                         f"1, 1), got {V.shape_str(wo.shape)}")
+        raise ValueError(
+            f"{s.full(f'out_proj.{st}weight')}: expected shape (d_out, d = {d}, "
+            f"1, 1), got {V.shape_str(wo.shape)}"
+        )
     bo = s.optional(f"out_proj.{st}bias")
     if bo is not None:
         s.expect(f"out_proj.{st}bias", bo, (wo.shape[0],), "d_out")
@@ -675,18 +714,22 @@ def torch_masks(
                 )
             h = V.check_positive_int(num_heads, "num_heads")
             if m.shape[0] % h:
-                raise ValueError(f"attn_mask: the first axis ({m.shape[0]}) is not a multiple of "
-                                 f"num_heads = {h}")
+                raise ValueError(
+                    f"attn_mask: the first axis ({m.shape[0]}) is not a multiple of num_heads = {h}"
+                )
             m = m.reshape((m.shape[0] // h, h) + m.shape[1:])
         elif m.ndim not in (2, 3):
-            raise ValueError(f"attn_mask: expected shape (L, S) or (N * num_heads, L, S), got "
-                             f"{V.shape_str(m.shape)}")
+            raise ValueError(
+                f"attn_mask: expected shape (L, S) or (N * num_heads, L, S), got "
+                f"{V.shape_str(m.shape)}"
+            )
         mask = ~m if m.dtype.kind == "b" else np.array(m, copy=True)
     if key_padding_mask is not None:
         kp = _mask_array(key_padding_mask, "key_padding_mask")
         if kp.ndim not in (1, 2):
-            raise ValueError(f"key_padding_mask: expected shape (N, S) or (S,), got "
-                             f"{V.shape_str(kp.shape)}")
+            raise ValueError(
+                f"key_padding_mask: expected shape (N, S) or (S,), got {V.shape_str(kp.shape)}"
+            )
         if kp.dtype.kind == "b":
             out["key_padding_mask"] = ~kp
         else:
@@ -699,8 +742,10 @@ def torch_masks(
                 try:
                     mask = mask + add
                 except ValueError:
-                    raise ValueError(f"key_padding_mask: shape {V.shape_str(kp.shape)} does not "
-                                     f"match attn_mask's") from None
+                    raise ValueError(
+                        f"key_padding_mask: shape {V.shape_str(kp.shape)} does not "
+                        f"match attn_mask's"
+                    ) from None
     if mask is not None:
         out = {"mask": mask, **out}
     return out

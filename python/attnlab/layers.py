@@ -141,8 +141,10 @@ class _Layer:
         (True, 0.0)
         """
         if not isinstance(state, Mapping):
-            raise TypeError(f"state: expected a mapping of parameter names to arrays, got "
-                            f"{type(state).__name__}")
+            raise TypeError(
+                f"state: expected a mapping of parameter names to arrays, got "
+                f"{type(state).__name__}"
+            )
         missing = sorted(set(self.params) - set(state))
         unexpected = sorted(set(state) - set(self.params))
         if missing or unexpected:
@@ -154,8 +156,10 @@ class _Layer:
         for k, p in self.params.items():
             a = V.as_array(state[k], f"state[{k!r}]")
             if a.shape != p.shape:
-                raise ValueError(f"state[{k!r}]: expected shape {V.shape_str(p.shape)}, got "
-                                 f"{V.shape_str(a.shape)}")
+                raise ValueError(
+                    f"state[{k!r}]: expected shape {V.shape_str(p.shape)}, got "
+                    f"{V.shape_str(a.shape)}"
+                )
             arrays[k] = a
         for k, a in arrays.items():  # only after every check passed
             self.params[k][...] = a
@@ -252,17 +256,22 @@ class _Layer:
             return
         width = getattr(self, attr)
         if len(shape) >= 2 and shape[-1] != width:
-            raise ValueError(f"{name}: expected last dimension {attr} = {width} (this "
-                             f"{type(self).__name__}'s {attr}), got shape {V.shape_str(shape)}")
+            raise ValueError(
+                f"{name}: expected last dimension {attr} = {width} (this "
+                f"{type(self).__name__}'s {attr}), got shape {V.shape_str(shape)}"
+            )
 
     def _param_grads(self, g: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {k: np.asarray(g[k], dtype=self.dtype).reshape(p.shape)
-                for k, p in self.params.items()}
+        return {
+            k: np.asarray(g[k], dtype=self.dtype).reshape(p.shape) for k, p in self.params.items()
+        }
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}={V.shape_str(p.shape)}" for k, p in self.params.items())
-        return (f"{type(self).__name__}({shapes}; {self.num_parameters} parameters, "
-                f"init={self.init.name!r}, dtype={self.dtype.name})")
+        return (
+            f"{type(self).__name__}({shapes}; {self.num_parameters} parameters, "
+            f"init={self.init.name!r}, dtype={self.dtype.name})"
+        )
 
 
 class _QKVLayer(_Layer):
@@ -274,13 +283,21 @@ class _QKVLayer(_Layer):
     scale: float
 
     def _functional_kwargs(self) -> dict[str, Any]:
-        return {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
-                "scale": self.scale}
+        return {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "scale": self.scale}
 
-    def __call__(self, query: Any, key: Any = None, value: Any = None, *, mask: Any = None,
-                 key_padding_mask: Any = None, causal: bool | str = False,
-                 return_weights: bool | str = False, positions: Any = None,
-                 warn_empty_rows: bool = True) -> Any:
+    def __call__(
+        self,
+        query: Any,
+        key: Any = None,
+        value: Any = None,
+        *,
+        mask: Any = None,
+        key_padding_mask: Any = None,
+        causal: bool | str = False,
+        return_weights: bool | str = False,
+        positions: Any = None,
+        warn_empty_rows: bool = True,
+    ) -> Any:
         """Attend from ``query`` to ``key``/``value`` (self-attention when they are omitted).
 
         Parameters
@@ -309,12 +326,19 @@ class _QKVLayer(_Layer):
         self._check_width(query, "query", "d_model")
         self._check_width(key, "key", "kdim")
         self._check_width(value, "value", "vdim")
-        options = {"mask": mask, "key_padding_mask": key_padding_mask, "causal": causal,
-                   "return_weights": return_weights, "warn_empty_rows": warn_empty_rows}
+        options = {
+            "mask": mask,
+            "key_padding_mask": key_padding_mask,
+            "causal": causal,
+            "return_weights": return_weights,
+            "warn_empty_rows": warn_empty_rows,
+        }
         if positions is not None:
             if getattr(self, "rope_theta", None) is None:
-                raise ValueError(f"positions: {type(self).__name__} has no rotary embeddings "
-                                 f"(rope_theta is None), so positions have no effect")
+                raise ValueError(
+                    f"positions: {type(self).__name__} has no rotary embeddings "
+                    f"(rope_theta is None), so positions have no effect"
+                )
             options["positions"] = positions
         return self._run({"query": query, "key": key, "value": value}, options)
 
@@ -388,11 +412,23 @@ class MultiHeadAttention(_QKVLayer):
 
     _forward = staticmethod(multi_head_attention)
 
-    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 d_head: int | None = None, kdim: int | None = None, vdim: int | None = None,
-                 d_out: int | None = None, bias: bool = True, init: Any = "torch",
-                 seed: Any = None, dtype: Any = np.float64, rope_theta: float | None = None,
-                 rope_dim: int | None = None) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        d_head: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        d_out: int | None = None,
+        bias: bool = True,
+        init: Any = "torch",
+        seed: Any = None,
+        dtype: Any = np.float64,
+        rope_theta: float | None = None,
+        rope_dim: int | None = None,
+    ) -> None:
         super().__init__(init=init, seed=seed, dtype=dtype)
         d, h, h_kv, dh = _heads(d_model, num_heads, num_kv_heads, d_head)
         self.d_model, self.num_heads, self.num_kv_heads, self.d_head = d, h, h_kv, dh
@@ -404,8 +440,12 @@ class MultiHeadAttention(_QKVLayer):
         self.d_out = _optional_int(d_out, "d_out", d)
         self.bias = _bool(bias, "bias")
         self.scale = 1.0 / math.sqrt(dh)
-        self._linears(("q", d, h * dh), ("k", self.kdim, h_kv * dh),
-                      ("v", self.vdim, h_kv * dh), ("o", h * dh, self.d_out))
+        self._linears(
+            ("q", d, h * dh),
+            ("k", self.kdim, h_kv * dh),
+            ("v", self.vdim, h_kv * dh),
+            ("o", h * dh, self.d_out),
+        )
 
     def _functional_kwargs(self) -> dict[str, Any]:
         kwargs = super()._functional_kwargs()
@@ -451,23 +491,59 @@ class BilinearAttention(_QKVLayer):
 
     _forward = staticmethod(bilinear_attention)
 
-    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 d_head: int | None = None, kdim: int | None = None, vdim: int | None = None,
-                 d_out: int | None = None, bias: bool = True, init: Any = "torch",
-                 seed: Any = None, dtype: Any = np.float64) -> None:
-        mha = MultiHeadAttention(d_model, num_heads, num_kv_heads=num_kv_heads, d_head=d_head,
-                                 kdim=kdim, vdim=vdim, d_out=d_out, bias=bias, init=init,
-                                 seed=seed, dtype=dtype)
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        d_head: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        d_out: int | None = None,
+        bias: bool = True,
+        init: Any = "torch",
+        seed: Any = None,
+        dtype: Any = np.float64,
+    ) -> None:
+        mha = MultiHeadAttention(
+            d_model,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            d_head=d_head,
+            kdim=kdim,
+            vdim=vdim,
+            d_out=d_out,
+            bias=bias,
+            init=init,
+            seed=seed,
+            dtype=dtype,
+        )
         super().__init__(init=mha.init, seed=seed, dtype=mha.dtype)
         self._fold(mha)
 
     def _fold(self, mha: MultiHeadAttention) -> None:
-        for k in ("d_model", "num_heads", "num_kv_heads", "d_head", "kdim", "vdim", "d_out",
-                  "bias", "scale"):
+        for k in (
+            "d_model",
+            "num_heads",
+            "num_kv_heads",
+            "d_head",
+            "kdim",
+            "vdim",
+            "d_out",
+            "bias",
+            "scale",
+        ):
             setattr(self, k, getattr(mha, k))
         p = mha.params
-        qk = collapse_qk(p["w_q"], p["w_k"], p.get("b_q"), None, num_heads=mha.num_heads,
-                         num_kv_heads=mha.num_kv_heads)
+        qk = collapse_qk(
+            p["w_q"],
+            p["w_k"],
+            p.get("b_q"),
+            None,
+            num_heads=mha.num_heads,
+            num_kv_heads=mha.num_kv_heads,
+        )
         self.params = {"w_qk": np.ascontiguousarray(qk.w, dtype=self.dtype)}
         if qk.u is not None:
             self.params["u_k"] = np.ascontiguousarray(qk.u, dtype=self.dtype)
@@ -514,8 +590,14 @@ class BilinearAttention(_QKVLayer):
         return obj
 
     def _param_kwargs(self, params: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return {"w_qk": params["w_qk"], "u_k": params.get("u_k"), "w_v": params["w_v"],
-                "w_o": params["w_o"], "b_v": params.get("b_v"), "b_o": params.get("b_o")}
+        return {
+            "w_qk": params["w_qk"],
+            "u_k": params.get("u_k"),
+            "w_v": params["w_v"],
+            "w_o": params["w_o"],
+            "b_v": params.get("b_v"),
+            "b_o": params.get("b_o"),
+        }
 
 
 class _PooledLayer(_Layer):
@@ -523,8 +605,9 @@ class _PooledLayer(_Layer):
 
     d_model: int
 
-    def __call__(self, x: Any, *, key_padding_mask: Any = None,
-                 warn_empty_rows: bool = True) -> np.ndarray:
+    def __call__(
+        self, x: Any, *, key_padding_mask: Any = None, warn_empty_rows: bool = True
+    ) -> np.ndarray:
         """Apply the layer to tokens ``x``.
 
         Parameters
@@ -542,8 +625,9 @@ class _PooledLayer(_Layer):
         ndarray, shape (..., n, d_out)
         """
         self._check_width(x, "x", "d_model")
-        return self._run({"x": x}, {"key_padding_mask": key_padding_mask,
-                                    "warn_empty_rows": warn_empty_rows})
+        return self._run(
+            {"x": x}, {"key_padding_mask": key_padding_mask, "warn_empty_rows": warn_empty_rows}
+        )
 
 
 class AdditiveAttention(_PooledLayer):
@@ -589,10 +673,20 @@ class AdditiveAttention(_PooledLayer):
 
     _forward = staticmethod(additive_attention)
 
-    def __init__(self, d_model: int, *, d_hidden: int | None = None, d_out: int | None = None,
-                 variant: str = "official", scale: float | None = None, eps: float = 1e-12,
-                 bias: bool = True, init: Any = "torch", seed: Any = None,
-                 dtype: Any = np.float64) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        d_hidden: int | None = None,
+        d_out: int | None = None,
+        variant: str = "official",
+        scale: float | None = None,
+        eps: float = 1e-12,
+        bias: bool = True,
+        init: Any = "torch",
+        seed: Any = None,
+        dtype: Any = np.float64,
+    ) -> None:
         super().__init__(init=init, seed=seed, dtype=dtype)
         d = V.check_positive_int(d_model, "d_model")
         D = _optional_int(d_hidden, "d_hidden", d)
@@ -600,7 +694,7 @@ class AdditiveAttention(_PooledLayer):
         self.d_out = _optional_int(d_out, "d_out", d)
         _variant_code(variant)  # validates
         self.variant = variant
-        self.scale = V.check_scale(scale, self.d_out ** -0.5)
+        self.scale = V.check_scale(scale, self.d_out**-0.5)
         self.eps = _check_eps(eps)
         self.bias = _bool(bias, "bias")
         self._linears(("q", d, D), ("k", d, D))
@@ -643,8 +737,16 @@ class SeparableAttention(_PooledLayer):
 
     _forward = staticmethod(separable_attention)
 
-    def __init__(self, d_model: int, *, d_out: int | None = None, bias: bool = True,
-                 init: Any = "torch", seed: Any = None, dtype: Any = np.float64) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        d_out: int | None = None,
+        bias: bool = True,
+        init: Any = "torch",
+        seed: Any = None,
+        dtype: Any = np.float64,
+    ) -> None:
         super().__init__(init=init, seed=seed, dtype=dtype)
         d = V.check_positive_int(d_model, "d_model")
         self.d_model = d

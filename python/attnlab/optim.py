@@ -14,8 +14,15 @@ from . import _validate as V
 __all__ = ["Adam"]
 
 
-def _real(x: Any, name: str, lo: float, hi: float = math.inf, *, lo_open: bool = False,
-          hi_open: bool = False) -> float:
+def _real(
+    x: Any,
+    name: str,
+    lo: float,
+    hi: float = math.inf,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> float:
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {type(x).__name__} {x!r}")
     v = float(x)
@@ -81,13 +88,21 @@ class Adam:
     >>> opt.step()
     """
 
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
         self.lr = _real(lr, "lr", 0.0, lo_open=True)
         if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
             raise TypeError(f"betas: expected a pair of numbers, got {betas!r}")
-        self.betas = (_real(betas[0], "betas[0]", 0.0, 1.0, hi_open=True),
-                      _real(betas[1], "betas[1]", 0.0, 1.0, hi_open=True))
+        self.betas = (
+            _real(betas[0], "betas[0]", 0.0, 1.0, hi_open=True),
+            _real(betas[1], "betas[1]", 0.0, 1.0, hi_open=True),
+        )
         self.eps = _real(eps, "eps", 0.0)
         self.weight_decay = _real(weight_decay, "weight_decay", 0.0)
         groups = list(params) if isinstance(params, (list, tuple)) else [params]
@@ -97,13 +112,16 @@ class Adam:
         for i, g in enumerate(groups):
             arrays = g.params if hasattr(g, "params") else g
             if not isinstance(arrays, Mapping):
-                raise TypeError(f"params[{i}]: expected a layer or a dict of arrays, got "
-                                f"{type(g).__name__}")
+                raise TypeError(
+                    f"params[{i}]: expected a layer or a dict of arrays, got {type(g).__name__}"
+                )
             for k, a in arrays.items():
                 if not isinstance(a, np.ndarray) or a.dtype.kind != "f":
                     got = f"ndarray {a.dtype}" if isinstance(a, np.ndarray) else type(a).__name__
-                    raise TypeError(f"params[{i}][{k!r}]: expected a float ndarray (updated in "
-                                    f"place), got {got}")
+                    raise TypeError(
+                        f"params[{i}][{k!r}]: expected a float ndarray (updated in "
+                        f"place), got {got}"
+                    )
                 if not a.flags.writeable:
                     raise ValueError(f"params[{i}][{k!r}]: the array is read-only")
             self.groups.append(g)
@@ -119,21 +137,28 @@ class Adam:
             out = []
             for i, g in enumerate(self.groups):
                 if not hasattr(g, "grads"):
-                    raise TypeError(f"grads: params[{i}] is a dict, so step() needs its "
-                                    f"gradients: step(grads)")
+                    raise TypeError(
+                        f"grads: params[{i}] is a dict, so step() needs its gradients: step(grads)"
+                    )
                 if not g.grads:
-                    raise RuntimeError(f"grads: params[{i}] ({type(g).__name__}) has no "
-                                       f"gradients; call its backward() first")
+                    raise RuntimeError(
+                        f"grads: params[{i}] ({type(g).__name__}) has no "
+                        f"gradients; call its backward() first"
+                    )
                 out.append(g.grads)
             return out
         if isinstance(grads, Mapping):
             grads = [grads]
         if not isinstance(grads, (list, tuple)):
-            raise TypeError(f"grads: expected a dict of gradients, or a list of one per "
-                            f"parameter group ({len(self.groups)}), got {type(grads).__name__}")
+            raise TypeError(
+                f"grads: expected a dict of gradients, or a list of one per "
+                f"parameter group ({len(self.groups)}), got {type(grads).__name__}"
+            )
         if len(grads) != len(self.groups):
-            raise ValueError(f"grads: expected a dict of gradients per parameter group "
-                             f"({len(self.groups)}), got a sequence of length {len(grads)}")
+            raise ValueError(
+                f"grads: expected a dict of gradients per parameter group "
+                f"({len(self.groups)}), got a sequence of length {len(grads)}"
+            )
         return list(grads)
 
     def step(self, grads: Any = None) -> None:
@@ -174,14 +199,16 @@ class Adam:
             for k, p in arrays.items():
                 g = V.as_array(gd[k], f"grads[{k!r}]")
                 if g.shape != p.shape:
-                    raise ValueError(f"grads[{k!r}]: expected shape {V.shape_str(p.shape)} (the "
-                                     f"parameter's), got {V.shape_str(g.shape)}")
+                    raise ValueError(
+                        f"grads[{k!r}]: expected shape {V.shape_str(p.shape)} (the "
+                        f"parameter's), got {V.shape_str(g.shape)}"
+                    )
                 cg[k] = g
             checked.append(cg)
         self.t += 1
         b1, b2 = self.betas
-        bc1 = 1.0 - b1 ** self.t
-        bc2 = 1.0 - b2 ** self.t
+        bc1 = 1.0 - b1**self.t
+        bc2 = 1.0 - b2**self.t
         for group, gd, state in zip(self.groups, checked, self.state, strict=True):
             for k, p in self._arrays(group).items():
                 g = gd[k].astype(p.dtype, copy=False)

@@ -84,8 +84,13 @@ def _tensor(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
 class _Call:
     """One call: the NumPy forward, the tensor arguments' names, the constants."""
 
-    def __init__(self, forward: Callable[..., Any], tensors: dict[str, Any],
-                 consts: dict[str, Any], weights: bool) -> None:
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        tensors: dict[str, Any],
+        consts: dict[str, Any],
+        weights: bool,
+    ) -> None:
         self.forward = forward
         self.names = [n for n, t in tensors.items() if t is not None]
         self.inputs = [_check(tensors[n], n) for n in self.names]
@@ -137,8 +142,7 @@ def _kv(query: Any, key: Any, value: Any) -> tuple[Any, Any]:
     return key, value
 
 
-def _apply(forward: Callable[..., Any], tensor_names: tuple[str, ...],
-           args: dict[str, Any]) -> Any:
+def _apply(forward: Callable[..., Any], tensor_names: tuple[str, ...], args: dict[str, Any]) -> Any:
     """One call of ``forward`` on tensors: masks and positions become NumPy constants, the
     tensor arguments given (in ``tensor_names`` order, the order they are checked in) become
     the inputs of one autograd Function, everything else is passed as it is."""
@@ -155,17 +159,27 @@ def _apply(forward: Callable[..., Any], tensor_names: tuple[str, ...],
     return call.apply()
 
 
-def _wrapper(forward: Callable[..., Any], tensor_names: tuple[str, ...], doc: str,
-             returns: str = "Any") -> Callable[..., Any]:
+def _wrapper(
+    forward: Callable[..., Any], tensor_names: tuple[str, ...], doc: str, returns: str = "Any"
+) -> Callable[..., Any]:
     """The torch version of ``forward``: its signature (tensors where it takes arrays), its
     validation, its kernels through :func:`_apply`."""
     params = _sig.public_parameters(forward)
-    annotations = {p.name: "torch.Tensor | None" if p.default is None else "torch.Tensor"
-                   for p in params if p.name in tensor_names}
+    annotations = {
+        p.name: "torch.Tensor | None" if p.default is None else "torch.Tensor"
+        for p in params
+        if p.name in tensor_names
+    }
     annotations.update({"w_qk": "torch.Tensor | BilinearQK", "return_weights": "bool | str"})
-    return _sig.generate(forward.__name__, __name__, params, returns, _docs.fill(doc),
-                         lambda args: _apply(forward, tensor_names, args),
-                         annotations=annotations)
+    return _sig.generate(
+        forward.__name__,
+        __name__,
+        params,
+        returns,
+        _docs.fill(doc),
+        lambda args: _apply(forward, tensor_names, args),
+        annotations=annotations,
+    )
 
 
 # The wrappers take their NumPy function's signature (a new keyword argument of a family
@@ -202,9 +216,8 @@ Differentiable :func:`attnlab.scaled_dot_product_attention` on CPU tensors.
     torch.Size([2, 4, 8])
     """
 scaled_dot_product_attention = _wrapper(
-    _mha.scaled_dot_product_attention,
-    ("q", "k", "v"),
-    _SDPA_DOC)
+    _mha.scaled_dot_product_attention, ("q", "k", "v"), _SDPA_DOC
+)
 
 _MULTI_HEAD_DOC = """\
 Differentiable :func:`attnlab.multi_head_attention` on CPU tensors.
@@ -243,7 +256,8 @@ Differentiable :func:`attnlab.multi_head_attention` on CPU tensors.
 multi_head_attention = _wrapper(
     _mha.multi_head_attention,
     ("query", "key", "value", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"),
-    _MULTI_HEAD_DOC)
+    _MULTI_HEAD_DOC,
+)
 
 _BILINEAR_DOC = """\
 Differentiable :func:`attnlab.bilinear_attention` on CPU tensors.
@@ -278,7 +292,8 @@ Differentiable :func:`attnlab.bilinear_attention` on CPU tensors.
 bilinear_attention = _wrapper(
     _bilinear.bilinear_attention,
     ("query", "key", "value", "u_k", "w_v", "w_o", "b_v", "b_o", "w_qk"),
-    _BILINEAR_DOC)
+    _BILINEAR_DOC,
+)
 
 _ADDITIVE_DOC = """\
 Differentiable :func:`attnlab.additive_attention` (SwiftFormer) on CPU tensors.
@@ -311,7 +326,9 @@ Differentiable :func:`attnlab.additive_attention` (SwiftFormer) on CPU tensors.
 additive_attention = _wrapper(
     _additive.additive_attention,
     ("x", "w_q", "b_q", "w_k", "b_k", "w_g", "w_proj", "b_proj", "w_final", "b_final"),
-    _ADDITIVE_DOC, "torch.Tensor")
+    _ADDITIVE_DOC,
+    "torch.Tensor",
+)
 
 _SEPARABLE_DOC = """\
 Differentiable :func:`attnlab.separable_attention` (MobileViT-v2) on CPU tensors.
@@ -341,4 +358,6 @@ Differentiable :func:`attnlab.separable_attention` (MobileViT-v2) on CPU tensors
 separable_attention = _wrapper(
     _additive.separable_attention,
     ("x", "w_qkv", "b_qkv", "w_o", "b_o"),
-    _SEPARABLE_DOC, "torch.Tensor")
+    _SEPARABLE_DOC,
+    "torch.Tensor",
+)

@@ -23,8 +23,8 @@ __all__ = ["run", "additive_flops", "separable_flops", "growth_exponent"]
 
 N_ALL = (49, 196, 784, 3136, 12544)
 N_QUICK = (196, 784, 1568)
-B, D = 8, 256          # the issue's main case is B=8, n=3136, d=256
-MHA_B, MHA_H = 1, 4    # the quadratic contrast
+B, D = 8, 256  # the issue's main case is B=8, n=3136, d=256
+MHA_B, MHA_H = 1, 4  # the quadratic contrast
 SLOPE_MIN_N = 784
 
 
@@ -68,18 +68,19 @@ def growth_exponent(ns: list[int], ms: list[float], min_n: int = SLOPE_MIN_N) ->
 def _additive_weights(rng: np.random.Generator, d: int, dtype: Any) -> dict[str, Any]:
     s = 1.0 / math.sqrt(d)
     w = {k: rng.uniform(-s, s, (d, d)).astype(dtype) for k in ("w_q", "w_k", "w_proj", "w_final")}
-    w.update({k: rng.uniform(-s, s, d).astype(dtype) for k in ("b_q", "b_k", "b_proj",
-                                                               "b_final")})
+    w.update({k: rng.uniform(-s, s, d).astype(dtype) for k in ("b_q", "b_k", "b_proj", "b_final")})
     w["w_g"] = rng.standard_normal((d, 1)).astype(dtype)
     return w
 
 
 def _separable_weights(rng: np.random.Generator, d: int, dtype: Any) -> dict[str, Any]:
     s = 1.0 / math.sqrt(d)
-    return {"w_qkv": rng.uniform(-s, s, (d, 1 + 2 * d)).astype(dtype),
-            "b_qkv": rng.uniform(-s, s, 1 + 2 * d).astype(dtype),
-            "w_o": rng.uniform(-s, s, (d, d)).astype(dtype),
-            "b_o": rng.uniform(-s, s, d).astype(dtype)}
+    return {
+        "w_qkv": rng.uniform(-s, s, (d, 1 + 2 * d)).astype(dtype),
+        "b_qkv": rng.uniform(-s, s, 1 + 2 * d).astype(dtype),
+        "w_o": rng.uniform(-s, s, (d, d)).astype(dtype),
+        "b_o": rng.uniform(-s, s, d).astype(dtype),
+    }
 
 
 def _torch_additive(torch: Any, w: dict[str, np.ndarray]) -> Callable[[Any], Any]:
@@ -100,7 +101,7 @@ def _torch_additive(torch: Any, w: dict[str, np.ndarray]) -> Callable[[Any], Any
             self.to_query = linear("w_q", "b_q")
             self.to_key = linear("w_k", "b_k")
             self.w_g = nn.Parameter(torch.from_numpy(w["w_g"].copy()))
-            self.scale_factor = d_out ** -0.5
+            self.scale_factor = d_out**-0.5
             self.Proj = linear("w_proj", "b_proj")
             self.final = linear("w_final", "b_final")
 
@@ -150,9 +151,16 @@ def _torch_call(torch: Any, module: Any, x: np.ndarray) -> Callable[[], Any]:
     return f
 
 
-def _sweep(family: str, case: str, ns: tuple[int, ...], fns_at: Callable[[int], dict[str, Any]],
-           flops_at: Callable[[int], float], shape_at: Callable[[int], str], repeat: int,
-           min_n: int) -> list[Row]:
+def _sweep(
+    family: str,
+    case: str,
+    ns: tuple[int, ...],
+    fns_at: Callable[[int], dict[str, Any]],
+    flops_at: Callable[[int], float],
+    shape_at: Callable[[int], str],
+    repeat: int,
+    min_n: int,
+) -> list[Row]:
     rows: list[Row] = []
     series: dict[str, tuple[list[int], list[float]]] = {}
     for n in ns:
@@ -162,9 +170,18 @@ def _sweep(family: str, case: str, ns: tuple[int, ...], fns_at: Callable[[int], 
             series.setdefault(impl, ([], []))
             series[impl][0].append(n)
             series[impl][1].append(ms)
-            rows.append(Row(family=family, case=case, shape=shape_at(n), impl=impl, ms=ms,
-                            flops=flops_at(n), baseline=None if impl == "attnlab" else "attnlab",
-                            extra={"n": n}))
+            rows.append(
+                Row(
+                    family=family,
+                    case=case,
+                    shape=shape_at(n),
+                    impl=impl,
+                    ms=ms,
+                    flops=flops_at(n),
+                    baseline=None if impl == "attnlab" else "attnlab",
+                    extra={"n": n},
+                )
+            )
     for impl, (ns_i, ms_i) in series.items():
         top = max(ns_i)
         for r in rows:
@@ -191,9 +208,11 @@ def run(quick: bool, threads: int) -> list[Row]:
     t_add = _torch_additive(torch, wa) if torch is not None else None
     t_sep = _torch_separable(torch, ws) if torch is not None else None
 
-    def family_fns(ours: Callable[..., Any], ref: Callable[..., Any], w: dict[str, Any],
-                   module: Any) -> Callable[[int], dict[str, Any]]:
+    def family_fns(
+        ours: Callable[..., Any], ref: Callable[..., Any], w: dict[str, Any], module: Any
+    ) -> Callable[[int], dict[str, Any]]:
         """The implementations timed at each n: attnlab, the reference (small n), torch."""
+
         def fns_at(n: int) -> dict[str, Any]:
             x = xs[n]
             fns: dict[str, Any] = {"attnlab": lambda: ours(x, **w)}
@@ -202,31 +221,54 @@ def run(quick: bool, threads: int) -> list[Row]:
             if module is not None:
                 fns["torch"] = _torch_call(torch, module, x)
             return fns
+
         return fns_at
 
     additive_fns = family_fns(additive_attention, reference.additive_attention, wa, t_add)
     separable_fns = family_fns(separable_attention, reference.separable_attention, ws, t_sep)
 
-    rows += _sweep("additive", "SwiftFormer fwd fp32", ns, additive_fns,
-                   lambda n: additive_flops(B, n, D, D, D), lambda n: f"B={B} n={n} d={D}",
-                   repeat, min_n)
-    rows += _sweep("separable", "MobileViTv2 fwd fp32", ns, separable_fns,
-                   lambda n: separable_flops(B, n, D, D), lambda n: f"B={B} n={n} d={D}",
-                   repeat, min_n)
+    rows += _sweep(
+        "additive",
+        "SwiftFormer fwd fp32",
+        ns,
+        additive_fns,
+        lambda n: additive_flops(B, n, D, D, D),
+        lambda n: f"B={B} n={n} d={D}",
+        repeat,
+        min_n,
+    )
+    rows += _sweep(
+        "separable",
+        "MobileViTv2 fwd fp32",
+        ns,
+        separable_fns,
+        lambda n: separable_flops(B, n, D, D),
+        lambda n: f"B={B} n={n} d={D}",
+        repeat,
+        min_n,
+    )
 
     # The quadratic contrast: attnlab's own multi-head attention over the same n.
     s = 1.0 / math.sqrt(D)
-    wm: dict[str, Any] = {k: rng.uniform(-s, s, (D, D)).astype(dtype)
-                          for k in ("w_q", "w_k", "w_v", "w_o")}
+    wm: dict[str, Any] = {
+        k: rng.uniform(-s, s, (D, D)).astype(dtype) for k in ("w_q", "w_k", "w_v", "w_o")
+    }
     xm = {n: xs[n][:MHA_B] for n in ns}
 
     def mha_fns(n: int) -> dict[str, Any]:
         x = xm[n]
         return {"attnlab-mha": lambda: multi_head_attention(x, num_heads=MHA_H, **wm)}
 
-    mha_rows = _sweep("additive", "MHA fwd fp32 (contrast)", ns, mha_fns,
-                      lambda n: _mha_flops(MHA_B, n, D),
-                      lambda n: f"B={MHA_B} n={n} d={D} h={MHA_H}", min(repeat, 3), min_n)
+    mha_rows = _sweep(
+        "additive",
+        "MHA fwd fp32 (contrast)",
+        ns,
+        mha_fns,
+        lambda n: _mha_flops(MHA_B, n, D),
+        lambda n: f"B={MHA_B} n={n} d={D} h={MHA_H}",
+        min(repeat, 3),
+        min_n,
+    )
     for r in mha_rows:
         r.baseline = None
     rows += mha_rows

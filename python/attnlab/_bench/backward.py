@@ -15,17 +15,22 @@ from .mha import _weights, mha_flops
 __all__ = ["run"]
 
 # (label, B, n, d, h, causal); the long case only in the full run
-CASES = (("ViT-S step fp32", 8, 197, 384, 6, False),
-         ("long causal step fp32", 1, 4096, 512, 8, True))
+CASES = (
+    ("ViT-S step fp32", 8, 197, 384, 6, False),
+    ("long causal step fp32", 1, 4096, 512, 8, True),
+)
 
 
-def _torch_step(torch: Any, w: dict[str, np.ndarray], x: np.ndarray, g: np.ndarray, h: int,
-                causal: bool) -> Any:
+def _torch_step(
+    torch: Any, w: dict[str, np.ndarray], x: np.ndarray, g: np.ndarray, h: int, causal: bool
+) -> Any:
     """One training step of F.linear + F.scaled_dot_product_attention: forward, then the
     gradients of the input and of every weight and bias."""
     F = torch.nn.functional
-    t = {k: torch.from_numpy(np.ascontiguousarray(v.T if v.ndim == 2 else v)).requires_grad_(True)
-         for k, v in w.items()}
+    t = {
+        k: torch.from_numpy(np.ascontiguousarray(v.T if v.ndim == 2 else v)).requires_grad_(True)
+        for k, v in w.items()
+    }
     gt = torch.from_numpy(g)
 
     def step() -> None:
@@ -75,8 +80,13 @@ def run(quick: bool, threads: int) -> list[Row]:
         times = interleaved(fns, repeat=3 if long or quick else 11)
         fwd = mha_flops(B, n, n, d, h, d // h, causal)
         # a backward is two of the forward's products per forward product: 3x the forward
-        flops = {"attnlab fwd": fwd, "attnlab step": 3 * fwd, "attnlab pullback": 2 * fwd,
-                 "attnlab bwd (recompute)": 3 * fwd, "torch step": 3 * fwd}
+        flops = {
+            "attnlab fwd": fwd,
+            "attnlab step": 3 * fwd,
+            "attnlab pullback": 2 * fwd,
+            "attnlab bwd (recompute)": 3 * fwd,
+            "torch step": 3 * fwd,
+        }
         shape = f"B={B} n={n} d={d} h={h}" + (" causal" if causal else "")
         for impl, ms in times.items():
             extra: dict[str, Any] = {}
@@ -84,7 +94,16 @@ def run(quick: bool, threads: int) -> list[Row]:
                 extra["pullback/fwd"] = ms / times["attnlab fwd"]
             if impl == "attnlab bwd (recompute)":
                 extra["bwd/fwd"] = ms / times["attnlab fwd"]
-            rows.append(Row("backward", label, shape, impl, ms, flops[impl],
-                            baseline="attnlab step" if impl == "torch step" else None,
-                            extra=extra))
+            rows.append(
+                Row(
+                    "backward",
+                    label,
+                    shape,
+                    impl,
+                    ms,
+                    flops[impl],
+                    baseline="attnlab step" if impl == "torch step" else None,
+                    extra=extra,
+                )
+            )
     return rows

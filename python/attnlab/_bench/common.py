@@ -35,12 +35,12 @@ class Timing(float):
 class Row:
     """One line of the benchmark table."""
 
-    family: str          # "mha", "bilinear", "additive", ...
-    case: str            # a short label, e.g. "ViT-S fwd fp32"
-    shape: str           # e.g. "B=8 n=197 d=384 h=6"
-    impl: str            # "attnlab", "reference", "torch", ...
-    ms: float            # median milliseconds
-    flops: float = 0.0   # floating-point operations of one call (2 per multiply-add)
+    family: str  # "mha", "bilinear", "additive", ...
+    case: str  # a short label, e.g. "ViT-S fwd fp32"
+    shape: str  # e.g. "B=8 n=197 d=384 h=6"
+    impl: str  # "attnlab", "reference", "torch", ...
+    ms: float  # median milliseconds
+    flops: float = 0.0  # floating-point operations of one call (2 per multiply-add)
     baseline: str | None = None  # impl the ratio is taken against (same family/case)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -55,8 +55,14 @@ class Row:
 APART = ("reference", "numpy-blas")
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int = 7, warmup: int = 1,
-                min_time: float = 0.0, max_time: float = 30.0) -> dict[str, Timing]:
+def interleaved(
+    fns: dict[str, Callable[[], Any]],
+    *,
+    repeat: int = 7,
+    warmup: int = 1,
+    min_time: float = 0.0,
+    max_time: float = 30.0,
+) -> dict[str, Timing]:
     """Median milliseconds of each callable (a :class:`Timing`, with its spread), timed
     round-robin.
 
@@ -73,8 +79,9 @@ def interleaved(fns: dict[str, Callable[[], Any]], *, repeat: int = 7, warmup: i
     return {k: out[k] for k in fns}
 
 
-def _round_robin(fns: dict[str, Callable[[], Any]], repeat: int, warmup: int, min_time: float,
-                 max_time: float) -> dict[str, Timing]:
+def _round_robin(
+    fns: dict[str, Callable[[], Any]], repeat: int, warmup: int, min_time: float, max_time: float
+) -> dict[str, Timing]:
     for _ in range(warmup):
         for f in fns.values():
             f()
@@ -94,8 +101,10 @@ def _round_robin(fns: dict[str, Callable[[], Any]], repeat: int, warmup: int, mi
             break
         if elapsed >= max_time and rounds >= 3:
             break
-    return {k: Timing(float(np.median(v)) * 1e3, max(v) / min(v) if min(v) > 0 else 1.0)
-            for k, v in times.items()}
+    return {
+        k: Timing(float(np.median(v)) * 1e3, max(v) / min(v) if min(v) > 0 else 1.0)
+        for k, v in times.items()
+    }
 
 
 def try_torch(threads: int) -> Any:

@@ -37,12 +37,31 @@ def square_gemm(threads: int, quick: bool, sgemm: dict[str, Any] | None) -> list
     n = 1024 if quick else 2048
     flops = 2.0 * n**3
     times = interleaved(_gemm_sources(n, threads), repeat=3 if quick else 7)
-    rows = [Row("gemm", "square GEMM fp32", f"n={n}", impl, ms, flops,
-                baseline=None if impl == "attnlab" else "attnlab") for impl, ms in times.items()]
+    rows = [
+        Row(
+            "gemm",
+            "square GEMM fp32",
+            f"n={n}",
+            impl,
+            ms,
+            flops,
+            baseline=None if impl == "attnlab" else "attnlab",
+        )
+        for impl, ms in times.items()
+    ]
     if sgemm and sgemm.get("n") == n:
-        rows.append(Row("gemm", "square GEMM fp32", f"n={n}", "openblas-own-process",
-                        Timing(min(sgemm["ms"])), flops, baseline="attnlab",
-                        extra={"best_of": len(sgemm["ms"])}))
+        rows.append(
+            Row(
+                "gemm",
+                "square GEMM fp32",
+                f"n={n}",
+                "openblas-own-process",
+                Timing(min(sgemm["ms"])),
+                flops,
+                baseline="attnlab",
+                extra={"best_of": len(sgemm["ms"])},
+            )
+        )
     return rows
 
 
@@ -59,11 +78,23 @@ def run(quick: bool, threads: int) -> list[Row]:
         y = np.empty((m, d), dtype=np.float32)
         fns: dict[str, Any] = {"attnlab": partial(core.linear_forward, x, w, b, y)}
         if torch is not None:
-            tx, twt, tb = torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(w.T)), \
-                torch.from_numpy(b)
+            tx, twt, tb = (
+                torch.from_numpy(x),
+                torch.from_numpy(np.ascontiguousarray(w.T)),
+                torch.from_numpy(b),
+            )
             fns["torch"] = lambda tx=tx, twt=twt, tb=tb: torch.nn.functional.linear(tx, twt, tb)
         times = interleaved(fns, repeat=3 if quick else 15)
         for impl, ms in times.items():
-            rows.append(Row("gemm", name, f"{m}x{d} @ {d}x{d} + b", impl, ms, 2.0 * m * d * d,
-                            baseline=None if impl == "attnlab" else "attnlab"))
+            rows.append(
+                Row(
+                    "gemm",
+                    name,
+                    f"{m}x{d} @ {d}x{d} + b",
+                    impl,
+                    ms,
+                    2.0 * m * d * d,
+                    baseline=None if impl == "attnlab" else "attnlab",
+                )
+            )
     return rows

@@ -60,8 +60,13 @@ def fresh_peak_extra_mib(n: int, causal: bool) -> float | None:
     import sys
 
     try:
-        r = subprocess.run([sys.executable, "-c", _MEMORY_PROBE.format(n=n, causal=causal)],
-                           capture_output=True, text=True, timeout=600, check=False)
+        r = subprocess.run(
+            [sys.executable, "-c", _MEMORY_PROBE.format(n=n, causal=causal)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         return float(r.stdout.strip().splitlines()[-1])
     except (OSError, ValueError, IndexError, subprocess.SubprocessError):
         return None  # no number: the probe failed, the row says n/a
@@ -77,8 +82,9 @@ def _weights(rng: np.random.Generator, d: int, dtype: Any) -> dict[str, Any]:
 def _torch_mha(torch: Any, w: dict[str, np.ndarray], d: int, h: int) -> Any:
     m = torch.nn.MultiheadAttention(d, h, batch_first=True).eval()
     with torch.no_grad():
-        m.in_proj_weight.copy_(torch.from_numpy(np.concatenate([w["w_q"].T, w["w_k"].T,
-                                                                w["w_v"].T])))
+        m.in_proj_weight.copy_(
+            torch.from_numpy(np.concatenate([w["w_q"].T, w["w_k"].T, w["w_v"].T]))
+        )
         m.in_proj_bias.copy_(torch.from_numpy(np.concatenate([w["b_q"], w["b_k"], w["b_v"]])))
         m.out_proj.weight.copy_(torch.from_numpy(np.ascontiguousarray(w["w_o"].T)))
         m.out_proj.bias.copy_(torch.from_numpy(w["b_o"]))
@@ -127,15 +133,24 @@ def run(quick: bool, threads: int) -> list[Row]:
 
             fns["torch"] = tf
         if calls > 1:
-            fns = {k: (lambda f=f, calls=calls: [f() for _ in range(calls)])
-                   for k, f in fns.items()}
+            fns = {
+                k: (lambda f=f, calls=calls: [f() for _ in range(calls)]) for k, f in fns.items()
+            }
         times = interleaved(fns, repeat=5 if quick else 11)
         flops = mha_flops(B, n, n, d, h, d // h, causal)
         shape = f"B={B} n={n} d={d} h={h}"
         for impl, ms in times.items():
-            rows.append(Row("mha", f"{name} fwd fp32", shape, impl,
-                            Timing(ms / calls, ms.spread), flops,
-                            baseline=None if impl == "attnlab" else "attnlab"))
+            rows.append(
+                Row(
+                    "mha",
+                    f"{name} fwd fp32",
+                    shape,
+                    impl,
+                    Timing(ms / calls, ms.spread),
+                    flops,
+                    baseline=None if impl == "attnlab" else "attnlab",
+                )
+            )
     # long sequence: flash tiling keeps memory O(n d); the reference would need n^2 scores.
     # Timed at several n (time against n in --plot); peak memory at the largest.
     ns_long = (512, 1024) if quick else (1024, 2048, 4096, 8192)
@@ -145,13 +160,15 @@ def run(quick: bool, threads: int) -> list[Row]:
     return rows
 
 
-def _long_case(torch: Any, rng: np.random.Generator, n_long: int, causal: bool, quick: bool,
-               memory: bool) -> list[Row]:
+def _long_case(
+    torch: Any, rng: np.random.Generator, n_long: int, causal: bool, quick: bool, memory: bool
+) -> list[Row]:
     B, d, h = 1, 512, 8
     x = rng.standard_normal((B, n_long, d)).astype(np.float32)
     w = _weights(rng, d, np.float32)
     fns: dict[str, Any] = {
-        "attnlab": lambda: multi_head_attention(x, num_heads=h, causal=causal, **w)}
+        "attnlab": lambda: multi_head_attention(x, num_heads=h, causal=causal, **w)
+    }
     if torch is not None:
         f = _torch_sdpa_mha(torch, w, h, causal)
         xt = torch.from_numpy(x)
@@ -170,6 +187,16 @@ def _long_case(torch: Any, rng: np.random.Generator, n_long: int, causal: bool, 
         extra: dict[str, Any] = {"n": n_long}
         if impl == "attnlab" and memory and not quick:  # a fresh interpreter: full runs only
             extra["peak_extra_mib"] = fresh_peak_extra_mib(n_long, causal)
-        rows.append(Row("mha", label, shape, impl, ms, flops,
-                        baseline=None if impl == "attnlab" else "attnlab", extra=extra))
+        rows.append(
+            Row(
+                "mha",
+                label,
+                shape,
+                impl,
+                ms,
+                flops,
+                baseline=None if impl == "attnlab" else "attnlab",
+                extra=extra,
+            )
+        )
     return rows

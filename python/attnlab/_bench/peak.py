@@ -43,20 +43,31 @@ def fma_peak(quick: bool) -> dict[str, Any]:
     per = [list(run[2] if cpu else run[1]) for run in runs]
     sums = [sum(p) for p in per]
     best = max(range(bursts), key=lambda i: sums[i])
-    return {"gflops": sums[best], "per_thread": per[best], "clock": "cpu" if cpu else "wall",
-            "wall_gflops": max(run[0] for run in runs), "bursts": sums}
+    return {
+        "gflops": sums[best],
+        "per_thread": per[best],
+        "clock": "cpu" if cpu else "wall",
+        "wall_gflops": max(run[0] for run in runs),
+        "bursts": sums,
+    }
 
 
 def worker_env(threads: int) -> dict[str, str]:
     """The environment of a benchmark subprocess limited to ``threads`` threads, whatever its
     runtime reads (OpenMP, OpenBLAS, MKL, XLA, attnlab)."""
     env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                "ATTNLAB_NUM_THREADS"):
+    for var in (
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "ATTNLAB_NUM_THREADS",
+    ):
         env[var] = str(threads)
     xla = env.get("XLA_FLAGS", "")
-    env["XLA_FLAGS"] = (f"{xla} --xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"
-                        f" intra_op_parallelism_threads={threads}").strip()
+    env["XLA_FLAGS"] = (
+        f"{xla} --xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"
+        f" intra_op_parallelism_threads={threads}"
+    ).strip()
     # the parent's own import path (e.g. PYTHONPATH=python in a source tree) for the child
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
@@ -68,11 +79,21 @@ def sgemm_gflops(threads: int, quick: bool) -> dict[str, Any] | None:
     fresh process (its spinning threads then disturb nothing else): the best rate of a few calls,
     or None when the subprocess failed."""
     n = 1024 if quick else 2048
-    cmd = [sys.executable, "-m", "attnlab._bench.peers_worker", "sgemm", str(n),
-           "--repeat", "5" if quick else "10", "--threads", str(threads)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "attnlab._bench.peers_worker",
+        "sgemm",
+        str(n),
+        "--repeat",
+        "5" if quick else "10",
+        "--threads",
+        str(threads),
+    ]
     try:
-        r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300,
-                           env=worker_env(threads))
+        r = subprocess.run(
+            cmd, check=False, capture_output=True, text=True, timeout=300, env=worker_env(threads)
+        )
         out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
         return out
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):

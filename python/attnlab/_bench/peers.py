@@ -27,8 +27,14 @@ from .common import Row, Timing
 from .peak import fma_peak, sgemm_gflops, worker_env
 from .peers_worker import CASES, RUNTIMES
 
-__all__ = ["DEFAULT_CASES", "TOLERANCE", "run_peers", "format_peers", "relative_error",
-           "best_other"]
+__all__ = [
+    "DEFAULT_CASES",
+    "TOLERANCE",
+    "run_peers",
+    "format_peers",
+    "relative_error",
+    "best_other",
+]
 
 DEFAULT_CASES = ("bert", "vit-s", "vit-b", "long", "long-causal", "sdpa")
 # normwise relative difference from attnlab's output above which a peer's graph is wrong: float32
@@ -55,11 +61,15 @@ def best_other(row: Row, rows: list[Row]) -> tuple[float, str] | None:
     """The fastest row of another runtime measuring the same thing (same family, case, shape and
     what follows the runtime's name, e.g. "step"), as (its time / this row's time, its impl):
     above 1, this row is faster than every other runtime."""
+
     def what(r: Row) -> tuple[str, str, str, str]:
         return (r.family, r.case, r.shape, " ".join(r.impl.split()[1:]))
 
-    others = [r for r in rows if what(r) == what(row) and runtime_of(r.impl) != runtime_of(row.impl)
-              and r.ms > 0]
+    others = [
+        r
+        for r in rows
+        if what(r) == what(row) and runtime_of(r.impl) != runtime_of(row.impl) and r.ms > 0
+    ]
     if not others or row.ms <= 0:
         return None
     fastest = min(others, key=lambda r: r.ms)
@@ -73,10 +83,24 @@ class _Worker:
         self.runtime = runtime
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "attnlab._bench.peers_worker", runtime, case, "--serve",
-             "--threads", str(threads), "--out", out],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-            env=worker_env(threads))
+            [
+                sys.executable,
+                "-m",
+                "attnlab._bench.peers_worker",
+                runtime,
+                case,
+                "--serve",
+                "--threads",
+                str(threads),
+                "--out",
+                out,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=worker_env(threads),
+        )
 
     def ask(self, command: str | None, timeout: float) -> dict[str, Any]:
         """Sends a command (None: only reads) and returns the worker's JSON reply; a worker that
@@ -92,8 +116,10 @@ class _Worker:
             return {"error": f"{type(e).__name__}: {e}"}
         if not line:
             self.close()
-            return {"error": f"the worker exited or stalled (status {self.proc.poll()}); its "
-                             f"stderr: {self._stderr_tail()}"}
+            return {
+                "error": f"the worker exited or stalled (status {self.proc.poll()}); its "
+                f"stderr: {self._stderr_tail()}"
+            }
         reply: dict[str, Any] = json.loads(line)
         return reply
 
@@ -123,13 +149,15 @@ def _calls_per_round(call_ms: float, quick: bool) -> int:
     return int(min(20, max(1, round(target / max(call_ms, 1e-3)))))
 
 
-def run_case(name: str, runtimes: tuple[str, ...], threads: int, quick: bool,
-             notes: list[str]) -> list[Row]:
+def run_case(
+    name: str, runtimes: tuple[str, ...], threads: int, quick: bool, notes: list[str]
+) -> list[Row]:
     """Times one case on every runtime (attnlab first: its output is the check of the others);
     appends a note for every runtime skipped, failed or refused by the check."""
     case = CASES[name]
     order = (("attnlab",) if "attnlab" in runtimes else ()) + tuple(
-        r for r in runtimes if r != "attnlab")
+        r for r in runtimes if r != "attnlab"
+    )
     live: dict[str, tuple[_Worker, dict[str, Any], float]] = {}
     ref: np.ndarray | None = None
     rows: list[Row] = []
@@ -141,8 +169,9 @@ def run_case(name: str, runtimes: tuple[str, ...], threads: int, quick: bool,
                 w = _Worker(rt, name, threads, out, log)
                 head = w.ask(None, timeout=1800)
                 if "skip" in head or "error" in head:
-                    why = (f"skipped: {head['skip']}" if "skip" in head
-                           else f"failed: {head['error']}")
+                    why = (
+                        f"skipped: {head['skip']}" if "skip" in head else f"failed: {head['error']}"
+                    )
                     notes.append(f"{case.label}: {rt} {why}")
                     w.close()
                     continue
@@ -153,16 +182,18 @@ def run_case(name: str, runtimes: tuple[str, ...], threads: int, quick: bool,
                 elif ref is not None:
                     err = relative_error(got, ref)
                     if not err <= TOLERANCE:
-                        notes.append(f"{case.label}: {rt} WRONG, not timed: its output differs "
-                                     f"from attnlab's by {err:.2e} (normwise; tolerance "
-                                     f"{TOLERANCE:g})")
+                        notes.append(
+                            f"{case.label}: {rt} WRONG, not timed: its output differs "
+                            f"from attnlab's by {err:.2e} (normwise; tolerance "
+                            f"{TOLERANCE:g})"
+                        )
                         w.close()
                         continue
                 live[rt] = (w, head, err)
             samples: dict[str, list[float]] = {rt: [] for rt in live}
             names = list(live)
             for r in range(3 if quick else 5):
-                for rt in names[r % len(names):] + names[:r % len(names)] if names else []:
+                for rt in names[r % len(names) :] + names[: r % len(names)] if names else []:
                     w, head, _ = live[rt]
                     if w.proc.poll() is not None:  # exited: reported when it failed
                         continue
@@ -179,15 +210,23 @@ def run_case(name: str, runtimes: tuple[str, ...], threads: int, quick: bool,
         ms = samples[rt]
         if not ms:
             continue
-        rows.append(Row("peers", case.label, case.shape, rt,
-                        Timing(float(np.median(ms)), max(ms) / min(ms) if min(ms) > 0 else 1.0),
-                        case.flops, extra={"check": err, "calls": len(ms),
-                                           "version": head.get("version", "")}))
+        rows.append(
+            Row(
+                "peers",
+                case.label,
+                case.shape,
+                rt,
+                Timing(float(np.median(ms)), max(ms) / min(ms) if min(ms) > 0 else 1.0),
+                case.flops,
+                extra={"check": err, "calls": len(ms), "version": head.get("version", "")},
+            )
+        )
     return rows
 
 
-def run_peers(quick: bool, cases: tuple[str, ...] | None = None,
-              runtimes: tuple[str, ...] = RUNTIMES) -> dict[str, Any]:
+def run_peers(
+    quick: bool, cases: tuple[str, ...] | None = None, runtimes: tuple[str, ...] = RUNTIMES
+) -> dict[str, Any]:
     """The whole peer benchmark: the FMA peak, OpenBLAS's sgemm (its check) and every case.
 
     Parameters
@@ -213,8 +252,9 @@ def run_peers(quick: bool, cases: tuple[str, ...] | None = None,
             raise ValueError(f"cases: unknown case {c!r}; expected one of {', '.join(CASES)}")
     for r in runtimes:
         if r not in RUNTIMES:
-            raise ValueError(f"runtimes: unknown runtime {r!r}; expected one of "
-                             f"{', '.join(RUNTIMES)}")
+            raise ValueError(
+                f"runtimes: unknown runtime {r!r}; expected one of {', '.join(RUNTIMES)}"
+            )
     if cases is None:
         cases = tuple(c for c in DEFAULT_CASES if not (quick and CASES[c].long))
     threads = get_num_threads()
@@ -225,9 +265,16 @@ def run_peers(quick: bool, cases: tuple[str, ...] | None = None,
     for c in cases:
         rows.extend(run_case(c, runtimes, threads, quick, notes))
     result: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(), "cpu": _cpu_name(), "threads": threads,
-        "isa": build_info().get("isa"), "peak": peak, "peak_gflops": peak["gflops"],
-        "sgemm": sgemm, "rows": rows, "notes": notes}
+        "date": datetime.date.today().isoformat(),
+        "cpu": _cpu_name(),
+        "threads": threads,
+        "isa": build_info().get("isa"),
+        "peak": peak,
+        "peak_gflops": peak["gflops"],
+        "sgemm": sgemm,
+        "rows": rows,
+        "notes": notes,
+    }
     result["targets"] = peer_targets(result)
     return result
 
@@ -242,13 +289,25 @@ def peer_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         b = best_other(row, rows)
         if b is not None:
-            out.append({"target": f"{row.case} {row.shape}: attnlab vs {b[1]}",
-                        "value": round(b[0], 3), "goal": ">= 1.1x", "met": b[0] >= 1.1})
+            out.append(
+                {
+                    "target": f"{row.case} {row.shape}: attnlab vs {b[1]}",
+                    "value": round(b[0], 3),
+                    "goal": ">= 1.1x",
+                    "met": b[0] >= 1.1,
+                }
+            )
         case = next((c for c in CASES.values() if c.label == row.case), None)
         if case is not None and not case.core_only and result.get("peak_gflops"):
             s = row.gflops / result["peak_gflops"]
-            out.append({"target": f"{row.case} {row.shape}: share of the FMA peak",
-                        "value": round(s, 3), "goal": ">= 0.85", "met": s >= 0.85})
+            out.append(
+                {
+                    "target": f"{row.case} {row.shape}: share of the FMA peak",
+                    "value": round(s, 3),
+                    "goal": ">= 0.85",
+                    "met": s >= 0.85,
+                }
+            )
     return out
 
 
@@ -257,19 +316,28 @@ def peak_lines(result: dict[str, Any]) -> list[str]:
     peak = result.get("peak") or {}
     sg = result.get("sgemm")
     clock = "CPU time" if peak.get("clock") == "cpu" else "wall time"
-    lines = [(f"FMA peak (float32, measured: 12 independent FMA chains of the widest vector on "
-              f"each of {len(peak.get('per_thread', []))} threads, rates over each thread's "
-              f"{clock}, best of {len(peak.get('bursts', []))} bursts) = "
-              f"{peak.get('gflops', 0):.1f} GFLOP/s (per thread: "
-              f"{', '.join(f'{g:.1f}' for g in peak.get('per_thread', []))}; over the wall time, "
-              f"as other processes left it: {peak.get('wall_gflops', 0):.1f})")]
+    lines = [
+        (
+            f"FMA peak (float32, measured: 12 independent FMA chains of the widest vector on "
+            f"each of {len(peak.get('per_thread', []))} threads, rates over each thread's "
+            f"{clock}, best of {len(peak.get('bursts', []))} bursts) = "
+            f"{peak.get('gflops', 0):.1f} GFLOP/s (per thread: "
+            f"{', '.join(f'{g:.1f}' for g in peak.get('per_thread', []))}; over the wall time, "
+            f"as other processes left it: {peak.get('wall_gflops', 0):.1f})"
+        )
+    ]
     if sg:
         share = sg["gflops"] / peak["gflops"] if peak.get("gflops") else float("nan")
-        lines.append(f"Check: OpenBLAS sgemm ({sg['version']}, {sg['n']}^3, own process) = "
-                     f"{sg['gflops']:.1f} GFLOP/s = {100 * share:.0f}% of the FMA peak"
-                     + ("  <-- ABOVE THE FMA PEAK: the peak is wrong (or was measured while the "
-                        "machine was busy); shares below are not trustworthy" if share > 1.0
-                        else ""))
+        lines.append(
+            f"Check: OpenBLAS sgemm ({sg['version']}, {sg['n']}^3, own process) = "
+            f"{sg['gflops']:.1f} GFLOP/s = {100 * share:.0f}% of the FMA peak"
+            + (
+                "  <-- ABOVE THE FMA PEAK: the peak is wrong (or was measured while the "
+                "machine was busy); shares below are not trustworthy"
+                if share > 1.0
+                else ""
+            )
+        )
     else:
         lines.append("Check: OpenBLAS sgemm could not be timed (numpy subprocess failed)")
     return lines
@@ -282,22 +350,35 @@ def format_peers(result: dict[str, Any]) -> str:
 
     rows: list[Row] = result["rows"]
     peak = result.get("peak_gflops")
-    lines = [(f"attnlab bench --peers  {result['date']}  {result['cpu']}  "
-              f"threads={result['threads']} (every runtime)  isa={result['isa']}  float32")]
+    lines = [
+        (
+            f"attnlab bench --peers  {result['date']}  {result['cpu']}  "
+            f"threads={result['threads']} (every runtime)  isa={result['isa']}  float32"
+        )
+    ]
     lines += peak_lines(result) + [""]
-    lines.append(f"{'case':<16} {'shape':<30} {'runtime':<12} {'ms':>9} {'GFLOP/s':>8} "
-                 f"{'%peak':>6} {'vs best other':>24}  {'check':>8}  version")
+    lines.append(
+        f"{'case':<16} {'shape':<30} {'runtime':<12} {'ms':>9} {'GFLOP/s':>8} "
+        f"{'%peak':>6} {'vs best other':>24}  {'check':>8}  version"
+    )
     for r in rows:
         b = best_other(r, rows)
         vs = f"{b[0]:.2f}x ({b[1]})" if b else ""
         flag = " NOISY" if _noisy(r) else ""
-        lines.append(f"{r.case:<16.16} {r.shape:<30.30} {r.impl:<12.12} {r.ms:>9.3f} "
-                     f"{r.gflops:>8.1f} {share(r, peak):>6} {vs:>24}  "
-                     f"{r.extra.get('check', 0):>8.1e}  {r.extra.get('version', '')}{flag}")
-    lines += ["", ("vs best other: the fastest other runtime's time / this row's (above 1: this "
-                   "row is faster than every other runtime). check: normwise difference from "
-                   "attnlab's output. NOISY: the slowest timed call took 1.5x the fastest or "
-                   "more.")]
+        lines.append(
+            f"{r.case:<16.16} {r.shape:<30.30} {r.impl:<12.12} {r.ms:>9.3f} "
+            f"{r.gflops:>8.1f} {share(r, peak):>6} {vs:>24}  "
+            f"{r.extra.get('check', 0):>8.1e}  {r.extra.get('version', '')}{flag}"
+        )
+    lines += [
+        "",
+        (
+            "vs best other: the fastest other runtime's time / this row's (above 1: this "
+            "row is faster than every other runtime). check: normwise difference from "
+            "attnlab's output. NOISY: the slowest timed call took 1.5x the fastest or "
+            "more."
+        ),
+    ]
     if result.get("notes"):
         lines += ["", "Notes:"] + [f"  {n}" for n in result["notes"]]
     return "\n".join(lines + target_lines(result.get("targets") or [], 72))

@@ -55,7 +55,8 @@ class Case:
     def shape(self) -> str:
         if self.core_only:
             return f"({self.B}, {self.h}, {self.n}, {self.d // self.h})" + (
-                " causal" if self.causal else "")
+                " causal" if self.causal else ""
+            )
         return f"B={self.B} n={self.n} d={self.d} h={self.h}" + (" causal" if self.causal else "")
 
     @property
@@ -64,8 +65,15 @@ class Case:
         the diagonal only)."""
         from .mha import mha_flops
 
-        return mha_flops(self.B, self.n, self.n, 0 if self.core_only else self.d, self.h,
-                         self.d // self.h, self.causal)
+        return mha_flops(
+            self.B,
+            self.n,
+            self.n,
+            0 if self.core_only else self.d,
+            self.h,
+            self.d // self.h,
+            self.causal,
+        )
 
 
 CASES: dict[str, Case] = {
@@ -121,6 +129,7 @@ def _attnlab(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
 
     attnlab.set_num_threads(threads)
     if case.core_only:
+
         def f() -> Any:
             return attnlab.scaled_dot_product_attention(a["q"], a["k"], a["v"], causal=case.causal)
     else:
@@ -128,6 +137,7 @@ def _attnlab(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
 
         def f() -> Any:
             return attnlab.multi_head_attention(a["x"], num_heads=case.h, causal=case.causal, **w)
+
     return f, np.asarray, f"attnlab {attnlab.__version__} isa={attnlab.build_info()['isa']}"
 
 
@@ -137,8 +147,10 @@ def _torch_fn(torch: Any, case: Case, a: dict[str, np.ndarray]) -> Callable[...,
     from .mha import _torch_sdpa_mha
 
     if case.core_only:
+
         def core(q: Any, k: Any, v: Any) -> Any:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+
         return core
     w = {k: v for k, v in a.items() if k != "x"}
     return _torch_sdpa_mha(torch, w, case.h, case.causal)  # type: ignore[no-any-return]
@@ -156,6 +168,7 @@ def _torch_sdpa(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     def f() -> Any:
         with torch.inference_mode():
             return fn(*args)
+
     return f, lambda t: t.numpy(), f"torch {torch.__version__}"
 
 
@@ -174,6 +187,7 @@ def _torch_mha(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     def f() -> Any:
         with torch.inference_mode():
             return m(x, x, x, need_weights=False, attn_mask=mask, is_causal=case.causal)[0]
+
     return f, lambda t: t.numpy(), f"torch {torch.__version__} nn.MultiheadAttention"
 
 
@@ -185,20 +199,35 @@ def _onnx_layer(case: Case, a: dict[str, np.ndarray]) -> Any:
     inits = [numpy_helper.from_array(v, name=k) for k, v in a.items() if k != "x"]
     nodes = []
     for p in ("q", "k", "v"):
-        nodes += [helper.make_node("MatMul", ["x", f"w_{p}"], [f"{p}0"]),
-                  helper.make_node("Add", [f"{p}0", f"b_{p}"], [p])]
-    nodes += [helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["ctx"],
-                               domain="com.microsoft", num_heads=case.h,
-                               unidirectional=int(case.causal)),
-              helper.make_node("MatMul", ["ctx", "w_o"], ["y0"]),
-              helper.make_node("Add", ["y0", "b_o"], ["y"])]
+        nodes += [
+            helper.make_node("MatMul", ["x", f"w_{p}"], [f"{p}0"]),
+            helper.make_node("Add", [f"{p}0", f"b_{p}"], [p]),
+        ]
+    nodes += [
+        helper.make_node(
+            "MultiHeadAttention",
+            ["q", "k", "v"],
+            ["ctx"],
+            domain="com.microsoft",
+            num_heads=case.h,
+            unidirectional=int(case.causal),
+        ),
+        helper.make_node("MatMul", ["ctx", "w_o"], ["y0"]),
+        helper.make_node("Add", ["y0", "b_o"], ["y"]),
+    ]
     shape = [case.B, case.n, case.d]
-    graph = helper.make_graph(nodes, "mha", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
-                                                                          shape)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
-                              initializer=inits)
-    return helper.make_model(graph, ir_version=8, opset_imports=[
-        helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    graph = helper.make_graph(
+        nodes,
+        "mha",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        initializer=inits,
+    )
+    return helper.make_model(
+        graph,
+        ir_version=8,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    )
 
 
 def _onnx_core(case: Case) -> Any:
@@ -208,8 +237,9 @@ def _onnx_core(case: Case) -> Any:
     shape = [case.B, case.h, case.n, case.d // case.h]
     vi = [helper.make_tensor_value_info(k, TensorProto.FLOAT, shape) for k in ("q", "k", "v")]
     node = helper.make_node("Attention", ["q", "k", "v"], ["y"], is_causal=int(case.causal))
-    graph = helper.make_graph([node], "sdpa", vi,
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)])
+    graph = helper.make_graph(
+        [node], "sdpa", vi, [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)]
+    )
     return helper.make_model(graph, ir_version=11, opset_imports=[helper.make_opsetid("", 23)])
 
 
@@ -226,6 +256,7 @@ def _onnxruntime(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
 
     def f() -> Any:
         return sess.run(None, feed)[0]
+
     return f, np.asarray, f"onnxruntime {ort.__version__}"
 
 
@@ -234,8 +265,9 @@ def _openvino(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     try:
         torch = _import("torch")
     except Skip:
-        raise Skip("openvino.convert_model converts the torch layer here: torch is not "
-                   "installed") from None
+        raise Skip(
+            "openvino.convert_model converts the torch layer here: torch is not installed"
+        ) from None
     fn, args = _torch_fn(torch, case, a), _tensors(torch, case, a)
 
     class Layer(torch.nn.Module):  # type: ignore[misc,name-defined]
@@ -243,14 +275,21 @@ def _openvino(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
             return fn(*xs)
 
     model = ov.convert_model(Layer().eval(), example_input=tuple(args))
-    compiled = ov.Core().compile_model(model, "CPU", {
-        "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads,
-        "PERFORMANCE_HINT": "LATENCY"})
+    compiled = ov.Core().compile_model(
+        model,
+        "CPU",
+        {
+            "INFERENCE_PRECISION_HINT": "f32",
+            "INFERENCE_NUM_THREADS": threads,
+            "PERFORMANCE_HINT": "LATENCY",
+        },
+    )
     req = compiled.create_infer_request()
     feed = [a[k] for k in (("q", "k", "v") if case.core_only else ("x",))]
 
     def f() -> Any:
         return req.infer(feed, share_inputs=True)[0]
+
     return f, np.asarray, f"openvino {ov.__version__}"
 
 
@@ -259,33 +298,45 @@ def _jax(case: Case, a: dict[str, np.ndarray], _threads: int) -> Built:
     jnp = jax.numpy
     h, dh = case.h, case.d // case.h
     if case.core_only:
+
         def core(q: Any, k: Any, v: Any) -> Any:
             # jax.nn.dot_product_attention takes (B, T, N, H): the transposes are part of the call
             t = [jnp.swapaxes(z, 1, 2) for z in (q, k, v)]
             o = jax.nn.dot_product_attention(*t, is_causal=case.causal)
             return jnp.swapaxes(o, 1, 2)
+
         jf = jax.jit(core)
         names: tuple[str, ...] = ("q", "k", "v")
     else:
-        def layer(x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, b_q: Any, b_k: Any, b_v: Any,
-                  b_o: Any) -> Any:
+
+        def layer(
+            x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, b_q: Any, b_k: Any, b_v: Any, b_o: Any
+        ) -> Any:
             B, n, d = x.shape
-            q, k, v = ((x @ w + b).reshape(B, n, h, dh) for w, b in ((w_q, b_q), (w_k, b_k),
-                                                                    (w_v, b_v)))
+            q, k, v = (
+                (x @ w + b).reshape(B, n, h, dh) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v))
+            )
             o = jax.nn.dot_product_attention(q, k, v, is_causal=case.causal)
             return o.reshape(B, n, d) @ w_o + b_o
+
         jf = jax.jit(layer)
         names = ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
     args = [jax.device_put(a[k]) for k in names]
 
     def f() -> Any:
         return jf(*args).block_until_ready()
+
     return f, np.asarray, f"jax {jax.__version__}"
 
 
 BUILDERS: dict[str, Callable[[Case, dict[str, np.ndarray], int], Built]] = {
-    "attnlab": _attnlab, "torch-sdpa": _torch_sdpa, "torch-mha": _torch_mha,
-    "onnxruntime": _onnxruntime, "openvino": _openvino, "jax": _jax}
+    "attnlab": _attnlab,
+    "torch-sdpa": _torch_sdpa,
+    "torch-mha": _torch_mha,
+    "onnxruntime": _onnxruntime,
+    "openvino": _openvino,
+    "jax": _jax,
+}
 
 
 def _time(f: Callable[[], Any], k: int) -> list[float]:
@@ -310,8 +361,13 @@ def sgemm(n: int, repeat: int) -> dict[str, Any]:
     w = rng.standard_normal((n, n), dtype=np.float32)
     y = np.empty_like(x)
     ms = _time(lambda: np.matmul(x, w, out=y), repeat)
-    return {"runtime": "sgemm", "n": n, "ms": ms, "gflops": 2.0 * n**3 / (min(ms) * 1e-3) / 1e9,
-            "version": f"numpy {np.__version__}"}
+    return {
+        "runtime": "sgemm",
+        "n": n,
+        "ms": ms,
+        "gflops": 2.0 * n**3 / (min(ms) * 1e-3) / 1e9,
+        "version": f"numpy {np.__version__}",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(os, "sched_getaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
         if args.threads < len(cpus):
-            os.sched_setaffinity(0, cpus[:args.threads])
+            os.sched_setaffinity(0, cpus[: args.threads])
     if args.runtime == "sgemm":
         if not args.case.isdigit() or int(args.case) < 1:
             p.error(f"case: sgemm takes a matrix size, got {args.case!r}")

@@ -57,12 +57,19 @@ def run_all(quick: bool, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]
     return result
 
 
-def _find(rows: list[Row], family: str, case: str, impl: str,
-          shape: str | None = None) -> Row | None:
+def _find(
+    rows: list[Row], family: str, case: str, impl: str, shape: str | None = None
+) -> Row | None:
     """The row of that family, case and implementation (the last of them when shape is None,
     i.e. the largest n of a sweep)."""
-    hits = [r for r in rows if r.family == family and r.case == case and r.impl == impl
-            and (shape is None or r.shape == shape)]
+    hits = [
+        r
+        for r in rows
+        if r.family == family
+        and r.case == case
+        and r.impl == impl
+        and (shape is None or r.shape == shape)
+    ]
     return hits[-1] if hits else None
 
 
@@ -83,8 +90,10 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         b = _find(rows, family, case, other, a.shape) or b
         return b.ms / a.ms, a
 
-    for case, label in (("ViT-S fwd fp32", "MHA fwd ViT-S vs torch MHA"),
-                        ("ViT-B fwd fp32", "MHA fwd ViT-B vs torch MHA")):
+    for case, label in (
+        ("ViT-S fwd fp32", "MHA fwd ViT-S vs torch MHA"),
+        ("ViT-B fwd fp32", "MHA fwd ViT-B vs torch MHA"),
+    ):
         r = speedup("mha", case, "torch")
         if r:
             add(label, r[0], ">= 1.2x", r[0] >= 1.2)
@@ -103,10 +112,16 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         if fwd and pull:
             add(f"pullback / forward, {case}", pull.ms / fwd.ms, "<= 2.0", pull.ms <= 2.0 * fwd.ms)
         if step and tch:
-            add(f"training step vs torch autograd, {case}", tch.ms / step.ms, ">= 1.3x",
-                tch.ms >= 1.3 * step.ms)
-    for case, label in (("SwiftFormer fwd fp32", "additive (SwiftFormer)"),
-                        ("MobileViTv2 fwd fp32", "separable (MobileViT-v2)")):
+            add(
+                f"training step vs torch autograd, {case}",
+                tch.ms / step.ms,
+                ">= 1.3x",
+                tch.ms >= 1.3 * step.ms,
+            )
+    for case, label in (
+        ("SwiftFormer fwd fp32", "additive (SwiftFormer)"),
+        ("MobileViTv2 fwd fp32", "separable (MobileViT-v2)"),
+    ):
         fam = "additive" if case.startswith("Swift") else "separable"
         r = speedup(fam, case, "torch")
         if r:
@@ -114,14 +129,22 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     plans = [p for p in rows if p.family == "bilinear" and "plan_within_10pct" in p.extra]
     if plans:
         hit = sum(bool(p.extra["plan_within_10pct"]) for p in plans)
-        add(f"bilinear auto plan within 10% ({hit}/{len(plans)} points)", hit / len(plans),
-            "all", hit == len(plans))
+        add(
+            f"bilinear auto plan within 10% ({hit}/{len(plans)} points)",
+            hit / len(plans),
+            "all",
+            hit == len(plans),
+        )
     for row in rows:
         if row.family == "gemm" and row.case.startswith("proj") and row.impl == "attnlab" and peak:
             share = row.gflops / peak
             if share <= 1.0:  # above the peak, the peak was timed on a busy machine
-                add(f"projection GEMM {row.shape} share of FMA peak", share, ">= 0.75",
-                    share >= 0.75)
+                add(
+                    f"projection GEMM {row.shape} share of FMA peak",
+                    share,
+                    ">= 0.75",
+                    share >= 0.75,
+                )
     return out
 
 
@@ -130,8 +153,17 @@ def _ratio(row: Row, rows: list[Row]) -> str:
     either timing is noisy (see :func:`_noisy`)."""
     if row.baseline is None:
         return ""
-    base = next((r for r in rows if r.family == row.family and r.case == row.case
-                 and r.shape == row.shape and r.impl == row.baseline), None)
+    base = next(
+        (
+            r
+            for r in rows
+            if r.family == row.family
+            and r.case == row.case
+            and r.shape == row.shape
+            and r.impl == row.baseline
+        ),
+        None,
+    )
     if base is None or base.ms <= 0:
         return ""
     return f"{row.ms / base.ms:.2f}x" + ("!" if _noisy(row) or _noisy(base) else "")
@@ -159,37 +191,53 @@ def format_table(result: dict[str, Any]) -> str:
     rows: list[Row] = result["rows"]
     peak = result["peak_gflops"]
     lines = [
-        (f"attnlab bench  {result['date']}  {result['cpu']}  threads={result['threads']}  "
-         f"isa={result['isa']}"),
+        (
+            f"attnlab bench  {result['date']}  {result['cpu']}  threads={result['threads']}  "
+            f"isa={result['isa']}"
+        ),
         *peak_lines(result),
         "",
-        (f"{'family':<9} {'case':<24} {'shape':<28} {'impl':<12} {'ms':>10} {'GFLOP/s':>8} "
-         f"{'%peak':>6} {'attnlab':>8} {'vs best':>8}  notes"),
+        (
+            f"{'family':<9} {'case':<24} {'shape':<28} {'impl':<12} {'ms':>10} {'GFLOP/s':>8} "
+            f"{'%peak':>6} {'attnlab':>8} {'vs best':>8}  notes"
+        ),
     ]
     flagged = 0
     for r in rows:
         gf = r.gflops
-        notes = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                         for k, v in r.extra.items())
+        notes = " ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items()
+        )
         pk = share(r, peak)
         if _noisy(r) or pk == "n/a":
             flagged += 1
-            notes = (f"NOISY (slowest run {r.ms.spread:.1f}x the fastest) " if _noisy(r)  # type: ignore[attr-defined]
-                     else "") + ("ABOVE PEAK " if pk == "n/a" else "") + notes
+            notes = (
+                (
+                    f"NOISY (slowest run {r.ms.spread:.1f}x the fastest) "
+                    if _noisy(r)  # type: ignore[attr-defined]
+                    else ""
+                )
+                + ("ABOVE PEAK " if pk == "n/a" else "")
+                + notes
+            )
         b = best_other(r, rows)
         lines.append(
             f"{r.family:<9} {r.case:<24.24} {r.shape:<28.28} {r.impl:<12.12} {r.ms:>10.3f} "
             f"{gf:>8.1f} {pk:>6} {_ratio(r, rows):>8} {f'{b[0]:.2f}x' if b else '':>8}  {notes}"
         )
     lines.append("")
-    lines.append("attnlab column: time of that row / time of attnlab (above 1: attnlab is faster). "
-                 "vs best: the fastest other runtime's time / this row's (above 1: this row is "
-                 "the fastest).")
+    lines.append(
+        "attnlab column: time of that row / time of attnlab (above 1: attnlab is faster). "
+        "vs best: the fastest other runtime's time / this row's (above 1: this row is "
+        "the fastest)."
+    )
     if flagged:
-        lines.append(f"{flagged} rows flagged: NOISY = the slowest of its timed runs took "
-                     f"{NOISY}x the fastest or more (a busy machine; '!' on the ratios it "
-                     f"enters); ABOVE PEAK = faster than the measured FMA peak. Run again on "
-                     f"a quiet machine before quoting them.")
+        lines.append(
+            f"{flagged} rows flagged: NOISY = the slowest of its timed runs took "
+            f"{NOISY}x the fastest or more (a busy machine; '!' on the ratios it "
+            f"enters); ABOVE PEAK = faster than the measured FMA peak. Run again on "
+            f"a quiet machine before quoting them."
+        )
     return "\n".join(lines + target_lines(result.get("targets") or [], 62))
 
 
@@ -199,13 +247,17 @@ def target_lines(targets: list[dict[str, Any]], width: int) -> list[str]:
         return []
     return ["", "Targets, this run:"] + [
         f"  {'met ' if t['met'] else 'MISS'}  {t['target'][:width]:<{width}} "
-        f"{t['value']:>8.3g}  (goal {t['goal']})" for t in targets]
+        f"{t['value']:>8.3g}  (goal {t['goal']})"
+        for t in targets
+    ]
 
 
 def to_json(result: dict[str, Any]) -> str:
     out = dict(result)
-    out["rows"] = [asdict(r) | {"gflops": r.gflops, "spread": getattr(r.ms, "spread", None)}
-                   for r in result["rows"]]
+    out["rows"] = [
+        asdict(r) | {"gflops": r.gflops, "spread": getattr(r.ms, "spread", None)}
+        for r in result["rows"]
+    ]
     return json.dumps(out, indent=2)
 
 
@@ -222,7 +274,8 @@ def plot(result: dict[str, Any], path: str) -> None:
         if isinstance(n, int):
             rest = " ".join(t for t in r.shape.split() if not t.startswith("n="))
             series.setdefault(r.family, {}).setdefault(f"{r.case} {rest} / {r.impl}", []).append(
-                (n, r.ms))
+                (n, r.ms)
+            )
     fams = {f: s for f, s in series.items() if any(len(p) >= 2 for p in s.values())}
     if not fams:
         return

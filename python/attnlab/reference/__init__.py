@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from ._additive import additive_attention, separable_attention
 from ._bilinear import (
-                        bilinear_attention,
-                        bilinear_logits,
-                        collapse_qk,
-                        factorize_qk,
-                        separate_logits,
+    bilinear_attention,
+    bilinear_logits,
+    collapse_qk,
+    factorize_qk,
+    separate_logits,
 )
 from ._mha import multi_head_attention, scaled_dot_product_attention
 

@@ -31,8 +31,7 @@ def _normalize(v: np.ndarray, axis: int, eps: float) -> np.ndarray:
     return v / np.maximum(norm, eps)
 
 
-def _real_tokens(key_padding_mask: Any, batch: tuple[int, ...], n: int, warn: Any
-                 ) -> np.ndarray:
+def _real_tokens(key_padding_mask: Any, batch: tuple[int, ...], n: int, warn: Any) -> np.ndarray:
     """(..., n, 1) boolean, True for tokens that take part in the pooling; with ``warn``,
     attnlab's warning for the sequences (n > 0) that have none."""
     if key_padding_mask is None:
@@ -45,9 +44,21 @@ def _real_tokens(key_padding_mask: Any, batch: tuple[int, ...], n: int, warn: An
 
 @_docs.filled
 def additive_attention(
-    x: Any, *, w_q: Any, b_q: Any = None, w_k: Any, b_k: Any = None, w_g: Any, w_proj: Any,
-    b_proj: Any = None, w_final: Any, b_final: Any = None, scale: float | None = None,
-    variant: str = "official", eps: float = 1e-12, key_padding_mask: Any = None,
+    x: Any,
+    *,
+    w_q: Any,
+    b_q: Any = None,
+    w_k: Any,
+    b_k: Any = None,
+    w_g: Any,
+    w_proj: Any,
+    b_proj: Any = None,
+    w_final: Any,
+    b_final: Any = None,
+    scale: float | None = None,
+    variant: str = "official",
+    eps: float = 1e-12,
+    key_padding_mask: Any = None,
     warn_empty_rows: Any = True,
 ) -> np.ndarray:
     """Reference for :func:`attnlab.additive_attention` (float64): SwiftFormer's efficient
@@ -108,8 +119,14 @@ def additive_attention(
 
 @_docs.filled
 def separable_attention(
-    x: Any, *, w_qkv: Any, b_qkv: Any = None, w_o: Any, b_o: Any = None,
-    key_padding_mask: Any = None, warn_empty_rows: Any = True,
+    x: Any,
+    *,
+    w_qkv: Any,
+    b_qkv: Any = None,
+    w_o: Any,
+    b_o: Any = None,
+    key_padding_mask: Any = None,
+    warn_empty_rows: Any = True,
 ) -> np.ndarray:
     """Reference for :func:`attnlab.separable_attention` (float64): MobileViT-v2's separable
     self-attention.
@@ -142,7 +159,7 @@ def separable_attention(
     d = x.shape[-1]
     n = x.shape[-2]
     qkv = x @ _f64(w_qkv) + _bias(b_qkv)
-    s, k, v = qkv[..., :1], qkv[..., 1:1 + d], qkv[..., 1 + d:]
+    s, k, v = qkv[..., :1], qkv[..., 1 : 1 + d], qkv[..., 1 + d :]
     real = _real_tokens(key_padding_mask, x.shape[:-2], n, warn_empty_rows)  # (..., n, 1)
     s = np.where(real, s, -np.inf)
     m = np.max(s, axis=-2, keepdims=True, initial=-np.inf)  # initial: n may be 0

@@ -35,8 +35,15 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @_docs.filled
-def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_heads: int,
-                num_kv_heads: int | None = None) -> BilinearQK:
+def collapse_qk(
+    w_q: Any,
+    w_k: Any,
+    b_q: Any = None,
+    b_k: Any = None,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+) -> BilinearQK:
     """Reference for :func:`attnlab.collapse_qk`, head by head.
 
     Parameters
@@ -68,11 +75,11 @@ def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_hea
     ws, us, vs, cs = [], [], [], []
     for i in range(h):
         j = i // (h // h_kv)
-        wq_i = w_q[:, i * d_head:(i + 1) * d_head]
-        wk_j = w_k[:, j * d_head:(j + 1) * d_head]
+        wq_i = w_q[:, i * d_head : (i + 1) * d_head]
+        wk_j = w_k[:, j * d_head : (j + 1) * d_head]
         ws.append(_matmul(wq_i, wk_j.T))
-        bq_i = None if b_q is None else _f64(b_q)[i * d_head:(i + 1) * d_head]
-        bk_j = None if b_k is None else _f64(b_k)[j * d_head:(j + 1) * d_head]
+        bq_i = None if b_q is None else _f64(b_q)[i * d_head : (i + 1) * d_head]
+        bk_j = None if b_k is None else _f64(b_k)[j * d_head : (j + 1) * d_head]
         if bq_i is not None:
             us.append(_matmul(wk_j, bq_i))
         if bk_j is not None:
@@ -80,8 +87,11 @@ def collapse_qk(w_q: Any, w_k: Any, b_q: Any = None, b_k: Any = None, *, num_hea
         if bq_i is not None and bk_j is not None:
             cs.append(float(bq_i @ bk_j))
     return BilinearQK(
-        w=np.stack(ws), u=np.stack(us) if us else None, v=np.stack(vs) if vs else None,
-        c=np.array(cs) if cs else None, d_head=d_head,
+        w=np.stack(ws),
+        u=np.stack(us) if us else None,
+        v=np.stack(vs) if vs else None,
+        c=np.array(cs) if cs else None,
+        d_head=d_head,
     )
 
 
@@ -126,9 +136,18 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 @_docs.filled
-def separate_logits(query: Any, key: Any = None, *, w_q: Any, w_k: Any, b_q: Any = None,
-                    b_k: Any = None, num_heads: int, num_kv_heads: int | None = None,
-                    scale: Any = None) -> np.ndarray:
+def separate_logits(
+    query: Any,
+    key: Any = None,
+    *,
+    w_q: Any,
+    w_k: Any,
+    b_q: Any = None,
+    b_k: Any = None,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    scale: Any = None,
+) -> np.ndarray:
     """Scaled logits ``(..., h, n_q, n_k)`` of multi-head attention: project, then ``Q_i K_i^T``.
 
     The separate (unfolded) form, against which :func:`bilinear_logits` is compared.
@@ -172,15 +191,22 @@ def separate_logits(query: Any, key: Any = None, *, w_q: Any, w_k: Any, b_q: Any
     out = []
     for i in range(h):
         j = i // (h // h_kv)
-        q_i = q[..., i * d_head:(i + 1) * d_head]
-        k_j = k[..., j * d_head:(j + 1) * d_head]
+        q_i = q[..., i * d_head : (i + 1) * d_head]
+        k_j = k[..., j * d_head : (j + 1) * d_head]
         out.append(s * _matmul(q_i, np.swapaxes(k_j, -1, -2)))
     return np.stack(out, axis=-3)
 
 
 @_docs.filled
-def bilinear_logits(query: Any, key: Any = None, *, w_qk: Any, u_k: Any = None,
-                    scale: Any = None, order: str = "query") -> np.ndarray:
+def bilinear_logits(
+    query: Any,
+    key: Any = None,
+    *,
+    w_qk: Any,
+    u_k: Any = None,
+    scale: Any = None,
+    order: str = "query",
+) -> np.ndarray:
     """Scaled logits ``scale * (x_q W_i x_k^T + u_i x_k^T)``, ``(..., h, n_q, n_k)``.
 
     ``order="query"`` evaluates ``(X_q W_i + u_i) X_k^T``, ``"key"`` evaluates
@@ -241,10 +267,24 @@ def bilinear_logits(query: Any, key: Any = None, *, w_qk: Any, u_k: Any = None,
 
 @_docs.filled
 def bilinear_attention(
-    query: Any, key: Any = None, value: Any = None, *, w_qk: Any, u_k: Any = None, w_v: Any,
-    w_o: Any, b_v: Any = None, b_o: Any = None, num_heads: int, num_kv_heads: int | None = None,
-    mask: Any = None, key_padding_mask: Any = None, causal: Any = False, scale: Any = None,
-    return_weights: Any = False, warn_empty_rows: Any = True,
+    query: Any,
+    key: Any = None,
+    value: Any = None,
+    *,
+    w_qk: Any,
+    u_k: Any = None,
+    w_v: Any,
+    w_o: Any,
+    b_v: Any = None,
+    b_o: Any = None,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    mask: Any = None,
+    key_padding_mask: Any = None,
+    causal: Any = False,
+    scale: Any = None,
+    return_weights: Any = False,
+    warn_empty_rows: Any = True,
 ) -> Any:
     """Reference for :func:`attnlab.bilinear_attention` (float64), one head at a time.
 
@@ -298,7 +338,7 @@ def bilinear_attention(
         logits_i = logits[..., i, :, :]
         p = _softmax_rows(logits_i, allowed[..., i, :, :])
         reads = allowed[..., i, :, :] & ~np.isneginf(logits_i)
-        contexts.append(_context(p, vv[..., j * d_vhead:(j + 1) * d_vhead], reads))
+        contexts.append(_context(p, vv[..., j * d_vhead : (j + 1) * d_vhead], reads))
         weights.append(p)
     ctx = np.concatenate(contexts, axis=-1)
     out = _matmul(ctx, w_o) + (0.0 if b_o is None else _f64(b_o))

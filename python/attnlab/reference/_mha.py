@@ -106,7 +106,7 @@ def _context(p: np.ndarray, v: np.ndarray, reads: np.ndarray) -> np.ndarray:
     above -inf. A key not read contributes nothing, not 0 * NaN, even when its value row holds
     NaN or Inf; rows that read no key are exactly 0 (the kernels' rule, on every path)."""
     reads = np.broadcast_to(reads, p.shape)
-    bad = ~np.isfinite(v).all(axis=-1)                      # (..., n_k): value rows with NaN/Inf
+    bad = ~np.isfinite(v).all(axis=-1)  # (..., n_k): value rows with NaN/Inf
     out = p @ np.where(bad[..., None], 0.0, v)
     for j in np.nonzero(bad.reshape(-1, bad.shape[-1]).any(axis=0))[0]:
         take = reads[..., :, j, None] & bad[..., j, None, None]
@@ -127,14 +127,21 @@ def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """``x * cos + rotate_half(x) * sin`` on the first ``r`` features; the rest unchanged."""
     r = cos.shape[-1]
     rot, rest = x[..., :r], x[..., r:]
-    half = np.concatenate([-rot[..., r // 2:], rot[..., :r // 2]], axis=-1)  # rotate_half
+    half = np.concatenate([-rot[..., r // 2 :], rot[..., : r // 2]], axis=-1)  # rotate_half
     return np.concatenate([rot * cos + half * sin, rest], axis=-1)
 
 
 @_docs.filled
 def scaled_dot_product_attention(
-    q: Any, k: Any, v: Any, *, mask: Any = None, causal: Any = False, scale: Any = None,
-    return_weights: Any = False, warn_empty_rows: Any = True,
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mask: Any = None,
+    causal: Any = False,
+    scale: Any = None,
+    return_weights: Any = False,
+    warn_empty_rows: Any = True,
 ) -> Any:
     """Reference for :func:`attnlab.scaled_dot_product_attention` (float64).
 
@@ -190,11 +197,28 @@ def scaled_dot_product_attention(
 
 @_docs.filled
 def multi_head_attention(
-    query: Any, key: Any = None, value: Any = None, *, w_q: Any, w_k: Any, w_v: Any, w_o: Any,
-    b_q: Any = None, b_k: Any = None, b_v: Any = None, b_o: Any = None, num_heads: int,
-    num_kv_heads: int | None = None, mask: Any = None, key_padding_mask: Any = None,
-    causal: Any = False, scale: Any = None, return_weights: Any = False,
-    rope_theta: Any = None, rope_dim: Any = None, positions: Any = None,
+    query: Any,
+    key: Any = None,
+    value: Any = None,
+    *,
+    w_q: Any,
+    w_k: Any,
+    w_v: Any,
+    w_o: Any,
+    b_q: Any = None,
+    b_k: Any = None,
+    b_v: Any = None,
+    b_o: Any = None,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    mask: Any = None,
+    key_padding_mask: Any = None,
+    causal: Any = False,
+    scale: Any = None,
+    return_weights: Any = False,
+    rope_theta: Any = None,
+    rope_dim: Any = None,
+    positions: Any = None,
     warn_empty_rows: Any = True,
 ) -> Any:
     """Reference for :func:`attnlab.multi_head_attention` (float64), one head at a time.
@@ -262,18 +286,18 @@ def multi_head_attention(
             pos_q, pos_k = np.arange(n_q) + float(offset), np.arange(n_k, dtype=np.float64)
         else:
             pos_k = _f64(positions)
-            pos_q = pos_k[..., offset:offset + n_q]
+            pos_q = pos_k[..., offset : offset + n_q]
         rope_q = _rope_tables(float(rope_theta), r, pos_q)
         rope_k = _rope_tables(float(rope_theta), r, pos_k)
     contexts, weights = [], []
     for i in range(h):
         j = i // (h // h_kv)  # the kv head this query head reads
-        q_i = Q[..., i * d_head:(i + 1) * d_head]
-        k_i = K[..., j * d_head:(j + 1) * d_head]
+        q_i = Q[..., i * d_head : (i + 1) * d_head]
+        k_i = K[..., j * d_head : (j + 1) * d_head]
         if rope_q is not None and rope_k is not None:
             q_i = _apply_rope(q_i, *rope_q)
             k_i = _apply_rope(k_i, *rope_k)
-        v_i = Vv[..., j * d_vhead:(j + 1) * d_vhead]
+        v_i = Vv[..., j * d_vhead : (j + 1) * d_vhead]
         scores = s * (q_i @ np.swapaxes(k_i, -1, -2))
         scores = add_mask(scores, bias[..., i, :, :])
         allowed_i = np.broadcast_to(allowed[..., i, :, :], scores.shape)
