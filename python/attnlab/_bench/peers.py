@@ -1,5 +1,6 @@
 """``python -m attnlab bench --peers``: attnlab against the runtimes a user would pick instead
-(torch, ONNX Runtime, OpenVINO, JAX) on the cases of DESIGN.md section 7.
+(torch, ONNX Runtime, OpenVINO, JAX) on the cases of the performance target: attnlab >= 1.1x the
+fastest other runtime on every case.
 
 Every runtime runs in a process of its own (``peers_worker``), with attnlab's thread count, on
 the same float32 inputs and weights (made from one seed in every worker). The workers of a case
@@ -280,8 +281,8 @@ def run_peers(
 
 
 def peer_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """DESIGN.md section 7 on this run: attnlab >= 1.1x the fastest other runtime on every case,
-    every MHA layer case >= 85% of the FMA peak."""
+    """The performance targets on this run: attnlab >= 1.1x the fastest other runtime on every
+    case, every MHA layer case >= 85% of the FMA peak."""
     out: list[dict[str, Any]] = []
     rows: list[Row] = result["rows"]
     for row in rows:
