@@ -211,15 +211,9 @@ def format_table(result: dict[str, Any]) -> str:
         pk = share(r, peak)
         if _noisy(r) or pk == "n/a":
             flagged += 1
-            notes = (
-                (
-                    f"NOISY (slowest run {r.ms.spread:.1f}x the fastest) "
-                    if _noisy(r)  # type: ignore[attr-defined]
-                    else ""
-                )
-                + ("ABOVE PEAK " if pk == "n/a" else "")
-                + notes
-            )
+            spread = getattr(r.ms, "spread", 1.0)  # a Timing (float subclass) carries it
+            noisy = f"NOISY (slowest run {spread:.1f}x the fastest) " if _noisy(r) else ""
+            notes = noisy + ("ABOVE PEAK " if pk == "n/a" else "") + notes
         b = best_other(r, rows)
         lines.append(
             f"{r.family:<9} {r.case:<24.24} {r.shape:<28.28} {r.impl:<12.12} {r.ms:>10.3f} "
