@@ -48,6 +48,15 @@ def _tokens(x: Any) -> np.ndarray:
     return a
 
 
+_Opt = np.ndarray | None
+# The leading arguments of core.additive_forward / additive_backward (the "core" entry of
+# _prepare_additive), typed element by element so that mypy checks the starred calls.
+_CoreArgs = tuple[
+    np.ndarray, np.ndarray, _Opt, np.ndarray, _Opt, np.ndarray, np.ndarray, _Opt, np.ndarray,
+    _Opt, int, int, float, float, int, _Opt,
+]  # fmt: skip
+
+
 def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward."""
     code = _variant_code(args["variant"])
@@ -126,6 +135,8 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
         kp=kp,
         batch=batch,
         dtype=dtype,
+        # the leading arguments of core.additive_forward and core.additive_backward
+        core=(xr, wq, bq, wk, bk, wg, wp, bp, wf, bf, B, n, s, e, code, kp),
     )
 
 
@@ -227,25 +238,8 @@ def additive_attention(
     B, n, d_out = a["B"], a["n"], a["d_out"]
     out = V.empty((B * n, d_out), a["dtype"])
     if out.size:
-        core.additive_forward(
-            a["xr"],
-            a["wq"],
-            a["bq"],
-            a["wk"],
-            a["bk"],
-            a["wg"],
-            a["wp"],
-            a["bp"],
-            a["wf"],
-            a["bf"],
-            B,
-            n,
-            a["s"],
-            a["e"],
-            a["code"],
-            a["kp"],
-            out,
-        )
+        leading: _CoreArgs = a["core"]
+        core.additive_forward(*leading, out)
     batch = a["batch"]
     return out.reshape(batch + (n, d_out))
 
@@ -425,26 +419,8 @@ def _additive_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndar
     if a["bf"] is not None:
         grads["b_final"] = V.zeros(d_out, dtype)
     if B * n > 0 and d_out > 0:
-        core.additive_backward(
-            go,
-            a["xr"],
-            a["wq"],
-            a["bq"],
-            a["wk"],
-            a["bk"],
-            a["wg"],
-            a["wp"],
-            a["bp"],
-            a["wf"],
-            a["bf"],
-            B,
-            n,
-            a["s"],
-            a["e"],
-            a["code"],
-            a["kp"],
-            grads,
-        )
+        leading: _CoreArgs = a["core"]
+        core.additive_backward(go, *leading, grads)
     if d_in == 0:
         grads["x"] = V.zeros((B * n, 0), dtype)
         grads["w_q"] = V.zeros((0, D), dtype)
