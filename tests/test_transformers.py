@@ -9,10 +9,11 @@ each module run in float32 is 1.9e-7 (median) from the same module in float64, a
 (test_as_close_to_exact_as_the_module). Two float32 results with independent rounding errors
 differ by more than either: attnlab's projections used to start their sums from the bias and
 differed from these modules by up to 2.9e-7 (bound 5e-7 then); they now add the bias after the
-products, as torch's linear does, round the projections as torch does here, and differ by 1.9e-7
-at most below. Across 30 random ViT/BERT layers (not in the suite) the difference was 0.96e-7 to
-1.54e-7 (median) and 2.02e-7 at most: the bound holds for the inputs below, it is not a guarantee
-for every input or every BLAS torch may use."""
+products, as torch's linear does (at d = 64 the two projections are then bitwise equal on the
+development machine, not at d = 384 or 768), and differ by 1.9e-7 at most below. Across 30
+random ViT/BERT layers (not in the suite) the difference was 0.96e-7 to 1.54e-7 (median) and
+2.02e-7 at most: the bound holds for the inputs below, it is not a guarantee for every input or
+every BLAS torch may use."""
 
 from __future__ import annotations
 
