@@ -1,6 +1,7 @@
 #include "attnlab/gemm.hpp"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "attnlab/threading.hpp"
 #include "microkernel.hpp"
@@ -18,28 +19,51 @@ constexpr Index kPanelsPerTask = 8;
 constexpr Index kGemmDepth = 256;
 
 // Y[0:m, 0:W) += A[0:m, :] B[:, j0:j0+nw) (nw <= W), A(r, t) = a[r * a_rs + t * a_ts],
-// B(t, j) = b[t * ldb + j], or b[j * ldb + t] when b_transposed; Y initialised by the caller.
-// Each depth chunk of the B panel is first copied to a contiguous buffer, zero-padded to W
-// columns: read in place, its rows would be ldb apart, and a power-of-two ldb maps them all onto
-// the same L1 sets (measured at 1024^3, one thread: 51 GFLOP/s in place, 81 packed).
+// B(t, j) = b[t * ldb + j], or b[j * ldb + t] when b_transposed; Y initialised by the caller,
+// or Y = A B when zero_start (depth > 0). Each depth chunk of the B panel is copied to a
+// contiguous buffer, zero-padded to W columns: read in place, its rows would be ldb apart, and a
+// power-of-two ldb maps them all onto the same L1 sets (measured at 1024^3, one thread: 51
+// GFLOP/s in place, 81 packed). A whole panel is copied by the first row block's kernel as it
+// reads it (a copy before the products was 14% of a 128 x 768 x 2304 projection in perf, most
+// of it waiting for the weights). The same FMAs in the same order either way: the result does
+// not depend on which rows packed.
 template <typename T>
 void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const T* b, Index ldb,
-                bool b_transposed, Index j0, Index nw, T* y, Index ldy) {
+                bool b_transposed, Index j0, Index nw, T* y, Index ldy, bool zero_start) {
     constexpr Index W = detail::panel_width<T>();
+    constexpr int MR = detail::kPanelRows;
     T* bp = scratch<T>(ScratchBuffer::kGemmPanel, static_cast<std::size_t>(kGemmDepth * W));
     for (Index k0 = 0; k0 < depth; k0 += kGemmDepth) {
         const Index kc = std::min(kGemmDepth, depth - k0);
-        for (Index k = 0; k < kc; ++k) {
-            T* row = bp + k * W;
-            if (b_transposed) {
-                for (Index j = 0; j < nw; ++j) row[j] = b[(j0 + j) * ldb + k0 + k];
-            } else {
-                const T* src = b + (k0 + k) * ldb + j0;
-                std::copy(src, src + nw, row);
+        const T* ak = a + k0 * a_ts;
+        // The first depth chunk of a Y that holds nothing yet starts from zero accumulators.
+        const auto product = [&](auto accumulate) {
+            constexpr bool Acc = decltype(accumulate)::value;
+            if (!b_transposed && nw == W && m >= MR) {
+                // the first row block packs B as it goes, the others read the packed copy
+                detail::panel_kernel<T, MR, detail::kPanelPackets, Acc, true>(
+                    kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y, ldy, bp, W);
+                detail::panel_product<T, Acc>(m - MR, kc, ak + MR * a_rs, a_rs, a_ts, bp, W,
+                                              y + MR * ldy, ldy);
+                return;
             }
-            std::fill(row + nw, row + W, T(0));
+            for (Index k = 0; k < kc; ++k) {
+                T* row = bp + k * W;
+                if (b_transposed) {
+                    for (Index j = 0; j < nw; ++j) row[j] = b[(j0 + j) * ldb + k0 + k];
+                } else {
+                    const T* src = b + (k0 + k) * ldb + j0;
+                    std::copy(src, src + nw, row);
+                }
+                std::fill(row + nw, row + W, T(0));
+            }
+            detail::panel_product<T, Acc>(m, kc, ak, a_rs, a_ts, bp, W, y, ldy);
+        };
+        if (zero_start && k0 == 0) {
+            product(std::false_type{});
+        } else {
+            product(std::true_type{});
         }
-        detail::panel_product<T, true>(m, kc, a + k0 * a_ts, a_rs, a_ts, bp, W, y, ldy);
     }
 }
 
@@ -74,9 +98,10 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
                     if (src) std::copy(src, src + nw, yr);
                     std::fill(yr + (src ? nw : 0), yr + W, T(0));
                 }
-                if (!accumulate && full) std::fill(yr, yr + W, T(0));
+                if (!accumulate && full && depth == 0) std::fill(yr, yr + W, T(0));
             }
-            panel_gemm(m, depth, ar, a_rs, a_ts, b, ldb, b_transposed, j0, nw, yb, ldb_y);
+            panel_gemm(m, depth, ar, a_rs, a_ts, b, ldb, b_transposed, j0, nw, yb, ldb_y,
+                       !accumulate && full);
             // The bias is added after the products, not used as the accumulator's start: a bias
             // larger than the products would make every FMA round at its scale (measured on the
             // output projection of a BERT-like layer: 2.1e-7 from exact against 1.5e-7).

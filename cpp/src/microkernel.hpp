@@ -42,9 +42,17 @@ constexpr Index panel_width() {
 // (unaligned loads cost the same as aligned ones on aligned data on AVX2/AVX-512 CPUs). The sum
 // over t runs in order, so the result does not depend on the thread. Always inlined: with more
 // callers GCC kept it out of line and flash_tile got 2-3% slower.
-template <typename T, int MR, int NP, bool Accumulate>
+//
+// PackB: B is also copied, row by row, to `packed` (rows ldp apart) as it is read, so that the
+// next row blocks read it from there: the copy's loads (of weights that are often out of L2)
+// overlap this block's FMAs instead of running alone before them; B's row kPrefetchAhead ahead
+// is fetched early, its rows being ldb apart, a stride the hardware prefetchers follow late.
+constexpr Index kPrefetchAhead = 8;
+
+template <typename T, int MR, int NP, bool Accumulate, bool PackB = false>
 EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts, const T* b,
-                                      Index ldb, T* c, Index ldc) {
+                                      Index ldb, T* c, Index ldc, T* packed = nullptr,
+                                      Index ldp = 0) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -56,6 +64,12 @@ EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index
     for (Index t = 0; t < depth; ++t) {
         Packet bt[NP];
         for (int q = 0; q < NP; ++q) bt[q] = ei::ploadu<Packet>(b + t * ldb + q * L);
+        if constexpr (PackB) {
+            for (int q = 0; q < NP; ++q) ei::pstoreu(packed + t * ldp + q * L, bt[q]);
+            const T* ahead = b + (t + kPrefetchAhead) * ldb;  // past the end: a hint, no access
+            for (Index j = 0; j < NP * L; j += 64 / Index(sizeof(T))) ei::prefetch(ahead + j);
+            ei::prefetch(ahead + NP * L - 1);
+        }
         const T* at = a + t * a_ts;
         for (int r = 0; r < MR; ++r) {
             const Packet ar = ei::pset1<Packet>(at[r * a_rs]);
