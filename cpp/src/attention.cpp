@@ -103,20 +103,21 @@ const T* value_copy_without(const T* v, Index vs, Index kb, Index dv, const Flag
 // One (batch, head, query tile) with an online softmax over key tiles.
 //
 // Layout: queries run along the vector lanes. The tile keeps Q^T (scaled), S^T = K Q^T (keys x
-// queries) and the accumulator (P V)^T (d_v x queries), the query count padded to whole panels.
+// queries) and the accumulator (P V)^T (d_v x queries), the query count padded to whole packets.
 // Then the softmax statistics (running max m, running sum l) are whole packets, updated by
 // vertical max/exp/add over the keys without horizontal reductions, and both products run in
-// panel_product without packing K or V (their entries are broadcast through their strides).
+// lanes_product without packing K or V (their entries are broadcast through their strides).
 template <typename T>
 void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index mq,
                 const std::uint8_t* v_flags) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
-    constexpr Index W = panel_width<T>();
     const Index hk = h / (p.heads / p.kv_heads);
     const Index d = p.d, dv = p.d_v;
-    const Index mp = (mq + W - 1) / W * W;  // queries padded to whole panels
+    // Queries padded to whole packets, not panels: the last tile of n = 197 (5 queries) is then
+    // one 16-lane packet with AVX-512, not a 48-lane panel (240 lanes for 197 queries, now 208).
+    const Index mp = (mq + L - 1) / L * L;
     const T* qbase = p.q.at(b, h) + i0 * p.q.row_stride;
     const T* kbase = p.k.at(b, hk);
     const T* vbase = p.v.at(b, hk);
@@ -128,11 +129,20 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     T* stats = scratch<T>(ScratchBuffer::kFlashStats, static_cast<std::size_t>(5 * mp));
     T* row_m = stats;
     T* row_l = stats + mp;
-    for (Index i = 0; i < mq; ++i) {
-        const T* qrow = qbase + i * p.q.row_stride;
-        for (Index c = 0; c < d; ++c) qt[c * mp + i] = p.scale * qrow[c];
+    // Q^T by packet transposes, then scaled in place (the same products as scale * Q; the
+    // scalar transpose with scaling was an eighth of this function's time in a ViT-S layer)
+    transpose(mq, d, qbase, p.q.row_stride, qt, mp);
+    {
+        const Packet sc = ei::pset1<Packet>(p.scale);
+        for (Index c = 0; c < d; ++c) {
+            T* row = qt + c * mp;
+            Index i = 0;
+            for (; i + L <= mq; i += L)
+                ei::pstoreu(row + i, ei::pmul(sc, ei::ploadu<Packet>(row + i)));
+            for (; i < mq; ++i) row[i] = p.scale * row[i];
+            std::fill(row + mq, row + mp, T(0));
+        }
     }
-    for (Index c = 0; c < d; ++c) std::fill(qt + c * mp + mq, qt + (c + 1) * mp, T(0));
     std::fill(acc, acc + dv * mp, T(0));
     std::fill(row_m, row_m + mp, neg_inf<T>());
     std::fill(row_l, row_l + mp, T(0));
@@ -147,12 +157,10 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         for (Index c0 = 0; c0 < d; c0 += kDepth) {
             const Index dc = std::min(kDepth, d - c0);
             const T* kc = kbase + j0 * ks + c0;
-            for (Index ip = 0; ip < mp; ip += W) {
-                if (c0 == 0) {
-                    panel_product<T, false>(kb, dc, kc, ks, 1, qt + ip, mp, st + ip, mp);
-                } else {
-                    panel_product<T, true>(kb, dc, kc, ks, 1, qt + c0 * mp + ip, mp, st + ip, mp);
-                }
+            if (c0 == 0) {
+                lanes_product<T, false>(kb, mp, dc, kc, ks, 1, qt, mp, st, mp);
+            } else {
+                lanes_product<T, true>(kb, mp, dc, kc, ks, 1, qt + c0 * mp, mp, st, mp);
             }
         }
         if (d == 0) std::fill(st, st + kb * mp, T(0));
@@ -200,12 +208,10 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
             }
         // acc[c, i] += sum_j V[j0 + j, c] * P^T[j, i]
         if (bad.count == 0) {
-            for (Index ip = 0; ip < mp; ip += W)
-                panel_product<T, true>(dv, kb, vbase + j0 * vs, 1, vs, st + ip, mp, acc + ip, mp);
+            lanes_product<T, true>(dv, mp, kb, vbase + j0 * vs, 1, vs, st, mp, acc, mp);
         } else {
             const T* vclean = value_copy_without(vbase + j0 * vs, vs, kb, dv, bad);
-            for (Index ip = 0; ip < mp; ip += W)
-                panel_product<T, true>(dv, kb, vclean, 1, dv, st + ip, mp, acc + ip, mp);
+            lanes_product<T, true>(dv, mp, kb, vclean, 1, dv, st, mp, acc, mp);
             for (Index r = 0; r < bad.count; ++r) {
                 const T* vrow = vbase + (j0 + bad.rows[r]) * vs;
                 for (Index i = 0; i < mq; ++i)
@@ -215,13 +221,20 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
             }
         }
     }
+    // O = (acc / l)^T: divided in the lanes, written back by packet transposes (the scalar
+    // divisions through the transposed layout cost as much as the softmax of a short sequence)
+    for (Index c = 0; c < dv; ++c)
+        for (Index io = 0; io < mp; io += L) {
+            T* ac = acc + c * mp + io;
+            ei::pstore(ac, ei::pdiv(ei::pload<Packet>(ac), ei::pload<Packet>(row_l + io)));
+        }
+    T* obase = p.out.at(b, h) + i0 * p.out.row_stride;
+    transpose(dv, mq, acc, mp, obase, p.out.row_stride);
     for (Index i = 0; i < mq; ++i) {
         const T l = row_l[i];
-        T* orow = p.out.at(b, h) + (i0 + i) * p.out.row_stride;
-        if (l == T(0)) {
-            std::fill(orow, orow + dv, T(0));  // fully masked row
-        } else {
-            for (Index c = 0; c < dv; ++c) orow[c] = acc[c * mp + i] / l;  // NaN propagates
+        if (l == T(0)) {  // fully masked row: zeros, not 0 / 0
+            T* orow = obase + i * p.out.row_stride;
+            std::fill(orow, orow + dv, T(0));
         }
         if (p.lse) {
             p.lse[(b * p.heads + h) * p.n_q + i0 + i] =
