@@ -601,12 +601,15 @@ _BACKWARD_DOC = """\
 def _bilinear_state(a: _Prepared) -> dict[str, np.ndarray]:
     """Buffers for what the forward keeps for attnlab.vjp's pullback (O(n d))."""
     B, h, dtype = a.B, a.h, a.dtype
-    return {
-        "v": V.empty((B * a.n_k, a.wv.shape[1]), dtype),
-        "proj": V.empty((B * a.n_q, h * a.wqk.shape[2]), dtype),
-        "ctx": V.empty((B * a.n_q, a.wo.shape[0]), dtype),
-        "lse": V.empty((B, h, a.n_q), dtype),
-    }
+    return V.empty_group(
+        {
+            "v": (B * a.n_k, a.wv.shape[1]),
+            "proj": (B * a.n_q, h * a.wqk.shape[2]),
+            "ctx": (B * a.n_q, a.wo.shape[0]),
+            "lse": (B, h, a.n_q),
+        },
+        dtype,
+    )
 
 
 def _bilinear_grads(

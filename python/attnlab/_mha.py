@@ -594,13 +594,16 @@ def _mha_state(a: _Mha) -> dict[str, np.ndarray]:
     wo = a.w["w_o"]
     assert wq is not None and wv is not None and wo is not None
     d_head, d_vhead, B = wq.shape[1] // a.h, wv.shape[1] // a.h_kv, a.B
-    return {
-        "q": V.empty((B * a.n_q, a.h * d_head), a.dtype),
-        "k": V.empty((B * a.n_k, a.h_kv * d_head), a.dtype),
-        "v": V.empty((B * a.n_k, a.h_kv * d_vhead), a.dtype),
-        "ctx": V.empty((B * a.n_q, wo.shape[0]), a.dtype),
-        "lse": V.empty((B, a.h, a.n_q), a.dtype),
-    }
+    return V.empty_group(
+        {
+            "q": (B * a.n_q, a.h * d_head),
+            "k": (B * a.n_k, a.h_kv * d_head),
+            "v": (B * a.n_k, a.h_kv * d_vhead),
+            "ctx": (B * a.n_q, wo.shape[0]),
+            "lse": (B, a.h, a.n_q),
+        },
+        a.dtype,
+    )
 
 
 def _mha_grads(
