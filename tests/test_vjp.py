@@ -208,13 +208,15 @@ def test_kept_masks_are_not_materialised():
 
     rng = np.random.default_rng(7)
     kw = _mha_kwargs(rng)
-    kw["query"] = rng.standard_normal((4, 7, 8))
-    kw["mask"] = np.tril(np.ones((7, 7), bool))
+    kw["query"] = rng.standard_normal((4, 64, 8))
+    kw["mask"] = np.tril(np.ones((64, 64), bool))
     keep: dict = {}
     out = attnlab.multi_head_attention(**kw, _keep=keep)
     m4 = keep["prepared"].mask4
-    assert m4.shape == (4, 2, 7, 7)
-    assert m4.base is not None and m4.base.size == 49  # the distinct data only
+    assert m4.shape == (4, 2, 64, 64) and m4.strides[:2] == (0, 0)
+    # The kept copies share one buffer (the query, 16 KiB, the weights, 2 KiB, and the mask):
+    # less than the mask alone materialised (32 KiB) when only its distinct 4 KiB are copied.
+    assert m4.base is not None and m4.base.nbytes < m4.size * m4.itemsize
     want = attnlab.multi_head_attention_backward(np.ones_like(out), **kw)
     kw["mask"][:] = False  # the caller's mask changes; the kept copy does not
     got = KEPT[attnlab.multi_head_attention](keep, np.ones_like(out))

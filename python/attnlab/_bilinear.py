@@ -603,12 +603,11 @@ def _bilinear_state(a: _Prepared) -> dict[str, np.ndarray]:
     B, h, dtype = a.B, a.h, a.dtype
     return V.empty_group(
         {
-            "v": (B * a.n_k, a.wv.shape[1]),
-            "proj": (B * a.n_q, h * a.wqk.shape[2]),
-            "ctx": (B * a.n_q, a.wo.shape[0]),
-            "lse": (B, h, a.n_q),
-        },
-        dtype,
+            "v": ((B * a.n_k, a.wv.shape[1]), dtype),
+            "proj": ((B * a.n_q, h * a.wqk.shape[2]), dtype),
+            "ctx": ((B * a.n_q, a.wo.shape[0]), dtype),
+            "lse": ((B, h, a.n_q), dtype),
+        }
     )
 
 

@@ -596,13 +596,12 @@ def _mha_state(a: _Mha) -> dict[str, np.ndarray]:
     d_head, d_vhead, B = wq.shape[1] // a.h, wv.shape[1] // a.h_kv, a.B
     return V.empty_group(
         {
-            "q": (B * a.n_q, a.h * d_head),
-            "k": (B * a.n_k, a.h_kv * d_head),
-            "v": (B * a.n_k, a.h_kv * d_vhead),
-            "ctx": (B * a.n_q, wo.shape[0]),
-            "lse": (B, a.h, a.n_q),
-        },
-        a.dtype,
+            "q": ((B * a.n_q, a.h * d_head), a.dtype),
+            "k": ((B * a.n_k, a.h_kv * d_head), a.dtype),
+            "v": ((B * a.n_k, a.h_kv * d_vhead), a.dtype),
+            "ctx": ((B * a.n_q, wo.shape[0]), a.dtype),
+            "lse": ((B, a.h, a.n_q), a.dtype),
+        }
     )
 
 

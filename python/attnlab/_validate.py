@@ -145,23 +145,24 @@ def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return buf[start : start + nbytes].view(dt).reshape(shape)
 
 
-def empty_group(shapes: dict[str, tuple[int, ...]], dtype: Any) -> dict[str, np.ndarray]:
-    """:func:`empty` arrays of these shapes, carved from one allocation.
+def empty_group(specs: dict[Any, tuple[tuple[int, ...], Any]]) -> dict[Any, np.ndarray]:
+    """:func:`empty` arrays, ``{key: (shape, dtype)}``, carved from one allocation.
 
-    For the state a forward keeps for attnlab.vjp: written once per call, fresh memory. One
-    buffer of several MiB is one allocation NumPy asks transparent huge pages for, where
-    separate arrays of 2-3 MiB each fault in page by page (a tenth of a ViT-S forward).
+    For what attnlab.vjp keeps (the forward's state, the copies of the arguments): fresh memory
+    on every call. One buffer of several MiB is one allocation NumPy asks transparent huge pages
+    for, where separate arrays of 2-3 MiB each fault in page by page (a tenth of a ViT-S
+    forward).
     """
-    dt = np.dtype(dtype)
-    sizes = {k: math.prod(int(n) for n in s) * dt.itemsize for k, s in shapes.items()}
-    offsets, total = {}, 0
-    for k, nbytes in sizes.items():
-        offsets[k] = total
+    layout, total = {}, 0
+    for k, (given, dtype) in specs.items():
+        dt, shape = np.dtype(dtype), tuple(int(n) for n in given)
+        nbytes = math.prod(shape) * dt.itemsize
+        layout[k] = (total, nbytes, shape, dt)
         total += -(-nbytes // _ALIGN) * _ALIGN
     buf = empty((total,), np.uint8)
     return {
-        k: buf[offsets[k] : offsets[k] + sizes[k]].view(dt).reshape(tuple(int(n) for n in s))
-        for k, s in shapes.items()
+        k: buf[start : start + nbytes].view(dt).reshape(shape)
+        for k, (start, nbytes, shape, dt) in layout.items()
     }
 
 
@@ -303,22 +304,36 @@ def owned(prepared: Any) -> Any:
     """A copy of a prepared call (a NamedTuple) whose arrays are its own: attnlab.vjp keeps it
     for the pullback, which must see the values the forward saw even if the caller's arrays
     change in place. Arrays shared between fields stay shared; dicts of arrays are copied."""
-    copies: dict[int, np.ndarray] = {}
+    # a broadcast view (a mask over batch and heads) is copied as its distinct data and
+    # broadcast again, never materialised at (B, h, n_q, n_k)
+    found: dict[int, np.ndarray] = {}
+
+    def distinct(x: Any) -> None:
+        if isinstance(x, np.ndarray):
+            found.setdefault(id(x), x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                distinct(v)
+        elif isinstance(x, tuple) and hasattr(x, "_fields"):  # a nested prepared part
+            for f in x:
+                distinct(f)
+
+    distinct(prepared)
+    data = {
+        i: _zero_strides_to_one(a) if 0 in a.strides and a.size > 1 else a for i, a in found.items()
+    }
+    copies = empty_group({i: (d.shape, d.dtype) for i, d in data.items()})
+    for i, d in data.items():
+        copies[i][...] = d
+        if copies[i].shape != found[i].shape:
+            copies[i] = np.broadcast_to(copies[i], found[i].shape)
 
     def own(x: Any) -> Any:
         if isinstance(x, np.ndarray):
-            if id(x) not in copies:
-                if 0 in x.strides and x.size > 1:
-                    # a broadcast view (a mask over batch and heads): copy the distinct data
-                    # only and broadcast it again, never materialise (B, h, n_q, n_k)
-                    base = np.array(_zero_strides_to_one(x), copy=True, order="C")
-                    copies[id(x)] = np.broadcast_to(base, x.shape)
-                else:
-                    copies[id(x)] = np.array(x, copy=True, order="C")
             return copies[id(x)]
         if isinstance(x, dict):
             return {k: own(v) for k, v in x.items()}
-        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a nested prepared part
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
             return type(x)(*(own(f) for f in x))
         return x
 
