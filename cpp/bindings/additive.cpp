@@ -152,6 +152,29 @@ SeparableProblem<T> problem(const SeparableArgs& a) {
     return separable_problem<T>(a);
 }
 
+// attnlab.vjp's state dict (AdditiveState, SeparableState): every buffer or none.
+template <typename T>
+void set_state(AdditiveProblem<T>& p, const py::object& state) {
+    const Index rows = p.batch * p.n;
+    auto& s = p.state;
+    s.q = state_array<T>(state, "q", {rows, p.width});
+    s.k = state_array<T>(state, "k", {rows, p.width});
+    s.q_norm = state_array<T>(state, "q_norm", {rows});
+    s.k_norm = state_array<T>(state, "k_norm", {rows});
+    s.score = state_array<T>(state, "score", {rows});
+    s.score_norm = state_array<T>(state, "score_norm", {p.batch});
+    s.pooled = state_array<T>(state, "pooled", {p.batch, p.width});
+}
+template <typename T>
+void set_state(SeparableProblem<T>& p, const py::object& state) {
+    const Index rows = p.batch * p.n;
+    auto& s = p.state;
+    s.s = state_array<T>(state, "s", {rows});
+    s.k = state_array<T>(state, "k", {rows, p.d});
+    s.v = state_array<T>(state, "v", {rows, p.d});
+    s.context = state_array<T>(state, "context", {p.batch, p.d});
+}
+
 template <typename T>
 AdditiveGrads<T> grad_buffers(const AdditiveArgs& a, const AdditiveProblem<T>& p,
                               const py::dict& grads) {
@@ -188,13 +211,15 @@ void run(const SeparableProblem<T>& p, const T* grad_out, const SeparableGrads<T
     kernels_for<T>().separable_attention_backward(p, grad_out, g);
 }
 
-// Forward and backward of either family (Args: AdditiveArgs or SeparableArgs).
+// Forward and backward of either family (Args: AdditiveArgs or SeparableArgs). state: only
+// attnlab.vjp passes it, a dict of buffers the forward fills and the backward then reads.
 template <typename Args>
-void pooled_forward(const Args& a, py::array out) {
+void pooled_forward(const Args& a, py::array out, py::object state) {
     dispatch(a.x, "x", [&](auto tag) {
         using T = decltype(tag);
         auto p = problem<T>(a);
         p.out = contiguous<T>(out, "out", {a.batch * a.n, p.d_out}, true);
+        set_state(p, state);
         py::gil_scoped_release release;
         run(p);
         return 0;
@@ -203,10 +228,12 @@ void pooled_forward(const Args& a, py::array out) {
 
 // grads: dict of preallocated outputs keyed by argument name (the biases' may be missing).
 template <typename Args>
-void pooled_backward(py::array grad_out, const Args& a, py::dict grads) {
+void pooled_backward(py::array grad_out, const Args& a, py::dict grads, py::object state) {
     dispatch(a.x, "x", [&](auto tag) {
         using T = decltype(tag);
-        const auto p = problem<T>(a);
+        auto p = problem<T>(a);
+        set_state(p, state);
+        p.state.filled = !state.is_none();
         const T* gout = contiguous<T>(grad_out, "grad_out", {a.batch * a.n, p.d_out});
         const auto g = grad_buffers<T>(a, p, grads);
         py::gil_scoped_release release;
@@ -219,19 +246,23 @@ void pooled_backward(py::array grad_out, const Args& a, py::dict grads) {
 
 void bind_additive(py::module_& m) {
     def(m, "additive_forward",
-        AdditiveSignature::After<>::wrap<py::array>(&pooled_forward<AdditiveArgs>),
-        std::tuple_cat(additive_arg_names(), std::make_tuple(py::arg("out"))));
+        AdditiveSignature::After<>::wrap<py::array, py::object>(&pooled_forward<AdditiveArgs>),
+        std::tuple_cat(additive_arg_names(),
+                       std::make_tuple(py::arg("out"), py::arg("state") = py::none())));
     def(m, "separable_forward",
-        SeparableSignature::After<>::wrap<py::array>(&pooled_forward<SeparableArgs>),
-        std::tuple_cat(separable_arg_names(), std::make_tuple(py::arg("out"))));
+        SeparableSignature::After<>::wrap<py::array, py::object>(&pooled_forward<SeparableArgs>),
+        std::tuple_cat(separable_arg_names(),
+                       std::make_tuple(py::arg("out"), py::arg("state") = py::none())));
     def(m, "additive_backward",
-        AdditiveSignature::After<py::array>::wrap<py::dict>(&pooled_backward<AdditiveArgs>),
+        AdditiveSignature::After<py::array>::wrap<py::dict, py::object>(
+            &pooled_backward<AdditiveArgs>),
         std::tuple_cat(std::make_tuple(py::arg("grad_out")), additive_arg_names(),
-                       std::make_tuple(py::arg("grads"))));
+                       std::make_tuple(py::arg("grads"), py::arg("state") = py::none())));
     def(m, "separable_backward",
-        SeparableSignature::After<py::array>::wrap<py::dict>(&pooled_backward<SeparableArgs>),
+        SeparableSignature::After<py::array>::wrap<py::dict, py::object>(
+            &pooled_backward<SeparableArgs>),
         std::tuple_cat(std::make_tuple(py::arg("grad_out")), separable_arg_names(),
-                       std::make_tuple(py::arg("grads"))));
+                       std::make_tuple(py::arg("grads"), py::arg("state") = py::none())));
 }
 
 }  // namespace bind

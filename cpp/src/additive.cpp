@@ -95,11 +95,12 @@ void for_batch_blocks(Index B, Index n, F fn) {
     });
 }
 
-// v / max(||v||, eps) in place, for every row.
+// v / max(||v||, eps) in place, for every row; the norms into `norms` when set.
 template <typename T, typename M>
-void normalize_rows(M& Y, T eps) {
+void normalize_rows(M& Y, T eps, T* norms = nullptr) {
     for (Index i = 0; i < Y.rows(); ++i) {
         const T nrm = robust_norm(Y.row(i));
+        if (norms) norms[i] = nrm;
         Y.row(i) /= std::max(nrm, eps);  // NaN norms propagate (std::max keeps its first arg)
     }
 }
@@ -129,28 +130,19 @@ void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, con
 }  // namespace
 }  // namespace detail
 
+namespace detail {
+namespace {
+
+// Steps 1 and 2 of the additive forward, which the backward runs too when it has no kept state
+// (one code path, so the two agree bitwise). Writes st.k, st.score and st.pooled; st.q and the
+// norms when set (the forward without state keeps only K); with `out`, out = Q w_final (the
+// forward's first term, while Q is in cache).
 template <typename T>
-void additive_attention_forward(const AdditiveProblem<T>& p) {
-    using namespace detail;
+void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* out) {
     const Index B = p.batch, n = p.n, din = p.d_in, D = p.width, dout = p.d_out;
-    const Index rows = B * n;
-    if (rows <= 0 || dout <= 0) return;
     const bool official = p.variant == AdditiveVariant::official;
     const Index ld = 2 * D;
-
-    // With M = w_proj w_final and c = b_proj w_final + b_final,
-    //   out = (K diag(G) w_proj + b_proj + Q) w_final + b_final = K (diag(G) M) + Q w_final + c:
-    // G is folded into the weights (G * K is never formed), Q w_final is computed while Q is in
-    // cache, and only K has to be kept until G is known. For d_out <= D (SwiftFormer has
-    // d_out = D / num_heads) this costs no more operations than the two-step form.
-    const ConstRowMap<T> Wproj(p.w_proj, D, D, Eigen::OuterStride<>(D));
     const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
-    RowMatrix<T> M(D, dout);
-    eigen_product<T>(Wproj, Wfinal, view<T>(M.data(), D, dout, dout));
-    Vec<T> c = p.b_final ? Vec<T>(ConstVecMap<T>(p.b_final, dout)) : Vec<T>(Vec<T>::Zero(dout));
-    if (p.b_proj)
-        eigen_product<T>(cview<T>(p.b_proj, 1, D, D), Wfinal, view<T>(c.data(), 1, dout, dout),
-                         true);
 
     // [w_k | w_q] and [b_k | b_q]: both projections in one GEMM per block.
     RowMatrix<T> Wkq(din, ld);
@@ -161,35 +153,36 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     if (p.b_q) bkq.tail(D) = ConstVecMap<T>(p.b_q, D);
     const ConstRowMap<T> Wkq_map(Wkq.data(), din, ld, Eigen::OuterStride<>(ld));
 
-    auto keys = make_buffer<T>(rows * D);
-    auto score = make_buffer<T>(official ? rows : 0);
-    auto pooled = make_buffer<T>(B * D);
+    T* score = st.score;
     const Index per = (n + kRowBlock - 1) / kRowBlock;  // row blocks per batch element
     auto partial = make_buffer<double>(B * per * D);
 
     // 1. Per (batch element, block of rows): [K | Q] in one GEMM, both row-normalised; the
     //    official scores s = (Q w_g) * scale; the block's share of the pooling, the sum over
     //    its real tokens of s_n Q_n (official) or Q_n (hf) (the token weights are
-    //    a_n = s_n / max(||s||, eps), so G = (sum s_n Q_n) / max(||s||, eps)); out = Q w_final.
+    //    a_n = s_n / max(||s||, eps), so G = (sum s_n Q_n) / max(||s||, eps)).
     for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
         const Index r0 = b * n + i0;
         auto KQ = project_block<T>(p.x, r0, m, din, Wkq_map, bkq.data());
         auto K = KQ.leftCols(D);
         auto Q = KQ.rightCols(D);
-        normalize_rows(K, p.eps);
-        normalize_rows(Q, p.eps);
-        RowMap<T>(keys.get() + r0 * D, m, D, Eigen::OuterStride<>(D)) = K;
+        normalize_rows(K, p.eps, st.k_norm ? st.k_norm + r0 : nullptr);
+        normalize_rows(Q, p.eps, st.q_norm ? st.q_norm + r0 : nullptr);
+        RowMap<T>(st.k + r0 * D, m, D, Eigen::OuterStride<>(D)) = K;
+        if (st.q) RowMap<T>(st.q + r0 * D, m, D, Eigen::OuterStride<>(D)) = Q;
         if (official) {
             ConstVecMap<T> wg(p.w_g, D);
             for (Index i = 0; i < m; ++i) score[r0 + i] = Q.row(i).dot(wg) * p.scale;
+        } else {
+            std::fill(score + r0, score + r0 + m, T(1));
         }
         bool all_real = true;
         for (Index i = 0; i < m && all_real; ++i) all_real = p.key_padding.real(b, i0 + i);
         auto share = scratch_vector<T>(ScratchBuffer::kAdditiveShare, D);
         if (all_real) {
             if (official) {
-                eigen_product<T>(cview<T>(score.get() + r0, 1, m, m),
-                                 cview<T>(KQ.data() + D, m, D, ld), view<T>(share.data(), 1, D, D));
+                eigen_product<T>(cview<T>(score + r0, 1, m, m), cview<T>(KQ.data() + D, m, D, ld),
+                                 view<T>(share.data(), 1, D, D));
             } else {
                 share = Q.colwise().sum();
             }
@@ -200,14 +193,17 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
                     share += (official ? score[r0 + i] : T(1)) * Q.row(i);
         }
         Eigen::Map<Vec<double>>(partial.get() + task * D, D) = share.template cast<double>();
-        RowMap<T> Y(p.out + r0 * dout, m, dout, Eigen::OuterStride<>(dout));
-        eigen_product<T>(cview<T>(KQ.data() + D, m, D, ld), Wfinal, Y);
+        if (out) {
+            RowMap<T> Y(out + r0 * dout, m, dout, Eigen::OuterStride<>(dout));
+            eigen_product<T>(cview<T>(KQ.data() + D, m, D, ld), Wfinal, Y);
+        }
     });
 
     // 2. Per batch element: the norm of the real tokens' scores and G, summing the blocks'
     //    shares in a fixed order, in double. No real token: G = 0.
     parallel_for(B, [&](Index b) {
-        VecMap<T> G(pooled.get() + b * D, D);
+        VecMap<T> G(st.pooled + b * D, D);
+        if (st.score_norm) st.score_norm[b] = T(0);
         Index real = 0;
         for (Index j = 0; j < n; ++j) real += p.key_padding.real(b, j) ? 1 : 0;
         if (real == 0) {
@@ -224,32 +220,73 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
             Index r = 0;
             for (Index j = 0; j < n; ++j)
                 if (p.key_padding.real(b, j)) s[r++] = score[b * n + j];
-            acc /= static_cast<double>(std::max(robust_norm(s), p.eps));
+            const T nrm = robust_norm(s);
+            if (st.score_norm) st.score_norm[b] = nrm;
+            acc /= static_cast<double>(std::max(nrm, p.eps));
         }
         G = acc.template cast<T>();
     });
+}
+
+}  // namespace
+}  // namespace detail
+
+template <typename T>
+void additive_attention_forward(const AdditiveProblem<T>& p) {
+    using namespace detail;
+    const Index B = p.batch, n = p.n, D = p.width, dout = p.d_out;
+    const Index rows = B * n;
+    if (rows <= 0 || dout <= 0) return;
+
+    // With M = w_proj w_final and c = b_proj w_final + b_final,
+    //   out = (K diag(G) w_proj + b_proj + Q) w_final + b_final = K (diag(G) M) + Q w_final + c:
+    // G is folded into the weights (G * K is never formed), Q w_final is computed while Q is in
+    // cache, and only K has to be kept until G is known. For d_out <= D (SwiftFormer has
+    // d_out = D / num_heads) this costs no more operations than the two-step form.
+    const ConstRowMap<T> Wproj(p.w_proj, D, D, Eigen::OuterStride<>(D));
+    const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
+    RowMatrix<T> M(D, dout);
+    eigen_product<T>(Wproj, Wfinal, view<T>(M.data(), D, dout, dout));
+    Vec<T> c = p.b_final ? Vec<T>(ConstVecMap<T>(p.b_final, dout)) : Vec<T>(Vec<T>::Zero(dout));
+    if (p.b_proj)
+        eigen_product<T>(cview<T>(p.b_proj, 1, D, D), Wfinal, view<T>(c.data(), 1, dout, dout),
+                         true);
+
+    // Without a state to fill, only K, the scores and G, in buffers of this call.
+    Buffer<T> keys, score, pooled;
+    AdditiveState<T> st = p.state;
+    if (!st.k) {
+        keys = make_buffer<T>(rows * D);
+        score = make_buffer<T>(rows);
+        pooled = make_buffer<T>(B * D);
+        st = AdditiveState<T>{};
+        st.k = keys.get();
+        st.score = score.get();
+        st.pooled = pooled.get();
+    }
+    additive_pool(p, st, p.out);
 
     // 3. out += K (diag(G) M) + c.
-    folded_rows<T>(B, n, D, dout, pooled.get(), M, keys.get(), p.out,
+    folded_rows<T>(B, n, D, dout, st.pooled, M, st.k, p.out,
                    [&](const auto& K, auto& Y, const auto& W) {
                        eigen_product<T>(K, cview<T>(W.data(), D, dout, dout), Y, true);
                        Y.rowwise() += c;
                    });
 }
 
+namespace detail {
+namespace {
+
+// Steps 1 and 2 of the separable forward, which the backward runs too when it has no kept
+// state (one code path: the two agree bitwise). Writes st.v (relu(v)) and st.context; st.s and
+// st.k when set (the forward without state keeps only relu(v)).
 template <typename T>
-void separable_attention_forward(const SeparableProblem<T>& p) {
-    using namespace detail;
-    const Index B = p.batch, n = p.n, d = p.d, dout = p.d_out;
-    const Index rows = B * n;
-    if (rows <= 0 || dout <= 0) return;
+void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st) {
+    const Index B = p.batch, n = p.n, d = p.d;
     const Index ld = 1 + 2 * d;  // block rows are [s | k | v]
     constexpr T kInf = std::numeric_limits<T>::infinity();
 
     const ConstRowMap<T> Wqkv(p.w_qkv, d, ld, Eigen::OuterStride<>(ld));
-    const ConstRowMap<T> Wo(p.w_o, d, dout, Eigen::OuterStride<>(dout));
-    auto values = make_buffer<T>(rows * d);  // relu(v): all that is kept for the output
-    auto context = make_buffer<T>(B * d);
     const Index per = (n + kRowBlock - 1) / kRowBlock;
     // Per (batch element, block): the block's softmax state over its real tokens, as in an
     // online softmax: its max m_b, sum_n exp(s_n - m_b), sum_n exp(s_n - m_b) k_n.
@@ -263,8 +300,11 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
     for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
         const Index r0 = b * n + i0;
         auto P = project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv);
-        RowMap<T>(values.get() + r0 * d, m, d, Eigen::OuterStride<>(d)) =
+        RowMap<T>(st.v + r0 * d, m, d, Eigen::OuterStride<>(d)) =
             P.rightCols(d).unaryExpr([](T v) { return v < T(0) ? T(0) : v; });
+        if (st.k) RowMap<T>(st.k + r0 * d, m, d, Eigen::OuterStride<>(d)) = P.middleCols(1, d);
+        if (st.s)
+            for (Index i = 0; i < m; ++i) st.s[r0 + i] = P(i, 0);
         T mx = -kInf;
         bool nan = false;
         Index real = 0;
@@ -306,7 +346,7 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
     // 2. Per batch element: merge the blocks' states into ctx = sum_n c_n k_n, c the softmax
     //    over the real tokens. No real token: ctx = 0.
     parallel_for(B, [&](Index b) {
-        VecMap<T> ctx(context.get() + b * d, d);
+        VecMap<T> ctx(st.context + b * d, d);
         T mx = -kInf;
         bool nan = false, any = false;
         for (Index k = 0; k < per; ++k) {
@@ -336,9 +376,34 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
         // NaN among the real scores, or +inf: z or ctx is NaN (propagation, as torch)
         ctx = (acc / z).template cast<T>();
     });
+}
+
+}  // namespace
+}  // namespace detail
+
+template <typename T>
+void separable_attention_forward(const SeparableProblem<T>& p) {
+    using namespace detail;
+    const Index B = p.batch, n = p.n, d = p.d, dout = p.d_out;
+    const Index rows = B * n;
+    if (rows <= 0 || dout <= 0) return;
+    const ConstRowMap<T> Wo(p.w_o, d, dout, Eigen::OuterStride<>(dout));
+
+    // Without a state to fill, only relu(v) (all the output needs) and ctx, in buffers of this
+    // call.
+    Buffer<T> values, context;
+    SeparableState<T> st = p.state;
+    if (!st.v) {
+        values = make_buffer<T>(rows * d);
+        context = make_buffer<T>(B * d);
+        st = SeparableState<T>{};
+        st.v = values.get();
+        st.context = context.get();
+    }
+    separable_pool(p, st);
 
     // 3. out = relu(v) (diag(ctx) w_o) + b_o.
-    folded_rows<T>(B, n, d, dout, context.get(), Wo, values.get(), p.out,
+    folded_rows<T>(B, n, d, dout, st.context, Wo, st.v, p.out,
                    [&](const auto& Vv, auto& Y, const auto& Wb) {
                        if (d == 0) {
                            Y.setZero();
@@ -425,65 +490,57 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     auto row_map = [&](T* base, Index r0, Index m) {
         return RowMap<T>(base + r0 * D, m, D, Eigen::OuterStride<>(D));
     };
+    auto crow = [&](const T* base, Index r0, Index m) {
+        return ConstRowMap<T>(base + r0 * D, m, D, Eigen::OuterStride<>(D));
+    };
 
-    // Recompute the forward: normalised K and Q with their norms, the scores, G.
-    auto Kb = make_buffer<T>(rows * D), Qb = make_buffer<T>(rows * D);
-    auto nk = make_buffer<T>(rows), nq = make_buffer<T>(rows), score = make_buffer<T>(rows);
-    linear(rows, din, D, p.x, din, p.w_k, p.b_k, Kb.get(), D);
-    linear(rows, din, D, p.x, din, p.w_q, p.b_q, Qb.get(), D);
+    // The forward's intermediates: normalised K and Q with their norms, the scores, G. Kept by
+    // the forward (attnlab.vjp), or its pooling run again here, on the same code.
+    AdditiveState<T> st = p.state;
+    Buffer<T> kept[7];
+    if (!st.filled) {
+        int next = 0;
+        auto own = [&](T*& ptr, Index count) {
+            kept[next] = make_buffer<T>(count);
+            ptr = kept[next++].get();
+        };
+        own(st.q, rows * D);
+        own(st.k, rows * D);
+        own(st.q_norm, rows);
+        own(st.k_norm, rows);
+        own(st.score, rows);
+        own(st.score_norm, B);
+        own(st.pooled, B * D);
+        additive_pool(p, st, static_cast<T*>(nullptr));
+    }
+    const T* Qb = st.q;
+    const T* Kb = st.k;
+    const T* nq = st.q_norm;
+    const T* nk = st.k_norm;
+    const T* score = st.score;
+    const T* snorm = st.score_norm;  // ||s|| over the real tokens (official)
+    const Eigen::Map<const RowMatrix<T>> G(st.pooled, B, D);
     const ConstVecMap<T> wg(p.w_g, D);
-    for_row_blocks(rows, [&](Index r0, Index m) {
-        for (Index r = r0; r < r0 + m; ++r) {
-            auto K = row_map(Kb.get(), r, 1);
-            auto Q = row_map(Qb.get(), r, 1);
-            nk[r] = robust_norm(K);
-            K /= std::max(nk[r], p.eps);
-            nq[r] = robust_norm(Q);
-            Q /= std::max(nq[r], p.eps);
-            score[r] = official ? Q.row(0).dot(wg) * p.scale : T(1);
-        }
-    });
     auto real = [&](Index r) { return p.key_padding.real(r / n, r % n); };
-    auto nreal = make_buffer<Index>(B);
-    auto snorm = make_buffer<T>(B);  // ||s|| over the real tokens (official)
-    std::fill(snorm.get(), snorm.get() + B, T(0));
-    parallel_for(B, [&](Index b) {
-        auto s = scratch_vector<T>(ScratchBuffer::kAdditiveWeights, n);
-        Index k = 0;
-        for (Index j = 0; j < n; ++j)
-            if (p.key_padding.real(b, j)) s[k++] = score[b * n + j];
-        nreal[b] = k;
-        if (official && k > 0) snorm[b] = robust_norm(s.head(k));
-    });
     auto den = [&](Index b) { return official ? std::max(snorm[b], p.eps) : T(1); };
     // weighted sum over a block's real tokens of w(r) * M.row(r)
     auto real_sum = [&](const T* M, Index b, Index i0, Index m, auto w, auto& share) {
         share.setZero();
         for (Index i = 0; i < m; ++i) {
             const Index r = b * n + i0 + i;
-            if (p.key_padding.real(b, i0 + i)) share += w(r) * row_map(const_cast<T*>(M), r, 1);
+            if (p.key_padding.real(b, i0 + i)) share += w(r) * crow(M, r, 1);
         }
     };
-    const RowMatrix<double> Gsum =
-        block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
-            real_sum(
-                Qb.get(), b, i0, m, [&](Index r) { return score[r]; }, share);
-        });
-    RowMatrix<T> G(B, D);
-    for (Index b = 0; b < B; ++b)
-        G.row(b) = nreal[b] ? Vec<T>((Gsum.row(b) / static_cast<double>(den(b))).template cast<T>())
-                            : Vec<T>(Vec<T>::Zero(D));
 
     // Z = G * K, H = Z w_proj + b_proj + Q; then the two output layers' gradients.
     auto Zb = make_buffer<T>(rows * D), Hb = make_buffer<T>(rows * D),
          dH = make_buffer<T>(rows * D);
     for_row_blocks(rows, [&](Index r0, Index m) {
         for (Index r = r0; r < r0 + m; ++r)
-            row_map(Zb.get(), r, 1) = row_map(Kb.get(), r, 1).cwiseProduct(G.row(r / n));
+            row_map(Zb.get(), r, 1) = crow(Kb, r, 1).cwiseProduct(G.row(r / n));
     });
     linear(rows, D, D, Zb.get(), D, p.w_proj, p.b_proj, Hb.get(), D);
-    for_row_blocks(
-        rows, [&](Index r0, Index m) { row_map(Hb.get(), r0, m) += row_map(Qb.get(), r0, m); });
+    for_row_blocks(rows, [&](Index r0, Index m) { row_map(Hb.get(), r0, m) += crow(Qb, r0, m); });
     linear_weight_grad(rows, D, dout, Hb.get(), D, grad_out, dout, g.w_final, g.b_final);
     linear_input_grad(rows, D, dout, grad_out, dout, p.w_final, dH.get(), D);
     linear_weight_grad(rows, D, D, Zb.get(), D, dH.get(), D, g.w_proj, g.b_proj);
@@ -494,7 +551,7 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     const RowMatrix<double> dGd =
         block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
             const Index r0 = b * n + i0;
-            share = row_map(Kb.get(), r0, m).cwiseProduct(row_map(dZ, r0, m)).colwise().sum();
+            share = crow(Kb, r0, m).cwiseProduct(row_map(dZ, r0, m)).colwise().sum();
         });
     const RowMatrix<T> dG = dGd.template cast<T>();
     for_row_blocks(rows, [&](Index r0, Index m) {
@@ -507,7 +564,7 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
         auto da = make_buffer<T>(rows);  // dL/da_n = Q_n . dG
         for_row_blocks(rows, [&](Index r0, Index m) {
             for (Index r = r0; r < r0 + m; ++r)
-                da[r] = real(r) ? row_map(Qb.get(), r, 1).row(0).dot(dG.row(r / n)) : T(0);
+                da[r] = real(r) ? crow(Qb, r, 1).row(0).dot(dG.row(r / n)) : T(0);
         });
         const RowMatrix<double> adot =
             block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m, auto& acc) {
@@ -532,7 +589,7 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
         const RowMatrix<double> dwg =
             block_sums<T>(B, n, D, [&](Index b, Index i0, Index m, auto& share) {
                 real_sum(
-                    Qb.get(), b, i0, m, [&](Index r) { return ds[r]; }, share);
+                    Qb, b, i0, m, [&](Index r) { return ds[r]; }, share);
             });
         Vec<double> acc = Vec<double>::Zero(D);
         for (Index b = 0; b < B; ++b) acc += dwg.row(b);
@@ -551,9 +608,8 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
                     dQ += dG.row(b);
                 }
             }
-            normalize_backward(dQ.row(0), row_map(Qb.get(), r, 1).row(0), nq[r], p.eps);
-            normalize_backward(row_map(dZ, r, 1).row(0), row_map(Kb.get(), r, 1).row(0), nk[r],
-                               p.eps);
+            normalize_backward(dQ.row(0), crow(Qb, r, 1).row(0), nq[r], p.eps);
+            normalize_backward(row_map(dZ, r, 1).row(0), crow(Kb, r, 1).row(0), nk[r], p.eps);
         }
     });
 
@@ -582,22 +638,41 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
         return;
     }
     constexpr T kInf = std::numeric_limits<T>::infinity();
-    auto prow = [&](T* base, Index r) { return VecMap<T>(base + r * ld, ld); };
     auto drow = [&](T* base, Index r) { return VecMap<T>(base + r * d, d); };
+    auto crow = [&](const T* base, Index r) { return ConstVecMap<T>(base + r * d, d); };
+    auto prow = [&](T* base, Index r) { return VecMap<T>(base + r * ld, ld); };
     auto real = [&](Index r) { return p.key_padding.real(r / n, r % n); };
 
-    // Recompute the forward: [s | k | v], the softmax c over real tokens (0 for padded), ctx.
-    auto Pb = make_buffer<T>(rows * ld);
-    linear(rows, d, ld, p.x, d, p.w_qkv, p.b_qkv, Pb.get(), ld);
+    // The forward's scores, keys, relu(v) and ctx: kept by the forward (attnlab.vjp), or its
+    // pooling run again here, on the same code.
+    SeparableState<T> st = p.state;
+    Buffer<T> kept[4];
+    if (!st.filled) {
+        int next = 0;
+        auto own = [&](T*& ptr, Index count) {
+            kept[next] = make_buffer<T>(count);
+            ptr = kept[next++].get();
+        };
+        own(st.s, rows);
+        own(st.k, rows * d);
+        own(st.v, rows * d);
+        own(st.context, B * d);
+        separable_pool(p, st);
+    }
+    const T* S = st.s;
+    const T* Kv = st.k;
+    const T* Rv = st.v;  // relu(v)
+    const Eigen::Map<const RowMatrix<T>> ctx(st.context, B, d);
+
+    // The softmax c over the real tokens (0 for padded ones).
     auto c = make_buffer<T>(rows);
     parallel_for(B, [&](Index b) {
         T mx = -kInf;
         bool nan = false;
         for (Index r = b * n; r < (b + 1) * n; ++r) {
             if (!real(r)) continue;
-            const T s = Pb[r * ld];
-            nan = nan || std::isnan(s);
-            mx = std::max(mx, s);
+            nan = nan || std::isnan(S[r]);
+            mx = std::max(mx, S[r]);
         }
         if (nan) mx = std::numeric_limits<T>::quiet_NaN();
         if (mx == -kInf) {  // no real token, or every real score -inf: c = 0, as the forward
@@ -606,26 +681,18 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
         }
         double z = 0;
         for (Index r = b * n; r < (b + 1) * n; ++r) {
-            c[r] = real(r) ? std::exp(Pb[r * ld] - mx) : T(0);
+            c[r] = real(r) ? std::exp(S[r] - mx) : T(0);
             z += static_cast<double>(c[r]);
         }
         for (Index r = b * n; r < (b + 1) * n; ++r)
             if (real(r)) c[r] = static_cast<T>(static_cast<double>(c[r]) / z);
     });
-    const RowMatrix<T> ctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m, auto& share) {
-                                 share.setZero();
-                                 for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
-                                     if (real(r)) share += c[r] * prow(Pb.get(), r).segment(1, d);
-                             }).template cast<T>();
 
     // U = relu(v) * ctx; out = U w_o + b_o.
     auto Ub = make_buffer<T>(rows * d), dU = make_buffer<T>(rows * d);
     for_row_blocks(rows, [&](Index r0, Index m) {
         for (Index r = r0; r < r0 + m; ++r)
-            drow(Ub.get(), r) = prow(Pb.get(), r)
-                                    .tail(d)
-                                    .unaryExpr([](T v) { return v < T(0) ? T(0) : v; })
-                                    .cwiseProduct(ctx.row(r / n));
+            drow(Ub.get(), r) = crow(Rv, r).cwiseProduct(ctx.row(r / n));
     });
     linear_weight_grad(rows, d, dout, Ub.get(), d, grad_out, dout, g.w_o, g.b_o);
     linear_input_grad(rows, d, dout, grad_out, dout, p.w_o, dU.get(), d);
@@ -634,27 +701,24 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
     const RowMatrix<T> dctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m, auto& share) {
                                   share.setZero();
                                   for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
-                                      share +=
-                                          prow(Pb.get(), r)
-                                              .tail(d)
-                                              .unaryExpr([](T v) { return v < T(0) ? T(0) : v; })
-                                              .cwiseProduct(drow(dU.get(), r));
+                                      share += crow(Rv, r).cwiseProduct(drow(dU.get(), r));
                               }).template cast<T>();
 
-    // dP = [ds | dk | dv]: dv = [v > 0] ctx * dU (torch's relu: 0 at 0); dk = c dctx over real
-    // tokens; ds = c (dc - sum_R c dc), dc_n = k_n . dctx.
+    // dP = [ds | dk | dv]: dv = [v > 0] ctx * dU (torch's relu: 0 at 0; relu(v) <= 0 exactly
+    // when v <= 0, NaN passing as in torch); dk = c dctx over real tokens; ds = c (dc - sum_R
+    // c dc), dc_n = k_n . dctx.
     auto dP = make_buffer<T>(rows * ld);
     auto dc = make_buffer<T>(rows);
     for_row_blocks(rows, [&](Index r0, Index m) {
         for (Index r = r0; r < r0 + m; ++r) {
             const Index b = r / n;
-            auto P = prow(Pb.get(), r);
+            const T* rv = Rv + r * d;
             auto dp = prow(dP.get(), r);
             for (Index j = 0; j < d; ++j)
-                dp[1 + d + j] = P[1 + d + j] <= T(0) ? T(0) : ctx(b, j) * dU[r * d + j];
+                dp[1 + d + j] = rv[j] <= T(0) ? T(0) : ctx(b, j) * dU[r * d + j];
             if (real(r)) {
                 dp.segment(1, d) = c[r] * dctx.row(b);
-                dc[r] = P.segment(1, d).dot(dctx.row(b));
+                dc[r] = crow(Kv, r).dot(dctx.row(b));
             } else {
                 dp.segment(1, d).setZero();
                 dc[r] = T(0);

@@ -57,6 +57,40 @@ _CoreArgs = tuple[
 ]  # fmt: skip
 
 
+def _owned(a: dict[str, Any]) -> dict[str, Any]:
+    """A prepared call (``_prepare_additive`` / ``_prepare_separable``) whose arrays are its own
+    copies, for attnlab.vjp: the pullback must see the values the forward saw even if the
+    caller's arrays change in place. Arrays shared between entries (the kernel's argument
+    tuple) stay shared."""
+    copies: dict[int, np.ndarray] = {}
+
+    def own(v: Any) -> Any:
+        if isinstance(v, np.ndarray):
+            if id(v) not in copies:
+                copies[id(v)] = np.array(v, copy=True, order="C")
+            return copies[id(v)]
+        if type(v) is tuple:
+            return tuple(own(f) for f in v)
+        return v
+
+    return {k: own(v) for k, v in a.items()}
+
+
+def _additive_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Buffers for what the additive forward keeps for attnlab.vjp (AdditiveState in
+    cpp/include/attnlab/additive.hpp): (2 D + 3) values per token, D + 1 per batch element."""
+    B, n, D, dtype = a["B"], a["n"], a["D"], a["dtype"]
+    return {
+        "q": V.empty((B * n, D), dtype),
+        "k": V.empty((B * n, D), dtype),
+        "q_norm": V.empty(B * n, dtype),
+        "k_norm": V.empty(B * n, dtype),
+        "score": V.empty(B * n, dtype),
+        "score_norm": V.empty(B, dtype),
+        "pooled": V.empty((B, D), dtype),
+    }
+
+
 def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward."""
     code = _variant_code(args["variant"])
@@ -112,7 +146,7 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
     else:
         xr = V.rows(xa, batch, dtype)
     return dict(
-        xa=xa,
+        x_shape=xa.shape,
         xr=xr,
         wq=wq,
         bq=bq,
@@ -158,6 +192,7 @@ def additive_attention(
     eps: float = 1e-12,
     key_padding_mask: Any = None,
     warn_empty_rows: bool = True,
+    _keep: dict[str, Any] | None = None,
 ) -> np.ndarray:
     """SwiftFormer's efficient additive attention, exactly as the official code computes it.
 
@@ -237,11 +272,28 @@ def additive_attention(
     a = _prepare_additive(_sig.arguments(locals()))
     B, n, d_out = a["B"], a["n"], a["d_out"]
     out = V.empty((B * n, d_out), a["dtype"])
+    state = None
+    if _keep is not None:  # attnlab.vjp: keep the pooling's intermediates for the pullback
+        a = _owned(a)
+        state = _additive_state(a)
+        _keep.update(prepared=a, state=state)
     if out.size:
         leading: _CoreArgs = a["core"]
-        core.additive_forward(*leading, out)
+        core.additive_forward(*leading, out, state)
     batch = a["batch"]
     return out.reshape(batch + (n, d_out))
+
+
+def _separable_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Buffers for what the separable forward keeps for attnlab.vjp (SeparableState in
+    cpp/include/attnlab/additive.hpp): 2 d + 1 values per token, d per batch element."""
+    B, n, d, dtype = a["B"], a["n"], a["d"], a["dtype"]
+    return {
+        "s": V.empty(B * n, dtype),
+        "k": V.empty((B * n, d), dtype),
+        "v": V.empty((B * n, d), dtype),
+        "context": V.empty((B, d), dtype),
+    }
 
 
 def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
@@ -281,7 +333,9 @@ def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
     kp = _args.pooled_padding(args, batch, n)
     B = V.count(batch)
     return dict(
-        xa=xa,
+        x_shape=xa.shape,
+        # the kernel's rows (none without features: the kernel is not called)
+        xr=V.rows(xa, batch, dtype) if d else None,
         wqkv=wqkv,
         bqkv=bqkv,
         wo=wo,
@@ -306,6 +360,7 @@ def separable_attention(
     b_o: Any = None,
     key_padding_mask: Any = None,
     warn_empty_rows: bool = True,
+    _keep: dict[str, Any] | None = None,
 ) -> np.ndarray:
     """MobileViT-v2's separable self-attention (``LinearSelfAttention``) on tokens.
 
@@ -361,15 +416,21 @@ def separable_attention(
     (2, 8, 4, 16)
     """
     a = _prepare_separable(_sig.arguments(locals()))
-    xa, bo, B, n, d, d_out = a["xa"], a["bo"], a["B"], a["n"], a["d"], a["d_out"]
-    batch, dtype, kp = a["batch"], a["dtype"], a["kp"]
+    B, n, d, d_out = a["B"], a["n"], a["d"], a["d_out"]
+    batch, dtype = a["batch"], a["dtype"]
     out = V.empty((B * n, d_out), dtype)
+    state = None
+    if _keep is not None:  # attnlab.vjp: keep the pooling's intermediates for the pullback
+        a = _owned(a)
+        state = _separable_state(a)
+        _keep.update(prepared=a, state=state)
+    bo = a["bo"]
     if out.size:
         if d == 0:  # no features: no keys or values, ctx is empty and out = b_o
             out[...] = 0.0 if bo is None else bo
         else:
             core.separable_forward(
-                V.rows(xa, batch, dtype), a["wqkv"], a["bqkv"], a["wo"], bo, B, n, kp, out
+                a["xr"], a["wqkv"], a["bqkv"], a["wo"], bo, B, n, a["kp"], out, state
             )
     return out.reshape(batch + (n, d_out))
 
@@ -400,7 +461,14 @@ _ADDITIVE_BACKWARD_DOC = """\
 
 
 def _additive_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
-    a = _prepare_additive(args)
+    return _additive_grads(_prepare_additive(args), grad_out)
+
+
+def _additive_grads(
+    a: dict[str, Any], grad_out: Any, state: dict[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
+    """The gradients of a prepared call; with ``state`` (what the forward kept for
+    attnlab.vjp) the kernel reads it instead of running the forward's pooling again."""
     B, n, d_in, D, d_out, dtype = a["B"], a["n"], a["d_in"], a["D"], a["d_out"], a["dtype"]
     batch = a["batch"]
     go = _grad.grad_out_rows(grad_out, batch + (n, d_out), dtype)
@@ -420,12 +488,12 @@ def _additive_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndar
         grads["b_final"] = V.zeros(d_out, dtype)
     if B * n > 0 and d_out > 0:
         leading: _CoreArgs = a["core"]
-        core.additive_backward(go, *leading, grads)
+        core.additive_backward(go, *leading, grads, state)
     if d_in == 0:
         grads["x"] = V.zeros((B * n, 0), dtype)
         grads["w_q"] = V.zeros((0, D), dtype)
         grads["w_k"] = V.zeros((0, D), dtype)
-    grads["x"] = grads["x"].reshape(a["xa"].shape)
+    grads["x"] = grads["x"].reshape(a["x_shape"])
     grads["w_g"] = grads["w_g"].reshape(a["wg_shape"])
     return grads
 
@@ -452,7 +520,14 @@ _SEPARABLE_BACKWARD_DOC = """\
 
 
 def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
-    a = _prepare_separable(args)
+    return _separable_grads(_prepare_separable(args), grad_out)
+
+
+def _separable_grads(
+    a: dict[str, Any], grad_out: Any, state: dict[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
+    """The gradients of a prepared call; with ``state`` (what the forward kept for
+    attnlab.vjp) the kernel reads it instead of running the forward's pooling again."""
     B, n, d, d_out, dtype, batch = a["B"], a["n"], a["d"], a["d_out"], a["dtype"], a["batch"]
     go = _grad.grad_out_rows(grad_out, batch + (n, d_out), dtype)
     grads = {"x": V.zeros((B * n, d), dtype), "w_qkv": V.zeros((d, 1 + 2 * d), dtype)}
@@ -467,18 +542,9 @@ def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.nda
                 grads["b_o"] = go.sum(axis=0)
         else:
             core.separable_backward(
-                go,
-                V.rows(a["xa"], batch, dtype),
-                a["wqkv"],
-                a["bqkv"],
-                a["wo"],
-                a["bo"],
-                B,
-                n,
-                a["kp"],
-                grads,
+                go, a["xr"], a["wqkv"], a["bqkv"], a["wo"], a["bo"], B, n, a["kp"], grads, state
             )
-    grads["x"] = grads["x"].reshape(a["xa"].shape)
+    grads["x"] = grads["x"].reshape(a["x_shape"])
     return grads
 
 

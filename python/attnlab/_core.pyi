@@ -162,7 +162,8 @@ def bilinear_backward(
 ) -> None: ...
 
 # Additive (SwiftFormer) and separable (MobileViT-v2) attention (cpp/bindings/additive.cpp).
-# variant: 0 official, 1 hf.
+# variant: 0 official, 1 hf. state: attnlab.vjp's buffers (AdditiveState, SeparableState), filled
+# by the forward, read by the backward.
 def additive_forward(
     x: _Array,
     w_q: _Array,
@@ -181,6 +182,7 @@ def additive_forward(
     variant: _Int,
     key_padding_mask: _Optional,
     out: _Array,
+    state: dict[str, _Array] | None = ...,
 ) -> None: ...
 def separable_forward(
     x: _Array,
@@ -192,6 +194,7 @@ def separable_forward(
     n: _Int,
     key_padding_mask: _Optional,
     out: _Array,
+    state: dict[str, _Array] | None = ...,
 ) -> None: ...
 def additive_backward(
     grad_out: _Array,
@@ -212,6 +215,7 @@ def additive_backward(
     variant: _Int,
     key_padding_mask: _Optional,
     grads: dict[str, _Array],
+    state: dict[str, _Array] | None = ...,
 ) -> None: ...
 def separable_backward(
     grad_out: _Array,
@@ -224,4 +228,5 @@ def separable_backward(
     n: _Int,
     key_padding_mask: _Optional,
     grads: dict[str, _Array],
+    state: dict[str, _Array] | None = ...,
 ) -> None: ...

@@ -23,20 +23,22 @@ KEPT: dict[Any, Callable[[dict[str, Any], Any], dict[str, np.ndarray]]] = {
     _bilinear.bilinear_attention: lambda k, g: _bilinear._bilinear_grads(
         k["prepared"], g, k["state"]
     ),
-}
-# The others: their ``*_backward`` (which recomputes the forward) on private copies.
-RECOMPUTED: dict[Any, Callable[..., dict[str, np.ndarray]]] = {
-    _additive.additive_attention: _additive.additive_attention_backward,
-    _additive.separable_attention: _additive.separable_attention_backward,
+    _additive.additive_attention: lambda k, g: _additive._additive_grads(
+        k["prepared"], g, k["state"]
+    ),
+    _additive.separable_attention: lambda k, g: _additive._separable_grads(
+        k["prepared"], g, k["state"]
+    ),
 }
 
 
 def _recomputing(
     f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, Pullback]:
-    """The forward on a private copy of the arguments (later in-place changes of the caller's
-    arrays do not reach the pullback), the pullback through ``f``'s ``*_backward``."""
-    backward = RECOMPUTED.get(f) or _mha.multi_head_attention_backward
+    """Multi-head attention with rotary embeddings, which keeps no state yet: the forward on a
+    private copy of the arguments (later in-place changes of the caller's arrays do not reach
+    the pullback), the pullback through ``multi_head_attention_backward``."""
+    backward = _mha.multi_head_attention_backward
     own = copy.deepcopy(dict(inspect.signature(f).bind(*args, **kwargs).arguments))
     out = f(**own)
     again = {**own, "warn_empty_rows": False}  # the forward warned already
@@ -49,9 +51,12 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
 
     As ``jax.vjp``: ``out`` is exactly ``f(*args, **kwargs)``, and ``pullback(grad_out)``
     returns the dict that ``f_backward(grad_out, *args, **kwargs)`` returns (gradients keyed
-    by argument name), without running the forward again for ``multi_head_attention``,
-    ``scaled_dot_product_attention`` and ``bilinear_attention``: their forward keeps the
-    projections, the attention output and the log-sum-exp (O(n d) memory, no n x n).
+    by argument name), without running the forward again: the forward keeps what the backward
+    needs, in O(n d) memory (no n x n). ``multi_head_attention``,
+    ``scaled_dot_product_attention`` and ``bilinear_attention`` keep the projections, the
+    attention output and the log-sum-exp; ``additive_attention`` the normalised queries and
+    keys with their norms, the scores and the pooled global query ``G``;
+    ``separable_attention`` the scores, the keys, ``relu(v)`` and the context vector.
 
     Parameters
     ----------
@@ -81,9 +86,8 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
 
     ``bilinear_attention`` keeps its state when the cost model evaluates it in the query order
     (the backward's); in the key order (many more queries than keys) its pullback recomputes
-    the forward in the query order. ``additive_attention``,
-    ``separable_attention`` and ``multi_head_attention`` with ``rope_theta`` keep copies of
-    their arguments and their pullback recomputes the forward (linear in n for the first two).
+    the forward in the query order. ``multi_head_attention`` with ``rope_theta`` keeps copies of
+    its arguments and its pullback recomputes the forward.
 
     {examples}
     >>> x = rng.standard_normal((2, 5, 8))
@@ -96,14 +100,14 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
     >>> all(np.allclose(grads[k], ref[k], rtol=1e-12, atol=1e-12) for k in ref)
     True
     """
-    if f not in KEPT and f not in RECOMPUTED:
-        names = ", ".join(f"attnlab.{g.__name__}" for g in (*KEPT, *RECOMPUTED))
+    if f not in KEPT:
+        names = ", ".join(f"attnlab.{g.__name__}" for g in KEPT)
         raise TypeError(f"f: expected one of {names}, got {f!r}")
     rotary = (
         f is _mha.multi_head_attention
         and inspect.signature(f).bind(*args, **kwargs).arguments.get("rope_theta") is not None
     )
-    if f in RECOMPUTED or rotary:  # the rotary path keeps no state yet
+    if rotary:  # the rotary path keeps no state yet
         return _recomputing(f, args, kwargs)
     keep: dict[str, Any] = {}
     out = f(*args, **kwargs, _keep=keep)

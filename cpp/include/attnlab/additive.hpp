@@ -30,6 +30,22 @@ struct AdditiveTensors {
     P w_final = nullptr, b_final = nullptr;  // (D, d_out), (d_out)
 };
 
+// What the forward keeps for the backward (attnlab.vjp): caller-owned buffers, O(n D), all
+// set or none. The forward given them fills them with its exact intermediates; a backward given
+// them with `filled` set reads them instead of running the forward's pooling again (the
+// backward without them runs that same pooling into its own buffers, so both agree bitwise).
+template <typename T>
+struct AdditiveState {
+    T* q = nullptr;           // (batch * n, D): normalize_rows(x w_q + b_q)
+    T* k = nullptr;           // (batch * n, D): normalize_rows(x w_k + b_k)
+    T* q_norm = nullptr;      // (batch * n): ||x w_q + b_q|| before the normalisation
+    T* k_norm = nullptr;      // (batch * n)
+    T* score = nullptr;       // (batch * n): official (Q w_g) * scale; hf 1
+    T* score_norm = nullptr;  // (batch): official ||s|| over the real tokens; hf 0
+    T* pooled = nullptr;      // (batch, D): G
+    bool filled = false;
+};
+
 template <typename T>
 struct AdditiveProblem : AdditiveTensors<const T*> {
     Index batch = 0, n = 0, d_in = 0, width = 0, d_out = 0;  // width is D
@@ -37,7 +53,8 @@ struct AdditiveProblem : AdditiveTensors<const T*> {
     T eps = T(1e-12);
     AdditiveVariant variant = AdditiveVariant::official;
     TokenMask key_padding;
-    T* out = nullptr;  // (batch * n, d_out) row-major contiguous
+    T* out = nullptr;        // (batch * n, d_out) row-major contiguous
+    AdditiveState<T> state;  // optional (attnlab.vjp)
 };
 
 // Per batch element, x (n, d), [s | k | v] = x w_qkv + b_qkv with widths 1, d, d:
@@ -53,11 +70,22 @@ struct SeparableTensors {
     P w_o = nullptr, b_o = nullptr;      // (d, d_out), (d_out)
 };
 
+// What the separable forward keeps for the backward, as AdditiveState (all set or none).
+template <typename T>
+struct SeparableState {
+    T* s = nullptr;        // (batch * n): the scores
+    T* k = nullptr;        // (batch * n, d): the keys
+    T* v = nullptr;        // (batch * n, d): relu(v)
+    T* context = nullptr;  // (batch, d): ctx
+    bool filled = false;
+};
+
 template <typename T>
 struct SeparableProblem : SeparableTensors<const T*> {
     Index batch = 0, n = 0, d = 0, d_out = 0;
     TokenMask key_padding;
-    T* out = nullptr;  // (batch * n, d_out)
+    T* out = nullptr;         // (batch * n, d_out)
+    SeparableState<T> state;  // optional (attnlab.vjp)
 };
 
 // Gradients of the two forwards, written to caller-owned buffers shaped like the arguments
@@ -79,8 +107,9 @@ void additive_attention_forward(const AdditiveProblem<T>& p);
 template <typename T>
 void separable_attention_forward(const SeparableProblem<T>& p);
 
-// p.out is not used. Matches torch's autograd, including F.normalize below eps (v / eps, a
-// constant scale) and relu at 0 (gradient 0).
+// p.out is not used; p.state, when filled, stands for the forward's pooling (else it is run
+// again). Matches torch's autograd, including F.normalize below eps (v / eps, a constant scale)
+// and relu at 0 (gradient 0).
 template <typename T>
 void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
                                  const AdditiveGrads<T>& g);
