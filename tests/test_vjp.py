@@ -222,3 +222,239 @@ def test_kept_masks_are_not_materialised():
     got = KEPT[attnlab.multi_head_attention](keep, np.ones_like(out))
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+# ----------------------------------------------------------------- additive and separable
+
+
+def _pooled_case(family: str, rng, dtype, *, batch, n, widths, variant, biases, padded):
+    """Arguments of additive_attention (widths d_in, D, d_out) or separable_attention (d,
+    d_out); ``padded``: a key padding mask with padded tokens and, when batched, one batch
+    element with no real token."""
+    if family == "additive_attention":
+        d_in, D, d_out = widths
+        kw = {
+            "w_q": rng.standard_normal((d_in, D)) * 0.5,
+            "w_k": rng.standard_normal((d_in, D)) * 0.5,
+            "w_g": rng.standard_normal(D),
+            "w_proj": rng.standard_normal((D, D)) * 0.4,
+            "w_final": rng.standard_normal((D, d_out)) * 0.4,
+        }
+        if biases:
+            kw.update(
+                b_q=rng.standard_normal(D) * 0.3,
+                b_k=rng.standard_normal(D) * 0.3,
+                b_proj=rng.standard_normal(D) * 0.3,
+                b_final=rng.standard_normal(d_out) * 0.3,
+            )
+        kw = {k: v.astype(dtype) for k, v in kw.items()}
+        kw["variant"] = variant
+    else:
+        d_in, d_out = widths
+        kw = {
+            "w_qkv": (rng.standard_normal((d_in, 1 + 2 * d_in)) * 0.5).astype(dtype),
+            "w_o": (rng.standard_normal((d_in, d_out)) * 0.5).astype(dtype),
+        }
+        if biases:
+            kw["b_qkv"] = (rng.standard_normal(1 + 2 * d_in) * 0.3).astype(dtype)
+            kw["b_o"] = (rng.standard_normal(d_out) * 0.3).astype(dtype)
+    kw["x"] = rng.standard_normal((*batch, n, d_in)).astype(dtype)
+    if padded:
+        m = rng.random((*batch, n)) < 0.7
+        m[..., 0] = True
+        if batch:
+            m.reshape(-1, n)[-1] = False  # a sequence with no real token
+        kw["key_padding_mask"] = m
+        kw["warn_empty_rows"] = False
+    return kw
+
+
+POOLED_SHAPES = [  # (batch, n, additive widths (d_in, D, d_out), separable widths (d, d_out))
+    ((), 1, (3, 4, 2), (3, 2)),
+    ((2,), 7, (4, 6, 5), (4, 5)),
+    ((3,), 129, (8, 16, 8), (8, 8)),  # two row blocks, the second of one row
+    ((2, 2), 300, (5, 12, 3), (6, 4)),  # several blocks, two leading batch axes
+    ((1,), 1030, (4, 8, 8), (4, 8)),  # more rows than one output task
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", range(len(POOLED_SHAPES)))
+@pytest.mark.parametrize(
+    "family, variant",
+    [
+        ("additive_attention", "official"),
+        ("additive_attention", "hf"),
+        ("separable_attention", None),
+    ],
+)
+@pytest.mark.parametrize("biases, padded", [(True, False), (False, True), (True, True)])
+def test_pooled_pullback_is_the_backward_bitwise(family, variant, shape, dtype, biases, padded):
+    """The pullback reads the kept state; *_backward runs the forward's pooling again: the same
+    gradients bit for bit, twice, and after the caller's arrays changed in place."""
+    batch, n, wa, ws = POOLED_SHAPES[shape]
+    rng = np.random.default_rng(shape * 7 + padded)
+    widths = wa if family == "additive_attention" else ws
+    kw = _pooled_case(
+        family, rng, dtype, batch=batch, n=n, widths=widths, variant=variant, biases=biases,
+        padded=padded,
+    )  # fmt: skip
+    f = getattr(attnlab, family)
+    mine = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    out, pullback = attnlab.vjp(f, **mine)
+    np.testing.assert_array_equal(out, f(**kw))
+    g = rng.standard_normal(out.shape).astype(dtype)
+    want = getattr(attnlab, family + "_backward")(g, **kw)
+    for v in mine.values():  # the caller reuses its buffers
+        if isinstance(v, np.ndarray):
+            v[...] = np.logical_not(v) if v.dtype == bool else v * 3 - 1
+    got = pullback(g)
+    again = pullback(g)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+        np.testing.assert_array_equal(again[k], want[k], err_msg=k)
+        assert np.isfinite(got[k]).all(), k
+
+
+def _count_pooled(monkeypatch, family: str) -> list[tuple[str, object]]:
+    """Records the calls of a pooled family's forward and backward kernels with their state."""
+    from attnlab._loader import core
+
+    prefix = "additive" if family == "additive_attention" else "separable"
+    calls: list[tuple[str, object]] = []
+    fwd, bwd = getattr(core, prefix + "_forward"), getattr(core, prefix + "_backward")
+
+    def count_fwd(*a):
+        calls.append(("forward", a[-1]))
+        return fwd(*a)
+
+    def count_bwd(*a):
+        calls.append(("backward from state" if a[-1] is not None else "backward + pooling", a[-1]))
+        return bwd(*a)
+
+    monkeypatch.setattr(core, prefix + "_forward", count_fwd)
+    monkeypatch.setattr(core, prefix + "_backward", count_bwd)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["additive_attention", "separable_attention"])
+def test_pooled_pullback_runs_no_forward(monkeypatch, family):
+    """The forward kernel runs once, filling the state; the pullback calls only the backward
+    kernel, with that state."""
+    calls = _count_pooled(monkeypatch, family)
+    widths = (4, 6, 5) if family == "additive_attention" else (4, 5)
+    kw = _pooled_case(
+        family, np.random.default_rng(2), np.float64, batch=(2,), n=9, widths=widths,
+        variant="official", biases=True, padded=True,
+    )  # fmt: skip
+    out, pullback = attnlab.vjp(getattr(attnlab, family), **kw)
+    pullback(np.ones_like(out))
+    pullback(np.ones_like(out))
+    assert [c[0] for c in calls] == ["forward", "backward from state", "backward from state"]
+    assert isinstance(calls[0][1], dict) and calls[1][1] is calls[0][1] is calls[2][1]
+    calls.clear()
+    getattr(attnlab, family + "_backward")(np.ones_like(out), **kw)
+    assert [c[0] for c in calls] == ["backward + pooling"]
+
+
+@pytest.mark.parametrize("family", ["additive_attention", "separable_attention"])
+def test_pooled_backward_reads_the_kept_state(family):
+    """Spoiling the kept state changes the gradients: the kernel used it rather than running
+    the pooling again."""
+    from attnlab._vjp import KEPT
+
+    widths = (4, 6, 5) if family == "additive_attention" else (4, 5)
+    kw = _pooled_case(
+        family, np.random.default_rng(3), np.float64, batch=(2,), n=9, widths=widths,
+        variant="official", biases=True, padded=False,
+    )  # fmt: skip
+    f = getattr(attnlab, family)
+    keep: dict = {}
+    out = f(**kw, _keep=keep)
+    g = np.ones_like(out)
+    clean = KEPT[f](keep, g)
+    for name, arr in keep["state"].items():
+        saved = arr.copy()
+        arr[...] = 0.5
+        spoiled = KEPT[f](keep, g)
+        assert any(not np.array_equal(spoiled[k], clean[k]) for k in clean), name
+        arr[...] = saved
+    restored = KEPT[f](keep, g)
+    for k in clean:
+        np.testing.assert_array_equal(restored[k], clean[k], err_msg=k)
+
+
+def test_pooled_state_is_linear_in_n():
+    """What vjp keeps for the pooled families: O(n d) (no n x n), the sizes of AdditiveState
+    and SeparableState."""
+    B, n = 2, 50
+    kw = _pooled_case(
+        "additive_attention", np.random.default_rng(4), np.float32, batch=(B,), n=n,
+        widths=(4, 6, 5), variant="official", biases=True, padded=False,
+    )  # fmt: skip
+    keep: dict = {}
+    attnlab.additive_attention(**kw, _keep=keep)
+    assert sum(a.size for a in keep["state"].values()) == B * n * (2 * 6 + 3) + B * (6 + 1)
+    assert all(a.dtype == np.float32 for a in keep["state"].values())
+    kw = _pooled_case(
+        "separable_attention", np.random.default_rng(4), np.float32, batch=(B,), n=n,
+        widths=(4, 5), variant=None, biases=True, padded=False,
+    )  # fmt: skip
+    keep = {}
+    attnlab.separable_attention(**kw, _keep=keep)
+    assert sum(a.size for a in keep["state"].values()) == B * n * (2 * 4 + 1) + B * 4
+
+
+def test_pooled_pullback_bitwise_for_any_thread_count():
+    """The kept state and the pullback are the same for 1 and 2 threads."""
+    kw = _pooled_case(
+        "additive_attention", np.random.default_rng(5), np.float32, batch=(3,), n=400,
+        widths=(8, 16, 8), variant="official", biases=True, padded=True,
+    )  # fmt: skip
+    old = attnlab.get_num_threads()
+    results = []
+    try:
+        for k in (1, 2):
+            attnlab.set_num_threads(k)
+            out, pullback = attnlab.vjp(attnlab.additive_attention, **kw)
+            results.append(pullback(np.ones_like(out)))
+    finally:
+        attnlab.set_num_threads(old)
+    for k in results[0]:
+        np.testing.assert_array_equal(results[0][k], results[1][k], err_msg=k)
+
+
+def test_pooled_layer_training_step_runs_one_forward(monkeypatch):
+    from attnlab import layers, optim
+
+    layer = layers.SeparableAttention(8, seed=0)
+    opt = optim.Adam(layer, lr=1e-2)
+    x = np.random.default_rng(0).standard_normal((2, 5, 8))
+    calls = _count_pooled(monkeypatch, "separable_attention")
+    for _ in range(2):
+        out = layer(x)
+        layer.backward(2 * out)
+        opt.step()
+    assert [c[0] for c in calls] == ["forward", "backward from state"] * 2
+
+
+@pytest.mark.parametrize("family", ["additive_attention", "separable_attention"])
+@pytest.mark.parametrize("sizes", [(2, 0, 4, 3), (2, 5, 0, 3), (2, 5, 4, 0), (0, 5, 4, 3)])
+def test_pooled_pullback_on_empty_sizes(family, sizes):
+    """No tokens, no features or no outputs: the kernel may not run, the state stays unfilled
+    and unread, and the pullback still equals the backward."""
+    B, n, d, d_out = sizes
+    widths = (d, 6, d_out) if family == "additive_attention" else (d, d_out)
+    kw = _pooled_case(
+        family, np.random.default_rng(6), np.float64, batch=(B,), n=n, widths=widths,
+        variant="official", biases=True, padded=False,
+    )  # fmt: skip
+    out, pullback = attnlab.vjp(getattr(attnlab, family), **kw)
+    g = np.ones_like(out)
+    want = getattr(attnlab, family + "_backward")(g, **kw)
+    got = pullback(g)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
