@@ -61,13 +61,24 @@ def _owned(a: dict[str, Any]) -> dict[str, Any]:
     """A prepared call (``_prepare_additive`` / ``_prepare_separable``) whose arrays are its own
     copies, for attnlab.vjp: the pullback must see the values the forward saw even if the
     caller's arrays change in place. Arrays shared between entries (the kernel's argument
-    tuple) stay shared."""
-    copies: dict[int, np.ndarray] = {}
+    tuple) stay shared. One allocation for all the copies (see ``V.empty_group``)."""
+    found: dict[int, np.ndarray] = {}
+
+    def distinct(v: Any) -> None:
+        if isinstance(v, np.ndarray):
+            found.setdefault(id(v), v)
+        elif type(v) is tuple:
+            for f in v:
+                distinct(f)
+
+    for v in a.values():
+        distinct(v)
+    copies = V.empty_group({i: (x.shape, x.dtype) for i, x in found.items()})
+    for i, x in found.items():
+        copies[i][...] = x
 
     def own(v: Any) -> Any:
         if isinstance(v, np.ndarray):
-            if id(v) not in copies:
-                copies[id(v)] = np.array(v, copy=True, order="C")
             return copies[id(v)]
         if type(v) is tuple:
             return tuple(own(f) for f in v)
@@ -80,15 +91,17 @@ def _additive_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
     """Buffers for what the additive forward keeps for attnlab.vjp (AdditiveState in
     cpp/include/attnlab/additive.hpp): (2 D + 3) values per token, D + 1 per batch element."""
     B, n, D, dtype = a["B"], a["n"], a["D"], a["dtype"]
-    return {
-        "q": V.empty((B * n, D), dtype),
-        "k": V.empty((B * n, D), dtype),
-        "q_norm": V.empty(B * n, dtype),
-        "k_norm": V.empty(B * n, dtype),
-        "score": V.empty(B * n, dtype),
-        "score_norm": V.empty(B, dtype),
-        "pooled": V.empty((B, D), dtype),
-    }
+    return V.empty_group(
+        {
+            "q": ((B * n, D), dtype),
+            "k": ((B * n, D), dtype),
+            "q_norm": ((B * n,), dtype),
+            "k_norm": ((B * n,), dtype),
+            "score": ((B * n,), dtype),
+            "score_norm": ((B,), dtype),
+            "pooled": ((B, D), dtype),
+        }
+    )
 
 
 def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
@@ -288,12 +301,14 @@ def _separable_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
     """Buffers for what the separable forward keeps for attnlab.vjp (SeparableState in
     cpp/include/attnlab/additive.hpp): 2 d + 1 values per token, d per batch element."""
     B, n, d, dtype = a["B"], a["n"], a["d"], a["dtype"]
-    return {
-        "s": V.empty(B * n, dtype),
-        "k": V.empty((B * n, d), dtype),
-        "v": V.empty((B * n, d), dtype),
-        "context": V.empty((B, d), dtype),
-    }
+    return V.empty_group(
+        {
+            "s": ((B * n,), dtype),
+            "k": ((B * n, d), dtype),
+            "v": ((B * n, d), dtype),
+            "context": ((B, d), dtype),
+        }
+    )
 
 
 def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
