@@ -57,36 +57,6 @@ _CoreArgs = tuple[
 ]  # fmt: skip
 
 
-def _owned(a: dict[str, Any]) -> dict[str, Any]:
-    """A prepared call (``_prepare_additive`` / ``_prepare_separable``) whose arrays are its own
-    copies, for attnlab.vjp: the pullback must see the values the forward saw even if the
-    caller's arrays change in place. Arrays shared between entries (the kernel's argument
-    tuple) stay shared. One allocation for all the copies (see ``V.empty_group``)."""
-    found: dict[int, np.ndarray] = {}
-
-    def distinct(v: Any) -> None:
-        if isinstance(v, np.ndarray):
-            found.setdefault(id(v), v)
-        elif type(v) is tuple:
-            for f in v:
-                distinct(f)
-
-    for v in a.values():
-        distinct(v)
-    copies = V.empty_group({i: (x.shape, x.dtype) for i, x in found.items()})
-    for i, x in found.items():
-        copies[i][...] = x
-
-    def own(v: Any) -> Any:
-        if isinstance(v, np.ndarray):
-            return copies[id(v)]
-        if type(v) is tuple:
-            return tuple(own(f) for f in v)
-        return v
-
-    return {k: own(v) for k, v in a.items()}
-
-
 def _additive_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
     """Buffers for what the additive forward keeps for attnlab.vjp (AdditiveState in
     cpp/include/attnlab/additive.hpp): (2 D + 3) values per token, D + 1 per batch element."""
@@ -287,7 +257,7 @@ def additive_attention(
     out = V.empty((B * n, d_out), a["dtype"])
     state = None
     if _keep is not None:  # attnlab.vjp: keep the pooling's intermediates for the pullback
-        a = _owned(a)
+        a = V.owned(a)
         state = _additive_state(a)
         _keep.update(prepared=a, state=state)
     if out.size:
@@ -436,7 +406,7 @@ def separable_attention(
     out = V.empty((B * n, d_out), dtype)
     state = None
     if _keep is not None:  # attnlab.vjp: keep the pooling's intermediates for the pullback
-        a = _owned(a)
+        a = V.owned(a)
         state = _separable_state(a)
         _keep.update(prepared=a, state=state)
     bo = a["bo"]

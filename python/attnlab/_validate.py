@@ -301,11 +301,13 @@ def key_padding2(kpm: Any, batch: tuple[int, ...], n_k: int) -> np.ndarray | Non
 
 
 def owned(prepared: Any) -> Any:
-    """A copy of a prepared call (a NamedTuple) whose arrays are its own: attnlab.vjp keeps it
-    for the pullback, which must see the values the forward saw even if the caller's arrays
-    change in place. Arrays shared between fields stay shared; dicts of arrays are copied."""
-    # a broadcast view (a mask over batch and heads) is copied as its distinct data and
-    # broadcast again, never materialised at (B, h, n_q, n_k)
+    """A copy of a prepared call whose arrays are its own: attnlab.vjp keeps it for the
+    pullback, which must see the values the forward saw even if the caller's arrays change in
+    place. ``prepared`` is a NamedTuple or a dict, holding arrays directly or in nested dicts,
+    NamedTuples and tuples; the structure is kept, and arrays shared between entries stay
+    shared. One allocation for all the copies (see :func:`empty_group`); a broadcast view (a
+    mask over batch and heads) is copied as its distinct data and broadcast again, never
+    materialised at (B, h, n_q, n_k)."""
     found: dict[int, np.ndarray] = {}
 
     def distinct(x: Any) -> None:
@@ -314,7 +316,7 @@ def owned(prepared: Any) -> Any:
         elif isinstance(x, dict):
             for v in x.values():
                 distinct(v)
-        elif isinstance(x, tuple) and hasattr(x, "_fields"):  # a nested prepared part
+        elif isinstance(x, tuple):
             for f in x:
                 distinct(f)
 
@@ -333,11 +335,12 @@ def owned(prepared: Any) -> Any:
             return copies[id(x)]
         if isinstance(x, dict):
             return {k: own(v) for k, v in x.items()}
-        if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return type(x)(*(own(f) for f in x))
+        if isinstance(x, tuple):
+            parts = (own(f) for f in x)
+            return type(x)(*parts) if hasattr(x, "_fields") else tuple(parts)
         return x
 
-    return type(prepared)(*(own(f) for f in prepared))
+    return own(prepared)
 
 
 def check_flag(x: Any, name: str) -> bool:
