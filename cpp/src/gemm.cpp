@@ -27,11 +27,14 @@ constexpr Index kGemmDepth = 256;
 // reads it (a copy before the products was 14% of a 128 x 768 x 2304 projection in perf, most
 // of it waiting for the weights). The same FMAs in the same order either way: the result does
 // not depend on which rows packed.
-template <typename T>
+//
+// NP: the panel's width in packets, W = NP packets; 3 but for the last panel of a width that is
+// not a whole number of 3-packet panels (64 columns with AVX-512: 48 + 16, not 48 + 48).
+template <typename T, int NP>
 void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const T* b, Index ldb,
                 bool b_transposed, Index j0, Index nw, T* y, Index ldy, bool zero_start) {
-    constexpr Index W = detail::panel_width<T>();
-    constexpr int MR = detail::kPanelRows;
+    constexpr Index W = NP * detail::packet_size<T>();
+    constexpr int MR = detail::rows_for_packets<NP>();
     T* bp = scratch<T>(ScratchBuffer::kGemmPanel, static_cast<std::size_t>(kGemmDepth * W));
     for (Index k0 = 0; k0 < depth; k0 += kGemmDepth) {
         const Index kc = std::min(kGemmDepth, depth - k0);
@@ -41,10 +44,10 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
             constexpr bool Acc = decltype(accumulate)::value;
             if (!b_transposed && nw == W && m >= MR) {
                 // the first row block packs B as it goes, the others read the packed copy
-                detail::panel_kernel<T, MR, detail::kPanelPackets, Acc, true>(
-                    kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y, ldy, bp, W);
-                detail::panel_product<T, Acc>(m - MR, kc, ak + MR * a_rs, a_rs, a_ts, bp, W,
-                                              y + MR * ldy, ldy);
+                detail::panel_kernel<T, MR, NP, Acc, true>(kc, ak, a_rs, a_ts, b + k0 * ldb + j0,
+                                                           ldb, y, ldy, bp, W);
+                detail::panel_rows<T, NP, MR, Acc>(m - MR, kc, ak + MR * a_rs, a_rs, a_ts, bp, W,
+                                                   y + MR * ldy, ldy);
                 return;
             }
             // B^T blocks by packet transposes (a scalar gather was half of this function's time
@@ -59,7 +62,7 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
             }
             if (nw < W)
                 for (Index k = 0; k < kc; ++k) std::fill(bp + k * W + nw, bp + (k + 1) * W, T(0));
-            detail::panel_product<T, Acc>(m, kc, ak, a_rs, a_ts, bp, W, y, ldy);
+            detail::panel_rows<T, NP, MR, Acc>(m, kc, ak, a_rs, a_ts, bp, W, y, ldy);
         };
         if (zero_start && k0 == 0) {
             product(std::false_type{});
@@ -76,7 +79,7 @@ template <typename T>
 void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_ts, const T* b,
           Index ldb, bool b_transposed, const T* bias, T* y, Index ldy, bool accumulate) {
     if (rows <= 0 || cols <= 0) return;
-    constexpr Index W = detail::panel_width<T>();
+    constexpr Index W = detail::panel_width<T>(), L = detail::packet_size<T>();
     const Index panels = (cols + W - 1) / W;
     const Index row_chunks = (rows + kRowChunk - 1) / kRowChunk;
     const Index col_groups = (panels + kPanelsPerTask - 1) / kPanelsPerTask;
@@ -88,22 +91,33 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
         const T* ar = a + r0 * a_rs;
         for (Index p = p0; p < p1; ++p) {
             const Index j0 = p * W, nw = std::min(W, cols - j0);
-            // a partial last panel goes through a padded copy of its Y block
-            const bool full = nw == W;
+            // the last panel as narrow as whole packets allow; if still wider than the columns
+            // left, through a padded copy of its Y block
+            const Index np = (nw + L - 1) / L, wp = np * L;
+            const bool full = nw == wp;
             T* yb = full ? y + r0 * ldy + j0
-                         : scratch<T>(ScratchBuffer::kGemmEdge, static_cast<std::size_t>(m * W));
-            const Index ldb_y = full ? ldy : W;
+                         : scratch<T>(ScratchBuffer::kGemmEdge, static_cast<std::size_t>(m * wp));
+            const Index ldb_y = full ? ldy : wp;
             for (Index r = 0; r < m; ++r) {
                 T* yr = yb + r * ldb_y;
                 if (!full) {
                     const T* src = accumulate ? y + (r0 + r) * ldy + j0 : nullptr;
                     if (src) std::copy(src, src + nw, yr);
-                    std::fill(yr + (src ? nw : 0), yr + W, T(0));
+                    std::fill(yr + (src ? nw : 0), yr + wp, T(0));
                 }
-                if (!accumulate && full && depth == 0) std::fill(yr, yr + W, T(0));
+                if (!accumulate && full && depth == 0) std::fill(yr, yr + wp, T(0));
             }
-            panel_gemm(m, depth, ar, a_rs, a_ts, b, ldb, b_transposed, j0, nw, yb, ldb_y,
-                       !accumulate && full);
+            const bool zero_start = !accumulate && full;
+            if (np == 3) {
+                panel_gemm<T, 3>(m, depth, ar, a_rs, a_ts, b, ldb, b_transposed, j0, nw, yb, ldb_y,
+                                 zero_start);
+            } else if (np == 2) {
+                panel_gemm<T, 2>(m, depth, ar, a_rs, a_ts, b, ldb, b_transposed, j0, nw, yb, ldb_y,
+                                 zero_start);
+            } else {
+                panel_gemm<T, 1>(m, depth, ar, a_rs, a_ts, b, ldb, b_transposed, j0, nw, yb, ldb_y,
+                                 zero_start);
+            }
             // The bias is added after the products, not used as the accumulator's start: a bias
             // larger than the products would make every FMA round at its scale (measured on the
             // output projection of a BERT-like layer: 2.1e-7 from exact against 1.5e-7).
@@ -114,7 +128,7 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
                 }
             if (!full)
                 for (Index r = 0; r < m; ++r)
-                    std::copy(yb + r * W, yb + r * W + nw, y + (r0 + r) * ldy + j0);
+                    std::copy(yb + r * wp, yb + r * wp + nw, y + (r0 + r) * ldy + j0);
         }
     });
 }

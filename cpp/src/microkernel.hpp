@@ -37,6 +37,13 @@ constexpr Index panel_width() {
     return kPanelPackets * packet_size<T>();
 }
 
+// Rows at a time for a panel of NP packets: narrower panels take more rows, so that the
+// accumulators still fill the registers (4 x 3, 6 x 2, 8 x 1).
+template <int NP>
+constexpr int rows_for_packets() {
+    return NP >= kPanelPackets ? kPanelRows : NP == 2 ? 6 : 8;
+}
+
 // C[r, 0:NP L) (+)= sum_{t < depth} A(r, t) * B[t, 0:NP L) for r < MR, L = packet_size<T>().
 // A(r, t) = a[r * a_rs + t * a_ts]; B rows are ldb apart, C rows ldc apart, any alignment
 // (unaligned loads cost the same as aligned ones on aligned data on AVX2/AVX-512 CPUs). The sum
@@ -119,9 +126,11 @@ void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, 
     for (Index i = 0; i < wide; ++i, j += kPanelPackets * L)
         panel_product<T, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
     for (; j + 2 * L <= cols; j += 2 * L)
-        panel_rows<T, 2, 6, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
+        panel_rows<T, 2, rows_for_packets<2>(), Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb,
+                                                            c + j, ldc);
     if (j < cols)
-        panel_rows<T, 1, 8, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
+        panel_rows<T, 1, rows_for_packets<1>(), Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb,
+                                                            c + j, ldc);
 }
 
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: blocks of L x L through packet
