@@ -4,6 +4,7 @@ input and every weight from what the forward kept) against torch autograd over F
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -81,10 +82,14 @@ def attnlab_grads(result: tuple[np.ndarray, dict[str, np.ndarray]]) -> dict[str,
 
 
 def training_targets(
-    case: str, fwd: Row | None, pull: Row | None, step: Row | None, torch: Row | None
+    case: str, find: Callable[[str], Row | None], torch: str = "torch"
 ) -> list[dict[str, Any]]:
     """The training targets of issue 14 on one case: pullback alone <= 2.0x the forward, and the
-    training step >= 1.3x torch autograd's (each when both of its rows were timed)."""
+    training step >= 1.3x torch autograd's (each when both of its rows were timed). ``find``
+    gives the case's row of an implementation ("attnlab fwd", "attnlab pullback", "attnlab
+    step", and ``torch`` + " step")."""
+    fwd, pull, step = (find(f"attnlab {p}") for p in ("fwd", "pullback", "step"))
+    tch = find(f"{torch} step")
     out = []
     if fwd and pull:
         out.append(
@@ -92,13 +97,13 @@ def training_targets(
                 f"pullback / forward, {case}", pull.ms / fwd.ms, "<= 2.0", pull.ms <= 2.0 * fwd.ms
             )
         )
-    if step and torch:
+    if step and tch:
         out.append(
             target(
                 f"training step vs torch autograd, {case}",
-                torch.ms / step.ms,
+                tch.ms / step.ms,
                 ">= 1.3x",
-                torch.ms >= 1.3 * step.ms,
+                tch.ms >= 1.3 * step.ms,
             )
         )
     return out

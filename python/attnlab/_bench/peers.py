@@ -25,6 +25,7 @@ import select
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from typing import IO, Any
 
 import numpy as np
@@ -361,11 +362,7 @@ def peer_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         return next((r for r in rows if r.case == label and r.impl == impl), None)
 
     for label in dict.fromkeys(r.case for r in rows if r.impl == "attnlab step"):
-        out += training_targets(
-            label,
-            *(find(label, f"attnlab {p}") for p in ("fwd", "pullback", "step")),
-            find(label, "torch-sdpa step"),
-        )
+        out += training_targets(label, partial(find, label), "torch-sdpa")
     for row in rows:
         if row.impl != "attnlab":
             continue

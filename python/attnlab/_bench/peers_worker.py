@@ -451,8 +451,9 @@ def _save(path: str, out: np.ndarray | dict[str, np.ndarray]) -> None:
     """The checked output as float32: an array (``.npy``), or a training step's output and
     gradients by name (``.npz`` content, whatever the name: ``np.load`` tells them apart)."""
     if isinstance(out, dict):
+        arrays: dict[str, Any] = {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
         with open(path, "wb") as f:
-            np.savez(f, **{k: np.asarray(v, dtype=np.float32) for k, v in out.items()})
+            np.savez(f, **arrays)
     else:
         np.save(path, np.ascontiguousarray(out, dtype=np.float32))
 

@@ -7,6 +7,7 @@ import importlib
 import json
 import platform
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 from .. import build_info, get_num_threads
@@ -106,11 +107,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             if isinstance(mib, float):
                 add(f"MHA {label} ({r[1].shape}) extra memory (MiB)", mib, "< 128", mib < 128)
     for case, _B, _n, _d, _h, _c in BACKWARD_CASES:  # the training-step targets
-        out += training_targets(
-            case,
-            *(_find(rows, "backward", case, f"attnlab {p}") for p in ("fwd", "pullback", "step")),
-            _find(rows, "backward", case, "torch step"),
-        )
+        out += training_targets(case, partial(_find, rows, "backward", case))
     for case, label in (
         ("SwiftFormer fwd fp32", "additive (SwiftFormer)"),
         ("MobileViTv2 fwd fp32", "separable (MobileViT-v2)"),
