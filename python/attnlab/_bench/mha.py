@@ -91,7 +91,9 @@ def _torch_mha(torch: Any, w: dict[str, np.ndarray], d: int, h: int) -> Any:
     return m
 
 
-def _torch_params(torch: Any, w: dict[str, np.ndarray], requires_grad: bool = False) -> Any:
+def _torch_params(
+    torch: Any, w: dict[str, np.ndarray], requires_grad: bool = False
+) -> dict[str, Any]:
     """The ``(in, out)`` weights as torch's ``(out, in)`` tensors (biases as they are), leaves
     of autograd when ``requires_grad``."""
     return {

@@ -14,8 +14,7 @@ and the pullback alone: the parts of a worker, each a row of the table.
 - ``--serve``: a JSON "ready" line (with ``parts``, each part's first timed call, when the
   worker has several), then one JSON line per ``time K [PART]`` command read from stdin (one
   untimed call, then K timed ones; the first part when none is named), until ``quit`` or end of
-  input. The parent alternates
-  its workers round by round without paying their start-up again.
+  input. The parent alternates its workers round by round without paying their start-up again.
 
 ``python -m attnlab._bench.peers_worker sgemm N`` times NumPy's float32 matmul (OpenBLAS) on
 N x N matrices instead: the check of the FMA peak.
@@ -508,14 +507,16 @@ def main(argv: list[str] | None = None) -> int:
             case, inputs(case), args.threads
         )
         parts = built[0] if isinstance(built[0], dict) else {"": built[0]}
-        f, to_numpy, version = next(iter(parts.values())), built[1], built[2]
+        first, to_numpy, version = next(iter(parts)), built[1], built[2]
         t0 = time.perf_counter()
-        out = to_numpy(f())  # the first call: compiles, allocates; also the checked output
+        out = to_numpy(
+            parts[first]()
+        )  # the first call: compiles, allocates; also the checked output
         head.update(version=version, first_ms=(time.perf_counter() - t0) * 1e3)
         if args.out:
             _save(args.out, out)
         call_ms = {p: min(_time(fp, 1)) for p, fp in parts.items()}
-        head["call_ms"] = call_ms[next(iter(parts))]
+        head["call_ms"] = call_ms[first]
         if len(parts) > 1 or "" not in parts:
             head["parts"] = call_ms
     except Skip as e:
@@ -526,18 +527,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.serve:
         times = {p: _time(fp, args.repeat) for p, fp in parts.items()}
-        _emit(
-            head
-            | {"ms": times[next(iter(parts))]}
-            | ({"parts_ms": times} if "parts" in head else {})
-        )
+        _emit(head | {"ms": times[first]} | ({"parts_ms": times} if "parts" in head else {}))
         return 0
     _emit(head | {"ready": True})
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "quit":
             break
-        part = cmd[2] if len(cmd) == 3 else next(iter(parts))
+        part = cmd[2] if len(cmd) == 3 else first
         if cmd[0] == "time" and len(cmd) in (2, 3) and cmd[1].isdigit() and part in parts:
             _emit({"ms": _time(parts[part], max(1, int(cmd[1])))})
         else:
