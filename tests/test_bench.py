@@ -220,6 +220,8 @@ def test_cli_refuses_bad_peer_options():
         (["--case", "bert"], "--peers"),
         (["--peers", "--case", "nope"], "cases"),
         (["--peers", "--runtime", "tf"], "runtimes"),
+        (["--train"], "--peers"),
+        (["--peers", "--train", "--case", "tiny-train"], "--case alone"),
     ):
         res = subprocess.run(
             [sys.executable, "-m", "attnlab", "bench", *args],
@@ -250,3 +252,116 @@ def test_bench_peers_on_the_tiny_case():
         timed = re.search(rf"tiny \(smoke\) .* {rt} ", out)
         assert timed or f"tiny (smoke): {rt} skipped" in out or f"{rt} failed" in out, (rt, out)
     assert "WRONG" not in out, out
+
+
+def test_gradient_error():
+    """The training check: the worst array by name, each against its own norm, a zero gradient
+    (the key bias's) against 1e-3 of the whole gradient's norm; inf for missing names."""
+    rng = np.random.default_rng(0)
+    ref = {
+        "out": rng.standard_normal((2, 3)),
+        "w_q": rng.standard_normal((3, 3)),
+        "b_k": np.full(3, 1e-9),
+    }
+    same = {k: v.copy() for k, v in ref.items()}
+    assert peers.gradient_error(same, ref) == (0.0, "")
+    noisy = same | {"b_k": np.full(3, -1e-9)}  # rounding noise around zero: 200% of its own norm
+    err, _ = peers.gradient_error(noisy, ref)
+    assert err < 1e-6
+    wrong = same | {"w_q": 1.01 * ref["w_q"]}
+    err, name = peers.gradient_error(wrong, ref)
+    assert name == "w_q" and err == pytest.approx(0.01)
+    assert peers.gradient_error({"out": ref["out"]}, ref) == (math.inf, "b_k, w_q")
+    assert peers.check_error(ref["out"], ref)[0] == math.inf
+    assert peers.check_error(ref["out"] * 2, ref["out"]) == (pytest.approx(1.0), "")
+
+
+class _FakeTrainWorker(_FakeWorker):
+    """A training worker: attnlab with the parts step, fwd and pullback; 'jax' with a wrong
+    gradient."""
+
+    def __init__(self, runtime: str, _case: str, _threads: int, out: str, _log) -> None:
+        self.runtime = runtime
+        grads = {"out": np.ones(4, np.float32), "x": np.arange(4, dtype=np.float32)}
+        if runtime == "jax":
+            grads["x"] = grads["x"] + 1
+        with open(out, "wb") as f:
+            np.savez(f, **grads)
+        self.proc = type("P", (), {"poll": staticmethod(lambda: None)})()
+        self.asked: list[str] = []
+
+    def ask(self, command, timeout):  # noqa: ARG002 (the protocol's signature)
+        if self.runtime in ("onnxruntime", "openvino"):
+            return {"skip": f"{self.runtime} has no training path here"}
+        parts = {"step": 1.0, "fwd": 1.0, "pullback": 1.0} if self.runtime == "attnlab" else None
+        if command is None:
+            return {"ready": True, "call_ms": 1.0, "version": self.runtime} | (
+                {"parts": parts} if parts else {"parts": {"step": 1.0}}
+            )
+        _, k, part = command.split()
+        ms = {"step": 2.0, "fwd": 1.0, "pullback": 0.9}[part] if self.runtime == "attnlab" else 3.0
+        return {"ms": [ms] * int(k)}
+
+
+def test_training_rows_parts_check_and_targets(monkeypatch):
+    """A training case: one row per part of a worker ("attnlab step", "attnlab fwd", ...), a
+    wrong gradient reported and not timed, runtimes without a training path skipped, the
+    targets of issue 14 (step vs torch autograd, pullback / forward) computed."""
+    monkeypatch.setattr(peers, "_Worker", _FakeTrainWorker)
+    notes: list[str] = []
+    rts = ("attnlab", "torch-sdpa", "onnxruntime", "jax")
+    rows = peers.run_case("tiny-train", rts, 2, True, notes)
+    assert [r.impl for r in rows] == [
+        "attnlab step",
+        "attnlab fwd",
+        "attnlab pullback",
+        "torch-sdpa step",
+    ]
+    fwd = peers_worker.CASES["tiny-train"].flops
+    assert [r.flops / fwd for r in rows] == [3, 1, 2, 3]
+    assert any("jax WRONG, not timed: its gradient x differs" in n for n in notes), notes
+    assert any("onnxruntime skipped" in n for n in notes)
+    result = _result(rows, 100.0, sgemm=50.0)
+    result["targets"] = peers.peer_targets(result)
+    goals = {t["target"]: (t["value"], t["met"]) for t in result["targets"]}
+    assert goals == {
+        "pullback / forward, tiny train": (0.9, True),
+        "training step vs torch autograd, tiny train": (1.5, True),
+    }
+    table = peers.format_peers(result)
+    assert "1.50x (torch-sdpa step)" in table and "0.67x (attnlab step)" in table
+
+
+def test_training_workers_on_the_tiny_case(tmp_path, monkeypatch):
+    """Real workers on ``tiny-train``: attnlab's parts and torch autograd's gradients checked
+    against attnlab's; a missing runtime (jax, hidden here) and one without a training path
+    (onnxruntime) are skipped with a note."""
+    pytest.importorskip("torch")
+    (tmp_path / "jax.py").write_text("raise ImportError('hidden by the test')\n")
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
+    notes: list[str] = []
+    rts = ("attnlab", "torch-sdpa", "onnxruntime", "jax")
+    rows = peers.run_case("tiny-train", rts, 1, True, notes)
+    impls = [r.impl for r in rows]
+    assert impls == ["attnlab step", "attnlab fwd", "attnlab pullback", "torch-sdpa step"], notes
+    assert rows[3].extra["check"] <= peers.TOLERANCE and "autograd" in rows[3].extra["version"]
+    assert any("jax skipped: jax is not installed" in n for n in notes), notes
+    assert any("onnxruntime skipped" in n and "no training path" in n for n in notes), notes
+
+
+def test_peers_worker_one_shot_training_output(tmp_path):
+    """A training worker saves the output and every gradient by argument name (an .npz under
+    the name given) and times each of its parts."""
+    out = tmp_path / "a.npy"
+    cmd = [sys.executable, "-m", "attnlab._bench.peers_worker", "attnlab", "tiny-train"]
+    cmd += ["--repeat", "2", "--threads", "1", "--out", str(out)]
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(), timeout=300)
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(rep["parts"]) == set(rep["parts_ms"]) == {"step", "fwd", "pullback"}
+    assert all(len(v) == 2 for v in rep["parts_ms"].values())
+    with np.load(out) as got:
+        names = set(got.files)
+        assert got["x"].shape == (1, 16, 32) and got["w_q"].shape == (32, 32)
+    assert names == {"out", "x"} | {f"{p}_{z}" for p in "wb" for z in "qkvo"}

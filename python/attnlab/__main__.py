@@ -1,5 +1,5 @@
 """Command line: ``python -m attnlab bench [--quick] [--json PATH] [--plot PATH]``,
-``python -m attnlab bench --peers [--case NAME] [--runtime NAME]`` and
+``python -m attnlab bench --peers [--train] [--case NAME] [--runtime NAME]`` and
 ``python -m attnlab info``."""
 
 from __future__ import annotations
@@ -35,7 +35,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         action="append",
         help="with --peers: run only this case (bert, vit-s, vit-b, long, long-causal, "
-        "sdpa, tiny); repeatable. Default: all but tiny (--quick: no long ones)",
+        "sdpa, tiny; training steps: vit-s-train, long-causal-train, tiny-train); "
+        "repeatable. Default: the inference cases but tiny (--quick: no long ones)",
+    )
+    b.add_argument(
+        "--train",
+        action="store_true",
+        help="with --peers: the training-step cases (vit-s-train, long-causal-train; "
+        "--quick: vit-s-train only) instead of the inference ones: forward + every "
+        "gradient in attnlab (vjp + pullback; also the forward and the pullback alone), "
+        "torch autograd and JAX; not in the default run (3.5 minutes, measured under load)",
     )
     b.add_argument(
         "--runtime",
@@ -49,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         print(json.dumps(build_info(), indent=2))
         return 0
-    if (args.case or args.runtime) and not args.peers:
-        parser.error("--case and --runtime go with --peers")
+    if (args.case or args.runtime or args.train) and not args.peers:
+        parser.error("--case, --runtime and --train go with --peers")
+    if args.train and args.case:
+        parser.error("--train chooses the training cases: name them with --case alone")
     if args.peers:
         if args.only or args.plot:
             parser.error("--only and --plot do not go with --peers")
@@ -63,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.quick,
                 tuple(args.case) if args.case else None,
                 tuple(args.runtime) if args.runtime else RUNTIMES,
+                train=args.train,
             )
         except ValueError as e:
             parser.error(str(e))

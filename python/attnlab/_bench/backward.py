@@ -4,15 +4,16 @@ input and every weight from what the forward kept) against torch autograd over F
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .. import multi_head_attention, multi_head_attention_backward, vjp
-from .common import Row, interleaved, try_torch
-from .mha import _weights, mha_flops
+from .common import Row, interleaved, target, try_torch
+from .mha import _torch_params, _torch_sdpa_mha, _weights, mha_flops
 
-__all__ = ["run"]
+__all__ = ["FORWARDS", "run", "training_targets"]
 
 # (label, B, n, d, h, causal); the long case only in the full run
 CASES = (
@@ -21,40 +22,50 @@ CASES = (
 )
 
 
+# floating-point operations of each timed part, in forwards: a backward is two of the forward's
+# products per forward product (the gradients of both factors), so a step is 3 forwards
+FORWARDS = {"fwd": 1, "step": 3, "pullback": 2, "bwd (recompute)": 3}
+
+
 def _torch_step(
     torch: Any, w: dict[str, np.ndarray], x: np.ndarray, g: np.ndarray, h: int, causal: bool
 ) -> Any:
     """One training step of F.linear + F.scaled_dot_product_attention: forward, then the
-    gradients of the input and of every weight and bias."""
-    F = torch.nn.functional
-    t = {
-        k: torch.from_numpy(np.ascontiguousarray(v.T if v.ndim == 2 else v)).requires_grad_(True)
-        for k, v in w.items()
-    }
+    gradients of the input and of every weight and bias. The step returns the output and the
+    gradients as tensors (:func:`torch_grads` makes them NumPy arrays)."""
+    t = _torch_params(torch, w, requires_grad=True)
+    layer = _torch_sdpa_mha(torch, w, h, causal, t)
     gt = torch.from_numpy(g)
 
-    def step() -> None:
+    def step() -> tuple[Any, dict[str, Any]]:
         for p in t.values():
             p.grad = None
         xt = torch.from_numpy(x).requires_grad_(True)
-        B, n, d = xt.shape
-        q = F.linear(xt, t["w_q"], t["b_q"]).view(B, n, h, -1).transpose(1, 2)
-        k = F.linear(xt, t["w_k"], t["b_k"]).view(B, n, h, -1).transpose(1, 2)
-        v = F.linear(xt, t["w_v"], t["b_v"]).view(B, n, h, -1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        F.linear(o.transpose(1, 2).reshape(B, n, d), t["w_o"], t["b_o"]).backward(gt)
+        out = layer(xt)
+        out.backward(gt)
+        return out, {"x": xt.grad} | {k: p.grad for k, p in t.items()}
 
     return step
 
 
+def torch_grads(result: tuple[Any, dict[str, Any]]) -> dict[str, np.ndarray]:
+    """A torch step's output and gradients as NumPy arrays, named and shaped as attnlab's
+    arguments (``x`` and the ``(in, out)`` weights)."""
+    out, grads = result
+    arrays = {k: v.detach().numpy() for k, v in grads.items()}
+    return {"out": out.detach().numpy()} | {
+        k: v.T if k.startswith("w_") else v for k, v in arrays.items()
+    }
+
+
 def _attnlab_fns(x: np.ndarray, g: np.ndarray, kw: dict[str, Any]) -> dict[str, Any]:
-    """The forward, a training step (vjp + pullback), the pullback alone and the recomputing
-    backward of one case."""
+    """The forward, a training step (vjp + pullback: returns the output and the gradients), the
+    pullback alone and the recomputing backward of one case."""
     _, pullback = vjp(multi_head_attention, x, **kw)
 
-    def step() -> None:
-        _, pb = vjp(multi_head_attention, x, **kw)
-        pb(g)
+    def step() -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        out, pb = vjp(multi_head_attention, x, **kw)
+        return out, pb(g)
 
     return {
         "attnlab fwd": lambda: multi_head_attention(x, **kw),
@@ -62,6 +73,40 @@ def _attnlab_fns(x: np.ndarray, g: np.ndarray, kw: dict[str, Any]) -> dict[str, 
         "attnlab pullback": lambda: pullback(g),
         "attnlab bwd (recompute)": lambda: multi_head_attention_backward(g, x, **kw),
     }
+
+
+def attnlab_grads(result: tuple[np.ndarray, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """An attnlab step's output and gradients, named as :func:`torch_grads` names them."""
+    out, grads = result
+    return {"out": out} | {"x" if k == "query" else k: v for k, v in grads.items()}
+
+
+def training_targets(
+    case: str, find: Callable[[str], Row | None], torch: str = "torch"
+) -> list[dict[str, Any]]:
+    """The training targets of issue 14 on one case: pullback alone <= 2.0x the forward, and the
+    training step >= 1.3x torch autograd's (each when both of its rows were timed). ``find``
+    gives the case's row of an implementation ("attnlab fwd", "attnlab pullback", "attnlab
+    step", and ``torch`` + " step")."""
+    fwd, pull, step = (find(f"attnlab {p}") for p in ("fwd", "pullback", "step"))
+    tch = find(f"{torch} step")
+    out = []
+    if fwd and pull:
+        out.append(
+            target(
+                f"pullback / forward, {case}", pull.ms / fwd.ms, "<= 2.0", pull.ms <= 2.0 * fwd.ms
+            )
+        )
+    if step and tch:
+        out.append(
+            target(
+                f"training step vs torch autograd, {case}",
+                tch.ms / step.ms,
+                ">= 1.3x",
+                tch.ms >= 1.3 * step.ms,
+            )
+        )
+    return out
 
 
 def run(quick: bool, threads: int) -> list[Row]:
@@ -79,14 +124,6 @@ def run(quick: bool, threads: int) -> list[Row]:
         long = n > 1000
         times = interleaved(fns, repeat=3 if long or quick else 11)
         fwd = mha_flops(B, n, n, d, h, d // h, causal)
-        # a backward is two of the forward's products per forward product: 3x the forward
-        flops = {
-            "attnlab fwd": fwd,
-            "attnlab step": 3 * fwd,
-            "attnlab pullback": 2 * fwd,
-            "attnlab bwd (recompute)": 3 * fwd,
-            "torch step": 3 * fwd,
-        }
         shape = f"B={B} n={n} d={d} h={h}" + (" causal" if causal else "")
         for impl, ms in times.items():
             extra: dict[str, Any] = {}
@@ -101,7 +138,7 @@ def run(quick: bool, threads: int) -> list[Row]:
                     shape,
                     impl,
                     ms,
-                    flops[impl],
+                    FORWARDS[impl.split(" ", 1)[1]] * fwd,
                     baseline="attnlab step" if impl == "torch step" else None,
                     extra=extra,
                 )

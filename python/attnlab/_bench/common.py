@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["APART", "NOISY", "Row", "Timing", "interleaved", "try_torch"]
+__all__ = ["APART", "NOISY", "Row", "Timing", "interleaved", "target", "try_torch"]
 
 NOISY = 1.5  # a timing whose slowest run took this many times its fastest is flagged
 
@@ -47,6 +47,12 @@ class Row:
     @property
     def gflops(self) -> float:
         return self.flops / (self.ms * 1e-3) / 1e9 if self.ms > 0 and self.flops else 0.0
+
+
+def target(name: str, value: float, goal: str, met: bool) -> dict[str, Any]:
+    """One line of "Targets, this run": what, the measured value, the goal and whether it is
+    met."""
+    return {"target": name, "value": round(value, 3), "goal": goal, "met": bool(met)}
 
 
 # Implementations built on NumPy's BLAS: OpenBLAS threads spin for up to ~0.1 s after a call,

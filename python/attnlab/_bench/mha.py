@@ -91,10 +91,26 @@ def _torch_mha(torch: Any, w: dict[str, np.ndarray], d: int, h: int) -> Any:
     return m
 
 
-def _torch_sdpa_mha(torch: Any, w: dict[str, np.ndarray], h: int, causal: bool) -> Any:
-    """Projections + F.scaled_dot_product_attention + output projection, as a model would."""
+def _torch_params(
+    torch: Any, w: dict[str, np.ndarray], requires_grad: bool = False
+) -> dict[str, Any]:
+    """The ``(in, out)`` weights as torch's ``(out, in)`` tensors (biases as they are), leaves
+    of autograd when ``requires_grad``."""
+    return {
+        k: torch.from_numpy(np.ascontiguousarray(v.T if v.ndim == 2 else v)).requires_grad_(
+            requires_grad
+        )
+        for k, v in w.items()
+    }
+
+
+def _torch_sdpa_mha(
+    torch: Any, w: dict[str, np.ndarray], h: int, causal: bool, t: dict[str, Any] | None = None
+) -> Any:
+    """Projections + F.scaled_dot_product_attention + output projection, as a model would; with
+    the parameters ``t`` (:func:`_torch_params` of ``w``) when given."""
     F = torch.nn.functional
-    t = {k: torch.from_numpy(np.ascontiguousarray(v.T if v.ndim == 2 else v)) for k, v in w.items()}
+    t = _torch_params(torch, w) if t is None else t
 
     def f(x: Any) -> Any:
         B, n, d = x.shape

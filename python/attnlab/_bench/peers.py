@@ -8,6 +8,12 @@ start one after the other; each one's first output is checked against attnlab's 
 is reported, not timed). Then the case is timed in rounds: in each round every live worker, in
 an order rotated from round to round, runs one untimed call and a few timed ones. A row's time
 is the median of all its timed calls.
+
+The training cases (``--train``: ``vit-s-train``, ``long-causal-train``) time a training step
+(forward, then the gradients of the input and of every weight and bias) in attnlab, torch
+autograd and JAX; attnlab's worker also times the forward and the pullback alone (the rows
+"attnlab fwd" and "attnlab pullback"). The check there is the worst difference over the output
+and every gradient (:func:`gradient_error`).
 """
 
 from __future__ import annotations
@@ -19,17 +25,20 @@ import select
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from typing import IO, Any
 
 import numpy as np
 
 from .. import build_info, get_num_threads
+from .backward import FORWARDS, training_targets
 from .common import Row, Timing
 from .peak import fma_peak, sgemm_gflops, worker_env
 from .peers_worker import CASES, RUNTIMES
 
 __all__ = [
     "DEFAULT_CASES",
+    "TRAIN_CASES",
     "TOLERANCE",
     "run_peers",
     "format_peers",
@@ -38,19 +47,60 @@ __all__ = [
 ]
 
 DEFAULT_CASES = ("bert", "vit-s", "vit-b", "long", "long-causal", "sdpa")
+# `--train`: the training-step cases (issue 14's table)
+TRAIN_CASES = ("vit-s-train", "long-causal-train")
 # normwise relative difference from attnlab's output above which a peer's graph is wrong: float32
 # runtimes that compute the same function agree to about 1e-6
 TOLERANCE = 1e-3
 
 
-def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
-    """Normwise relative difference ``||out - ref|| / ||ref||`` in float64 (inf when the shapes
-    differ or the output is not finite)."""
+def relative_error(out: np.ndarray, ref: np.ndarray, floor: float = 1e-300) -> float:
+    """Normwise relative difference ``||out - ref|| / max(||ref||, floor)`` in float64 (inf when
+    the shapes differ or the output is not finite)."""
     if out.shape != ref.shape:
         return float("inf")
     o, r = out.astype(np.float64), ref.astype(np.float64)
-    err = float(np.linalg.norm(o - r) / max(float(np.linalg.norm(r)), 1e-300))
+    err = float(np.linalg.norm(o - r) / max(float(np.linalg.norm(r)), floor))
     return err if np.isfinite(err) else float("inf")
+
+
+def gradient_error(got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> tuple[float, str]:
+    """The worst normwise difference over the arrays of a training step (the output and every
+    gradient), and its name. Each array is measured against its own norm, or against 1e-3 of the
+    norm of all of ``ref`` when that is larger: the key bias's gradient is zero in exact
+    arithmetic (a shift shared by every key leaves the softmax unchanged), so its rounding noise
+    has no norm of its own to be relative to. inf when a name is missing."""
+    if set(got) != set(ref):
+        missing = sorted(set(got) ^ set(ref))
+        return float("inf"), ", ".join(missing)
+    floor = 1e-3 * float(np.sqrt(sum(np.sum(r.astype(np.float64) ** 2) for r in ref.values())))
+    worst, name = 0.0, ""
+    for k, r in ref.items():
+        err = relative_error(got[k], r, floor)
+        if not err <= worst:  # NaN and inf too
+            worst, name = err, k
+    return worst, name
+
+
+def check_error(
+    got: np.ndarray | dict[str, np.ndarray], ref: np.ndarray | dict[str, np.ndarray]
+) -> tuple[float, str]:
+    """A worker's output against attnlab's: :func:`relative_error` for a forward's output,
+    :func:`gradient_error` for a training step's (name: the worst array, "" for a forward)."""
+    if isinstance(got, dict) and isinstance(ref, dict):
+        return gradient_error(got, ref)
+    if isinstance(got, dict) or isinstance(ref, dict):
+        return float("inf"), "a training step's output against a forward's"
+    return relative_error(got, ref), ""
+
+
+def _load(path: str) -> np.ndarray | dict[str, np.ndarray]:
+    """A worker's saved output: an array, or a training step's arrays by name (``.npz``)."""
+    got = np.load(path)
+    if isinstance(got, np.ndarray):
+        return got
+    with got:
+        return {k: got[k] for k in got.files}
 
 
 def runtime_of(impl: str) -> str:
@@ -160,7 +210,7 @@ def run_case(
         r for r in runtimes if r != "attnlab"
     )
     live: dict[str, tuple[_Worker, dict[str, Any], float]] = {}
-    ref: np.ndarray | None = None
+    ref: np.ndarray | dict[str, np.ndarray] | None = None
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="attnlab-peers-") as tmp:
         try:
@@ -176,49 +226,63 @@ def run_case(
                     notes.append(f"{case.label}: {rt} {why}")
                     w.close()
                     continue
-                got = np.load(out)
+                got = _load(out)
                 err = 0.0
                 if rt == "attnlab":
                     ref = got
                 elif ref is not None:
-                    err = relative_error(got, ref)
+                    err, what = check_error(got, ref)
                     if not err <= TOLERANCE:
                         notes.append(
-                            f"{case.label}: {rt} WRONG, not timed: its output differs "
-                            f"from attnlab's by {err:.2e} (normwise; tolerance "
-                            f"{TOLERANCE:g})"
+                            f"{case.label}: {rt} WRONG, not timed: its "
+                            f"{f'gradient {what}' if what else 'output'} differs from "
+                            f"attnlab's by {err:.2e} (normwise; tolerance {TOLERANCE:g})"
                         )
                         w.close()
                         continue
                 live[rt] = (w, head, err)
-            samples: dict[str, list[float]] = {rt: [] for rt in live}
+            # (runtime, part): "" for a worker of one part (the protocol's `time K`)
+            turns = {
+                rt: list(head.get("parts") or {"": head["call_ms"]})
+                for rt, (_, head, _) in live.items()
+            }
+            samples: dict[tuple[str, str], list[float]] = {
+                (rt, p): [] for rt, parts in turns.items() for p in parts
+            }
             names = list(live)
             for r in range(3 if quick else 5):
                 for rt in names[r % len(names) :] + names[: r % len(names)] if names else []:
                     w, head, _ = live[rt]
-                    if w.proc.poll() is not None:  # exited: reported when it failed
-                        continue
-                    k = _calls_per_round(float(head["call_ms"]), quick)
-                    rep = w.ask(f"time {k}", timeout=600 + 50 * (k + 1) * head["call_ms"] / 1e3)
-                    if "ms" in rep:
-                        samples[rt] += rep["ms"]
-                    else:
-                        notes.append(f"{case.label}: {rt} failed while timed: {rep.get('error')}")
+                    for p in turns[rt]:
+                        if w.proc.poll() is not None:  # exited: reported when it failed
+                            break
+                        call_ms = float((head.get("parts") or {}).get(p, head["call_ms"]))
+                        k = _calls_per_round(call_ms, quick)
+                        rep = w.ask(
+                            f"time {k} {p}".strip(), timeout=600 + 50 * (k + 1) * call_ms / 1e3
+                        )
+                        if "ms" in rep:
+                            samples[rt, p] += rep["ms"]
+                        else:
+                            notes.append(
+                                f"{case.label}: {f'{rt} {p}'.strip()} failed while timed: "
+                                f"{rep.get('error')}"
+                            )
         finally:
             for w, _, _ in live.values():
                 w.close()
-    for rt, (_, head, err) in live.items():
-        ms = samples[rt]
+    for (rt, p), ms in samples.items():
         if not ms:
             continue
+        _, head, err = live[rt]
         rows.append(
             Row(
                 "peers",
                 case.label,
                 case.shape,
-                rt,
+                f"{rt} {p}".strip(),
                 Timing(float(np.median(ms)), max(ms) / min(ms) if min(ms) > 0 else 1.0),
-                case.flops,
+                case.flops * (FORWARDS[p] if p else 1),
                 extra={"check": err, "calls": len(ms), "version": head.get("version", "")},
             )
         )
@@ -226,7 +290,10 @@ def run_case(
 
 
 def run_peers(
-    quick: bool, cases: tuple[str, ...] | None = None, runtimes: tuple[str, ...] = RUNTIMES
+    quick: bool,
+    cases: tuple[str, ...] | None = None,
+    runtimes: tuple[str, ...] = RUNTIMES,
+    train: bool = False,
 ) -> dict[str, Any]:
     """The whole peer benchmark: the FMA peak, OpenBLAS's sgemm (its check) and every case.
 
@@ -236,9 +303,12 @@ def run_peers(
         Fewer rounds and shorter peak measurements; without ``cases``, the long cases are left
         out.
     cases : tuple of str, optional
-        Names from ``peers_worker.CASES`` (default: every case of the design's table).
+        Names from ``peers_worker.CASES`` (default: every case of the design's table, or with
+        ``train`` every training case: ``DEFAULT_CASES``, ``TRAIN_CASES``).
     runtimes : tuple of str
         Names from ``peers_worker.RUNTIMES``.
+    train : bool
+        Without ``cases``: the training-step cases instead of the inference ones.
 
     Returns
     -------
@@ -257,7 +327,8 @@ def run_peers(
                 f"runtimes: unknown runtime {r!r}; expected one of {', '.join(RUNTIMES)}"
             )
     if cases is None:
-        cases = tuple(c for c in DEFAULT_CASES if not (quick and CASES[c].long))
+        default = TRAIN_CASES if train else DEFAULT_CASES
+        cases = tuple(c for c in default if not (quick and CASES[c].long))
     threads = get_num_threads()
     peak = fma_peak(quick)
     sgemm = sgemm_gflops(threads, quick)
@@ -282,9 +353,16 @@ def run_peers(
 
 def peer_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The performance targets on this run: attnlab >= 1.1x the fastest other runtime on every
-    case, every MHA layer case >= 85% of the FMA peak."""
+    case, every MHA layer case >= 85% of the FMA peak; on the training cases, the training step
+    >= 1.3x torch autograd's and the pullback <= 2.0x the forward."""
     out: list[dict[str, Any]] = []
     rows: list[Row] = result["rows"]
+
+    def find(label: str, impl: str) -> Row | None:
+        return next((r for r in rows if r.case == label and r.impl == impl), None)
+
+    for label in dict.fromkeys(r.case for r in rows if r.impl == "attnlab step"):
+        out += training_targets(label, partial(find, label), "torch-sdpa")
     for row in rows:
         if row.impl != "attnlab":
             continue
@@ -359,7 +437,7 @@ def format_peers(result: dict[str, Any]) -> str:
     ]
     lines += peak_lines(result) + [""]
     lines.append(
-        f"{'case':<16} {'shape':<30} {'runtime':<12} {'ms':>9} {'GFLOP/s':>8} "
+        f"{'case':<17} {'shape':<30} {'runtime':<16} {'ms':>9} {'GFLOP/s':>8} "
         f"{'%peak':>6} {'vs best other':>24}  {'check':>8}  version"
     )
     for r in rows:
@@ -367,7 +445,7 @@ def format_peers(result: dict[str, Any]) -> str:
         vs = f"{b[0]:.2f}x ({b[1]})" if b else ""
         flag = " NOISY" if _noisy(r) else ""
         lines.append(
-            f"{r.case:<16.16} {r.shape:<30.30} {r.impl:<12.12} {r.ms:>9.3f} "
+            f"{r.case:<17.17} {r.shape:<30.30} {r.impl:<16.16} {r.ms:>9.3f} "
             f"{r.gflops:>8.1f} {share(r, peak):>6} {vs:>24}  "
             f"{r.extra.get('check', 0):>8.1e}  {r.extra.get('version', '')}{flag}"
         )
@@ -376,8 +454,9 @@ def format_peers(result: dict[str, Any]) -> str:
         (
             "vs best other: the fastest other runtime's time / this row's (above 1: this "
             "row is faster than every other runtime). check: normwise difference from "
-            "attnlab's output. NOISY: the slowest timed call took 1.5x the fastest or "
-            "more."
+            "attnlab's output (training rows: the worst over the output and every gradient). "
+            "Training rows: step = forward + every gradient, GFLOP/s counted as 3 forwards "
+            "(pullback: 2). NOISY: the slowest timed call took 1.5x the fastest or more."
         ),
     ]
     if result.get("notes"):

@@ -4,12 +4,17 @@
 ONNX Runtime's and OpenVINO's spinning pools, XLA's) slow another's. Every worker builds the
 same float32 inputs and weights from the same seed, builds its runtime's version of the layer,
 runs it once (the output is saved with ``--out`` for the parent's correctness check) and then
-times it:
+times it. A training case (``Case.train``) times a training step instead: the forward, then the
+gradients of the input and of every weight and bias for one ``grad_out`` (attnlab's ``vjp`` +
+pullback, torch autograd over F.linear + SDPA, JAX ``jit`` of ``jax.vjp``); its checked output is
+the layer's output and every gradient (an ``.npz``), and attnlab's worker also times the forward
+and the pullback alone: the parts of a worker, each a row of the table.
 
 - one-shot (default): ``--repeat`` timed calls, one JSON line on stdout;
-- ``--serve``: a JSON "ready" line, then one JSON line per ``time K`` command read from stdin
-  (one untimed call, then K timed ones), until ``quit`` or end of input. The parent alternates
-  its workers round by round without paying their start-up again.
+- ``--serve``: a JSON "ready" line (with ``parts``, each part's first timed call, when the
+  worker has several), then one JSON line per ``time K [PART]`` command read from stdin (one
+  untimed call, then K timed ones; the first part when none is named), until ``quit`` or end of
+  input. The parent alternates its workers round by round without paying their start-up again.
 
 ``python -m attnlab._bench.peers_worker sgemm N`` times NumPy's float32 matmul (OpenBLAS) on
 N x N matrices instead: the check of the FMA peak.
@@ -32,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CASES", "RUNTIMES", "Case", "main"]
+__all__ = ["CASES", "RUNTIMES", "Case", "TRAIN_BUILDERS", "main"]
 
 SEED = 1234
 
@@ -50,6 +55,7 @@ class Case:
     causal: bool = False
     core_only: bool = False
     long: bool = False  # skipped by --quick
+    train: bool = False  # a training step (forward + every gradient), not a forward
 
     @property
     def shape(self) -> str:
@@ -61,8 +67,8 @@ class Case:
 
     @property
     def flops(self) -> float:
-        """Floating-point operations of one call (2 per multiply-add; causal: the pairs under
-        the diagonal only)."""
+        """Floating-point operations of one forward (2 per multiply-add; causal: the pairs under
+        the diagonal only; a training step counts 3 of them, see ``backward.FORWARDS``)."""
         from .mha import mha_flops
 
         return mha_flops(
@@ -83,8 +89,12 @@ CASES: dict[str, Case] = {
     "long": Case("long", 1, 8192, 512, 8, long=True),
     "long-causal": Case("long causal", 1, 8192, 512, 8, causal=True, long=True),
     "sdpa": Case("SDPA core", 1, 4096, 512, 8, core_only=True),
-    # not in the default list: a few-millisecond case for the tests
+    # training steps, the cases of issue 14 (`bench --peers --train`)
+    "vit-s-train": Case("ViT-S train", 8, 197, 384, 6, train=True),
+    "long-causal-train": Case("long causal train", 1, 4096, 512, 8, True, long=True, train=True),
+    # not in the default lists: few-millisecond cases for the tests
     "tiny": Case("tiny (smoke)", 1, 16, 32, 2),
+    "tiny-train": Case("tiny train", 1, 16, 32, 2, train=True),
 }
 
 # torch-sdpa: F.linear + F.scaled_dot_product_attention (the best torch path);
@@ -94,7 +104,8 @@ RUNTIMES = ("attnlab", "torch-sdpa", "torch-mha", "onnxruntime", "openvino", "ja
 
 def inputs(case: Case) -> dict[str, np.ndarray]:
     """The case's float32 inputs and weights, the same in every worker: ``x`` and the
-    ``(in, out)`` weights and biases of the layer, or ``q``, ``k``, ``v`` of the core."""
+    ``(in, out)`` weights and biases of the layer, or ``q``, ``k``, ``v`` of the core; a
+    training case also ``g``, the gradient of the output (``grad_out``)."""
     from .mha import _weights
 
     rng = np.random.default_rng(SEED)
@@ -103,7 +114,13 @@ def inputs(case: Case) -> dict[str, np.ndarray]:
         return {k: rng.standard_normal(shape, dtype=np.float32) for k in ("q", "k", "v")}
     out = {"x": rng.standard_normal((case.B, case.n, case.d), dtype=np.float32)}
     out.update(_weights(rng, case.d, np.float32))
+    if case.train:
+        out["g"] = rng.standard_normal((case.B, case.n, case.d), dtype=np.float32)
     return out
+
+
+def _layer_weights(a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v for k, v in a.items() if k not in ("x", "g")}
 
 
 class Skip(Exception):
@@ -111,8 +128,10 @@ class Skip(Exception):
 
 
 # --- one builder per runtime: (call that runs the case to completion, its output as NumPy,
-# version string)
+# version string); a training builder gives its parts, {name: call}, the first one checked, and
+# its output as {"out": ..., "x": ..., "w_q": ...} (the gradients named as attnlab's arguments)
 Built = tuple[Callable[[], Any], Callable[[Any], np.ndarray], str]
+TrainBuilt = tuple[dict[str, Callable[[], Any]], Callable[[Any], dict[str, np.ndarray]], str]
 
 
 def _import(name: str) -> Any:
@@ -133,7 +152,7 @@ def _attnlab(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
         def f() -> Any:
             return attnlab.scaled_dot_product_attention(a["q"], a["k"], a["v"], causal=case.causal)
     else:
-        w: dict[str, Any] = {k: v for k, v in a.items() if k != "x"}
+        w: dict[str, Any] = _layer_weights(a)
 
         def f() -> Any:
             return attnlab.multi_head_attention(a["x"], num_heads=case.h, causal=case.causal, **w)
@@ -152,8 +171,7 @@ def _torch_fn(torch: Any, case: Case, a: dict[str, np.ndarray]) -> Callable[...,
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
 
         return core
-    w = {k: v for k, v in a.items() if k != "x"}
-    return _torch_sdpa_mha(torch, w, case.h, case.causal)  # type: ignore[no-any-return]
+    return _torch_sdpa_mha(torch, _layer_weights(a), case.h, case.causal)  # type: ignore[no-any-return]
 
 
 def _tensors(torch: Any, case: Case, a: dict[str, np.ndarray]) -> list[Any]:
@@ -179,7 +197,7 @@ def _torch_mha(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     torch.set_num_threads(threads)
     from .mha import _torch_mha as build
 
-    m = build(torch, {k: v for k, v in a.items() if k != "x"}, case.d, case.h)
+    m = build(torch, _layer_weights(a), case.d, case.h)
     x = torch.from_numpy(a["x"])
     # nn.MultiheadAttention takes is_causal only as a hint next to the mask (True = masked)
     mask = torch.ones(case.n, case.n, dtype=torch.bool).triu(1) if case.causal else None
@@ -196,7 +214,7 @@ def _onnx_layer(case: Case, a: dict[str, np.ndarray]) -> Any:
     initializers."""
     from onnx import TensorProto, helper, numpy_helper
 
-    inits = [numpy_helper.from_array(v, name=k) for k, v in a.items() if k != "x"]
+    inits = [numpy_helper.from_array(v, name=k) for k, v in _layer_weights(a).items()]
     nodes = []
     for p in ("q", "k", "v"):
         nodes += [
@@ -293,10 +311,30 @@ def _openvino(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     return f, np.asarray, f"openvino {ov.__version__}"
 
 
+JAX_ARGS = ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+
+
+def _jax_layer(jax: Any, case: Case) -> Callable[..., Any]:
+    """The MHA layer as a JAX function of ``JAX_ARGS``: projections, dot_product_attention, the
+    output projection."""
+    h, dh = case.h, case.d // case.h
+
+    def layer(
+        x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, b_q: Any, b_k: Any, b_v: Any, b_o: Any
+    ) -> Any:
+        B, n, d = x.shape
+        q, k, v = (
+            (x @ w + b).reshape(B, n, h, dh) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v))
+        )
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=case.causal)
+        return o.reshape(B, n, d) @ w_o + b_o
+
+    return layer
+
+
 def _jax(case: Case, a: dict[str, np.ndarray], _threads: int) -> Built:
     jax = _import("jax")
     jnp = jax.numpy
-    h, dh = case.h, case.d // case.h
     if case.core_only:
 
         def core(q: Any, k: Any, v: Any) -> Any:
@@ -308,19 +346,8 @@ def _jax(case: Case, a: dict[str, np.ndarray], _threads: int) -> Built:
         jf = jax.jit(core)
         names: tuple[str, ...] = ("q", "k", "v")
     else:
-
-        def layer(
-            x: Any, w_q: Any, w_k: Any, w_v: Any, w_o: Any, b_q: Any, b_k: Any, b_v: Any, b_o: Any
-        ) -> Any:
-            B, n, d = x.shape
-            q, k, v = (
-                (x @ w + b).reshape(B, n, h, dh) for w, b in ((w_q, b_q), (w_k, b_k), (w_v, b_v))
-            )
-            o = jax.nn.dot_product_attention(q, k, v, is_causal=case.causal)
-            return o.reshape(B, n, d) @ w_o + b_o
-
-        jf = jax.jit(layer)
-        names = ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+        jf = jax.jit(_jax_layer(jax, case))
+        names = JAX_ARGS
     args = [jax.device_put(a[k]) for k in names]
 
     def f() -> Any:
@@ -339,6 +366,76 @@ BUILDERS: dict[str, Callable[[Case, dict[str, np.ndarray], int], Built]] = {
 }
 
 
+# --- training steps
+
+
+def _attnlab_train(case: Case, a: dict[str, np.ndarray], threads: int) -> TrainBuilt:
+    """``vjp`` + pullback (the step, checked), the forward alone and the pullback alone."""
+    import attnlab
+
+    from .backward import _attnlab_fns, attnlab_grads
+
+    attnlab.set_num_threads(threads)
+    kw = dict(num_heads=case.h, causal=case.causal, **_layer_weights(a))
+    fns = _attnlab_fns(a["x"], a["g"], kw)
+    parts = {p: fns[f"attnlab {p}"] for p in ("step", "fwd", "pullback")}
+    return parts, attnlab_grads, f"attnlab {attnlab.__version__} isa={attnlab.build_info()['isa']}"
+
+
+def _torch_train(case: Case, a: dict[str, np.ndarray], threads: int) -> TrainBuilt:
+    """torch autograd over the torch-sdpa layer: forward, then ``out.backward(g)``."""
+    torch = _import("torch")
+    torch.set_num_threads(threads)
+    from .backward import _torch_step, torch_grads
+
+    step = _torch_step(torch, _layer_weights(a), a["x"], a["g"], case.h, case.causal)
+    return {"step": step}, torch_grads, f"torch {torch.__version__} autograd"
+
+
+def _jax_train(case: Case, a: dict[str, np.ndarray], _threads: int) -> TrainBuilt:
+    """``jax.jit`` of ``jax.vjp`` of the layer: the output and the gradients of every argument."""
+    jax = _import("jax")
+    layer = _jax_layer(jax, case)
+
+    def vjp_step(g: Any, *args: Any) -> Any:
+        out, pullback = jax.vjp(layer, *args)
+        return out, pullback(g)
+
+    jf = jax.jit(vjp_step)
+    g, args = jax.device_put(a["g"]), [jax.device_put(a[k]) for k in JAX_ARGS]
+
+    def step() -> Any:
+        return jax.block_until_ready(jf(g, *args))
+
+    def to_numpy(r: Any) -> dict[str, np.ndarray]:
+        out, grads = r
+        return {"out": np.asarray(out)} | {
+            k: np.asarray(v) for k, v in zip(JAX_ARGS, grads, strict=True)
+        }
+
+    return {"step": step}, to_numpy, f"jax {jax.__version__} jit(vjp)"
+
+
+def _no_training(runtime: str) -> Callable[[Case, dict[str, np.ndarray], int], TrainBuilt]:
+    def build(_case: Case, _a: dict[str, np.ndarray], _threads: int) -> TrainBuilt:
+        raise Skip(
+            f"{runtime} has no training path here: training rows time attnlab, torch autograd "
+            "(torch-sdpa) and JAX"
+        )
+
+    return build
+
+
+TRAIN_BUILDERS: dict[str, Callable[[Case, dict[str, np.ndarray], int], TrainBuilt]] = {
+    "attnlab": _attnlab_train,
+    "torch-sdpa": _torch_train,
+    "torch-mha": _no_training("torch-mha (nn.MultiheadAttention)"),
+    "onnxruntime": _no_training("onnxruntime"),
+    "openvino": _no_training("openvino"),
+    "jax": _jax_train,
+}
+
+
 def _time(f: Callable[[], Any], k: int) -> list[float]:
     f()  # untimed: lets the threads of whatever ran before go quiet
     out = []
@@ -347,6 +444,17 @@ def _time(f: Callable[[], Any], k: int) -> list[float]:
         f()
         out.append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+def _save(path: str, out: np.ndarray | dict[str, np.ndarray]) -> None:
+    """The checked output as float32: an array (``.npy``), or a training step's output and
+    gradients by name (``.npz`` content, whatever the name: ``np.load`` tells them apart)."""
+    if isinstance(out, dict):
+        arrays: dict[str, Any] = {k: np.asarray(v, dtype=np.float32) for k, v in out.items()}
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+    else:
+        np.save(path, np.ascontiguousarray(out, dtype=np.float32))
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -395,13 +503,22 @@ def main(argv: list[str] | None = None) -> int:
     case = CASES[args.case]
     head: dict[str, Any] = {"runtime": args.runtime, "case": args.case}
     try:
-        f, to_numpy, version = BUILDERS[args.runtime](case, inputs(case), args.threads)
+        built = (TRAIN_BUILDERS if case.train else BUILDERS)[args.runtime](
+            case, inputs(case), args.threads
+        )
+        parts = built[0] if isinstance(built[0], dict) else {"": built[0]}
+        first, to_numpy, version = next(iter(parts)), built[1], built[2]
         t0 = time.perf_counter()
-        out = to_numpy(f())  # the first call: compiles, allocates; also the checked output
+        out = to_numpy(
+            parts[first]()
+        )  # the first call: compiles, allocates; also the checked output
         head.update(version=version, first_ms=(time.perf_counter() - t0) * 1e3)
         if args.out:
-            np.save(args.out, np.ascontiguousarray(out, dtype=np.float32))
-        head["call_ms"] = min(_time(f, 1))
+            _save(args.out, out)
+        call_ms = {p: min(_time(fp, 1)) for p, fp in parts.items()}
+        head["call_ms"] = call_ms[first]
+        if len(parts) > 1 or "" not in parts:
+            head["parts"] = call_ms
     except Skip as e:
         _emit(head | {"skip": str(e)})
         return 0
@@ -409,15 +526,17 @@ def main(argv: list[str] | None = None) -> int:
         _emit(head | {"error": f"{type(e).__name__}: {e}"[:500]})
         return 0
     if not args.serve:
-        _emit(head | {"ms": _time(f, args.repeat)})
+        times = {p: _time(fp, args.repeat) for p, fp in parts.items()}
+        _emit(head | {"ms": times[first]} | ({"parts_ms": times} if "parts" in head else {}))
         return 0
     _emit(head | {"ready": True})
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] == "quit":
             break
-        if cmd[0] == "time" and len(cmd) == 2 and cmd[1].isdigit():
-            _emit({"ms": _time(f, max(1, int(cmd[1])))})
+        part = cmd[2] if len(cmd) == 3 else first
+        if cmd[0] == "time" and len(cmd) in (2, 3) and cmd[1].isdigit() and part in parts:
+            _emit({"ms": _time(parts[part], max(1, int(cmd[1])))})
         else:
             _emit({"error": f"unknown command {line.strip()!r}"})
     return 0

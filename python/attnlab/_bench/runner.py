@@ -7,11 +7,13 @@ import importlib
 import json
 import platform
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 from .. import build_info, get_num_threads
 from .backward import CASES as BACKWARD_CASES
-from .common import NOISY, Row
+from .backward import training_targets
+from .common import NOISY, Row, target
 from .gemm import square_gemm
 from .peak import fma_peak, sgemm_gflops
 
@@ -81,7 +83,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
     def add(name: str, value: float, goal: str, met: bool) -> None:
-        out.append({"target": name, "value": round(value, 3), "goal": goal, "met": bool(met)})
+        out.append(target(name, value, goal, met))
 
     def speedup(family: str, case: str, other: str) -> tuple[float, Row] | None:
         a, b = _find(rows, family, case, "attnlab"), _find(rows, family, case, other)
@@ -105,19 +107,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             if isinstance(mib, float):
                 add(f"MHA {label} ({r[1].shape}) extra memory (MiB)", mib, "< 128", mib < 128)
     for case, _B, _n, _d, _h, _c in BACKWARD_CASES:  # the training-step targets
-        fwd = _find(rows, "backward", case, "attnlab fwd")
-        pull = _find(rows, "backward", case, "attnlab pullback")
-        step = _find(rows, "backward", case, "attnlab step")
-        tch = _find(rows, "backward", case, "torch step")
-        if fwd and pull:
-            add(f"pullback / forward, {case}", pull.ms / fwd.ms, "<= 2.0", pull.ms <= 2.0 * fwd.ms)
-        if step and tch:
-            add(
-                f"training step vs torch autograd, {case}",
-                tch.ms / step.ms,
-                ">= 1.3x",
-                tch.ms >= 1.3 * step.ms,
-            )
+        out += training_targets(case, partial(_find, rows, "backward", case))
     for case, label in (
         ("SwiftFormer fwd fp32", "additive (SwiftFormer)"),
         ("MobileViTv2 fwd fp32", "separable (MobileViT-v2)"),
