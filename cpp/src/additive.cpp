@@ -68,7 +68,7 @@ void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y) {
     if (X.cols() == 0) {
         Y.setZero();
     } else {
-        eigen_product<T>(X, W, Y);
+        block_product<T>(X, W, Y);
     }
     if (b) Y.rowwise() += ConstVecMap<T>(b, Y.cols());
 }
@@ -195,7 +195,7 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
         Eigen::Map<Vec<double>>(partial.get() + task * D, D) = share.template cast<double>();
         if (out) {
             RowMap<T> Y(out + r0 * dout, m, dout, Eigen::OuterStride<>(dout));
-            eigen_product<T>(cview<T>(KQ.data() + D, m, D, ld), Wfinal, Y);
+            block_product<T>(cview<T>(KQ.data() + D, m, D, ld), Wfinal, Y);
         }
     });
 
@@ -269,7 +269,7 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     // 3. out += K (diag(G) M) + c.
     folded_rows<T>(B, n, D, dout, st.pooled, M, st.k, p.out,
                    [&](const auto& K, auto& Y, const auto& W) {
-                       eigen_product<T>(K, cview<T>(W.data(), D, dout, dout), Y, true);
+                       block_product<T>(K, cview<T>(W.data(), D, dout, dout), Y, true);
                        Y.rowwise() += c;
                    });
 }
@@ -408,7 +408,7 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
                        if (d == 0) {
                            Y.setZero();
                        } else {
-                           eigen_product<T>(Vv, cview<T>(Wb.data(), d, dout, dout), Y);
+                           block_product<T>(Vv, cview<T>(Wb.data(), d, dout, dout), Y);
                        }
                        if (p.b_o) Y.rowwise() += ConstVecMap<T>(p.b_o, dout);
                    });
