@@ -158,12 +158,21 @@ def pooled_padding(args: Mapping[str, Any], batch: tuple[int, ...], n: int) -> n
     return kp
 
 
-def with_weights(out: np.ndarray, weights: np.ndarray | None, mode: str | None) -> Any:
-    """The result of a forward: ``out``, or ``(out, weights)`` (averaged over the heads for
-    ``return_weights="mean"``)."""
+def with_weights(
+    out: np.ndarray,
+    weights: np.ndarray | None,
+    mode: str | None,
+    batch: tuple[int, ...],
+    out_shape: tuple[int, ...],
+) -> Any:
+    """The result of a forward from the kernel's buffers: ``out`` as ``batch + out_shape``, or
+    ``(out, weights)`` with the weights ``(B, h, n_q, n_k)`` as ``batch + (h, n_q, n_k)``
+    (averaged over the heads for ``return_weights="mean"``)."""
+    out = out.reshape(batch + out_shape)
     if mode is None:
         return out
     assert weights is not None
+    weights = weights.reshape(batch + weights.shape[1:])
     if mode == "mean":
         weights = weights.mean(axis=-3)
     return out, weights

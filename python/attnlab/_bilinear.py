@@ -556,10 +556,7 @@ def bilinear_attention(
     if B * n_q > 0:
         rq, rk, rv = a.rows()
         core.bilinear_forward(*a.core_args(), _ORDERS[a.order], out, weights, state)
-    out = out.reshape(batch + (n_q, d_out))
-    if weights is not None:
-        weights = weights.reshape(batch + (h, n_q, n_k))
-    return _args.with_weights(out, weights, mode)
+    return _args.with_weights(out, weights, mode, batch, (n_q, d_out))
 
 
 _BACKWARD_DOC = """\

@@ -44,6 +44,12 @@ FRAGMENTS = {
         ">>> from attnlab import reference\n"
         ">>> rng = np.random.default_rng(0)"
     ),
+    # the opening of the examples of attnlab.interop's converters
+    "interop_examples": "Examples\n--------\n>>> import numpy as np, attnlab",
+    # the opening of every example of attnlab.torch
+    "torch_examples": "Examples\n--------\n>>> import torch, attnlab.torch as at",
+    # the opening of the examples of attnlab.init's initialisers
+    "init_examples": "Examples\n--------\n>>> import numpy as np\n>>> from attnlab import init",
     # what the torch adapter's query/key/value families return
     "torch_attention_returns": (
         "Returns\n"

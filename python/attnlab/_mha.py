@@ -172,10 +172,7 @@ def scaled_dot_product_attention(
         core.sdpa_forward(a.q4, a.k4, a.v4, out, a.mask4, None, a.causal, a.scale, weights, lse)
     if _keep is not None:
         _keep.update(prepared=a, out=out.copy(), lse=lse)
-    out = out.reshape(batch + (h, n_q, d_v))
-    if weights is not None:
-        weights = weights.reshape(batch + (h, n_q, n_k))
-    return _args.with_weights(out, weights, mode)
+    return _args.with_weights(out, weights, mode, batch, (h, n_q, d_v))
 
 
 _Opt = np.ndarray | None
@@ -478,10 +475,7 @@ def multi_head_attention(
             core.mha_forward(*a.core_args(), out, weights, state)
         else:
             _rope.forward(a, rope, out, weights)
-    out = out.reshape(batch + (n_q, d_out))
-    if weights is not None:
-        weights = weights.reshape(batch + (h, n_q, n_k))
-    return _args.with_weights(out, weights, mode)
+    return _args.with_weights(out, weights, mode, batch, (n_q, d_out))
 
 
 _SDPA_BACKWARD_INTRO = """\

@@ -46,6 +46,17 @@ def optional_array(x: Any, name: str) -> np.ndarray | None:
     return None if x is None else as_array(x, name)
 
 
+def array_shaped(x: Any, name: str, shape: tuple[int, ...], whose: str = "") -> np.ndarray:
+    """``x`` as by :func:`as_array`, refused unless its shape is ``shape`` (``whose``: what
+    the expected shape belongs to, for the message, e.g. ``" (the parameter's)"``)."""
+    a = as_array(x, name)
+    if a.shape != shape:
+        raise ValueError(
+            f"{name}: expected shape {shape_str(shape)}{whose}, got {shape_str(a.shape)}"
+        )
+    return a
+
+
 def result_dtype(*arrays: np.ndarray | None) -> np.dtype:
     """The computation dtype: ``np.result_type`` of the (already normalised) inputs."""
     present = [a.dtype for a in arrays if a is not None]

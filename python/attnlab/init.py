@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _docs
+
 __all__ = [
     "Scheme",
     "get",
@@ -101,12 +103,12 @@ _PARAMETERS = """Parameters
 
 def _weight_scheme(fans: str = "") -> Callable[[Initializer], Initializer]:
     """Writes the Parameters and Returns sections every weight initialiser shares (they all
-    have the signature ``(fan_in, fan_out, rng, dtype)``) into its ``{parameters}``; ``fans``
-    adds a sentence about the fans."""
+    have the signature ``(fan_in, fan_out, rng, dtype)``) into its ``{parameters}`` and fills
+    in :mod:`attnlab._docs`' fragments; ``fans`` adds a sentence about the fans."""
     text = _PARAMETERS.format(fans=f"\n        {fans}" if fans else "")
 
     def fill(f: Initializer) -> Initializer:
-        f.__doc__ = (f.__doc__ or "").replace("{parameters}", text)
+        f.__doc__ = _docs.fill((f.__doc__ or "").replace("{parameters}", text))
         return f
 
     return fill
@@ -121,10 +123,7 @@ def torch_default(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) 
 
     {parameters}
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import init
+    {init_examples}
     >>> w = init.torch_default(64, 32, np.random.default_rng(0), np.float64)
     >>> w.shape, bool(np.abs(w).max() <= 1 / 8)
     ((64, 32), True)
@@ -133,6 +132,7 @@ def torch_default(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) 
     return _uniform(1.0 / math.sqrt(fi) if fi else 0.0, (fi, fo), rng, dtype)
 
 
+@_docs.filled
 def torch_default_bias(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
     """``nn.Linear``'s default bias: U(-1/sqrt(fan_in), +1/sqrt(fan_in)), shape ``(fan_out,)``.
 
@@ -152,10 +152,7 @@ def torch_default_bias(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.floa
     -------
     ndarray, shape (fan_out,)
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import init
+    {init_examples}
     >>> init.torch_default_bias(16, 4, np.random.default_rng(0), np.float64).shape
     (4,)
     """
@@ -163,6 +160,7 @@ def torch_default_bias(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.floa
     return _uniform(1.0 / math.sqrt(fi) if fi else 0.0, (fo,), rng, dtype)
 
 
+@_docs.filled
 def zeros_bias(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.ndarray:
     """Zero bias of shape ``(fan_out,)``: the bias of every scheme but ``"torch"``.
 
@@ -180,10 +178,7 @@ def zeros_bias(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> 
     -------
     ndarray, shape (fan_out,)
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import init
+    {init_examples}
     >>> init.zeros_bias(16, 3, None, np.float32)
     array([0., 0., 0.], dtype=float32)
     """
@@ -200,10 +195,7 @@ def xavier_uniform(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64)
 
     {parameters}
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import init
+    {init_examples}
     >>> w = init.xavier_uniform(10, 14, np.random.default_rng(0), np.float64)
     >>> w.shape
     (10, 14)
@@ -222,10 +214,7 @@ def xavier_normal(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) 
 
     {parameters}
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import init
+    {init_examples}
     >>> w = init.xavier_normal(8, 8, np.random.default_rng(0), np.float32)
     >>> w.shape, w.dtype
     ((8, 8), dtype('float32'))
@@ -244,10 +233,7 @@ def randn(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -> np.nd
 
     {parameters}
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import init
+    {init_examples}
     >>> init.randn(4, 2, np.random.default_rng(0), np.float64).shape
     (4, 2)
     """
@@ -269,10 +255,7 @@ def trunc_normal(fan_in: int, fan_out: int, rng: Any, dtype: Any = np.float64) -
 
     {parameters}
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from attnlab import init
+    {init_examples}
     >>> w = init.trunc_normal(32, 32, np.random.default_rng(0), np.float64)
     >>> w.shape
     (32, 32)

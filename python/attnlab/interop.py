@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _docs
 from . import _validate as V
 from ._additive import _variant_code
 
@@ -207,6 +208,7 @@ def _is_module(obj: Any) -> bool:
     )
 
 
+@_docs.filled
 def from_torch_mha(
     state_dict: Any,
     num_heads: int | None = None,
@@ -269,9 +271,7 @@ def from_torch_mha(
     opposite polarity; convert them with :func:`torch_masks`. Dropout is not applied (eval
     mode).
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
+    {interop_examples}
     >>> from attnlab.interop import from_torch_mha
     >>> E = 8
     >>> rng = np.random.default_rng(0)
@@ -368,6 +368,7 @@ def from_torch_mha(
     return out
 
 
+@_docs.filled
 def from_vit_pytorch(
     state_dict: Mapping[str, Any],
     heads: int,
@@ -406,9 +407,7 @@ def from_vit_pytorch(
         ``w_q, w_k, w_v (dim, inner)``, ``w_o (inner, dim)``, the biases present and
         ``num_heads``.
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
+    {interop_examples}
     >>> from attnlab.interop import from_vit_pytorch
     >>> rng = np.random.default_rng(0)
     >>> dim, heads, dim_head = 16, 2, 4
@@ -471,6 +470,7 @@ def from_vit_pytorch(
     return out
 
 
+@_docs.filled
 def from_swiftformer(
     state_dict: Mapping[str, Any],
     variant: str = "official",
@@ -509,9 +509,7 @@ def from_swiftformer(
     ``(B, C, H, W)`` (timm): for the latter use ``x = fmap.reshape(B, C, H * W)
     .transpose(0, 2, 1)``.
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
+    {interop_examples}
     >>> from attnlab.interop import from_swiftformer
     >>> rng = np.random.default_rng(0)
     >>> d = 8
@@ -568,6 +566,7 @@ def from_swiftformer(
 _MOBILEVIT_STYLES = ("", "block.conv.", "convolution.")  # timm, ml-cvnets, transformers
 
 
+@_docs.filled
 def from_mobilevitv2(
     state_dict: Mapping[str, Any],
     *,
@@ -598,9 +597,7 @@ def from_mobilevitv2(
     The module works on unfolded maps ``(B, C, P, N)``: call
     ``separable_attention(fmap.transpose(0, 2, 3, 1), **kwargs).transpose(0, 3, 1, 2)``.
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
+    {interop_examples}
     >>> from attnlab.interop import from_mobilevitv2
     >>> rng = np.random.default_rng(0)
     >>> d = 8

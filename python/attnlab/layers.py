@@ -152,15 +152,9 @@ class _Layer:
                 f"state: keys do not match {type(self).__name__}'s parameters "
                 f"(missing {missing}, unexpected {unexpected}; expected {list(self.params)})"
             )
-        arrays = {}
-        for k, p in self.params.items():
-            a = V.as_array(state[k], f"state[{k!r}]")
-            if a.shape != p.shape:
-                raise ValueError(
-                    f"state[{k!r}]: expected shape {V.shape_str(p.shape)}, got "
-                    f"{V.shape_str(a.shape)}"
-                )
-            arrays[k] = a
+        arrays = {
+            k: V.array_shaped(state[k], f"state[{k!r}]", p.shape) for k, p in self.params.items()
+        }
         for k, a in arrays.items():  # only after every check passed
             self.params[k][...] = a
 

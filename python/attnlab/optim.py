@@ -195,16 +195,12 @@ class Adam:
             missing = sorted(set(arrays) - set(gd))
             if missing:
                 raise KeyError(f"grads: no gradient for params[{i}] {missing}")
-            cg = {}
-            for k, p in arrays.items():
-                g = V.as_array(gd[k], f"grads[{k!r}]")
-                if g.shape != p.shape:
-                    raise ValueError(
-                        f"grads[{k!r}]: expected shape {V.shape_str(p.shape)} (the "
-                        f"parameter's), got {V.shape_str(g.shape)}"
-                    )
-                cg[k] = g
-            checked.append(cg)
+            checked.append(
+                {
+                    k: V.array_shaped(gd[k], f"grads[{k!r}]", p.shape, " (the parameter's)")
+                    for k, p in arrays.items()
+                }
+            )
         self.t += 1
         b1, b2 = self.betas
         bc1 = 1.0 - b1**self.t

@@ -160,10 +160,19 @@ def _apply(forward: Callable[..., Any], tensor_names: tuple[str, ...], args: dic
 
 
 def _wrapper(
-    forward: Callable[..., Any], tensor_names: tuple[str, ...], doc: str, returns: str = "Any"
+    forward: Callable[..., Any],
+    tensor_names: tuple[str, ...],
+    doc: str,
+    returns: str = "Any",
+    *,
+    origin: str = "",
 ) -> Callable[..., Any]:
     """The torch version of ``forward``: its signature (tensors where it takes arrays), its
-    validation, its kernels through :func:`_apply`."""
+    validation, its kernels through :func:`_apply`.
+
+    Its docstring opens as every wrapper's does (what it wraps, ``origin``: the model that
+    introduced it, the Parameters heading), then ``doc``, with :mod:`attnlab._docs`' fragments
+    filled in."""
     params = _sig.public_parameters(forward)
     annotations = {
         p.name: "torch.Tensor | None" if p.default is None else "torch.Tensor"
@@ -171,25 +180,26 @@ def _wrapper(
         if p.name in tensor_names
     }
     annotations.update({"w_qk": "torch.Tensor | BilinearQK", "return_weights": "bool | str"})
+    head = (
+        f"Differentiable :func:`attnlab.{forward.__name__}`{f' ({origin})' if origin else ''} "
+        f"on CPU tensors.\n\n    Parameters\n    ----------\n"
+    )
     return _sig.generate(
         forward.__name__,
         __name__,
         params,
         returns,
-        _docs.fill(doc),
+        _docs.fill(head + doc),
         lambda args: _apply(forward, tensor_names, args),
         annotations=annotations,
     )
 
 
 # The wrappers take their NumPy function's signature (a new keyword argument of a family
-# reaches them with no edit here); the tuples name the tensor arguments, in checking order.
+# reaches them with no edit here); the tuples name the tensor arguments, in checking order; each
+# doc starts at the first parameter (_wrapper writes the opening).
 
 _SDPA_DOC = """\
-Differentiable :func:`attnlab.scaled_dot_product_attention` on CPU tensors.
-
-    Parameters
-    ----------
     q : torch.Tensor, shape (..., h, n_q, d)
     k : torch.Tensor, shape (..., h_kv, n_k, d)
     v : torch.Tensor, shape (..., h_kv, n_k, d_v)
@@ -207,9 +217,7 @@ Differentiable :func:`attnlab.scaled_dot_product_attention` on CPU tensors.
     weights : torch.Tensor, optional
         When ``return_weights`` is set; not differentiable.
 
-    Examples
-    --------
-    >>> import torch, attnlab.torch as at
+    {torch_examples}
     >>> q = torch.randn(2, 4, 8, requires_grad=True)
     >>> at.scaled_dot_product_attention(q, q, q, causal=True).sum().backward()
     >>> q.grad.shape
@@ -220,10 +228,6 @@ scaled_dot_product_attention = _wrapper(
 )
 
 _MULTI_HEAD_DOC = """\
-Differentiable :func:`attnlab.multi_head_attention` on CPU tensors.
-
-    Parameters
-    ----------
     query : torch.Tensor, shape (..., n_q, d_q)
     key : torch.Tensor, shape (..., n_k, d_k), optional
         Defaults to ``query``.
@@ -243,9 +247,7 @@ Differentiable :func:`attnlab.multi_head_attention` on CPU tensors.
 
     {torch_attention_returns}
 
-    Examples
-    --------
-    >>> import torch, attnlab.torch as at
+    {torch_examples}
     >>> x = torch.randn(2, 5, 16, requires_grad=True)
     >>> w = [torch.randn(16, 16, requires_grad=True) for _ in range(4)]
     >>> out = at.multi_head_attention(x, w_q=w[0], w_k=w[1], w_v=w[2], w_o=w[3], num_heads=4)
@@ -260,10 +262,6 @@ multi_head_attention = _wrapper(
 )
 
 _BILINEAR_DOC = """\
-Differentiable :func:`attnlab.bilinear_attention` on CPU tensors.
-
-    Parameters
-    ----------
     query : torch.Tensor, shape (..., n_q, d_q)
     key : torch.Tensor, shape (..., n_k, d_k), optional
     value : torch.Tensor, shape (..., n_k, d_v), optional
@@ -278,9 +276,7 @@ Differentiable :func:`attnlab.bilinear_attention` on CPU tensors.
 
     {torch_attention_returns}
 
-    Examples
-    --------
-    >>> import torch, attnlab.torch as at
+    {torch_examples}
     >>> x = torch.randn(5, 8)
     >>> w_qk = torch.randn(2, 8, 8, requires_grad=True)
     >>> out = at.bilinear_attention(x, w_qk=w_qk, w_v=torch.randn(8, 8), w_o=torch.randn(8, 8),
@@ -296,10 +292,6 @@ bilinear_attention = _wrapper(
 )
 
 _ADDITIVE_DOC = """\
-Differentiable :func:`attnlab.additive_attention` (SwiftFormer) on CPU tensors.
-
-    Parameters
-    ----------
     x : torch.Tensor, shape (..., n, d_in)
     w_q, w_k : torch.Tensor, shape (d_in, D)
     b_q, b_k : torch.Tensor, shape (D,), optional
@@ -314,9 +306,7 @@ Differentiable :func:`attnlab.additive_attention` (SwiftFormer) on CPU tensors.
 
     {torch_pooled_returns}
 
-    Examples
-    --------
-    >>> import torch, attnlab.torch as at
+    {torch_examples}
     >>> x = torch.randn(2, 49, 8, requires_grad=True)
     >>> w = {k: torch.randn(8, 8) for k in ("w_q", "w_k", "w_proj", "w_final")}
     >>> at.additive_attention(x, w_g=torch.randn(8, 1), **w).sum().backward()
@@ -328,13 +318,10 @@ additive_attention = _wrapper(
     ("x", "w_q", "b_q", "w_k", "b_k", "w_g", "w_proj", "b_proj", "w_final", "b_final"),
     _ADDITIVE_DOC,
     "torch.Tensor",
+    origin="SwiftFormer",
 )
 
 _SEPARABLE_DOC = """\
-Differentiable :func:`attnlab.separable_attention` (MobileViT-v2) on CPU tensors.
-
-    Parameters
-    ----------
     x : torch.Tensor, shape (..., n, d)
     w_qkv : torch.Tensor, shape (d, 1 + 2 d)
     b_qkv : torch.Tensor, shape (1 + 2 d,), optional
@@ -346,9 +333,7 @@ Differentiable :func:`attnlab.separable_attention` (MobileViT-v2) on CPU tensors
 
     {torch_pooled_returns}
 
-    Examples
-    --------
-    >>> import torch, attnlab.torch as at
+    {torch_examples}
     >>> x = torch.randn(2, 16, 8, requires_grad=True)
     >>> out = at.separable_attention(x, w_qkv=torch.randn(8, 17), w_o=torch.randn(8, 8))
     >>> out.sum().backward()
@@ -360,4 +345,5 @@ separable_attention = _wrapper(
     ("x", "w_qkv", "b_qkv", "w_o", "b_o"),
     _SEPARABLE_DOC,
     "torch.Tensor",
+    origin="MobileViT-v2",
 )

@@ -14,7 +14,16 @@ import numpy as np
 
 from .. import _docs
 from .._bilinear import BilinearQK
-from ._mha import _context, _softmax_rows, add_mask, allowed_and_bias, warn_if_empty
+from ._mha import (
+    _context,
+    _heads,
+    _qkv,
+    _softmax_rows,
+    _with_weights,
+    add_mask,
+    allowed_and_bias,
+    warn_if_empty,
+)
 
 __all__ = [
     "bilinear_attention",
@@ -69,8 +78,7 @@ def collapse_qk(
     ((2, 16, 12), (2, 12), True, 4)
     """
     w_q, w_k = _f64(w_q), _f64(w_k)
-    h = num_heads
-    h_kv = h if num_kv_heads is None else num_kv_heads
+    h, h_kv = _heads(num_heads, num_kv_heads)
     d_head = w_q.shape[1] // h
     ws, us, vs, cs = [], [], [], []
     for i in range(h):
@@ -182,8 +190,7 @@ def separate_logits(
     xq = _f64(query)
     xk = xq if key is None else _f64(key)
     w_q, w_k = _f64(w_q), _f64(w_k)
-    h = num_heads
-    h_kv = h if num_kv_heads is None else num_kv_heads
+    h, h_kv = _heads(num_heads, num_kv_heads)
     d_head = w_q.shape[1] // h
     q = _matmul(xq, w_q) + (0.0 if b_q is None else _f64(b_q))
     k = _matmul(xk, w_k) + (0.0 if b_k is None else _f64(b_k))
@@ -318,11 +325,8 @@ def bilinear_attention(
     >>> folded.shape, bool(np.allclose(folded, separate))
     ((5, 8), True)
     """
-    xq = _f64(query)
-    xk = xq if key is None else _f64(key)
-    xv = xk if value is None else _f64(value)
-    h = num_heads
-    h_kv = h if num_kv_heads is None else num_kv_heads
+    xq, xk, xv = _qkv(query, key, value)
+    h, h_kv = _heads(num_heads, num_kv_heads)
     w_v, w_o = _f64(w_v), _f64(w_o)
     d_vhead = w_v.shape[1] // h_kv
     logits = bilinear_logits(xq, xk, w_qk=w_qk, u_k=u_k, scale=scale)
@@ -342,7 +346,4 @@ def bilinear_attention(
         weights.append(p)
     ctx = np.concatenate(contexts, axis=-1)
     out = _matmul(ctx, w_o) + (0.0 if b_o is None else _f64(b_o))
-    if return_weights in (False, None):
-        return out
-    wts = np.stack(weights, axis=-3)
-    return out, (wts.mean(axis=-3) if return_weights == "mean" else wts)
+    return _with_weights(out, np.stack(weights, axis=-3), return_weights)

@@ -20,6 +20,28 @@ def _f64(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+def _qkv(query: Any, key: Any, value: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``query``, ``key``, ``value`` in float64, ``key`` defaulting to ``query`` and ``value``
+    to ``key``."""
+    xq = _f64(query)
+    xk = xq if key is None else _f64(key)
+    xv = xk if value is None else _f64(value)
+    return xq, xk, xv
+
+
+def _heads(num_heads: int, num_kv_heads: int | None) -> tuple[int, int]:
+    """``(h, h_kv)``: the kv heads default to one per query head."""
+    return num_heads, num_heads if num_kv_heads is None else num_kv_heads
+
+
+def _with_weights(out: np.ndarray, p: np.ndarray, return_weights: Any) -> Any:
+    """``out``, or ``(out, weights)``: the per-head weights ``p (..., h, n_q, n_k)`` or, for
+    ``"mean"``, their mean over the heads."""
+    if return_weights in (False, None):
+        return out
+    return out, (p.mean(axis=-3) if return_weights == "mean" else p)
+
+
 def allowed_and_bias(
     n_q: int, n_k: int, mask: Any = None, key_padding_mask: Any = None, causal: Any = False
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -190,9 +212,7 @@ def scaled_dot_product_attention(
     warn_if_empty(allowed, n_q, n_k, causal, warn_empty_rows)
     p = _softmax_rows(scores, allowed)
     out = _context(p, v, allowed & ~np.isneginf(scores))
-    if return_weights in (False, None):
-        return out
-    return out, (p.mean(axis=-3) if return_weights == "mean" else p)
+    return _with_weights(out, p, return_weights)
 
 
 @_docs.filled
@@ -258,11 +278,8 @@ def multi_head_attention(
     ...                                num_heads=4).shape
     (2, 5, 16)
     """
-    xq = _f64(query)
-    xk = xq if key is None else _f64(key)
-    xv = xk if value is None else _f64(value)
-    h = num_heads
-    h_kv = h if num_kv_heads is None else num_kv_heads
+    xq, xk, xv = _qkv(query, key, value)
+    h, h_kv = _heads(num_heads, num_kv_heads)
     w_q, w_k, w_v, w_o = _f64(w_q), _f64(w_k), _f64(w_v), _f64(w_o)
     d_head = w_q.shape[1] // h
     d_vhead = w_v.shape[1] // h_kv
@@ -306,7 +323,4 @@ def multi_head_attention(
         weights.append(p)
     ctx = np.concatenate(contexts, axis=-1)
     out = ctx @ w_o + (0.0 if b_o is None else _f64(b_o))
-    if return_weights in (False, None):
-        return out
-    w = np.stack(weights, axis=-3)
-    return out, (w.mean(axis=-3) if return_weights == "mean" else w)
+    return _with_weights(out, np.stack(weights, axis=-3), return_weights)
