@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -33,6 +34,25 @@ struct Job {
     std::mutex done_mutex;
     std::condition_variable done_cv;
 };
+
+// How long a thread polls before it sleeps, waiting for work (a worker) or for the last task
+// of its job (the caller). The parallel regions of one call (three projections, the attention,
+// the output projection) follow each other within microseconds, and the next call from Python
+// comes tens of microseconds later: a futex wake-up in between costs about as much on a VM, and
+// the region waits for its last thread. Short, so that an idle pool does not keep cores busy
+// (other runtimes' threads that spin for milliseconds slow whatever runs next).
+constexpr auto kSpin = std::chrono::microseconds(100);
+
+// Polls `ready` until it holds or kSpin has passed; whether it held.
+template <typename F>
+static bool spin_until(F ready) {
+    const auto deadline = std::chrono::steady_clock::now() + kSpin;
+    for (int i = 0;; ++i) {
+        if (ready()) return true;
+        if ((i & 63) == 63 && std::chrono::steady_clock::now() > deadline) return ready();
+        std::this_thread::yield();
+    }
+}
 
 // Runs tasks of `job` until none is left.
 static void work_on(Job& job) {
@@ -80,6 +100,7 @@ class ThreadPool {
         {
             std::lock_guard<std::mutex> lock(mutex_);
             queue_.push_back(job);
+            queued_.fetch_add(1, std::memory_order_release);
         }
         cv_.notify_all();
     }
@@ -88,6 +109,8 @@ class ThreadPool {
     void loop() {
         for (;;) {
             std::shared_ptr<Job> job;
+            // poll before sleeping (kSpin): a job submitted meanwhile starts without a wake-up
+            spin_until([this] { return queued_.load(std::memory_order_acquire) > 0; });
             {
                 std::unique_lock<std::mutex> lock(mutex_);
                 cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
@@ -95,6 +118,7 @@ class ThreadPool {
                 job = queue_.front();
                 if (job->next.load() >= job->n) {
                     queue_.pop_front();  // exhausted: its owner waits for stragglers itself
+                    queued_.fetch_sub(1, std::memory_order_release);
                     continue;
                 }
             }
@@ -106,6 +130,7 @@ class ThreadPool {
     std::deque<std::shared_ptr<Job>> queue_;
     std::mutex mutex_;
     std::condition_variable cv_;
+    std::atomic<std::int64_t> queued_{0};  // queue_.size(), readable without the lock
     bool stop_ = false;
 };
 
@@ -333,7 +358,7 @@ void parallel_for(std::int64_t n, const std::function<void(std::int64_t)>& fn) {
     job->n = n;
     pool->submit(job);
     detail::work_on(*job);
-    {
+    if (!detail::spin_until([&] { return job->done.load() >= job->n; })) {
         std::unique_lock<std::mutex> lock(job->done_mutex);
         job->done_cv.wait(lock, [&] { return job->done.load() >= job->n; });
     }
