@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         help="with --peers: the training-step cases (vit-s-train, long-causal-train; "
         "--quick: vit-s-train only) instead of the inference ones: forward + every "
         "gradient in attnlab (vjp + pullback; also the forward and the pullback alone), "
-        "torch autograd and JAX; not in the default run (3.5 minutes, measured under load)",
+        "torch autograd and JAX; not in the default run (1.5 minutes on a quiet 2-core machine)",
     )
     b.add_argument(
         "--runtime",
