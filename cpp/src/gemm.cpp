@@ -42,13 +42,15 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
         // The first depth chunk of a Y that holds nothing yet starts from zero accumulators.
         const auto product = [&](auto accumulate) {
             constexpr bool Acc = decltype(accumulate)::value;
-            if (!b_transposed && nw == W && m >= MR) {
-                // the first row block packs B as it goes, the others read the packed copy
-                detail::panel_kernel<T, MR, NP, Acc, true>(kc, ak, a_rs, a_ts, b + k0 * ldb + j0,
-                                                           ldb, y, ldy, bp, W);
-                detail::panel_rows<T, NP, MR, Acc>(m - MR, kc, ak + MR * a_rs, a_rs, a_ts, bp, W,
-                                                   y + MR * ldy, ldy);
-                return;
+            if constexpr (NP == detail::kPanelPackets) {  // whole panels only: compile time
+                if (!b_transposed && nw == W && m >= MR) {
+                    // the first row block packs B as it goes, the others read the packed copy
+                    detail::panel_kernel<T, MR, NP, Acc, true>(
+                        kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y, ldy, bp, W);
+                    detail::panel_rows<T, NP, MR, Acc>(m - MR, kc, ak + MR * a_rs, a_rs, a_ts, bp,
+                                                       W, y + MR * ldy, ldy);
+                    return;
+                }
             }
             // B^T blocks by packet transposes (a scalar gather was half of this function's time
             // in a ViT-S backward, in perf)
@@ -187,6 +189,8 @@ template void linear<double>(Index, Index, Index, const double*, Index, const do
                              const double*, double*, Index, bool);
 
 namespace detail {
+
+ATTNLAB_PANEL_ROWS_ALL()  // the definitions the other sources link to (see microkernel.hpp)
 
 template <typename T>
 void block_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,

@@ -102,6 +102,28 @@ void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, con
     }
 }
 
+// The three panel shapes (3, 2 and 1 packets, rows_for_packets rows at a time), each with and
+// without accumulation, for float and double: instantiated once, in gemm.cpp, and called from
+// there by every kernel source (each is the kernel inlined for every row count up to MR; built in
+// every source that used it, they were a third of the kernels' compile time).
+#define ATTNLAB_PANEL_ROWS(prefix, T, NP, ACC)                           \
+    prefix template void panel_rows<T, NP, rows_for_packets<NP>(), ACC>( \
+        Index, Index, const T*, Index, Index, const T*, Index, T*, Index);
+#define ATTNLAB_PANEL_ROWS_ALL(prefix)           \
+    ATTNLAB_PANEL_ROWS(prefix, float, 3, true)   \
+    ATTNLAB_PANEL_ROWS(prefix, float, 3, false)  \
+    ATTNLAB_PANEL_ROWS(prefix, float, 2, true)   \
+    ATTNLAB_PANEL_ROWS(prefix, float, 2, false)  \
+    ATTNLAB_PANEL_ROWS(prefix, float, 1, true)   \
+    ATTNLAB_PANEL_ROWS(prefix, float, 1, false)  \
+    ATTNLAB_PANEL_ROWS(prefix, double, 3, true)  \
+    ATTNLAB_PANEL_ROWS(prefix, double, 3, false) \
+    ATTNLAB_PANEL_ROWS(prefix, double, 2, true)  \
+    ATTNLAB_PANEL_ROWS(prefix, double, 2, false) \
+    ATTNLAB_PANEL_ROWS(prefix, double, 1, true)  \
+    ATTNLAB_PANEL_ROWS(prefix, double, 1, false)
+ATTNLAB_PANEL_ROWS_ALL(extern)
+
 // Rows [0, rows) of C for one panel (W = panel_width<T>() lanes), kPanelRows at a time.
 template <typename T, bool Accumulate>
 void panel_product(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, const T* b,
