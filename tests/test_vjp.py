@@ -13,6 +13,7 @@ import pytest
 
 import attnlab
 import fuzz_stress as F
+from test_backward_additive import additive_args
 
 FAMILIES = list(F.FORWARD_BUILDERS)
 # random cases may mask every key of a row (the forward warns; the pullback must not warn again)
@@ -233,21 +234,7 @@ def _pooled_case(family: str, rng, dtype, *, batch, n, widths, variant, biases, 
     element with no real token."""
     if family == "additive_attention":
         d_in, D, d_out = widths
-        kw = {
-            "w_q": rng.standard_normal((d_in, D)) * 0.5,
-            "w_k": rng.standard_normal((d_in, D)) * 0.5,
-            "w_g": rng.standard_normal(D),
-            "w_proj": rng.standard_normal((D, D)) * 0.4,
-            "w_final": rng.standard_normal((D, d_out)) * 0.4,
-        }
-        if biases:
-            kw.update(
-                b_q=rng.standard_normal(D) * 0.3,
-                b_k=rng.standard_normal(D) * 0.3,
-                b_proj=rng.standard_normal(D) * 0.3,
-                b_final=rng.standard_normal(d_out) * 0.3,
-            )
-        kw = {k: v.astype(dtype) for k, v in kw.items()}
+        kw = additive_args(rng, d_in, D, d_out, biases=biases, dtype=dtype)
         kw["variant"] = variant
     else:
         d_in, d_out = widths
