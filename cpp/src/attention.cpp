@@ -221,8 +221,8 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
             }
         }
     }
-    // O = (acc / l)^T: divided in the lanes, written back by packet transposes (the scalar
-    // divisions through the transposed layout cost as much as the softmax of a short sequence)
+    // O = (acc / l)^T: divided in the lanes, written back by packet transposes (not scalar
+    // divisions reading acc a column at a time)
     for (Index c = 0; c < dv; ++c)
         for (Index io = 0; io < mp; io += L) {
             T* ac = acc + c * mp + io;

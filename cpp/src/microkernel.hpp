@@ -104,8 +104,8 @@ void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, con
 
 // The three panel shapes (3, 2 and 1 packets, rows_for_packets rows at a time), each with and
 // without accumulation, for float and double: instantiated once, in gemm.cpp, and called from
-// there by every kernel source (each is the kernel inlined for every row count up to MR; built in
-// every source that used it, they were a third of the kernels' compile time).
+// there by every kernel source (each is the kernel inlined for every row count up to MR): built
+// in every source that used them, the whole build took 101 CPU-seconds instead of 88.
 #define ATTNLAB_PANEL_ROWS(prefix, T, NP, ACC)                           \
     prefix template void panel_rows<T, NP, rows_for_packets<NP>(), ACC>( \
         Index, Index, const T*, Index, Index, const T*, Index, T*, Index);

@@ -23,7 +23,8 @@ void eigen_product_bt(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const Ro
 
 // C = A B, or C += A B when accumulate, on the panel kernel of the projections (gemm.cpp), in
 // this thread: for blocks of rows inside a parallel task. Each entry is one FMA chain over the
-// depth, in order; closer to the projections' speed than Eigen's GEMM on narrow widths (64).
+// depth, in order (the additive forward at B=8, n=3136, d=64: 9.7 ms of CPU time, 11.7 with
+// Eigen's GEMM).
 template <typename T>
 void block_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,
                    bool accumulate = false);

@@ -38,11 +38,10 @@ def _recomputing(
     """Multi-head attention with rotary embeddings, which keeps no state yet: the forward on a
     private copy of the arguments (later in-place changes of the caller's arrays do not reach
     the pullback), the pullback through ``multi_head_attention_backward``."""
-    backward = _mha.multi_head_attention_backward
     own = copy.deepcopy(dict(inspect.signature(f).bind(*args, **kwargs).arguments))
     out = f(**own)
     again = {**own, "warn_empty_rows": False}  # the forward warned already
-    return out, lambda grad_out: backward(grad_out, **again)
+    return out, lambda grad_out: _mha.multi_head_attention_backward(grad_out, **again)
 
 
 @_docs.filled
