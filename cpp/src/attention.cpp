@@ -660,9 +660,15 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
     linear_weight_grad(rq, p.w_q.in, wq, p.query, p.w_q.in, dq.get(), wq, g.w_q.w, g.w_q.b);
     linear_weight_grad(rk, p.w_k.in, wk, p.key, p.w_k.in, dk.get(), wk, g.w_k.w, g.w_k.b);
     linear_weight_grad(rk, p.w_v.in, wv, p.value, p.w_v.in, dv.get(), wv, g.w_v.w, g.w_v.b);
-    if (g.query) linear_input_grad(rq, p.w_q.in, wq, dq.get(), wq, p.w_q.w, g.query, p.w_q.in);
-    if (g.key) linear_input_grad(rk, p.w_k.in, wk, dk.get(), wk, p.w_k.w, g.key, p.w_k.in);
+    // An input that is another one (self-attention: key = value = query) may share its
+    // gradient buffer: the later products add into it, in the order value, key, query.
     if (g.value) linear_input_grad(rk, p.w_v.in, wv, dv.get(), wv, p.w_v.w, g.value, p.w_v.in);
+    if (g.key)
+        linear_input_grad(rk, p.w_k.in, wk, dk.get(), wk, p.w_k.w, g.key, p.w_k.in,
+                          g.key == g.value);
+    if (g.query)
+        linear_input_grad(rq, p.w_q.in, wq, dq.get(), wq, p.w_q.w, g.query, p.w_q.in,
+                          g.query == g.key || g.query == g.value);
 }
 
 template void attention_backward<float>(const AttentionProblem<float>&,

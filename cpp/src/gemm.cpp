@@ -121,8 +121,10 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
 }
 
 // Y (rows x cols, row stride ldy) = A B (+ bias), or Y += A B when accumulate. Tasks:
-// kRowChunk rows x kPanelsPerTask panels, a fixed grid, so the result does not depend on the
-// thread count.
+// kRowChunk rows x kPanelsPerTask panels, or fewer panels when that would leave threads idle (a
+// weight gradient of 384 x 384 is 3 tasks: one of 2 threads waited a third of the time). What
+// an element sums, and in which order, depends only on the depth chunks, never on the grid:
+// the result does not depend on the thread count.
 template <typename T>
 void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_ts, const T* b,
           Index ldb, bool b_transposed, const T* bias, T* y, Index ldy, bool accumulate) {
@@ -130,12 +132,16 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
     constexpr Index W = detail::panel_width<T>();
     const Index panels = (cols + W - 1) / W;
     const Index row_chunks = (rows + kRowChunk - 1) / kRowChunk;
-    const Index col_groups = (panels + kPanelsPerTask - 1) / kPanelsPerTask;
+    const Index enough = 2 * static_cast<Index>(get_num_threads());
+    Index per_task = kPanelsPerTask;
+    while (per_task > 1 && row_chunks * ((panels + per_task - 1) / per_task) < enough)
+        per_task = (per_task + 1) / 2;
+    const Index col_groups = (panels + per_task - 1) / per_task;
     parallel_for(row_chunks * col_groups, [&](Index t) {
         const Index r0 = (t / col_groups) * kRowChunk;
         const Index m = std::min(kRowChunk, rows - r0);
-        const Index p0 = (t % col_groups) * kPanelsPerTask;
-        const Index p1 = std::min(panels, p0 + kPanelsPerTask);
+        const Index p0 = (t % col_groups) * per_task;
+        const Index p1 = std::min(panels, p0 + per_task);
         for (Index p = p0; p < p1; ++p)
             gemm_panel(m, depth, cols, a + r0 * a_rs, a_rs, a_ts, b, ldb, b_transposed, bias,
                        y + r0 * ldy, ldy, accumulate, p);
@@ -166,11 +172,15 @@ void linear_weight_grad(Index rows, Index in, Index out, const T* x, Index ldx, 
     if (dw && in > 0)
         gemm(in, rows, out, x, Index(1), ldx, dy, lddy, false, static_cast<const T*>(nullptr), dw,
              out, false);
-    if (db) {
-        Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> DB(db, out);
-        DB.setZero();
-        for (Index r = 0; r < rows; ++r)
-            DB += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(dy + r * lddy, out);
+    if (db) {  // column sums in row order, in blocks of columns (the order does not change)
+        constexpr Index kCols = 128;
+        parallel_for((out + kCols - 1) / kCols, [&](Index c) {
+            const Index j0 = c * kCols, n = std::min(kCols, out - j0);
+            Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> DB(db + j0, n);
+            DB.setZero();
+            for (Index r = 0; r < rows; ++r)
+                DB += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(dy + r * lddy + j0, n);
+        });
     }
 }
 

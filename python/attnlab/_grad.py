@@ -47,19 +47,37 @@ def input_grads(
     shapes: dict[str, tuple[int, ...]],
     key_omitted: bool,
     value_omitted: bool,
+    summed: bool = False,
 ) -> dict[str, np.ndarray]:
     """Gradients of ``query``, ``key`` and ``value`` from the kernel's row gradients: shaped
     as given (summed over broadcast batch axes), and summed into the argument an omitted
-    ``key``/``value`` defaulted to (gradient keys follow the arguments given, not identity)."""
+    ``key``/``value`` defaulted to (gradient keys follow the arguments given, not identity).
+    ``summed``: the kernel already added them up in one buffer (:func:`input_buffers`)."""
     inputs = {}
     for name, r in rows.items():
         g = r.reshape(batch + (shapes[name][-2], r.shape[-1]))
         inputs[name] = unbroadcast(g, shapes[name])
     if value_omitted:
-        inputs["key"] = inputs["key"] + inputs.pop("value")
+        value = inputs.pop("value")
+        if not summed:
+            inputs["key"] = inputs["key"] + value
     if key_omitted:
-        inputs["query"] = inputs["query"] + inputs.pop("key")
+        key = inputs.pop("key")
+        if not summed:
+            inputs["query"] = inputs["query"] + key
     return inputs
+
+
+def input_buffers(
+    rows: dict[str, np.ndarray], key_omitted: bool, value_omitted: bool, dtype: np.dtype
+) -> dict[str, np.ndarray]:
+    """Zeroed row gradients of ``query``, ``key`` and ``value``, one buffer shared by an
+    omitted ``key``/``value`` and the argument it defaulted to: a kernel that adds into an
+    aliased buffer sums them itself (no two extra arrays and no additions here)."""
+    out = {"query": V.zeros(rows["query"].shape, dtype)}
+    out["key"] = out["query"] if key_omitted else V.zeros(rows["key"].shape, dtype)
+    out["value"] = out["key"] if value_omitted else V.zeros(rows["value"].shape, dtype)
+    return out
 
 
 def zeros_like_given(

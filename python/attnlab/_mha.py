@@ -606,14 +606,23 @@ def _mha_grads(
     attnlab.vjp) the forward is not recomputed; ``rope``: the rotary path (recomputes)."""
     dtype, batch, B = a.dtype, a.batch, a.B
     go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype)
-    grads = _grad.zeros_like_given({**a.w, "query": a.rq, "key": a.rk, "value": a.rv}, dtype)
+    inputs = {"query": a.rq, "key": a.rk, "value": a.rv}
+    summed = rope is None  # the kernel sums the gradients of aliased inputs; _rope does not
+    if summed:
+        grads = _grad.zeros_like_given(a.w, dtype)
+        grads.update(_grad.input_buffers(inputs, a.key_omitted, a.value_omitted, dtype))
+    else:
+        grads = _grad.zeros_like_given({**a.w, **inputs}, dtype)
     if B * a.n_q > 0:
         if rope is None:
             core.mha_backward(go2, *a.core_args(), grads, state)
         else:
             _rope.backward(go2, a, rope, grads)
     rows = {n: grads.pop(n) for n in ("query", "key", "value")}
-    return {**_grad.input_grads(rows, batch, a.shapes, a.key_omitted, a.value_omitted), **grads}
+    return {
+        **_grad.input_grads(rows, batch, a.shapes, a.key_omitted, a.value_omitted, summed),
+        **grads,
+    }
 
 
 def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
