@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import attnlab
@@ -208,3 +209,100 @@ def test_impossible_sizes_raise_memory_error_not_crash() -> None:
     ok = ("MemoryError", "ValueError") + (("skipped (sanitizer)",) if SANITIZED else ())
     bad = {k: v for k, v in results.items() if v not in ok}
     assert not bad, bad
+
+
+# -- the recycled memory of large arrays (_validate._Blocks) ---------------------------------------
+
+BIG = (512, 1024)  # 2 MiB of float32: above the size from which blocks are recycled
+
+
+def _blocks_or_skip():
+    from attnlab import _validate as V
+
+    if not V._blocks.usable:
+        pytest.skip("no private anonymous mappings here: NumPy's memory is used")
+    return V
+
+
+def test_a_dropped_array_s_memory_serves_the_next_array_of_its_size() -> None:
+    V = _blocks_or_skip()
+    a = V.empty(BIG, np.float32)
+    where = a.ctypes.data
+    assert where % 64 == 0 and a.flags.c_contiguous and a.flags.writeable
+    del a
+    b = V.empty(BIG, np.float32)
+    assert b.ctypes.data == where
+    c = V.empty(BIG, np.float32)  # b is alive: never handed out twice
+    assert c.ctypes.data != b.ctypes.data
+
+
+def test_a_view_keeps_its_block_out_of_reuse() -> None:
+    V = _blocks_or_skip()
+    a = V.empty(BIG, np.float32)
+    a[...] = 1.0
+    view = a[3:5, ::2].T  # a view of a view: keeps the block as long as it lives
+    del a
+    b = V.empty(BIG, np.float32)
+    b[...] = 2.0
+    assert np.all(view == 1.0)
+    assert not np.shares_memory(view, b)
+
+
+def test_the_blocks_kept_are_bounded() -> None:
+    V = _blocks_or_skip()
+    V._blocks.clear()
+    n = V._Blocks.LIMIT // (8 << 20) + 4
+    arrays = [V.empty((8 << 20,), np.uint8) for _ in range(n)]
+    del arrays
+    assert 0 < V._blocks.waiting <= V._Blocks.LIMIT
+    V._blocks.clear()
+    assert V._blocks.waiting == 0
+
+
+def test_vjp_copies_are_freed_without_the_garbage_collector() -> None:
+    """The pullback's copies of the arguments go when the pullback goes (a reference cycle
+    once kept them until the collector ran, so every training step took fresh memory)."""
+    import gc
+    import weakref
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 40, 16))
+    w = {k: rng.standard_normal((16, 16)) for k in ("w_q", "w_k", "w_v", "w_o")}
+    gc.collect()
+    gc.disable()
+    try:
+        out, pullback = attnlab.vjp(attnlab.multi_head_attention, x, num_heads=2, **w)
+        grads = pullback(np.ones_like(out))
+        alive = weakref.ref(pullback)
+        del out, pullback, grads
+        assert alive() is None
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
+FORKED = """
+import json, os
+import numpy as np
+from attnlab import _validate as V
+
+a = V.empty((512, 1024), np.float32)
+a[...] = 1.0
+del a                      # the block waits in the parent's cache
+pid = os.fork()
+if pid == 0:               # the child writes into the same block
+    b = V.empty((512, 1024), np.float32)
+    b[...] = 7.0
+    os._exit(0)
+os.waitpid(pid, 0)
+c = V.empty((512, 1024), np.float32)
+print(json.dumps({"parent_sees": float(c[0, 0]), "usable": V._blocks.usable}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_writes_its_own_copy_of_a_recycled_block() -> None:
+    r = _run(FORKED)
+    if not r["usable"]:
+        pytest.skip("no private anonymous mappings here")
+    assert r["parent_sees"] == 1.0

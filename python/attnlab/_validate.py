@@ -6,11 +6,14 @@ Every error names the argument, what it got and what was expected (docs/architec
 from __future__ import annotations
 
 import math
+import mmap
 import numbers
 import os
 import sys
+import threading
 import types
 import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -140,10 +143,79 @@ def aligned(a: np.ndarray) -> np.ndarray:
 _ALIGN = 64  # bytes: a cache line, and a whole number of AVX-512 vectors
 
 
+class _Blocks:
+    """The memory of large arrays, kept when the last array using it is dropped and handed to
+    the next array of the same size (page-rounded), up to :attr:`LIMIT` bytes waiting.
+
+    A loop of calls of one shape (a training step: the vjp state, the output, the gradients)
+    then writes the same pages every time. Fresh pages are zeroed by the kernel as they are
+    first touched: in perf that was 3-4% of a long causal training step (``clear_page_erms``),
+    on top of the page faults themselves. Private anonymous mappings: a forked child gets its
+    own copy of every page, as with ``malloc``.
+    """
+
+    # Smaller arrays come from NumPy: glibc's malloc serves them from pages it keeps, but maps
+    # (and unmaps) anything from 128 KiB until a freed large block raises that threshold, so
+    # kept here from there on (a ViT-S pullback's 590 KB weight gradients faulted 544 pages a
+    # call with a limit of 1 MiB).
+    MIN = 128 << 10
+    LIMIT = 256 << 20
+    _HUGE = 4 << 20  # as NumPy: huge pages asked for from 4 MiB
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.usable = hasattr(mmap, "MAP_PRIVATE")  # POSIX only; elsewhere NumPy's memory
+
+    def array(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` uint8, page-aligned, uninitialised (what the last user left)."""
+        size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        with self._lock:
+            kept = self._free.get(size)
+            block = kept.pop() if kept else None
+            if block is not None:
+                self._bytes -= size
+        if block is None:
+            try:
+                block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+            except (OSError, OverflowError) as e:  # as NumPy would say it
+                raise MemoryError(f"Unable to allocate {size} bytes: {e}") from None
+            if size >= self._HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+                block.madvise(mmap.MADV_HUGEPAGE)
+        # every view of `a` keeps `a` alive (NumPy stops collapsing bases at an array whose
+        # base is not an array), so the block returns only when no array can reach it
+        a = np.frombuffer(block, np.uint8, nbytes)
+        weakref.finalize(a, self._give_back, block, size)
+        return a
+
+    def _give_back(self, block: mmap.mmap, size: int) -> None:
+        with self._lock:
+            if self._bytes + size <= self.LIMIT:
+                self._free.setdefault(size, []).append(block)
+                self._bytes += size
+        # else dropped: unmapped once the last reference (this call's) goes
+
+    def clear(self) -> None:
+        """Let every waiting block go."""
+        with self._lock:
+            self._free.clear()
+            self._bytes = 0
+
+    @property
+    def waiting(self) -> int:
+        """Bytes kept for reuse."""
+        return self._bytes
+
+
+_blocks = _Blocks()
+
+
 def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on a 64-byte boundary.
 
-    Every array the kernels write goes through here. Eigen's vectorised loops peel scalar
+    Every array the kernels write goes through here (from 128 KiB, memory that
+    :class:`_Blocks` recycles). Eigen's vectorised loops peel scalar
     iterations up to the first vector-aligned element, and the peeled (scalar) and vector
     iterations can round differently, so where an output sits in memory could otherwise change
     the last bits of the result from one call to the next.
@@ -151,6 +223,8 @@ def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     dt = np.dtype(dtype)
     shape = (int(shape),) if isinstance(shape, numbers.Integral) else tuple(int(s) for s in shape)
     nbytes = math.prod(shape) * dt.itemsize
+    if nbytes >= _Blocks.MIN and _blocks.usable:
+        return _blocks.array(nbytes).view(dt).reshape(shape)
     buf = np.empty(nbytes + _ALIGN, np.uint8)
     start = (-buf.ctypes.data) % _ALIGN
     return buf[start : start + nbytes].view(dt).reshape(shape)
@@ -159,10 +233,10 @@ def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 def empty_group(specs: dict[Any, tuple[tuple[int, ...], Any]]) -> dict[Any, np.ndarray]:
     """:func:`empty` arrays, ``{key: (shape, dtype)}``, carved from one allocation.
 
-    For what attnlab.vjp keeps (the forward's state, the copies of the arguments): fresh memory
-    on every call. As one allocation rather than one per array, the page-fault handling fell
-    from 5.7% to 1.0% of a ViT-S vjp forward in perf (and the forward from 32.1 to 26.8 ms of
-    CPU time); zeroing the fresh pages still costs about 4%.
+    For what attnlab.vjp keeps (the forward's state, the copies of the arguments). As one
+    allocation rather than one per array, the page-fault handling fell from 5.7% to 1.0% of a
+    ViT-S vjp forward in perf (and the forward from 32.1 to 26.8 ms of CPU time); the block is
+    recycled (:class:`_Blocks`), so a loop of steps faults no fresh pages at all.
     """
     layout, total = {}, 0
     for k, (given, dtype) in specs.items():
@@ -320,18 +394,7 @@ def owned(prepared: Any) -> Any:
     mask over batch and heads) is copied as its distinct data and broadcast again, never
     materialised at (B, h, n_q, n_k)."""
     found: dict[int, np.ndarray] = {}
-
-    def distinct(x: Any) -> None:
-        if isinstance(x, np.ndarray):
-            found.setdefault(id(x), x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                distinct(v)
-        elif isinstance(x, tuple):
-            for f in x:
-                distinct(f)
-
-    distinct(prepared)
+    _find_arrays(prepared, found)
     data = {
         i: _zero_strides_to_one(a) if 0 in a.strides and a.size > 1 else a for i, a in found.items()
     }
@@ -340,18 +403,32 @@ def owned(prepared: Any) -> Any:
         copies[i][...] = d
         if copies[i].shape != found[i].shape:
             copies[i] = np.broadcast_to(copies[i], found[i].shape)
+    return _with_arrays(prepared, copies)
 
-    def own(x: Any) -> Any:
-        if isinstance(x, np.ndarray):
-            return copies[id(x)]
-        if isinstance(x, dict):
-            return {k: own(v) for k, v in x.items()}
-        if isinstance(x, tuple):
-            parts = (own(f) for f in x)
-            return type(x)(*parts) if hasattr(x, "_fields") else tuple(parts)
-        return x
 
-    return own(prepared)
+# owned()'s walks, at module level: as recursive closures they were reference cycles (a
+# function's cell holding the function) that kept the copies, and the caller's arrays, alive
+# until the garbage collector ran; the next step's vjp then took fresh memory.
+def _find_arrays(x: Any, found: dict[int, np.ndarray]) -> None:
+    if isinstance(x, np.ndarray):
+        found.setdefault(id(x), x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _find_arrays(v, found)
+    elif isinstance(x, tuple):
+        for f in x:
+            _find_arrays(f, found)
+
+
+def _with_arrays(x: Any, copies: dict[int, np.ndarray]) -> Any:
+    if isinstance(x, np.ndarray):
+        return copies[id(x)]
+    if isinstance(x, dict):
+        return {k: _with_arrays(v, copies) for k, v in x.items()}
+    if isinstance(x, tuple):
+        parts = (_with_arrays(f, copies) for f in x)
+        return type(x)(*parts) if hasattr(x, "_fields") else tuple(parts)
+    return x
 
 
 def check_flag(x: Any, name: str) -> bool:
