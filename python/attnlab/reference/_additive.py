@@ -13,16 +13,9 @@ import numpy as np
 
 from .. import _docs
 from .._validate import POOLED_ROWS, warn_empty
+from ._mha import _bias, _f64
 
 __all__ = ["additive_attention", "separable_attention"]
-
-
-def _f64(x: Any) -> np.ndarray:
-    return np.asarray(x, dtype=np.float64)
-
-
-def _bias(b: Any) -> np.ndarray | float:
-    return 0.0 if b is None else _f64(b)
 
 
 def _normalize(v: np.ndarray, axis: int, eps: float) -> np.ndarray:
