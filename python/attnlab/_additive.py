@@ -414,9 +414,8 @@ def separable_attention(
 _ADDITIVE_BACKWARD_DOC = """\
     x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale, variant, eps,
     key_padding_mask, warn_empty_rows
-        As for :func:`additive_attention` (``True`` = real token, the opposite of
-        ``nn.MultiheadAttention``'s ``key_padding_mask``; see
-        :func:`attnlab.interop.torch_masks`).
+        As for :func:`additive_attention`
+        {padding_polarity}
 
     Returns
     -------
@@ -463,9 +462,8 @@ def _additive_grads(
 
 _SEPARABLE_BACKWARD_DOC = """\
     x, w_qkv, b_qkv, w_o, b_o, key_padding_mask, warn_empty_rows
-        As for :func:`separable_attention` (``True`` = real token, the opposite of
-        ``nn.MultiheadAttention``'s ``key_padding_mask``; see
-        :func:`attnlab.interop.torch_masks`).
+        As for :func:`separable_attention`
+        {padding_polarity}
 
     Returns
     -------

@@ -77,10 +77,7 @@ def additive_attention(
     warn_empty_rows : bool
         As for :func:`attnlab.additive_attention`.
 
-    Returns
-    -------
-    ndarray, shape (..., n, d_out)
-        float64.
+    {reference_pooled_returns}
 
     {reference_examples}
     >>> w = {k: rng.standard_normal((8, 8)) / 3 for k in ("w_q", "w_k", "w_proj", "w_final")}
@@ -137,10 +134,7 @@ def separable_attention(
     warn_empty_rows : bool
         As for :func:`attnlab.separable_attention`.
 
-    Returns
-    -------
-    ndarray, shape (..., n, d_out)
-        float64.
+    {reference_pooled_returns}
 
     {reference_examples}
     >>> x = rng.standard_normal((2, 16, 8))

@@ -306,12 +306,7 @@ def bilinear_attention(
     mask, key_padding_mask, causal, scale, return_weights, warn_empty_rows
         As for :func:`attnlab.bilinear_attention`.
 
-    Returns
-    -------
-    out : ndarray, shape (..., n_q, d_out)
-        float64.
-    weights : ndarray, shape (..., h, n_q, n_k) or (..., n_q, n_k)
-        Only with ``return_weights``.
+    {reference_attention_returns}
 
     {reference_examples}
     >>> w = [rng.standard_normal((8, 8)) / 3 for _ in range(4)]

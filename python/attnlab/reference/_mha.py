@@ -269,12 +269,7 @@ def multi_head_attention(
         ``transformers``: ``x * cos + rotate_half(x) * sin`` on the first ``rope_dim``
         features of each query and key head.
 
-    Returns
-    -------
-    out : ndarray, shape (..., n_q, d_out)
-        float64.
-    weights : ndarray, shape (..., h, n_q, n_k) or (..., n_q, n_k)
-        Only with ``return_weights`` (``"mean"`` averages over heads).
+    {reference_attention_returns}
 
     {reference_examples}
     >>> w = [rng.standard_normal((16, 16)) / 4 for _ in range(4)]
