@@ -185,8 +185,7 @@ def separate_logits(
     >>> sep.shape, bool(np.allclose(sep, fold))
     ((2, 3, 3), True)
     """
-    xq = _f64(query)
-    xk = xq if key is None else _f64(key)
+    xq, xk, _ = _qkv(query, key, None)  # no value: the logits only
     w_q, w_k = _f64(w_q), _f64(w_k)
     h, h_kv = _heads(num_heads, num_kv_heads)
     d_head = w_q.shape[1] // h
@@ -246,8 +245,7 @@ def bilinear_logits(
     d_head = None
     if isinstance(w_qk, BilinearQK):
         u_k, d_head, w_qk = w_qk.u, w_qk.d_head, w_qk.w
-    xq = _f64(query)
-    xk = xq if key is None else _f64(key)
+    xq, xk, _ = _qkv(query, key, None)  # no value: the logits only
     w = _f64(w_qk)
     h, d_q, _ = w.shape
     if d_head is None:
