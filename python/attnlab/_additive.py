@@ -490,9 +490,9 @@ def _separable_grads(
     """As :func:`_additive_grads`, for a prepared separable call."""
     B, n, d, d_out, dtype = a["B"], a["n"], a["d"], a["d_out"], a["dtype"]
     go = _grad.grad_out_rows(grad_out, a["batch"] + (n, d_out), dtype)
-    weights = {"w_qkv": a["wqkv"], "b_qkv": a["bqkv"], "w_o": a["wo"], "b_o": a["bo"]}
+    params = {"w_qkv": a["wqkv"], "b_qkv": a["bqkv"], "w_o": a["wo"], "b_o": a["bo"]}
     # x's rows are absent without features (the kernel is not called): (B * n, 0) zeros
-    grads = {"x": V.zeros((B * n, d), dtype), **_grad.zeros_like_given(weights, dtype)}
+    grads = {"x": V.zeros((B * n, d), dtype), **_grad.zeros_like_given(params, dtype)}
     if B * n > 0 and d_out > 0:
         if d == 0:  # out = b_o
             if a["bo"] is not None:
