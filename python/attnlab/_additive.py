@@ -128,32 +128,23 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
         wq, wk = V.zeros((1, D), dtype), V.zeros((1, D), dtype)
     else:
         xr = V.rows(xa, batch, dtype)
+    # the arrays the kernels read, by argument name: the gradients take their names and shapes
+    arrays = dict(
+        x=xr, w_q=wq, b_q=bq, w_k=wk, b_k=bk, w_g=wg, w_proj=wp, b_proj=bp, w_final=wf, b_final=bf
+    )
     return dict(
         x_shape=xa.shape,
-        xr=xr,
-        wq=wq,
-        bq=bq,
-        wk=wk,
-        bk=bk,
-        wg=wg,
         wg_shape=wg_.shape,
-        wp=wp,
-        bp=bp,
-        wf=wf,
-        bf=bf,
+        arrays=arrays,
         B=B,
         n=n,
         d_in=d_in,
         D=D,
         d_out=d_out,
-        s=s,
-        e=e,
-        code=code,
-        kp=kp,
         batch=batch,
         dtype=dtype,
         # the leading arguments of core.additive_forward and core.additive_backward
-        core=(xr, wq, bq, wk, bk, wg, wp, bp, wf, bf, B, n, s, e, code, kp),
+        core=(*arrays.values(), B, n, s, e, code, kp),
     )
 
 
@@ -423,9 +414,8 @@ def separable_attention(
 _ADDITIVE_BACKWARD_DOC = """\
     x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale, variant, eps,
     key_padding_mask, warn_empty_rows
-        As for :func:`additive_attention` (``True`` = real token, the opposite of
-        ``nn.MultiheadAttention``'s ``key_padding_mask``; see
-        :func:`attnlab.interop.torch_masks`).
+        As for :func:`additive_attention`
+        {padding_polarity}
 
     Returns
     -------
@@ -455,22 +445,9 @@ def _additive_grads(
     """The gradients of a prepared call; with ``state`` (what the forward kept for
     attnlab.vjp) the kernel reads it instead of running the forward's pooling again."""
     B, n, d_in, D, d_out, dtype = a["B"], a["n"], a["d_in"], a["D"], a["d_out"], a["dtype"]
-    batch = a["batch"]
-    go = _grad.grad_out_rows(grad_out, batch + (n, d_out), dtype)
-    din_c = a["xr"].shape[1]  # 1 when d_in == 0 (a zero feature stands in)
-    grads = {"x": V.zeros((B * n, din_c), dtype), "w_q": V.zeros((din_c, D), dtype)}
-    if a["bq"] is not None:
-        grads["b_q"] = V.zeros(D, dtype)
-    grads["w_k"] = V.zeros((din_c, D), dtype)
-    if a["bk"] is not None:
-        grads["b_k"] = V.zeros(D, dtype)
-    grads["w_g"] = V.zeros(D, dtype)
-    grads["w_proj"] = V.zeros((D, D), dtype)
-    if a["bp"] is not None:
-        grads["b_proj"] = V.zeros(D, dtype)
-    grads["w_final"] = V.zeros((D, d_out), dtype)
-    if a["bf"] is not None:
-        grads["b_final"] = V.zeros(d_out, dtype)
+    go = _grad.grad_out_rows(grad_out, a["batch"] + (n, d_out), dtype)
+    # as the kernel reads them: x, w_q and w_k with one zero feature when d_in == 0
+    grads = _grad.zeros_like_given(a["arrays"], dtype)
     if B * n > 0 and d_out > 0:
         leading: _CoreArgs = a["core"]
         core.additive_backward(go, *leading, grads, state)
@@ -485,9 +462,8 @@ def _additive_grads(
 
 _SEPARABLE_BACKWARD_DOC = """\
     x, w_qkv, b_qkv, w_o, b_o, key_padding_mask, warn_empty_rows
-        As for :func:`separable_attention` (``True`` = real token, the opposite of
-        ``nn.MultiheadAttention``'s ``key_padding_mask``; see
-        :func:`attnlab.interop.torch_masks`).
+        As for :func:`separable_attention`
+        {padding_polarity}
 
     Returns
     -------
@@ -511,16 +487,12 @@ def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.nda
 def _separable_grads(
     a: dict[str, Any], grad_out: Any, state: dict[str, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
-    """The gradients of a prepared call; with ``state`` (what the forward kept for
-    attnlab.vjp) the kernel reads it instead of running the forward's pooling again."""
-    B, n, d, d_out, dtype, batch = a["B"], a["n"], a["d"], a["d_out"], a["dtype"], a["batch"]
-    go = _grad.grad_out_rows(grad_out, batch + (n, d_out), dtype)
-    grads = {"x": V.zeros((B * n, d), dtype), "w_qkv": V.zeros((d, 1 + 2 * d), dtype)}
-    if a["bqkv"] is not None:
-        grads["b_qkv"] = V.zeros(1 + 2 * d, dtype)
-    grads["w_o"] = V.zeros((d, d_out), dtype)
-    if a["bo"] is not None:
-        grads["b_o"] = V.zeros(d_out, dtype)
+    """As :func:`_additive_grads`, for a prepared separable call."""
+    B, n, d, d_out, dtype = a["B"], a["n"], a["d"], a["d_out"], a["dtype"]
+    go = _grad.grad_out_rows(grad_out, a["batch"] + (n, d_out), dtype)
+    params = {"w_qkv": a["wqkv"], "b_qkv": a["bqkv"], "w_o": a["wo"], "b_o": a["bo"]}
+    # x's rows are absent without features (the kernel is not called): (B * n, 0) zeros
+    grads = {"x": V.zeros((B * n, d), dtype), **_grad.zeros_like_given(params, dtype)}
     if B * n > 0 and d_out > 0:
         if d == 0:  # out = b_o
             if a["bo"] is not None:

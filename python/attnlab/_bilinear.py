@@ -516,10 +516,7 @@ def bilinear_attention(
         Default ``1/sqrt(d_head)`` for a BilinearQK, ``1/sqrt(d_q / num_heads)`` for a raw
         ``w_qk``.
 
-    Returns
-    -------
-    out : ndarray, shape (..., n_q, d_out)
-    weights : ndarray, optional
+    {attention_returns}
 
     Notes
     -----
@@ -562,8 +559,8 @@ def bilinear_attention(
 _BACKWARD_DOC = """\
     query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads, mask,
     key_padding_mask, causal, scale, warn_empty_rows
-        As for :func:`bilinear_attention` (boolean ``True`` = *may attend*, the opposite of
-        ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`).
+        As for :func:`bilinear_attention`
+        {mask_polarity}
         ``return_weights`` is accepted and ignored.
 
     Returns

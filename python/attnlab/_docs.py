@@ -32,6 +32,29 @@ FRAGMENTS = {
         "value : array_like, shape (..., n_k, d_v), optional\n"
         "    Defaults to ``key``."
     ),
+    # what the query/key/value families return (multi-head and bilinear attention)
+    "attention_returns": (
+        "Returns\n-------\nout : ndarray, shape (..., n_q, d_out)\nweights : ndarray, optional"
+    ),
+    # the polarity of the masks, as the backwards state it after "As for <forward>"
+    "mask_polarity": (
+        "(boolean ``True`` = *may attend*, the opposite of ``nn.MultiheadAttention``'s masks;\n"
+        "see :func:`attnlab.interop.torch_masks`)."
+    ),
+    "padding_polarity": (
+        "(``True`` = real token, the opposite of ``nn.MultiheadAttention``'s\n"
+        "``key_padding_mask``; see :func:`attnlab.interop.torch_masks`)."
+    ),
+    # what the reference's query/key/value and pooled families return
+    "reference_attention_returns": (
+        "Returns\n"
+        "-------\n"
+        "out : ndarray, shape (..., n_q, d_out)\n"
+        "    float64.\n"
+        "weights : ndarray, shape (..., h, n_q, n_k) or (..., n_q, n_k)\n"
+        '    Only with ``return_weights`` (``"mean"`` averages over heads).'
+    ),
+    "reference_pooled_returns": "Returns\n-------\nndarray, shape (..., n, d_out)\n    float64.",
     # the opening of most examples of attnlab's functions
     "examples": (
         "Examples\n--------\n>>> import numpy as np, attnlab\n>>> rng = np.random.default_rng(0)"

@@ -437,10 +437,7 @@ def multi_head_attention(
         query row with no key at all: the usual sign of a mask in PyTorch's polarity. Pass
         ``False`` when such rows are intended (their output is ``b_o``).
 
-    Returns
-    -------
-    out : ndarray, shape (..., n_q, d_out)
-    weights : ndarray, optional
+    {attention_returns}
 
     Notes
     -----
@@ -486,8 +483,8 @@ _SDPA_BACKWARD_INTRO = """\
 """
 _SDPA_BACKWARD_DOC = """\
     q, k, v, mask, causal, scale, warn_empty_rows
-        As for :func:`scaled_dot_product_attention` (boolean ``True`` = *may attend*, the
-        opposite of ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`).
+        As for :func:`scaled_dot_product_attention`
+        {mask_polarity}
         ``return_weights`` is accepted for symmetry and ignored: gradients flow from the output
         only. Masks are not differentiated.
 
@@ -560,8 +557,8 @@ def _sdpa_grads(
 _MHA_BACKWARD_DOC = """\
     query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads, num_kv_heads, mask,
     key_padding_mask, causal, scale, rope_theta, rope_dim, positions, warn_empty_rows
-        As for :func:`multi_head_attention` (boolean ``True`` = *may attend*, the opposite of
-        ``nn.MultiheadAttention``'s masks; see :func:`attnlab.interop.torch_masks`).
+        As for :func:`multi_head_attention`
+        {mask_polarity}
         ``return_weights`` is accepted and ignored. Positions are not differentiated.
 
     Returns

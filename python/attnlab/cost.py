@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _signature as _sig
 from . import _validate as V
 
 __all__ = ["attention_cost", "plan_qk", "collapsed_order", "collapsed_order_flops"]
@@ -221,16 +222,7 @@ def plan_qk(
     >>> plan_qk(n_q=197, d_model=384, num_heads=6), plan_qk(n_q=197, d_model=384, num_heads=1)
     ('separate', 'collapsed')
     """
-    kw = dict(
-        n_q=n_q,
-        n_k=n_k,
-        d_model=d_model,
-        num_heads=num_heads,
-        d_head=d_head,
-        batch=batch,
-        num_kv_heads=num_kv_heads,
-        cached=cached,
-    )
-    sep = attention_cost("separate", **kw)["flops"]  # type: ignore[arg-type]
-    col = attention_cost("collapsed", **kw)["flops"]  # type: ignore[arg-type]
+    kw = _sig.arguments(locals())  # every argument, passed on as given
+    sep = attention_cost("separate", **kw)["flops"]
+    col = attention_cost("collapsed", **kw)["flops"]
     return "collapsed" if col < sep else "separate"

@@ -13,16 +13,9 @@ import numpy as np
 
 from .. import _docs
 from .._validate import POOLED_ROWS, warn_empty
+from ._mha import _bias, _f64
 
 __all__ = ["additive_attention", "separable_attention"]
-
-
-def _f64(x: Any) -> np.ndarray:
-    return np.asarray(x, dtype=np.float64)
-
-
-def _bias(b: Any) -> np.ndarray | float:
-    return 0.0 if b is None else _f64(b)
 
 
 def _normalize(v: np.ndarray, axis: int, eps: float) -> np.ndarray:
@@ -84,10 +77,7 @@ def additive_attention(
     warn_empty_rows : bool
         As for :func:`attnlab.additive_attention`.
 
-    Returns
-    -------
-    ndarray, shape (..., n, d_out)
-        float64.
+    {reference_pooled_returns}
 
     {reference_examples}
     >>> w = {k: rng.standard_normal((8, 8)) / 3 for k in ("w_q", "w_k", "w_proj", "w_final")}
@@ -144,10 +134,7 @@ def separable_attention(
     warn_empty_rows : bool
         As for :func:`attnlab.separable_attention`.
 
-    Returns
-    -------
-    ndarray, shape (..., n, d_out)
-        float64.
+    {reference_pooled_returns}
 
     {reference_examples}
     >>> x = rng.standard_normal((2, 16, 8))

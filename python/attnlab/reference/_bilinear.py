@@ -15,7 +15,9 @@ import numpy as np
 from .. import _docs
 from .._bilinear import BilinearQK
 from ._mha import (
+    _bias,
     _context,
+    _f64,
     _heads,
     _qkv,
     _softmax_rows,
@@ -32,10 +34,6 @@ __all__ = [
     "factorize_qk",
     "separate_logits",
 ]
-
-
-def _f64(x: Any) -> np.ndarray:
-    return np.asarray(x, dtype=np.float64)
 
 
 def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -187,13 +185,12 @@ def separate_logits(
     >>> sep.shape, bool(np.allclose(sep, fold))
     ((2, 3, 3), True)
     """
-    xq = _f64(query)
-    xk = xq if key is None else _f64(key)
+    xq, xk, _ = _qkv(query, key, None)  # no value: the logits only
     w_q, w_k = _f64(w_q), _f64(w_k)
     h, h_kv = _heads(num_heads, num_kv_heads)
     d_head = w_q.shape[1] // h
-    q = _matmul(xq, w_q) + (0.0 if b_q is None else _f64(b_q))
-    k = _matmul(xk, w_k) + (0.0 if b_k is None else _f64(b_k))
+    q = _matmul(xq, w_q) + _bias(b_q)
+    k = _matmul(xk, w_k) + _bias(b_k)
     s = 1.0 / math.sqrt(d_head) if scale is None else float(scale)
     out = []
     for i in range(h):
@@ -248,8 +245,7 @@ def bilinear_logits(
     d_head = None
     if isinstance(w_qk, BilinearQK):
         u_k, d_head, w_qk = w_qk.u, w_qk.d_head, w_qk.w
-    xq = _f64(query)
-    xk = xq if key is None else _f64(key)
+    xq, xk, _ = _qkv(query, key, None)  # no value: the logits only
     w = _f64(w_qk)
     h, d_q, _ = w.shape
     if d_head is None:
@@ -308,12 +304,7 @@ def bilinear_attention(
     mask, key_padding_mask, causal, scale, return_weights, warn_empty_rows
         As for :func:`attnlab.bilinear_attention`.
 
-    Returns
-    -------
-    out : ndarray, shape (..., n_q, d_out)
-        float64.
-    weights : ndarray, shape (..., h, n_q, n_k) or (..., n_q, n_k)
-        Only with ``return_weights``.
+    {reference_attention_returns}
 
     {reference_examples}
     >>> w = [rng.standard_normal((8, 8)) / 3 for _ in range(4)]
@@ -330,7 +321,7 @@ def bilinear_attention(
     w_v, w_o = _f64(w_v), _f64(w_o)
     d_vhead = w_v.shape[1] // h_kv
     logits = bilinear_logits(xq, xk, w_qk=w_qk, u_k=u_k, scale=scale)
-    vv = _matmul(xv, w_v) + (0.0 if b_v is None else _f64(b_v))
+    vv = _matmul(xv, w_v) + _bias(b_v)
     n_q, n_k = xq.shape[-2], xk.shape[-2]
     allowed, bias = allowed_and_bias(n_q, n_k, mask, key_padding_mask, causal)
     logits = add_mask(logits, bias)
@@ -345,5 +336,5 @@ def bilinear_attention(
         contexts.append(_context(p, vv[..., j * d_vhead : (j + 1) * d_vhead], reads))
         weights.append(p)
     ctx = np.concatenate(contexts, axis=-1)
-    out = _matmul(ctx, w_o) + (0.0 if b_o is None else _f64(b_o))
+    out = _matmul(ctx, w_o) + _bias(b_o)
     return _with_weights(out, np.stack(weights, axis=-3), return_weights)

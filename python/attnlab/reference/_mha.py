@@ -20,6 +20,11 @@ def _f64(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+def _bias(b: Any) -> np.ndarray | float:
+    """An optional bias in float64; absent, 0.0 (adding it changes nothing)."""
+    return 0.0 if b is None else _f64(b)
+
+
 def _qkv(query: Any, key: Any, value: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``query``, ``key``, ``value`` in float64, ``key`` defaulting to ``query`` and ``value``
     to ``key``."""
@@ -264,12 +269,7 @@ def multi_head_attention(
         ``transformers``: ``x * cos + rotate_half(x) * sin`` on the first ``rope_dim``
         features of each query and key head.
 
-    Returns
-    -------
-    out : ndarray, shape (..., n_q, d_out)
-        float64.
-    weights : ndarray, shape (..., h, n_q, n_k) or (..., n_q, n_k)
-        Only with ``return_weights`` (``"mean"`` averages over heads).
+    {reference_attention_returns}
 
     {reference_examples}
     >>> w = [rng.standard_normal((16, 16)) / 4 for _ in range(4)]
@@ -283,9 +283,9 @@ def multi_head_attention(
     w_q, w_k, w_v, w_o = _f64(w_q), _f64(w_k), _f64(w_v), _f64(w_o)
     d_head = w_q.shape[1] // h
     d_vhead = w_v.shape[1] // h_kv
-    Q = xq @ w_q + (0.0 if b_q is None else _f64(b_q))
-    K = xk @ w_k + (0.0 if b_k is None else _f64(b_k))
-    Vv = xv @ w_v + (0.0 if b_v is None else _f64(b_v))
+    Q = xq @ w_q + _bias(b_q)
+    K = xk @ w_k + _bias(b_k)
+    Vv = xv @ w_v + _bias(b_v)
     s = (1.0 / math.sqrt(d_head)) if scale is None else float(scale)
     n_q, n_k = xq.shape[-2], xk.shape[-2]
     batch = np.broadcast_shapes(xq.shape[:-2], xk.shape[:-2], xv.shape[:-2])
@@ -322,5 +322,5 @@ def multi_head_attention(
         contexts.append(_context(p, v_i, allowed_i & ~np.isneginf(scores)))
         weights.append(p)
     ctx = np.concatenate(contexts, axis=-1)
-    out = ctx @ w_o + (0.0 if b_o is None else _f64(b_o))
+    out = ctx @ w_o + _bias(b_o)
     return _with_weights(out, np.stack(weights, axis=-3), return_weights)
