@@ -192,14 +192,21 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     linear_weight_grad(rk, d_v, wv, p.value, d_v, dv.get(), wv, g.w_v.w, g.w_v.b);
     if (g.value) linear_input_grad(rk, d_v, wv, dv.get(), wv, p.w_v.w, g.value, d_v);
 
-    // Keys: d key = sum over kv heads, in head order (fixed, thread-count independent).
+    // Keys: d key = sum over kv heads, in head order (fixed, thread-count independent). An
+    // input that is another one (self-attention) may share its gradient buffer: the later
+    // gradients add into it, in the order value, key, query.
     if (g.key) {
+        const bool add = g.key == g.value;
         parallel_for((rk + 255) / 256, [&](Index c) {
             const Index r1 = std::min(rk, (c + 1) * 256);
             for (Index r = c * 256; r < r1; ++r) {
                 Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> dst(g.key + r * dk, dk);
                 const T* src = dkh.get() + r * Hk * dk;
-                dst = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(src, dk);
+                if (add) {
+                    dst += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(src, dk);
+                } else {
+                    dst = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(src, dk);
+                }
                 for (Index i = 1; i < Hk; ++i)
                     dst += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(src + i * dk, dk);
             }
@@ -229,7 +236,8 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
                 std::copy(src, src + dk, packed.get() + r * wp + i * dk);
             }
         });
-        linear_input_grad(rq, dq, wp, dproj.get(), wp, packed.get(), g.query, dq);
+        linear_input_grad(rq, dq, wp, dproj.get(), wp, packed.get(), g.query, dq,
+                          g.query == g.key || g.query == g.value);
     }
 }
 

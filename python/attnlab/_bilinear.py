@@ -615,11 +615,12 @@ def _bilinear_grads(
     grads = _grad.zeros_like_given(
         {"w_qk": a.wqk, "u_k": a.uk, "w_v": a.wv, "b_v": a.bv, "w_o": a.wo, "b_o": a.bo}, dtype
     )
-    shapes = a.x.shapes
-    rows = {name: V.zeros((B * shp[-2], shp[-1]), dtype) for name, shp in shapes.items()}
+    shapes, x = a.x.shapes, a.x
+    rows = {name: (B * shp[-2], shp[-1]) for name, shp in shapes.items()}
+    buffers = _grad.input_buffers(rows, x.key_omitted, x.value_omitted, dtype)
     if B * a.n_q > 0:
-        core.bilinear_backward(go2, *a.core_args(), {**grads, **rows}, state)
-    inputs = _grad.input_grads(rows, batch, shapes, a.x.key_omitted, a.x.value_omitted)
+        core.bilinear_backward(go2, *a.core_args(), {**grads, **buffers}, state)
+    inputs = _grad.input_grads(buffers, batch, shapes, x.key_omitted, x.value_omitted, True)
     return {**inputs, **grads}
 
 

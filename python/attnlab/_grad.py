@@ -69,14 +69,14 @@ def input_grads(
 
 
 def input_buffers(
-    rows: dict[str, np.ndarray], key_omitted: bool, value_omitted: bool, dtype: np.dtype
+    rows: dict[str, tuple[int, ...]], key_omitted: bool, value_omitted: bool, dtype: np.dtype
 ) -> dict[str, np.ndarray]:
-    """Zeroed row gradients of ``query``, ``key`` and ``value``, one buffer shared by an
-    omitted ``key``/``value`` and the argument it defaulted to: a kernel that adds into an
-    aliased buffer sums them itself (no two extra arrays and no additions here)."""
-    out = {"query": V.zeros(rows["query"].shape, dtype)}
-    out["key"] = out["query"] if key_omitted else V.zeros(rows["key"].shape, dtype)
-    out["value"] = out["key"] if value_omitted else V.zeros(rows["value"].shape, dtype)
+    """Zeroed row gradients of ``query``, ``key`` and ``value`` (their row shapes given), one
+    buffer shared by an omitted ``key``/``value`` and the argument it defaulted to: a kernel
+    that adds into an aliased buffer sums them itself (no two extra arrays, no additions)."""
+    out = {"query": V.zeros(rows["query"], dtype)}
+    out["key"] = out["query"] if key_omitted else V.zeros(rows["key"], dtype)
+    out["value"] = out["key"] if value_omitted else V.zeros(rows["value"], dtype)
     return out
 
 

@@ -607,7 +607,8 @@ def _mha_grads(
     summed = rope is None  # the kernel sums the gradients of aliased inputs; _rope does not
     if summed:
         grads = _grad.zeros_like_given(a.w, dtype)
-        grads.update(_grad.input_buffers(inputs, a.key_omitted, a.value_omitted, dtype))
+        shapes = {n: r.shape for n, r in inputs.items()}
+        grads.update(_grad.input_buffers(shapes, a.key_omitted, a.value_omitted, dtype))
     else:
         grads = _grad.zeros_like_given({**a.w, **inputs}, dtype)
     if B * a.n_q > 0:
