@@ -92,6 +92,7 @@ ASAN_BASE="detect_leaks=0:allocator_may_return_null=1:halt_on_error=1"
 export ASAN_OPTIONS="$ASAN_BASE:log_path=$REPORTS/asan${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$REPORTS/ubsan${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
 export ATTNLAB_SANITIZED=1  # lets tests skip what ASan cannot do (e.g. RSS measurements)
+export ATTNLAB_REUSE_MEMORY=0  # every array from malloc, inside ASan's guard zones
 LD_PRELOAD="$PRELOAD" "$PY" - "$PKG" "$ISA" <<'EOF'
 import sys
 import attnlab

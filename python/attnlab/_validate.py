@@ -166,7 +166,11 @@ class _Blocks:
         self._free: dict[int, list[mmap.mmap]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
-        self.usable = hasattr(mmap, "MAP_PRIVATE")  # POSIX only; elsewhere NumPy's memory
+        # POSIX only; off with ATTNLAB_REUSE_MEMORY=0 (scripts/sanitize.sh: AddressSanitizer
+        # puts its guard zones around malloc's blocks, not around these)
+        self.usable = (
+            hasattr(mmap, "MAP_PRIVATE") and os.environ.get("ATTNLAB_REUSE_MEMORY", "1") != "0"
+        )
 
     def array(self, nbytes: int) -> np.ndarray:
         """``nbytes`` uint8, page-aligned, uninitialised (what the last user left)."""
