@@ -190,7 +190,7 @@ class _Blocks:
         # every view of `a` keeps `a` alive (NumPy stops collapsing bases at an array whose
         # base is not an array), so the block returns only when no array can reach it
         a = np.frombuffer(block, np.uint8, nbytes)
-        weakref.finalize(a, self._give_back, block, size)
+        weakref.finalize(a, self._give_back, block, size).atexit = False  # nothing to do then
         return a
 
     def _give_back(self, block: mmap.mmap, size: int) -> None:
