@@ -5,7 +5,7 @@ fragment there, indented as that line. The text users read is unchanged."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 __all__: list[str] = []  # private module
@@ -92,15 +92,17 @@ FRAGMENTS = {
 }
 
 
-def fill(doc: str) -> str:
+def fill(doc: str, own: Mapping[str, str] | None = None) -> str:
     """``doc`` with every line that is only ``{name}`` (a fragment's name) replaced by the
-    fragment, each of its lines indented as that line was."""
+    fragment, each of its lines indented as that line was. ``own``: fragments of this
+    docstring alone (a generated function's, built from its signature)."""
+    fragments = FRAGMENTS if own is None else {**FRAGMENTS, **own}
     lines = []
     for line in doc.split("\n"):
         name = line.strip()
-        if name.startswith("{") and name.endswith("}") and name[1:-1] in FRAGMENTS:
+        if name.startswith("{") and name.endswith("}") and name[1:-1] in fragments:
             indent = line[: len(line) - len(line.lstrip())]
-            lines += [indent + part if part else part for part in FRAGMENTS[name[1:-1]].split("\n")]
+            lines += [indent + part if part else part for part in fragments[name[1:-1]].split("\n")]
         else:
             lines.append(line)
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """One signature per family: the forward's. The backward (``grad_out`` first, then the
-forward's arguments) and the torch adapter's wrappers are generated from it, so a new keyword
-argument is written once, in the forward's ``def``, and every derived function takes it.
+forward's arguments), the torch adapter's wrappers and the reference's twin in
+:mod:`attnlab.reference` are generated from it, so a new keyword argument is written once, in
+the forward's ``def``, and every derived function takes it.
 
 Generated functions are ordinary Python functions (compiled from source, as ``dataclasses``
 builds ``__init__``): ``inspect.signature``, ``help()``, tab completion and Python's own
@@ -11,14 +12,17 @@ from __future__ import annotations
 import inspect
 import linecache
 import os
+import textwrap
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from . import _docs
 
 __all__: list[str] = []  # private module
 
 _PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+T = TypeVar("T")
 
 
 def arguments(local_vars: Mapping[str, Any]) -> dict[str, Any]:
@@ -111,3 +115,40 @@ def backward_of(
         body,
         first="grad_out",
     )
+
+
+def reference_of(
+    forward: Callable[..., Any], *, only: tuple[str, ...] | None = None
+) -> Callable[[Callable[[dict[str, Any]], T]], Callable[..., T]]:
+    """Decorator of a reference function's body ``name(args)``: the function
+    ``name(<forward's public parameters>)`` that calls ``body({param: value, ...})``.
+
+    Only the parameters are ``forward``'s (names, kinds, defaults, annotations); the body
+    computes the result its own way. The function takes the body's name (``forward``'s, unless
+    ``only`` names the parameters of ``forward`` it takes), module, return annotation and
+    docstring, with :mod:`attnlab._docs`' fragments filled in and ``{parameters}`` standing for
+    a Parameters section that lists the parameters and refers to ``attnlab.<forward>`` for
+    their meaning."""
+    params = public_parameters(forward)
+    if only is not None:
+        unknown = set(only) - {p.name for p in params}
+        if unknown:
+            raise TypeError(f"reference_of({forward.__name__}): no parameters {sorted(unknown)}")
+        params = [p for p in params if p.name in only]
+    names = "\n".join(textwrap.wrap(", ".join(p.name for p in params), 88))
+    section = (
+        f"Parameters\n----------\n{names}\n    As for :func:`attnlab.{forward.__name__}`, from "
+        f"whose signature this function takes them."
+    )
+
+    def decorate(body: Callable[[dict[str, Any]], T]) -> Callable[..., T]:
+        if only is None and body.__name__ != forward.__name__:
+            raise TypeError(f"reference_of({forward.__name__}): the body is {body.__name__}")
+        returns = inspect.signature(body).return_annotation
+        # attnlab's modules postpone their annotations: each is the text written in the ``def``
+        returns = returns if isinstance(returns, str) else "Any"
+        doc = _docs.fill(body.__doc__ or "", {"parameters": section})
+        fn: Callable[..., T] = generate(body.__name__, body.__module__, params, returns, doc, body)
+        return fn
+
+    return decorate

@@ -1,6 +1,8 @@
 """Plain NumPy (float64) implementations of every forward function: the oracle for the tests.
 
-Same signatures as the functions in :mod:`attnlab`, written for clarity, not speed.
+Written for clarity, not speed, and independent of attnlab's kernels. A function with a
+namesake in :mod:`attnlab` takes its signature from it (the same parameters, generated from
+that function's ``def``), so the two cannot drift apart.
 """
 
 from __future__ import annotations

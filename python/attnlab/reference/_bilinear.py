@@ -12,7 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from .. import _bilinear as _public
 from .. import _docs
+from .. import _mha as _public_mha
+from .. import _signature as _sig
 from .._bilinear import BilinearQK
 from ._mha import (
     _bias,
@@ -20,11 +23,11 @@ from ._mha import (
     _f64,
     _heads,
     _qkv,
+    _scale,
     _softmax_rows,
     _with_weights,
     add_mask,
-    allowed_and_bias,
-    warn_if_empty,
+    call_masks,
 )
 
 __all__ = [
@@ -41,27 +44,13 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a @ b
 
 
-@_docs.filled
-def collapse_qk(
-    w_q: Any,
-    w_k: Any,
-    b_q: Any = None,
-    b_k: Any = None,
-    *,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-) -> BilinearQK:
+@_sig.reference_of(_public.collapse_qk)
+def collapse_qk(args: dict[str, Any]) -> BilinearQK:
     """Reference for :func:`attnlab.collapse_qk`, head by head.
 
-    Parameters
-    ----------
-    w_q : array_like, shape (d_q, h * d_head)
-    w_k : array_like, shape (d_k, h_kv * d_head)
-    b_q : array_like, shape (h * d_head,), optional
-    b_k : array_like, shape (h_kv * d_head,), optional
-    num_heads : int
-    num_kv_heads : int, optional
-        Query head ``i`` pairs with key head ``i // (h // h_kv)``.
+    Query head ``i`` pairs with key head ``i // (h // h_kv)``.
+
+    {parameters}
 
     Returns
     -------
@@ -75,8 +64,8 @@ def collapse_qk(
     >>> qk.w.shape, qk.u.shape, qk.v is None, qk.d_head
     ((2, 16, 12), (2, 12), True, 4)
     """
-    w_q, w_k = _f64(w_q), _f64(w_k)
-    h, h_kv = _heads(num_heads, num_kv_heads)
+    w_q, w_k, b_q, b_k = _f64(args["w_q"]), _f64(args["w_k"]), args["b_q"], args["b_k"]
+    h, h_kv = _heads(args["num_heads"], args["num_kv_heads"])
     d_head = w_q.shape[1] // h
     ws, us, vs, cs = [], [], [], []
     for i in range(h):
@@ -101,15 +90,11 @@ def collapse_qk(
     )
 
 
-@_docs.filled
-def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+@_sig.reference_of(_public.factorize_qk)
+def factorize_qk(args: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference for :func:`attnlab.factorize_qk`: SVD per head; the error is measured directly.
 
-    Parameters
-    ----------
-    w : array_like, shape (h, d_q, d_k), or a BilinearQK (its ``w``)
-    rank : int
-        Width of each head's factors, ``1 <= rank <= min(d_q, d_k)``.
+    {parameters}
 
     Returns
     -------
@@ -127,6 +112,7 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     >>> w_q.shape, w_k.shape, bool(err.max() < 1e-12)
     ((6, 10), (5, 10), True)
     """
+    w, rank = args["w"], args["rank"]
     w = _f64(w.w if isinstance(w, BilinearQK) else w)
     h = w.shape[0]
     fq, fk, err = [], [], []
@@ -141,36 +127,17 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return np.concatenate(fq, axis=1), np.concatenate(fk, axis=1), np.array(err)
 
 
-@_docs.filled
-def separate_logits(
-    query: Any,
-    key: Any = None,
-    *,
-    w_q: Any,
-    w_k: Any,
-    b_q: Any = None,
-    b_k: Any = None,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    scale: Any = None,
-) -> np.ndarray:
+# multi-head attention's query-key side: its parameters, as many as the logits read
+@_sig.reference_of(
+    _public_mha.multi_head_attention,
+    only=("query", "key", "w_q", "w_k", "b_q", "b_k", "num_heads", "num_kv_heads", "scale"),
+)
+def separate_logits(args: dict[str, Any]) -> np.ndarray:
     """Scaled logits ``(..., h, n_q, n_k)`` of multi-head attention: project, then ``Q_i K_i^T``.
 
     The separate (unfolded) form, against which :func:`bilinear_logits` is compared.
 
-    Parameters
-    ----------
-    query : array_like, shape (..., n_q, d_q)
-    key : array_like, shape (..., n_k, d_k), optional
-        Defaults to ``query``.
-    w_q : array_like, shape (d_q, h * d_head)
-    w_k : array_like, shape (d_k, h_kv * d_head)
-    b_q, b_k : array_like, optional
-        Biases of widths ``h * d_head`` and ``h_kv * d_head``.
-    num_heads : int
-    num_kv_heads : int, optional
-    scale : float, optional
-        Defaults to ``1 / sqrt(d_head)``.
+    {parameters}
 
     Returns
     -------
@@ -185,13 +152,13 @@ def separate_logits(
     >>> sep.shape, bool(np.allclose(sep, fold))
     ((2, 3, 3), True)
     """
-    xq, xk, _ = _qkv(query, key, None)  # no value: the logits only
-    w_q, w_k = _f64(w_q), _f64(w_k)
-    h, h_kv = _heads(num_heads, num_kv_heads)
+    xq, xk, _ = _qkv(args["query"], args["key"], None)  # no value: the logits only
+    w_q, w_k = _f64(args["w_q"]), _f64(args["w_k"])
+    h, h_kv = _heads(args["num_heads"], args["num_kv_heads"])
     d_head = w_q.shape[1] // h
-    q = _matmul(xq, w_q) + _bias(b_q)
-    k = _matmul(xk, w_k) + _bias(b_k)
-    s = 1.0 / math.sqrt(d_head) if scale is None else float(scale)
+    q = _matmul(xq, w_q) + _bias(args["b_q"])
+    k = _matmul(xk, w_k) + _bias(args["b_k"])
+    s = _scale(args, d_head)
     out = []
     for i in range(h):
         j = i // (h // h_kv)
@@ -268,41 +235,13 @@ def bilinear_logits(
     return np.stack(out, axis=-3)
 
 
-@_docs.filled
-def bilinear_attention(
-    query: Any,
-    key: Any = None,
-    value: Any = None,
-    *,
-    w_qk: Any,
-    u_k: Any = None,
-    w_v: Any,
-    w_o: Any,
-    b_v: Any = None,
-    b_o: Any = None,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    mask: Any = None,
-    key_padding_mask: Any = None,
-    causal: Any = False,
-    scale: Any = None,
-    return_weights: Any = False,
-    warn_empty_rows: Any = True,
-) -> Any:
+@_sig.reference_of(_public.bilinear_attention)
+def bilinear_attention(args: dict[str, Any]) -> Any:
     """Reference for :func:`attnlab.bilinear_attention` (float64), one head at a time.
 
-    Parameters
-    ----------
-    {query_key_value}
-    w_qk : array_like, shape (h, d_q, d_k), or BilinearQK
-    u_k : array_like, shape (h, d_k), optional
-    w_v : array_like, shape (d_v, h_kv * d_vhead)
-    w_o : array_like, shape (h * d_vhead, d_out)
-    b_v, b_o : array_like, optional
-    num_heads : int
-    num_kv_heads : int, optional
-    mask, key_padding_mask, causal, scale, return_weights, warn_empty_rows
-        As for :func:`attnlab.bilinear_attention`.
+    The logits in the query order, ``(X_q W_i + u_i) X_k^T`` (:func:`bilinear_logits`).
+
+    {parameters}
 
     {reference_attention_returns}
 
@@ -316,17 +255,14 @@ def bilinear_attention(
     >>> folded.shape, bool(np.allclose(folded, separate))
     ((5, 8), True)
     """
-    xq, xk, xv = _qkv(query, key, value)
-    h, h_kv = _heads(num_heads, num_kv_heads)
-    w_v, w_o = _f64(w_v), _f64(w_o)
+    xq, xk, xv = _qkv(args["query"], args["key"], args["value"])
+    h, h_kv = _heads(args["num_heads"], args["num_kv_heads"])
+    w_v, w_o = _f64(args["w_v"]), _f64(args["w_o"])
     d_vhead = w_v.shape[1] // h_kv
-    logits = bilinear_logits(xq, xk, w_qk=w_qk, u_k=u_k, scale=scale)
-    vv = _matmul(xv, w_v) + _bias(b_v)
-    n_q, n_k = xq.shape[-2], xk.shape[-2]
-    allowed, bias = allowed_and_bias(n_q, n_k, mask, key_padding_mask, causal)
+    logits = bilinear_logits(xq, xk, w_qk=args["w_qk"], u_k=args["u_k"], scale=args["scale"])
+    vv = _matmul(xv, w_v) + _bias(args["b_v"])
+    allowed, bias = call_masks(args, logits.shape)
     logits = add_mask(logits, bias)
-    allowed = np.broadcast_to(allowed, logits.shape)
-    warn_if_empty(allowed, n_q, n_k, causal, warn_empty_rows)
     contexts, weights = [], []
     for i in range(h):
         j = i // (h // h_kv)
@@ -336,5 +272,5 @@ def bilinear_attention(
         contexts.append(_context(p, vv[..., j * d_vhead : (j + 1) * d_vhead], reads))
         weights.append(p)
     ctx = np.concatenate(contexts, axis=-1)
-    out = _matmul(ctx, w_o) + _bias(b_o)
-    return _with_weights(out, np.stack(weights, axis=-3), return_weights)
+    out = _matmul(ctx, w_o) + _bias(args["b_o"])
+    return _with_weights(out, np.stack(weights, axis=-3), args["return_weights"])

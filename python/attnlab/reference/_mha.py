@@ -6,11 +6,13 @@ Written for clarity, not speed: one head at a time, the full score matrix, an ex
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from .. import _docs
+from .. import _mha as _public
+from .. import _signature as _sig
 from .._validate import ATTENTION_ROWS, warn_empty
 
 __all__ = ["scaled_dot_product_attention", "multi_head_attention", "allowed_and_bias"]
@@ -37,6 +39,12 @@ def _qkv(query: Any, key: Any, value: Any) -> tuple[np.ndarray, np.ndarray, np.n
 def _heads(num_heads: int, num_kv_heads: int | None) -> tuple[int, int]:
     """``(h, h_kv)``: the kv heads default to one per query head."""
     return num_heads, num_heads if num_kv_heads is None else num_kv_heads
+
+
+def _scale(args: Mapping[str, Any], d_head: float) -> float:
+    """The call's ``scale``, by default ``1 / sqrt(d_head)``."""
+    scale = args["scale"]
+    return 1.0 / math.sqrt(d_head) if scale is None else float(scale)
 
 
 def _with_weights(out: np.ndarray, p: np.ndarray, return_weights: Any) -> Any:
@@ -106,6 +114,20 @@ def warn_if_empty(allowed: np.ndarray, n_q: int, n_k: int, causal: Any, warn: An
     warn_empty(empty, int(np.prod(allowed.shape[:-1])), ATTENTION_ROWS)
 
 
+def call_masks(args: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The mask arguments of a call (``mask``, ``key_padding_mask`` where the family has it,
+    ``causal``) for scores of ``shape`` ``(..., h, n_q, n_k)``: ``allowed``, broadcast to that
+    shape and the float mask's, and the float mask; with attnlab's warning for query rows left
+    without a key unless ``warn_empty_rows=False``. The one place the reference's attention
+    functions read the mask options."""
+    n_q, n_k = shape[-2:]
+    causal = args["causal"]
+    allowed, bias = allowed_and_bias(n_q, n_k, args["mask"], args.get("key_padding_mask"), causal)
+    allowed = np.broadcast_to(allowed, np.broadcast_shapes(shape, bias.shape))
+    warn_if_empty(allowed, n_q, n_k, causal, args["warn_empty_rows"])
+    return allowed, bias
+
+
 def add_mask(scores: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """``scores + bias``, where a -inf in the float mask masks the key out even when its score
     is NaN (the kernels' rule: a masked-out key is never read)."""
@@ -142,7 +164,10 @@ def _context(p: np.ndarray, v: np.ndarray, reads: np.ndarray) -> np.ndarray:
     return np.where(np.any(reads, axis=-1, keepdims=True), out, 0.0)
 
 
-def _rope_tables(theta: float, r: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+_Tables = tuple[np.ndarray, np.ndarray]  # cos, sin
+
+
+def _rope_tables(theta: float, r: int, pos: np.ndarray) -> _Tables:
     """cos and sin ``(..., n, r)`` of transformers' ``emb = cat(freqs, freqs)``."""
     inv_freq = 1.0 / theta ** (np.arange(0, r, 2, dtype=np.float64) / r)
     freqs = pos[..., None] * inv_freq
@@ -158,35 +183,33 @@ def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([rot * cos + half * sin, rest], axis=-1)
 
 
-@_docs.filled
-def scaled_dot_product_attention(
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    mask: Any = None,
-    causal: Any = False,
-    scale: Any = None,
-    return_weights: Any = False,
-    warn_empty_rows: Any = True,
-) -> Any:
-    """Reference for :func:`attnlab.scaled_dot_product_attention` (float64).
+def _rope(
+    args: Mapping[str, Any], n_q: int, n_k: int, d_head: int
+) -> tuple[_Tables, _Tables] | None:
+    """The cos and sin tables (:func:`_rope_tables`) of the query and of the key positions, or
+    ``None`` without ``rope_theta``."""
+    theta = args["rope_theta"]
+    if theta is None:
+        return None
+    r = d_head if args["rope_dim"] is None else int(args["rope_dim"])
+    offset = n_k - n_q if args["causal"] == "bottom_right" else 0
+    positions = args["positions"]
+    if isinstance(positions, tuple):
+        pos_q, pos_k = _f64(positions[0]), _f64(positions[1])
+    elif positions is None:
+        pos_q, pos_k = np.arange(n_q) + float(offset), np.arange(n_k, dtype=np.float64)
+    else:
+        pos_k = _f64(positions)
+        pos_q = pos_k[..., offset : offset + n_q]
+    return _rope_tables(float(theta), r, pos_q), _rope_tables(float(theta), r, pos_k)
 
-    Parameters
-    ----------
-    q : array_like, shape (..., h, n_q, d)
-    k : array_like, shape (..., h_kv, n_k, d)
-        ``h`` a multiple of ``h_kv`` (grouped-query: query head ``i`` reads key head
-        ``i // (h // h_kv)``).
-    v : array_like, shape (..., h_kv, n_k, d_v)
-    mask : array_like of bool or float, optional
-        Broadcasts to ``(..., h, n_q, n_k)``; boolean ``True`` = may attend, float = added.
-    causal : bool or {"top_left", "bottom_right"}
-    scale : float, optional
-        Defaults to ``1 / sqrt(d)``.
-    return_weights : bool or "mean"
-    warn_empty_rows : bool
-        As for :func:`attnlab.scaled_dot_product_attention`.
+
+@_sig.reference_of(_public.scaled_dot_product_attention)
+def scaled_dot_product_attention(args: dict[str, Any]) -> Any:
+    """Reference for :func:`attnlab.scaled_dot_product_attention` (float64): the full score
+    matrix of every head, grouped-query heads by repeating the kv heads.
+
+    {parameters}
 
     Returns
     -------
@@ -202,72 +225,29 @@ def scaled_dot_product_attention(
     >>> out.shape, w.shape, bool(np.allclose(w.sum(-1), 1))
     ((2, 4, 5, 8), (2, 4, 5, 5), True)
     """
-    q, k, v = _f64(q), _f64(k), _f64(v)
-    h, n_q, d = q.shape[-3:]
-    h_kv, n_k = k.shape[-3], k.shape[-2]
+    q, k, v = _f64(args["q"]), _f64(args["k"]), _f64(args["v"])
+    h, d = q.shape[-3], q.shape[-1]
+    h_kv = k.shape[-3]
     group = h // h_kv
     # grouped-query: query head j reads kv head j // group
     k = np.repeat(k, group, axis=-3)
     v = np.repeat(v, group, axis=-3)
-    s = (1.0 / math.sqrt(d)) if scale is None else float(scale)
-    scores = s * (q @ np.swapaxes(k, -1, -2))
-    allowed, bias = allowed_and_bias(n_q, n_k, mask, None, causal)
+    scores = _scale(args, d) * (q @ np.swapaxes(k, -1, -2))
+    allowed, bias = call_masks(args, scores.shape)
     scores = add_mask(scores, bias)
-    allowed = np.broadcast_to(allowed, scores.shape)
-    warn_if_empty(allowed, n_q, n_k, causal, warn_empty_rows)
     p = _softmax_rows(scores, allowed)
     out = _context(p, v, allowed & ~np.isneginf(scores))
-    return _with_weights(out, p, return_weights)
+    return _with_weights(out, p, args["return_weights"])
 
 
-@_docs.filled
-def multi_head_attention(
-    query: Any,
-    key: Any = None,
-    value: Any = None,
-    *,
-    w_q: Any,
-    w_k: Any,
-    w_v: Any,
-    w_o: Any,
-    b_q: Any = None,
-    b_k: Any = None,
-    b_v: Any = None,
-    b_o: Any = None,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    mask: Any = None,
-    key_padding_mask: Any = None,
-    causal: Any = False,
-    scale: Any = None,
-    return_weights: Any = False,
-    rope_theta: Any = None,
-    rope_dim: Any = None,
-    positions: Any = None,
-    warn_empty_rows: Any = True,
-) -> Any:
+@_sig.reference_of(_public.multi_head_attention)
+def multi_head_attention(args: dict[str, Any]) -> Any:
     """Reference for :func:`attnlab.multi_head_attention` (float64), one head at a time.
 
-    Parameters
-    ----------
-    {query_key_value}
-    w_q : array_like, shape (d_q, h * d_head)
-    w_k : array_like, shape (d_k, h_kv * d_head)
-    w_v : array_like, shape (d_v, h_kv * d_vhead)
-    w_o : array_like, shape (h * d_vhead, d_out)
-        ``(in, out)`` weights: ``y = x @ W + b``.
-    b_q, b_k, b_v, b_o : array_like, optional
-        Biases of the matching widths.
-    num_heads : int
-    num_kv_heads : int, optional
-        Defaults to ``num_heads``.
-    mask, key_padding_mask, causal, scale, return_weights, warn_empty_rows
-        As for :func:`attnlab.multi_head_attention` (``scale`` defaults to
-        ``1 / sqrt(d_head)``).
-    rope_theta, rope_dim, positions
-        Rotary embeddings as for :func:`attnlab.multi_head_attention`, written as in
-        ``transformers``: ``x * cos + rotate_half(x) * sin`` on the first ``rope_dim``
-        features of each query and key head.
+    Rotary embeddings are written as in ``transformers``: ``x * cos + rotate_half(x) * sin``
+    on the first ``rope_dim`` features of each query and key head.
+
+    {parameters}
 
     {reference_attention_returns}
 
@@ -278,42 +258,28 @@ def multi_head_attention(
     ...                                num_heads=4).shape
     (2, 5, 16)
     """
-    xq, xk, xv = _qkv(query, key, value)
-    h, h_kv = _heads(num_heads, num_kv_heads)
-    w_q, w_k, w_v, w_o = _f64(w_q), _f64(w_k), _f64(w_v), _f64(w_o)
+    xq, xk, xv = _qkv(args["query"], args["key"], args["value"])
+    h, h_kv = _heads(args["num_heads"], args["num_kv_heads"])
+    w_q, w_k, w_v, w_o = (_f64(args[n]) for n in ("w_q", "w_k", "w_v", "w_o"))
     d_head = w_q.shape[1] // h
     d_vhead = w_v.shape[1] // h_kv
-    Q = xq @ w_q + _bias(b_q)
-    K = xk @ w_k + _bias(b_k)
-    Vv = xv @ w_v + _bias(b_v)
-    s = (1.0 / math.sqrt(d_head)) if scale is None else float(scale)
+    Q = xq @ w_q + _bias(args["b_q"])
+    K = xk @ w_k + _bias(args["b_k"])
+    Vv = xv @ w_v + _bias(args["b_v"])
+    s = _scale(args, d_head)
     n_q, n_k = xq.shape[-2], xk.shape[-2]
     batch = np.broadcast_shapes(xq.shape[:-2], xk.shape[:-2], xv.shape[:-2])
-    allowed, bias = allowed_and_bias(n_q, n_k, mask, key_padding_mask, causal)
-    allowed = np.broadcast_to(allowed, batch + (h, n_q, n_k))
-    warn_if_empty(allowed, n_q, n_k, causal, warn_empty_rows)
+    allowed, bias = call_masks(args, batch + (h, n_q, n_k))
     bias = np.broadcast_to(bias, batch + (h, n_q, n_k))
-    rope_q = rope_k = None
-    if rope_theta is not None:
-        r = d_head if rope_dim is None else int(rope_dim)
-        offset = n_k - n_q if causal == "bottom_right" else 0
-        if isinstance(positions, tuple):
-            pos_q, pos_k = _f64(positions[0]), _f64(positions[1])
-        elif positions is None:
-            pos_q, pos_k = np.arange(n_q) + float(offset), np.arange(n_k, dtype=np.float64)
-        else:
-            pos_k = _f64(positions)
-            pos_q = pos_k[..., offset : offset + n_q]
-        rope_q = _rope_tables(float(rope_theta), r, pos_q)
-        rope_k = _rope_tables(float(rope_theta), r, pos_k)
+    rope = _rope(args, n_q, n_k, d_head)
     contexts, weights = [], []
     for i in range(h):
         j = i // (h // h_kv)  # the kv head this query head reads
         q_i = Q[..., i * d_head : (i + 1) * d_head]
         k_i = K[..., j * d_head : (j + 1) * d_head]
-        if rope_q is not None and rope_k is not None:
-            q_i = _apply_rope(q_i, *rope_q)
-            k_i = _apply_rope(k_i, *rope_k)
+        if rope is not None:
+            q_i = _apply_rope(q_i, *rope[0])
+            k_i = _apply_rope(k_i, *rope[1])
         v_i = Vv[..., j * d_vhead : (j + 1) * d_vhead]
         scores = s * (q_i @ np.swapaxes(k_i, -1, -2))
         scores = add_mask(scores, bias[..., i, :, :])
@@ -322,5 +288,5 @@ def multi_head_attention(
         contexts.append(_context(p, v_i, allowed_i & ~np.isneginf(scores)))
         weights.append(p)
     ctx = np.concatenate(contexts, axis=-1)
-    out = ctx @ w_o + _bias(b_o)
-    return _with_weights(out, np.stack(weights, axis=-3), return_weights)
+    out = ctx @ w_o + _bias(args["b_o"])
+    return _with_weights(out, np.stack(weights, axis=-3), args["return_weights"])
