@@ -4,6 +4,7 @@ gradients shaped like the arguments the caller passed."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -69,7 +70,7 @@ def input_grads(
 
 
 def input_buffers(
-    rows: dict[str, tuple[int, ...]], key_omitted: bool, value_omitted: bool, dtype: np.dtype
+    rows: Mapping[str, tuple[int, ...]], key_omitted: bool, value_omitted: bool, dtype: np.dtype
 ) -> dict[str, np.ndarray]:
     """Zeroed row gradients of ``query``, ``key`` and ``value`` (their row shapes given), one
     buffer shared by an omitted ``key``/``value`` and the argument it defaulted to: a kernel
