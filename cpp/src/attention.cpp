@@ -1,8 +1,12 @@
 #include "attnlab/attention.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
@@ -39,23 +43,38 @@ Index causal_key_end(const MaskSpec<T>& m, Index n_q, Index n_k, Index i1) {
 // for the queries that may see them.
 
 // Flags (batch, kv_heads, n_k): 1 where the value row holds NaN or Inf. Null when none does.
+// In parallel over (batch, kv head), on the bits: a row's largest magnitude pattern is that of
+// infinity or above exactly when it holds Inf or NaN, and an integer max vectorises (a scalar
+// isfinite per element, on the calling thread alone, was 4% of a ViT-S attention call).
 template <typename T>
 Buffer<std::uint8_t> nonfinite_rows(const AttentionProblem<T>& p) {
-    Buffer<std::uint8_t> flags;
-    const Index count = p.batch * p.kv_heads * p.n_k;
-    for (Index b = 0; b < p.batch; ++b)
-        for (Index hk = 0; hk < p.kv_heads; ++hk)
-            for (Index j = 0; j < p.n_k; ++j) {
-                const T* row = p.v.at(b, hk) + j * p.v.row_stride;
-                bool bad = false;
-                for (Index c = 0; c < p.d_v; ++c) bad |= !std::isfinite(row[c]);
-                if (!bad) continue;
-                if (!flags) {
-                    flags = make_buffer<std::uint8_t>(count);
-                    std::fill(flags.get(), flags.get() + count, std::uint8_t(0));
-                }
-                flags[(b * p.kv_heads + hk) * p.n_k + j] = 1;
+    using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+    static_assert(sizeof(Bits) == sizeof(T));
+    constexpr Bits kMagnitude = ~Bits(0) >> 1;  // all but the sign bit
+    const T inf = std::numeric_limits<T>::infinity();
+    Bits inf_bits;
+    std::memcpy(&inf_bits, &inf, sizeof inf_bits);
+    const Index heads = p.batch * p.kv_heads;
+    Buffer<std::uint8_t> flags = make_buffer<std::uint8_t>(heads * p.n_k);
+    std::atomic<bool> any{false};
+    parallel_for(heads, [&](Index t) {
+        const T* v = p.v.at(t / p.kv_heads, t % p.kv_heads);
+        std::uint8_t* f = flags.get() + t * p.n_k;
+        bool found = false;
+        for (Index j = 0; j < p.n_k; ++j) {
+            const T* row = v + j * p.v.row_stride;
+            Bits largest = 0;
+            for (Index c = 0; c < p.d_v; ++c) {
+                Bits u;
+                std::memcpy(&u, row + c, sizeof u);
+                largest = std::max(largest, static_cast<Bits>(u & kMagnitude));
             }
+            f[j] = largest >= inf_bits;
+            found |= f[j] != 0;
+        }
+        if (found) any.store(true, std::memory_order_relaxed);
+    });
+    if (!any.load()) return Buffer<std::uint8_t>();
     return flags;
 }
 
