@@ -213,7 +213,7 @@ def test_kept_masks_are_not_materialised():
     kw["mask"] = np.tril(np.ones((64, 64), bool))
     keep: dict = {}
     out = attnlab.multi_head_attention(**kw, _keep=keep)
-    m4 = keep["prepared"].mask4
+    m4 = keep["prepared"].m.mask4
     assert m4.shape == (4, 2, 64, 64) and m4.strides[:2] == (0, 0)
     # The kept copies share one buffer (the query, 16 KiB, the weights, 2 KiB, and the mask):
     # less than the mask alone materialised (32 KiB) when only its distinct 4 KiB are copied.

@@ -114,19 +114,42 @@ T* state_array(const py::object& state, const char* name, std::vector<Index> sha
     return contiguous<T>(o.cast<py::array>(), name, std::move(shape), true);
 }
 
-// The mask arguments of scaled dot-product, multi-head and bilinear attention, as Python
-// passes them: a boolean or float mask viewed as (batch, heads, n_q, n_k) (zero strides
-// broadcast), a boolean key padding mask (batch, n_k) and the causal code (0 none, 1 top-left,
-// 2 bottom-right). A new mask option is a field here, its type in MaskFields, its name in
-// mask_arg_names and its use in mask_spec: every binding that takes the mask splices these in.
+// The mask options of scaled dot-product, multi-head and bilinear attention: a boolean or
+// float mask viewed as (batch, heads, n_q, n_k) (zero strides broadcast), a boolean key padding
+// mask (batch, n_k) and the causal code (0 none, 1 top-left, 2 bottom-right). Every binding that
+// masks takes them as one argument, `mask`, which mask_args converts; a new mask option is a
+// field here, its reading in mask_args and its use in mask_spec, and no binding or Python call
+// site changes.
 struct MaskArgs {
     py::object mask;
     py::object key_padding_mask;
     int causal = 0;
 };
-using MaskFields = Types<py::object, py::object, int>;
-inline auto mask_arg_names() {
-    return std::make_tuple(py::arg("mask"), py::arg("key_padding_mask"), py::arg("causal"));
+
+// The one place Python's mask argument becomes MaskArgs: the tuple (mask, key_padding_mask,
+// causal) that attnlab._args.Masks.core_mask builds. Its arrays are checked in mask_spec,
+// against the sizes of the call.
+inline MaskArgs mask_args(py::handle o) {
+    constexpr const char* fields = "(mask, key_padding_mask, causal)";
+    if (!py::isinstance<py::tuple>(o))
+        throw py::type_error(std::string("mask: expected a tuple ") + fields + ", got " +
+                             std::string(py::str(py::type::of(o).attr("__name__"))));
+    const auto t = py::reinterpret_borrow<py::tuple>(o);
+    if (t.size() != 3)
+        throw py::value_error(std::string("mask: expected a tuple ") + fields + ", got " +
+                              std::to_string(t.size()) + " items");
+    MaskArgs a;
+    a.mask = t[0];
+    a.key_padding_mask = t[1];
+    try {
+        a.causal = t[2].cast<int>();
+    } catch (const py::cast_error&) {
+        if (py::isinstance<py::int_>(t[2]))  // too large for an int
+            throw py::value_error("causal: expected 0, 1 or 2, got " + std::string(py::str(t[2])));
+        throw py::type_error("causal: expected an int, got " +
+                             std::string(py::str(py::type::of(t[2]).attr("__name__"))));
+    }
+    return a;
 }
 
 // A boolean (batch, n) token mask, or none.
@@ -209,7 +232,7 @@ auto dispatch(const py::array& a, const char* name, F&& f) {
 
 // --- Multi-head and bilinear attention. Their forward and backward take query, key, value,
 // the query-key weights of the family, then the same run of arguments: SharedArgs, in order.
-// (Brace elision fills it, and its MaskArgs, from Signature's flat field list.)
+// (Brace elision fills it from Signature's flat field list; its MaskArgs is one field there.)
 struct SharedArgs {
     py::array w_v;
     py::object b_v;
@@ -219,14 +242,12 @@ struct SharedArgs {
     MaskArgs mask;
     double scale;
 };
-using SharedFields =
-    Join<Types<py::array, py::object, py::array, py::object, Index, Index, Index, Index, Index>,
-         MaskFields, Types<double>>;
+using SharedFields = Types<py::array, py::object, py::array, py::object, Index, Index, Index, Index,
+                           Index, MaskArgs, double>;
 inline auto shared_arg_names() {
-    return std::tuple_cat(std::make_tuple(py::arg("w_v"), py::arg("b_v"), py::arg("w_o"),
-                                          py::arg("b_o"), py::arg("batch"), py::arg("n_q"),
-                                          py::arg("n_k"), py::arg("heads"), py::arg("kv_heads")),
-                          mask_arg_names(), std::make_tuple(py::arg("scale")));
+    return std::make_tuple(py::arg("w_v"), py::arg("b_v"), py::arg("w_o"), py::arg("b_o"),
+                           py::arg("batch"), py::arg("n_q"), py::arg("n_k"), py::arg("heads"),
+                           py::arg("kv_heads"), py::arg("mask"), py::arg("scale"));
 }
 
 // The fields of MhaProblem and BilinearProblem filled from their common arguments, checked in
@@ -328,3 +349,19 @@ void def(py::module_& m, const char* name, F&& f, const std::tuple<Names...>& na
 
 }  // namespace bind
 }  // namespace attnlab
+
+namespace pybind11 {
+namespace detail {
+// MaskArgs as the type of a binding's argument: pybind11 finds its caster here, the conversion
+// is mask_args. (Errors are thrown, not reported as a failed load: pybind11's "incompatible
+// function arguments" would not say what is wrong with the mask.)
+template <>
+struct type_caster<attnlab::bind::MaskArgs> {
+    PYBIND11_TYPE_CASTER(attnlab::bind::MaskArgs, const_name("tuple"));
+    bool load(handle src, bool) {
+        value = attnlab::bind::mask_args(src);
+        return true;
+    }
+};
+}  // namespace detail
+}  // namespace pybind11

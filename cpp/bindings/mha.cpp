@@ -185,21 +185,11 @@ void linear_forward(py::array x, py::array w, py::object b, py::array y) {
 }  // namespace
 
 void bind_mha(py::module_& m) {
-    using MaskSignature = Signature<MaskArgs, MaskFields>;
-    def(m, "sdpa_forward",
-        MaskSignature::After<py::array, py::array, py::array,
-                             py::array>::wrap<double, py::object, py::object>(&sdpa_forward),
-        std::tuple_cat(std::make_tuple(py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out")),
-                       mask_arg_names(),
-                       std::make_tuple(py::arg("scale"), py::arg("weights"), py::arg("lse"))));
-    def(m, "sdpa_backward",
-        MaskSignature::After<py::array, py::array, py::array, py::array>::wrap<
-            double, py::array, py::array, py::array, py::array, py::array, bool>(&sdpa_backward),
-        std::tuple_cat(
-            std::make_tuple(py::arg("grad_out"), py::arg("q"), py::arg("k"), py::arg("v")),
-            mask_arg_names(),
-            std::make_tuple(py::arg("scale"), py::arg("out"), py::arg("lse"), py::arg("d_q"),
-                            py::arg("d_k"), py::arg("d_v"), py::arg("recompute") = true)));
+    m.def("sdpa_forward", &sdpa_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+          py::arg("mask"), py::arg("scale"), py::arg("weights"), py::arg("lse"));
+    m.def("sdpa_backward", &sdpa_backward, py::arg("grad_out"), py::arg("q"), py::arg("k"),
+          py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("out"), py::arg("lse"),
+          py::arg("d_q"), py::arg("d_k"), py::arg("d_v"), py::arg("recompute") = true);
     def(m, "mha_forward",
         MhaSignature::After<>::wrap<py::array, py::object, py::object>(&mha_forward),
         std::tuple_cat(mha_arg_names(), std::make_tuple(py::arg("out"), py::arg("weights"),

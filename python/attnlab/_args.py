@@ -118,6 +118,16 @@ def qkv(args: Mapping[str, Any], *, min_features: bool = False) -> Qkv:
     return Qkv(xq, xk, xv, key is None, value is None)
 
 
+class CoreMask(NamedTuple):
+    """The mask options as one argument of the kernel calls that mask (``core.sdpa_*``,
+    ``mha_*``, ``bilinear_*``): ``MaskArgs`` in cpp/bindings/common.hpp, whose ``mask_args``
+    reads these fields in this order."""
+
+    mask: np.ndarray | None
+    key_padding_mask: np.ndarray | None
+    causal: int
+
+
 class Masks(NamedTuple):
     """The masks of a call as the kernels take them."""
 
@@ -125,6 +135,11 @@ class Masks(NamedTuple):
     scale: float
     mask4: np.ndarray | None  # (B, h, n_q, n_k) view, broadcast, never copied
     kp: np.ndarray | None  # (B, n_k) key padding
+
+    def core_mask(self) -> CoreMask:
+        """The mask argument of the kernel calls, built here alone: the call sites pass it on
+        unchanged, so that a new mask option changes none of them."""
+        return CoreMask(self.mask4, self.kp, self.causal)
 
 
 def masks(

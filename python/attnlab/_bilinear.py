@@ -328,9 +328,7 @@ _CoreArgs = tuple[
     int,
     int,
     int,
-    _Opt,
-    _Opt,
-    int,
+    _args.CoreMask,
     float,
 ]
 
@@ -377,9 +375,7 @@ class _Prepared(NamedTuple):
             self.n_k,
             self.h,
             self.h_kv,
-            m.mask4,
-            m.kp,
-            m.causal,
+            m.core_mask(),
             m.scale,
         )
 

@@ -9,10 +9,16 @@ from typing import Any, SupportsFloat, SupportsIndex, SupportsInt, TypeAlias
 
 import numpy.typing as npt
 
+from ._args import CoreMask
+
 _Array: TypeAlias = npt.NDArray[Any]
 _Optional: TypeAlias = npt.NDArray[Any] | None
 _Int: TypeAlias = SupportsInt | SupportsIndex
 _Float: TypeAlias = SupportsFloat | SupportsIndex
+# The mask options, one argument of every function that masks: the tuple that
+# attnlab._args.Masks.core_mask builds and MaskArgs (cpp/bindings/common.hpp) reads, so that a
+# new mask option does not change these signatures.
+_Mask: TypeAlias = CoreMask
 
 __version__: str
 ISA: str  # the variant in use: "generic", "avx2", "avx512" or "native"
@@ -31,15 +37,13 @@ def build_info() -> dict[str, Any]: ...
 # its wall time], [GFLOP/s of each thread over its CPU time; 0 without a per-thread clock]).
 def fma_peak(seconds: _Float) -> tuple[float, list[float], list[float]]: ...
 
-# Multi-head attention (cpp/bindings/mha.cpp). causal: 0 none, 1 top-left, 2 bottom-right.
+# Multi-head attention (cpp/bindings/mha.cpp).
 def sdpa_forward(
     q: _Array,
     k: _Array,
     v: _Array,
     out: _Array,
-    mask: _Optional,
-    key_padding_mask: _Optional,
-    causal: _Int,
+    mask: _Mask,
     scale: _Float,
     weights: _Optional,
     lse: _Optional,
@@ -61,9 +65,7 @@ def mha_forward(
     n_k: _Int,
     heads: _Int,
     kv_heads: _Int,
-    mask: _Optional,
-    key_padding_mask: _Optional,
-    causal: _Int,
+    mask: _Mask,
     scale: _Float,
     out: _Array,
     weights: _Optional,
@@ -74,9 +76,7 @@ def sdpa_backward(
     q: _Array,
     k: _Array,
     v: _Array,
-    mask: _Optional,
-    key_padding_mask: _Optional,
-    causal: _Int,
+    mask: _Mask,
     scale: _Float,
     out: _Array,
     lse: _Array,
@@ -103,9 +103,7 @@ def mha_backward(
     n_k: _Int,
     heads: _Int,
     kv_heads: _Int,
-    mask: _Optional,
-    key_padding_mask: _Optional,
-    causal: _Int,
+    mask: _Mask,
     scale: _Float,
     grads: dict[str, _Array],
     state: dict[str, _Array] | None = ...,
@@ -128,9 +126,7 @@ def bilinear_forward(
     n_k: _Int,
     heads: _Int,
     kv_heads: _Int,
-    mask: _Optional,
-    key_padding_mask: _Optional,
-    causal: _Int,
+    mask: _Mask,
     scale: _Float,
     order: _Int,
     out: _Array,
@@ -153,9 +149,7 @@ def bilinear_backward(
     n_k: _Int,
     heads: _Int,
     kv_heads: _Int,
-    mask: _Optional,
-    key_padding_mask: _Optional,
-    causal: _Int,
+    mask: _Mask,
     scale: _Float,
     grads: dict[str, _Array],
     state: dict[str, _Array] | None = ...,

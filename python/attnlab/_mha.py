@@ -37,9 +37,7 @@ class _Sdpa(NamedTuple):
     n_k: int
     d: int
     d_v: int
-    causal: int
-    scale: float
-    mask4: np.ndarray | None
+    m: _args.Masks
 
 
 def _prepare_sdpa(args: dict[str, Any]) -> _Sdpa:
@@ -90,9 +88,7 @@ def _prepare_sdpa(args: dict[str, Any]) -> _Sdpa:
         n_k,
         d,
         d_v,
-        m.causal,
-        m.scale,
-        m.mask4,
+        m,
     )
 
 
@@ -169,7 +165,7 @@ def scaled_dot_product_attention(
         a = V.owned(a)
         lse = V.empty((B, h, n_q), dtype)
     if out.size or (weights is not None and weights.size):
-        core.sdpa_forward(a.q4, a.k4, a.v4, out, a.mask4, None, a.causal, a.scale, weights, lse)
+        core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse)
     if _keep is not None:
         _keep.update(prepared=a, out=out.copy(), lse=lse)
     return _args.with_weights(out, weights, mode, batch, (h, n_q, d_v))
@@ -195,9 +191,7 @@ _CoreArgs = tuple[
     int,
     int,
     int,
-    _Opt,
-    _Opt,
-    int,
+    _args.CoreMask,
     float,
 ]
 
@@ -217,10 +211,7 @@ class _Mha(NamedTuple):
     n_q: int
     n_k: int
     d_out: int
-    causal: int
-    scale: float
-    mask4: np.ndarray | None
-    kp: np.ndarray | None
+    m: _args.Masks
 
     @property
     def B(self) -> int:
@@ -251,10 +242,8 @@ class _Mha(NamedTuple):
             self.n_k,
             self.h,
             self.h_kv,
-            self.mask4,
-            self.kp,
-            self.causal,
-            self.scale,
+            self.m.core_mask(),
+            self.m.scale,
         )
 
 
@@ -342,10 +331,7 @@ def _prepare_mha(args: dict[str, Any]) -> _Mha:
         n_q,
         n_k,
         d_out,
-        m.causal,
-        m.scale,
-        m.mask4,
-        m.kp,
+        m,
     )
 
 
@@ -536,10 +522,8 @@ def _sdpa_grads(
             a.q4,
             a.k4,
             a.v4,
-            a.mask4,
-            None,
-            a.causal,
-            a.scale,
+            a.m.core_mask(),
+            a.m.scale,
             out,
             lse,
             dq,
