@@ -306,3 +306,20 @@ def test_a_forked_child_writes_its_own_copy_of_a_recycled_block() -> None:
     if not r["usable"]:
         pytest.skip("no private anonymous mappings here")
     assert r["parent_sees"] == 1.0
+
+
+def test_a_block_given_back_while_the_cache_is_busy_is_kept_later() -> None:
+    """A finalizer can run while the cache's lock is held (the garbage collector inside a
+    locked section, or another thread): it must not wait for the lock (a deadlock in the first
+    case); the block is kept by the next call instead."""
+    V = _blocks_or_skip()
+    V._blocks.clear()
+    a = V.empty(BIG, np.float32)
+    where = a.ctypes.data
+    V._blocks._lock.acquire()  # as if the collector dropped `a` inside a locked section
+    try:
+        del a  # the finalizer runs now, with the lock held: it must return at once
+    finally:
+        V._blocks._lock.release()
+    assert V._blocks.waiting > 0
+    assert V.empty(BIG, np.float32).ctypes.data == where

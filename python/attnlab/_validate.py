@@ -5,6 +5,7 @@ Every error names the argument, what it got and what was expected (docs/architec
 
 from __future__ import annotations
 
+import collections
 import math
 import mmap
 import numbers
@@ -166,6 +167,10 @@ class _Blocks:
         self._free: dict[int, list[mmap.mmap]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+        # blocks given back while the lock was taken: by another thread, or by this one when
+        # the garbage collector ran a finalizer inside a locked section (waiting for the lock
+        # there would deadlock); settled by the next call that takes the lock
+        self._returned: collections.deque[tuple[mmap.mmap, int]] = collections.deque()
         # POSIX only; off with ATTNLAB_REUSE_MEMORY=0 (scripts/sanitize.sh: AddressSanitizer
         # puts its guard zones around malloc's blocks, not around these)
         self.usable = (
@@ -176,6 +181,7 @@ class _Blocks:
         """``nbytes`` uint8, page-aligned, uninitialised (what the last user left)."""
         size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         with self._lock:
+            self._settle()
             kept = self._free.get(size)
             block = kept.pop() if kept else None
             if block is not None:
@@ -194,22 +200,35 @@ class _Blocks:
         return a
 
     def _give_back(self, block: mmap.mmap, size: int) -> None:
-        with self._lock:
+        self._returned.append((block, size))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
+
+    def _settle(self) -> None:
+        """Keep the blocks given back, within the limit (the lock is held)."""
+        while self._returned:
+            block, size = self._returned.popleft()
             if self._bytes + size <= self.LIMIT:
                 self._free.setdefault(size, []).append(block)
                 self._bytes += size
-        # else dropped: unmapped once the last reference (this call's) goes
+            # else dropped: unmapped once the last reference goes
 
     def clear(self) -> None:
         """Let every waiting block go."""
         with self._lock:
+            self._returned.clear()
             self._free.clear()
             self._bytes = 0
 
     @property
     def waiting(self) -> int:
         """Bytes kept for reuse."""
-        return self._bytes
+        with self._lock:
+            self._settle()
+            return self._bytes
 
 
 _blocks = _Blocks()
