@@ -86,24 +86,27 @@ def _mha_kwargs(rng, dtype=np.float64):
     return dict(query=x, num_heads=2, causal=True, **w)
 
 
-def _count_kernels(monkeypatch) -> list[tuple[str, object]]:
-    """Records every call of the MHA forward and backward kernels with the state it got: a
-    backward given the forward's kept state runs no forward inside."""
+def _count_kernels(
+    monkeypatch, prefix: str = "mha", recompute: str = "backward + forward"
+) -> list[tuple[str, object]]:
+    """Records every call of a family's forward and backward kernels (``<prefix>_forward``,
+    ``<prefix>_backward``) with the state it got: a backward given the forward's kept state
+    runs no forward inside; one without it is labelled ``recompute``."""
     from attnlab._loader import core
 
     calls: list[tuple[str, object]] = []
-    fwd, bwd = core.mha_forward, core.mha_backward
+    fwd, bwd = getattr(core, prefix + "_forward"), getattr(core, prefix + "_backward")
 
     def count_fwd(*a):
         calls.append(("forward", a[-1]))
         return fwd(*a)
 
     def count_bwd(*a):
-        calls.append(("backward from state" if a[-1] is not None else "backward + forward", a[-1]))
+        calls.append(("backward from state" if a[-1] is not None else recompute, a[-1]))
         return bwd(*a)
 
-    monkeypatch.setattr(core, "mha_forward", count_fwd)
-    monkeypatch.setattr(core, "mha_backward", count_bwd)
+    monkeypatch.setattr(core, prefix + "_forward", count_fwd)
+    monkeypatch.setattr(core, prefix + "_backward", count_bwd)
     return calls
 
 
@@ -306,24 +309,9 @@ def test_pooled_pullback_is_the_backward_bitwise(family, variant, shape, dtype, 
 
 
 def _count_pooled(monkeypatch, family: str) -> list[tuple[str, object]]:
-    """Records the calls of a pooled family's forward and backward kernels with their state."""
-    from attnlab._loader import core
-
+    """:func:`_count_kernels` for a pooled family (its backward without state re-pools)."""
     prefix = "additive" if family == "additive_attention" else "separable"
-    calls: list[tuple[str, object]] = []
-    fwd, bwd = getattr(core, prefix + "_forward"), getattr(core, prefix + "_backward")
-
-    def count_fwd(*a):
-        calls.append(("forward", a[-1]))
-        return fwd(*a)
-
-    def count_bwd(*a):
-        calls.append(("backward from state" if a[-1] is not None else "backward + pooling", a[-1]))
-        return bwd(*a)
-
-    monkeypatch.setattr(core, prefix + "_forward", count_fwd)
-    monkeypatch.setattr(core, prefix + "_backward", count_bwd)
-    return calls
+    return _count_kernels(monkeypatch, prefix, "backward + pooling")
 
 
 @pytest.mark.parametrize("family", ["additive_attention", "separable_attention"])
