@@ -54,18 +54,17 @@ def input_grads(
     as given (summed over broadcast batch axes), and summed into the argument an omitted
     ``key``/``value`` defaulted to (gradient keys follow the arguments given, not identity).
     ``summed``: the kernel already added them up in one buffer (:func:`input_buffers`)."""
+    omitted = {n for n, o in (("key", key_omitted), ("value", value_omitted)) if o}
     inputs = {}
     for name, r in rows.items():
+        if summed and name in omitted:
+            continue  # already added into the argument it defaulted to
         g = r.reshape(batch + (shapes[name][-2], r.shape[-1]))
         inputs[name] = unbroadcast(g, shapes[name])
-    if value_omitted:
-        value = inputs.pop("value")
-        if not summed:
-            inputs["key"] = inputs["key"] + value
-    if key_omitted:
-        key = inputs.pop("key")
-        if not summed:
-            inputs["query"] = inputs["query"] + key
+    if not summed and value_omitted:
+        inputs["key"] = inputs["key"] + inputs.pop("value")
+    if not summed and key_omitted:
+        inputs["query"] = inputs["query"] + inputs.pop("key")
     return inputs
 
 
