@@ -26,6 +26,10 @@ namespace detail {
 constexpr Index kTileQ = 96;
 constexpr Index kTileK = 128;
 constexpr Index kDepth = 256;  // head-width chunk of the score product
+// Up to this many query tiles per head, each flash tile scans its key blocks' value rows for
+// NaN/Inf itself (from cache, just before its product reads them), costing about 1/mp of the
+// value product per tile; beyond, one scan of V for the call is cheaper.
+constexpr Index kScanInTilesMax = 8;
 
 // Keys [0, end) may be visible to queries [i0, i1) under the causal rule.
 template <typename T>
@@ -42,18 +46,31 @@ Index causal_key_end(const MaskSpec<T>& m, Index n_q, Index n_k, Index i1) {
 // (found once per call by nonfinite_rows; rare) are taken out of the product and added back
 // for the queries that may see them.
 
-// Flags (batch, kv_heads, n_k): 1 where the value row holds NaN or Inf. Null when none does.
-// In parallel over (batch, kv head), on the bits: a row's largest magnitude pattern is that of
-// infinity or above exactly when it holds Inf or NaN, and an integer max vectorises (a scalar
-// isfinite per element, on the calling thread alone, was 4% of a ViT-S attention call).
+// True where a value row holds NaN or Inf, on the bits: a row's largest magnitude pattern is
+// that of infinity or above exactly when it holds Inf or NaN, and an integer max vectorises.
 template <typename T>
-Buffer<std::uint8_t> nonfinite_rows(const AttentionProblem<T>& p) {
+bool nonfinite_row(const T* row, Index n) {
     using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
     static_assert(sizeof(Bits) == sizeof(T));
     constexpr Bits kMagnitude = ~Bits(0) >> 1;  // all but the sign bit
     const T inf = std::numeric_limits<T>::infinity();
     Bits inf_bits;
     std::memcpy(&inf_bits, &inf, sizeof inf_bits);
+    Bits largest = 0;
+    for (Index c = 0; c < n; ++c) {
+        Bits u;
+        std::memcpy(&u, row + c, sizeof u);
+        largest = std::max(largest, static_cast<Bits>(u & kMagnitude));
+    }
+    return largest >= inf_bits;
+}
+
+// Flags (batch, kv_heads, n_k): 1 where the value row holds NaN or Inf. Null when none does.
+// In parallel over (batch, kv head) (a scalar isfinite per element, on the calling thread
+// alone, was 4% of a ViT-S attention call). For the weights path and long sequences; short
+// ones scan each key block in the tile instead (value_flags).
+template <typename T>
+Buffer<std::uint8_t> nonfinite_rows(const AttentionProblem<T>& p) {
     const Index heads = p.batch * p.kv_heads;
     Buffer<std::uint8_t> flags = make_buffer<std::uint8_t>(heads * p.n_k);
     std::atomic<bool> any{false};
@@ -62,14 +79,7 @@ Buffer<std::uint8_t> nonfinite_rows(const AttentionProblem<T>& p) {
         std::uint8_t* f = flags.get() + t * p.n_k;
         bool found = false;
         for (Index j = 0; j < p.n_k; ++j) {
-            const T* row = v + j * p.v.row_stride;
-            Bits largest = 0;
-            for (Index c = 0; c < p.d_v; ++c) {
-                Bits u;
-                std::memcpy(&u, row + c, sizeof u);
-                largest = std::max(largest, static_cast<Bits>(u & kMagnitude));
-            }
-            f[j] = largest >= inf_bits;
+            f[j] = nonfinite_row(v + j * p.v.row_stride, p.d_v);
             found |= f[j] != 0;
         }
         if (found) any.store(true, std::memory_order_relaxed);
@@ -78,9 +88,27 @@ Buffer<std::uint8_t> nonfinite_rows(const AttentionProblem<T>& p) {
     return flags;
 }
 
-// The flagged value rows j of a key block [j0, j0 + kb) and, for each, which of the mq queries
-// may see it: its masked score, entry (query i, key j) at s[i * qs + j * ks], is not -inf.
-// Taken before the exp overwrites the scores.
+// The flags of value rows [0, kb) (row stride vs), scanned in the tile just before its value
+// product reads them (so from cache): null when none holds NaN/Inf. With a few query tiles per
+// head this is cheaper than the call's scan over all of V from memory, which was 3.4% of a
+// one-thread ViT-S attention call, and it is one parallel pass fewer.
+template <typename T>
+const std::uint8_t* value_flags(const T* v, Index vs, Index kb, Index dv) {
+    std::uint8_t* flags = nullptr;
+    for (Index j = 0; j < kb; ++j)
+        if (nonfinite_row(v + j * vs, dv)) {
+            if (!flags) {
+                flags = scratch<std::uint8_t>(ScratchBuffer::kValueFlags, std::size_t(kb));
+                std::fill(flags, flags + kb, std::uint8_t(0));
+            }
+            flags[j] = 1;
+        }
+    return flags;
+}
+
+// The flagged value rows j of a key block (flags[j] for j < kb, or null) and, for each, which of
+// the mq queries may see it: its masked score, entry (query i, key j) at s[i * qs + j * ks], is not
+// -inf. Taken before the exp overwrites the scores.
 struct FlaggedRows {
     const Index* rows = nullptr;
     const std::uint8_t* sees = nullptr;  // (count, mq)
@@ -88,13 +116,13 @@ struct FlaggedRows {
 };
 
 template <typename T>
-FlaggedRows flagged_rows(const std::uint8_t* flags, Index j0, Index kb, const T* s, Index qs,
-                         Index ks, Index mq) {
+FlaggedRows flagged_rows(const std::uint8_t* flags, Index kb, const T* s, Index qs, Index ks,
+                         Index mq) {
     FlaggedRows f;
     if (!flags) return f;
     Index* rows = nullptr;
     for (Index j = 0; j < kb; ++j)
-        if (flags[j0 + j]) {
+        if (flags[j]) {
             if (!rows)
                 rows = scratch<Index>(ScratchBuffer::kFlaggedRows, static_cast<std::size_t>(kb));
             rows[f.count++] = j;
@@ -128,7 +156,7 @@ const T* value_copy_without(const T* v, Index vs, Index kb, Index dv, const Flag
 // lanes_product without packing K or V (their entries are broadcast through their strides).
 template <typename T>
 void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index mq,
-                const std::uint8_t* v_flags) {
+                const std::uint8_t* v_flags, bool scan_values) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -145,7 +173,7 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     T* qt = scratch<T>(ScratchBuffer::kFlashQueries, static_cast<std::size_t>(d * mp));
     T* st = scratch<T>(ScratchBuffer::kFlashScores, static_cast<std::size_t>(kTileK * mp));
     T* acc = scratch<T>(ScratchBuffer::kFlashAccumulator, static_cast<std::size_t>(dv * mp));
-    T* stats = scratch<T>(ScratchBuffer::kFlashStats, static_cast<std::size_t>(5 * mp));
+    T* stats = scratch<T>(ScratchBuffer::kFlashStats, static_cast<std::size_t>(2 * mp));
     T* row_m = stats;
     T* row_l = stats + mp;
     // Q^T by packet transposes, then scaled in place (the same products as scale * Q; the
@@ -186,45 +214,41 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, j0 + kb))
             apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, st, Index(1), mp);
         // nonfinite value rows: which queries may read them, before the exp overwrites S^T
-        const FlaggedRows bad = flagged_rows(v_flags, j0, kb, st, Index(1), mp, mq);
-        // Online softmax, queries in lanes, the tile swept row by row (it does not fit in L1,
-        // and rows stream). A column masked so far keeps m = -inf and is shifted by 0 instead,
-        // so that its exponentials are exactly 0 rather than NaN.
-        T* m_new = stats + 2 * mp;
-        T* shift = stats + 3 * mp;
-        T* sum = stats + 4 * mp;
-        std::copy(row_m, row_m + mp, m_new);
-        for (Index j = 0; j < kb; ++j)
-            for (Index io = 0; io < mp; io += L)
-                ei::pstore(m_new + io, ei::pmax(ei::pload<Packet>(m_new + io),
-                                                ei::pload<Packet>(st + j * mp + io)));
+        const std::uint8_t* block_flags = scan_values ? value_flags(vbase + j0 * vs, vs, kb, dv)
+                                          : v_flags   ? v_flags + j0
+                                                      : nullptr;
+        const FlaggedRows bad = flagged_rows(block_flags, kb, st, Index(1), mp, mq);
+        // Online softmax, queries in lanes, one packet of queries at a time down the tile's keys:
+        // that column of S^T (kb lines) stays in L1 from the max to the exp, and the max and the
+        // sum stay in registers (row by row, with the statistics in memory, each key's max and
+        // sum waited on the store of the key before). A column masked so far keeps m = -inf and
+        // is shifted by 0 instead, so that its exponentials are exactly 0 rather than NaN.
         for (Index io = 0; io < mp; io += L) {
-            const Packet mn = ei::pload<Packet>(m_new + io);
-            ei::pstore(shift + io, ei::pselect(ei::pcmp_eq(mn, ninf), zero, mn));
-            ei::pstore(sum + io, zero);
-        }
-        for (Index j = 0; j < kb; ++j) {
-            T* sj = st + j * mp;
-            for (Index io = 0; io < mp; io += L) {
-                const Packet e =
-                    exp_flush(ei::psub(ei::pload<Packet>(sj + io), ei::pload<Packet>(shift + io)));
-                ei::pstore(sj + io, e);
-                ei::pstore(sum + io, ei::padd(ei::pload<Packet>(sum + io), e));
+            T* col = st + io;
+            // two chains of maxima (the max is exact: the same result in any order)
+            Packet m0 = ei::pload<Packet>(row_m + io), m1 = m0;
+            Index j = 0;
+            for (; j + 2 <= kb; j += 2) {
+                m0 = ei::pmax(m0, ei::pload<Packet>(col + j * mp));
+                m1 = ei::pmax(m1, ei::pload<Packet>(col + (j + 1) * mp));
             }
-        }
-        for (Index io = 0; io < mp; io += L) {
-            const Packet alpha =
-                exp_flush(ei::psub(ei::pload<Packet>(row_m + io), ei::pload<Packet>(shift + io)));
-            ei::pstore(row_l + io, ei::padd(ei::pmul(ei::pload<Packet>(row_l + io), alpha),
-                                            ei::pload<Packet>(sum + io)));
-            ei::pstore(row_m + io, ei::pload<Packet>(m_new + io));
-            ei::pstore(shift + io, alpha);  // reused: the accumulator's rescaling factor
-        }
-        for (Index c = 0; c < dv; ++c)
-            for (Index io = 0; io < mp; io += L) {
+            if (j < kb) m0 = ei::pmax(m0, ei::pload<Packet>(col + j * mp));
+            const Packet mn = ei::pmax(m0, m1);
+            const Packet shift = ei::pselect(ei::pcmp_eq(mn, ninf), zero, mn);
+            Packet sum = zero;
+            for (j = 0; j < kb; ++j) {
+                const Packet e = exp_flush(ei::psub(ei::pload<Packet>(col + j * mp), shift));
+                ei::pstore(col + j * mp, e);
+                sum = ei::padd(sum, e);
+            }
+            const Packet alpha = exp_flush(ei::psub(ei::pload<Packet>(row_m + io), shift));
+            ei::pstore(row_l + io, ei::padd(ei::pmul(ei::pload<Packet>(row_l + io), alpha), sum));
+            ei::pstore(row_m + io, mn);
+            for (Index c = 0; c < dv; ++c) {
                 T* ac = acc + c * mp + io;
-                ei::pstore(ac, ei::pmul(ei::pload<Packet>(ac), ei::pload<Packet>(shift + io)));
+                ei::pstore(ac, ei::pmul(ei::pload<Packet>(ac), alpha));
             }
+        }
         // acc[c, i] += sum_j V[j0 + j, c] * P^T[j, i]
         if (bad.count == 0) {
             lanes_product<T, true>(dv, mp, kb, vbase + j0 * vs, 1, vs, st, mp, acc, mp);
@@ -283,8 +307,7 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     eigen_product_bt<T>(cview<T>(qs_buf, mq, d, d), K, P);
     if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, nk))
         apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, Index(0), mq, nk, wbase, nk, Index(1));
-    const FlaggedRows bad =
-        flagged_rows(v_flags, 0, nk, wbase, nk, Index(1), mq);  // as in flash_tile
+    const FlaggedRows bad = flagged_rows(v_flags, nk, wbase, nk, Index(1), mq);  // as in flash_tile
     for (Index r = 0; r < mq; ++r) {
         T* row = wbase + r * nk;
         const T m = row_max(row, nk);
@@ -574,22 +597,30 @@ void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g)
 template <typename T>
 void attention_forward(const AttentionProblem<T>& p) {
     if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
-    const Index q_tiles = (p.n_q + detail::kTileQ - 1) / detail::kTileQ;
+    // Query tiles of kTileQ; a last one shorter than kTileQ / 4 joins the one before (n = 197:
+    // tiles of 96 and 101, not 96, 96 and a 5-query tile that padded to a packet wasted most of
+    // its products on padding, 5% of a ViT-S call). A query's result does not depend on its tile.
+    Index q_tiles = p.n_q / detail::kTileQ;
+    if (q_tiles == 0 || p.n_q % detail::kTileQ >= detail::kTileQ / 4) ++q_tiles;
     const Index tasks = p.batch * p.heads * q_tiles;
-    const Buffer<std::uint8_t> v_flags = detail::nonfinite_rows(p);
+    // Value rows holding NaN/Inf: scanned per key block in the flash tiles when each head has few
+    // query tiles (value_flags), else once for the call (each block would be scanned too often).
+    const bool scan_in_tiles = !p.weights && q_tiles <= detail::kScanInTilesMax;
+    const Buffer<std::uint8_t> v_flags =
+        scan_in_tiles ? Buffer<std::uint8_t>() : detail::nonfinite_rows(p);
     parallel_for(tasks, [&](Index t) {
         const Index qt = t % q_tiles;
         const Index h = (t / q_tiles) % p.heads;
         const Index b = t / (q_tiles * p.heads);
         const Index i0 = qt * detail::kTileQ;
-        const Index mq = std::min(detail::kTileQ, p.n_q - i0);
+        const Index mq = qt + 1 == q_tiles ? p.n_q - i0 : detail::kTileQ;
         const Index hk = h / (p.heads / p.kv_heads);
         const std::uint8_t* flags =
             v_flags ? v_flags.get() + (b * p.kv_heads + hk) * p.n_k : nullptr;
         if (p.weights) {
             detail::dense_tile(p, b, h, i0, mq, flags);
         } else {
-            detail::flash_tile(p, b, h, i0, mq, flags);
+            detail::flash_tile(p, b, h, i0, mq, flags, scan_in_tiles);
         }
     });
 }

@@ -38,7 +38,8 @@ enum class ScratchBuffer : int {
     kFlashQueries,      // flash_tile: scale * Q^T of the query tile (d x padded queries)
     kFlashScores,       // flash_tile: S^T then P^T of one key block (keys x padded queries)
     kFlashAccumulator,  // flash_tile: (P V)^T, unnormalised (d_v x padded queries)
-    kFlashStats,        // flash_tile: running max and sum, per-block temporaries (5 x queries)
+    kFlashStats,        // flash_tile: running max and sum (2 x padded queries)
+    kValueFlags,        // flash_tile: which value rows of a key block hold NaN/Inf
     kDenseQueries,      // dense_tile: scale * Q of the query tile
     kFlaggedRows,       // flash_tile, dense_tile: value rows holding NaN/Inf in a key block
     kFlaggedSees,       // flash_tile, dense_tile: which queries may see each flagged row
