@@ -323,3 +323,57 @@ def test_a_block_given_back_while_the_cache_is_busy_is_kept_later() -> None:
         V._blocks._lock.release()
     assert V._blocks.waiting > 0
     assert V.empty(BIG, np.float32).ctypes.data == where
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("family", ["mha_self", "mha_cross", "sdpa"])
+def test_gradients_do_not_depend_on_what_recycled_memory_held(family: str, dtype: type) -> None:
+    # The MHA and SDPA backwards write their gradients into unzeroed buffers (the kernel writes
+    # every element). Poisoned blocks of every size the gradients take (all bits set: NaN)
+    # must not change a single bit of them.
+    V = _blocks_or_skip()
+    rng = np.random.default_rng(7)
+    B, n, nk, d, h = 2, 80, 72, 192, 3
+    if family == "sdpa":
+        q = rng.standard_normal((B, h, n, 64)).astype(dtype)
+        k, v = (rng.standard_normal((B, h, nk, 64)).astype(dtype) for _ in range(2))
+
+        def grads() -> dict[str, np.ndarray]:
+            out, pull = attnlab.vjp(attnlab.scaled_dot_product_attention, q, k, v, causal=True)
+            return {
+                **pull(np.ones_like(out)),
+                **{
+                    "b_" + key: val
+                    for key, val in attnlab.scaled_dot_product_attention_backward(
+                        np.ones_like(out), q, k, v, causal=True
+                    ).items()
+                },
+            }
+    else:
+        x = rng.standard_normal((B, n, d)).astype(dtype)
+        kv = rng.standard_normal((B, nk, d)).astype(dtype)
+        w = {
+            k: (rng.standard_normal((d, d)) / 14).astype(dtype)
+            for k in ("w_q", "w_k", "w_v", "w_o")
+        }
+        w.update({k: rng.standard_normal(d).astype(dtype) for k in ("b_q", "b_k", "b_v", "b_o")})
+        args = (x,) if family == "mha_self" else (x, kv, kv)
+
+        def grads() -> dict[str, np.ndarray]:
+            out, pull = attnlab.vjp(attnlab.multi_head_attention, *args, num_heads=h, **w)
+            g = np.ones_like(out)
+            back = attnlab.multi_head_attention_backward(g, *args, num_heads=h, **w)
+            return {**pull(g), **{"b_" + key: val for key, val in back.items()}}
+
+    V._blocks.clear()
+    clean = grads()
+    sizes = {a.nbytes for a in clean.values()} | {a.nbytes * 3 for a in clean.values()}
+    poison = [V.empty((s,), np.uint8) for s in sorted(sizes) for _ in range(4)]
+    for p in poison:
+        p.fill(0xFF)
+    del poison
+    assert V._blocks.waiting > 0
+    again = grads()
+    for key, val in clean.items():
+        assert np.array_equal(val, again[key]), key
+    V._blocks.clear()

@@ -31,6 +31,19 @@ constexpr Index kDepth = 256;  // head-width chunk of the score product
 // value product per tile; beyond, one scan of V for the call is cheaper.
 constexpr Index kScanInTilesMax = 8;
 
+// Tiles of `size` over n rows, a last one shorter than size / 4 joining the one before (n = 197
+// in tiles of 96: 96 and 101, not 96, 96 and 5, whose lanes, padded to a packet, were mostly
+// padding: 5% of a ViT-S forward, 4% of its backward in perf). No result depends on where the
+// tiles start: each entry is one chain over the depth, and sums run across tiles in order.
+inline Index tile_count(Index n, Index size) {
+    if (n <= 0) return 0;
+    return n / size + (n < size || n % size >= size / 4 ? 1 : 0);
+}
+// Rows in tile t of tile_count(n, size) = count.
+inline Index tile_rows(Index n, Index size, Index count, Index t) {
+    return t + 1 == count ? n - t * size : size;
+}
+
 // Keys [0, end) may be visible to queries [i0, i1) under the causal rule.
 template <typename T>
 Index causal_key_end(const MaskSpec<T>& m, Index n_q, Index n_k, Index i1) {
@@ -352,6 +365,9 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
 // alternative, a dQ pass and a dK/dV pass each recomputing P, costs two more products).
 constexpr Index kBwdTileQ = 64;
 constexpr Index kBwdTileK = 96;  // a whole number of panels for 4, 8 and 16 lanes
+// the longest key tile (a short last one joins the one before: tile_count), padded to packets
+constexpr Index kBwdTileKMax = 128;
+static_assert(kBwdTileK + kBwdTileK / 4 <= kBwdTileKMax);
 constexpr Index kBwdTasks = 16;
 constexpr Index kBwdMaxSegments = 8;
 
@@ -383,7 +399,7 @@ BackwardPlan<T> backward_plan(const AttentionProblem<T>& p) {
     constexpr Index L = packet_size<T>();
     BackwardPlan<T> plan;
     plan.q_tiles = (p.n_q + kBwdTileQ - 1) / kBwdTileQ;
-    plan.k_tiles = (p.n_k + kBwdTileK - 1) / kBwdTileK;
+    plan.k_tiles = tile_count(p.n_k, kBwdTileK);
     plan.dp = (p.d + L - 1) / L * L;
     if (plan.k_tiles == 0) return plan;
     const Index heads = p.batch * p.kv_heads;
@@ -400,7 +416,7 @@ struct BackwardScratch {
     T *kt, *vt, *kp, *dkt, *dvt, *s, *dp;
 
     BackwardScratch(Index d, Index dv, Index dp_width) {
-        constexpr Index tk = kBwdTileK, tq = kBwdTileQ;
+        constexpr Index tk = kBwdTileKMax, tq = kBwdTileQ;
         const Index sizes[] = {d * tk, dv * tk, tk * dp_width, d * tk, dv * tk, tq * tk, tq * tk};
         T** slots[] = {&kt, &vt, &kp, &dkt, &dvt, &s, &dp};
         auto round = [](Index n) { return (n + 15) / 16 * 16; };  // keep every slot 64-byte aligned
@@ -484,7 +500,7 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
     const BackwardScratch<T> w(d, dv, dp);
     const Index t0 = s * plan.seg_tiles, t1 = std::min(plan.k_tiles, t0 + plan.seg_tiles);
     for (Index kt = t0; kt < t1; ++kt) {
-        const Index j0 = kt * kBwdTileK, kb = std::min(kBwdTileK, p.n_k - j0);
+        const Index j0 = kt * kBwdTileK, kb = tile_rows(p.n_k, kBwdTileK, plan.k_tiles, kt);
         const Index kbp = (kb + L - 1) / L * L;
         key_tile_transposed(kbase, ks, j0, kb, kbp, d, w.kt);
         key_tile_transposed(p.v.at(b, hk), p.v.row_stride, j0, kb, kbp, dv, w.vt);
@@ -597,11 +613,7 @@ void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g)
 template <typename T>
 void attention_forward(const AttentionProblem<T>& p) {
     if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
-    // Query tiles of kTileQ; a last one shorter than kTileQ / 4 joins the one before (n = 197:
-    // tiles of 96 and 101, not 96, 96 and a 5-query tile that padded to a packet wasted most of
-    // its products on padding, 5% of a ViT-S call). A query's result does not depend on its tile.
-    Index q_tiles = p.n_q / detail::kTileQ;
-    if (q_tiles == 0 || p.n_q % detail::kTileQ >= detail::kTileQ / 4) ++q_tiles;
+    const Index q_tiles = detail::tile_count(p.n_q, detail::kTileQ);
     const Index tasks = p.batch * p.heads * q_tiles;
     // Value rows holding NaN/Inf: scanned per key block in the flash tiles when each head has few
     // query tiles (value_flags), else once for the call (each block would be scanned too often).
@@ -613,7 +625,7 @@ void attention_forward(const AttentionProblem<T>& p) {
         const Index h = (t / q_tiles) % p.heads;
         const Index b = t / (q_tiles * p.heads);
         const Index i0 = qt * detail::kTileQ;
-        const Index mq = qt + 1 == q_tiles ? p.n_q - i0 : detail::kTileQ;
+        const Index mq = detail::tile_rows(p.n_q, detail::kTileQ, q_tiles, qt);
         const Index hk = h / (p.heads / p.kv_heads);
         const std::uint8_t* flags =
             v_flags ? v_flags.get() + (b * p.kv_heads + hk) * p.n_k : nullptr;

@@ -447,7 +447,7 @@ def _additive_grads(
     B, n, d_in, D, d_out, dtype = a["B"], a["n"], a["d_in"], a["D"], a["d_out"], a["dtype"]
     go = _grad.grad_out_rows(grad_out, a["batch"] + (n, d_out), dtype)
     # as the kernel reads them: x, w_q and w_k with one zero feature when d_in == 0
-    grads = _grad.zeros_like_given(a["arrays"], dtype)
+    grads = _grad.grad_buffers(a["arrays"], dtype)
     if B * n > 0 and d_out > 0:
         leading: _CoreArgs = a["core"]
         core.additive_backward(go, *leading, grads, state)
@@ -492,7 +492,7 @@ def _separable_grads(
     go = _grad.grad_out_rows(grad_out, a["batch"] + (n, d_out), dtype)
     params = {"w_qkv": a["wqkv"], "b_qkv": a["bqkv"], "w_o": a["wo"], "b_o": a["bo"]}
     # x's rows are absent without features (the kernel is not called): (B * n, 0) zeros
-    grads = {"x": V.zeros((B * n, d), dtype), **_grad.zeros_like_given(params, dtype)}
+    grads = {"x": V.zeros((B * n, d), dtype), **_grad.grad_buffers(params, dtype)}
     if B * n > 0 and d_out > 0:
         if d == 0:  # out = b_o
             if a["bo"] is not None:

@@ -608,7 +608,7 @@ def _bilinear_grads(
     attnlab.vjp) the forward is not recomputed."""
     dtype, batch, B = a.dtype, a.batch, a.B
     go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype)
-    grads = _grad.zeros_like_given(
+    grads = _grad.grad_buffers(
         {"w_qk": a.wqk, "u_k": a.uk, "w_v": a.wv, "b_v": a.bv, "w_o": a.wo, "b_o": a.bo}, dtype
     )
     shapes, x = a.x.shapes, a.x

@@ -69,19 +69,28 @@ def input_grads(
 
 
 def input_buffers(
-    rows: Mapping[str, tuple[int, ...]], key_omitted: bool, value_omitted: bool, dtype: np.dtype
+    rows: Mapping[str, tuple[int, ...]],
+    key_omitted: bool,
+    value_omitted: bool,
+    dtype: np.dtype,
+    zeroed: bool = True,
 ) -> dict[str, np.ndarray]:
-    """Zeroed row gradients of ``query``, ``key`` and ``value`` (their row shapes given), one
-    buffer shared by an omitted ``key``/``value`` and the argument it defaulted to: a kernel
-    that adds into an aliased buffer sums them itself (no two extra arrays, no additions)."""
-    out = {"query": V.zeros(rows["query"], dtype)}
-    out["key"] = out["query"] if key_omitted else V.zeros(rows["key"], dtype)
-    out["value"] = out["key"] if value_omitted else V.zeros(rows["value"], dtype)
+    """Row gradients of ``query``, ``key`` and ``value`` (their row shapes given), one buffer
+    shared by an omitted ``key``/``value`` and the argument it defaulted to: a kernel that adds
+    into an aliased buffer sums them itself (no two extra arrays, no additions). Zeroed unless
+    ``zeroed`` is False (for a kernel that writes every element)."""
+    new = V.zeros if zeroed else V.empty
+    out = {"query": new(rows["query"], dtype)}
+    out["key"] = out["query"] if key_omitted else new(rows["key"], dtype)
+    out["value"] = out["key"] if value_omitted else new(rows["value"], dtype)
     return out
 
 
-def zeros_like_given(
-    arrays: dict[str, np.ndarray | None], dtype: np.dtype
+def grad_buffers(
+    arrays: dict[str, np.ndarray | None], dtype: np.dtype, zeroed: bool = True
 ) -> dict[str, np.ndarray]:
-    """Zeroed gradient buffers for the arrays given (``None``: an omitted bias, no entry)."""
-    return {name: V.zeros(a.shape, dtype) for name, a in arrays.items() if a is not None}
+    """Gradient buffers for the arrays given (``None``: an omitted bias, no entry); zeroed
+    unless ``zeroed`` is False (for a kernel that writes every element: filling them first was
+    0.35 ms of a 39 ms ViT-S training step, on one thread while the other waited)."""
+    new = V.zeros if zeroed else V.empty
+    return {name: new(a.shape, dtype) for name, a in arrays.items() if a is not None}

@@ -507,10 +507,12 @@ def _sdpa_grads(
     )
     go = _grad.grad_out(grad_out, batch + (h, n_q, d_v), dtype)
     B = V.count(batch)
-    dq = V.zeros((B, h, n_q, d), dtype)
-    dk = V.zeros((B, h_kv, n_k, d), dtype)
-    dv = V.zeros((B, h_kv, n_k, d_v), dtype)
-    if B * n_q * n_k > 0:
+    kernel = B * n_q * n_k > 0
+    new = V.empty if kernel else V.zeros  # the kernel writes every element
+    dq = new((B, h, n_q, d), dtype)
+    dk = new((B, h_kv, n_k, d), dtype)
+    dv = new((B, h_kv, n_k, d_v), dtype)
+    if kernel:
         go4 = V.kernel_ready(go.reshape((B, h, n_q, d_v)))
         if kept is None:
             out = V.empty((B, h, n_q, d_v), dtype)
@@ -589,13 +591,16 @@ def _mha_grads(
     go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype)
     inputs = {"query": a.rq, "key": a.rk, "value": a.rv}
     summed = rope is None  # the kernel sums the gradients of aliased inputs; _rope does not
-    if summed:
-        grads = _grad.zeros_like_given(a.w, dtype)
+    kernel = B * a.n_q > 0
+    if summed:  # the kernel writes every element: buffers need no zeros when it runs
+        grads = _grad.grad_buffers(a.w, dtype, zeroed=not kernel)
         shapes = {n: r.shape for n, r in inputs.items()}
-        grads.update(_grad.input_buffers(shapes, a.key_omitted, a.value_omitted, dtype))
+        grads.update(
+            _grad.input_buffers(shapes, a.key_omitted, a.value_omitted, dtype, zeroed=not kernel)
+        )
     else:
-        grads = _grad.zeros_like_given({**a.w, **inputs}, dtype)
-    if B * a.n_q > 0:
+        grads = _grad.grad_buffers({**a.w, **inputs}, dtype)
+    if kernel:
         if rope is None:
             core.mha_backward(go2, *a.core_args(), grads, state)
         else:
