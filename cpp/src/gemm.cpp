@@ -12,8 +12,10 @@ namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
 namespace {
 // Blocking: a task is 128 rows x 8 panels of output columns; the depth runs in chunks of 256 so
-// that the B panel chunk (256 x panel width) stays in L1 while the rows of the task pass. Fixed
-// sizes: the summation order never depends on the thread count.
+// that the B panel chunk (256 x panel width) stays in L1 while the rows of the task pass (with
+// AVX2; AVX-512's 48 KiB chunk does not fit a 32 KiB L1, but chunks of 128 were 1-2% slower,
+// the accumulators stored and reloaded twice as often). Fixed sizes: the summation order never
+// depends on the thread count.
 constexpr Index kRowChunk = 128;
 constexpr Index kPanelsPerTask = 8;
 constexpr Index kGemmDepth = 256;
@@ -32,7 +34,8 @@ constexpr Index kGemmDepth = 256;
 // not a whole number of 3-packet panels (64 columns with AVX-512: 48 + 16, not 48 + 48).
 template <typename T, int NP>
 void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const T* b, Index ldb,
-                bool b_transposed, Index j0, Index nw, T* y, Index ldy, bool zero_start) {
+                bool b_transposed, Index j0, Index nw, T* y, Index ldy, bool zero_start,
+                bool next_panel) {
     constexpr Index W = NP * detail::packet_size<T>();
     constexpr int MR = detail::rows_for_packets<NP>();
     T* bp = scratch<T>(ScratchBuffer::kGemmPanel, static_cast<std::size_t>(kGemmDepth * W));
@@ -47,8 +50,33 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                     // the first row block packs B as it goes, the others read the packed copy
                     detail::panel_kernel<T, MR, NP, Acc, true>(
                         kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y, ldy, bp, W);
-                    detail::panel_rows<T, NP, MR, Acc>(m - MR, kc, ak + MR * a_rs, a_rs, a_ts, bp,
-                                                       W, y + MR * ldy, ldy);
+                    // ... while the B block packed next (this panel's next depth chunk, else
+                    // the next panel's first) is fetched, a share after each slice of rows:
+                    // the packing kernel then finds it in cache instead of waiting for memory
+                    // (its loads were 15% of a BERT-base forward at one thread in perf)
+                    const bool more_depth = k0 + kc < depth;
+                    const T* next = more_depth   ? b + (k0 + kc) * ldb + j0
+                                    : next_panel ? b + j0 + W
+                                                 : nullptr;
+                    const Index next_rows = more_depth ? std::min(kGemmDepth, depth - k0 - kc)
+                                                       : std::min(kGemmDepth, depth);
+                    constexpr Index kSlice = 2 * MR;
+                    const Index slices = (m - MR + kSlice - 1) / kSlice;
+                    const Index per_slice = slices > 0 ? (next_rows + slices - 1) / slices : 0;
+                    Index fetched = 0;
+                    for (Index r = MR; r < m; r += kSlice) {
+                        detail::panel_rows<T, NP, MR, Acc>(std::min(kSlice, m - r), kc,
+                                                           ak + r * a_rs, a_rs, a_ts, bp, W,
+                                                           y + r * ldy, ldy);
+                        if (!next) continue;
+                        const Index upto = std::min(next_rows, fetched + per_slice);
+                        for (; fetched < upto; ++fetched) {
+                            const T* row = next + fetched * ldb;
+                            for (Index j = 0; j < W; j += 64 / Index(sizeof(T)))
+                                detail::prefetch_read(row + j);
+                            detail::prefetch_read(row + W - 1);
+                        }
+                    }
                     return;
                 }
             }
@@ -76,10 +104,11 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
 
 // Panel p (columns [p W, p W + W) and fewer at the edge) of Y (m x cols, row stride ldy) = A B
 // (+ bias), or Y += A B when accumulate; A (m x depth) and B (depth x cols) as in panel_gemm.
+// then_next: the caller computes panel p + 1 next (its B block may be fetched meanwhile).
 template <typename T>
 void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index a_ts, const T* b,
                 Index ldb, bool b_transposed, const T* bias, T* y, Index ldy, bool accumulate,
-                Index p) {
+                Index p, bool then_next) {
     constexpr Index W = detail::panel_width<T>(), L = detail::packet_size<T>();
     const Index j0 = p * W, nw = std::min(W, cols - j0);
     // the last panel as narrow as whole packets allow; if still wider than the columns left,
@@ -98,15 +127,16 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
         if (!accumulate && full && depth == 0) std::fill(yr, yr + wp, T(0));
     }
     const bool zero_start = !accumulate && full;
+    const bool next_panel = then_next && j0 + 2 * W <= cols;  // a whole panel follows
     if (np == 3) {
         panel_gemm<T, 3>(m, depth, a, a_rs, a_ts, b, ldb, b_transposed, j0, nw, yb, ldb_y,
-                         zero_start);
+                         zero_start, next_panel);
     } else if (np == 2) {
         panel_gemm<T, 2>(m, depth, a, a_rs, a_ts, b, ldb, b_transposed, j0, nw, yb, ldb_y,
-                         zero_start);
+                         zero_start, next_panel);
     } else {
         panel_gemm<T, 1>(m, depth, a, a_rs, a_ts, b, ldb, b_transposed, j0, nw, yb, ldb_y,
-                         zero_start);
+                         zero_start, next_panel);
     }
     // The bias is added after the products, not used as the accumulator's start: a bias larger
     // than the products would make every FMA round at its scale (measured on the output
@@ -144,7 +174,7 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
         const Index p1 = std::min(panels, p0 + per_task);
         for (Index p = p0; p < p1; ++p)
             gemm_panel(m, depth, cols, a + r0 * a_rs, a_rs, a_ts, b, ldb, b_transposed, bias,
-                       y + r0 * ldy, ldy, accumulate, p);
+                       y + r0 * ldy, ldy, accumulate, p, p + 1 < p1);
     });
 }
 }  // namespace
@@ -209,10 +239,11 @@ void block_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMa
     const Index rows = c.rows(), cols = c.cols();
     if (rows <= 0 || cols <= 0) return;
     constexpr Index W = panel_width<T>();
-    for (Index p = 0; p < (cols + W - 1) / W; ++p)
+    const Index panels = (cols + W - 1) / W;
+    for (Index p = 0; p < panels; ++p)
         gemm_panel<T>(rows, a.cols(), cols, a.data(), a.outerStride(), Index(1), b.data(),
                       b.outerStride(), false, static_cast<const T*>(nullptr), dst.data(),
-                      dst.outerStride(), accumulate, p);
+                      dst.outerStride(), accumulate, p, p + 1 < panels);
 }
 
 template void block_product<float>(const ConstRowMap<float>&, const ConstRowMap<float>&,
