@@ -377,3 +377,23 @@ def test_gradients_do_not_depend_on_what_recycled_memory_held(family: str, dtype
     for key, val in clean.items():
         assert np.array_equal(val, again[key]), key
     V._blocks.clear()
+
+
+def test_copy_arrays_copies_every_byte_of_every_pair() -> None:
+    # attnlab.vjp's copies of its arguments run on the pool in 256 KiB chunks: blocks of every
+    # size around the chunk, empty ones among them, land whole and nowhere else.
+    from attnlab import _core
+
+    rng = np.random.default_rng(3)
+    sizes = [0, 1, 7, (256 << 10) - 1, 256 << 10, (256 << 10) + 1, 0, 3 << 20]
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    dst = [np.zeros(n + 2, np.uint8) for n in sizes]  # a guard byte either side
+    _core.copy_arrays([(d[1:-1], s) for d, s in zip(dst, src, strict=True)])
+    for d, s in zip(dst, src, strict=True):
+        assert np.array_equal(d[1:-1], s) and d[0] == 0 and d[-1] == 0
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _core.copy_arrays([(np.zeros(4), np.zeros(8)[::2])])
+    with pytest.raises(ValueError, match="bytes"):
+        _core.copy_arrays([(np.zeros(4), np.zeros(5))])
+    with pytest.raises(TypeError, match="pairs"):
+        _core.copy_arrays([(np.zeros(4),)])

@@ -1,5 +1,6 @@
 // The extension module attnlab._core: bindings compiled once, calling the kernel table that
 // cpp/src/dispatch.cpp picks at import (ATTNLAB_ISA forces one).
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <cmath>
@@ -36,6 +37,39 @@ static py::dict cpu_features() {
     return d;
 }
 
+// copy_arrays(pairs): each (dst, src) a C-contiguous ndarray pair of the same byte size, dst
+// writeable and not overlapping src; copied on the pool.
+static void copy_arrays(const py::list& pairs) {
+    std::vector<const void*> src;
+    std::vector<void*> dst;
+    std::vector<std::size_t> bytes;
+    std::vector<py::array> keep;  // the arrays stay referenced while the GIL is released
+    for (const py::handle item : pairs) {
+        if (!py::isinstance<py::tuple>(item) || py::len(item) != 2)
+            throw py::type_error("copy_arrays: expected (dst, src) pairs of arrays, got " +
+                                 py::repr(item).cast<std::string>());
+        const auto pair = py::reinterpret_borrow<py::tuple>(item);
+        if (!py::isinstance<py::array>(pair[0]) || !py::isinstance<py::array>(pair[1]))
+            throw py::type_error("copy_arrays: expected NumPy arrays in every pair");
+        auto d = py::reinterpret_borrow<py::array>(pair[0]);
+        auto s = py::reinterpret_borrow<py::array>(pair[1]);
+        const int contiguous = py::array::c_style;
+        if ((d.flags() & contiguous) == 0 || (s.flags() & contiguous) == 0)
+            throw py::value_error("copy_arrays: expected C-contiguous arrays");
+        if (!d.writeable()) throw py::value_error("copy_arrays: dst is read-only");
+        if (d.nbytes() != s.nbytes())
+            throw py::value_error("copy_arrays: dst has " + std::to_string(d.nbytes()) +
+                                  " bytes, src " + std::to_string(s.nbytes()));
+        dst.push_back(d.mutable_data());
+        src.push_back(s.data());
+        bytes.push_back(static_cast<std::size_t>(s.nbytes()));
+        keep.push_back(d);
+        keep.push_back(s);
+    }
+    py::gil_scoped_release release;
+    attnlab::parallel_copy(src.data(), dst.data(), bytes.data(), bytes.size());
+}
+
 PYBIND11_MODULE(_core, m) {
     // Before anything else: an unknown, unbuilt or unsupported ATTNLAB_ISA is an ImportError
     // (pybind11 turns the std::runtime_error into one), never an illegal instruction.
@@ -49,6 +83,8 @@ PYBIND11_MODULE(_core, m) {
         "isa_supported", [](const std::string& isa) { return attnlab::isa_supported(isa); },
         py::arg("isa"), "Whether this CPU and OS can run the variant (built or not).");
     m.def("get_num_threads", &attnlab::get_num_threads);
+    m.def("copy_arrays", &copy_arrays, py::arg("pairs"),
+          "Copies each (dst, src) pair of C-contiguous arrays of one size, on the thread pool.");
     m.def("set_num_threads", &attnlab::set_num_threads, py::arg("n"));
     m.attr("MAX_THREADS") = attnlab::kMaxThreads;
     m.def("cgroup_cpu_limit", &attnlab::detail::cgroup_cpu_limit, py::arg("sysroot"),

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <fstream>
@@ -364,6 +365,23 @@ void parallel_for(std::int64_t n, const std::function<void(std::int64_t)>& fn) {
         job->done_cv.wait(lock, [&] { return job->done.load() >= job->n; });
     }
     if (job->error) std::rethrow_exception(job->error);
+}
+
+void parallel_copy(const void* const* src, void* const* dst, const std::size_t* bytes,
+                   std::size_t count) {
+    constexpr std::size_t kChunk = std::size_t(256) << 10;  // large enough to stream
+    std::vector<std::size_t> first(count + 1, 0);           // first chunk of each block
+    for (std::size_t i = 0; i < count; ++i)
+        first[i + 1] = first[i] + (bytes[i] + kChunk - 1) / kChunk;
+    parallel_for(static_cast<std::int64_t>(first[count]), [&](std::int64_t t) {
+        const auto c = static_cast<std::size_t>(t);
+        const std::size_t i = static_cast<std::size_t>(
+                                  std::upper_bound(first.begin(), first.end(), c) - first.begin()) -
+                              1;
+        const std::size_t off = (c - first[i]) * kChunk;
+        std::memcpy(static_cast<char*>(dst[i]) + off, static_cast<const char*>(src[i]) + off,
+                    std::min(kChunk, bytes[i] - off));
+    });
 }
 
 }  // namespace attnlab

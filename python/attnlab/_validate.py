@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._loader import core
+
 __all__: list[str] = []  # private module
 
 _NATIVE = (np.dtype(np.float32), np.dtype(np.float64))
@@ -422,8 +424,14 @@ def owned(prepared: Any) -> Any:
         i: _zero_strides_to_one(a) if 0 in a.strides and a.size > 1 else a for i, a in found.items()
     }
     copies = empty_group({i: (d.shape, d.dtype) for i, d in data.items()})
+    pooled = []  # contiguous ones on the kernels' threads (one thread alone made the others wait)
     for i, d in data.items():
-        copies[i][...] = d
+        if d.flags.c_contiguous:
+            pooled.append((copies[i], d))
+        else:
+            copies[i][...] = d
+    core.copy_arrays(pooled)
+    for i in data:
         if copies[i].shape != found[i].shape:
             copies[i] = np.broadcast_to(copies[i], found[i].shape)
     return _with_arrays(prepared, copies)

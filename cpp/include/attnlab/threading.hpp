@@ -2,6 +2,7 @@
 // A small persistent thread pool. Each parallel_for call splits [0, n) into tasks that are
 // independent by construction, so results never depend on the thread count or on scheduling.
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -28,6 +29,12 @@ std::string num_threads_source();
 // created by fork() gets a fresh pool on first use (the parent's worker threads do not exist
 // there) and exits normally.
 void parallel_for(std::int64_t n, const std::function<void(std::int64_t)>& fn);
+
+// Copies bytes[i] bytes from src[i] to dst[i] for i < count (non-overlapping blocks) on the
+// pool, in chunks: attnlab.vjp's copies of its arguments, which one thread alone copied while
+// the others waited.
+void parallel_copy(const void* const* src, void* const* dst, const std::size_t* bytes,
+                   std::size_t count);
 
 namespace detail {
 // CPU limit of a cgroup (v2 cpu.max, or v1 cpu.cfs_quota_us / cpu.cfs_period_us), rounded up,
