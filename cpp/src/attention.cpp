@@ -7,7 +7,6 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#include <vector>
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
@@ -384,7 +383,7 @@ struct BackwardPlan {
     // Per key tile, the query tiles [lo, hi) that may see one of its keys (the others are
     // skipped). Both ends never decrease with the key tile, so the key tiles that see a query
     // tile are consecutive: the first of a segment writes its share of dQ, the rest add.
-    std::vector<Interval> query_tiles;
+    Buffer<Interval> query_tiles;
 
     bool sees(Index kt, Index qt) const {
         return query_tiles[kt].lo <= qt && qt < query_tiles[kt].hi;
@@ -404,13 +403,13 @@ BackwardPlan<T> backward_plan(const AttentionProblem<T>& p) {
     plan.k_tiles = tile_count(p.n_k, kBwdTileK);
     plan.dp = (p.d + L - 1) / L * L;
     if (plan.k_tiles == 0) return plan;
-    plan.query_tiles.resize(static_cast<std::size_t>(plan.k_tiles));
+    plan.query_tiles = make_buffer<Interval>(plan.k_tiles);
     for (Index kt = 0; kt < plan.k_tiles; ++kt) {
-        const Index j0 = kt * kBwdTileK;
-        const Interval q =
-            queries_seeing(p.mask, p.n_q, p.n_k, j0, std::min(p.n_k, j0 + kBwdTileK));
-        if (q.lo < q.hi)
-            plan.query_tiles[kt] = {q.lo / kBwdTileQ, (q.hi + kBwdTileQ - 1) / kBwdTileQ};
+        const Index j0 = kt * kBwdTileK, kb = tile_rows(p.n_k, kBwdTileK, plan.k_tiles, kt);
+        const Interval q = queries_seeing(p.mask, p.n_q, p.n_k, j0, j0 + kb);
+        plan.query_tiles[kt] = q.lo < q.hi
+                                   ? Interval{q.lo / kBwdTileQ, (q.hi + kBwdTileQ - 1) / kBwdTileQ}
+                                   : Interval{};
     }
     const Index heads = p.batch * p.kv_heads;
     const Index want = std::clamp<Index>((kBwdTasks + heads - 1) / heads, 1,
