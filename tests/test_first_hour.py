@@ -538,6 +538,42 @@ def test_docstrings_say_the_polarity_and_the_keyword(name, fn):
         assert "j <= i" in doc and "bottom_right" in doc, f"{name}: causal modes not explained"
 
 
+def _derived_docs() -> list[tuple[str, Callable[..., Any], Callable[..., Any]]]:
+    """(name, forward, derived) for every function whose docstring lists a forward's
+    parameters by generating the list (the backwards, the torch wrappers)."""
+    forwards = [
+        attnlab.scaled_dot_product_attention,
+        attnlab.multi_head_attention,
+        attnlab.bilinear_attention,
+    ]
+    out = [
+        (f"attnlab.{f.__name__}_backward", f, getattr(attnlab, f"{f.__name__}_backward"))
+        for f in forwards
+    ]
+    try:
+        import attnlab.torch as at
+    except ImportError:
+        return out
+    return out + [(f"attnlab.torch.{f.__name__}", f, getattr(at, f.__name__)) for f in forwards]
+
+
+DERIVED_DOCS = _derived_docs()
+
+
+@pytest.mark.parametrize("name, forward, fn", DERIVED_DOCS, ids=[n for n, _, _ in DERIVED_DOCS])
+def test_derived_docstrings_name_every_parameter(name, forward, fn):
+    """A new mask option (a parameter of the forwards) reaches the backwards' and the torch
+    wrappers' Parameters sections without an edit there."""
+    doc = inspect.getdoc(fn) or ""
+    section = doc.split("Parameters\n----------\n")[1].split("\nReturns\n")[0]
+    heads = [line.split(" : ")[0] for line in section.splitlines() if line[:1].isalpha()]
+    names = {n.strip() for line in heads for n in line.split(",")}
+    params = [p for p in inspect.signature(forward).parameters if not p.startswith("_")]
+    missing = [p for p in params if p not in names and p != "return_weights"]
+    assert not missing, f"{name}: the Parameters section does not name {missing}"
+    assert "{" not in section, f"{name}: a fragment was not filled in"
+
+
 @pytest.mark.parametrize(
     "fn",
     [

@@ -7,11 +7,15 @@ Kernel tiles are 64 queries x 128 keys, so the sizes below straddle one and seve
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 import attnlab
 from attnlab import reference as ref
+from attnlab._args import CoreMask
+from attnlab._loader import core
 from attnlab.reference._mha import allowed_and_bias
 from conftest import assert_close, make_mha_weights
 
@@ -919,3 +923,22 @@ def test_mha_gqa_equals_repeated_kv_weights(rng):
     w2 = dict(w, w_k=rep(w["w_k"]), w_v=rep(w["w_v"]), b_k=rep(w["b_k"]), b_v=rep(w["b_v"]))
     b = attnlab.multi_head_attention(x, **w2, num_heads=h)
     np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-14)
+
+
+def test_core_mask_fields_are_what_the_bindings_read():
+    """attnlab._args.CoreMask's fields, in order, are the tuple the bindings' mask_args reads
+    (cpp/bindings/common.hpp, the scalar options through for_each_option): its error names
+    them."""
+    q = np.zeros((1, 1, 2, 4))
+    out = np.zeros((1, 1, 2, 4))
+    with pytest.raises(ValueError, match=r"mask: expected a tuple \(.*\), got 0 items") as e:
+        core.sdpa_forward(q, q, q, out, (), 1.0, None, None)
+    found = re.search(r"\((.*)\)", str(e.value))
+    assert found and tuple(found.group(1).split(", ")) == CoreMask._fields
+    core.sdpa_forward(q, q, q, out, CoreMask(None, None, 2), 1.0, None, None)
+    with pytest.raises(ValueError, match="causal: expected an int from 0 to 2, got 3"):
+        core.sdpa_forward(q, q, q, out, CoreMask(None, None, 3), 1.0, None, None)
+    with pytest.raises(ValueError, match="causal: expected an int from 0 to 2, got 1"):
+        core.sdpa_forward(q, q, q, out, CoreMask(None, None, 1 << 70), 1.0, None, None)
+    with pytest.raises(TypeError, match="causal: expected an int, got str"):
+        core.sdpa_forward(q, q, q, out, (None, None, "top_left"), 1.0, None, None)

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -116,39 +117,69 @@ T* state_array(const py::object& state, const char* name, std::vector<Index> sha
 
 // The mask options of scaled dot-product, multi-head and bilinear attention: a boolean or
 // float mask viewed as (batch, heads, n_q, n_k) (zero strides broadcast), a boolean key padding
-// mask (batch, n_k) and the causal code (0 none, 1 top-left, 2 bottom-right). Every binding that
-// masks takes them as one argument, `mask`, which mask_args converts; a new mask option is a
-// field here, its reading in mask_args and its use in mask_spec, and no binding or Python call
-// site changes.
+// mask (batch, n_k) and the scalar options (MaskOptions: causal, ...). Every binding that masks
+// takes them as one argument, `mask`, which mask_args converts. A new scalar option changes
+// nothing here (mask_args reads MaskOptions' fields through for_each_option); a new array is
+// a field here, its reading in mask_args and its check in mask_spec.
 struct MaskArgs {
     py::object mask;
     py::object key_padding_mask;
-    int causal = 0;
+    MaskOptions options;
 };
 
+// The number of items of Python's mask tuple and, for errors, their names:
+// "(mask, key_padding_mask, causal, ...)".
+inline std::size_t mask_items() {
+    std::size_t n = 2;
+    MaskOptions o;
+    for_each_option(o, [&](const char*, auto&, Index, Index) { ++n; });
+    return n;
+}
+inline std::string mask_fields() {
+    std::string s = "(mask, key_padding_mask";
+    MaskOptions o;
+    for_each_option(o,
+                    [&](const char* name, auto&, Index, Index) { s += std::string(", ") + name; });
+    return s + ")";
+}
+
+// An item of the mask tuple for the scalar option `name`: an int in [min, max].
+inline Index option_value(py::handle v, const char* name, Index min, Index max) {
+    const auto out_of_range = [&](const std::string& got) {
+        return py::value_error(std::string(name) + ": expected an int from " + std::to_string(min) +
+                               " to " + std::to_string(max) + ", got " + got);
+    };
+    long long x = 0;
+    try {
+        x = v.cast<long long>();
+    } catch (const py::cast_error&) {
+        if (py::isinstance<py::int_>(v)) throw out_of_range(std::string(py::str(v)));  // > 64 bits
+        throw py::type_error(std::string(name) + ": expected an int, got " +
+                             std::string(py::str(py::type::of(v).attr("__name__"))));
+    }
+    if (x < min || x > max) throw out_of_range(std::to_string(x));
+    return static_cast<Index>(x);
+}
+
 // The one place Python's mask argument becomes MaskArgs: the tuple (mask, key_padding_mask,
-// causal) that attnlab._args.Masks.core_mask builds. Its arrays are checked in mask_spec,
-// against the sizes of the call.
+// <MaskOptions' fields>) that attnlab._args.Masks.core_mask builds. Its arrays are checked in
+// mask_spec, against the sizes of the call.
 inline MaskArgs mask_args(py::handle o) {
-    constexpr const char* fields = "(mask, key_padding_mask, causal)";
     if (!py::isinstance<py::tuple>(o))
-        throw py::type_error(std::string("mask: expected a tuple ") + fields + ", got " +
+        throw py::type_error("mask: expected a tuple " + mask_fields() + ", got " +
                              std::string(py::str(py::type::of(o).attr("__name__"))));
     const auto t = py::reinterpret_borrow<py::tuple>(o);
-    if (t.size() != 3)
-        throw py::value_error(std::string("mask: expected a tuple ") + fields + ", got " +
+    if (t.size() != mask_items())
+        throw py::value_error("mask: expected a tuple " + mask_fields() + ", got " +
                               std::to_string(t.size()) + " items");
     MaskArgs a;
     a.mask = t[0];
     a.key_padding_mask = t[1];
-    try {
-        a.causal = t[2].cast<int>();
-    } catch (const py::cast_error&) {
-        if (py::isinstance<py::int_>(t[2]))  // too large for an int
-            throw py::value_error("causal: expected 0, 1 or 2, got " + std::string(py::str(t[2])));
-        throw py::type_error("causal: expected an int, got " +
-                             std::string(py::str(py::type::of(t[2]).attr("__name__"))));
-    }
+    std::size_t k = 2;
+    for_each_option(a.options, [&](const char* name, auto& field, Index min, Index max) {
+        field = static_cast<std::remove_reference_t<decltype(field)>>(
+            option_value(t[k++], name, min, max));
+    });
     return a;
 }
 
@@ -169,8 +200,7 @@ inline TokenMask token_mask(const py::object& kpm, Index batch, Index n) {
 template <typename T>
 MaskSpec<T> mask_spec(const MaskArgs& args, Index batch, Index heads, Index n_q, Index n_k) {
     MaskSpec<T> m;
-    if (args.causal < 0 || args.causal > 2) throw py::value_error("causal: expected 0, 1 or 2");
-    m.causal = static_cast<Causal>(args.causal);
+    m.options = args.options;  // checked by mask_args
     if (!args.mask.is_none()) {
         py::array a = args.mask.cast<py::array>();
         const bool boolean = a.dtype().kind() == 'b';

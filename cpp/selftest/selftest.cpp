@@ -172,7 +172,7 @@ AttentionProblem<T> sdpa_problem(const T* q, const T* k, const T* v, T* out, T* 
     p.k = {k, Hk * NK * DH, NK * DH, DH};
     p.v = {v, Hk * NK * DVH, NK * DVH, DVH};
     p.out = {out, H * NQ * DVH, NQ * DVH, DVH};
-    p.mask.causal = causal;
+    p.mask.options.causal = causal;
     p.lse = lse;
     return p;
 }
@@ -411,7 +411,7 @@ void check_backwards(const KernelTable& kt, std::mt19937& g) {
             MhaProblem<double> p = mha_problem<double>(xq.data(), xk.data(), xv.data(), wq.data(),
                                                        bq.data(), wk.data(), wv.data(), nullptr,
                                                        wo.data(), bo.data(), 0.3, out.data());
-            p.mask.causal = Causal::top_left;
+            p.mask.options.causal = Causal::top_left;
             return p;
         };
         const auto f = objective(out, go, [&] { ks.multi_head_attention_forward(mha()); });

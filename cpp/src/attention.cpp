@@ -44,13 +44,6 @@ inline Index tile_rows(Index n, Index size, Index count, Index t) {
     return t + 1 == count ? n - t * size : size;
 }
 
-// Keys [0, end) may be visible to queries [i0, i1) under the causal rule.
-template <typename T>
-Index causal_key_end(const MaskSpec<T>& m, Index n_q, Index n_k, Index i1) {
-    if (m.causal == Causal::none) return n_k;
-    return std::clamp<Index>(i1 + causal_offset(m, n_q, n_k), 0, n_k);
-}
-
 // Masked-out keys are never read. The rule, for both the flash and the weights path: a key
 // whose masked, scaled logit is -inf (boolean mask False, key padding, causal, a float mask of
 // -inf) has weight exactly 0 and its value row is not read, so NaN or Inf there reaches no
@@ -209,9 +202,9 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
 
     const Packet ninf = ei::pset1<Packet>(neg_inf<T>());
     const Packet zero = ei::pzero(ninf);
-    const Index key_end = causal_key_end(p.mask, p.n_q, p.n_k, i0 + mq);
-    for (Index j0 = 0; j0 < key_end; j0 += kTileK) {
-        const Index kb = std::min(kTileK, key_end - j0);
+    const Interval keys = keys_seen(p.mask, p.n_q, p.n_k, i0, i0 + mq);
+    for (Index j0 = keys.lo; j0 < keys.hi; j0 += kTileK) {
+        const Index kb = std::min(kTileK, keys.hi - j0);
         // S^T[j, i] = sum_c K[j0 + j, c] * qt[c, i], over head widths in chunks of kDepth so
         // that a chunk of the Q^T panel stays in L1 while the key rows pass (wide heads)
         for (Index c0 = 0; c0 < d; c0 += kDepth) {
@@ -224,7 +217,7 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
             }
         }
         if (d == 0) std::fill(st, st + kb * mp, T(0));
-        if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, j0 + kb))
+        if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, i0 + mq, j0, j0 + kb))
             apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, st, Index(1), mp);
         // nonfinite value rows: which queries may read them, before the exp overwrites S^T
         const std::uint8_t* block_flags = scan_values ? value_flags(vbase + j0 * vs, vs, kb, dv)
@@ -318,7 +311,7 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     RowMap<T> Qs(qs_buf, mq, d, Eigen::OuterStride<>(d));
     Qs.noalias() = Q * p.scale;
     eigen_product_bt<T>(cview<T>(qs_buf, mq, d, d), K, P);
-    if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, nk))
+    if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, i0 + mq, Index(0), nk))
         apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, Index(0), mq, nk, wbase, nk, Index(1));
     const FlaggedRows bad = flagged_rows(v_flags, nk, wbase, nk, Index(1), mq);  // as in flash_tile
     for (Index r = 0; r < mq; ++r) {
@@ -358,11 +351,12 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
 //
 // Tasks are (key segment, batch, kv head): a task owns dK and dV of its keys (no races) and
 // loops over the query heads of its group and the query tiles that can see each key tile
-// (causal tiles above the diagonal are skipped). dQ sums over all keys, so each segment writes
-// its share into its own buffer and a last pass adds the segments in a fixed order: the
-// result does not depend on the thread count. Segments are added only when batch x kv heads
-// gives too few tasks, so the buffers stay at most kBwdMaxSegments times the size of dQ (the
-// alternative, a dQ pass and a dK/dV pass each recomputing P, costs two more products).
+// (tiles the scalar mask options hide, as causal ones above the diagonal, are skipped). dQ sums
+// over all keys, so each segment writes its share into its own buffer and a last pass adds the
+// segments in a fixed order: the result does not depend on the thread count. Segments are added
+// only when batch x kv heads gives too few tasks, so the buffers stay at most kBwdMaxSegments times
+// the size of dQ (the alternative, a dQ pass and a dK/dV pass each recomputing P, costs two more
+// products).
 constexpr Index kBwdTileQ = 64;
 constexpr Index kBwdTileK = 96;  // a whole number of panels for 4, 8 and 16 lanes
 // the longest key tile (a short last one joins the one before: tile_count), padded to packets
@@ -386,11 +380,18 @@ struct BackwardPlan {
     T* part(const AttentionProblem<T>& p, Index s, Index b, Index h) const {
         return dq_part + (s * p.batch * p.heads * p.n_q + head(p, b, h)) * dp;
     }
-    // The first query tile that sees key j0 (and so, causal being monotone, any later key).
-    Index first_query_tile(const AttentionProblem<T>& p, Index j0) const {
-        if (p.mask.causal == Causal::none) return 0;
-        const Index i = j0 - causal_offset(p.mask, p.n_q, p.n_k);
-        return std::clamp<Index>(i / kBwdTileQ, 0, q_tiles);
+    // Per key tile, the query tiles [lo, hi) that may see one of its keys (the others are
+    // skipped). Both ends never decrease with the key tile, so the key tiles that see a query
+    // tile are consecutive: the first of a segment writes its share of dQ, the rest add.
+    Buffer<Interval> query_tiles;
+
+    bool sees(Index kt, Index qt) const {
+        return query_tiles[kt].lo <= qt && qt < query_tiles[kt].hi;
+    }
+    bool segment_sees(Index s, Index qt) const {
+        for (Index kt = s * seg_tiles; kt < std::min(k_tiles, (s + 1) * seg_tiles); ++kt)
+            if (sees(kt, qt)) return true;
+        return false;
     }
 };
 
@@ -402,6 +403,14 @@ BackwardPlan<T> backward_plan(const AttentionProblem<T>& p) {
     plan.k_tiles = tile_count(p.n_k, kBwdTileK);
     plan.dp = (p.d + L - 1) / L * L;
     if (plan.k_tiles == 0) return plan;
+    plan.query_tiles = make_buffer<Interval>(plan.k_tiles);
+    for (Index kt = 0; kt < plan.k_tiles; ++kt) {
+        const Index j0 = kt * kBwdTileK, kb = tile_rows(p.n_k, kBwdTileK, plan.k_tiles, kt);
+        const Interval q = queries_seeing(p.mask, p.n_q, p.n_k, j0, j0 + kb);
+        plan.query_tiles[kt] = q.lo < q.hi
+                                   ? Interval{q.lo / kBwdTileQ, (q.hi + kBwdTileQ - 1) / kBwdTileQ}
+                                   : Interval{};
+    }
     const Index heads = p.batch * p.kv_heads;
     const Index want = std::clamp<Index>((kBwdTasks + heads - 1) / heads, 1,
                                          std::min(kBwdMaxSegments, plan.k_tiles));
@@ -449,7 +458,7 @@ void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
 
     // S = (scale Q) K^T: the products of flash_tile in the same order, so the same S
     lanes_product<T, false>(mq, kbp, d, qs, d, 1, w.kt, kbp, w.s, kbp);
-    if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, j0 + kb))
+    if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, i0 + mq, j0, j0 + kb))
         apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, w.s, kbp, Index(1));
     // dP = dO V^T
     lanes_product<T, false>(mq, kbp, dv, dout, ds, 1, w.vt, kbp, w.dp, kbp);
@@ -513,9 +522,10 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
         for (Index gi = 0; gi < group; ++gi) {
             const Index h = hk * group + gi;
             T* part = plan.part(p, s, b, h);
-            for (Index qt = plan.first_query_tile(p, j0); qt < plan.q_tiles; ++qt) {
+            for (Index qt = plan.query_tiles[kt].lo; qt < plan.query_tiles[kt].hi; ++qt) {
                 const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
-                backward_pair(p, g, plan, w, b, h, i0, mq, j0, kb, kbp, part + i0 * dp, kt != t0);
+                const bool added = kt != t0 && plan.sees(kt - 1, qt);  // a share is there
+                backward_pair(p, g, plan, w, b, h, i0, mq, j0, kb, kbp, part + i0 * dp, added);
             }
         }
         transpose(d, kb, w.dkt, kbp, g.d_k.at(b, hk) + j0 * g.d_k.row_stride, g.d_k.row_stride);
@@ -549,7 +559,7 @@ void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
     for (Index i = 0; i < mq; ++i)
         std::fill(dq + i * g.d_q.row_stride, dq + i * g.d_q.row_stride + p.d, T(0));
     for (Index s = 0; s < plan.segments; ++s) {
-        if (qt < plan.first_query_tile(p, s * plan.seg_tiles * kBwdTileK)) continue;
+        if (!plan.segment_sees(s, qt)) continue;
         const T* part = plan.part(p, s, b, h) + i0 * plan.dp;
         for (Index i = 0; i < mq; ++i)
             for (Index c = 0; c < p.d; ++c) dq[i * g.d_q.row_stride + c] += part[i * plan.dp + c];

@@ -1,6 +1,7 @@
 #pragma once
 // Shared pieces of the softmax passes: masking a tile of scores and exponentiating a row.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -16,19 +17,12 @@ constexpr T neg_inf() {
     return -std::numeric_limits<T>::infinity();
 }
 
-// Offset such that query i may see key j iff j <= i + offset (causal), or none.
-template <typename T>
-Index causal_offset(const MaskSpec<T>& m, Index n_q, Index n_k) {
-    return m.causal == Causal::bottom_right ? n_k - n_q : 0;
-}
-
 // Applies the mask to a tile of scaled scores for queries i0.. (rows) and keys j0.. (cols) of
 // (batch b, head h), entry (r, c) at s[r * rs + c * cs] (so either layout, queries or keys
 // along rows): adds the float mask, sets disallowed entries to -inf.
 template <typename T>
 void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, Index i0, Index j0,
                 Index rows, Index cols, T* s, Index rs, Index cs) {
-    const Index off = causal_offset(m, n_q, n_k);
     const TokenMask& pad = m.key_padding;
     const std::uint8_t* kp = pad.data ? pad.data + b * pad.sb : nullptr;
     for (Index r = 0; r < rows; ++r) {
@@ -50,21 +44,51 @@ void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, In
             for (Index c = 0; c < cols; ++c)
                 if (!kp[(j0 + c) * pad.sk]) srow[c * cs] = neg_inf<T>();
         }
-        if (m.causal != Causal::none) {
-            // keys j > i + off are in the future
-            Index first_bad = i + off + 1 - j0;
-            if (first_bad < 0) first_bad = 0;
-            for (Index c = first_bad; c < cols; ++c) srow[c * cs] = neg_inf<T>();
-        }
+        // the scalar options: keys outside the row's interval
+        const Interval keys = key_interval(m.options, n_q, n_k, i);
+        const Index lo = std::clamp<Index>(keys.lo - j0, 0, cols);
+        const Index hi = std::clamp<Index>(keys.hi - j0, lo, cols);
+        for (Index c = 0; c < lo; ++c) srow[c * cs] = neg_inf<T>();
+        for (Index c = hi; c < cols; ++c) srow[c * cs] = neg_inf<T>();
     }
 }
 
-// True if the tile needs apply_mask at all (causal tiles fully below the diagonal do not).
+// True if the tile of queries [i0, i1) and keys [j0, j1) needs apply_mask at all: with a mask
+// array, or when a key of the tile lies outside a row's interval (key_interval's ends never
+// decrease, so the first row has the smallest end and the last row the largest start).
 template <typename T>
-bool tile_needs_mask(const MaskSpec<T>& m, Index n_q, Index n_k, Index i0, Index j1) {
+bool tile_needs_mask(const MaskSpec<T>& m, Index n_q, Index n_k, Index i0, Index i1, Index j0,
+                     Index j1) {
     if (m.kind != MaskKind::none || m.key_padding.data) return true;
-    if (m.causal == Causal::none) return false;
-    return j1 - 1 > i0 + causal_offset(m, n_q, n_k);
+    return j1 > key_interval(m.options, n_q, n_k, i0).hi ||
+           j0 < key_interval(m.options, n_q, n_k, i1 - 1).lo;
+}
+
+// The keys [lo, hi) that some query of [i0, i1) (not empty) may see: the kernels skip the rest.
+template <typename T>
+Interval keys_seen(const MaskSpec<T>& m, Index n_q, Index n_k, Index i0, Index i1) {
+    return {key_interval(m.options, n_q, n_k, i0).lo, key_interval(m.options, n_q, n_k, i1 - 1).hi};
+}
+
+// The queries [lo, hi) that may see some key of [j0, j1) (empty if none): from key_interval by
+// bisection (its ends never decrease), so that a new option needs no inverse of its own.
+template <typename T>
+Interval queries_seeing(const MaskSpec<T>& m, Index n_q, Index n_k, Index j0, Index j1) {
+    const auto first = [n_q](auto pred) {  // the first query where pred turns true, or n_q
+        Index lo = 0, hi = n_q;
+        while (lo < hi) {
+            const Index mid = lo + (hi - lo) / 2;
+            if (pred(mid)) {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        return lo;
+    };
+    const Index lo = first([&](Index i) { return key_interval(m.options, n_q, n_k, i).hi > j0; });
+    const Index hi = first([&](Index i) { return key_interval(m.options, n_q, n_k, i).lo >= j1; });
+    return {lo, std::max(lo, hi)};
 }
 
 // Row maximum (vectorised; max is exact, so the order does not matter). If the row holds NaN

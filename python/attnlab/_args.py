@@ -121,7 +121,8 @@ def qkv(args: Mapping[str, Any], *, min_features: bool = False) -> Qkv:
 class CoreMask(NamedTuple):
     """The mask options as one argument of the kernel calls that mask (``core.sdpa_*``,
     ``mha_*``, ``bilinear_*``): ``MaskArgs`` in cpp/bindings/common.hpp, whose ``mask_args``
-    reads these fields in this order."""
+    reads these fields in this order: the arrays, then the scalar options in the order of
+    ``for_each_option`` (cpp/include/attnlab/common.hpp), as ints."""
 
     mask: np.ndarray | None
     key_padding_mask: np.ndarray | None
@@ -141,6 +142,17 @@ class Masks(NamedTuple):
         unchanged, so that a new mask option changes none of them."""
         return CoreMask(self.mask4, self.kp, self.causal)
 
+    def key_intervals(self, n_q: int, n_k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(lo, hi)``: query ``i`` may see keys ``lo[i] <= j < hi[i]`` under the scalar
+        options, the rule of the kernels' ``key_interval`` (cpp/include/attnlab/common.hpp),
+        for the warning about rows left without a key."""
+        align = np.arange(n_q) + (n_k - n_q if self.causal == 2 else 0)  # query i's key
+        lo, hi = np.zeros(n_q, np.int64), np.full(n_q, n_k, np.int64)
+        if self.causal:
+            hi = np.minimum(hi, align + 1)
+        lo = np.clip(lo, 0, n_k)
+        return lo, np.clip(hi, lo, n_k)
+
 
 def masks(
     args: Mapping[str, Any],
@@ -159,9 +171,12 @@ def masks(
     s = V.check_scale(args["scale"], default_scale)
     m4 = V.mask4(args["mask"], batch, h, n_q, n_k, dtype)
     kp = V.key_padding2(args.get("key_padding_mask"), batch, n_k)
+    m = Masks(code, s, m4, kp)
     if V.check_flag(args["warn_empty_rows"], "warn_empty_rows"):
-        V.warn_empty(*V.empty_rows(m4, kp, code, V.count(batch), h, n_q, n_k), V.ATTENTION_ROWS)
-    return Masks(code, s, m4, kp)
+        # only a mask array can leave a row empty that the scalar options do not
+        keys = m.key_intervals(n_q, n_k) if m4 is not None or kp is not None else None
+        V.warn_empty(*V.empty_rows(m4, kp, keys, V.count(batch), h, n_q, n_k), V.ATTENTION_ROWS)
+    return m
 
 
 def pooled_padding(args: Mapping[str, Any], batch: tuple[int, ...], n: int) -> np.ndarray | None:
@@ -169,7 +184,7 @@ def pooled_padding(args: Mapping[str, Any], batch: tuple[int, ...], n: int) -> n
     warning when it leaves a sequence with no real token (unless ``warn_empty_rows=False``)."""
     kp = V.key_padding2(args["key_padding_mask"], batch, n)
     if V.check_flag(args["warn_empty_rows"], "warn_empty_rows"):
-        V.warn_empty(*V.empty_rows(None, kp, 0, V.count(batch), 1, 1, n), V.POOLED_ROWS)
+        V.warn_empty(*V.empty_rows(None, kp, None, V.count(batch), 1, 1, n), V.POOLED_ROWS)
     return kp
 
 

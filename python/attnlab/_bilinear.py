@@ -553,8 +553,7 @@ def bilinear_attention(
 
 
 _BACKWARD_DOC = """\
-    query, key, value, w_qk, u_k, w_v, w_o, b_v, b_o, num_heads, num_kv_heads, mask,
-    key_padding_mask, causal, scale, warn_empty_rows
+    {forward_parameters}
         As for :func:`bilinear_attention`
         {mask_polarity}
         ``return_weights`` is accepted and ignored.

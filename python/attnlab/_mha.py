@@ -468,7 +468,7 @@ _SDPA_BACKWARD_INTRO = """\
 
 """
 _SDPA_BACKWARD_DOC = """\
-    q, k, v, mask, causal, scale, warn_empty_rows
+    {forward_parameters}
         As for :func:`scaled_dot_product_attention`
         {mask_polarity}
         ``return_weights`` is accepted for symmetry and ignored: gradients flow from the output
@@ -541,8 +541,7 @@ def _sdpa_grads(
 
 
 _MHA_BACKWARD_DOC = """\
-    query, key, value, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads, num_kv_heads, mask,
-    key_padding_mask, causal, scale, rope_theta, rope_dim, positions, warn_empty_rows
+    {forward_parameters}
         As for :func:`multi_head_attention`
         {mask_polarity}
         ``return_weights`` is accepted and ignored. Positions are not differentiated.

@@ -13,7 +13,7 @@ import inspect
 import linecache
 import os
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from . import _docs
@@ -34,6 +34,17 @@ def arguments(local_vars: Mapping[str, Any]) -> dict[str, Any]:
 def public_parameters(f: Callable[..., Any]) -> list[inspect.Parameter]:
     """``f``'s parameters but the private ones (``_keep``, ``_order``: attnlab's own)."""
     return [p for p in inspect.signature(f).parameters.values() if not p.name.startswith("_")]
+
+
+def name_list(
+    f: Callable[..., Any], *, but: Iterable[str] = (), params: list[inspect.Parameter] | None = None
+) -> str:
+    """The names of ``f``'s public parameters (or of ``params``) but those in ``but``, in
+    order, as a docstring lists them: ``a, b, c`` wrapped to lines of 88 characters. Generated,
+    so that a docstring naming the parameters of a forward takes a new one as it is added."""
+    skip = set(but)
+    names = [p.name for p in (public_parameters(f) if params is None else params)]
+    return "\n".join(textwrap.wrap(", ".join(n for n in names if n not in skip), 88))
 
 
 def generate(
@@ -100,7 +111,9 @@ def backward_of(
 
     Its docstring starts as every backward's does (what it differentiates, an optional
     ``intro`` paragraph, ``grad_out`` of shape ``output``), then ``doc``: the other
-    parameters, the returns, the examples, with :mod:`attnlab._docs`' fragments filled in."""
+    parameters, the returns, the examples, with :mod:`attnlab._docs`' fragments filled in and
+    ``{forward_parameters}`` standing for the list of the forward's parameters but
+    ``return_weights`` (which a backward accepts and ignores)."""
     head = (
         f"Gradients of :func:`{forward.__name__}` with respect to {wrt}.\n\n{intro}"
         f"    Parameters\n    ----------\n    grad_out : array_like, shape {output}\n"
@@ -111,7 +124,7 @@ def backward_of(
         forward.__module__,
         public_parameters(forward),
         "dict[str, np.ndarray]",
-        _docs.fill(head + doc),
+        _docs.fill(head + doc, {"forward_parameters": name_list(forward, but=("return_weights",))}),
         body,
         first="grad_out",
     )
@@ -135,7 +148,7 @@ def reference_of(
         if unknown:
             raise TypeError(f"reference_of({forward.__name__}): no parameters {sorted(unknown)}")
         params = [p for p in params if p.name in only]
-    names = "\n".join(textwrap.wrap(", ".join(p.name for p in params), 88))
+    names = name_list(forward, params=params)
     section = (
         f"Parameters\n----------\n{names}\n    As for :func:`attnlab.{forward.__name__}`, from "
         f"whose signature this function takes them."

@@ -582,11 +582,19 @@ def _zero_strides_to_one(a: np.ndarray) -> np.ndarray:
 
 
 def empty_rows(
-    m4: np.ndarray | None, kp: np.ndarray | None, causal: int, B: int, h: int, n_q: int, n_k: int
+    m4: np.ndarray | None,
+    kp: np.ndarray | None,
+    keys: tuple[np.ndarray, np.ndarray] | None,
+    B: int,
+    h: int,
+    n_q: int,
+    n_k: int,
 ) -> tuple[int, int]:
     """``(empty, total)``: the query rows of ``(B, h, n_q)`` that the boolean masks (``m4``
-    ``(B, h, n_q, n_k)``, when bool; ``kp`` ``(B, n_k)``), combined with ``causal``, leave
-    without a key, among the rows that ``causal`` alone leaves some key; ``total = B h n_q``.
+    ``(B, h, n_q, n_k)``, when bool; ``kp`` ``(B, n_k)``), combined with the scalar options,
+    leave without a key, among the rows that the scalar options alone leave some key;
+    ``total = B h n_q``. ``keys``: ``(lo, hi)``, query ``i`` may see keys ``lo[i] <= j < hi[i]``
+    under the scalar options (``_args.Masks.key_intervals``); ``None``: every key.
 
     Works on the masks' distinct data (broadcast axes are not expanded) and in blocks of query
     rows, so it needs no (n_q, n_k) temporary for the whole batch.
@@ -596,10 +604,10 @@ def empty_rows(
     total = B * h * n_q
     if (m is None and p is None) or n_q == 0 or n_k == 0:
         return 0, total
-    offset = {0: n_k, 1: 0, 2: n_k - n_q}[causal]  # query i sees keys j <= i + offset
-    lim = np.arange(n_q) + offset  # the last key each query row may see
-    live = lim >= 0  # rows causal alone leaves some key
-    same = (m is None or m.shape[2] == 1) and causal == 0  # every query row alike
+    lo, hi = keys if keys is not None else (np.zeros(n_q, np.int64), np.full(n_q, n_k))
+    live = lo < hi  # rows the scalar options alone leave some key
+    # every query row alike
+    same = (m is None or m.shape[2] == 1) and bool(np.all(lo == lo[0]) and np.all(hi == hi[0]))
     rows_ = 1 if same else n_q
     parts = [a for a in (m, p) if a is not None]
     lead = np.broadcast_shapes(*[a.shape[:2] for a in parts])
@@ -607,7 +615,8 @@ def empty_rows(
     empty = 0
     for r0 in range(0, rows_, step):
         r1 = min(rows_, r0 + step)
-        ok = np.arange(n_k) <= lim[r0:r1, None]  # (rows, n_k)
+        j = np.arange(n_k)
+        ok = (j >= lo[r0:r1, None]) & (j < hi[r0:r1, None])  # (rows, n_k)
         for a in parts:
             ok = ok & (a[:, :, r0:r1] if a.shape[2] > 1 else a)
         dead = ~ok.any(axis=-1) & live[r0:r1]

@@ -166,13 +166,16 @@ def _wrapper(
     returns: str = "Any",
     *,
     origin: str = "",
+    apart: tuple[str, ...] = (),
 ) -> Callable[..., Any]:
     """The torch version of ``forward``: its signature (tensors where it takes arrays), its
     validation, its kernels through :func:`_apply`.
 
     Its docstring opens as every wrapper's does (what it wraps, ``origin``: the model that
     introduced it, the Parameters heading), then ``doc``, with :mod:`attnlab._docs`' fragments
-    filled in."""
+    filled in and ``{constants}`` standing for the list of ``forward``'s parameters that are
+    neither tensors nor ``apart`` (those ``doc`` describes on their own): the options, as for
+    ``forward``, whatever options it gains."""
     params = _sig.public_parameters(forward)
     annotations = {
         p.name: "torch.Tensor | None" if p.default is None else "torch.Tensor"
@@ -189,22 +192,23 @@ def _wrapper(
         __name__,
         params,
         returns,
-        _docs.fill(head + doc),
+        _docs.fill(head + doc, {"constants": _sig.name_list(forward, but=tensor_names + apart)}),
         lambda args: _apply(forward, tensor_names, args),
         annotations=annotations,
     )
 
 
 # The wrappers take their NumPy function's signature (a new keyword argument of a family
-# reaches them with no edit here); the tuples name the tensor arguments, in checking order; each
-# doc starts at the first parameter (_wrapper writes the opening).
+# reaches them, and the lists {constants} of their docs, with no edit here); the tuples name the
+# tensor arguments, in checking order; each doc starts at the first parameter (_wrapper writes
+# the opening).
 
 _SDPA_DOC = """\
     q : torch.Tensor, shape (..., h, n_q, d)
     k : torch.Tensor, shape (..., h_kv, n_k, d)
     v : torch.Tensor, shape (..., h_kv, n_k, d_v)
         float32 or float64, on the CPU.
-    mask, causal, scale, return_weights, warn_empty_rows
+    {constants}
         As for :func:`attnlab.scaled_dot_product_attention` (``True`` in a boolean mask means
         *may attend*, as in ``F.scaled_dot_product_attention``, the opposite of
         ``nn.MultiheadAttention``'s masks: see :func:`attnlab.interop.torch_masks`); a mask may
@@ -236,8 +240,7 @@ _MULTI_HEAD_DOC = """\
     w_q, w_k, w_v, w_o : torch.Tensor
         ``(in, out)`` weights: ``nn.Linear.weight.T``.
     b_q, b_k, b_v, b_o : torch.Tensor, optional
-    num_heads, num_kv_heads, mask, key_padding_mask, causal, scale, return_weights,
-    warn_empty_rows
+    {constants}
         As for :func:`attnlab.multi_head_attention` (``True`` in a boolean mask means *may
         attend*; :func:`attnlab.interop.torch_masks` converts ``nn.MultiheadAttention``'s).
         The backward does not warn again.
@@ -259,6 +262,7 @@ multi_head_attention = _wrapper(
     _mha.multi_head_attention,
     ("query", "key", "value", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"),
     _MULTI_HEAD_DOC,
+    apart=("rope_theta", "rope_dim", "positions"),
 )
 
 _BILINEAR_DOC = """\
@@ -269,8 +273,7 @@ _BILINEAR_DOC = """\
         A :class:`attnlab.BilinearQK` (NumPy arrays) is a constant: no gradient flows to it.
     u_k : torch.Tensor, shape (h, d_k), optional
     w_v, w_o, b_v, b_o : torch.Tensor
-    num_heads, num_kv_heads, mask, key_padding_mask, causal, scale, return_weights,
-    warn_empty_rows
+    {constants}
         As for :func:`attnlab.bilinear_attention` (``True`` in a boolean mask means *may
         attend*; :func:`attnlab.interop.torch_masks` converts ``nn.MultiheadAttention``'s).
 

@@ -8,6 +8,7 @@
 // time. The plain structs here are shared with the bindings (compiled once); what touches Eigen
 // or is only used by the kernels lives in the per-ISA namespace, in kernel builds only.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -58,9 +59,25 @@ struct TokenMask {
     bool real(Index b, Index j) const { return !data || data[b * sb + j * sk] != 0; }
 };
 
+// The scalar mask options. Each lets query i see only an interval of keys, key_interval
+// below; a new one is a field here, its entry in for_each_option and its rule in key_interval:
+// this header alone (the bindings read the fields through for_each_option, the kernels skip
+// and mask by key_interval; docs/architecture.md §4).
+struct MaskOptions {
+    Causal causal = Causal::none;
+};
+
+// f(name, field, min, max) for each field of o, in the order of Python's mask tuple after its
+// arrays (attnlab._args.CoreMask): the name errors give, the values the kernels accept. Used by
+// the bindings alone (their conversion of the tuple, mask_args).
+template <typename F>
+void for_each_option(MaskOptions& o, F&& f) {
+    f("causal", o.causal, 0, 2);
+}
+
 // Which (query, key) pairs may attend, and what is added to their scaled scores: the one
-// struct that carries every mask option from the bindings to the kernels (a new option is a
-// field here, read in apply_mask / tile_needs_mask, cpp/src/softmax.hpp).
+// struct that carries every mask option from the bindings to the kernels (the arrays read in
+// apply_mask, cpp/src/softmax.hpp; the scalar options through key_interval).
 // mask element (b, h, i, j) at mask[b*sb + h*sh + i*sq + j*sk]. Booleans are bytes, nonzero
 // meaning "may attend".
 template <typename T>
@@ -70,7 +87,28 @@ struct MaskSpec {
     const T* additive = nullptr;
     Index sb = 0, sh = 0, sq = 0, sk = 0;
     TokenMask key_padding;
-    Causal causal = Causal::none;
+    MaskOptions options;
 };
+
+#if defined(ATTNLAB_KERNEL_BUILD)
+namespace ATTNLAB_ISA_NS {
+// A run [lo, hi) of keys or queries.
+struct Interval {
+    Index lo = 0, hi = 0;
+};
+
+// The keys [lo, hi) (0 <= lo <= hi <= n_k) that query i of n_q may see under the scalar mask
+// options: their meaning, in one place. Both ends never decrease as i grows; the tile ranges
+// and tile_needs_mask (cpp/src/softmax.hpp) rely on that.
+inline Interval key_interval(const MaskOptions& o, Index n_q, Index n_k, Index i) {
+    // query i is aligned with key i + align (the last query with the last key for bottom_right)
+    const Index align = i + (o.causal == Causal::bottom_right ? n_k - n_q : 0);
+    Index lo = 0, hi = n_k;
+    if (o.causal != Causal::none) hi = std::min(hi, align + 1);  // no key after the aligned one
+    lo = std::clamp<Index>(lo, 0, n_k);
+    return {lo, std::clamp<Index>(hi, lo, n_k)};
+}
+}  // namespace ATTNLAB_ISA_NS
+#endif
 
 }  // namespace attnlab
