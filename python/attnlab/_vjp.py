@@ -102,10 +102,8 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
     if f not in KEPT:
         names = ", ".join(f"attnlab.{g.__name__}" for g in KEPT)
         raise TypeError(f"f: expected one of {names}, got {f!r}")
-    rotary = (
-        f is _mha.multi_head_attention
-        and inspect.signature(f).bind(*args, **kwargs).arguments.get("rope_theta") is not None
-    )
+    # rope_theta is keyword-only: no signature binding (inspect.signature took 0.15 ms a step)
+    rotary = f is _mha.multi_head_attention and kwargs.get("rope_theta") is not None
     if rotary:  # the rotary path keeps no state yet
         return _recomputing(f, args, kwargs)
     keep: dict[str, Any] = {}
