@@ -49,8 +49,8 @@ inline Index tile_rows(Index n, Index size, Index count, Index t) {
 // -inf) has weight exactly 0 and its value row is not read, so NaN or Inf there reaches no
 // output of that query; every other key contributes weight x value (0 x NaN = NaN included).
 // The products below would compute 0 x NaN for masked keys, so value rows holding NaN or Inf
-// (found once per call by nonfinite_rows; rare) are taken out of the product and added back
-// for the queries that may see them.
+// (found once per call by nonfinite_rows, or per key block by value_flags; rare) are taken out
+// of the product and added back for the queries that may see them.
 
 // True where a value row holds NaN or Inf, on the bits: a row's largest magnitude pattern is
 // that of infinity or above exactly when it holds Inf or NaN, and an integer max vectorises.
