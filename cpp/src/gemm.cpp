@@ -51,9 +51,9 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                     detail::panel_kernel<T, MR, NP, Acc, true>(
                         kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y, ldy, bp, W);
                     // ... while the B block packed next (this panel's next depth chunk, else
-                    // the next panel's first) is fetched, a share after each slice of rows:
-                    // the packing kernel then finds it in cache instead of waiting for memory
-                    // (its loads were 15% of a BERT-base forward at one thread in perf)
+                    // the next panel's first) is fetched, a share after each slice of rows, so
+                    // that the packing kernel waits less for memory (128 x 768 x 768 with the
+                    // weights not in cache: 1.57 -> 1.52 ms at one thread; no change when warm)
                     const bool more_depth = k0 + kc < depth;
                     const T* next = more_depth   ? b + (k0 + kc) * ldb + j0
                                     : next_panel ? b + j0 + W
