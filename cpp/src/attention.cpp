@@ -27,8 +27,9 @@ constexpr Index kTileQ = 96;
 constexpr Index kTileK = 128;
 constexpr Index kDepth = 256;  // head-width chunk of the score product
 // Up to this many query tiles per head, each flash tile scans its key blocks' value rows for
-// NaN/Inf itself (from cache, just before its product reads them), costing about 1/mp of the
-// value product per tile; beyond, one scan of V for the call is cheaper.
+// NaN/Inf itself (from cache, just before its product reads them): by operation count about
+// 1/mp of the value product per tile, so a call's single scan of V costs less once a head has
+// many tiles. 8 is chosen by that count, not measured.
 constexpr Index kScanInTilesMax = 8;
 
 // Tiles of `size` over n rows, a last one shorter than size / 4 joining the one before (n = 197

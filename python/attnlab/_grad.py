@@ -90,7 +90,7 @@ def grad_buffers(
     arrays: dict[str, np.ndarray | None], dtype: np.dtype, zeroed: bool = True
 ) -> dict[str, np.ndarray]:
     """Gradient buffers for the arrays given (``None``: an omitted bias, no entry); zeroed
-    unless ``zeroed`` is False (for a kernel that writes every element: filling them first was
-    0.37 ms of a 39 ms ViT-S training step, on one thread while the other waited)."""
+    unless ``zeroed`` is False (for a kernel that writes every element: filling them first took
+    0.37 ms a ViT-S training step, 0.25 the weights' and 0.11 the inputs', on one thread)."""
     new = V.zeros if zeroed else V.empty
     return {name: new(a.shape, dtype) for name, a in arrays.items() if a is not None}
