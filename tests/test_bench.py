@@ -1,6 +1,8 @@
 """The benchmark's table never misleads: shares are of the measured FMA peak (whose sgemm check
 is printed beside it), no share above 100% is printed, noisy timings are flagged, and a peer
-runtime whose output differs from attnlab's is reported, not timed."""
+runtime whose output differs from attnlab's is reported, not timed. The default output speaks to
+a user (a header, one table per family, one closing line, on one screen for --quick); the noise
+flags, the GEMM rows and the targets are --verbose."""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ import numpy as np
 import pytest
 
 import attnlab
-from attnlab._bench import peers, peers_worker, runner
-from attnlab._bench.common import Row, Timing, interleaved
+from attnlab._bench import peers, peers_worker, report, runner
+from attnlab._bench.common import Row, Timing, interleaved, target
 from attnlab._loader import core
 
 
@@ -95,18 +97,25 @@ def test_peak_header_prints_the_sgemm_check():
     assert "could not be timed" in runner.format_table(_result([], 100.0))
 
 
-def test_quick_gemm_bench_end_to_end():
-    """``python -m attnlab bench --quick --only gemm`` runs and prints no share above 100%."""
+def test_quick_gemm_bench_end_to_end(tmp_path):
+    """``python -m attnlab bench --quick --only gemm --verbose`` runs, prints no share above
+    100%, and carries the diagnostics: the sgemm check and the targets. ``--plot`` refuses
+    aloud when nothing was timed at two n."""
+    png = tmp_path / "gemm.png"
     res = subprocess.run(
-        [sys.executable, "-m", "attnlab", "bench", "--quick", "--only", "gemm"],
+        [sys.executable, "-m", "attnlab", "bench", "--quick", "--only", "gemm", "--verbose"]
+        + ["--plot", str(png)],
         check=False,
         capture_output=True,
         text=True,
         env=_env(),
         timeout=300,
     )
-    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.returncode == 1 and "not written" in res.stderr and not png.exists(), res.stderr
     assert "FMA peak" in res.stdout and "OpenBLAS sgemm" in res.stdout
+    assert "Every row (--verbose)" in res.stdout and "Targets, this run:" in res.stdout
+    assert "projection GEMM" in res.stdout, res.stdout
+    assert res.stdout.rstrip().endswith(report.NEXT)
     assert all(s <= 100 for s in _shares(res.stdout)), res.stdout
 
 
@@ -222,6 +231,7 @@ def test_cli_refuses_bad_peer_options():
         (["--peers", "--runtime", "tf"], "runtimes"),
         (["--train"], "--peers"),
         (["--peers", "--train", "--case", "tiny-train"], "--case alone"),
+        (["--peers", "--verbose"], "--verbose"),
     ):
         res = subprocess.run(
             [sys.executable, "-m", "attnlab", "bench", *args],
@@ -365,3 +375,124 @@ def test_peers_worker_one_shot_training_output(tmp_path):
         names = set(got.files)
         assert got["x"].shape == (1, 16, 32) and got["w_q"].shape == (32, 32)
     assert names == {"out", "x"} | {f"{p}_{z}" for p in "wb" for z in "qkvo"}
+
+
+# --- the default output (issue 34) -------------------------------------------------------------
+
+# what `bench --json` wrote before the default output changed: the new JSON keeps all of it
+JSON_KEYS = {"date", "cpu", "threads", "isa", "peak", "peak_gflops", "sgemm", "rows", "targets"}
+ROW_KEYS = {"family", "case", "shape", "impl", "ms", "flops", "baseline", "extra"}
+ROW_KEYS |= {"gflops", "spread"}
+# the bookkeeping kept behind --verbose / --targets
+VERBOSE_WORDS = ("NOISY", "MISS", "met ", "Targets", "ABOVE PEAK", "flagged", "sgemm")
+TITLES = [report.TITLES[f] for f in ("mha", "bilinear", "additive", "backward")]
+
+
+def _every_family(noisy: bool) -> dict:
+    """A result with rows of every family, one noisy row when ``noisy``, and a missed target."""
+    spread = 3.0 if noisy else 1.1
+    e = {"error": 2e-7}
+    rows = [
+        Row("gemm", "proj ViT-B fp32", "1576x768", "attnlab", Timing(10.0), 1.8e9),
+        Row("mha", "ViT-S fwd fp32", "B=8 n=197", "attnlab", Timing(10.0, spread), 1e9, None, e),
+        Row("mha", "ViT-S fwd fp32", "B=8 n=197", "reference", Timing(80.0), 1e9, "attnlab"),
+        Row("mha", "ViT-S fwd fp32", "B=8 n=197", "torch", Timing(12.0), 1e9, "attnlab", e),
+        Row("bilinear", "QK", "B=4 n=64", "separate", Timing(1.0), 1e7, None, e),
+        Row("bilinear", "QK", "B=4 n=64", "collapsed", Timing(0.9), 1e7, "separate", e),
+        Row("additive", "SwiftFormer fwd fp32", "B=8 n=196", "attnlab", Timing(5.0), 1e8),
+        Row("additive", "SwiftFormer fwd fp32", "B=8 n=196", "torch", Timing(9.0), 1e8),
+        Row("additive", "SwiftFormer fwd fp32", "B=8 n=784", "attnlab", Timing(20.0), 4e8),
+        Row("additive", "SwiftFormer fwd fp32", "B=8 n=784", "torch", Timing(36.0), 4e8),
+        Row("backward", "ViT-S step fp32", "B=8 n=197", "attnlab step", Timing(30.0), 3e9),
+        Row("backward", "ViT-S step fp32", "B=8 n=197", "attnlab pullback", Timing(20.0), 2e9),
+        Row("backward", "ViT-S step fp32", "B=8 n=197", "torch step", Timing(33.0), 3e9),
+    ]
+    rows[1].extra["n"] = 197
+    rows[8].extra["slope"] = 1.01
+    result = _result(rows, 200.0, sgemm=150.0)
+    result["targets"] = [target("projection GEMM", 0.5, ">= 0.75", False)]
+    return result
+
+
+def test_default_report_leads_with_the_tables():
+    """Default: the header, one table per family (not the GEMM rows), the legend, and the
+    closing line last; no noise flag, target or sgemm check. A busy machine gets one sentence."""
+    for noisy in (False, True):
+        out = report.format_report(_every_family(noisy))
+        lines = out.splitlines()
+        assert lines[0].startswith("attnlab bench") and "float32" in lines[0], out
+        assert "instruction set in use: avx2" in lines[1] and "FMA peak 200.0 GFLOP/s" in lines[1]
+        assert all(out.count(t) == 1 for t in TITLES), out
+        assert lines[-1] == report.NEXT and "1576x768" not in out, out
+        assert not any(w in out for w in VERBOSE_WORDS), out
+        assert ("CPU was busy" in out) is noisy, out
+        vit = next(x for x in lines if x.lstrip().startswith("ViT-S ") and "n=197" in x)
+        assert "2.0e-07" in vit and "1.20x" in vit and "8.00x" in vit, vit  # torch, NumPy
+        assert "Time grows as n^1.01 (SwiftFormer)." in out
+
+
+def test_default_report_leaves_out_a_missing_comparison():
+    """Without torch rows the torch columns are left out, not filled with dashes."""
+    result = _every_family(False)
+    result["rows"] = [r for r in result["rows"] if not r.impl.startswith("torch")]
+    out = report.format_report(result)
+    assert "torch ms" not in out and "NumPy ms" in out, out
+
+
+def test_verbose_and_targets_carry_the_bookkeeping():
+    """--verbose prints everything the full table prints (noise flags, GEMM rows, targets) after
+    the default report; --targets adds the targets alone."""
+    result = _every_family(True)
+    verbose = report.format_report(result, verbose=True)
+    assert report.format_report(result).rsplit("\n", 1)[0] in verbose
+    assert runner.format_table(result) in verbose
+    assert "NOISY" in verbose and "MISS  projection GEMM" in verbose
+    assert verbose.splitlines()[-1] == report.NEXT
+    targets = report.format_report(result, targets=True)
+    assert "Targets, this run:" in targets and "MISS  projection GEMM" in targets
+    assert "NOISY" not in targets and targets.splitlines()[-1] == report.NEXT
+
+
+def test_json_round_trip():
+    result = _every_family(True)
+    back = runner.from_json(runner.to_json(result))
+    assert back["rows"] == result["rows"]
+    assert [r.ms.spread for r in back["rows"]] == [r.ms.spread for r in result["rows"]]
+
+
+def test_bench_quick_default_output(tmp_path):
+    """``python -m attnlab bench --quick`` fits on one screen: the header, one table per family
+    and the closing line, without the bookkeeping's vocabulary (on a busy machine too). Its JSON
+    keeps every key it had and adds the errors, which show attnlab exact to float32 rounding;
+    ``--plot`` writes a PNG."""
+    js, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    res = subprocess.run(
+        [sys.executable, "-m", "attnlab", "bench", "--quick", "--json", str(js)]
+        + ["--plot", str(png)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    lines = out.rstrip().splitlines()
+    assert len(lines) <= 40, out
+    assert lines[0].startswith("attnlab ") and "FMA peak" in lines[1], out
+    assert all(out.count(t) == 1 for t in TITLES), out
+    assert lines[-1] == report.NEXT, out
+    assert not any(w in out for w in VERBOSE_WORDS), out
+    assert all(s <= 100 for s in _shares(out)), out
+    data = json.loads(js.read_text())
+    assert set(data) >= JSON_KEYS and data["quick"] is True, sorted(data)
+    assert all(set(r) >= ROW_KEYS for r in data["rows"])
+    errors = {
+        (r["family"], r["impl"]): r["extra"]["error"]
+        for r in data["rows"]
+        if r["impl"] in ("attnlab", "collapsed", "attnlab step") and "error" in r["extra"]
+    }
+    fams = {f for f, _ in errors}
+    assert {"mha", "bilinear", "additive", "separable"} <= fams, errors
+    assert all(e < 1e-4 for e in errors.values()), errors
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

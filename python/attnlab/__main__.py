@@ -1,4 +1,5 @@
-"""Command line: ``python -m attnlab bench [--quick] [--json PATH] [--plot PATH]``,
+"""Command line: ``python -m attnlab bench [--quick] [--verbose] [--targets] [--json PATH]
+[--plot PATH]``,
 ``python -m attnlab bench --peers [--train] [--case NAME] [--runtime NAME]`` and
 ``python -m attnlab info``."""
 
@@ -17,7 +18,22 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="time every family against the reference and PyTorch")
     b.add_argument("--quick", action="store_true", help="small sizes, finishes in about a minute")
     b.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    b.add_argument("--plot", metavar="PATH", help="also plot time against n (PNG)")
+    b.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="also plot time against n (PNG): log-log, one panel per family, with the slopes",
+    )
+    b.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print every row: each implementation, the timing noise, the GEMM rows, the "
+        "FMA peak's check and the project's performance targets",
+    )
+    b.add_argument(
+        "--targets",
+        action="store_true",
+        help="also print the project's performance targets, checked on this run",
+    )
     b.add_argument(
         "--only",
         metavar="FAMILY",
@@ -63,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.train and args.case:
         parser.error("--train chooses the training cases: name them with --case alone")
     if args.peers:
-        if args.only or args.plot:
-            parser.error("--only and --plot do not go with --peers")
+        if args.only or args.plot or args.verbose or args.targets:
+            parser.error(
+                "--only, --plot, --verbose and --targets do not go with --peers (its table "
+                "shows every row and target)"
+            )
         from ._bench.peers import format_peers, run_peers
         from ._bench.peers_worker import RUNTIMES
         from ._bench.runner import to_json as peers_json
@@ -83,16 +102,21 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 f.write(peers_json(peers))
         return 0
-    from ._bench.runner import FAMILIES, format_table, plot, run_all, to_json
+    from ._bench.report import format_report
+    from ._bench.runner import FAMILIES, plot, run_all, to_json
 
     fams = tuple(args.only) if args.only else FAMILIES
     result = run_all(args.quick, fams)
-    print(format_table(result))
+    print(format_report(result, verbose=args.verbose, targets=args.targets))
     if args.json:
         with open(args.json, "w") as f:
             f.write(to_json(result))
-    if args.plot:
-        plot(result, args.plot)
+    if args.plot and not plot(result, args.plot):
+        print(
+            f"--plot: {args.plot} not written: no family of this run was timed at two n or more",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -5,7 +5,8 @@ The rows of the largest n carry ``extra["slope"]``: the least-squares slope of l
 log(n) over the n >= 784 points (where fixed per-call costs no longer dominate; all points with
 --quick, which times n = 196, 784, 1568), i.e. the growth
 exponent of time in n: about 1 for these two, about 2 for multi-head attention (timed alongside,
-at B = 1, for contrast).
+at B = 1, for contrast). The rows of attnlab and torch carry ``extra["error"]``: the output's
+normwise difference from the float64 reference's, at every n.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import additive_attention, multi_head_attention, reference, separable_attention
-from .common import Row, interleaved, try_torch
+from .common import Row, interleaved, output_errors, try_torch
 
 __all__ = ["run", "additive_flops", "separable_flops", "growth_exponent"]
 
@@ -160,12 +161,21 @@ def _sweep(
     shape_at: Callable[[int], str],
     repeat: int,
     min_n: int,
+    ref_at: Callable[[int], Any] | None = None,
 ) -> list[Row]:
+    """The rows of one case timed at every n in ``ns`` (``fns_at(n)``: the implementations),
+    the largest n's rows with the slope of time in n; with ``ref_at`` (the float64 reference's
+    output at n), the error of every implementation but the reference."""
     rows: list[Row] = []
     series: dict[str, tuple[list[int], list[float]]] = {}
     for n in ns:
         fns = fns_at(n)
         times = interleaved(fns, repeat=repeat, warmup=1, max_time=20.0)
+        errors = (
+            {}
+            if ref_at is None
+            else output_errors({k: f for k, f in fns.items() if k != "reference"}, ref_at(n))
+        )
         for impl, ms in times.items():
             series.setdefault(impl, ([], []))
             series[impl][0].append(n)
@@ -179,7 +189,7 @@ def _sweep(
                     ms=ms,
                     flops=flops_at(n),
                     baseline=None if impl == "attnlab" else "attnlab",
-                    extra={"n": n},
+                    extra={"n": n} | ({"error": errors[impl]} if impl in errors else {}),
                 )
             )
     for impl, (ns_i, ms_i) in series.items():
@@ -236,6 +246,7 @@ def run(quick: bool, threads: int) -> list[Row]:
         lambda n: f"B={B} n={n} d={D}",
         repeat,
         min_n,
+        lambda n: reference.additive_attention(xs[n], **wa),
     )
     rows += _sweep(
         "separable",
@@ -246,6 +257,7 @@ def run(quick: bool, threads: int) -> list[Row]:
         lambda n: f"B={B} n={n} d={D}",
         repeat,
         min_n,
+        lambda n: reference.separable_attention(xs[n], **ws),
     )
 
     # The quadratic contrast: attnlab's own multi-head attention over the same n.

@@ -1,6 +1,10 @@
 """Training-step timings: attnlab's ``vjp`` + pullback (one forward, then the gradients of the
 input and every weight from what the forward kept) against torch autograd over F.linear + SDPA
-(forward + backward), with the pullback alone and the recomputing ``*_backward`` beside them."""
+(forward + backward), with the pullback alone and the recomputing ``*_backward`` beside them.
+
+The step rows carry ``extra["error"]``, the worst normwise difference over the output and every
+gradient (:func:`~attnlab._bench.common.gradient_error`) from torch autograd in float64 on the
+same layer: measured when torch is installed and the float64 scores fit in ``REFERENCE_MIB``."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .. import multi_head_attention, multi_head_attention_backward, vjp
-from .common import Row, interleaved, target, try_torch
+from .common import Row, gradient_error, interleaved, reference_fits, target, try_torch
 from .mha import _torch_params, _torch_sdpa_mha, _weights, mha_flops
 
 __all__ = ["FORWARDS", "run", "training_targets"]
@@ -109,6 +113,30 @@ def training_targets(
     return out
 
 
+def _step_errors(
+    torch: Any,
+    fns: dict[str, Any],
+    w: dict[str, np.ndarray],
+    x: np.ndarray,
+    g: np.ndarray,
+    h: int,
+    causal: bool,
+) -> dict[str, float]:
+    """The error of each training step ("attnlab step", "torch step") against torch autograd in
+    float64 on the same layer and inputs; empty without torch or when its float64 scores (all
+    heads at once) would not fit."""
+    B, n = x.shape[:2]
+    if torch is None or not reference_fits(B * h * n * n):
+        return {}
+    f64 = {k: v.astype(np.float64) for k, v in w.items()}
+    step64 = _torch_step(torch, f64, x.astype(np.float64), g.astype(np.float64), h, causal)
+    ref = {k: v.astype(np.float64) for k, v in torch_grads(step64()).items()}
+    out = {"attnlab step": gradient_error(attnlab_grads(fns["attnlab step"]()), ref)[0]}
+    if "torch step" in fns:
+        out["torch step"] = gradient_error(torch_grads(fns["torch step"]()), ref)[0]
+    return out
+
+
 def run(quick: bool, threads: int) -> list[Row]:
     torch = try_torch(threads)
     rows: list[Row] = []
@@ -123,6 +151,7 @@ def run(quick: bool, threads: int) -> list[Row]:
             fns["torch step"] = _torch_step(torch, w, x, g, h, causal)
         long = n > 1000
         times = interleaved(fns, repeat=3 if long or quick else 11)
+        errors = _step_errors(torch, fns, w, x, g, h, causal)
         fwd = mha_flops(B, n, n, d, h, d // h, causal)
         shape = f"B={B} n={n} d={d} h={h}" + (" causal" if causal else "")
         for impl, ms in times.items():
@@ -131,6 +160,8 @@ def run(quick: bool, threads: int) -> list[Row]:
                 extra["pullback/fwd"] = ms / times["attnlab fwd"]
             if impl == "attnlab bwd (recompute)":
                 extra["bwd/fwd"] = ms / times["attnlab fwd"]
+            if impl in errors:
+                extra["error"] = errors[impl]
             rows.append(
                 Row(
                     "backward",

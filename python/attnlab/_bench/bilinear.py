@@ -6,7 +6,8 @@ order the cost model picks, and the collapsed form forced to each order. Row.ext
 the whole layer) against the measured time ratio, whether the plan's choice ran within 10% of
 the faster form measured, and the same for the kernel's evaluation order. A grid point that
 misses either check is timed once more, twice as long (``retimed``): near a crossover the two
-forms differ by less than the noise of a shared machine.
+forms differ by less than the noise of a shared machine. Every row's ``extra["error"]`` is its
+output's normwise difference from the float64 reference layer with separate weights.
 """
 
 from __future__ import annotations
@@ -15,9 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from .. import attention_cost, bilinear_attention, collapse_qk, multi_head_attention, plan_qk
+from .. import (
+    attention_cost,
+    bilinear_attention,
+    collapse_qk,
+    multi_head_attention,
+    plan_qk,
+    reference,
+)
 from ..cost import collapsed_order
-from .common import Row, interleaved
+from .common import Row, interleaved, output_errors
 
 __all__ = ["run", "grid", "layer_macs"]
 
@@ -114,6 +122,10 @@ def run(quick: bool, threads: int) -> list[Row]:  # noqa: ARG001 (threads set by
             if times[plan] <= 1.10 * best and times["collapsed"] <= 1.10 * best_order:
                 break
             retimed = True  # a miss on a shared machine: measure once more, twice as long
+        # every form against the float64 layer with separate weights: the collapse's rounding
+        # is part of the collapsed forms' error
+        errors = output_errors(fns, reference.multi_head_attention(x, y, **w, num_heads=h))
+        errors["collapsed"] = errors[f"coll-{order}"]
         macs = {f: layer_macs(f, B, n, nk, d, h, dh) for f in ("separate", "collapsed")}
         faster = "collapsed" if times["collapsed"] < times["separate"] else "separate"
         extra = {
@@ -144,7 +156,7 @@ def run(quick: bool, threads: int) -> list[Row]:  # noqa: ARG001 (threads set by
                     ms,
                     2.0 * f,
                     baseline=None if impl == "separate" else "separate",
-                    extra=(extra if impl == "collapsed" else {}) | {"n": n},
+                    extra=(extra if impl == "collapsed" else {}) | {"n": n, "error": errors[impl]},
                 )
             )
     return rows

@@ -14,7 +14,21 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["APART", "NOISY", "Row", "Timing", "interleaved", "target", "try_torch"]
+__all__ = [
+    "APART",
+    "NOISY",
+    "REFERENCE_MIB",
+    "Row",
+    "Timing",
+    "as_numpy",
+    "gradient_error",
+    "interleaved",
+    "output_errors",
+    "reference_fits",
+    "relative_error",
+    "target",
+    "try_torch",
+]
 
 NOISY = 1.5  # a timing whose slowest run took this many times its fastest is flagged
 
@@ -121,3 +135,54 @@ def try_torch(threads: int) -> Any:
         return None
     torch.set_num_threads(threads)
     return torch
+
+
+def relative_error(out: np.ndarray, ref: np.ndarray, floor: float = 1e-300) -> float:
+    """Normwise relative difference ``||out - ref|| / max(||ref||, floor)`` in float64 (inf when
+    the shapes differ or the output is not finite)."""
+    if out.shape != ref.shape:
+        return float("inf")
+    o, r = out.astype(np.float64), ref.astype(np.float64)
+    err = float(np.linalg.norm(o - r) / max(float(np.linalg.norm(r)), floor))
+    return err if np.isfinite(err) else float("inf")
+
+
+def gradient_error(got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> tuple[float, str]:
+    """The worst normwise difference over the arrays of a training step (the output and every
+    gradient), and its name. Each array is measured against its own norm, or against 1e-3 of the
+    norm of all of ``ref`` when that is larger: the key bias's gradient is zero in exact
+    arithmetic (a shift shared by every key leaves the softmax unchanged), so its rounding noise
+    has no norm of its own to be relative to. inf when a name is missing."""
+    if set(got) != set(ref):
+        missing = sorted(set(got) ^ set(ref))
+        return float("inf"), ", ".join(missing)
+    floor = 1e-3 * float(np.sqrt(sum(np.sum(r.astype(np.float64) ** 2) for r in ref.values())))
+    worst, name = 0.0, ""
+    for k, r in ref.items():
+        err = relative_error(got[k], r, floor)
+        if not err <= worst:  # NaN and inf too
+            worst, name = err, k
+    return worst, name
+
+
+# The float64 references hold whole score matrices (n_q x n_k, 8 bytes each): an output's error
+# is measured only where they take at most this many MiB.
+REFERENCE_MIB = 256
+
+
+def reference_fits(*score_matrices: int) -> bool:
+    """Whether score matrices of these element counts, in float64, fit in ``REFERENCE_MIB``."""
+    return 8 * sum(score_matrices) <= REFERENCE_MIB * 2**20
+
+
+def as_numpy(out: Any) -> np.ndarray:
+    """An implementation's output as a NumPy array (torch tensors included)."""
+    if hasattr(out, "detach"):
+        out = out.detach().numpy()
+    return np.asarray(out)
+
+
+def output_errors(fns: dict[str, Callable[[], Any]], ref: np.ndarray) -> dict[str, float]:
+    """:func:`relative_error` of each implementation's output (one untimed call) against the
+    float64 reference's output ``ref``."""
+    return {k: relative_error(as_numpy(f()), ref) for k, f in fns.items()}

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from .. import multi_head_attention, reference
-from .common import Row, Timing, interleaved, try_torch
+from .common import Row, Timing, interleaved, output_errors, reference_fits, try_torch
 
 __all__ = ["run", "mha_flops", "peak_extra_mib"]
 
@@ -148,6 +148,8 @@ def run(quick: bool, threads: int) -> list[Row]:
                     return m(xt, xt, xt, need_weights=False)[0]
 
             fns["torch"] = tf
+        ref = fns["reference"]()
+        errors = output_errors({k: f for k, f in fns.items() if k != "reference"}, ref)
         if calls > 1:
             fns = {
                 k: (lambda f=f, calls=calls: [f() for _ in range(calls)]) for k, f in fns.items()
@@ -165,6 +167,7 @@ def run(quick: bool, threads: int) -> list[Row]:
                     Timing(ms / calls, ms.spread),
                     flops,
                     baseline=None if impl == "attnlab" else "attnlab",
+                    extra={"error": errors[impl]} if impl in errors else {},
                 )
             )
     # long sequence: flash tiling keeps memory O(n d); the reference would need n^2 scores.
@@ -195,12 +198,18 @@ def _long_case(
 
         fns["torch-sdpa"] = tf2
     times = interleaved(fns, repeat=3 if quick else 5)
+    errors: dict[str, float] = {}
+    if reference_fits(n_long * n_long):  # the reference holds one head's scores at a time
+        ref = reference.multi_head_attention(x, num_heads=h, causal=causal, **w)
+        errors = output_errors(fns, ref)
     flops = mha_flops(B, n_long, n_long, d, h, d // h, causal)
     shape = f"B=1 n={n_long} d=512 h=8"
     label = "long causal fwd fp32" if causal else "long fwd fp32"
     rows = []
     for impl, ms in times.items():
         extra: dict[str, Any] = {"n": n_long}
+        if impl in errors:
+            extra["error"] = errors[impl]
         if impl == "attnlab" and memory and not quick:  # a fresh interpreter: full runs only
             extra["peak_extra_mib"] = fresh_peak_extra_mib(n_long, causal)
         rows.append(

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import build_info, get_num_threads
 from .backward import FORWARDS, training_targets
-from .common import Row, Timing
+from .common import Row, Timing, gradient_error, relative_error
 from .peak import fma_peak, sgemm_gflops, worker_env
 from .peers_worker import CASES, RUNTIMES
 
@@ -52,34 +52,6 @@ TRAIN_CASES = ("vit-s-train", "long-causal-train")
 # normwise relative difference from attnlab's output above which a peer's graph is wrong: float32
 # runtimes that compute the same function agree to about 1e-6
 TOLERANCE = 1e-3
-
-
-def relative_error(out: np.ndarray, ref: np.ndarray, floor: float = 1e-300) -> float:
-    """Normwise relative difference ``||out - ref|| / max(||ref||, floor)`` in float64 (inf when
-    the shapes differ or the output is not finite)."""
-    if out.shape != ref.shape:
-        return float("inf")
-    o, r = out.astype(np.float64), ref.astype(np.float64)
-    err = float(np.linalg.norm(o - r) / max(float(np.linalg.norm(r)), floor))
-    return err if np.isfinite(err) else float("inf")
-
-
-def gradient_error(got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> tuple[float, str]:
-    """The worst normwise difference over the arrays of a training step (the output and every
-    gradient), and its name. Each array is measured against its own norm, or against 1e-3 of the
-    norm of all of ``ref`` when that is larger: the key bias's gradient is zero in exact
-    arithmetic (a shift shared by every key leaves the softmax unchanged), so its rounding noise
-    has no norm of its own to be relative to. inf when a name is missing."""
-    if set(got) != set(ref):
-        missing = sorted(set(got) ^ set(ref))
-        return float("inf"), ", ".join(missing)
-    floor = 1e-3 * float(np.sqrt(sum(np.sum(r.astype(np.float64) ** 2) for r in ref.values())))
-    worst, name = 0.0, ""
-    for k, r in ref.items():
-        err = relative_error(got[k], r, floor)
-        if not err <= worst:  # NaN and inf too
-            worst, name = err, k
-    return worst, name
 
 
 def check_error(

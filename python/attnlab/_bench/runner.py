@@ -11,13 +11,14 @@ from functools import partial
 from typing import Any
 
 from .. import build_info, get_num_threads
+from .additive import growth_exponent
 from .backward import CASES as BACKWARD_CASES
 from .backward import training_targets
-from .common import NOISY, Row, target
+from .common import NOISY, Row, Timing, target
 from .gemm import square_gemm
 from .peak import fma_peak, sgemm_gflops
 
-__all__ = ["run_all", "format_table", "targets"]
+__all__ = ["run_all", "format_table", "targets", "to_json", "from_json", "plot"]
 
 FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward")
 
@@ -46,6 +47,8 @@ def run_all(quick: bool, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]
         rows.extend(mod.run(quick, threads))
     info = build_info()
     result = {
+        "version": info.get("version"),
+        "quick": quick,
         "date": datetime.date.today().isoformat(),
         "cpu": _cpu_name(),
         "threads": threads,
@@ -245,36 +248,96 @@ def to_json(result: dict[str, Any]) -> str:
     return json.dumps(out, indent=2)
 
 
-def plot(result: dict[str, Any], path: str) -> None:
-    """Time against n for every family/implementation that was timed at several n."""
+def from_json(text: str) -> dict[str, Any]:
+    """A result written by :func:`to_json`, its rows as :class:`Row` again (their times as
+    :class:`Timing` with the spread), ready for the formatters and :func:`plot`."""
+    result: dict[str, Any] = json.loads(text)
+    rows = []
+    for r in result["rows"]:
+        spread = r.get("spread")
+        fields = {k: v for k, v in r.items() if k not in ("gflops", "spread")}
+        fields["ms"] = Timing(fields["ms"], 1.0 if spread is None else spread)
+        rows.append(Row(**fields))
+    result["rows"] = rows
+    return result
+
+
+# the plot's panels: families drawn together
+_PANELS = {
+    "mha": "multi-head attention, long sequences",
+    "additive": "additive and separable (MHA for contrast)",
+    "separable": "additive and separable (MHA for contrast)",
+    "bilinear": "bilinear: separate against collapsed",
+}
+
+
+def plot(result: dict[str, Any], path: str) -> bool:
+    """Time against n, log-log, one panel per family, for every case and implementation timed
+    at two n or more; each line's label carries its slope (the growth exponent of time in n:
+    the row's own fit where the family made one, else the fit over every point drawn).
+    Returns whether it wrote ``path`` (False: no family was timed at two n)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    series: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    Key = tuple[str, str, str]  # (case, the shape without n, impl)
+    panels: dict[str, dict[Key, list[Row]]] = {}
     for r in result["rows"]:
-        n = r.extra.get("n")
-        if isinstance(n, int):
+        if isinstance(r.extra.get("n"), int):
             rest = " ".join(t for t in r.shape.split() if not t.startswith("n="))
-            series.setdefault(r.family, {}).setdefault(f"{r.case} {rest} / {r.impl}", []).append(
-                (n, r.ms)
+            title = _PANELS.get(r.family, r.family)
+            panels.setdefault(title, {}).setdefault((r.case, rest, r.impl), []).append(r)
+    panels = {
+        t: {k: v for k, v in s.items() if len(v) >= 2}
+        for t, s in panels.items()
+        if any(len(v) >= 2 for v in s.values())
+    }
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    colors: dict[str, str] = {}
+    for ax, (title, series) in zip(axes[0], panels.items(), strict=True):
+        cases = sorted({k[0] for k in series})
+        shapes = {k[1] for k in series}
+        for (case, rest, impl), unsorted in sorted(series.items()):
+            pts = sorted(unsorted, key=lambda r: r.extra["n"])
+            ns, ms = [r.extra["n"] for r in pts], [float(r.ms) for r in pts]
+            slope = pts[-1].extra.get("slope")
+            if not isinstance(slope, float):
+                slope = growth_exponent(ns, ms, min(ns))
+            color = colors.setdefault(impl, f"C{len(colors) % 10}")
+            style = ("-", "--", ":", "-.")[cases.index(case) % 4]
+            label = f"{impl}, {case.replace(' fwd fp32', '')}"
+            label += f" {rest}" if len(shapes) > 1 else ""
+            ax.loglog(ns, ms, style, marker="o", ms=3, color=color, label=f"{label}: {slope:.2f}")
+            ax.annotate(
+                f"{slope:.2f}",
+                (ns[-1], ms[-1]),
+                xytext=(4, -3),
+                textcoords="offset points",
+                fontsize=7,
+                color=color,
             )
-    fams = {f: s for f, s in series.items() if any(len(p) >= 2 for p in s.values())}
-    if not fams:
-        return
-    fig, axes = plt.subplots(1, len(fams), figsize=(5.5 * len(fams), 4.5), squeeze=False)
-    for ax, (fam, lines) in zip(axes[0], sorted(fams.items()), strict=True):
-        for label, pts in sorted(lines.items()):
-            if len(pts) < 2:
-                continue
-            pts.sort()
-            ax.loglog([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        ticks = sorted({r.extra["n"] for pts in series.values() for r in pts})
+        ax.set_xticks(ticks, [str(n) for n in ticks], fontsize=7)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("tokens n")
         ax.set_ylabel("time (ms)")
-        ax.set_title(fam)
+        ax.set_title(title, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6)
-    fig.suptitle(f"attnlab bench {result['date']}, {result['cpu']}, {result['threads']} threads")
+        ax.legend(fontsize=6, title="implementation, case: slope", title_fontsize=6)
+    fig.suptitle(
+        f"attnlab {result.get('version') or ''} bench{' --quick' if result.get('quick') else ''}"
+        f", {result['date']}: {result['cpu']}, {result['isa']}, {result['threads']} threads "
+        "(float32; slope: time ~ n^slope)",
+        fontsize=8,
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
