@@ -6,7 +6,8 @@ log(n) over the n >= 784 points (where fixed per-call costs no longer dominate; 
 --quick, which times n = 196, 784, 1568), i.e. the growth
 exponent of time in n: about 1 for these two, about 2 for multi-head attention (timed alongside,
 at B = 1, for contrast). The rows of attnlab and torch carry ``extra["error"]``: the output's
-normwise difference from the float64 reference's, at every n.
+normwise difference from the float64 reference's, at every n where the reference's activations
+fit in ``REFERENCE_MIB`` (n <= 4096).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import additive_attention, multi_head_attention, reference, separable_attention
-from .common import Row, interleaved, output_errors, try_torch
+from .common import Row, interleaved, output_errors, reference_fits, try_torch
 
 __all__ = ["run", "additive_flops", "separable_flops", "growth_exponent"]
 
@@ -172,9 +173,9 @@ def _sweep(
         fns = fns_at(n)
         times = interleaved(fns, repeat=repeat, warmup=1, max_time=20.0)
         errors = (
-            {}
-            if ref_at is None
-            else output_errors({k: f for k, f in fns.items() if k != "reference"}, ref_at(n))
+            output_errors({k: f for k, f in fns.items() if k != "reference"}, ref_at(n))
+            if ref_at is not None and reference_fits(B * n * D)
+            else {}
         )
         for impl, ms in times.items():
             series.setdefault(impl, ([], []))

@@ -199,7 +199,7 @@ def _long_case(
         fns["torch-sdpa"] = tf2
     times = interleaved(fns, repeat=3 if quick else 5)
     errors: dict[str, float] = {}
-    if reference_fits(n_long * n_long):  # the reference holds one head's scores at a time
+    if reference_fits(n_long * n_long):  # the reference works one head at a time
         ref = reference.multi_head_attention(x, num_heads=h, causal=causal, **w)
         errors = output_errors(fns, ref)
     flops = mha_flops(B, n_long, n_long, d, h, d // h, causal)

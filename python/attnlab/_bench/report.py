@@ -8,10 +8,10 @@ was busy, and what to try next. Noise flags, the GEMM rows and the project's tar
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable
 from typing import Any
 
 from .common import NOISY, Row
+from .runner import format_table, share, target_lines
 
 __all__ = ["format_report", "NEXT", "TITLES"]
 
@@ -23,10 +23,10 @@ NEXT = (
 )
 
 TITLES = {
-    "mha": ("Multi-head attention, forward (torch: nn.MultiheadAttention; long: F.linear + SDPA)"),
+    "mha": "Multi-head attention, forward (torch: nn.MultiheadAttention; long: F.linear + SDPA)",
     "bilinear": "Bilinear attention: query-key weights collapsed per head, against separate heads",
     "additive": "Additive (SwiftFormer) and separable (MobileViT-v2) attention, forward",
-    "backward": ("Gradients: a training step is the forward and every gradient (torch: autograd)"),
+    "backward": "Gradients: a training step is the forward and every gradient (torch: autograd)",
 }
 
 _LEGEND = (
@@ -82,13 +82,9 @@ def _table(head: list[str], body: list[list[str]], left: int) -> list[str]:
     return [line(head)] + [line(r) for r in body]
 
 
-Share = Callable[[Row, float | None], str]  # runner.share
-
-
 def _versus(
     rows: list[Row],
     peak: float | None,
-    share: Share,
     families: tuple[str, ...],
     parts: tuple[tuple[str, str, tuple[str, ...]], ...],
 ) -> list[str]:
@@ -134,7 +130,7 @@ def _versus(
     return _table([head[i] for i in keep], [[line[i] for i in keep] for line in body], 2)
 
 
-def _bilinear(rows: list[Row], peak: float | None, share: Share) -> list[str]:
+def _bilinear(rows: list[Row], peak: float | None) -> list[str]:
     """One line per grid point: both forms' times, the form attnlab's plan picks, and that
     form's GFLOP/s, share of peak and error."""
     fam = [r for r in rows if r.family == "bilinear"]
@@ -182,7 +178,7 @@ def _slopes(rows: list[Row]) -> list[str]:
     return textwrap.wrap(text, WIDTH, initial_indent="  ", subsequent_indent="  ")
 
 
-def _busy(result: dict[str, Any], share: Share) -> list[str]:
+def _busy(result: dict[str, Any]) -> list[str]:
     """One plain sentence when timings varied or beat the measured peak; nothing otherwise."""
     rows: list[Row] = result["rows"]
     peak = result.get("peak_gflops")
@@ -223,8 +219,6 @@ def format_report(result: dict[str, Any], *, verbose: bool = False, targets: boo
     str
         The lines to print; the last says what to try next.
     """
-    from .runner import format_table, share, target_lines
-
     rows: list[Row] = result["rows"]
     peak = result.get("peak_gflops")
     version = result.get("version")
@@ -239,14 +233,14 @@ def format_report(result: dict[str, Any], *, verbose: bool = False, targets: boo
     torch = ("torch", "torch-sdpa")
     grads = (("attnlab step", " step", ("torch step",)), ("attnlab pullback", " pullback", ()))
     sections = [
-        ("mha", _versus(rows, peak, share, ("mha",), (("attnlab", "", torch),))),
-        ("bilinear", _bilinear(rows, peak, share)),
+        ("mha", _versus(rows, peak, ("mha",), (("attnlab", "", torch),))),
+        ("bilinear", _bilinear(rows, peak)),
         (
             "additive",
-            _versus(rows, peak, share, ("additive", "separable"), (("attnlab", "", torch),))
+            _versus(rows, peak, ("additive", "separable"), (("attnlab", "", torch),))
             + _slopes(rows),
         ),
-        ("backward", _versus(rows, peak, share, ("backward",), grads)),
+        ("backward", _versus(rows, peak, ("backward",), grads)),
     ]
     shown = [(fam, body) for fam, body in sections if body]
     for fam, body in shown:
@@ -256,7 +250,7 @@ def format_report(result: dict[str, Any], *, verbose: bool = False, targets: boo
         lines += textwrap.wrap(_LEGEND, WIDTH)
     elif rows:
         lines.append("The GEMM rows are diagnostics of the kernels: --verbose prints them.")
-    lines += _busy(result, share)
+    lines += _busy(result)
     if targets and not verbose:
         lines += [*target_lines(result.get("targets") or [], 62), ""]
     if verbose:

@@ -1,4 +1,6 @@
-"""Runs every benchmark family and prints one table (``python -m attnlab bench``)."""
+"""Runs every benchmark family (``python -m attnlab bench``): the full table of every row
+(``--verbose``; the default output is :mod:`attnlab._bench.report`'s), the targets, the JSON and
+the plot."""
 
 from __future__ import annotations
 
