@@ -101,8 +101,12 @@ def scaled_dot_product_attention(
     mask: Any = None,
     causal: bool | str = False,
     window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
     scale: float | None = None,
     return_weights: Weights = False,
+    return_lse: bool = False,
     warn_empty_rows: bool = True,
     _keep: dict[str, Any] | None = None,
 ) -> Any:
@@ -129,6 +133,7 @@ def scaled_dot_product_attention(
         the last key, query ``i`` sees keys ``j <= i + n_k - n_q`` (decoding with a cache).
         Combined with ``mask`` (both must allow a pair).
     {window}
+    {logit_options}
     scale : float, optional
         Defaults to ``1 / sqrt(d)``.
     return_weights : bool or {"heads", "mean"}
@@ -158,6 +163,7 @@ def scaled_dot_product_attention(
     """
     a = _prepare_sdpa(_sig.arguments(locals()))
     mode = V.weights_mode(return_weights)
+    lse_wanted = V.check_flag(return_lse, "return_lse")
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
     out = V.empty((B, h, n_q, d_v), dtype)
@@ -165,12 +171,13 @@ def scaled_dot_product_attention(
     lse = None
     if _keep is not None:  # attnlab.vjp: the pullback reuses the output and log-sum-exp
         a = V.owned(a)
-        lse = V.empty((B, h, n_q), dtype)
-    if out.size or (weights is not None and weights.size):
+    if _keep is not None or lse_wanted:
+        lse = a.m.empty_lse(B, h, n_q, dtype)  # what a call with no key leaves
+    if out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse)
     if _keep is not None:
         _keep.update(prepared=a, out=out.copy(), lse=lse)
-    return _args.with_weights(out, weights, mode, batch, (h, n_q, d_v))
+    return _args.with_weights(out, weights, mode, batch, (h, n_q, d_v), lse if lse_wanted else None)
 
 
 _Opt = np.ndarray | None
@@ -357,8 +364,12 @@ def multi_head_attention(
     key_padding_mask: Any = None,
     causal: bool | str = False,
     window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
     scale: float | None = None,
     return_weights: Weights = False,
+    return_lse: bool = False,
     rope_theta: float | None = None,
     rope_dim: int | None = None,
     positions: Any = None,
@@ -402,6 +413,7 @@ def multi_head_attention(
         the last key, query ``i`` sees keys ``j <= i + n_k - n_q`` (decoding with a cache).
         Combined with the masks (all must allow a pair).
     {window}
+    {logit_options}
     scale : float, optional
         Defaults to ``1 / sqrt(d_head)``.
     return_weights : bool or {"heads", "mean"}
@@ -452,17 +464,23 @@ def multi_head_attention(
     B = V.count(batch)
     out = V.empty((B * n_q, d_out), dtype)
     weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
+    lse_wanted = V.check_flag(return_lse, "return_lse")
     state = None
     if _keep is not None:  # attnlab.vjp: keep projections, context and log-sum-exp
         a = V.owned(a)
         state = _mha_state(a)
         _keep.update(prepared=a, state=state)
+    lse = a.m.empty_lse(B, h, n_q, dtype) if lse_wanted else None
+    if lse_wanted and rope is None and state is None:
+        state = _mha_state(a)
     if B * n_q > 0:
         if rope is None:
             core.mha_forward(*a.core_args(), out, weights, state)
+            if lse is not None and state is not None:
+                lse = state["lse"]
         else:
-            _rope.forward(a, rope, out, weights)
-    return _args.with_weights(out, weights, mode, batch, (n_q, d_out))
+            _rope.forward(a, rope, out, weights, lse)
+    return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse)
 
 
 _SDPA_BACKWARD_INTRO = """\
@@ -516,6 +534,7 @@ def _sdpa_grads(
     dq = new((B, h, n_q, d), dtype)
     dk = new((B, h_kv, n_k, d), dtype)
     dv = new((B, h_kv, n_k, d_v), dtype)
+    logit = _grad.logit_buffers(a.m, B, h, n_q, n_k, dtype)
     if kernel:
         go4 = V.kernel_ready(go.reshape((B, h, n_q, d_v)))
         if kept is None:
@@ -536,11 +555,14 @@ def _sdpa_grads(
             dk,
             dv,
             kept is None,
+            logit.get("mask"),
+            logit.get("sinks"),
         )
     return {
         "q": _grad.unbroadcast(dq.reshape(batch + dq.shape[1:]), a.q.shape),
         "k": _grad.unbroadcast(dk.reshape(batch + dk.shape[1:]), a.k.shape),
         "v": _grad.unbroadcast(dv.reshape(batch + dv.shape[1:]), a.v.shape),
+        **_grad.logit_grads(logit, a.m, batch),
     }
 
 
@@ -603,15 +625,17 @@ def _mha_grads(
         )
     else:
         grads = _grad.grad_buffers({**a.w, **inputs}, dtype)
+    logit = _grad.logit_buffers(a.m, B, a.h, a.n_q, a.n_k, dtype)
     if kernel:
         if rope is None:
-            core.mha_backward(go2, *a.core_args(), grads, state)
+            core.mha_backward(go2, *a.core_args(), {**grads, **logit}, state)
         else:
-            _rope.backward(go2, a, rope, grads)
+            _rope.backward(go2, a, rope, {**grads, **logit})
     rows = {n: grads.pop(n) for n in ("query", "key", "value")}
     return {
         **_grad.input_grads(rows, batch, a.shapes, a.key_omitted, a.value_omitted, summed),
         **grads,
+        **_grad.logit_grads(logit, a.m, batch),
     }
 
 

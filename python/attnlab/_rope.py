@@ -246,8 +246,15 @@ def _heads(x: np.ndarray) -> np.ndarray:
     return x.transpose(0, 2, 1, 3)
 
 
-def forward(a: _Mha, rope: Rope, out: np.ndarray, weights: np.ndarray | None) -> None:
-    """Rotary multi-head attention into ``out`` ``(B*n_q, d_out)`` (and ``weights``)."""
+def forward(
+    a: _Mha,
+    rope: Rope,
+    out: np.ndarray,
+    weights: np.ndarray | None,
+    lse: np.ndarray | None = None,
+) -> None:
+    """Rotary multi-head attention into ``out`` ``(B*n_q, d_out)`` (and ``weights``, and the
+    log-sum-exp ``(B, h, n_q)``)."""
     q, k, v = _qkv(a, rope)
     ctx = V.empty((a.B, a.n_q, a.h, v.shape[-1]), a.dtype)
     core.sdpa_forward(
@@ -258,7 +265,7 @@ def forward(a: _Mha, rope: Rope, out: np.ndarray, weights: np.ndarray | None) ->
         a.m.core_mask(),
         a.m.scale,
         weights,
-        None,
+        lse,
     )
     core.linear_forward(_rows(ctx), _w(a, "w_o"), a.w["b_o"], out)
 
@@ -289,6 +296,9 @@ def backward(go: np.ndarray, a: _Mha, rope: Rope, grads: dict[str, np.ndarray]) 
             dq,
             dk,
             dv,
+            True,
+            grads.get("mask"),
+            grads.get("sinks"),
         )
     grads["w_o"][...] = _gemm(_rows(_heads(ctx)).T, go)
     if "b_o" in grads:

@@ -47,12 +47,37 @@ def _scale(args: Mapping[str, Any], d_head: float) -> float:
     return 1.0 / math.sqrt(d_head) if scale is None else float(scale)
 
 
-def _with_weights(out: np.ndarray, p: np.ndarray, return_weights: Any) -> Any:
-    """``out``, or ``(out, weights)``: the per-head weights ``p (..., h, n_q, n_k)`` or, for
-    ``"mean"``, their mean over the heads."""
-    if return_weights in (False, None):
-        return out
-    return out, (p.mean(axis=-3) if return_weights == "mean" else p)
+def _with_weights(out: np.ndarray, p: np.ndarray, args: Mapping[str, Any], lse: Any) -> Any:
+    """``out``, then the per-head weights ``p (..., h, n_q, n_k)`` (or, for ``"mean"``, their
+    mean over the heads) with ``return_weights``, then the log-sum-exp with ``return_lse``."""
+    result = [out]
+    if args["return_weights"] not in (False, None):
+        result.append(p.mean(axis=-3) if args["return_weights"] == "mean" else p)
+    if args["return_lse"]:
+        result.append(lse)
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def attention_weights(
+    args: Mapping[str, Any], scores: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """From the scaled scores ``(..., h, n_q, n_k)`` of a call to its final logits (soft cap,
+    then the float mask and ALiBi added), which pairs may attend, the weights (a softmax over
+    the allowed keys and the sink) and the log-sum-exp of each row: the one place the
+    reference's SDPA, multi-head and bilinear bodies read the options of the logits."""
+    n_q, n_k = scores.shape[-2:]
+    cap = args["softcap"]
+    if cap is not None:
+        scores = cap * np.tanh(scores / cap)
+    allowed, bias = call_masks(args, scores.shape)
+    logits = add_mask(scores, bias)
+    if args["alibi_slopes"] is not None:
+        offset = n_k - n_q if args["causal"] == "bottom_right" else 0
+        dist = np.abs(np.arange(n_q)[:, None] + offset - np.arange(n_k)[None, :])
+        logits = logits - _f64(args["alibi_slopes"])[..., :, None, None] * dist
+    sinks = None if args["sinks"] is None else _f64(args["sinks"])[..., :, None, None]
+    p, lse = _softmax_rows(logits, np.broadcast_to(allowed, logits.shape), sinks)
+    return logits, np.broadcast_to(allowed, logits.shape), p, lse
 
 
 def allowed_and_bias(
@@ -153,19 +178,28 @@ def add_mask(scores: np.ndarray, bias: np.ndarray) -> np.ndarray:
         return np.where(np.isneginf(bias), -np.inf, scores + bias)
 
 
-def _softmax_rows(scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis among allowed entries; rows with none allowed give zeros."""
+def _softmax_rows(
+    scores: np.ndarray, allowed: np.ndarray, sinks: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over the last axis among allowed entries, with ``sinks`` (``(..., h, 1, 1)``
+    logits with no value) in the denominator; rows with none allowed give zeros. Also the
+    log-sum-exp of each row (``-inf`` for a row with no key and no sink)."""
     s = np.where(allowed, scores, -np.inf)
     row_max = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # initial: n_k may be 0
+    if sinks is not None:
+        row_max = np.maximum(row_max, sinks)
     finite_max = np.where(np.isneginf(row_max), 0.0, row_max)
     e = np.where(allowed, np.exp(s - finite_max), 0.0)
     e = np.where(np.isneginf(s), 0.0, e)  # -inf from a float mask
     total = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(sinks - finite_max)
     with np.errstate(invalid="ignore", divide="ignore"):
         p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
+        lse = np.where(total > 0, finite_max + np.log(np.where(total > 0, total, 1.0)), -np.inf)
     # NaN anywhere in a row's inputs makes that row NaN (propagation, not masking)
     nan_rows = np.isnan(total)
-    return np.where(nan_rows, np.nan, p)
+    return np.where(nan_rows, np.nan, p), np.where(nan_rows, np.nan, lse)[..., 0]
 
 
 def _context(p: np.ndarray, v: np.ndarray, reads: np.ndarray) -> np.ndarray:
@@ -251,11 +285,9 @@ def scaled_dot_product_attention(args: dict[str, Any]) -> Any:
     k = np.repeat(k, group, axis=-3)
     v = np.repeat(v, group, axis=-3)
     scores = _scale(args, d) * (q @ np.swapaxes(k, -1, -2))
-    allowed, bias = call_masks(args, scores.shape)
-    scores = add_mask(scores, bias)
-    p = _softmax_rows(scores, allowed)
-    out = _context(p, v, allowed & ~np.isneginf(scores))
-    return _with_weights(out, p, args["return_weights"])
+    logits, allowed, p, lse = attention_weights(args, scores)
+    out = _context(p, v, allowed & ~np.isneginf(logits))
+    return _with_weights(out, p, args, lse)
 
 
 @_sig.reference_of(_public.multi_head_attention)
@@ -287,10 +319,8 @@ def multi_head_attention(args: dict[str, Any]) -> Any:
     s = _scale(args, d_head)
     n_q, n_k = xq.shape[-2], xk.shape[-2]
     batch = np.broadcast_shapes(xq.shape[:-2], xk.shape[:-2], xv.shape[:-2])
-    allowed, bias = call_masks(args, batch + (h, n_q, n_k))
-    bias = np.broadcast_to(bias, batch + (h, n_q, n_k))
     rope = _rope(args, n_q, n_k, d_head)
-    contexts, weights = [], []
+    scores, values = [], []
     for i in range(h):
         j = i // (h // h_kv)  # the kv head this query head reads
         q_i = Q[..., i * d_head : (i + 1) * d_head]
@@ -298,13 +328,12 @@ def multi_head_attention(args: dict[str, Any]) -> Any:
         if rope is not None:
             q_i = _apply_rope(q_i, *rope[0])
             k_i = _apply_rope(k_i, *rope[1])
-        v_i = Vv[..., j * d_vhead : (j + 1) * d_vhead]
-        scores = s * (q_i @ np.swapaxes(k_i, -1, -2))
-        scores = add_mask(scores, bias[..., i, :, :])
-        allowed_i = np.broadcast_to(allowed[..., i, :, :], scores.shape)
-        p = _softmax_rows(scores, allowed_i)
-        contexts.append(_context(p, v_i, allowed_i & ~np.isneginf(scores)))
-        weights.append(p)
+        values.append(Vv[..., j * d_vhead : (j + 1) * d_vhead])
+        scores.append(s * (q_i @ np.swapaxes(k_i, -1, -2)))
+    full = np.broadcast_to(np.stack(scores, axis=-3), batch + (h, n_q, n_k))
+    logits, allowed, p, lse = attention_weights(args, full)
+    reads = allowed & ~np.isneginf(logits)  # keys each query reads
+    contexts = [_context(p[..., i, :, :], values[i], reads[..., i, :, :]) for i in range(h)]
     ctx = np.concatenate(contexts, axis=-1)
     out = ctx @ w_o + _bias(args["b_o"])
-    return _with_weights(out, np.stack(weights, axis=-3), args["return_weights"])
+    return _with_weights(out, p, args, lse)
