@@ -191,7 +191,7 @@ def _rope_tables(cfg, head_dim, pos, dtype):
 LLAMA_FAMILY = [
     (LlamaAttention, T.LlamaConfig, dict(attention_bias=True)),
     (LlamaAttention, T.LlamaConfig, dict(num_key_value_heads=1)),
-    (MistralAttention, T.MistralConfig, dict(head_dim=32)),
+    (MistralAttention, T.MistralConfig, dict(head_dim=32, sliding_window=None)),
     (
         Qwen2Attention,
         T.Qwen2Config,
@@ -381,6 +381,37 @@ def test_from_transformers_refuses_what_it_cannot_represent():
                     T.Qwen3Config(hidden_size=D, num_attention_heads=4, head_dim=16), layer_idx=0
                 )
             )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: MistralAttention(
+            T.MistralConfig(hidden_size=D, num_attention_heads=4, sliding_window=8), layer_idx=0
+        ),
+        lambda: Qwen2Attention(
+            T.Qwen2Config(
+                hidden_size=D,
+                num_attention_heads=4,
+                use_sliding_window=True,
+                sliding_window=8,
+                max_window_layers=0,
+                num_hidden_layers=2,
+            ),
+            layer_idx=1,
+        ),
+    ],
+    ids=["Mistral", "Qwen2"],
+)
+def test_sliding_window_is_refused_without_window(make):
+    """A sliding window reproduced neither by the kwargs nor by the module's own call (the window
+    lives in the model's mask) is refused, naming it: never the silent causal-only result."""
+    import inspect
+
+    if "window" in inspect.signature(attnlab.multi_head_attention).parameters:
+        pytest.skip("multi_head_attention has window=: the window is reproduced, not refused")
+    with pytest.raises(ValueError, match=r"sliding_window = 8.*window="):
+        from_transformers(make())
 
 
 def test_from_transformers_bfloat16_and_copies():

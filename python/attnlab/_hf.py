@@ -126,8 +126,34 @@ def _gpt2(module: Any) -> dict[str, Any]:
     return out
 
 
+def _sliding_window(module: Any) -> int | None:
+    """The layer's sliding window W (query i sees keys i - W < j <= i), or None.
+
+    Layers that choose per layer (Qwen2, Gemma 2/3, gpt-oss: ``layer_types``) carry
+    ``module.sliding_window``; Mistral, Mixtral and Phi-3 read ``config.sliding_window``."""
+    if hasattr(module, "sliding_window"):
+        w = module.sliding_window
+    else:
+        w = getattr(getattr(module, "config", None), "sliding_window", None)
+    return None if w is None else int(w)
+
+
+def _refuse_window(module: Any) -> None:
+    w = _sliding_window(module)
+    if w is not None:
+        raise ValueError(
+            f"module: {type(module).__name__} attends through a sliding window of "
+            f"sliding_window = {w} tokens (query i sees keys i - {w} < j <= i; set in the "
+            f"model's mask), which this attnlab's multi_head_attention cannot express (it has no "
+            f"window= option); on sequences longer than {w} tokens the result would be wrong. "
+            f"Use a model config without a sliding window (sliding_window=None, or "
+            f"use_sliding_window=False for Qwen2), or an attnlab with window="
+        )
+
+
 def _proj_family(module: Any, rotary: bool) -> dict[str, Any]:
     _refuse_children(module, {"q_proj", "k_proj", "v_proj", "o_proj", "rotary_emb"})
+    _refuse_window(module)
     config = module.config
     h = V.check_positive_int(config.num_attention_heads, "num_attention_heads")
     h_kv = V.check_positive_int(
@@ -181,7 +207,8 @@ def from_transformers(module: Any, *, ignore_norm: bool = False) -> dict[str, An
     ValueError
         For what ``multi_head_attention`` cannot represent: BERT's relative position scores,
         scaled rotary types (``llama3``, ``yarn``, ...), partial rotary factors, extra
-        sub-modules (``q_norm``, ...), ``BertAttention`` without ``ignore_norm=True``.
+        sub-modules (``q_norm``, ...), a sliding window (``sliding_window``),
+        ``BertAttention`` without ``ignore_norm=True``.
 
     Notes
     -----
@@ -189,8 +216,8 @@ def from_transformers(module: Any, *, ignore_norm: bool = False) -> dict[str, An
     self-attention, ``multi_head_attention(x, encoder_states, **kwargs)`` for GPT-2's
     cross-attention. Masks: :func:`transformers_masks` converts a model's ``attention_mask``.
     Rotary positions default to ``0..n-1``; pass ``positions=position_ids`` otherwise. Dropout
-    is not applied (eval mode). Mistral's and Qwen2's sliding window lives in the model's mask,
-    not in the attention module: beyond ``config.sliding_window`` tokens, pass that mask.
+    is not applied (eval mode). A layer with a sliding window (Mistral's
+    ``config.sliding_window``, Qwen2's with ``use_sliding_window=True``) is refused.
 
     Examples
     --------
