@@ -347,9 +347,7 @@ def test_transformers_masks_forms():
 
 def test_from_transformers_refuses_what_it_cannot_represent():
     with pytest.raises(
-        TypeError,
-        match=r"module: expected a transformers attention module.*"
-        r"GPT2Attention.*got dict",
+        TypeError, match=r"module: dict is not a transformers attention module.*GPT2Attention"
     ):
         from_transformers({"q_proj.weight": np.zeros((4, 4))})
     with pytest.raises(TypeError, match="ignore_norm"):
@@ -359,59 +357,84 @@ def test_from_transformers_refuses_what_it_cannot_represent():
     cfg = T.LlamaConfig(
         hidden_size=D,
         num_attention_heads=4,
-        rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+        rope_parameters={"rope_type": "made-up", "rope_theta": 1e4, "factor": 2.0},
     )
-    with pytest.raises(ValueError, match="'linear' rescale the frequencies"):
+    with pytest.raises(ValueError, match=r"'made-up'.*not reproduced"):
+        from_transformers(LlamaAttention(cfg, layer_idx=0))
+    cfg = T.LlamaConfig(
+        hidden_size=D,
+        num_attention_heads=4,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+    )
+    with pytest.raises(ValueError, match=r"rope_length: .*'dynamic'"):
         from_transformers(LlamaAttention(cfg, layer_idx=0))
     m = LlamaAttention(T.LlamaConfig(hidden_size=D, num_attention_heads=4), layer_idx=0)
-    m.q_norm = torch.nn.LayerNorm(16)  # as Qwen3 / OLMo-2 normalise the heads
-    with pytest.raises(ValueError, match=r"sub-modules.*'q_norm'"):
+    m.q_norm = torch.nn.LayerNorm(16)  # as OLMo-2 normalises the heads (LayerNorm: not ours)
+    with pytest.raises(ValueError, match=r"q_norm is a LayerNorm, not an RMSNorm"):
+        from_transformers(m)
+    m = LlamaAttention(T.LlamaConfig(hidden_size=D, num_attention_heads=4), layer_idx=0)
+    m.gate = torch.nn.Linear(4, 4)  # something the attention call does not model
+    with pytest.raises(ValueError, match=r"sub-modules.*'gate'"):
         from_transformers(m)
     rel = BertSelfAttention(T.BertConfig(hidden_size=D, num_attention_heads=4))
     rel.distance_embedding = torch.nn.Embedding(5, 16)
     with pytest.raises(ValueError, match="relative position scores"):
         from_transformers(rel)
-    m = T.Qwen3Config if hasattr(T, "Qwen3Config") else None
-    if m is not None:
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
-
-        with pytest.raises(TypeError, match="got Qwen3Attention"):
-            from_transformers(
-                Qwen3Attention(
-                    T.Qwen3Config(hidden_size=D, num_attention_heads=4, head_dim=16), layer_idx=0
-                )
-            )
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: MistralAttention(
-            T.MistralConfig(hidden_size=D, num_attention_heads=4, sliding_window=8), layer_idx=0
-        ),
-        lambda: Qwen2Attention(
-            T.Qwen2Config(
-                hidden_size=D,
-                num_attention_heads=4,
-                use_sliding_window=True,
-                sliding_window=8,
-                max_window_layers=0,
-                num_hidden_layers=2,
-            ),
-            layer_idx=1,
-        ),
-    ],
-    ids=["Mistral", "Qwen2"],
-)
-def test_sliding_window_is_refused_without_window(make):
+def test_sliding_window_is_refused_without_window():
     """A sliding window reproduced neither by the kwargs nor by the module's own call (the window
     lives in the model's mask) is refused, naming it: never the silent causal-only result."""
-    import inspect
-
-    if "window" in inspect.signature(attnlab.multi_head_attention).parameters:
+    if not _missing_options(["window"]):
         pytest.skip("multi_head_attention has window=: the window is reproduced, not refused")
-    with pytest.raises(ValueError, match=r"sliding_window = 8.*window="):
-        from_transformers(make())
+    mistral = MistralAttention(
+        T.MistralConfig(hidden_size=D, num_attention_heads=4, sliding_window=8), layer_idx=0
+    )
+    qwen2 = T.Qwen2Config(
+        hidden_size=D,
+        num_attention_heads=4,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+        num_hidden_layers=2,
+    )
+    for m in (mistral, Qwen2Attention(qwen2, layer_idx=1)):
+        with pytest.raises(ValueError, match=r"sliding_window = 8 tokens.*window= option"):
+            from_transformers(m)
+    from_transformers(Qwen2Attention(qwen2, layer_idx=0))  # a full layer: reproduced
+
+
+def test_unknown_module_refusal_names_what_it_does():
+    class FancyAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = T.Gemma2Config(sliding_window=4, attn_logit_softcapping=30.0)
+            self.q_norm = torch.nn.LayerNorm(4)
+
+    with pytest.raises(
+        TypeError,
+        match=r"FancyAttention is not .*a sliding window \(sliding_window\), soft-capped "
+        r"logits \(attn_logit_softcapping\), .*per-head query norm \(q_norm\).*Supported: ",
+    ):
+        from_transformers(FancyAttention())
+
+
+def test_settings_not_reproduced_are_refused_naming_them():
+    falcon = T.FalconConfig(**{**SMALL, "alibi": True})
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+    from transformers.models.mpt.modeling_mpt import MptAttention
+
+    with pytest.raises(ValueError, match=r"config.alibi = True .*bfloat16"):
+        from_transformers(FalconAttention(falcon, layer_idx=0))
+    mpt = T.MptConfig(d_model=64, n_heads=4, attn_config={"clip_qkv": 2.0})
+    with pytest.raises(ValueError, match=r"clip_qkv = 2.0 clamps"):
+        from_transformers(MptAttention(mpt, layer_idx=0))
+    from transformers.models.bloom.modeling_bloom import BloomAttention
+
+    with pytest.raises(ValueError, match=r"x_residual.*ignore_residual=True"):
+        from_transformers(BloomAttention(T.BloomConfig(**{**SMALL, "n_head": 4}), layer_idx=0))
+    with pytest.raises(TypeError, match="ignore_residual"):
+        from_transformers(LlamaAttention(T.LlamaConfig(**SMALL), 0), ignore_residual="yes")
 
 
 def test_from_transformers_bfloat16_and_copies():
@@ -424,3 +447,315 @@ def test_from_transformers_bfloat16_and_copies():
     with torch.no_grad():
         m.q_proj.weight.zero_()
     assert np.abs(kw["w_q"]).max() > 0  # a copy, not a view of the module's tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole (tiny) models of today's families: every attention layer's input and output captured
+# inside the model (the sliding window, the ALiBi biases and the causal mask come from the
+# model), reproduced by attnlab from the loader's kwargs and the 2-D padding mask alone.
+
+NW = 20  # tokens, longer than the window
+WINDOW = 8
+# right padding: the second sequence has 15 real tokens (every query row keeps a key)
+PAD20 = np.array([[1] * NW, [1] * 15 + [0] * (NW - 15)])
+SMALL = dict(
+    vocab_size=50,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
+
+
+def _gqa(**kw):
+    return {**SMALL, "num_key_value_heads": 2, **kw}
+
+
+def _family(name):
+    """``(config, attention module classes to check, options the loader emits)``."""
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 16,
+    }
+    table = {
+        "Llama": (T.LlamaConfig, _gqa(attention_bias=True), ()),
+        "Llama-llama3": (
+            T.LlamaConfig,
+            _gqa(
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                }
+            ),
+            (),
+        ),
+        "Llama-linear": (
+            T.LlamaConfig,
+            _gqa(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 3.0}),
+            (),
+        ),
+        "Mistral": (T.MistralConfig, _gqa(head_dim=32, sliding_window=WINDOW), ("window",)),
+        "Mixtral": (
+            T.MixtralConfig,
+            _gqa(sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1),
+            ("window",),
+        ),
+        "Qwen2": (
+            T.Qwen2Config,
+            _gqa(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+            ("window",),
+        ),
+        "Qwen3": (
+            T.Qwen3Config,
+            _gqa(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+            ("window", "q_norm"),
+        ),
+        "Qwen3-full": (T.Qwen3Config, _gqa(head_dim=16), ("q_norm",)),
+        "Gemma": (T.GemmaConfig, _gqa(head_dim=16), ()),
+        "Gemma2": (
+            T.Gemma2Config,
+            _gqa(
+                head_dim=16,
+                sliding_window=WINDOW,
+                attn_logit_softcapping=5.0,
+                query_pre_attn_scalar=20,
+            ),
+            ("window", "softcap"),
+        ),
+        "Gemma3": (
+            T.Gemma3TextConfig,
+            _gqa(
+                head_dim=16,
+                sliding_window=WINDOW,
+                query_pre_attn_scalar=20,
+                sliding_window_pattern=2,
+            ),
+            ("window", "q_norm"),
+        ),
+        "Gemma3-full": (
+            T.Gemma3TextConfig,
+            _gqa(head_dim=16, query_pre_attn_scalar=20, sliding_window_pattern=1),
+            ("q_norm",),
+        ),
+        "GptOss": (
+            T.GptOssConfig,
+            _gqa(
+                head_dim=16,
+                sliding_window=WINDOW,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                rope_parameters=yarn,
+            ),
+            ("window", "sinks"),
+        ),
+        "Phi3": (
+            T.Phi3Config,
+            _gqa(
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                    "short_factor": [1.0, 1.5, 2.0, 3.0],
+                    "long_factor": [2.0, 3.0, 5.0, 8.0],
+                    "original_max_position_embeddings": 16,
+                },
+                pad_token_id=0,
+            ),
+            (),
+        ),
+        "GPTNeoX": (
+            T.GPTNeoXConfig,
+            {
+                **SMALL,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.25,
+                },
+            },
+            (),
+        ),
+        "Falcon-multi-query": (
+            T.FalconConfig,
+            {**SMALL, "multi_query": True, "new_decoder_architecture": False, "alibi": False},
+            (),
+        ),
+        "Falcon-grouped": (
+            T.FalconConfig,
+            {
+                **SMALL,
+                "new_decoder_architecture": True,
+                "num_kv_heads": 2,
+                "alibi": False,
+                "bias": True,
+            },
+            (),
+        ),
+        "Bloom": (T.BloomConfig, {**SMALL, "n_head": 4}, ("alibi_slopes",)),
+        "Mpt": (
+            T.MptConfig,
+            {**SMALL, "n_heads": 4, "d_model": 64, "max_seq_len": 32},
+            ("alibi_slopes",),
+        ),
+    }
+    return table[name]
+
+
+FAMILIES = [
+    "Llama",
+    "Llama-llama3",
+    "Llama-linear",
+    "Mistral",
+    "Mixtral",
+    "Qwen2",
+    "Qwen3",
+    "Qwen3-full",
+    "Gemma",
+    "Gemma2",
+    "Gemma3",
+    "Gemma3-full",
+    "GptOss",
+    "Phi3",
+    "GPTNeoX",
+    "Falcon-multi-query",
+    "Falcon-grouped",
+    "Bloom",
+    "Mpt",
+]
+# transformers refuses sdpa for these (it cannot soft-cap, add sinks or ALiBi there)
+EAGER_ONLY = {"Gemma2", "GptOss", "Bloom", "Mpt"}
+# these eager attentions take the softmax in float32 even for a float64 model
+EAGER_F32_SOFTMAX = {
+    "Llama",
+    "Llama-llama3",
+    "Llama-linear",
+    "Mistral",
+    "Mixtral",
+    "Qwen2",
+    "Qwen3",
+    "Qwen3-full",
+    "Gemma",
+    "Gemma2",
+    "Gemma3",
+    "Phi3",
+    "Bloom",
+    "Mpt",
+}
+
+
+def _missing_options(needed):
+    import inspect
+
+    have = inspect.signature(attnlab.multi_head_attention).parameters
+    return [o for o in needed if o not in have]
+
+
+def _is_attention(mod):
+    name = type(mod).__name__
+    return name.endswith("Attention") and (
+        hasattr(mod, "q_proj")
+        or hasattr(mod, "qkv_proj")
+        or hasattr(mod, "query_key_value")
+        or hasattr(mod, "Wqkv")
+    )
+
+
+def _refusal(mod):
+    """The loader's refusal message for ``mod``, or None when it loads."""
+    try:
+        from_transformers(mod, ignore_residual=True, rope_length=NW)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _far_from_uniform(model, seed):
+    """Random weights with query/key projections scaled up (peaked attention), random norms
+    and sinks; biases non-zero."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(s in name for s in ("q_proj", "k_proj", "qkv_proj", "query_key_value", "Wqkv")):
+                if p.ndim == 2:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 2.5 / p.shape[1] ** 0.5)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(
+                    torch.randn(p.shape, generator=gen) * 0.4
+                    + (0 if "Gemma" in type(model).__name__ else 1)
+                )
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 2)
+    return model.eval()
+
+
+def _run(name, impl, dtype, seed=0):
+    cfg_cls, kw, needed = _family(name)
+    cfg = cfg_cls(**kw)
+    cfg._attn_implementation = impl
+    if hasattr(cfg, "num_local_experts"):  # the grouped-GEMM experts refuse float64
+        cfg._experts_implementation = "eager"
+    model = T.AutoModel.from_config(cfg)
+    model = _far_from_uniform(model.to(dtype), seed)
+    seen = []
+
+    def hook(mod, args, kwargs, out):
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        seen.append((mod, x, kwargs, args, out[0]))
+
+    atts = [m for m in model.modules() if _is_attention(m)]
+    assert len(atts) == cfg.num_hidden_layers if hasattr(cfg, "num_hidden_layers") else atts
+    hooks = [m.register_forward_hook(hook, with_kwargs=True) for m in atts]
+    ids = torch.randint(1, 50, (B, NW), generator=torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.from_numpy(PAD20))
+    for h in hooks:
+        h.remove()
+    return seen, needed
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_inside_the_model(name, impl, dtype):
+    """Each attention layer (sliding and full) of a tiny model, 20 tokens with a window of 8,
+    right padding: attnlab reproduces the layer's output from the loader's kwargs and the 2-D
+    padding mask. float32: 2e-5 (relative; transformers' float32 rotary tables); float64: 2e-6
+    (the module's rotary tables, and its q/k norms, are computed in float32)."""
+    if impl == "sdpa" and name in EAGER_ONLY:
+        pytest.skip(f"transformers has no sdpa attention for {name}")
+    if impl == "eager" and dtype == torch.float64 and name in EAGER_F32_SOFTMAX:
+        pytest.skip("this eager attention takes its softmax in float32 for a float64 model")
+    needed = _family(name)[2]
+    seen, _ = _run(name, impl, dtype)
+    missing = _missing_options(needed)
+    if missing:
+        # the loader refuses the layers that need the option, naming it
+        refused = [_refusal(mod) for mod, *_ in seen]
+        for msg in filter(None, refused):
+            assert any(f"{o}=" in msg for o in missing), msg
+        assert any(refused), "no layer needing the missing option was refused"
+        pytest.skip(f"multi_head_attention has no {', '.join(missing)} option yet")
+    kinds = set()
+    for mod, x, kwargs, args, out in seen:
+        kw = from_transformers(mod, ignore_residual=True, rope_length=NW)
+        kinds.add("window" in kw)
+        got = attnlab.multi_head_attention(x.numpy(), **transformers_masks(PAD20), **kw)
+        if type(mod).__name__ == "BloomAttention":  # its output adds the residual
+            res = kwargs.get("residual", args[1] if len(args) > 1 else None)
+            got = got + res.numpy()
+        tol = 2e-5 if dtype == torch.float32 else 2e-6
+        assert_close(got, out.numpy(), NP[dtype], f"transformers {name}", tol=tol)
+    if "window" in needed:
+        assert kinds == {True, False} or name in ("Mistral", "Mixtral"), kinds
