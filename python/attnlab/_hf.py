@@ -204,21 +204,20 @@ def _inverse_frequencies(
     exps = np.arange(0, dim, 2, dtype=np.float64) / dim
     inv = base**-exps
     factor = params.get("factor")
-    orig = _config_get(config, params, "original_max_position_embeddings")
     attention_factor = 1.0
     if rope_type == "default":
         pass
     elif rope_type == "linear":
-        inv = inv / float(factor)
+        inv = inv / float(params["factor"])
     elif rope_type == "dynamic":
         max_pos = int(config.max_position_embeddings)
         length = _rope_length(module, rope_type, rope_length)
         if length > max_pos:  # transformers rescales the base beyond the trained length
-            f = float(factor)
+            f = float(params["factor"])
             base = base * ((f * length / max_pos) - (f - 1)) ** (dim / (dim - 2))
             inv = base**-exps
     elif rope_type == "llama3":
-        f = float(factor)
+        f = float(params["factor"])
         low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
         old = float(params["original_max_position_embeddings"])
         wavelen = 2 * np.pi / inv
