@@ -127,6 +127,9 @@ class CoreMask(NamedTuple):
     mask: np.ndarray | None
     key_padding_mask: np.ndarray | None
     causal: int
+    # the options after causal default to "off", so a tuple built by hand names only its own
+    window_left: int = -1  # -1: unbounded
+    window_right: int = -1
 
 
 class Masks(NamedTuple):
@@ -136,11 +139,12 @@ class Masks(NamedTuple):
     scale: float
     mask4: np.ndarray | None  # (B, h, n_q, n_k) view, broadcast, never copied
     kp: np.ndarray | None  # (B, n_k) key padding
+    window: tuple[int, int] = (-1, -1)  # (left, right) keys around p(i); -1: unbounded
 
     def core_mask(self) -> CoreMask:
         """The mask argument of the kernel calls, built here alone: the call sites pass it on
         unchanged, so that a new mask option changes none of them."""
-        return CoreMask(self.mask4, self.kp, self.causal)
+        return CoreMask(self.mask4, self.kp, self.causal, *self.window)
 
     def key_intervals(self, n_q: int, n_k: int) -> tuple[np.ndarray, np.ndarray]:
         """``(lo, hi)``: query ``i`` may see keys ``lo[i] <= j < hi[i]`` under the scalar
@@ -150,8 +154,41 @@ class Masks(NamedTuple):
         lo, hi = np.zeros(n_q, np.int64), np.full(n_q, n_k, np.int64)
         if self.causal:
             hi = np.minimum(hi, align + 1)
+        left, right = self.window
+        if left >= 0:
+            lo = np.maximum(lo, align - min(left, n_q + n_k))
+        if right >= 0:
+            hi = np.minimum(hi, align + min(right, n_q + n_k) + 1)
         lo = np.clip(lo, 0, n_k)
         return lo, np.clip(hi, lo, n_k)
+
+
+def window_sides(window: Any) -> tuple[int, int]:
+    """``window=(left, right)`` as two ints, ``-1`` for an unbounded side (``None``)."""
+    if window is None:
+        return -1, -1
+    if isinstance(window, (str, bytes)) or not isinstance(window, (tuple, list)):
+        raise TypeError(
+            f"window: expected a pair (left, right) of ints >= 0 or None, got "
+            f"{type(window).__name__} {window!r} (transformers' sliding_window=w is "
+            f"window=(w - 1, 0) with causal=True)"
+        )
+    if len(window) != 2:
+        raise ValueError(f"window: expected a pair (left, right), got {len(window)} items")
+    sides = []
+    for name, side in zip(("left", "right"), window, strict=True):
+        if side is None:
+            sides.append(-1)
+            continue
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+            raise TypeError(
+                f"window: the {name} side must be an int >= 0 or None, got "
+                f"{type(side).__name__} {side!r}"
+            )
+        if side < 0:
+            raise ValueError(f"window: the {name} side must be >= 0 or None, got {int(side)}")
+        sides.append(min(int(side), 2**62))  # wider than any sequence: unbounded in effect
+    return sides[0], sides[1]
 
 
 def masks(
@@ -168,10 +205,11 @@ def masks(
     checked in that order; then the warning when the boolean masks leave a query row with no
     key (unless ``warn_empty_rows=False``)."""
     code = V.causal_code(args["causal"])
+    window = window_sides(args["window"])
     s = V.check_scale(args["scale"], default_scale)
     m4 = V.mask4(args["mask"], batch, h, n_q, n_k, dtype)
     kp = V.key_padding2(args.get("key_padding_mask"), batch, n_k)
-    m = Masks(code, s, m4, kp)
+    m = Masks(code, s, m4, kp, window)
     if V.check_flag(args["warn_empty_rows"], "warn_empty_rows"):
         # only a mask array can leave a row empty that the scalar options do not
         keys = m.key_intervals(n_q, n_k) if m4 is not None or kp is not None else None

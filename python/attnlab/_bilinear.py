@@ -475,6 +475,7 @@ def bilinear_attention(
     mask: Any = None,
     key_padding_mask: Any = None,
     causal: bool | str = False,
+    window: tuple[int | None, int | None] | None = None,
     scale: float | None = None,
     return_weights: bool | str = False,
     warn_empty_rows: bool = True,
@@ -508,6 +509,7 @@ def bilinear_attention(
         :func:`attnlab.interop.torch_masks`); ``causal=True`` lets query ``i`` see keys
         ``j <= i``, ``"bottom_right"`` keys ``j <= i + n_k - n_q``; ``warn_empty_rows=False``
         silences the warning for query rows the boolean masks leave with no key.
+    {window}
     scale : float, optional
         Default ``1/sqrt(d_head)`` for a BilinearQK, ``1/sqrt(d_q / num_heads)`` for a raw
         ``w_qk``.

@@ -45,6 +45,18 @@ FRAGMENTS = {
         "(``True`` = real token, the opposite of ``nn.MultiheadAttention``'s\n"
         "``key_padding_mask``; see :func:`attnlab.interop.torch_masks`)."
     ),
+    # the options of today's models, shared by SDPA, multi-head and bilinear attention
+    "window": (
+        "window : (int or None, int or None), optional\n"
+        "    Sliding window ``(left, right)``: query ``i`` sees keys ``j`` with\n"
+        "    ``p(i) - left <= j <= p(i) + right``, where ``p(i)`` is the key it is aligned\n"
+        '    with (``i + n_k - n_q`` for ``causal="bottom_right"``, else ``i``); ``None`` leaves\n'
+        "    a side unbounded. Combined with the masks and ``causal`` (all must allow a pair).\n"
+        "    Key tiles outside the band are skipped, so the cost is O(n * window).\n"
+        "    ``transformers``'\n"
+        "    ``sliding_window=w`` (Mistral, Gemma 2/3, gpt-oss) is ``window=(w - 1, 0)`` with\n"
+        "    ``causal=True``."
+    ),
     # what the reference's query/key/value and pooled families return
     "reference_attention_returns": (
         "Returns\n"

@@ -100,6 +100,7 @@ def scaled_dot_product_attention(
     *,
     mask: Any = None,
     causal: bool | str = False,
+    window: tuple[int | None, int | None] | None = None,
     scale: float | None = None,
     return_weights: Weights = False,
     warn_empty_rows: bool = True,
@@ -127,6 +128,7 @@ def scaled_dot_product_attention(
         ``j <= i`` (as SDPA's ``is_causal``). ``"bottom_right"``: the last query is aligned with
         the last key, query ``i`` sees keys ``j <= i + n_k - n_q`` (decoding with a cache).
         Combined with ``mask`` (both must allow a pair).
+    {window}
     scale : float, optional
         Defaults to ``1 / sqrt(d)``.
     return_weights : bool or {"heads", "mean"}
@@ -354,6 +356,7 @@ def multi_head_attention(
     mask: Any = None,
     key_padding_mask: Any = None,
     causal: bool | str = False,
+    window: tuple[int | None, int | None] | None = None,
     scale: float | None = None,
     return_weights: Weights = False,
     rope_theta: float | None = None,
@@ -403,6 +406,7 @@ def multi_head_attention(
         ``j <= i`` (as SDPA's ``is_causal``). ``"bottom_right"``: the last query is aligned with
         the last key, query ``i`` sees keys ``j <= i + n_k - n_q`` (decoding with a cache).
         Combined with the masks (all must allow a pair).
+    {window}
     scale : float, optional
         Defaults to ``1 / sqrt(d_head)``.
     return_weights : bool or {"heads", "mean"}

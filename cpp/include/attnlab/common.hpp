@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #if defined(ATTNLAB_ISA_NS)
 #define ATTNLAB_KERNEL_BUILD 1
@@ -65,6 +66,10 @@ struct TokenMask {
 // and mask by key_interval; docs/architecture.md §4).
 struct MaskOptions {
     Causal causal = Causal::none;
+    // sliding window around the query's aligned key p(i): keys p(i) - left .. p(i) + right;
+    // -1 leaves that side unbounded
+    Index window_left = -1;
+    Index window_right = -1;
 };
 
 // f(name, field, min, max) for each field of o, in the order of Python's mask tuple after its
@@ -73,6 +78,8 @@ struct MaskOptions {
 template <typename F>
 void for_each_option(MaskOptions& o, F&& f) {
     f("causal", o.causal, 0, 2);
+    f("window_left", o.window_left, -1, std::numeric_limits<Index>::max());
+    f("window_right", o.window_right, -1, std::numeric_limits<Index>::max());
 }
 
 // Which (query, key) pairs may attend, and what is added to their scaled scores: the one
@@ -105,6 +112,10 @@ inline Interval key_interval(const MaskOptions& o, Index n_q, Index n_k, Index i
     const Index align = i + (o.causal == Causal::bottom_right ? n_k - n_q : 0);
     Index lo = 0, hi = n_k;
     if (o.causal != Causal::none) hi = std::min(hi, align + 1);  // no key after the aligned one
+    // the window's sides clamped to n_q + n_k first, so that no sum overflows
+    const Index reach = n_q + n_k;
+    if (o.window_left >= 0) lo = std::max(lo, align - std::min(o.window_left, reach));
+    if (o.window_right >= 0) hi = std::min(hi, align + std::min(o.window_right, reach) + 1);
     lo = std::clamp<Index>(lo, 0, n_k);
     return {lo, std::clamp<Index>(hi, lo, n_k)};
 }

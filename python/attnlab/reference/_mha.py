@@ -56,7 +56,12 @@ def _with_weights(out: np.ndarray, p: np.ndarray, return_weights: Any) -> Any:
 
 
 def allowed_and_bias(
-    n_q: int, n_k: int, mask: Any = None, key_padding_mask: Any = None, causal: Any = False
+    n_q: int,
+    n_k: int,
+    mask: Any = None,
+    key_padding_mask: Any = None,
+    causal: Any = False,
+    window: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Which (query, key) pairs may attend and the float mask to add, before broadcasting.
 
@@ -69,6 +74,9 @@ def allowed_and_bias(
     key_padding_mask : array_like of bool, shape (..., n_k), optional
         ``True`` for real tokens; placed as ``(..., 1, 1, n_k)``.
     causal : bool or {"top_left", "bottom_right"}
+    window : (int or None, int or None), optional
+        Keys ``p(i) - left <= j <= p(i) + right`` around the key ``p(i)`` query ``i`` is
+        aligned with (as ``causal`` aligns it).
 
     Returns
     -------
@@ -86,11 +94,17 @@ def allowed_and_bias(
     """
     allowed = np.ones((n_q, n_k), dtype=bool)
     bias = np.zeros((), dtype=np.float64)
+    offset = n_k - n_q if causal == "bottom_right" else 0
+    p = np.arange(n_q)[:, None] + offset  # the key each query is aligned with
+    j = np.arange(n_k)[None, :]
     if causal in (True, "top_left", "bottom_right"):
-        offset = n_k - n_q if causal == "bottom_right" else 0
-        i = np.arange(n_q)[:, None]
-        j = np.arange(n_k)[None, :]
-        allowed = allowed & (j <= i + offset)
+        allowed = allowed & (j <= p)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            allowed = allowed & (j >= p - left)
+        if right is not None:
+            allowed = allowed & (j <= p + right)
     if mask is not None:
         m = np.asarray(mask)
         if m.dtype == bool:
@@ -103,13 +117,15 @@ def allowed_and_bias(
     return allowed, bias
 
 
-def warn_if_empty(allowed: np.ndarray, n_q: int, n_k: int, causal: Any, warn: Any) -> None:
+def warn_if_empty(
+    allowed: np.ndarray, n_q: int, n_k: int, causal: Any, warn: Any, window: Any = None
+) -> None:
     """attnlab's warning for query rows the boolean masks leave without a key (``allowed``,
-    broadcast to ``(..., h, n_q, n_k)``), among those ``causal`` alone leaves some key; counted
-    here the plain way, as a check on the kernels' wrapper."""
+    broadcast to ``(..., h, n_q, n_k)``), among those ``causal`` and ``window`` alone leave
+    some key; counted here the plain way, as a check on the kernels' wrapper."""
     if not warn:
         return
-    live = allowed_and_bias(n_q, n_k, causal=causal)[0].any(axis=-1)
+    live = allowed_and_bias(n_q, n_k, causal=causal, window=window)[0].any(axis=-1)
     empty = int(np.sum(~allowed.any(axis=-1) & live))
     warn_empty(empty, int(np.prod(allowed.shape[:-1])), ATTENTION_ROWS)
 
@@ -121,10 +137,12 @@ def call_masks(args: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[np.ndar
     without a key unless ``warn_empty_rows=False``. The one place the reference's attention
     functions read the mask options."""
     n_q, n_k = shape[-2:]
-    causal = args["causal"]
-    allowed, bias = allowed_and_bias(n_q, n_k, args["mask"], args.get("key_padding_mask"), causal)
+    causal, window = args["causal"], args["window"]
+    allowed, bias = allowed_and_bias(
+        n_q, n_k, args["mask"], args.get("key_padding_mask"), causal, window
+    )
     allowed = np.broadcast_to(allowed, np.broadcast_shapes(shape, bias.shape))
-    warn_if_empty(allowed, n_q, n_k, causal, args["warn_empty_rows"])
+    warn_if_empty(allowed, n_q, n_k, causal, args["warn_empty_rows"], window)
     return allowed, bias
 
 
