@@ -763,3 +763,149 @@ def test_family_inside_the_model(name, impl, dtype):
             assert np.abs(plain - got).max() > 1e-2 * np.abs(got).max()
     if "window" in needed:
         assert kinds == {True, False} or name in ("Mistral", "Mixtral"), kinds
+
+
+ROPE_TYPES = {
+    "default": {"rope_type": "default", "rope_theta": 1e4},
+    "linear": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "yarn": {
+        "rope_type": "yarn",
+        "rope_theta": 1.5e5,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+    },
+    "yarn-mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 1e4,
+        "factor": 40.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 64,
+    },
+    "longrope": {
+        "rope_type": "longrope",
+        "rope_theta": 1e4,
+        "short_factor": [1.0 + 0.2 * i for i in range(16)],
+        "long_factor": [2.0 + 1.5 * i for i in range(16)],
+        "original_max_position_embeddings": 64,
+    },
+    "proportional": {
+        "rope_type": "proportional",
+        "rope_theta": 1e4,
+        "partial_rotary_factor": 0.5,
+        "factor": 2.0,
+    },
+}
+
+
+@pytest.mark.parametrize("length", [40, 300])
+@pytest.mark.parametrize("rope", list(ROPE_TYPES))
+def test_rope_types_match_transformers(rope, length):
+    """The loader's frequencies and attention factor (float64, computed from the config) are
+    transformers' own (ROPE_INIT_FUNCTIONS, float32) to float32 rounding, for every static
+    rope_type and the length-dependent ones at a short and a long length."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = ROPE_TYPES[rope]
+    cfg = T.LlamaConfig(
+        hidden_size=D, num_attention_heads=2, max_position_embeddings=128, rope_parameters=params
+    )
+    kw = from_transformers(LlamaAttention(cfg, layer_idx=0), rope_length=length)
+    kind = params["rope_type"]
+    if kind == "default":
+        inv, factor = 1.0 / 1e4 ** (torch.arange(0, 32, 2).double() / 32), 1.0
+        assert kw["rope_theta"] == 1e4 and "rope_inv_freq" not in kw
+        return
+    seq = length if kind in ("dynamic", "longrope") else None
+    if kind == "dynamic" and length <= cfg.max_position_embeddings:
+        seq = None  # transformers keeps the original frequencies up to the trained length
+    inv, factor = ROPE_INIT_FUNCTIONS[kind](cfg, None, seq_len=seq)
+    np.testing.assert_allclose(kw["rope_inv_freq"], inv.double().numpy(), rtol=2e-6, atol=0)
+    assert kw.get("rope_scale", 1.0) == pytest.approx(factor, rel=1e-12)
+    assert "rope_theta" not in kw
+
+
+def _with_grad(mod, kw):
+    """The loader's arrays as leaf tensors tied to the module's parameters they come from,
+    for comparing gradients: (name in kw, tensor, the module's parameter, to-ours map)."""
+    names = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+    pairs = []
+    for p, lin in names.items():
+        pairs.append((f"w_{p}", getattr(mod, lin).weight, lambda g: g.T))
+        if getattr(mod, lin).bias is not None:
+            pairs.append((f"b_{p}", getattr(mod, lin).bias, lambda g: g))
+    pairs.extend((n, getattr(mod, n).weight, lambda g: g) for n in ("q_norm", "k_norm") if n in kw)
+    if "sinks" in kw:
+        pairs.append(("sinks", mod.sinks, lambda g: g))
+    return pairs
+
+
+GRAD_MODELS = {  # one model of each option: (family, option checked)
+    "Mistral": "window",
+    "Qwen3": "q_norm",
+    "Gemma3": "q_norm",
+    "Gemma2": "softcap",
+    "GptOss": "sinks",
+}
+
+
+@pytest.mark.parametrize("name", list(GRAD_MODELS) + ["Llama-yarn"])
+def test_gradients_match_the_module_autograd(name):
+    """float32: gradients through attnlab.torch (input, weights, norms, sinks) match the
+    module's own autograd (eager), on each layer of a tiny model, inside the model's mask."""
+    import attnlab.torch as at
+
+    if name == "Llama-yarn":
+        cfg = T.LlamaConfig(**_gqa(rope_parameters=ROPE_TYPES["yarn"]))
+        needed: tuple = ()
+    else:
+        cfg_cls, kwcfg, needed = _family(name)
+        cfg = cfg_cls(**kwcfg)
+    missing = _missing_options(needed)
+    if missing:
+        pytest.skip(f"multi_head_attention has no {', '.join(missing)} option yet")
+    cfg._attn_implementation = "eager"
+    if hasattr(cfg, "num_local_experts"):
+        cfg._experts_implementation = "eager"
+    model = _far_from_uniform(T.AutoModel.from_config(cfg), 3)
+    seen = {}
+
+    def hook(mod, _args, kwargs):
+        # no cache: the module is called again below
+        seen.setdefault(mod, {**kwargs, "past_key_values": None})
+
+    atts = [m for m in model.modules() if _is_attention(m)]
+    hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in atts]
+    ids = torch.randint(1, 50, (B, NW), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.from_numpy(PAD20))
+    for h in hooks:
+        h.remove()
+    G = torch.randn(B, NW, cfg.hidden_size, generator=torch.Generator().manual_seed(10))
+    for mod, kwargs in seen.items():
+        kw = from_transformers(mod, rope_length=NW)
+        x = kwargs["hidden_states"].detach().clone().requires_grad_(True)
+        out = mod(**{**kwargs, "hidden_states": x})[0]
+        params = _with_grad(mod, kw)
+        theirs = torch.autograd.grad((out * G).sum(), [x] + [p for _, p, _ in params])
+        leaves = {n: torch.tensor(kw[n], requires_grad=True) for n, _, _ in params}
+        xa = x.detach().clone().requires_grad_(True)
+        consts = {k: v for k, v in kw.items() if k not in leaves}
+        ours_out = at.multi_head_attention(xa, **transformers_masks(PAD20), **consts, **leaves)
+        ours = torch.autograd.grad((ours_out * G).sum(), [xa, *leaves.values()])
+        assert_close(ours_out.detach().numpy(), out.detach().numpy(), np.float32, name, 2e-5)
+        assert_close(ours[0].numpy(), theirs[0].numpy(), np.float32, f"{name} grad x", 2e-5)
+        for (n, _, to_ours), a, b in zip(params, ours[1:], theirs[1:], strict=True):
+            assert_close(a.numpy(), to_ours(b).numpy(), np.float32, f"{name} grad {n}", 2e-5)
