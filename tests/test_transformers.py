@@ -909,3 +909,66 @@ def test_gradients_match_the_module_autograd(name):
         assert_close(ours[0].numpy(), theirs[0].numpy(), np.float32, f"{name} grad x", 2e-5)
         for (n, _, to_ours), a, b in zip(params, ours[1:], theirs[1:], strict=True):
             assert_close(a.numpy(), to_ours(b).numpy(), np.float32, f"{name} grad {n}", 2e-5)
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+def test_t5_position_bias_is_the_modules(decoder):
+    """The bias equals the module's compute_bias bucket for bucket (float32 bucketing, far
+    distances past max_distance, decoder offsets), and with it attnlab reproduces the first
+    encoder (or decoder) self-attention layer of a tiny T5 inside the model."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    from attnlab.interop import t5_position_bias
+
+    cfg = T.T5Config(
+        vocab_size=50,
+        d_model=32,
+        d_kv=8,
+        num_heads=4,
+        d_ff=16,
+        num_layers=2,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=64,
+        is_decoder=decoder,
+    )
+    m = T5Attention(cfg, has_relative_attention_bias=True, layer_idx=0)
+    with torch.no_grad():
+        m.relative_attention_bias.weight.copy_(torch.randn(32, 4))
+    for n_q, n_k, off in ((7, 7, 0), (300, 300, 0), (1, 200, 199), (5, 260, 100)):
+        with torch.no_grad():
+            ref = m.compute_bias(n_q, n_k, past_seen_tokens=off)[0].numpy()
+        np.testing.assert_array_equal(t5_position_bias(m, n_q, n_k, query_offset=off), ref)
+    with pytest.raises(ValueError, match="T5Attention adds a relative position bias"):
+        from_transformers(m)
+    with pytest.raises(ValueError, match="no relative_attention_bias table"):
+        t5_position_bias(T5Attention(cfg, has_relative_attention_bias=False), 3)
+    model = (T.T5EncoderModel if not decoder else T.T5Model)(cfg).eval()
+    _randomize(model)
+    stack = model.encoder if not decoder else model.decoder
+    att = stack.block[0].layer[0].SelfAttention
+    seen = {}
+
+    def hook(_mod, args, kwargs, out):
+        seen["x"], seen["out"] = kwargs.get("hidden_states", args[0] if args else None), out[0]
+
+    handle = att.register_forward_hook(hook, with_kwargs=True)
+    ids = torch.randint(0, 50, (B, N), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        if decoder:
+            model(
+                input_ids=ids, decoder_input_ids=ids, decoder_attention_mask=torch.from_numpy(PAD)
+            )
+        else:
+            model(input_ids=ids, attention_mask=torch.from_numpy(PAD))
+    handle.remove()
+    w = {f"w_{p}": getattr(att, p).weight.detach().numpy().T for p in "qkvo"}
+    got = attnlab.multi_head_attention(
+        seen["x"].numpy(),
+        num_heads=4,
+        scale=1.0,
+        causal=decoder,
+        mask=t5_position_bias(att, N),
+        **transformers_masks(PAD),
+        **w,
+    )
+    assert_close(got, seen["out"].numpy(), np.float32, "transformers T5", 2e-5)
