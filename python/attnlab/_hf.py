@@ -562,8 +562,11 @@ def from_transformers(
       layers with their own rotary base), ``GptOssAttention`` (sinks, sliding layers, YaRN),
       ``Phi3Attention`` (packed ``qkv_proj``, partial rotary, LongRoPE);
     - packed projections: ``GPTNeoXAttention`` (GPT-NeoX, Pythia; partial rotary),
-      ``FalconAttention`` (rotary or ALiBi; multi-query, grouped (new decoder architecture) or
-      multi-head), ``BloomAttention`` and ``MptAttention`` (ALiBi).
+      ``FalconAttention`` (rotary; multi-query, grouped (new decoder architecture) or
+      multi-head; its bfloat16 ALiBi is refused), ``BloomAttention`` and ``MptAttention``
+      (ALiBi).
+
+    T5's relative position bias: :func:`t5_position_bias`.
 
     Parameters
     ----------
