@@ -733,6 +733,22 @@ def t5_position_bias(
     -----
     The buckets are computed in float32, as transformers computes them, so that bucket
     boundaries fall where they fall for the module.
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> from attnlab.interop import t5_position_bias
+    >>> from transformers import T5Config
+    >>> from transformers.models.t5.modeling_t5 import T5Attention
+    >>> cfg = T5Config(d_model=32, d_kv=8, num_heads=4)
+    >>> att = T5Attention(cfg, has_relative_attention_bias=True)
+    >>> bias = t5_position_bias(att, 6)
+    >>> bias.shape
+    (4, 6, 6)
+    >>> w = {f"w_{p}": getattr(att, p).weight.detach().numpy().T for p in "qkvo"}
+    >>> x = np.ones((6, 32), np.float32)
+    >>> attnlab.multi_head_attention(x, num_heads=4, scale=1.0, mask=bias, **w).shape
+    (6, 32)
     """
     emb = getattr(module, "relative_attention_bias", None)
     if emb is None or not getattr(module, "has_relative_attention_bias", True):
