@@ -573,6 +573,7 @@ def _family(name):
             ),
             (),
         ),
+        "Phi3-sliding": (T.Phi3Config, _gqa(sliding_window=WINDOW, pad_token_id=0), ("window",)),
         "GPTNeoX": (
             T.GPTNeoXConfig,
             {
@@ -626,6 +627,7 @@ FAMILIES = [
     "Gemma3-full",
     "GptOss",
     "Phi3",
+    "Phi3-sliding",
     "GPTNeoX",
     "Falcon-multi-query",
     "Falcon-grouped",
@@ -648,6 +650,7 @@ EAGER_F32_SOFTMAX = {
     "Gemma2",
     "Gemma3",
     "Phi3",
+    "Phi3-sliding",
     "Bloom",
     "Mpt",
 }
@@ -762,7 +765,7 @@ def test_family_inside_the_model(name, impl, dtype):
             plain = attnlab.multi_head_attention(x.numpy(), **transformers_masks(PAD20), **kw)
             assert np.abs(plain - got).max() > 1e-2 * np.abs(got).max()
     if "window" in needed:
-        assert kinds == {True, False} or name in ("Mistral", "Mixtral"), kinds
+        assert kinds == {True, False} or name in ("Mistral", "Mixtral", "Phi3-sliding"), kinds
 
 
 ROPE_TYPES = {
