@@ -219,12 +219,18 @@ def _context(p: np.ndarray, v: np.ndarray, reads: np.ndarray) -> np.ndarray:
 _Tables = tuple[np.ndarray, np.ndarray]  # cos, sin
 
 
-def _rope_tables(theta: float, r: int, pos: np.ndarray) -> _Tables:
-    """cos and sin ``(..., n, r)`` of transformers' ``emb = cat(freqs, freqs)``."""
-    inv_freq = 1.0 / theta ** (np.arange(0, r, 2, dtype=np.float64) / r)
+def _rope_tables(inv_freq: np.ndarray, scale: float, pos: np.ndarray) -> _Tables:
+    """``scale`` times cos and sin ``(..., n, r)`` of transformers' ``emb = cat(freqs,
+    freqs)``."""
     freqs = pos[..., None] * inv_freq
     emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb), np.sin(emb)
+    return scale * np.cos(emb), scale * np.sin(emb)
+
+
+def _rms_norm(x: np.ndarray, w: Any, eps: Any) -> np.ndarray:
+    """``x * (mean(x**2) + eps) ** -0.5 * w`` over the last axis (q_norm, k_norm)."""
+    e = 1e-6 if eps is None else float(eps)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + e) * _f64(w)
 
 
 def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -239,11 +245,15 @@ def _rope(
     args: Mapping[str, Any], n_q: int, n_k: int, d_head: int
 ) -> tuple[_Tables, _Tables] | None:
     """The cos and sin tables (:func:`_rope_tables`) of the query and of the key positions, or
-    ``None`` without ``rope_theta``."""
-    theta = args["rope_theta"]
-    if theta is None:
+    ``None`` without ``rope_theta`` and ``rope_inv_freq``."""
+    theta, inv_freq = args["rope_theta"], args["rope_inv_freq"]
+    if theta is None and inv_freq is None:
         return None
-    r = d_head if args["rope_dim"] is None else int(args["rope_dim"])
+    if inv_freq is None:
+        r = d_head if args["rope_dim"] is None else int(args["rope_dim"])
+        inv_freq = 1.0 / float(theta) ** (np.arange(0, r, 2, dtype=np.float64) / r)
+    inv_freq = _f64(inv_freq)
+    scale = 1.0 if args["rope_scale"] is None else float(args["rope_scale"])
     offset = n_k - n_q if args["causal"] == "bottom_right" else 0
     positions = args["positions"]
     if isinstance(positions, tuple):
@@ -253,7 +263,7 @@ def _rope(
     else:
         pos_k = _f64(positions)
         pos_q = pos_k[..., offset : offset + n_q]
-    return _rope_tables(float(theta), r, pos_q), _rope_tables(float(theta), r, pos_k)
+    return _rope_tables(inv_freq, scale, pos_q), _rope_tables(inv_freq, scale, pos_k)
 
 
 @_sig.reference_of(_public.scaled_dot_product_attention)
@@ -295,7 +305,8 @@ def multi_head_attention(args: dict[str, Any]) -> Any:
     """Reference for :func:`attnlab.multi_head_attention` (float64), one head at a time.
 
     Rotary embeddings are written as in ``transformers``: ``x * cos + rotate_half(x) * sin``
-    on the first ``rope_dim`` features of each query and key head.
+    on the first ``rope_dim`` features of each query and key head, after the heads' RMSNorm
+    (``q_norm``, ``k_norm``).
 
     {parameters}
 
@@ -325,6 +336,10 @@ def multi_head_attention(args: dict[str, Any]) -> Any:
         j = i // (h // h_kv)  # the kv head this query head reads
         q_i = Q[..., i * d_head : (i + 1) * d_head]
         k_i = K[..., j * d_head : (j + 1) * d_head]
+        if args["q_norm"] is not None:
+            q_i = _rms_norm(q_i, args["q_norm"], args["norm_eps"])
+        if args["k_norm"] is not None:
+            k_i = _rms_norm(k_i, args["k_norm"], args["norm_eps"])
         if rope is not None:
             q_i = _apply_rope(q_i, *rope[0])
             k_i = _apply_rope(k_i, *rope[1])
