@@ -542,3 +542,21 @@ def test_merge_attention_errors():
         attnlab.merge_attention([o, np.zeros((2, 3, 5))], [s, s])
     with pytest.raises(TypeError, match="sequences"):
         attnlab.merge_attention(o, s)
+
+
+def test_torch_adapter_differentiates_sinks():
+    torch = pytest.importorskip("torch")
+    import attnlab.torch as at
+
+    rng = np.random.default_rng(43)
+    q, k, v = (rng.standard_normal((1, 2, 6, 4)) for _ in range(3))
+    sinks = rng.standard_normal(2)
+    g = rng.standard_normal((1, 2, 6, 4))
+    tq, ts = torch.tensor(q, requires_grad=True), torch.tensor(sinks, requires_grad=True)
+    out = at.scaled_dot_product_attention(
+        tq, torch.tensor(k), torch.tensor(v), sinks=ts, softcap=2.0
+    )
+    out.backward(torch.tensor(g))
+    ref = attnlab.scaled_dot_product_attention_backward(g, q, k, v, sinks=sinks, softcap=2.0)
+    np.testing.assert_allclose(ts.grad.numpy(), ref["sinks"], rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(tq.grad.numpy(), ref["q"], rtol=1e-12, atol=1e-13)

@@ -650,11 +650,13 @@ def _mha_grads(
     else:
         grads = _grad.grad_buffers({**a.w, **inputs}, dtype)
     logit = _grad.logit_buffers(a.m, B, a.h, a.n_q, a.n_k, dtype)
+    grads.update(logit)  # the composed path also adds entries of its own (q_norm, k_norm)
     if kernel:
         if rope is None:
-            core.mha_backward(go2, *a.core_args(), {**grads, **logit}, state)
+            core.mha_backward(go2, *a.core_args(), grads, state)
         else:
-            _rope.backward(go2, a, rope, {**grads, **logit})
+            _rope.backward(go2, a, rope, grads)
+    logit = {n: grads.pop(n) for n in logit}
     rows = {n: grads.pop(n) for n in ("query", "key", "value")}
     return {
         **_grad.input_grads(rows, batch, a.shapes, a.key_omitted, a.value_omitted, summed),

@@ -229,7 +229,7 @@ _SDPA_DOC = """\
     torch.Size([2, 4, 8])
     """
 scaled_dot_product_attention = _wrapper(
-    _mha.scaled_dot_product_attention, ("q", "k", "v"), _SDPA_DOC
+    _mha.scaled_dot_product_attention, ("q", "k", "v", "sinks"), _SDPA_DOC
 )
 
 _MULTI_HEAD_DOC = """\
@@ -277,6 +277,7 @@ multi_head_attention = _wrapper(
         "b_o",
         "q_norm",
         "k_norm",
+        "sinks",
     ),
     _MULTI_HEAD_DOC,
     apart=("rope_theta", "rope_dim", "positions", "rope_inv_freq", "rope_scale"),
@@ -307,7 +308,7 @@ _BILINEAR_DOC = """\
     """
 bilinear_attention = _wrapper(
     _bilinear.bilinear_attention,
-    ("query", "key", "value", "u_k", "w_v", "w_o", "b_v", "b_o", "w_qk"),
+    ("query", "key", "value", "u_k", "w_v", "w_o", "b_v", "b_o", "w_qk", "sinks"),
     _BILINEAR_DOC,
 )
 
