@@ -30,6 +30,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 LATENCY = 0.5  # seconds from the signal to the KeyboardInterrupt (issue 33)
+# scripts/sanitize.sh's instrumented Debug build runs each task tens of times slower: there only
+# the unwinding is checked (no sanitizer report, the right answer after), not the latency
+SANITIZED = bool(os.environ.get("ATTNLAB_SANITIZED"))
+BOUND = 60.0 if SANITIZED else LATENCY
 DELAY = 0.3  # seconds into the call when the signal is sent
 
 
@@ -102,7 +106,7 @@ def test_sdpa_forward_stops_within_half_a_second(rng):
     q, k, v = long_sdpa(rng)
     copies = [a.copy() for a in (q, k, v)]
     latency = interrupted(lambda: attnlab.scaled_dot_product_attention(q, k, v))
-    assert latency < LATENCY, f"KeyboardInterrupt {latency:.3f} s after the signal"
+    assert latency < BOUND, f"KeyboardInterrupt {latency:.3f} s after the signal"
     for a, c in zip((q, k, v), copies, strict=True):
         np.testing.assert_array_equal(a, c)  # the arguments are untouched
     check_still_right(rng)
@@ -115,7 +119,7 @@ def test_mha_backward_stops_within_half_a_second(rng):
     copies = {"x": x.copy(), **{k: a.copy() for k, a in w.items()}}
     grad = np.ones_like(x)
     latency = interrupted(lambda: attnlab.multi_head_attention_backward(grad, x, num_heads=4, **w))
-    assert latency < LATENCY, f"KeyboardInterrupt {latency:.3f} s after the signal"
+    assert latency < BOUND, f"KeyboardInterrupt {latency:.3f} s after the signal"
     np.testing.assert_array_equal(x, copies.pop("x"))
     for name, c in copies.items():
         np.testing.assert_array_equal(w[name], c)
@@ -134,7 +138,7 @@ def test_vjp_pullback_stops_and_can_be_called_again(rng):
     out, pullback = attnlab.vjp(attnlab.multi_head_attention, x, num_heads=4, **w)
     grad = np.ones_like(out)
     latency = interrupted(lambda: pullback(grad))
-    assert latency < LATENCY, f"KeyboardInterrupt {latency:.3f} s after the signal"
+    assert latency < BOUND, f"KeyboardInterrupt {latency:.3f} s after the signal"
     # the state the forward kept is read-only to the pullback: a small vjp still agrees with
     # the backward that recomputes
     small = x[:, :40].copy()
@@ -158,9 +162,10 @@ def test_the_exception_is_the_handlers(rng):
         latency = interrupted(lambda: attnlab.scaled_dot_product_attention(q, k, v), expected=Stop)
     finally:
         signal.signal(signal.SIGINT, old)
-    assert latency < LATENCY
+    assert latency < BOUND
 
 
+@pytest.mark.skipif(SANITIZED, reason="two uninterrupted long calls: minutes when instrumented")
 def test_a_handler_that_does_not_raise_lets_the_call_finish(rng):
     """The handler runs during the call (not after it), and the result is the uninterrupted one."""
     q, k, v = (rng.standard_normal((1, 8, 12288, 64), dtype=np.float32) for _ in range(3))
@@ -174,7 +179,7 @@ def test_a_handler_that_does_not_raise_lets_the_call_finish(rng):
     finally:
         signal.signal(signal.SIGINT, old)
     assert len(ran) == 1
-    assert ran[0] - sent[0] < LATENCY, f"the handler ran {ran[0] - sent[0]:.3f} s after the signal"
+    assert ran[0] - sent[0] < BOUND, f"the handler ran {ran[0] - sent[0]:.3f} s after the signal"
     assert finished - ran[0] > 0.2, "the handler ran only as the call ended"
     np.testing.assert_array_equal(got, expected)
 
@@ -185,6 +190,7 @@ def _rss_bytes() -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+@pytest.mark.skipif(SANITIZED, reason="AddressSanitizer's quarantine holds freed memory")
 def test_memory_does_not_grow_over_interrupted_calls(rng):
     q, k, v = (rng.standard_normal((1, 8, 8192, 64), dtype=np.float32) for _ in range(3))
     x, w = long_mha(rng, 8192)
@@ -229,6 +235,7 @@ print(took)
 JUPYTER_TIMEOUT = 2  # seconds: nbclient interrupts the long cell then
 
 
+@pytest.mark.skipif(SANITIZED, reason="its bound is the latency (see BOUND)")
 def test_jupyter_interrupt_kernel():
     """nbclient interrupts the long cell at its timeout (km.interrupt_kernel: SIGINT to the
     kernel); the cell ends with KeyboardInterrupt well before the call would, and the next cell
