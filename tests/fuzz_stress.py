@@ -167,6 +167,12 @@ def _causal(c: Chooser) -> Any:
     return c.choice((False, False, True, "top_left", "bottom_right"))
 
 
+def _window(c: Chooser) -> Any:
+    if c.bool(0.7):
+        return None
+    return (c.choice((None, 0, 1, 3)), c.choice((None, 0, 2)))
+
+
 def _scale(c: Chooser) -> float | None:
     return None if c.bool(0.7) else float(c.choice((0.1, 0.5, 2.0, -1.0)))
 
@@ -182,6 +188,9 @@ def build_sdpa(c: Chooser, dtype: Any) -> Case:
         v=_arr(c, batch + (h_kv, n_k, d_v), dtype),
         mask=_mask(c, batch, h, n_q, n_k, dtype),
         causal=_causal(c),
+        window=_window(c),
+        softcap=None if c.bool(0.8) else float(c.choice((0.5, 3.0))),
+        alibi_slopes=None if c.bool(0.8) else np.linspace(0.1, 0.5, h),
         scale=_scale(c),
         return_weights=c.choice((False, False, True, "heads", "mean")),
     )
@@ -233,6 +242,7 @@ def build_mha(c: Chooser, dtype: Any) -> Case:
         mask=_mask(c, batch, h, n_q, n_k, dtype),
         key_padding_mask=_kpm(c, batch, n_k),
         causal=_causal(c),
+        window=_window(c),
         scale=_scale(c),
         return_weights=c.choice((False, False, True, "heads", "mean")),
     )
@@ -661,6 +671,10 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
         ]
     if fam in ("scaled_dot_product_attention", "multi_head_attention", "bilinear_attention"):
         options.append(option("causal", ("yes", 3, "bottom"), "causal"))
+        options.append(option("window", (3, (-1, 0), (0, 1.5), (1, 2, 3), "ab"), "window"))
+        options.append(option("softcap", (0.0, -1.0, float("nan"), "a"), "softcap"))
+        options.append(option("alibi_slopes", ([float("nan")], np.ones(7), "a"), "alibi_slopes"))
+        options.append(option("sinks", ([float("inf")], np.ones(7)), "sinks"))
         options.append(option("return_weights", ("all", 2), "return_weights"))
         if fam == "scaled_dot_product_attention":
             options.append(option("scale", ("a", float("nan"), float("-inf"), 1j), "scale"))

@@ -11,6 +11,7 @@ import pytest
 
 import attnlab
 from attnlab import _bilinear, reference
+from attnlab._args import CoreMask
 from attnlab._loader import core
 
 
@@ -423,7 +424,7 @@ def test_core_rejects_bad_buffers():
         n_k=5,
         heads=2,
         kv_heads=2,
-        mask=(None, None, 0),  # (mask, key_padding_mask, causal): attnlab._args.CoreMask
+        mask=CoreMask(None, None, 0),
         scale=1.0,
         order=0,
         out=out,
@@ -438,12 +439,12 @@ def test_core_rejects_bad_buffers():
         dict(kv_heads=3),
         dict(out=np.zeros((10, 4), np.float32)),
         dict(weights=np.zeros((2, 2, 5, 4))),
-        dict(mask=(None, None, 5)),
-        dict(mask=(None, None, "top_left")),
-        dict(mask=(np.ones((2, 2, 5, 4), bool), None, 0)),
-        dict(mask=(np.ones((2, 2, 5, 5), np.int32), None, 0)),
-        dict(mask=(None, np.ones((2, 4), bool), 0)),
-        dict(mask=(None, np.ones((2, 5)), 0)),
+        dict(mask=CoreMask(None, None, 5)),
+        dict(mask=CoreMask(None, None, "top_left")),
+        dict(mask=CoreMask(np.ones((2, 2, 5, 4), bool), None, 0)),
+        dict(mask=CoreMask(np.ones((2, 2, 5, 5), np.int32), None, 0)),
+        dict(mask=CoreMask(None, np.ones((2, 4), bool), 0)),
+        dict(mask=CoreMask(None, np.ones((2, 5)), 0)),
         dict(mask=None),
         dict(mask=(None, None)),
         dict(mask=[None, None, 0]),

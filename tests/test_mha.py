@@ -941,4 +941,4 @@ def test_core_mask_fields_are_what_the_bindings_read():
     with pytest.raises(ValueError, match="causal: expected an int from 0 to 2, got 1"):
         core.sdpa_forward(q, q, q, out, CoreMask(None, None, 1 << 70), 1.0, None, None)
     with pytest.raises(TypeError, match="causal: expected an int, got str"):
-        core.sdpa_forward(q, q, q, out, (None, None, "top_left"), 1.0, None, None)
+        core.sdpa_forward(q, q, q, out, CoreMask(None, None, "top_left"), 1.0, None, None)  # type: ignore[arg-type]

@@ -191,7 +191,7 @@ def _rope_tables(cfg, head_dim, pos, dtype):
 LLAMA_FAMILY = [
     (LlamaAttention, T.LlamaConfig, dict(attention_bias=True)),
     (LlamaAttention, T.LlamaConfig, dict(num_key_value_heads=1)),
-    (MistralAttention, T.MistralConfig, dict(head_dim=32)),
+    (MistralAttention, T.MistralConfig, dict(head_dim=32, sliding_window=None)),
     (
         Qwen2Attention,
         T.Qwen2Config,
@@ -347,9 +347,7 @@ def test_transformers_masks_forms():
 
 def test_from_transformers_refuses_what_it_cannot_represent():
     with pytest.raises(
-        TypeError,
-        match=r"module: expected a transformers attention module.*"
-        r"GPT2Attention.*got dict",
+        TypeError, match=r"module: dict is not a transformers attention module.*GPT2Attention"
     ):
         from_transformers({"q_proj.weight": np.zeros((4, 4))})
     with pytest.raises(TypeError, match="ignore_norm"):
@@ -359,28 +357,84 @@ def test_from_transformers_refuses_what_it_cannot_represent():
     cfg = T.LlamaConfig(
         hidden_size=D,
         num_attention_heads=4,
-        rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+        rope_parameters={"rope_type": "made-up", "rope_theta": 1e4, "factor": 2.0},
     )
-    with pytest.raises(ValueError, match="'linear' rescale the frequencies"):
+    with pytest.raises(ValueError, match=r"'made-up'.*not reproduced"):
+        from_transformers(LlamaAttention(cfg, layer_idx=0))
+    cfg = T.LlamaConfig(
+        hidden_size=D,
+        num_attention_heads=4,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+    )
+    with pytest.raises(ValueError, match=r"rope_length: .*'dynamic'"):
         from_transformers(LlamaAttention(cfg, layer_idx=0))
     m = LlamaAttention(T.LlamaConfig(hidden_size=D, num_attention_heads=4), layer_idx=0)
-    m.q_norm = torch.nn.LayerNorm(16)  # as Qwen3 / OLMo-2 normalise the heads
-    with pytest.raises(ValueError, match=r"sub-modules.*'q_norm'"):
+    m.q_norm = torch.nn.LayerNorm(16)  # as OLMo-2 normalises the heads (LayerNorm: not ours)
+    with pytest.raises(ValueError, match=r"q_norm is a LayerNorm, not an RMSNorm"):
+        from_transformers(m)
+    m = LlamaAttention(T.LlamaConfig(hidden_size=D, num_attention_heads=4), layer_idx=0)
+    m.gate = torch.nn.Linear(4, 4)  # something the attention call does not model
+    with pytest.raises(ValueError, match=r"sub-modules.*'gate'"):
         from_transformers(m)
     rel = BertSelfAttention(T.BertConfig(hidden_size=D, num_attention_heads=4))
     rel.distance_embedding = torch.nn.Embedding(5, 16)
     with pytest.raises(ValueError, match="relative position scores"):
         from_transformers(rel)
-    m = T.Qwen3Config if hasattr(T, "Qwen3Config") else None
-    if m is not None:
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-        with pytest.raises(TypeError, match="got Qwen3Attention"):
-            from_transformers(
-                Qwen3Attention(
-                    T.Qwen3Config(hidden_size=D, num_attention_heads=4, head_dim=16), layer_idx=0
-                )
-            )
+
+def test_sliding_window_is_refused_without_window():
+    """A sliding window reproduced neither by the kwargs nor by the module's own call (the window
+    lives in the model's mask) is refused, naming it: never the silent causal-only result."""
+    if not _missing_options(["window"]):
+        pytest.skip("multi_head_attention has window=: the window is reproduced, not refused")
+    mistral = MistralAttention(
+        T.MistralConfig(hidden_size=D, num_attention_heads=4, sliding_window=8), layer_idx=0
+    )
+    qwen2 = T.Qwen2Config(
+        hidden_size=D,
+        num_attention_heads=4,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+        num_hidden_layers=2,
+    )
+    for m in (mistral, Qwen2Attention(qwen2, layer_idx=1)):
+        with pytest.raises(ValueError, match=r"sliding_window = 8 tokens.*window= option"):
+            from_transformers(m)
+    from_transformers(Qwen2Attention(qwen2, layer_idx=0))  # a full layer: reproduced
+
+
+def test_unknown_module_refusal_names_what_it_does():
+    class FancyAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = T.Gemma2Config(sliding_window=4, attn_logit_softcapping=30.0)
+            self.q_norm = torch.nn.LayerNorm(4)
+
+    with pytest.raises(
+        TypeError,
+        match=r"FancyAttention is not .*a sliding window \(sliding_window\), soft-capped "
+        r"logits \(attn_logit_softcapping\), .*per-head query norm \(q_norm\).*Supported: ",
+    ):
+        from_transformers(FancyAttention())
+
+
+def test_settings_not_reproduced_are_refused_naming_them():
+    falcon = T.FalconConfig(**{**SMALL, "alibi": True})
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+    from transformers.models.mpt.modeling_mpt import MptAttention
+
+    with pytest.raises(ValueError, match=r"config.alibi = True .*bfloat16"):
+        from_transformers(FalconAttention(falcon, layer_idx=0))
+    mpt = T.MptConfig(d_model=64, n_heads=4, attn_config={"clip_qkv": 2.0})
+    with pytest.raises(ValueError, match=r"clip_qkv = 2.0 clamps"):
+        from_transformers(MptAttention(mpt, layer_idx=0))
+    from transformers.models.bloom.modeling_bloom import BloomAttention
+
+    with pytest.raises(ValueError, match=r"x_residual.*ignore_residual=True"):
+        from_transformers(BloomAttention(T.BloomConfig(**{**SMALL, "n_head": 4}), layer_idx=0))
+    with pytest.raises(TypeError, match="ignore_residual"):
+        from_transformers(LlamaAttention(T.LlamaConfig(**SMALL), 0), ignore_residual="yes")
 
 
 def test_from_transformers_bfloat16_and_copies():
@@ -393,3 +447,531 @@ def test_from_transformers_bfloat16_and_copies():
     with torch.no_grad():
         m.q_proj.weight.zero_()
     assert np.abs(kw["w_q"]).max() > 0  # a copy, not a view of the module's tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole (tiny) models of today's families: every attention layer's input and output captured
+# inside the model (the sliding window, the ALiBi biases and the causal mask come from the
+# model), reproduced by attnlab from the loader's kwargs and the 2-D padding mask alone.
+
+NW = 20  # tokens, longer than the window
+WINDOW = 8
+# right padding: the second sequence has 15 real tokens (every query row keeps a key)
+PAD20 = np.array([[1] * NW, [1] * 15 + [0] * (NW - 15)])
+SMALL = dict(
+    vocab_size=50,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
+
+
+def _gqa(**kw):
+    return {**SMALL, "num_key_value_heads": 2, **kw}
+
+
+def _family(name):
+    """``(config, attention module classes to check, options the loader emits)``."""
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 16,
+    }
+    table = {
+        "Llama": (T.LlamaConfig, _gqa(attention_bias=True), ()),
+        "Llama-llama3": (
+            T.LlamaConfig,
+            _gqa(
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                }
+            ),
+            (),
+        ),
+        "Llama-linear": (
+            T.LlamaConfig,
+            _gqa(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 3.0}),
+            (),
+        ),
+        "Mistral": (T.MistralConfig, _gqa(head_dim=32, sliding_window=WINDOW), ("window",)),
+        "Mixtral": (
+            T.MixtralConfig,
+            _gqa(sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1),
+            ("window",),
+        ),
+        "Qwen2": (
+            T.Qwen2Config,
+            _gqa(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+            ("window",),
+        ),
+        "Qwen3": (
+            T.Qwen3Config,
+            _gqa(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+            ("window", "q_norm"),
+        ),
+        "Qwen3-full": (T.Qwen3Config, _gqa(head_dim=16), ("q_norm",)),
+        "Gemma": (T.GemmaConfig, _gqa(head_dim=16), ()),
+        "Gemma2": (
+            T.Gemma2Config,
+            _gqa(
+                head_dim=16,
+                sliding_window=WINDOW,
+                attn_logit_softcapping=5.0,
+                query_pre_attn_scalar=20,
+            ),
+            ("window", "softcap"),
+        ),
+        "Gemma3": (
+            T.Gemma3TextConfig,
+            _gqa(
+                head_dim=16,
+                sliding_window=WINDOW,
+                query_pre_attn_scalar=20,
+                sliding_window_pattern=2,
+            ),
+            ("window", "q_norm"),
+        ),
+        "Gemma3-full": (
+            T.Gemma3TextConfig,
+            _gqa(head_dim=16, query_pre_attn_scalar=20, sliding_window_pattern=1),
+            ("q_norm",),
+        ),
+        "GptOss": (
+            T.GptOssConfig,
+            _gqa(
+                head_dim=16,
+                sliding_window=WINDOW,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                rope_parameters=yarn,
+            ),
+            ("window", "sinks"),
+        ),
+        "Phi3": (
+            T.Phi3Config,
+            _gqa(
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                    "short_factor": [1.0, 1.5, 2.0, 3.0],
+                    "long_factor": [2.0, 3.0, 5.0, 8.0],
+                    "original_max_position_embeddings": 16,
+                },
+                pad_token_id=0,
+            ),
+            (),
+        ),
+        "Phi3-sliding": (T.Phi3Config, _gqa(sliding_window=WINDOW, pad_token_id=0), ("window",)),
+        "GPTNeoX": (
+            T.GPTNeoXConfig,
+            {
+                **SMALL,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.25,
+                },
+            },
+            (),
+        ),
+        "Falcon-multi-query": (
+            T.FalconConfig,
+            {**SMALL, "multi_query": True, "new_decoder_architecture": False, "alibi": False},
+            (),
+        ),
+        "Falcon-grouped": (
+            T.FalconConfig,
+            {
+                **SMALL,
+                "new_decoder_architecture": True,
+                "num_kv_heads": 2,
+                "alibi": False,
+                "bias": True,
+            },
+            (),
+        ),
+        "Bloom": (T.BloomConfig, {**SMALL, "n_head": 4}, ("alibi_slopes",)),
+        "Mpt": (
+            T.MptConfig,
+            {**SMALL, "n_heads": 4, "d_model": 64, "max_seq_len": 32},
+            ("alibi_slopes",),
+        ),
+    }
+    return table[name]
+
+
+FAMILIES = [
+    "Llama",
+    "Llama-llama3",
+    "Llama-linear",
+    "Mistral",
+    "Mixtral",
+    "Qwen2",
+    "Qwen3",
+    "Qwen3-full",
+    "Gemma",
+    "Gemma2",
+    "Gemma3",
+    "Gemma3-full",
+    "GptOss",
+    "Phi3",
+    "Phi3-sliding",
+    "GPTNeoX",
+    "Falcon-multi-query",
+    "Falcon-grouped",
+    "Bloom",
+    "Mpt",
+]
+# transformers refuses sdpa for these (it cannot soft-cap, add sinks or ALiBi there)
+EAGER_ONLY = {"Gemma2", "GptOss", "Bloom", "Mpt"}
+# these eager attentions take the softmax in float32 even for a float64 model
+EAGER_F32_SOFTMAX = {
+    "Llama",
+    "Llama-llama3",
+    "Llama-linear",
+    "Mistral",
+    "Mixtral",
+    "Qwen2",
+    "Qwen3",
+    "Qwen3-full",
+    "Gemma",
+    "Gemma2",
+    "Gemma3",
+    "Phi3",
+    "Phi3-sliding",
+    "Bloom",
+    "Mpt",
+}
+
+
+def _missing_options(needed):
+    import inspect
+
+    have = inspect.signature(attnlab.multi_head_attention).parameters
+    return [o for o in needed if o not in have]
+
+
+def _is_attention(mod):
+    name = type(mod).__name__
+    return name.endswith("Attention") and (
+        hasattr(mod, "q_proj")
+        or hasattr(mod, "qkv_proj")
+        or hasattr(mod, "query_key_value")
+        or hasattr(mod, "Wqkv")
+    )
+
+
+def _refusal(mod):
+    """The loader's refusal message for ``mod``, or None when it loads."""
+    try:
+        from_transformers(mod, ignore_residual=True, rope_length=NW)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _far_from_uniform(model, seed):
+    """Random weights with query/key projections scaled up (peaked attention), random norms
+    and sinks; biases non-zero."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(s in name for s in ("q_proj", "k_proj", "qkv_proj", "query_key_value", "Wqkv")):
+                if p.ndim == 2:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 2.5 / p.shape[1] ** 0.5)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(
+                    torch.randn(p.shape, generator=gen) * 0.4
+                    + (0 if "Gemma" in type(model).__name__ else 1)
+                )
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 2)
+    return model.eval()
+
+
+def _run(name, impl, dtype, seed=0):
+    cfg_cls, kw, needed = _family(name)
+    cfg = cfg_cls(**kw)
+    cfg._attn_implementation = impl
+    if hasattr(cfg, "num_local_experts"):  # the grouped-GEMM experts refuse float64
+        cfg._experts_implementation = "eager"
+    model = T.AutoModel.from_config(cfg)
+    model = _far_from_uniform(model.to(dtype), seed)
+    seen = []
+
+    def hook(mod, args, kwargs, out):
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        seen.append((mod, x, kwargs, args, out[0]))
+
+    atts = [m for m in model.modules() if _is_attention(m)]
+    assert len(atts) == cfg.num_hidden_layers if hasattr(cfg, "num_hidden_layers") else atts
+    hooks = [m.register_forward_hook(hook, with_kwargs=True) for m in atts]
+    ids = torch.randint(1, 50, (B, NW), generator=torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.from_numpy(PAD20))
+    for h in hooks:
+        h.remove()
+    return seen, needed
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_inside_the_model(name, impl, dtype):
+    """Each attention layer (sliding and full) of a tiny model, 20 tokens with a window of 8,
+    right padding: attnlab reproduces the layer's output from the loader's kwargs and the 2-D
+    padding mask. float32: 2e-5 (relative; transformers' float32 rotary tables); float64: 2e-6
+    (the module's rotary tables, and its q/k norms, are computed in float32)."""
+    if impl == "sdpa" and name in EAGER_ONLY:
+        pytest.skip(f"transformers has no sdpa attention for {name}")
+    if impl == "eager" and dtype == torch.float64 and name in EAGER_F32_SOFTMAX:
+        pytest.skip("this eager attention takes its softmax in float32 for a float64 model")
+    needed = _family(name)[2]
+    seen, _ = _run(name, impl, dtype)
+    missing = _missing_options(needed)
+    if missing:
+        # the loader refuses the layers that need the option, naming it
+        refused = [_refusal(mod) for mod, *_ in seen]
+        for msg in filter(None, refused):
+            assert any(f"{o}=" in msg for o in missing), msg
+        assert any(refused), "no layer needing the missing option was refused"
+        pytest.skip(f"multi_head_attention has no {', '.join(missing)} option yet")
+    kinds = set()
+    for mod, x, kwargs, args, out in seen:
+        kw = from_transformers(mod, ignore_residual=True, rope_length=NW)
+        kinds.add("window" in kw)
+        got = attnlab.multi_head_attention(x.numpy(), **transformers_masks(PAD20), **kw)
+        if type(mod).__name__ == "BloomAttention":  # its output adds the residual
+            res = kwargs.get("residual", args[1] if len(args) > 1 else None)
+            got = got + res.numpy()
+        tol = 2e-5 if dtype == torch.float32 else 2e-6
+        assert_close(got, out.numpy(), NP[dtype], f"transformers {name}", tol=tol)
+        if "window" in kw:  # the window matters at 20 tokens: without it, far off
+            kw.pop("window")
+            plain = attnlab.multi_head_attention(x.numpy(), **transformers_masks(PAD20), **kw)
+            assert np.abs(plain - got).max() > 1e-2 * np.abs(got).max()
+    if "window" in needed:
+        assert kinds == {True, False} or name in ("Mistral", "Mixtral", "Phi3-sliding"), kinds
+
+
+ROPE_TYPES = {
+    "default": {"rope_type": "default", "rope_theta": 1e4},
+    "linear": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "yarn": {
+        "rope_type": "yarn",
+        "rope_theta": 1.5e5,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+    },
+    "yarn-mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 1e4,
+        "factor": 40.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 64,
+    },
+    "longrope": {
+        "rope_type": "longrope",
+        "rope_theta": 1e4,
+        "short_factor": [1.0 + 0.2 * i for i in range(16)],
+        "long_factor": [2.0 + 1.5 * i for i in range(16)],
+        "original_max_position_embeddings": 64,
+    },
+    "proportional": {
+        "rope_type": "proportional",
+        "rope_theta": 1e4,
+        "partial_rotary_factor": 0.5,
+        "factor": 2.0,
+    },
+}
+
+
+@pytest.mark.parametrize("length", [40, 300])
+@pytest.mark.parametrize("rope", list(ROPE_TYPES))
+def test_rope_types_match_transformers(rope, length):
+    """The loader's frequencies and attention factor (float64, computed from the config) are
+    transformers' own (ROPE_INIT_FUNCTIONS, float32) to float32 rounding, for every static
+    rope_type and the length-dependent ones at a short and a long length."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = ROPE_TYPES[rope]
+    cfg = T.LlamaConfig(
+        hidden_size=D, num_attention_heads=2, max_position_embeddings=128, rope_parameters=params
+    )
+    kw = from_transformers(LlamaAttention(cfg, layer_idx=0), rope_length=length)
+    kind = params["rope_type"]
+    if kind == "default":
+        inv, factor = 1.0 / 1e4 ** (torch.arange(0, 32, 2).double() / 32), 1.0
+        assert kw["rope_theta"] == 1e4 and "rope_inv_freq" not in kw
+        return
+    seq = length if kind in ("dynamic", "longrope") else None
+    if kind == "dynamic" and length <= cfg.max_position_embeddings:
+        seq = None  # transformers keeps the original frequencies up to the trained length
+    inv, factor = ROPE_INIT_FUNCTIONS[kind](cfg, None, seq_len=seq)
+    np.testing.assert_allclose(kw["rope_inv_freq"], inv.double().numpy(), rtol=2e-6, atol=0)
+    assert kw.get("rope_scale", 1.0) == pytest.approx(factor, rel=1e-12)
+    assert "rope_theta" not in kw
+
+
+def _with_grad(mod, kw):
+    """The loader's arrays as leaf tensors tied to the module's parameters they come from,
+    for comparing gradients: (name in kw, tensor, the module's parameter, to-ours map)."""
+    names = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+    pairs = []
+    for p, lin in names.items():
+        pairs.append((f"w_{p}", getattr(mod, lin).weight, lambda g: g.T))
+        if getattr(mod, lin).bias is not None:
+            pairs.append((f"b_{p}", getattr(mod, lin).bias, lambda g: g))
+    pairs.extend((n, getattr(mod, n).weight, lambda g: g) for n in ("q_norm", "k_norm") if n in kw)
+    if "sinks" in kw:
+        pairs.append(("sinks", mod.sinks, lambda g: g))
+    return pairs
+
+
+GRAD_MODELS = {  # one model of each option: (family, option checked)
+    "Mistral": "window",
+    "Qwen3": "q_norm",
+    "Gemma3": "q_norm",
+    "Gemma2": "softcap",
+    "GptOss": "sinks",
+}
+
+
+@pytest.mark.parametrize("name", list(GRAD_MODELS) + ["Llama-yarn"])
+def test_gradients_match_the_module_autograd(name):
+    """float32: gradients through attnlab.torch (input, weights, norms, sinks) match the
+    module's own autograd (eager), on each layer of a tiny model, inside the model's mask."""
+    import attnlab.torch as at
+
+    if name == "Llama-yarn":
+        cfg = T.LlamaConfig(**_gqa(rope_parameters=ROPE_TYPES["yarn"]))
+        needed: tuple = ()
+    else:
+        cfg_cls, kwcfg, needed = _family(name)
+        cfg = cfg_cls(**kwcfg)
+    missing = _missing_options(needed)
+    if missing:
+        pytest.skip(f"multi_head_attention has no {', '.join(missing)} option yet")
+    cfg._attn_implementation = "eager"
+    if hasattr(cfg, "num_local_experts"):
+        cfg._experts_implementation = "eager"
+    model = _far_from_uniform(T.AutoModel.from_config(cfg), 3)
+    seen = {}
+
+    def hook(mod, _args, kwargs):
+        # no cache: the module is called again below
+        seen.setdefault(mod, {**kwargs, "past_key_values": None})
+
+    atts = [m for m in model.modules() if _is_attention(m)]
+    hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in atts]
+    ids = torch.randint(1, 50, (B, NW), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.from_numpy(PAD20))
+    for h in hooks:
+        h.remove()
+    G = torch.randn(B, NW, cfg.hidden_size, generator=torch.Generator().manual_seed(10))
+    for mod, kwargs in seen.items():
+        kw = from_transformers(mod, rope_length=NW)
+        x = kwargs["hidden_states"].detach().clone().requires_grad_(True)
+        out = mod(**{**kwargs, "hidden_states": x})[0]
+        params = _with_grad(mod, kw)
+        theirs = torch.autograd.grad((out * G).sum(), [x] + [p for _, p, _ in params])
+        leaves = {n: torch.tensor(kw[n], requires_grad=True) for n, _, _ in params}
+        xa = x.detach().clone().requires_grad_(True)
+        consts = {k: v for k, v in kw.items() if k not in leaves}
+        ours_out = at.multi_head_attention(xa, **transformers_masks(PAD20), **consts, **leaves)
+        ours = torch.autograd.grad((ours_out * G).sum(), [xa, *leaves.values()])
+        assert_close(ours_out.detach().numpy(), out.detach().numpy(), np.float32, name, 2e-5)
+        assert_close(ours[0].numpy(), theirs[0].numpy(), np.float32, f"{name} grad x", 2e-5)
+        for (n, _, to_ours), a, b in zip(params, ours[1:], theirs[1:], strict=True):
+            assert_close(a.numpy(), to_ours(b).numpy(), np.float32, f"{name} grad {n}", 2e-5)
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+def test_t5_position_bias_is_the_modules(decoder):
+    """The bias equals the module's compute_bias bucket for bucket (float32 bucketing, far
+    distances past max_distance, decoder offsets), and with it attnlab reproduces the first
+    encoder (or decoder) self-attention layer of a tiny T5 inside the model."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    from attnlab.interop import t5_position_bias
+
+    cfg = T.T5Config(
+        vocab_size=50,
+        d_model=32,
+        d_kv=8,
+        num_heads=4,
+        d_ff=16,
+        num_layers=2,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=64,
+        is_decoder=decoder,
+    )
+    m = T5Attention(cfg, has_relative_attention_bias=True, layer_idx=0)
+    with torch.no_grad():
+        m.relative_attention_bias.weight.copy_(torch.randn(32, 4))
+    for n_q, n_k, off in ((7, 7, 0), (300, 300, 0), (1, 200, 199), (5, 260, 100)):
+        with torch.no_grad():
+            ref = m.compute_bias(n_q, n_k, past_seen_tokens=off)[0].numpy()
+        np.testing.assert_array_equal(t5_position_bias(m, n_q, n_k, query_offset=off), ref)
+    with pytest.raises(ValueError, match="T5Attention adds a relative position bias"):
+        from_transformers(m)
+    with pytest.raises(ValueError, match="no relative_attention_bias table"):
+        t5_position_bias(T5Attention(cfg, has_relative_attention_bias=False), 3)
+    model = (T.T5EncoderModel if not decoder else T.T5Model)(cfg).eval()
+    _randomize(model)
+    stack = model.encoder if not decoder else model.decoder
+    att = stack.block[0].layer[0].SelfAttention
+    seen = {}
+
+    def hook(_mod, args, kwargs, out):
+        seen["x"], seen["out"] = kwargs.get("hidden_states", args[0] if args else None), out[0]
+
+    handle = att.register_forward_hook(hook, with_kwargs=True)
+    ids = torch.randint(0, 50, (B, N), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        if decoder:
+            model(
+                input_ids=ids, decoder_input_ids=ids, decoder_attention_mask=torch.from_numpy(PAD)
+            )
+        else:
+            model(input_ids=ids, attention_mask=torch.from_numpy(PAD))
+    handle.remove()
+    w = {f"w_{p}": getattr(att, p).weight.detach().numpy().T for p in "qkvo"}
+    got = attnlab.multi_head_attention(
+        seen["x"].numpy(),
+        num_heads=4,
+        scale=1.0,
+        causal=decoder,
+        mask=t5_position_bias(att, N),
+        **transformers_masks(PAD),
+        **w,
+    )
+    assert_close(got, seen["out"].numpy(), np.float32, "transformers T5", 2e-5)

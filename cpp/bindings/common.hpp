@@ -125,22 +125,23 @@ struct MaskArgs {
     py::object mask;
     py::object key_padding_mask;
     MaskOptions options;
+    py::object alibi_slopes;  // (batch, heads) or None
+    py::object sinks;         // (batch, heads) or None
 };
 
 // The number of items of Python's mask tuple and, for errors, their names:
 // "(mask, key_padding_mask, causal, ...)".
 inline std::size_t mask_items() {
-    std::size_t n = 2;
+    std::size_t n = 4;
     MaskOptions o;
-    for_each_option(o, [&](const char*, auto&, Index, Index) { ++n; });
+    for_each_option(o, [&](const char*, auto&, auto, auto) { ++n; });
     return n;
 }
 inline std::string mask_fields() {
     std::string s = "(mask, key_padding_mask";
     MaskOptions o;
-    for_each_option(o,
-                    [&](const char* name, auto&, Index, Index) { s += std::string(", ") + name; });
-    return s + ")";
+    for_each_option(o, [&](const char* name, auto&, auto, auto) { s += std::string(", ") + name; });
+    return s + ", alibi_slopes, sinks)";
 }
 
 // An item of the mask tuple for the scalar option `name`: an int in [min, max].
@@ -161,6 +162,21 @@ inline Index option_value(py::handle v, const char* name, Index min, Index max) 
     return static_cast<Index>(x);
 }
 
+// An item of the mask tuple for the real scalar option `name`: a float in [min, max].
+inline double option_value(py::handle v, const char* name, double min, double max) {
+    double x = 0;
+    try {
+        x = v.cast<double>();
+    } catch (const py::cast_error&) {
+        throw py::type_error(std::string(name) + ": expected a float, got " +
+                             std::string(py::str(py::type::of(v).attr("__name__"))));
+    }
+    if (!(x >= min && x <= max))
+        throw py::value_error(std::string(name) + ": expected a float from " + std::to_string(min) +
+                              " to " + std::to_string(max) + ", got " + std::to_string(x));
+    return x;
+}
+
 // The one place Python's mask argument becomes MaskArgs: the tuple (mask, key_padding_mask,
 // <MaskOptions' fields>) that attnlab._args.Masks.core_mask builds. Its arrays are checked in
 // mask_spec, against the sizes of the call.
@@ -176,10 +192,16 @@ inline MaskArgs mask_args(py::handle o) {
     a.mask = t[0];
     a.key_padding_mask = t[1];
     std::size_t k = 2;
-    for_each_option(a.options, [&](const char* name, auto& field, Index min, Index max) {
-        field = static_cast<std::remove_reference_t<decltype(field)>>(
-            option_value(t[k++], name, min, max));
+    for_each_option(a.options, [&](const char* name, auto& field, auto min, auto max) {
+        using Field = std::remove_reference_t<decltype(field)>;
+        if constexpr (std::is_floating_point_v<Field>) {
+            field = option_value(t[k++], name, double(min), double(max));
+        } else {
+            field = static_cast<Field>(option_value(t[k++], name, Index(min), Index(max)));
+        }
     });
+    a.alibi_slopes = t[k++];
+    a.sinks = t[k++];
     return a;
 }
 
@@ -217,6 +239,20 @@ MaskSpec<T> mask_spec(const MaskArgs& args, Index batch, Index heads, Index n_q,
         m.sk = st[3];
     }
     m.key_padding = token_mask(args.key_padding_mask, batch, n_k);
+    if (!args.alibi_slopes.is_none()) {
+        py::array a = args.alibi_slopes.cast<py::array>();
+        auto st = check<T>(a, "alibi_slopes", {batch, heads}, false, false, false);
+        m.alibi = static_cast<const T*>(a.data());
+        m.alibi_sb = st[0];
+        m.alibi_sh = st[1];
+    }
+    if (!args.sinks.is_none()) {
+        py::array a = args.sinks.cast<py::array>();
+        auto st = check<T>(a, "sinks", {batch, heads}, false, false, false);
+        m.sinks = static_cast<const T*>(a.data());
+        m.sinks_sb = st[0];
+        m.sinks_sh = st[1];
+    }
     return m;
 }
 
@@ -328,6 +364,8 @@ void projected_grads(Grads& g, const py::dict& grads, const Problem& p, Index d_
     g.value = grad_buffer<T>(grads, "value", {p.batch * p.n_k, p.w_v.in});
     g.w_v = linear_grad(grads, p.w_v, "w_v", "b_v");
     g.w_o = linear_grad(grads, p.w_o, "w_o", "b_o");
+    g.mask = grad_buffer<T>(grads, "mask", {p.batch, p.heads, p.n_q, p.n_k});
+    g.sinks = grad_buffer<T>(grads, "sinks", {p.batch, p.heads});
 }
 
 // The kernels of the table chosen at import (attnlab::kernels()) for element type T: the

@@ -65,7 +65,7 @@ void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const Ma
 // then backward: gradients of q, k, v for grad_out.
 void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, const MaskArgs& mask,
                    double scale, py::array out, py::array lse, py::array d_q, py::array d_k,
-                   py::array d_v, bool recompute) {
+                   py::array d_v, bool recompute, py::object d_mask, py::object d_sinks) {
     dispatch(q, "q", [&](auto tag) {
         using T = decltype(tag);
         AttentionProblem<T> p = sdpa_problem<T>(q, k, v, scale);
@@ -83,6 +83,10 @@ void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, co
         g.d_q = {gq, H * nq * d, nq * d, d};
         g.d_k = {gk, Hk * nk * d, nk * d, d};
         g.d_v = {gv, Hk * nk * dv, nk * dv, dv};
+        if (!d_mask.is_none())
+            g.d_mask = contiguous<T>(d_mask.cast<py::array>(), "d_mask", {B, H, nq, nk}, true);
+        if (!d_sinks.is_none())
+            g.d_sinks = contiguous<T>(d_sinks.cast<py::array>(), "d_sinks", {B, H}, true);
         ReleaseGil release;
         const KernelSet<T>& kernels = kernels_for<T>();
         if (recompute) kernels.attention_forward(p);  // else out and lse are the forward's (vjp)
@@ -190,7 +194,8 @@ void bind_mha(py::module_& m) {
           py::arg("mask"), py::arg("scale"), py::arg("weights"), py::arg("lse"));
     m.def("sdpa_backward", &sdpa_backward, py::arg("grad_out"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("out"), py::arg("lse"),
-          py::arg("d_q"), py::arg("d_k"), py::arg("d_v"), py::arg("recompute") = true);
+          py::arg("d_q"), py::arg("d_k"), py::arg("d_v"), py::arg("recompute") = true,
+          py::arg("d_mask") = py::none(), py::arg("d_sinks") = py::none());
     def(m, "mha_forward",
         MhaSignature::After<>::wrap<py::array, py::object, py::object>(&mha_forward),
         std::tuple_cat(mha_arg_names(), std::make_tuple(py::arg("out"), py::arg("weights"),

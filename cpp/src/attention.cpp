@@ -200,8 +200,10 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         }
     }
     std::fill(acc, acc + dv * mp, T(0));
-    std::fill(row_m, row_m + mp, neg_inf<T>());
-    std::fill(row_l, row_l + mp, T(0));
+    // a sink is a first key of logit `sink` and value 0: it starts the running max and sum
+    const T sink = p.mask.sinks ? p.mask.sink(b, h) : neg_inf<T>();
+    std::fill(row_m, row_m + mp, sink);
+    std::fill(row_l, row_l + mp, sink == neg_inf<T>() ? T(0) : T(1));
 
     const Packet ninf = ei::pset1<Packet>(neg_inf<T>());
     const Packet zero = ei::pzero(ninf);
@@ -220,6 +222,8 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
             }
         }
         if (d == 0) std::fill(st, st + kb * mp, T(0));
+        if (p.mask.options.softcap > 0)
+            softcap_scores(static_cast<T>(p.mask.options.softcap), st, kb * mp, (T*)nullptr);
         if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, i0 + mq, j0, j0 + kb))
             apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, st, Index(1), mp);
         // nonfinite value rows: which queries may read them, before the exp overwrites S^T
@@ -314,19 +318,24 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     RowMap<T> Qs(qs_buf, mq, d, Eigen::OuterStride<>(d));
     Qs.noalias() = Q * p.scale;
     eigen_product_bt<T>(cview<T>(qs_buf, mq, d, d), K, P);
+    if (p.mask.options.softcap > 0)
+        softcap_scores(static_cast<T>(p.mask.options.softcap), wbase, mq * nk, (T*)nullptr);
     if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, i0 + mq, Index(0), nk))
         apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, Index(0), mq, nk, wbase, nk, Index(1));
     const FlaggedRows bad = flagged_rows(v_flags, nk, wbase, nk, Index(1), mq);  // as in flash_tile
+    const T sink = p.mask.sinks ? p.mask.sink(b, h) : neg_inf<T>();
     for (Index r = 0; r < mq; ++r) {
         T* row = wbase + r * nk;
-        const T m = row_max(row, nk);
+        const T rm = row_max(row, nk);
+        const T m = rm < sink ? sink : rm;  // NaN stays
         T lse = neg_inf<T>();
         if (m == neg_inf<T>()) {  // fully masked: zeros; NaN scores propagate
             const T fillv = has_nan(row, nk) ? std::numeric_limits<T>::quiet_NaN() : T(0);
             std::fill(row, row + nk, fillv);
             lse = fillv == T(0) ? neg_inf<T>() : fillv;
         } else {
-            const T l = exp_row(row, m, row, nk);
+            const T l =
+                exp_row(row, m, row, nk) + (sink == neg_inf<T>() ? T(0) : std::exp(sink - m));
             Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>(row, nk) /= l;
             lse = m + std::log(l);
         }
@@ -376,6 +385,7 @@ struct BackwardPlan {
     T* dq_part = nullptr;               // (segments, batch, heads, n_q, dp): dQ / scale per segment
     T* qs = nullptr;                    // (batch, heads, n_q, d): scale Q
     T* dsum = nullptr;                  // (batch, heads, n_q): D = rowsum(dO * O)
+    T* sink_part = nullptr;             // (batch, heads, q_tiles): each tile's share of d sink
 
     Index head(const AttentionProblem<T>& p, Index b, Index h) const {
         return (b * p.heads + h) * p.n_q;
@@ -425,17 +435,18 @@ BackwardPlan<T> backward_plan(const AttentionProblem<T>& p) {
 // Per-thread tile buffers of the backward, carved from one scratch block.
 template <typename T>
 struct BackwardScratch {
-    T *kt, *vt, *kp, *dkt, *dvt, *s, *dp;
+    T *kt, *vt, *kp, *dkt, *dvt, *s, *dp, *th;
 
     BackwardScratch(Index d, Index dv, Index dp_width) {
         constexpr Index tk = kBwdTileKMax, tq = kBwdTileQ;
-        const Index sizes[] = {d * tk, dv * tk, tk * dp_width, d * tk, dv * tk, tq * tk, tq * tk};
-        T** slots[] = {&kt, &vt, &kp, &dkt, &dvt, &s, &dp};
+        const Index sizes[] = {d * tk,  dv * tk, tk * dp_width, d * tk,
+                               dv * tk, tq * tk, tq * tk,       tq * tk};
+        T** slots[] = {&kt, &vt, &kp, &dkt, &dvt, &s, &dp, &th};
         auto round = [](Index n) { return (n + 15) / 16 * 16; };  // keep every slot 64-byte aligned
         Index total = 0;
         for (Index n : sizes) total += round(n);
         T* base = scratch<T>(ScratchBuffer::kBackwardTiles, static_cast<std::size_t>(total));
-        for (int i = 0; i < 7; ++i) {
+        for (int i = 0; i < 8; ++i) {
             *slots[i] = base;
             base += round(sizes[i]);
         }
@@ -461,6 +472,8 @@ void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
 
     // S = (scale Q) K^T: the products of flash_tile in the same order, so the same S
     lanes_product<T, false>(mq, kbp, d, qs, d, 1, w.kt, kbp, w.s, kbp);
+    const bool capped = p.mask.options.softcap > 0;
+    if (capped) softcap_scores(static_cast<T>(p.mask.options.softcap), w.s, mq * kbp, w.th);
     if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, i0 + mq, j0, j0 + kb))
         apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, w.s, kbp, Index(1));
     // dP = dO V^T
@@ -482,6 +495,21 @@ void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
         for (Index j = 0; j < kbp; j += L)
             ei::pstoreu(dpi + j, ei::pmul(ei::ploadu<Packet>(si + j),
                                           ei::psub(ei::ploadu<Packet>(dpi + j), di)));
+        // dS is the gradient of the final logits, so of an additive mask; through the soft cap
+        // the scaled scores get dS (1 - tanh^2)
+        if (g.d_mask) {
+            T* dm = g.d_mask + ((b * p.heads + h) * p.n_q + i0 + i) * p.n_k + j0;
+            std::copy(dpi, dpi + kb, dm);
+        }
+        if (capped) {
+            const T* ti = w.th + i * kbp;
+            const Packet one = ei::pset1<Packet>(T(1));
+            for (Index j = 0; j < kbp; j += L) {
+                const Packet t = ei::ploadu<Packet>(ti + j);
+                ei::pstoreu(dpi + j,
+                            ei::pmul(ei::ploadu<Packet>(dpi + j), ei::psub(one, ei::pmul(t, t))));
+            }
+        }
     }
     // dV^T += dO^T P; dK^T += (scale Q)^T dS; dQ / scale (+)= dS K
     lanes_product<T, true>(dv, kbp, mq, dout, 1, ds, w.s, kbp, w.dvt, kbp);
@@ -551,6 +579,17 @@ void backward_prepare(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
         plan.dsum[plan.head(p, b, h) + i] =
             dot(dout + i * g.d_out.row_stride, o + i * p.out.row_stride, p.d_v);
     }
+    // d sink = -sum_i P_i(sink) D_i, P_i(sink) = exp(sink - lse_i)
+    if (g.d_sinks && p.mask.sinks) {
+        const T sink = p.mask.sink(b, h);
+        T share = 0;
+        for (Index i = i0; i < i0 + mq; ++i) {
+            const T lse = p.lse[plan.head(p, b, h) + i];
+            if (sink != neg_inf<T>())
+                share -= std::exp(sink - lse) * plan.dsum[plan.head(p, b, h) + i];
+        }
+        plan.sink_part[(b * p.heads + h) * plan.q_tiles + qt] = share;
+    }
 }
 
 // After the tasks, per (batch, head, query tile): dQ = scale times the sum of the segments'
@@ -605,9 +644,12 @@ void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g)
     const Index rows = p.batch * p.heads * p.n_q;
     auto dq_part = make_buffer<T>(plan.segments * rows * plan.dp);
     auto qs = make_buffer<T>(rows * p.d), dsum = make_buffer<T>(rows);
+    const bool sink_grad = g.d_sinks && p.mask.sinks;
+    auto sink_part = make_buffer<T>(sink_grad ? p.batch * p.heads * plan.q_tiles : 0);
     plan.dq_part = dq_part.get();
     plan.qs = qs.get();
     plan.dsum = dsum.get();
+    plan.sink_part = sink_part.get();
     const Index q_tasks = p.batch * p.heads * plan.q_tiles;
     const auto per_query_tile = [&](auto f) {
         parallel_for(q_tasks, [&](Index t) {
@@ -622,6 +664,14 @@ void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g)
         detail::backward_task(p, g, plan, t / heads, (t % heads) / p.kv_heads, t % p.kv_heads);
     });
     per_query_tile(detail::backward_dq<T>);
+    if (g.d_sinks) {  // the tiles' shares in a fixed order: thread-count independent
+        for (Index bh = 0; bh < p.batch * p.heads; ++bh) {
+            T sum = 0;
+            for (Index qt = 0; sink_grad && qt < plan.q_tiles; ++qt)
+                sum += plan.sink_part[bh * plan.q_tiles + qt];
+            g.d_sinks[bh] = sum;
+        }
+    }
 }
 
 template <typename T>
@@ -731,6 +781,8 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
     ag.d_q = {dq.get(), p.n_q * wq, p.d_head, wq};
     ag.d_k = {dk.get(), p.n_k * wk, p.d_head, wk};
     ag.d_v = {dv.get(), p.n_k * wv, p.d_vhead, wv};
+    ag.d_mask = g.mask;
+    ag.d_sinks = g.sinks;
     attention_backward(a, ag);
 
     linear_weight_grad(rq, p.w_q.in, wq, p.query, p.w_q.in, dq.get(), wq, g.w_q.w, g.w_q.b);

@@ -186,6 +186,8 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     ag.d_q = {dproj.get(), p.n_q * wp, dk, wp};
     ag.d_k = {dkh.get(), p.n_k * Hk * dk, dk, Hk * dk};
     ag.d_v = {dv.get(), p.n_k * wv, dvh, wv};
+    ag.d_mask = g.mask;
+    ag.d_sinks = g.sinks;
     attention_backward(a, ag);
 
     // Values.

@@ -40,6 +40,14 @@ void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, In
             for (Index c = 0; c < cols; ++c)
                 if (!mrow[(j0 + c) * m.sk]) srow[c * cs] = neg_inf<T>();
         }
+        if (m.alibi) {  // -slope * |p(i) - j|, the distance from the aligned key
+            const T slope = m.slope(b, h);
+            const Index p = aligned_key(m.options, n_q, n_k, i);
+            for (Index c = 0; c < cols; ++c) {
+                const Index dist = p > j0 + c ? p - j0 - c : j0 + c - p;
+                srow[c * cs] -= slope * static_cast<T>(dist);
+            }
+        }
         if (kp) {
             for (Index c = 0; c < cols; ++c)
                 if (!kp[(j0 + c) * pad.sk]) srow[c * cs] = neg_inf<T>();
@@ -59,7 +67,7 @@ void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, In
 template <typename T>
 bool tile_needs_mask(const MaskSpec<T>& m, Index n_q, Index n_k, Index i0, Index i1, Index j0,
                      Index j1) {
-    if (m.kind != MaskKind::none || m.key_padding.data) return true;
+    if (m.kind != MaskKind::none || m.key_padding.data || m.alibi) return true;
     return j1 > key_interval(m.options, n_q, n_k, i0).hi ||
            j0 < key_interval(m.options, n_q, n_k, i1 - 1).lo;
 }
@@ -145,6 +153,42 @@ Packet exp_flush(const Packet& x) {
         const Packet e = ei::pexp(x);
         return ei::pselect(ei::pcmp_lt(e, ei::pset1<Packet>(std::numeric_limits<T>::min())), zero,
                            e);
+    }
+}
+
+// Logit soft-capping in place, s[c] -> cap * tanh(s[c] / cap), over n contiguous scores; with
+// th, tanh(s[c] / cap) is kept there for the backward (its derivative is 1 - tanh^2). Every
+// element goes through the same code (the tail through a padded packet), so the result does
+// not depend on where a tile starts (bitwise the same for any thread count).
+template <typename T>
+void softcap_scores(T cap, T* s, Index n, T* th) {
+    namespace ei = Eigen::internal;
+    if constexpr (std::is_same_v<T, float>) {
+        using Packet = typename ei::packet_traits<T>::type;
+        constexpr Index L = ei::unpacket_traits<Packet>::size;
+        const Packet inv = ei::pset1<Packet>(T(1) / cap), c = ei::pset1<Packet>(cap);
+        const auto one = [&](const Packet x, T* out, T* tout) {
+            const Packet t = ei::ptanh(ei::pmul(x, inv));
+            ei::pstoreu(out, ei::pmul(c, t));
+            if (tout) ei::pstoreu(tout, t);
+        };
+        Index i = 0;
+        for (; i + L <= n; i += L) one(ei::ploadu<Packet>(s + i), s + i, th ? th + i : nullptr);
+        if (i < n) {
+            alignas(64) T buf[L], tbuf[L];
+            for (Index k = 0; k < L; ++k) buf[k] = i + k < n ? s[i + k] : T(0);
+            one(ei::pload<Packet>(buf), buf, tbuf);
+            for (Index k = 0; i + k < n; ++k) {
+                s[i + k] = buf[k];
+                if (th) th[i + k] = tbuf[k];
+            }
+        }
+    } else {  // no vectorised tanh for double in Eigen 3.4
+        for (Index i = 0; i < n; ++i) {
+            const T t = std::tanh(s[i] / cap);
+            s[i] = cap * t;
+            if (th) th[i] = t;
+        }
     }
 }
 

@@ -23,6 +23,7 @@ from ._bilinear import (
     factorize_qk,
 )
 from ._loader import core as _core
+from ._merge import merge_attention
 from ._mha import (
     multi_head_attention,
     multi_head_attention_backward,
@@ -59,6 +60,7 @@ __all__ = [
     "multi_head_attention",
     "multi_head_attention_backward",
     "reference",
+    "merge_attention",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
     "set_num_threads",

@@ -127,6 +127,12 @@ class CoreMask(NamedTuple):
     mask: np.ndarray | None
     key_padding_mask: np.ndarray | None
     causal: int
+    # the options after causal default to "off", so a tuple built by hand names only its own
+    window_left: int = -1  # -1: unbounded
+    window_right: int = -1
+    softcap: float = 0.0  # 0: off
+    alibi_slopes: np.ndarray | None = None  # (B, h)
+    sinks: np.ndarray | None = None  # (B, h)
 
 
 class Masks(NamedTuple):
@@ -136,11 +142,30 @@ class Masks(NamedTuple):
     scale: float
     mask4: np.ndarray | None  # (B, h, n_q, n_k) view, broadcast, never copied
     kp: np.ndarray | None  # (B, n_k) key padding
+    window: tuple[int, int] = (-1, -1)  # (left, right) keys around p(i); -1: unbounded
+    softcap: float = 0.0
+    alibi: np.ndarray | None = None  # (B, h) view of the slopes
+    sinks: np.ndarray | None = None  # (B, h) view
+    given: dict[str, tuple[int, ...]] = {}  # noqa: RUF012 (read only) the shapes of mask, sinks
 
     def core_mask(self) -> CoreMask:
         """The mask argument of the kernel calls, built here alone: the call sites pass it on
         unchanged, so that a new mask option changes none of them."""
-        return CoreMask(self.mask4, self.kp, self.causal)
+        return CoreMask(
+            self.mask4, self.kp, self.causal, *self.window, self.softcap, self.alibi, self.sinks
+        )
+
+    def empty_lse(self, B: int, h: int, n_q: int, dtype: np.dtype) -> np.ndarray:
+        """The log-sum-exp ``(B, h, n_q)`` of rows with no key: the sink's logit, or -inf."""
+        lse = np.full((B, h, n_q), -np.inf, dtype)
+        if self.sinks is not None:
+            lse[...] = self.sinks[:, :, None]
+        return lse
+
+    @property
+    def float_mask(self) -> bool:
+        """Whether ``mask`` is an additive (float) bias, which has a gradient."""
+        return self.mask4 is not None and self.mask4.dtype != np.bool_
 
     def key_intervals(self, n_q: int, n_k: int) -> tuple[np.ndarray, np.ndarray]:
         """``(lo, hi)``: query ``i`` may see keys ``lo[i] <= j < hi[i]`` under the scalar
@@ -150,8 +175,84 @@ class Masks(NamedTuple):
         lo, hi = np.zeros(n_q, np.int64), np.full(n_q, n_k, np.int64)
         if self.causal:
             hi = np.minimum(hi, align + 1)
+        left, right = self.window
+        if left >= 0:
+            lo = np.maximum(lo, align - min(left, n_q + n_k))
+        if right >= 0:
+            hi = np.minimum(hi, align + min(right, n_q + n_k) + 1)
         lo = np.clip(lo, 0, n_k)
         return lo, np.clip(hi, lo, n_k)
+
+
+def window_sides(window: Any) -> tuple[int, int]:
+    """``window=(left, right)`` as two ints, ``-1`` for an unbounded side (``None``)."""
+    if window is None:
+        return -1, -1
+    if isinstance(window, (str, bytes)) or not isinstance(window, (tuple, list)):
+        raise TypeError(
+            f"window: expected a pair (left, right) of ints >= 0 or None, got "
+            f"{type(window).__name__} {window!r} (transformers' sliding_window=w is "
+            f"window=(w - 1, 0) with causal=True)"
+        )
+    if len(window) != 2:
+        raise ValueError(f"window: expected a pair (left, right), got {len(window)} items")
+    sides = []
+    for name, side in zip(("left", "right"), window, strict=True):
+        if side is None:
+            sides.append(-1)
+            continue
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+            raise TypeError(
+                f"window: the {name} side must be an int >= 0 or None, got "
+                f"{type(side).__name__} {side!r}"
+            )
+        if side < 0:
+            raise ValueError(f"window: the {name} side must be >= 0 or None, got {int(side)}")
+        sides.append(min(int(side), 2**62))  # wider than any sequence: unbounded in effect
+    return sides[0], sides[1]
+
+
+def softcap_value(softcap: Any) -> float:
+    """``softcap`` as a float > 0, or 0.0 (off) for ``None``."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.number)):
+        raise TypeError(
+            f"softcap: expected a positive real number or None, got "
+            f"{type(softcap).__name__} {softcap!r}"
+        )
+    c = float(softcap)
+    if not (np.isfinite(c) and c > 0):
+        raise ValueError(f"softcap: expected a finite number > 0 (or None for off), got {c}")
+    return c
+
+
+def per_head(
+    value: Any, name: str, batch: tuple[int, ...], h: int, dtype: np.dtype
+) -> np.ndarray | None:
+    """A per-head parameter (``alibi_slopes``, ``sinks``): shape ``(h,)`` or with leading
+    batch axes that broadcast to the call's, finite reals; as a ``(B, h)`` view of ``dtype``."""
+    if value is None:
+        return None
+    a = V.as_array(value, name)
+    if a.ndim < 1 or a.shape[-1] != h:
+        raise ValueError(
+            f"{name}: expected shape (h,) = ({h},) or (..., {h}) with batch axes, got "
+            f"{V.shape_str(a.shape)}"
+        )
+    try:
+        lead = np.broadcast_shapes(a.shape[:-1], batch)
+    except ValueError:
+        lead = None
+    if lead != tuple(batch):
+        raise ValueError(
+            f"{name}: shape {V.shape_str(a.shape)} does not broadcast to the batch "
+            f"{V.shape_str(batch)} + ({h},)"
+        )
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"{name}: expected finite values, got NaN or Inf")
+    full = np.broadcast_to(a.astype(dtype, copy=False), tuple(batch) + (h,))
+    return full.reshape(V.count(batch), h)
 
 
 def masks(
@@ -168,10 +269,19 @@ def masks(
     checked in that order; then the warning when the boolean masks leave a query row with no
     key (unless ``warn_empty_rows=False``)."""
     code = V.causal_code(args["causal"])
+    window = window_sides(args["window"])
+    cap = softcap_value(args["softcap"])
     s = V.check_scale(args["scale"], default_scale)
     m4 = V.mask4(args["mask"], batch, h, n_q, n_k, dtype)
     kp = V.key_padding2(args.get("key_padding_mask"), batch, n_k)
-    m = Masks(code, s, m4, kp)
+    alibi = per_head(args["alibi_slopes"], "alibi_slopes", batch, h, dtype)
+    sinks = per_head(args["sinks"], "sinks", batch, h, dtype)
+    given = {
+        name: np.shape(args[name])
+        for name, keep in (("mask", m4 is not None and m4.dtype != np.bool_), ("sinks", sinks))
+        if keep is not None and keep is not False
+    }
+    m = Masks(code, s, m4, kp, window, cap, alibi, sinks, given)
     if V.check_flag(args["warn_empty_rows"], "warn_empty_rows"):
         # only a mask array can leave a row empty that the scalar options do not
         keys = m.key_intervals(n_q, n_k) if m4 is not None or kp is not None else None
@@ -194,15 +304,17 @@ def with_weights(
     mode: str | None,
     batch: tuple[int, ...],
     out_shape: tuple[int, ...],
+    lse: np.ndarray | None = None,
 ) -> Any:
     """The result of a forward from the kernel's buffers: ``out`` as ``batch + out_shape``, or
     ``(out, weights)`` with the weights ``(B, h, n_q, n_k)`` as ``batch + (h, n_q, n_k)``
-    (averaged over the heads for ``return_weights="mean"``)."""
-    out = out.reshape(batch + out_shape)
-    if mode is None:
-        return out
-    assert weights is not None
-    weights = weights.reshape(batch + weights.shape[1:])
-    if mode == "mean":
-        weights = weights.mean(axis=-3)
-    return out, weights
+    (averaged over the heads for ``return_weights="mean"``), then the log-sum-exp
+    ``(B, h, n_q)`` as ``batch + (h, n_q)`` when ``return_lse`` asked for it."""
+    result = [out.reshape(batch + out_shape)]
+    if mode is not None:
+        assert weights is not None
+        weights = weights.reshape(batch + weights.shape[1:])
+        result.append(weights.mean(axis=-3) if mode == "mean" else weights)
+    if lse is not None:
+        result.append(lse.reshape(batch + lse.shape[1:]).copy())
+    return result[0] if len(result) == 1 else tuple(result)

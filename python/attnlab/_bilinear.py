@@ -386,6 +386,15 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
     w_qk, u_k, _order = args["w_qk"], args["u_k"], args["_order"]
     d_head: float | None = None
     if isinstance(w_qk, BilinearQK):
+        spoilt = [n for n in ("softcap", "sinks") if args[n] is not None]
+        if spoilt and (w_qk.v is not None or w_qk.c is not None):
+            # the per-row terms cancel in a plain softmax, not through tanh nor against a
+            # sink's logit: dropping them would silently change the answer
+            raise ValueError(
+                f"{spoilt[0]}: this BilinearQK has query-side terms v, c (from b_k), which "
+                f"bilinear attention drops because a plain softmax cancels them; with "
+                f"{spoilt[0]} they do not cancel. Fold without b_k, or use multi_head_attention"
+            )
         if u_k is not None:
             raise ValueError("u_k: must be None when w_qk is a BilinearQK (it carries its own u)")
         u_k = w_qk.u
@@ -475,8 +484,13 @@ def bilinear_attention(
     mask: Any = None,
     key_padding_mask: Any = None,
     causal: bool | str = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
     scale: float | None = None,
     return_weights: bool | str = False,
+    return_lse: bool = False,
     warn_empty_rows: bool = True,
     _order: str | None = None,
     _keep: dict[str, Any] | None = None,
@@ -508,6 +522,8 @@ def bilinear_attention(
         :func:`attnlab.interop.torch_masks`); ``causal=True`` lets query ``i`` see keys
         ``j <= i``, ``"bottom_right"`` keys ``j <= i + n_k - n_q``; ``warn_empty_rows=False``
         silences the warning for query rows the boolean masks leave with no key.
+    {window}
+    {logit_options}
     scale : float, optional
         Default ``1/sqrt(d_head)`` for a BilinearQK, ``1/sqrt(d_q / num_heads)`` for a raw
         ``w_qk``.
@@ -533,7 +549,11 @@ def bilinear_attention(
     >>> bool(np.allclose(out, ref, atol=1e-12))
     True
     """
-    a = _prepare(_sig.arguments(locals()))
+    args = _sig.arguments(locals())
+    lse_wanted = V.check_flag(return_lse, "return_lse")
+    if lse_wanted and _order is None:  # the log-sum-exp is kept by the query order's kernel
+        args["_order"] = "query"
+    a = _prepare(args)
     B, n_q, n_k, h, d_out, dtype, mode = a.B, a.n_q, a.n_k, a.h, a.d_out, a.dtype, a.mode
     batch = a.batch
     out = V.empty((B * n_q, d_out), dtype)
@@ -546,10 +566,16 @@ def bilinear_attention(
         # cost model's order gives)
         state = _bilinear_state(a) if a.order == "query" else None
         _keep.update(prepared=a, state=state)
+    if lse_wanted and state is None:
+        state = _bilinear_state(a)
     if B * n_q > 0:
         rq, rk, rv = a.rows()
         core.bilinear_forward(*a.core_args(), _ORDERS[a.order], out, weights, state)
-    return _args.with_weights(out, weights, mode, batch, (n_q, d_out))
+    lse = None
+    if lse_wanted:
+        assert state is not None
+        lse = state["lse"] if B * n_q > 0 else a.m.empty_lse(B, h, n_q, dtype)
+    return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse)
 
 
 _BACKWARD_DOC = """\
@@ -613,10 +639,11 @@ def _bilinear_grads(
     shapes, x = a.x.shapes, a.x
     rows = {name: (B * shp[-2], shp[-1]) for name, shp in shapes.items()}
     buffers = _grad.input_buffers(rows, x.key_omitted, x.value_omitted, dtype)
+    logit = _grad.logit_buffers(a.m, B, a.h, a.n_q, a.n_k, dtype)
     if B * a.n_q > 0:
-        core.bilinear_backward(go2, *a.core_args(), {**grads, **buffers}, state)
+        core.bilinear_backward(go2, *a.core_args(), {**grads, **buffers, **logit}, state)
     inputs = _grad.input_grads(buffers, batch, shapes, x.key_omitted, x.value_omitted, True)
-    return {**inputs, **grads}
+    return {**inputs, **grads, **_grad.logit_grads(logit, a.m, batch)}
 
 
 def _bilinear_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:

@@ -85,6 +85,8 @@ def sdpa_backward(
     d_k: _Array,
     d_v: _Array,
     recompute: bool = ...,
+    d_mask: _Optional = ...,
+    d_sinks: _Optional = ...,
 ) -> None: ...
 def mha_backward(
     grad_out: _Array,

@@ -45,6 +45,37 @@ FRAGMENTS = {
         "(``True`` = real token, the opposite of ``nn.MultiheadAttention``'s\n"
         "``key_padding_mask``; see :func:`attnlab.interop.torch_masks`)."
     ),
+    # the options of today's models, shared by SDPA, multi-head and bilinear attention
+    "window": (
+        "window : (int or None, int or None), optional\n"
+        "    Sliding window ``(left, right)``: query ``i`` sees keys ``j`` with\n"
+        "    ``p(i) - left <= j <= p(i) + right``, where ``p(i)`` is the key it is aligned\n"
+        '    with (``i + n_k - n_q`` for ``causal="bottom_right"``, else ``i``); ``None`` leaves\n'
+        "    a side unbounded. Combined with the masks and ``causal`` (all must allow a pair).\n"
+        "    Key tiles outside the band are skipped, so the cost is O(n * window).\n"
+        "    ``transformers``'\n"
+        "    ``sliding_window=w`` (Mistral, Gemma 2/3, gpt-oss) is ``window=(w - 1, 0)`` with\n"
+        "    ``causal=True``."
+    ),
+    "logit_options": (
+        "softcap : float, optional\n"
+        "    Logit soft-capping (Gemma 2's ``attn_logit_softcapping``): the scaled scores ``s``\n"
+        "    become ``softcap * tanh(s / softcap)`` before the masks and biases are added.\n"
+        "alibi_slopes : array_like, shape (h,) or (..., h), optional\n"
+        "    ALiBi (BLOOM, MPT, Falcon): adds ``-slope * |p(i) - j|`` to the logits of query\n"
+        "    ``i`` and key ``j``, ``p(i)`` the key it is aligned with (FlashAttention's\n"
+        "    convention; BLOOM's ``slope * j`` differs by a per-row constant, which the softmax\n"
+        "    cancels). Not differentiated.\n"
+        "sinks : array_like, shape (h,) or (..., h), optional\n"
+        "    Attention sinks (gpt-oss): one logit per query head that joins every row's softmax\n"
+        "    denominator with no value, ``p_ij = exp(s_ij) / (exp(sink) + sum_j exp(s_ij))``.\n"
+        '    The backward returns its gradient as ``"sinks"``.\n'
+        "return_lse : bool\n"
+        "    Also return the log-sum-exp of each row's final logits (sinks included),\n"
+        "    ``(..., h, n_q)``, natural log, ``-inf`` for a row with no key and no sink; last\n"
+        "    in the returned tuple. :func:`attnlab.merge_attention` combines the results of\n"
+        "    disjoint key sets with it."
+    ),
     # what the reference's query/key/value and pooled families return
     "reference_attention_returns": (
         "Returns\n"

@@ -5,11 +5,14 @@ gradients shaped like the arguments the caller passed."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _validate as V
+
+if TYPE_CHECKING:
+    from ._args import Masks
 
 __all__: list[str] = []  # private module
 
@@ -94,3 +97,27 @@ def grad_buffers(
     0.37 ms a ViT-S training step, 0.25 the weights' and 0.11 the inputs', on one thread)."""
     new = V.zeros if zeroed else V.empty
     return {name: new(a.shape, dtype) for name, a in arrays.items() if a is not None}
+
+
+def logit_buffers(
+    m: Masks, B: int, h: int, n_q: int, n_k: int, dtype: np.dtype
+) -> dict[str, np.ndarray]:
+    """Zeroed kernel buffers for the gradients of the logits' own parameters: a float
+    ``mask`` ``(B, h, n_q, n_k)`` (the kernel writes only the tiles it visits) and
+    ``sinks`` ``(B, h)``; only those the call was given."""
+    out: dict[str, np.ndarray] = {}
+    if "mask" in m.given:
+        out["mask"] = V.zeros((B, h, n_q, n_k), dtype)
+    if "sinks" in m.given:
+        out["sinks"] = V.zeros((B, h), dtype)
+    return out
+
+
+def logit_grads(
+    bufs: dict[str, np.ndarray], m: Masks, batch: tuple[int, ...]
+) -> dict[str, np.ndarray]:
+    """The buffers of :func:`logit_buffers` summed back to the shapes the caller gave."""
+    return {
+        name: unbroadcast(g.reshape(batch + g.shape[1:]), m.given[name]).copy()
+        for name, g in bufs.items()
+    }

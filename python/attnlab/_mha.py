@@ -100,8 +100,13 @@ def scaled_dot_product_attention(
     *,
     mask: Any = None,
     causal: bool | str = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
     scale: float | None = None,
     return_weights: Weights = False,
+    return_lse: bool = False,
     warn_empty_rows: bool = True,
     _keep: dict[str, Any] | None = None,
 ) -> Any:
@@ -127,6 +132,8 @@ def scaled_dot_product_attention(
         ``j <= i`` (as SDPA's ``is_causal``). ``"bottom_right"``: the last query is aligned with
         the last key, query ``i`` sees keys ``j <= i + n_k - n_q`` (decoding with a cache).
         Combined with ``mask`` (both must allow a pair).
+    {window}
+    {logit_options}
     scale : float, optional
         Defaults to ``1 / sqrt(d)``.
     return_weights : bool or {"heads", "mean"}
@@ -156,6 +163,7 @@ def scaled_dot_product_attention(
     """
     a = _prepare_sdpa(_sig.arguments(locals()))
     mode = V.weights_mode(return_weights)
+    lse_wanted = V.check_flag(return_lse, "return_lse")
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
     out = V.empty((B, h, n_q, d_v), dtype)
@@ -163,12 +171,13 @@ def scaled_dot_product_attention(
     lse = None
     if _keep is not None:  # attnlab.vjp: the pullback reuses the output and log-sum-exp
         a = V.owned(a)
-        lse = V.empty((B, h, n_q), dtype)
-    if out.size or (weights is not None and weights.size):
+    if _keep is not None or lse_wanted:
+        lse = a.m.empty_lse(B, h, n_q, dtype)  # what a call with no key leaves
+    if out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse)
     if _keep is not None:
         _keep.update(prepared=a, out=out.copy(), lse=lse)
-    return _args.with_weights(out, weights, mode, batch, (h, n_q, d_v))
+    return _args.with_weights(out, weights, mode, batch, (h, n_q, d_v), lse if lse_wanted else None)
 
 
 _Opt = np.ndarray | None
@@ -354,11 +363,21 @@ def multi_head_attention(
     mask: Any = None,
     key_padding_mask: Any = None,
     causal: bool | str = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
     scale: float | None = None,
     return_weights: Weights = False,
+    return_lse: bool = False,
     rope_theta: float | None = None,
     rope_dim: int | None = None,
     positions: Any = None,
+    rope_inv_freq: Any = None,
+    rope_scale: float | None = None,
+    q_norm: Any = None,
+    k_norm: Any = None,
+    norm_eps: float | None = None,
     warn_empty_rows: bool = True,
     _keep: dict[str, Any] | None = None,
 ) -> Any:
@@ -398,6 +417,8 @@ def multi_head_attention(
         ``j <= i`` (as SDPA's ``is_causal``). ``"bottom_right"``: the last query is aligned with
         the last key, query ``i`` sees keys ``j <= i + n_k - n_q`` (decoding with a cache).
         Combined with the masks (all must allow a pair).
+    {window}
+    {logit_options}
     scale : float, optional
         Defaults to ``1 / sqrt(d_head)``.
     return_weights : bool or {"heads", "mean"}
@@ -418,6 +439,23 @@ def multi_head_attention(
         key it is aligned with by the same rule (self-attention: ``transformers``'
         ``position_ids``; decoding: the positions of the whole sequence). A pair
         ``(query_positions (..., n_q), key_positions (..., n_k))`` sets both.
+    rope_inv_freq : array_like, shape (r/2,), optional
+        Scaled rotary embeddings: the inverse frequencies, replacing
+        ``rope_theta ** (-2j / r)`` (pass one of the two); feature ``j`` and ``j + r/2`` rotate
+        by ``p * rope_inv_freq[j]``. Every static ``rope_type`` of ``transformers``
+        (``linear``, ``llama3``, ``yarn``, ``longrope``, ``dynamic`` at a given length) is
+        its ``inv_freq`` and ``attention_factor``: :func:`attnlab.interop.from_transformers`
+        computes both.
+    rope_scale : float, optional
+        Multiplies cos and sin (``transformers``' ``attention_factor``: YaRN, LongRoPE);
+        default 1.
+    q_norm, k_norm : array_like, shape (d_head,), optional
+        Per-head RMSNorm of the queries / keys after projection and before the rotary
+        embeddings (Qwen3, Gemma 3): ``x * (mean(x**2) + norm_eps) ** -0.5 * q_norm`` over
+        each head's features. Gemma 3 stores ``weight`` for ``1 + weight``: pass
+        ``1 + weight``. Differentiated (gradients ``"q_norm"``, ``"k_norm"``).
+    norm_eps : float, optional
+        The norms' epsilon; default ``1e-6``.
     warn_empty_rows : bool
         Warn (a ``UserWarning``, once per call, with the count) when the boolean masks leave a
         query row with no key at all: the usual sign of a mask in PyTorch's polarity. Pass
@@ -430,9 +468,9 @@ def multi_head_attention(
     Fully masked query rows give zero weights and a zero context, so their output is ``b_o``.
     {dtypes_mixed}
 
-    With ``rope_theta`` the call runs the projection GEMMs, rotates Q and K (O(n d) time and
-    memory), then the same flash attention core and the output GEMM; without it, the one fused
-    C++ call.
+    With rotary embeddings or q/k norms the call runs the projection GEMMs, normalises and
+    rotates Q and K (O(n d) time and memory), then the same flash attention core and the
+    output GEMM; without them, the one fused C++ call.
 
     {examples}
     >>> x = rng.standard_normal((2, 5, 16))
@@ -441,24 +479,31 @@ def multi_head_attention(
     ...                              num_heads=4).shape
     (2, 5, 16)
     """
-    a = _prepare_mha(_sig.arguments(locals()))
-    rope = _rope.prepare_for(a, rope_theta, rope_dim, positions)
+    args = _sig.arguments(locals())
+    a = _prepare_mha(args)
+    composed = _rope.prepare_for(a, args)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
     B = V.count(batch)
     out = V.empty((B * n_q, d_out), dtype)
     weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
+    lse_wanted = V.check_flag(return_lse, "return_lse")
     state = None
     if _keep is not None:  # attnlab.vjp: keep projections, context and log-sum-exp
         a = V.owned(a)
         state = _mha_state(a)
         _keep.update(prepared=a, state=state)
+    lse = a.m.empty_lse(B, h, n_q, dtype) if lse_wanted else None
+    if lse_wanted and composed is None and state is None:
+        state = _mha_state(a)
     if B * n_q > 0:
-        if rope is None:
+        if composed is None:
             core.mha_forward(*a.core_args(), out, weights, state)
+            if lse is not None and state is not None:
+                lse = state["lse"]
         else:
-            _rope.forward(a, rope, out, weights)
-    return _args.with_weights(out, weights, mode, batch, (n_q, d_out))
+            _rope.forward(a, composed, out, weights, lse)
+    return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse)
 
 
 _SDPA_BACKWARD_INTRO = """\
@@ -512,6 +557,7 @@ def _sdpa_grads(
     dq = new((B, h, n_q, d), dtype)
     dk = new((B, h_kv, n_k, d), dtype)
     dv = new((B, h_kv, n_k, d_v), dtype)
+    logit = _grad.logit_buffers(a.m, B, h, n_q, n_k, dtype)
     if kernel:
         go4 = V.kernel_ready(go.reshape((B, h, n_q, d_v)))
         if kept is None:
@@ -532,11 +578,14 @@ def _sdpa_grads(
             dk,
             dv,
             kept is None,
+            logit.get("mask"),
+            logit.get("sinks"),
         )
     return {
         "q": _grad.unbroadcast(dq.reshape(batch + dq.shape[1:]), a.q.shape),
         "k": _grad.unbroadcast(dk.reshape(batch + dk.shape[1:]), a.k.shape),
         "v": _grad.unbroadcast(dv.reshape(batch + dv.shape[1:]), a.v.shape),
+        **_grad.logit_grads(logit, a.m, batch),
     }
 
 
@@ -585,7 +634,8 @@ def _mha_grads(
     a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = None, rope: Any = None
 ) -> dict[str, np.ndarray]:
     """The gradients of a prepared MHA call; with ``state`` (what the forward kept for
-    attnlab.vjp) the forward is not recomputed; ``rope``: the rotary path (recomputes)."""
+    attnlab.vjp) the forward is not recomputed; ``rope``: the composed path (rotary embeddings,
+    q/k norms; recomputes)."""
     dtype, batch, B = a.dtype, a.batch, a.B
     go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype)
     inputs = {"query": a.rq, "key": a.rk, "value": a.rv}
@@ -599,15 +649,19 @@ def _mha_grads(
         )
     else:
         grads = _grad.grad_buffers({**a.w, **inputs}, dtype)
+    logit = _grad.logit_buffers(a.m, B, a.h, a.n_q, a.n_k, dtype)
+    grads.update(logit)  # the composed path also adds entries of its own (q_norm, k_norm)
     if kernel:
         if rope is None:
             core.mha_backward(go2, *a.core_args(), grads, state)
         else:
             _rope.backward(go2, a, rope, grads)
+    logit = {n: grads.pop(n) for n in logit}
     rows = {n: grads.pop(n) for n in ("query", "key", "value")}
     return {
         **_grad.input_grads(rows, batch, a.shapes, a.key_omitted, a.value_omitted, summed),
         **grads,
+        **_grad.logit_grads(logit, a.m, batch),
     }
 
 
@@ -619,8 +673,7 @@ def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]
 def _mha_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
     a = _prepare_mha(args)
-    rope = _rope.prepare_for(a, args["rope_theta"], args["rope_dim"], args["positions"])
-    return _mha_grads(a, grad_out, rope=rope)
+    return _mha_grads(a, grad_out, rope=_rope.prepare_for(a, args))
 
 
 scaled_dot_product_attention_backward = _sig.backward_of(

@@ -11,10 +11,20 @@ position ``p``::
 
 Features ``r..d_head`` pass unchanged (partial rotary, as GPT-NeoX and Phi).
 
-The rotary path composes the C++ pieces: the projection GEMM (``linear_forward``), the
-rotation here (elementwise, O(n d)), the flash attention core (``sdpa_forward`` /
-``sdpa_backward``, reading the heads as strided views of the projected rows, no transposed
-copy) and the output projection. The non-rotary call keeps the single fused C++ call.
+Scaled rotary embeddings (transformers' ``rope_type`` ``linear``, ``llama3``, ``yarn``,
+``longrope``, ``dynamic``) are given as their inverse frequencies ``rope_inv_freq`` (``r/2``
+angles per unit of position, replacing ``theta ** (-2j / r)``) and ``rope_scale``, the factor
+that multiplies cos and sin (transformers' ``attention_factor``).
+
+Per-head RMSNorm of queries and keys (``q_norm``, ``k_norm``, Qwen3 and Gemma 3) runs after the
+projection and before the rotation: ``x * (mean(x**2) + norm_eps) ** -0.5 * w`` over each
+head's ``d_head`` features.
+
+The composed path (rotary embeddings or q/k norms) composes the C++ pieces: the projection
+GEMM (``linear_forward``), the norms and the rotation here (elementwise, O(n d)), the flash
+attention core (``sdpa_forward`` / ``sdpa_backward``, reading the heads as strided views of the
+projected rows, no transposed copy) and the output projection. Other calls keep the single
+fused C++ call.
 """
 
 from __future__ import annotations
@@ -41,6 +51,33 @@ class Rope(NamedTuple):
     sin_q: np.ndarray
     cos_k: np.ndarray
     sin_k: np.ndarray
+
+
+class Composed(NamedTuple):
+    """What the composed path adds to the projections: rotation tables and q/k norms."""
+
+    rope: Rope | None
+    q_norm: np.ndarray | None  # (d_head,), the call's dtype
+    k_norm: np.ndarray | None
+    eps: float
+
+
+# The keyword arguments that send a multi-head call down the composed path (attnlab.vjp reads
+# them without binding the signature).
+COMPOSED_ARGS = ("rope_theta", "rope_inv_freq", "q_norm", "k_norm")
+
+
+def _real(x: Any, name: str, what: str) -> float:
+    """A finite real > 0 (``what`` describes None's meaning, for the message)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(
+            f"{name}: expected a positive real number or None ({what}), got "
+            f"{type(x).__name__} {x!r}"
+        )
+    t = float(x)
+    if not (np.isfinite(t) and t > 0):
+        raise ValueError(f"{name}: expected a finite number > 0, got {t}")
+    return t
 
 
 def _theta(rope_theta: Any) -> float:
@@ -118,12 +155,37 @@ def resolve_positions(
     return pk[:, offset : offset + n_q], pk
 
 
-def tables(theta: float, dim: int, pos: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, ...]:
-    """cos and sin of the angles ``pos * theta ** (-2j / dim)``, ``(B or 1, n, 1, dim/2)``,
+def inverse_frequencies(theta: float, dim: int) -> np.ndarray:
+    """``theta ** (-2j / dim)`` for ``j < dim/2``, float64."""
+    return np.asarray(theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim))
+
+
+def tables(
+    inv_freq: np.ndarray, pos: np.ndarray, dtype: np.dtype, scale: float = 1.0
+) -> tuple[np.ndarray, ...]:
+    """``scale`` times cos and sin of the angles ``pos * inv_freq``, ``(B or 1, n, 1, r/2)``,
     computed in float64 and rounded once to ``dtype``."""
-    inv_freq = theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
     ang = pos[:, :, None, None] * inv_freq
-    return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+    return (scale * np.cos(ang)).astype(dtype), (scale * np.sin(ang)).astype(dtype)
+
+
+def _inv_freq(rope_inv_freq: Any, rope_dim: Any, d_head: int) -> np.ndarray:
+    """``rope_inv_freq`` checked: finite reals, shape ``(r/2,)`` with ``r <= d_head`` (and
+    ``r == rope_dim`` when that is given); float64."""
+    f = V.as_array(rope_inv_freq, "rope_inv_freq").astype(np.float64)
+    if f.ndim != 1 or not 1 <= 2 * f.shape[0] <= d_head:
+        raise ValueError(
+            f"rope_inv_freq: expected shape (r/2,) with 2 <= r <= d_head = {d_head} (one "
+            f"frequency per rotated pair of features), got {V.shape_str(f.shape)}"
+        )
+    if not np.all(np.isfinite(f)):
+        raise ValueError("rope_inv_freq: expected finite frequencies")
+    if rope_dim is not None and V.check_positive_int(rope_dim, "rope_dim") != 2 * f.shape[0]:
+        raise ValueError(
+            f"rope_dim: got {rope_dim}, but rope_inv_freq {V.shape_str(f.shape)} rotates "
+            f"r = {2 * f.shape[0]} features (rope_dim may be omitted)"
+        )
+    return f
 
 
 def prepare(
@@ -136,16 +198,35 @@ def prepare(
     causal: int,
     batch: tuple[int, ...],
     dtype: np.dtype,
+    rope_inv_freq: Any = None,
+    rope_scale: Any = None,
 ) -> Rope | None:
-    """Validate the rotary arguments; ``None`` when ``rope_theta`` is ``None`` (off)."""
-    if rope_theta is None:
-        for name, val in (("rope_dim", rope_dim), ("positions", positions)):
+    """Validate the rotary arguments; ``None`` when ``rope_theta`` and ``rope_inv_freq`` are
+    both ``None`` (off)."""
+    if rope_theta is None and rope_inv_freq is None:
+        for name, val in (
+            ("rope_dim", rope_dim),
+            ("positions", positions),
+            ("rope_scale", rope_scale),
+        ):
             if val is not None:
                 raise ValueError(
-                    f"{name}: given without rope_theta (rotary embeddings are off "
-                    f"when rope_theta is None)"
+                    f"{name}: given without rope_theta or rope_inv_freq (rotary embeddings "
+                    f"are off when both are None)"
                 )
         return None
+    scale = 1.0 if rope_scale is None else _real(rope_scale, "rope_scale", "1: unscaled")
+    if rope_inv_freq is not None:
+        if rope_theta is not None:
+            raise ValueError(
+                f"rope_theta: got {rope_theta!r} with rope_inv_freq; pass one of them "
+                f"(rope_inv_freq replaces the frequencies rope_theta ** (-2j / r))"
+            )
+        inv = _inv_freq(rope_inv_freq, rope_dim, d_head)
+        pq, pk = resolve_positions(positions, n_q, n_k, causal, batch)
+        cq, sq = tables(inv, pq, dtype, scale)
+        ck, sk = tables(inv, pk, dtype, scale)
+        return Rope(2 * inv.shape[0], cq, sq, ck, sk)
     theta = _theta(rope_theta)
     if rope_dim is None:
         if d_head % 2:
@@ -158,25 +239,53 @@ def prepare(
         dim = V.check_positive_int(rope_dim, "rope_dim")
         if dim % 2 or dim > d_head:
             raise ValueError(f"rope_dim: expected an even number <= d_head = {d_head}, got {dim}")
+    inv = inverse_frequencies(theta, dim)
     pq, pk = resolve_positions(positions, n_q, n_k, causal, batch)
-    cq, sq = tables(theta, dim, pq, dtype)
-    ck, sk = tables(theta, dim, pk, dtype)
+    cq, sq = tables(inv, pq, dtype, scale)
+    ck, sk = tables(inv, pk, dtype, scale)
     return Rope(dim, cq, sq, ck, sk)
 
 
-def prepare_for(a: _Mha, rope_theta: Any, rope_dim: Any, positions: Any) -> Rope | None:
-    """:func:`prepare` for a prepared multi-head call."""
-    return prepare(
-        rope_theta,
-        rope_dim,
-        positions,
-        _w(a, "w_q").shape[1] // a.h,
+def _norm_weight(w: Any, name: str, d_head: int, dtype: np.dtype) -> np.ndarray | None:
+    if w is None:
+        return None
+    a = V.as_array(w, name)
+    if a.shape != (d_head,):
+        raise ValueError(
+            f"{name}: expected shape ({d_head},) (one weight per feature of a head, d_head = "
+            f"{d_head}), got {V.shape_str(a.shape)}"
+        )
+    return V.contiguous(a, dtype)
+
+
+def prepare_for(a: _Mha, args: dict[str, Any]) -> Composed | None:
+    """The composed path's arguments of a prepared multi-head call (``args``: the call's
+    arguments by name), validated; ``None`` when the call has no rotary embeddings and no
+    q/k norm (the fused C++ call)."""
+    d_head = _w(a, "w_q").shape[1] // a.h
+    rope = prepare(
+        args["rope_theta"],
+        args["rope_dim"],
+        args["positions"],
+        d_head,
         a.n_q,
         a.n_k,
         a.m.causal,
         a.batch,
         a.dtype,
+        args["rope_inv_freq"],
+        args["rope_scale"],
     )
+    q_norm = _norm_weight(args["q_norm"], "q_norm", d_head, a.dtype)
+    k_norm = _norm_weight(args["k_norm"], "k_norm", d_head, a.dtype)
+    eps = args["norm_eps"]
+    if q_norm is None and k_norm is None:
+        if eps is not None:
+            raise ValueError("norm_eps: given without q_norm or k_norm")
+        if rope is None:
+            return None
+    eps = 1e-6 if eps is None else _real(eps, "norm_eps", "1e-6")
+    return Composed(rope, q_norm, k_norm, eps)
 
 
 def rotate(
@@ -211,15 +320,50 @@ def _w(a: _Mha, name: str) -> np.ndarray:
     return w
 
 
-def _qkv(a: _Mha, rope: Rope) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Projected and rotated Q, K and projected V, ``(B, n, heads, d)`` each."""
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """``x * r * w`` over the last axis with ``r = (mean(x**2) + eps) ** -0.5``; and ``r``."""
+    r = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + x.dtype.type(eps))
+    return x * r * w, r
+
+
+def rms_norm_backward(
+    g: np.ndarray, x: np.ndarray, r: np.ndarray, w: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The gradients of :func:`rms_norm` for ``g``: ``(d x, d w)``."""
+    gw = g * w
+    dx = r * gw - x * (r**3 * np.mean(gw * x, axis=-1, keepdims=True))
+    dw = (g * x * r).reshape(-1, x.shape[-1]).sum(axis=0)
+    return dx, dw
+
+
+class _Projected(NamedTuple):
+    """Q, K (normalised and rotated) and V, ``(B, n, heads, d)`` each; with what the norms'
+    backward needs: the projections before the norm and their ``r`` (None without a norm)."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    q_pre: tuple[np.ndarray, np.ndarray] | None
+    k_pre: tuple[np.ndarray, np.ndarray] | None
+
+
+def _qkv(a: _Mha, c: Composed) -> _Projected:
     B, w = a.B, a.w
     q = _project(a.rq, _w(a, "w_q"), w["b_q"], B, a.n_q, a.h)
     k = _project(a.rk, _w(a, "w_k"), w["b_k"], B, a.n_k, a.h_kv)
     v = _project(a.rv, _w(a, "w_v"), w["b_v"], B, a.n_k, a.h_kv)
-    rotate(q, rope.cos_q, rope.sin_q, rope.dim)
-    rotate(k, rope.cos_k, rope.sin_k, rope.dim)
-    return q, k, v
+    q_pre = k_pre = None
+    if c.q_norm is not None:
+        qn, r = rms_norm(q, c.q_norm, c.eps)
+        q_pre, q = (q, r), qn
+    if c.k_norm is not None:
+        kn, r = rms_norm(k, c.k_norm, c.eps)
+        k_pre, k = (k, r), kn
+    if c.rope is not None:
+        rope = c.rope
+        rotate(q, rope.cos_q, rope.sin_q, rope.dim)
+        rotate(k, rope.cos_k, rope.sin_k, rope.dim)
+    return _Projected(q, k, v, q_pre, k_pre)
 
 
 def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -246,9 +390,16 @@ def _heads(x: np.ndarray) -> np.ndarray:
     return x.transpose(0, 2, 1, 3)
 
 
-def forward(a: _Mha, rope: Rope, out: np.ndarray, weights: np.ndarray | None) -> None:
-    """Rotary multi-head attention into ``out`` ``(B*n_q, d_out)`` (and ``weights``)."""
-    q, k, v = _qkv(a, rope)
+def forward(
+    a: _Mha,
+    c: Composed,
+    out: np.ndarray,
+    weights: np.ndarray | None,
+    lse: np.ndarray | None = None,
+) -> None:
+    """Composed multi-head attention into ``out`` ``(B*n_q, d_out)`` (and ``weights``, and
+    the log-sum-exp ``(B, h, n_q)``)."""
+    q, k, v, _, _ = _qkv(a, c)
     ctx = V.empty((a.B, a.n_q, a.h, v.shape[-1]), a.dtype)
     core.sdpa_forward(
         _heads(q),
@@ -258,16 +409,17 @@ def forward(a: _Mha, rope: Rope, out: np.ndarray, weights: np.ndarray | None) ->
         a.m.core_mask(),
         a.m.scale,
         weights,
-        None,
+        lse,
     )
     core.linear_forward(_rows(ctx), _w(a, "w_o"), a.w["b_o"], out)
 
 
-def backward(go: np.ndarray, a: _Mha, rope: Rope, grads: dict[str, np.ndarray]) -> None:
+def backward(go: np.ndarray, a: _Mha, c: Composed, grads: dict[str, np.ndarray]) -> None:
     """Gradients of :func:`forward` for ``go`` ``(B*n_q, d_out)``, written into ``grads``
-    (the zeroed arrays ``multi_head_attention_backward`` allocates, rows for the inputs)."""
+    (the zeroed arrays ``multi_head_attention_backward`` allocates, rows for the inputs; the
+    norms' gradients ``"q_norm"``, ``"k_norm"`` are added)."""
     B, dtype = a.B, a.dtype
-    q, k, v = _qkv(a, rope)
+    q, k, v, q_pre, k_pre = _qkv(a, c)
     w_o = _w(a, "w_o")
     d_vhead = v.shape[-1]
     g_ctx = _gemm(go, w_o.T).reshape(B, a.n_q, a.h, d_vhead)
@@ -289,13 +441,22 @@ def backward(go: np.ndarray, a: _Mha, rope: Rope, grads: dict[str, np.ndarray]) 
             dq,
             dk,
             dv,
+            True,
+            grads.get("mask"),
+            grads.get("sinks"),
         )
     grads["w_o"][...] = _gemm(_rows(_heads(ctx)).T, go)
     if "b_o" in grads:
         grads["b_o"][...] = go.sum(axis=0)
     dq_rows, dk_rows = _heads(dq).copy(), _heads(dk).copy()  # (B, n, heads, d)
-    rotate(dq_rows, rope.cos_q, rope.sin_q, rope.dim, inverse=True)
-    rotate(dk_rows, rope.cos_k, rope.sin_k, rope.dim, inverse=True)
+    if c.rope is not None:
+        rope = c.rope
+        rotate(dq_rows, rope.cos_q, rope.sin_q, rope.dim, inverse=True)
+        rotate(dk_rows, rope.cos_k, rope.sin_k, rope.dim, inverse=True)
+    if q_pre is not None and c.q_norm is not None:
+        dq_rows, grads["q_norm"] = rms_norm_backward(dq_rows, *q_pre, c.q_norm)
+    if k_pre is not None and c.k_norm is not None:
+        dk_rows, grads["k_norm"] = rms_norm_backward(dk_rows, *k_pre, c.k_norm)
     for x, g, rows, name in (
         (a.rq, dq_rows, "query", "q"),
         (a.rk, dk_rows, "key", "k"),

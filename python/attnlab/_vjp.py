@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _additive, _bilinear, _docs, _mha
+from . import _additive, _bilinear, _docs, _mha, _rope
 
 __all__ = ["vjp"]
 
@@ -85,8 +85,8 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
 
     ``bilinear_attention`` keeps its state when the cost model evaluates it in the query order
     (the backward's); in the key order (many more queries than keys) its pullback recomputes
-    the forward in the query order. ``multi_head_attention`` with ``rope_theta`` keeps copies of
-    its arguments and its pullback recomputes the forward.
+    the forward in the query order. ``multi_head_attention`` with rotary embeddings or q/k norms
+    keeps copies of its arguments and its pullback recomputes the forward.
 
     {examples}
     >>> x = rng.standard_normal((2, 5, 8))
@@ -102,9 +102,12 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
     if f not in KEPT:
         names = ", ".join(f"attnlab.{g.__name__}" for g in KEPT)
         raise TypeError(f"f: expected one of {names}, got {f!r}")
-    # rope_theta is keyword-only: no signature binding (inspect.signature took 0.15 ms a step)
-    rotary = f is _mha.multi_head_attention and kwargs.get("rope_theta") is not None
-    if rotary:  # the rotary path keeps no state yet
+    # the composed path's options are keyword-only: no signature binding (inspect.signature
+    # took 0.15 ms a step)
+    composed = f is _mha.multi_head_attention and any(
+        kwargs.get(n) is not None for n in _rope.COMPOSED_ARGS
+    )
+    if composed:  # the composed path (rotary embeddings, q/k norms) keeps no state yet
         return _recomputing(f, args, kwargs)
     keep: dict[str, Any] = {}
     out = f(*args, **kwargs, _keep=keep)

@@ -12,8 +12,9 @@ for ``f(x, **kwargs)``:
 - :func:`from_mobilevitv2`: MobileViT-v2's ``LinearSelfAttention`` (ml-cvnets, timm, Hugging
   Face) -> ``separable_attention``
 - :func:`from_transformers`: Hugging Face ``transformers`` attention modules (BERT, ViT, GPT-2,
-  Llama, Mistral, Qwen2) -> ``multi_head_attention``, and :func:`transformers_masks` for their
-  attention masks
+  Llama, Mistral, Mixtral, Qwen2/3, Gemma 1/2/3, gpt-oss, Phi-3, GPT-NeoX, Falcon, BLOOM, MPT)
+  -> ``multi_head_attention``, :func:`transformers_masks` for their attention masks and
+  :func:`t5_position_bias` for T5's relative position bias as a float ``mask``
 - :func:`torch_masks`: PyTorch's ``attn_mask`` / ``key_padding_mask`` -> ``mask=``,
   ``key_padding_mask=`` (boolean polarity inverted)
 
@@ -45,6 +46,7 @@ __all__ = [
     "from_torch_mha",
     "from_transformers",
     "from_vit_pytorch",
+    "t5_position_bias",
     "torch_masks",
     "transformers_masks",
 ]
@@ -749,4 +751,4 @@ def torch_masks(
 
 
 # defined in a module of its own, which uses the helpers above
-from ._hf import from_transformers, transformers_masks  # noqa: E402
+from ._hf import from_transformers, t5_position_bias, transformers_masks  # noqa: E402

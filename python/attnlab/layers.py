@@ -288,6 +288,7 @@ class _QKVLayer(_Layer):
         mask: Any = None,
         key_padding_mask: Any = None,
         causal: bool | str = False,
+        window: tuple[int | None, int | None] | None = None,
         return_weights: bool | str = False,
         positions: Any = None,
         warn_empty_rows: bool = True,
@@ -307,6 +308,9 @@ class _QKVLayer(_Layer):
             :func:`attnlab.interop.torch_masks`); ``causal=True`` lets query ``i`` see keys
             ``j <= i``; ``warn_empty_rows=False`` silences the warning for query rows the
             boolean masks leave with no key (``backward`` does not warn again).
+        window : (int or None, int or None), optional
+            Sliding window ``(left, right)`` around each query's aligned key, as for
+            :func:`attnlab.multi_head_attention`.
         positions : array_like, optional
             Token positions for a layer with rotary embeddings (``rope_theta``), as for
             :func:`attnlab.multi_head_attention`.
@@ -324,6 +328,7 @@ class _QKVLayer(_Layer):
             "mask": mask,
             "key_padding_mask": key_padding_mask,
             "causal": causal,
+            "window": window,
             "return_weights": return_weights,
             "warn_empty_rows": warn_empty_rows,
         }

@@ -151,8 +151,9 @@ def _apply(forward: Callable[..., Any], tensor_names: tuple[str, ...], args: dic
     for name in _args.MASK_ARGS:
         if name in args:
             args[name] = _mask(args[name], name)
-    if "positions" in args:
-        args["positions"] = _positions(args["positions"])
+    for name in ("positions", "rope_inv_freq"):  # constants
+        if name in args:
+            args[name] = _positions(args[name])
     names = [n for n in tensor_names if not isinstance(args[n], BilinearQK)]  # a constant
     tensors = {n: args.pop(n) for n in names}
     call = _Call(forward, tensors, args, bool(args.get("return_weights", False)))
@@ -228,7 +229,7 @@ _SDPA_DOC = """\
     torch.Size([2, 4, 8])
     """
 scaled_dot_product_attention = _wrapper(
-    _mha.scaled_dot_product_attention, ("q", "k", "v"), _SDPA_DOC
+    _mha.scaled_dot_product_attention, ("q", "k", "v", "sinks"), _SDPA_DOC
 )
 
 _MULTI_HEAD_DOC = """\
@@ -244,9 +245,11 @@ _MULTI_HEAD_DOC = """\
         As for :func:`attnlab.multi_head_attention` (``True`` in a boolean mask means *may
         attend*; :func:`attnlab.interop.torch_masks` converts ``nn.MultiheadAttention``'s).
         The backward does not warn again.
-    rope_theta, rope_dim, positions
+    q_norm, k_norm : torch.Tensor, shape (d_head,), optional
+        Per-head RMSNorm weights of the queries and keys, differentiated.
+    rope_theta, rope_dim, positions, rope_inv_freq, rope_scale
         Rotary embeddings, as for :func:`attnlab.multi_head_attention`; ``positions`` (array,
-        tensor or a pair of them) is a constant, not differentiated.
+        tensor or a pair of them) and ``rope_inv_freq`` are constants, not differentiated.
 
     {torch_attention_returns}
 
@@ -260,9 +263,24 @@ _MULTI_HEAD_DOC = """\
     """
 multi_head_attention = _wrapper(
     _mha.multi_head_attention,
-    ("query", "key", "value", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"),
+    (
+        "query",
+        "key",
+        "value",
+        "w_q",
+        "w_k",
+        "w_v",
+        "w_o",
+        "b_q",
+        "b_k",
+        "b_v",
+        "b_o",
+        "q_norm",
+        "k_norm",
+        "sinks",
+    ),
     _MULTI_HEAD_DOC,
-    apart=("rope_theta", "rope_dim", "positions"),
+    apart=("rope_theta", "rope_dim", "positions", "rope_inv_freq", "rope_scale"),
 )
 
 _BILINEAR_DOC = """\
@@ -290,7 +308,7 @@ _BILINEAR_DOC = """\
     """
 bilinear_attention = _wrapper(
     _bilinear.bilinear_attention,
-    ("query", "key", "value", "u_k", "w_v", "w_o", "b_v", "b_o", "w_qk"),
+    ("query", "key", "value", "u_k", "w_v", "w_o", "b_v", "b_o", "w_qk", "sinks"),
     _BILINEAR_DOC,
 )
 

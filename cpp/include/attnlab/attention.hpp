@@ -29,6 +29,10 @@ struct AttentionGrad {
     MatrixStack<const T> d_out;  // (n_q x d_v) per (batch, head)
     MatrixStack<T> d_q;          // (n_q x d) per (batch, head)
     MatrixStack<T> d_k, d_v;     // (n_k x d), (n_k x d_v) per (batch, kv head)
+    // optional: the logits' gradient (batch, heads, n_q, n_k), i.e. that of an additive mask,
+    // written where a key tile is visited (zero it first), and the sinks' (batch, heads)
+    T* d_mask = nullptr;
+    T* d_sinks = nullptr;
 };
 
 // A dense projection y = x w + b; w is (in, out) row-major, b may be null.
@@ -95,6 +99,8 @@ struct ProjectedGrads {
     T* key = nullptr;    // (batch * n_k, d_k)
     T* value = nullptr;  // (batch * n_k, d_v)
     LinearGrad<T> w_v, w_o;
+    T* mask = nullptr;   // (batch, heads, n_q, n_k), zeroed by the caller
+    T* sinks = nullptr;  // (batch, heads)
 };
 
 template <typename T>

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #if defined(ATTNLAB_ISA_NS)
 #define ATTNLAB_KERNEL_BUILD 1
@@ -65,6 +66,12 @@ struct TokenMask {
 // and mask by key_interval; docs/architecture.md §4).
 struct MaskOptions {
     Causal causal = Causal::none;
+    // sliding window around the query's aligned key p(i): keys p(i) - left .. p(i) + right;
+    // -1 leaves that side unbounded
+    Index window_left = -1;
+    Index window_right = -1;
+    // logit soft-capping s -> softcap * tanh(s / softcap) before masks and biases; 0: off
+    double softcap = 0;
 };
 
 // f(name, field, min, max) for each field of o, in the order of Python's mask tuple after its
@@ -73,6 +80,9 @@ struct MaskOptions {
 template <typename F>
 void for_each_option(MaskOptions& o, F&& f) {
     f("causal", o.causal, 0, 2);
+    f("window_left", o.window_left, -1, std::numeric_limits<Index>::max());
+    f("window_right", o.window_right, -1, std::numeric_limits<Index>::max());
+    f("softcap", o.softcap, 0.0, std::numeric_limits<double>::max());
 }
 
 // Which (query, key) pairs may attend, and what is added to their scaled scores: the one
@@ -88,6 +98,15 @@ struct MaskSpec {
     Index sb = 0, sh = 0, sq = 0, sk = 0;
     TokenMask key_padding;
     MaskOptions options;
+    // per (batch, head) arrays, element (b, h) at [b * sb + h * sh]: ALiBi slopes (adds
+    // -slope * |p(i) - j| to the logits) and sinks (a logit with no value in every row's softmax)
+    const T* alibi = nullptr;
+    Index alibi_sb = 0, alibi_sh = 0;
+    const T* sinks = nullptr;
+    Index sinks_sb = 0, sinks_sh = 0;
+
+    T slope(Index b, Index h) const { return alibi[b * alibi_sb + h * alibi_sh]; }
+    T sink(Index b, Index h) const { return sinks[b * sinks_sb + h * sinks_sh]; }
 };
 
 #if defined(ATTNLAB_KERNEL_BUILD)
@@ -100,11 +119,20 @@ struct Interval {
 // The keys [lo, hi) (0 <= lo <= hi <= n_k) that query i of n_q may see under the scalar mask
 // options: their meaning, in one place. Both ends never decrease as i grows; the tile ranges
 // and tile_needs_mask (cpp/src/softmax.hpp) rely on that.
+// The key p(i) query i is aligned with: i, or i + n_k - n_q for bottom_right (the last query
+// with the last key). The window and ALiBi distances count from it.
+inline Index aligned_key(const MaskOptions& o, Index n_q, Index n_k, Index i) {
+    return i + (o.causal == Causal::bottom_right ? n_k - n_q : 0);
+}
+
 inline Interval key_interval(const MaskOptions& o, Index n_q, Index n_k, Index i) {
-    // query i is aligned with key i + align (the last query with the last key for bottom_right)
-    const Index align = i + (o.causal == Causal::bottom_right ? n_k - n_q : 0);
+    const Index align = aligned_key(o, n_q, n_k, i);
     Index lo = 0, hi = n_k;
     if (o.causal != Causal::none) hi = std::min(hi, align + 1);  // no key after the aligned one
+    // the window's sides clamped to n_q + n_k first, so that no sum overflows
+    const Index reach = n_q + n_k;
+    if (o.window_left >= 0) lo = std::max(lo, align - std::min(o.window_left, reach));
+    if (o.window_right >= 0) hi = std::min(hi, align + std::min(o.window_right, reach) + 1);
     lo = std::clamp<Index>(lo, 0, n_k);
     return {lo, std::clamp<Index>(hi, lo, n_k)};
 }

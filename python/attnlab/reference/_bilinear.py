@@ -24,10 +24,8 @@ from ._mha import (
     _heads,
     _qkv,
     _scale,
-    _softmax_rows,
     _with_weights,
-    add_mask,
-    call_masks,
+    attention_weights,
 )
 
 __all__ = [
@@ -261,16 +259,12 @@ def bilinear_attention(args: dict[str, Any]) -> Any:
     d_vhead = w_v.shape[1] // h_kv
     logits = bilinear_logits(xq, xk, w_qk=args["w_qk"], u_k=args["u_k"], scale=args["scale"])
     vv = _matmul(xv, w_v) + _bias(args["b_v"])
-    allowed, bias = call_masks(args, logits.shape)
-    logits = add_mask(logits, bias)
-    contexts, weights = [], []
+    logits, allowed, p, lse = attention_weights(args, logits)
+    contexts = []
     for i in range(h):
         j = i // (h // h_kv)
-        logits_i = logits[..., i, :, :]
-        p = _softmax_rows(logits_i, allowed[..., i, :, :])
-        reads = allowed[..., i, :, :] & ~np.isneginf(logits_i)
-        contexts.append(_context(p, vv[..., j * d_vhead : (j + 1) * d_vhead], reads))
-        weights.append(p)
+        reads = allowed[..., i, :, :] & ~np.isneginf(logits[..., i, :, :])
+        contexts.append(_context(p[..., i, :, :], vv[..., j * d_vhead : (j + 1) * d_vhead], reads))
     ctx = np.concatenate(contexts, axis=-1)
     out = _matmul(ctx, w_o) + _bias(args["b_o"])
-    return _with_weights(out, np.stack(weights, axis=-3), args["return_weights"])
+    return _with_weights(out, p, args, lse)

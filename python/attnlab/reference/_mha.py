@@ -47,16 +47,46 @@ def _scale(args: Mapping[str, Any], d_head: float) -> float:
     return 1.0 / math.sqrt(d_head) if scale is None else float(scale)
 
 
-def _with_weights(out: np.ndarray, p: np.ndarray, return_weights: Any) -> Any:
-    """``out``, or ``(out, weights)``: the per-head weights ``p (..., h, n_q, n_k)`` or, for
-    ``"mean"``, their mean over the heads."""
-    if return_weights in (False, None):
-        return out
-    return out, (p.mean(axis=-3) if return_weights == "mean" else p)
+def _with_weights(out: np.ndarray, p: np.ndarray, args: Mapping[str, Any], lse: Any) -> Any:
+    """``out``, then the per-head weights ``p (..., h, n_q, n_k)`` (or, for ``"mean"``, their
+    mean over the heads) with ``return_weights``, then the log-sum-exp with ``return_lse``."""
+    result = [out]
+    if args["return_weights"] not in (False, None):
+        result.append(p.mean(axis=-3) if args["return_weights"] == "mean" else p)
+    if args["return_lse"]:
+        result.append(lse)
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def attention_weights(
+    args: Mapping[str, Any], scores: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """From the scaled scores ``(..., h, n_q, n_k)`` of a call to its final logits (soft cap,
+    then the float mask and ALiBi added), which pairs may attend, the weights (a softmax over
+    the allowed keys and the sink) and the log-sum-exp of each row: the one place the
+    reference's SDPA, multi-head and bilinear bodies read the options of the logits."""
+    n_q, n_k = scores.shape[-2:]
+    cap = args["softcap"]
+    if cap is not None:
+        scores = cap * np.tanh(scores / cap)
+    allowed, bias = call_masks(args, scores.shape)
+    logits = add_mask(scores, bias)
+    if args["alibi_slopes"] is not None:
+        offset = n_k - n_q if args["causal"] == "bottom_right" else 0
+        dist = np.abs(np.arange(n_q)[:, None] + offset - np.arange(n_k)[None, :])
+        logits = logits - _f64(args["alibi_slopes"])[..., :, None, None] * dist
+    sinks = None if args["sinks"] is None else _f64(args["sinks"])[..., :, None, None]
+    p, lse = _softmax_rows(logits, np.broadcast_to(allowed, logits.shape), sinks)
+    return logits, np.broadcast_to(allowed, logits.shape), p, lse
 
 
 def allowed_and_bias(
-    n_q: int, n_k: int, mask: Any = None, key_padding_mask: Any = None, causal: Any = False
+    n_q: int,
+    n_k: int,
+    mask: Any = None,
+    key_padding_mask: Any = None,
+    causal: Any = False,
+    window: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Which (query, key) pairs may attend and the float mask to add, before broadcasting.
 
@@ -69,6 +99,9 @@ def allowed_and_bias(
     key_padding_mask : array_like of bool, shape (..., n_k), optional
         ``True`` for real tokens; placed as ``(..., 1, 1, n_k)``.
     causal : bool or {"top_left", "bottom_right"}
+    window : (int or None, int or None), optional
+        Keys ``p(i) - left <= j <= p(i) + right`` around the key ``p(i)`` query ``i`` is
+        aligned with (as ``causal`` aligns it).
 
     Returns
     -------
@@ -86,11 +119,17 @@ def allowed_and_bias(
     """
     allowed = np.ones((n_q, n_k), dtype=bool)
     bias = np.zeros((), dtype=np.float64)
+    offset = n_k - n_q if causal == "bottom_right" else 0
+    p = np.arange(n_q)[:, None] + offset  # the key each query is aligned with
+    j = np.arange(n_k)[None, :]
     if causal in (True, "top_left", "bottom_right"):
-        offset = n_k - n_q if causal == "bottom_right" else 0
-        i = np.arange(n_q)[:, None]
-        j = np.arange(n_k)[None, :]
-        allowed = allowed & (j <= i + offset)
+        allowed = allowed & (j <= p)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            allowed = allowed & (j >= p - left)
+        if right is not None:
+            allowed = allowed & (j <= p + right)
     if mask is not None:
         m = np.asarray(mask)
         if m.dtype == bool:
@@ -103,13 +142,15 @@ def allowed_and_bias(
     return allowed, bias
 
 
-def warn_if_empty(allowed: np.ndarray, n_q: int, n_k: int, causal: Any, warn: Any) -> None:
+def warn_if_empty(
+    allowed: np.ndarray, n_q: int, n_k: int, causal: Any, warn: Any, window: Any = None
+) -> None:
     """attnlab's warning for query rows the boolean masks leave without a key (``allowed``,
-    broadcast to ``(..., h, n_q, n_k)``), among those ``causal`` alone leaves some key; counted
-    here the plain way, as a check on the kernels' wrapper."""
+    broadcast to ``(..., h, n_q, n_k)``), among those ``causal`` and ``window`` alone leave
+    some key; counted here the plain way, as a check on the kernels' wrapper."""
     if not warn:
         return
-    live = allowed_and_bias(n_q, n_k, causal=causal)[0].any(axis=-1)
+    live = allowed_and_bias(n_q, n_k, causal=causal, window=window)[0].any(axis=-1)
     empty = int(np.sum(~allowed.any(axis=-1) & live))
     warn_empty(empty, int(np.prod(allowed.shape[:-1])), ATTENTION_ROWS)
 
@@ -121,10 +162,12 @@ def call_masks(args: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[np.ndar
     without a key unless ``warn_empty_rows=False``. The one place the reference's attention
     functions read the mask options."""
     n_q, n_k = shape[-2:]
-    causal = args["causal"]
-    allowed, bias = allowed_and_bias(n_q, n_k, args["mask"], args.get("key_padding_mask"), causal)
+    causal, window = args["causal"], args["window"]
+    allowed, bias = allowed_and_bias(
+        n_q, n_k, args["mask"], args.get("key_padding_mask"), causal, window
+    )
     allowed = np.broadcast_to(allowed, np.broadcast_shapes(shape, bias.shape))
-    warn_if_empty(allowed, n_q, n_k, causal, args["warn_empty_rows"])
+    warn_if_empty(allowed, n_q, n_k, causal, args["warn_empty_rows"], window)
     return allowed, bias
 
 
@@ -135,19 +178,28 @@ def add_mask(scores: np.ndarray, bias: np.ndarray) -> np.ndarray:
         return np.where(np.isneginf(bias), -np.inf, scores + bias)
 
 
-def _softmax_rows(scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis among allowed entries; rows with none allowed give zeros."""
+def _softmax_rows(
+    scores: np.ndarray, allowed: np.ndarray, sinks: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over the last axis among allowed entries, with ``sinks`` (``(..., h, 1, 1)``
+    logits with no value) in the denominator; rows with none allowed give zeros. Also the
+    log-sum-exp of each row (``-inf`` for a row with no key and no sink)."""
     s = np.where(allowed, scores, -np.inf)
     row_max = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # initial: n_k may be 0
+    if sinks is not None:
+        row_max = np.maximum(row_max, sinks)
     finite_max = np.where(np.isneginf(row_max), 0.0, row_max)
     e = np.where(allowed, np.exp(s - finite_max), 0.0)
     e = np.where(np.isneginf(s), 0.0, e)  # -inf from a float mask
     total = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(sinks - finite_max)
     with np.errstate(invalid="ignore", divide="ignore"):
         p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
+        lse = np.where(total > 0, finite_max + np.log(np.where(total > 0, total, 1.0)), -np.inf)
     # NaN anywhere in a row's inputs makes that row NaN (propagation, not masking)
     nan_rows = np.isnan(total)
-    return np.where(nan_rows, np.nan, p)
+    return np.where(nan_rows, np.nan, p), np.where(nan_rows, np.nan, lse)[..., 0]
 
 
 def _context(p: np.ndarray, v: np.ndarray, reads: np.ndarray) -> np.ndarray:
@@ -167,12 +219,18 @@ def _context(p: np.ndarray, v: np.ndarray, reads: np.ndarray) -> np.ndarray:
 _Tables = tuple[np.ndarray, np.ndarray]  # cos, sin
 
 
-def _rope_tables(theta: float, r: int, pos: np.ndarray) -> _Tables:
-    """cos and sin ``(..., n, r)`` of transformers' ``emb = cat(freqs, freqs)``."""
-    inv_freq = 1.0 / theta ** (np.arange(0, r, 2, dtype=np.float64) / r)
+def _rope_tables(inv_freq: np.ndarray, scale: float, pos: np.ndarray) -> _Tables:
+    """``scale`` times cos and sin ``(..., n, r)`` of transformers' ``emb = cat(freqs,
+    freqs)``."""
     freqs = pos[..., None] * inv_freq
     emb = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(emb), np.sin(emb)
+    return scale * np.cos(emb), scale * np.sin(emb)
+
+
+def _rms_norm(x: np.ndarray, w: Any, eps: Any) -> np.ndarray:
+    """``x * (mean(x**2) + eps) ** -0.5 * w`` over the last axis (q_norm, k_norm)."""
+    e = 1e-6 if eps is None else float(eps)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + e) * _f64(w)
 
 
 def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -187,11 +245,15 @@ def _rope(
     args: Mapping[str, Any], n_q: int, n_k: int, d_head: int
 ) -> tuple[_Tables, _Tables] | None:
     """The cos and sin tables (:func:`_rope_tables`) of the query and of the key positions, or
-    ``None`` without ``rope_theta``."""
-    theta = args["rope_theta"]
-    if theta is None:
+    ``None`` without ``rope_theta`` and ``rope_inv_freq``."""
+    theta, inv_freq = args["rope_theta"], args["rope_inv_freq"]
+    if theta is None and inv_freq is None:
         return None
-    r = d_head if args["rope_dim"] is None else int(args["rope_dim"])
+    if inv_freq is None:
+        r = d_head if args["rope_dim"] is None else int(args["rope_dim"])
+        inv_freq = 1.0 / float(theta) ** (np.arange(0, r, 2, dtype=np.float64) / r)
+    inv_freq = _f64(inv_freq)
+    scale = 1.0 if args["rope_scale"] is None else float(args["rope_scale"])
     offset = n_k - n_q if args["causal"] == "bottom_right" else 0
     positions = args["positions"]
     if isinstance(positions, tuple):
@@ -201,7 +263,7 @@ def _rope(
     else:
         pos_k = _f64(positions)
         pos_q = pos_k[..., offset : offset + n_q]
-    return _rope_tables(float(theta), r, pos_q), _rope_tables(float(theta), r, pos_k)
+    return _rope_tables(inv_freq, scale, pos_q), _rope_tables(inv_freq, scale, pos_k)
 
 
 @_sig.reference_of(_public.scaled_dot_product_attention)
@@ -233,11 +295,9 @@ def scaled_dot_product_attention(args: dict[str, Any]) -> Any:
     k = np.repeat(k, group, axis=-3)
     v = np.repeat(v, group, axis=-3)
     scores = _scale(args, d) * (q @ np.swapaxes(k, -1, -2))
-    allowed, bias = call_masks(args, scores.shape)
-    scores = add_mask(scores, bias)
-    p = _softmax_rows(scores, allowed)
-    out = _context(p, v, allowed & ~np.isneginf(scores))
-    return _with_weights(out, p, args["return_weights"])
+    logits, allowed, p, lse = attention_weights(args, scores)
+    out = _context(p, v, allowed & ~np.isneginf(logits))
+    return _with_weights(out, p, args, lse)
 
 
 @_sig.reference_of(_public.multi_head_attention)
@@ -245,7 +305,8 @@ def multi_head_attention(args: dict[str, Any]) -> Any:
     """Reference for :func:`attnlab.multi_head_attention` (float64), one head at a time.
 
     Rotary embeddings are written as in ``transformers``: ``x * cos + rotate_half(x) * sin``
-    on the first ``rope_dim`` features of each query and key head.
+    on the first ``rope_dim`` features of each query and key head, after the heads' RMSNorm
+    (``q_norm``, ``k_norm``).
 
     {parameters}
 
@@ -269,24 +330,25 @@ def multi_head_attention(args: dict[str, Any]) -> Any:
     s = _scale(args, d_head)
     n_q, n_k = xq.shape[-2], xk.shape[-2]
     batch = np.broadcast_shapes(xq.shape[:-2], xk.shape[:-2], xv.shape[:-2])
-    allowed, bias = call_masks(args, batch + (h, n_q, n_k))
-    bias = np.broadcast_to(bias, batch + (h, n_q, n_k))
     rope = _rope(args, n_q, n_k, d_head)
-    contexts, weights = [], []
+    scores, values = [], []
     for i in range(h):
         j = i // (h // h_kv)  # the kv head this query head reads
         q_i = Q[..., i * d_head : (i + 1) * d_head]
         k_i = K[..., j * d_head : (j + 1) * d_head]
+        if args["q_norm"] is not None:
+            q_i = _rms_norm(q_i, args["q_norm"], args["norm_eps"])
+        if args["k_norm"] is not None:
+            k_i = _rms_norm(k_i, args["k_norm"], args["norm_eps"])
         if rope is not None:
             q_i = _apply_rope(q_i, *rope[0])
             k_i = _apply_rope(k_i, *rope[1])
-        v_i = Vv[..., j * d_vhead : (j + 1) * d_vhead]
-        scores = s * (q_i @ np.swapaxes(k_i, -1, -2))
-        scores = add_mask(scores, bias[..., i, :, :])
-        allowed_i = np.broadcast_to(allowed[..., i, :, :], scores.shape)
-        p = _softmax_rows(scores, allowed_i)
-        contexts.append(_context(p, v_i, allowed_i & ~np.isneginf(scores)))
-        weights.append(p)
+        values.append(Vv[..., j * d_vhead : (j + 1) * d_vhead])
+        scores.append(s * (q_i @ np.swapaxes(k_i, -1, -2)))
+    full = np.broadcast_to(np.stack(scores, axis=-3), batch + (h, n_q, n_k))
+    logits, allowed, p, lse = attention_weights(args, full)
+    reads = allowed & ~np.isneginf(logits)  # keys each query reads
+    contexts = [_context(p[..., i, :, :], values[i], reads[..., i, :, :]) for i in range(h)]
     ctx = np.concatenate(contexts, axis=-1)
     out = ctx @ w_o + _bias(args["b_o"])
-    return _with_weights(out, np.stack(weights, axis=-3), args["return_weights"])
+    return _with_weights(out, p, args, lse)

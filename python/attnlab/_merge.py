@@ -1,0 +1,86 @@
+"""Attention over disjoint key sets combined into attention over their union, by the
+log-sum-exp of each part (the merge step of split-key and ring attention)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _validate as V
+
+__all__ = ["merge_attention"]
+
+
+def merge_attention(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Combine attention over disjoint key sets into attention over their union.
+
+    With ``out_k, lse_k = scaled_dot_product_attention(q, k_k, v_k, return_lse=True)`` for a
+    partition of the keys into parts ``k``, the attention over all keys is
+    ``sum_k exp(lse_k - lse) out_k`` with ``lse = log(sum_k exp(lse_k))``.
+
+    Parameters
+    ----------
+    outs : sequence of array_like, each shape (..., n_q, d_v)
+        The outputs of each part (e.g. ``(..., h, n_q, d_v)`` from SDPA).
+    lses : sequence of array_like, each shape (..., n_q)
+        Their log-sum-exps (``return_lse=True``); ``-inf`` for a row that saw no key of a part.
+
+    Returns
+    -------
+    out : ndarray, shape (..., n_q, d_v)
+        Zero on rows that saw no key in any part.
+    lse : ndarray, shape (..., n_q)
+
+    Notes
+    -----
+    Sinks (``sinks=``) belong to one softmax: pass them to one part only, or the sink is
+    counted once per part. The dtype is ``np.result_type`` of the inputs (float32 or float64).
+
+    Examples
+    --------
+    >>> import numpy as np, attnlab
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 5, 8)) for _ in range(3))
+    >>> parts = [attnlab.scaled_dot_product_attention(q, k[:, s], v[:, s], return_lse=True)
+    ...          for s in (slice(0, 2), slice(2, 5))]
+    >>> out, lse = attnlab.merge_attention(*zip(*parts))
+    >>> bool(np.allclose(out, attnlab.scaled_dot_product_attention(q, k, v)))
+    True
+    """
+    if isinstance(outs, np.ndarray) or isinstance(lses, np.ndarray):
+        raise TypeError("outs, lses: expected sequences of arrays (one per key part), not arrays")
+    outs_a = [V.as_array(o, f"outs[{i}]") for i, o in enumerate(outs)]
+    lses_a = [V.as_array(s, f"lses[{i}]") for i, s in enumerate(lses)]
+    if not outs_a or len(outs_a) != len(lses_a):
+        raise ValueError(
+            f"outs, lses: expected the same number (>= 1) of outputs and log-sum-exps, got "
+            f"{len(outs_a)} and {len(lses_a)}"
+        )
+    shape = outs_a[0].shape
+    for i, (o, s) in enumerate(zip(outs_a, lses_a, strict=True)):
+        if o.ndim < 2 or o.shape != shape:
+            raise ValueError(
+                f"outs[{i}]: expected shape {V.shape_str(shape)} (..., n_q, d_v) like outs[0], "
+                f"got {V.shape_str(o.shape)}"
+            )
+        if s.shape != shape[:-1]:
+            raise ValueError(
+                f"lses[{i}]: expected shape {V.shape_str(shape[:-1])} (outs' without d_v), got "
+                f"{V.shape_str(s.shape)}"
+            )
+    dtype = V.result_dtype(*outs_a, *lses_a)
+    lse_stack = np.stack([s.astype(dtype, copy=False) for s in lses_a])
+    top = np.max(lse_stack, axis=0)
+    shift = np.where(np.isneginf(top), 0.0, top).astype(dtype)  # rows with no key anywhere
+    with np.errstate(invalid="ignore"):
+        w = np.exp(lse_stack - shift)  # exp(-inf) = 0 for a part that saw no key
+    total = w.sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1.0)), top)
+        frac = np.where(total > 0, w / np.where(total > 0, total, 1.0), 0.0)
+    out = np.zeros(shape, dtype)
+    for f, o in zip(frac, outs_a, strict=True):
+        out += f[..., None] * o  # a part with weight 0 adds exactly 0 (its rows are finite)
+    return out, lse.astype(dtype, copy=False)
