@@ -264,9 +264,7 @@ def _key(op: _Operand | None, idx: dict[Any, int]) -> Any:
     return tuple(out)
 
 
-def _tree(
-    dsk: dict, name: str, prefix: tuple, parts: list[Any], split_every: int
-) -> Any:
+def _tree(dsk: dict, name: str, prefix: tuple, parts: list[Any], split_every: int) -> Any:
     """Merge ``parts`` (keys of ``(out, lse)``) in a tree, ``split_every`` at a time; the key of
     the root."""
     level = 0
@@ -308,7 +306,6 @@ def _per_head(values: np.ndarray | None, batch: tuple[int, ...], h: int, name: s
     full = np.ascontiguousarray(values).reshape(batch + (h,))
     roles = tuple(("b", i) for i in range(len(batch))) + (None,)
     return _Operand(da.from_array(full, chunks=full.shape, name=f"{name}-{tokenize(full)}"), roles)
-
 
 
 # --- scaled dot-product attention -------------------------------------------------------------
@@ -485,4 +482,468 @@ def scaled_dot_product_attention(
     lse = da.Array(
         graph, f"{name}-lse", out_chunks[:-1], meta=np.empty((0,) * (len(out_chunks) - 1), dtype)
     )
+    return out, lse
+
+
+# --- multi-head attention ---------------------------------------------------------------------
+
+
+class _Params:
+    """The prepared weights of a multi-head call (and its rotary and norm settings): one value
+    in the graph, so each worker receives it once, whatever the number of blocks."""
+
+    def __init__(self, **values: Any) -> None:
+        self.values = values
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+
+def _project_heads(x: np.ndarray, p: _Params, side: str, pos: np.ndarray | None) -> np.ndarray:
+    """``x`` ``(..., n, d_in)`` projected by ``w_{side}``, normalised and rotated as the
+    one-machine composed path does (``_rope``), as heads ``(..., heads, n, d_head)``."""
+    w, b, heads = p[f"w_{side}"], p[f"b_{side}"], p["heads_" + side]
+    lead = x.shape[:-2]
+    if pos is not None and side != "v":
+        lead = np.broadcast_shapes(lead, pos.shape[:-1])
+    n = x.shape[-2]
+    x = np.broadcast_to(x, lead + x.shape[-2:])
+    B = V.count(lead)
+    rows = V.contiguous(x.reshape(B * n, x.shape[-1]), w.dtype)
+    y = _rope._project(rows, w, b, B, n, heads)
+    if side != "v":
+        norm = p[f"{side}_norm"]
+        if norm is not None:
+            y, _ = _rope.rms_norm(y, norm, p["norm_eps"])
+        if pos is not None:
+            pos2 = (
+                pos.reshape(1, n)
+                if V.count(pos.shape[:-1]) == 1
+                else (np.broadcast_to(pos, lead + (n,)).reshape(B, n))
+            )
+            cos, sin = _rope.tables(p["inv_freq"], pos2, w.dtype, p["rope_scale"])
+            _rope.rotate(y, cos, sin, 2 * p["inv_freq"].shape[0])
+    return np.moveaxis(y.reshape(lead + y.shape[1:]), -2, -3)
+
+
+def _mha_queries(x: np.ndarray, p: _Params, pos: np.ndarray | None) -> np.ndarray:
+    _limit_threads()
+    return _project_heads(x, p, "q", pos)
+
+
+def _mha_keys(
+    xk: np.ndarray, xv: np.ndarray, p: _Params, pos: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    _limit_threads()
+    return _project_heads(xk, p, "k", pos), _project_heads(xv, p, "v", None)
+
+
+def _mha_part(
+    qh: np.ndarray,
+    kv: tuple[np.ndarray, np.ndarray],
+    mask: np.ndarray | None,
+    kp: np.ndarray | None,
+    alibi: np.ndarray | None,
+    span: _Span,
+    opts: dict,
+) -> tuple[np.ndarray, np.ndarray]:
+    return _sdpa_part(qh, kv[0], kv[1], mask, kp, alibi, span, opts)
+
+
+def _mha_output(merged: tuple[np.ndarray, np.ndarray], p: _Params) -> tuple:
+    """The merged context ``(..., h, n_q, d_vhead)`` through the output projection."""
+    _limit_threads()
+    ctx, lse = merged
+    lead, (h, n, dv) = ctx.shape[:-3], ctx.shape[-3:]
+    rows = V.contiguous(np.moveaxis(ctx, -3, -2).reshape(V.count(lead) * n, h * dv))
+    w_o = p["w_o"]
+    y = V.empty((rows.shape[0], w_o.shape[1]), w_o.dtype)
+    if y.size:
+        core.linear_forward(rows, w_o, p["b_o"], y)
+    return y.reshape(lead + (n, w_o.shape[1])), lse
+
+
+def _mha_direct(
+    xq: Any,
+    xk: Any,
+    xv: Any,
+    p: _Params,
+    mask: Any,
+    kp: Any,
+    alibi: Any,
+    sinks: Any,
+    pq: Any,
+    pk: Any,
+    opts: dict,
+) -> Any:
+    """A block that is the whole sequence: the one-machine call, every option as given."""
+    _limit_threads()
+    names = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "q_norm", "k_norm")
+    return _mha.multi_head_attention(
+        xq,
+        xk,
+        xv,
+        **{n: p[n] for n in names},
+        mask=mask,
+        key_padding_mask=kp,
+        alibi_slopes=alibi,
+        sinks=sinks,
+        positions=None if pq is None else (pq, pk),
+        return_lse=True,
+        warn_empty_rows=False,
+        **opts,
+    )
+
+
+def multi_head_attention(
+    query: Any,
+    key: Any = None,
+    value: Any = None,
+    *,
+    w_q: Any,
+    w_k: Any,
+    w_v: Any,
+    w_o: Any,
+    b_q: Any = None,
+    b_k: Any = None,
+    b_v: Any = None,
+    b_o: Any = None,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    mask: Any = None,
+    key_padding_mask: Any = None,
+    causal: bool | str = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    rope_theta: float | None = None,
+    rope_dim: int | None = None,
+    positions: Any = None,
+    rope_inv_freq: Any = None,
+    rope_scale: float | None = None,
+    q_norm: Any = None,
+    k_norm: Any = None,
+    norm_eps: float | None = None,
+    split_every: int = 4,
+) -> Any:
+    """:func:`attnlab.multi_head_attention` on dask arrays, block by block.
+
+    A block that holds whole sequences (one chunk along the queries' and the keys' tokens) is
+    one fused one-machine call. Otherwise the queries of a block are projected once (norm and
+    rotary embeddings included), the keys and values once per key block, each pair of blocks
+    attended by the SDPA kernel with ``return_lse``, the key blocks merged in a tree
+    (:func:`attnlab.merge_attention`) and the merged context projected by ``w_o``.
+
+    Parameters
+    ----------
+    query : dask array or array_like, shape (..., n_q, d_q)
+    key : dask array or array_like, shape (..., n_k, d_k), optional
+    value : dask array or array_like, shape (..., n_k, d_v), optional
+        Their chunks set the blocks: along the batch axes (from the first input not broadcast
+        along an axis), the queries' tokens (``query``'s) and the keys' (``key``'s; ``value``
+        is rechunked to them). Features are never split. NumPy inputs are one chunk.
+    w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o : array_like
+        NumPy weights: one value of the graph, sent to each worker once.
+    mask : dask array or array_like of bool or float, optional
+        Broadcasts to ``(..., h, n_q, n_k)``, chunked with the queries and keys.
+    key_padding_mask : dask array or array_like of bool, optional
+        ``(..., n_k)``, chunked with the keys.
+    num_heads, num_kv_heads, causal, window, softcap, alibi_slopes, sinks, scale, rope_theta, rope_dim, positions, rope_inv_freq, rope_scale, q_norm, k_norm, norm_eps
+        As for :func:`attnlab.multi_head_attention`, relative to the whole call's positions.
+        ``alibi_slopes``, ``sinks`` and ``positions`` are small: they are read on the client.
+    return_lse : bool
+        Also return the log-sum-exp ``(..., h, n_q)`` (a dask array).
+    split_every : int
+        How many partial results of key blocks one merge task combines (>= 2).
+
+    Returns
+    -------
+    out : dask array, shape (..., n_q, d_out)
+    lse : dask array, shape (..., h, n_q), optional
+
+    Notes
+    -----
+    Attention weights (``return_weights``) are not offered. Rows that no key may attend give
+    ``b_o`` (and ``lse`` ``-inf``) as in the one-machine call, without its warning.
+
+    Examples
+    --------
+    >>> import numpy as np, dask.array as da, attnlab, attnlab.dask
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((2, 64, 16))
+    >>> w = dict(zip(("w_q", "w_k", "w_v", "w_o"),
+    ...              (rng.standard_normal((16, 16)) * 0.25 for _ in range(4))))
+    >>> out = attnlab.dask.multi_head_attention(da.from_array(x, chunks=(1, 16, 16)),
+    ...                                         num_heads=4, causal=True, **w)
+    >>> bool(np.allclose(out.compute(),
+    ...                  attnlab.multi_head_attention(x, num_heads=4, causal=True, **w)))
+    True
+    """
+    s_every = _split_every(split_every)
+    lse_wanted = V.check_flag(return_lse, "return_lse")
+    xq = _dask(query, "query")
+    xk = xq if key is None else _dask(key, "key")
+    xv = xk if value is None else _dask(value, "value")
+    wnames = ("w_q", "w_k", "w_v", "w_o")
+    given = dict(w_q=w_q, w_k=w_k, w_v=w_v, w_o=w_o, b_q=b_q, b_k=b_k, b_v=b_v, b_o=b_o)
+    ws = {
+        n: (V.as_array(x, n) if n in wnames else V.optional_array(x, n)) for n, x in given.items()
+    }
+    in_dt = [_native(x.dtype, n) for x, n in ((xq, "query"), (xk, "key"), (xv, "value"))]
+    dtype = np.dtype(np.result_type(*in_dt, *(w.dtype for w in ws.values() if w is not None)))
+    std = {n: _standin(x, dtype) for n, x in (("query", xq), ("key", xk), ("value", xv))}
+    x = _args.qkv(  # the inputs' own checks, on stand-ins: no data read or copied
+        dict(
+            query=std["query"],
+            key=None if key is None else std["key"],
+            value=None if value is None else std["value"],
+        ),
+        min_features=True,
+    )
+    d_q, d_k, d_v = x.widths
+    tiny = {n: np.zeros((1, d), dtype) for n, d in (("query", d_q), ("key", d_k), ("value", d_v))}
+    targs = dict(
+        query=tiny["query"],
+        key=None if key is None else tiny["key"],
+        value=None if value is None else tiny["value"],
+        **ws,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        mask=None,
+        key_padding_mask=None,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=None,
+        sinks=None,
+        scale=scale,
+        warn_empty_rows=False,
+    )
+    a = _mha._prepare_mha(targs)  # heads and weights, checked and prepared once
+    batch = x.batch()
+    h, h_kv, n_q, n_k = a.h, a.h_kv, x.n_q, x.n_k
+    md = None if mask is None else _dask(mask, "mask")
+    kd = None if key_padding_mask is None else _dask(key_padding_mask, "key_padding_mask")
+    mask_dt = None if md is None else (np.bool_ if md.dtype.kind == "b" else dtype)
+    if md is not None and md.dtype.kind not in "bf":
+        mask_dt = md.dtype
+    m = _args.masks(
+        dict(
+            mask=None if md is None else _standin(md, mask_dt),
+            key_padding_mask=None if kd is None else _standin(kd),
+            causal=causal,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            sinks=sinks,
+            scale=scale,
+            warn_empty_rows=False,
+        ),
+        batch,
+        h,
+        n_q,
+        n_k,
+        dtype,
+        a.m.scale,
+    )
+    rope_args = dict(
+        rope_theta=rope_theta,
+        rope_dim=rope_dim,
+        positions=None,
+        rope_inv_freq=rope_inv_freq,
+        rope_scale=rope_scale,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        norm_eps=norm_eps,
+    )
+    if positions is not None and rope_theta is None and rope_inv_freq is None:
+        raise ValueError(
+            "positions: given without rope_theta or rope_inv_freq (rotary embeddings are off "
+            "when both are None)"
+        )
+    comp = _rope.prepare_for(a, rope_args)
+    d_head = a.w["w_q"].shape[1] // h  # type: ignore[union-attr]
+    inv_freq = None
+    pq = pk = None
+    if comp is not None and comp.rope is not None:
+        if rope_inv_freq is not None:
+            inv_freq = _rope._inv_freq(rope_inv_freq, rope_dim, d_head)
+        else:
+            inv_freq = _rope.inverse_frequencies(float(rope_theta), comp.rope.dim)  # type: ignore[arg-type]
+        pq2, pk2 = _rope.resolve_positions(positions, n_q, n_k, m.causal, batch)
+        nb_ = len(batch)
+        pq, pk = (
+            p.reshape((1,) * nb_ + p.shape[1:])
+            if p.shape[0] == 1 and V.count(batch) != 1
+            else p.reshape(batch + p.shape[1:])
+            for p in (pq2, pk2)
+        )
+    params = _Params(
+        **a.w,
+        heads_q=h,
+        heads_k=h_kv,
+        heads_v=h_kv,
+        q_norm=None if comp is None else comp.q_norm,
+        k_norm=None if comp is None else comp.k_norm,
+        norm_eps=1e-6 if comp is None else comp.eps,
+        inv_freq=inv_freq,
+        rope_scale=1.0 if rope_scale is None else float(rope_scale),
+    )
+    nb = len(batch)
+    bro = tuple(("b", i) for i in range(nb))
+
+    def lead(arr: da.Array, core_roles: tuple[Any, ...]) -> _Operand:
+        if arr.ndim < nb + len(core_roles):
+            arr = arr[(None,) * (nb + len(core_roles) - arr.ndim)]
+        return _Operand(arr, bro[nb - (arr.ndim - len(core_roles)) :] + core_roles)
+
+    ops: dict[str, _Operand] = {
+        "query": lead(xq.astype(dtype), ("q", None)),
+        "key": lead(xk.astype(dtype), ("k", None)),
+        "value": lead(xv.astype(dtype), ("k", None)),
+    }
+    if md is not None:
+        ops["mask"] = lead(md if md.dtype.kind == "b" else md.astype(dtype), (None, "q", "k"))
+    if kd is not None:
+        ops["kp"] = lead(kd, ("k",))
+    for nm, p in (("pq", pq), ("pk", pk)):
+        if p is not None:
+            ops[nm] = lead(da.from_array(p, chunks=p.shape), ("q" if nm == "pq" else "k",))
+    chunks = _chunks_for([ops[n] for n in ("query", "key", "value")], batch)
+    ops = {n: _aligned(op, chunks) for n, op in ops.items()}
+    alibi = _per_head(m.alibi, batch, h, "attnlab-alibi")
+    sinks_op = _per_head(m.sinks, batch, h, "attnlab-sinks")
+    alibi, sinks_op = (None if o is None else _aligned(o, chunks) for o in (alibi, sinks_op))
+    token = tokenize(
+        xq,
+        xk,
+        xv,
+        md,
+        kd,
+        a.w,
+        causal,
+        window,
+        softcap,
+        m.alibi,
+        m.sinks,
+        scale,
+        num_heads,
+        num_kv_heads,
+        rope_theta,
+        rope_dim,
+        pq,
+        pk,
+        rope_inv_freq,
+        rope_scale,
+        q_norm,
+        k_norm,
+        norm_eps,
+        key is None,
+        value is None,
+    )
+    name = f"attnlab-mha-{token}"
+    wkey = f"{name}-weights"
+    dsk: dict[Any, Any] = {wkey: params}
+    q_spans, k_spans = _spans(chunks["q"]), _spans(chunks["k"])
+    direct = len(q_spans) == 1 and len(k_spans) == 1
+    opts = dict(softcap=softcap, scale=m.scale)
+    d_vhead = a.w["w_v"].shape[1] // h_kv  # type: ignore[union-attr]
+    d_out = a.d_out
+    out_keys: dict[tuple, Any] = {}
+    for bidx in _batch_indices(chunks, nb):
+        bsizes = tuple(chunks[("b", i)][j] for i, j in enumerate(bidx))
+        idx: dict[Any, int] = {("b", i): j for i, j in enumerate(bidx)}
+        if direct:
+            idx["q"] = idx["k"] = 0
+            key_ = (f"{name}-direct", *bidx)
+            dsk[key_] = (
+                _mha_direct,
+                _key(ops["query"], idx),
+                None if key is None else _key(ops["key"], idx),
+                None if value is None else _key(ops["value"], idx),
+                wkey,
+                _key(ops.get("mask"), idx),
+                _key(ops.get("kp"), idx),
+                _key(alibi, idx),
+                _key(sinks_op, idx),
+                _key(ops.get("pq"), idx),
+                _key(ops.get("pk"), idx),
+                dict(
+                    opts,
+                    num_heads=h,
+                    num_kv_heads=h_kv,
+                    causal=causal,
+                    window=window,
+                    rope_theta=rope_theta,
+                    rope_dim=rope_dim,
+                    rope_inv_freq=rope_inv_freq,
+                    rope_scale=rope_scale,
+                    norm_eps=norm_eps,
+                ),
+            )
+            out_keys[(*bidx, 0)] = key_
+            continue
+        kv_keys = []
+        for ki in range(len(k_spans)):
+            idx["k"] = ki
+            kv = (f"{name}-kv", *bidx, ki)
+            dsk[kv] = (
+                _mha_keys,
+                _key(ops["key"], idx),
+                _key(ops["value"], idx),
+                wkey,
+                _key(ops.get("pk"), idx),
+            )
+            kv_keys.append(kv)
+        for qi, (q0, nq) in enumerate(q_spans):
+            idx["q"] = qi
+            qh = (f"{name}-q", *bidx, qi)
+            dsk[qh] = (_mha_queries, _key(ops["query"], idx), wkey, _key(ops.get("pq"), idx))
+            parts = []
+            for ki, (k0, nk) in enumerate(k_spans):
+                span = _Span(q0, nq, k0, nk, n_q, n_k, m.causal, m.window)
+                if span.allowed() is False:
+                    continue
+                idx["k"] = ki
+                part = (f"{name}-part", *bidx, qi, ki)
+                dsk[part] = (
+                    _mha_part,
+                    qh,
+                    kv_keys[ki],
+                    _key(ops.get("mask"), idx),
+                    _key(ops.get("kp"), idx),
+                    _key(alibi, idx),
+                    span,
+                    opts,
+                )
+                parts.append(part)
+            ctx_shape = bsizes + (h, nq, d_vhead)
+            if sinks_op is not None:
+                sk = (f"{name}-sinks", *bidx, qi)
+                dsk[sk] = (_sink_part, _key(sinks_op, idx), ctx_shape, dtype)
+                parts.append(sk)
+            if not parts:
+                ek = (f"{name}-empty", *bidx, qi)
+                dsk[ek] = (_empty_part, ctx_shape, dtype)
+                parts.append(ek)
+            root = _tree(dsk, name, (*bidx, qi), parts, s_every)
+            ok = (f"{name}-out", *bidx, qi)
+            dsk[ok] = (_mha_output, root, wkey)
+            out_keys[(*bidx, qi)] = ok
+    for idx_, src in out_keys.items():
+        dsk[(name, *idx_, 0)] = (operator.getitem, src, 0)
+        if lse_wanted:
+            dsk[(f"{name}-lse", *idx_[:-1], 0, idx_[-1])] = (operator.getitem, src, 1)
+    deps = [op.x for op in ops.values()] + [o.x for o in (alibi, sinks_op) if o is not None]
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)
+    bchunks = tuple(chunks[r] for r in bro)
+    out_chunks = bchunks + (chunks["q"], (d_out,))
+    out = da.Array(graph, name, out_chunks, meta=np.empty((0,) * len(out_chunks), dtype))
+    if not lse_wanted:
+        return out
+    lse_chunks = bchunks + ((h,), chunks["q"])
+    lse = da.Array(graph, f"{name}-lse", lse_chunks, meta=np.empty((0,) * len(lse_chunks), dtype))
     return out, lse
