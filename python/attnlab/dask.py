@@ -25,7 +25,7 @@ This module imports dask; ``pip install "attnlab[dask]"``.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import dask.array as da
@@ -46,14 +46,13 @@ _NATIVE = (np.dtype(np.float32), np.dtype(np.float64))
 # --- the worker side: functions the tasks run -------------------------------------------------
 
 
-_threads_checked = False  # once per process: the first task on a worker sets the count
+_checked = {"threads": False}  # once per process: the first task on a worker sets the count
 
 
 def _limit_threads() -> None:
     """On a ``dask.distributed`` worker: one kernel thread per task thread, unless the worker's
     process chose its count (``ATTNLAB_NUM_THREADS``, ``set_num_threads``)."""
-    global _threads_checked
-    if _threads_checked:
+    if _checked["threads"]:
         return
     try:
         from distributed import get_worker
@@ -61,7 +60,7 @@ def _limit_threads() -> None:
         get_worker()
     except (ImportError, ValueError):  # not on a distributed worker: the caller's setting
         return
-    _threads_checked = True
+    _checked["threads"] = True
     from . import build_info, set_num_threads
 
     if not str(build_info()["num_threads_source"]).startswith(
@@ -291,7 +290,7 @@ def _split_every(split_every: Any) -> int:
 
 def _spans(chunks: tuple[int, ...]) -> list[tuple[int, int]]:
     """``(start, length)`` of each chunk."""
-    starts = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(int) if chunks else []
+    starts: Any = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(int) if chunks else []
     return [(int(s), int(c)) for s, c in zip(starts, chunks, strict=True)]
 
 
@@ -439,7 +438,8 @@ def scaled_dot_product_attention(
                     _key(sinks_op, idx),
                     dict(opts, causal=causal, window=window),
                 )
-                roots[(*bidx, 0, qi, 0)] = key
+                at = (*bidx, 0, qi, 0)
+                roots[at] = key
                 continue
             parts = []
             for ki, (k0, nk) in enumerate(k_spans):
@@ -468,14 +468,17 @@ def scaled_dot_product_attention(
                 key = (f"{name}-empty", *bidx, qi)
                 dsk[key] = (_empty_part, out_shape, dtype)
                 parts.append(key)
-            roots[(*bidx, 0, qi, 0)] = _tree(dsk, name, (*bidx, qi), parts, s_every)
+            at = (*bidx, 0, qi, 0)
+            roots[at] = _tree(dsk, name, (*bidx, qi), parts, s_every)
     deps = [op.x for op in ops.values()] + [o.x for o in (alibi, sinks_op) if o is not None]
     out_chunks = tuple(chunks[r] for r in bro) + ((h,), chunks["q"], (a.d_v,))
     for idx_, root in roots.items():
-        dsk[(name, *idx_)] = (operator.getitem, root, 0)
+        dk: tuple[Any, ...] = (name, *idx_)
+        dsk[dk] = (operator.getitem, root, 0)
         if lse_wanted:
-            dsk[(f"{name}-lse", *idx_[:-1])] = (operator.getitem, root, 1)
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)
+            dk: tuple[Any, ...] = (f"{name}-lse", *idx_[:-1])
+            dsk[dk] = (operator.getitem, root, 1)
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)  # type: ignore[arg-type]
     out = da.Array(graph, name, out_chunks, meta=np.empty((0,) * len(out_chunks), dtype))
     if not lse_wanted:
         return out
@@ -651,7 +654,9 @@ def multi_head_attention(
         Broadcasts to ``(..., h, n_q, n_k)``, chunked with the queries and keys.
     key_padding_mask : dask array or array_like of bool, optional
         ``(..., n_k)``, chunked with the keys.
-    num_heads, num_kv_heads, causal, window, softcap, alibi_slopes, sinks, scale, rope_theta, rope_dim, positions, rope_inv_freq, rope_scale, q_norm, k_norm, norm_eps
+    num_heads, num_kv_heads, causal, window, softcap, alibi_slopes, sinks, scale
+        As for :func:`attnlab.multi_head_attention`.
+    rope_theta, rope_dim, positions, rope_inv_freq, rope_scale, q_norm, k_norm, norm_eps
         As for :func:`attnlab.multi_head_attention`, relative to the whole call's positions.
         ``alibi_slopes``, ``sinks`` and ``positions`` are small: they are read on the client.
     return_lse : bool
@@ -884,7 +889,8 @@ def multi_head_attention(
                     norm_eps=norm_eps,
                 ),
             )
-            out_keys[(*bidx, 0)] = key_
+            at = (*bidx, 0)
+            out_keys[at] = key_
             continue
         kv_keys = []
         for ki in range(len(k_spans)):
@@ -932,13 +938,16 @@ def multi_head_attention(
             root = _tree(dsk, name, (*bidx, qi), parts, s_every)
             ok = (f"{name}-out", *bidx, qi)
             dsk[ok] = (_mha_output, root, wkey)
-            out_keys[(*bidx, qi)] = ok
+            at = (*bidx, qi)
+            out_keys[at] = ok
     for idx_, src in out_keys.items():
-        dsk[(name, *idx_, 0)] = (operator.getitem, src, 0)
+        dk: tuple[Any, ...] = (name, *idx_, 0)
+        dsk[dk] = (operator.getitem, src, 0)
         if lse_wanted:
-            dsk[(f"{name}-lse", *idx_[:-1], 0, idx_[-1])] = (operator.getitem, src, 1)
+            dk: tuple[Any, ...] = (f"{name}-lse", *idx_[:-1], 0, idx_[-1])
+            dsk[dk] = (operator.getitem, src, 1)
     deps = [op.x for op in ops.values()] + [o.x for o in (alibi, sinks_op) if o is not None]
-    graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)  # type: ignore[arg-type]
     bchunks = tuple(chunks[r] for r in bro)
     out_chunks = bchunks + (chunks["q"], (d_out,))
     out = da.Array(graph, name, out_chunks, meta=np.empty((0,) * len(out_chunks), dtype))
