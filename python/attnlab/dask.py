@@ -476,7 +476,7 @@ def scaled_dot_product_attention(
         dk: tuple[Any, ...] = (name, *idx_)
         dsk[dk] = (operator.getitem, root, 0)
         if lse_wanted:
-            dk: tuple[Any, ...] = (f"{name}-lse", *idx_[:-1])
+            dk = (f"{name}-lse", *idx_[:-1])
             dsk[dk] = (operator.getitem, root, 1)
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)  # type: ignore[arg-type]
     out = da.Array(graph, name, out_chunks, meta=np.empty((0,) * len(out_chunks), dtype))
@@ -944,7 +944,7 @@ def multi_head_attention(
         dk: tuple[Any, ...] = (name, *idx_, 0)
         dsk[dk] = (operator.getitem, src, 0)
         if lse_wanted:
-            dk: tuple[Any, ...] = (f"{name}-lse", *idx_[:-1], 0, idx_[-1])
+            dk = (f"{name}-lse", *idx_[:-1], 0, idx_[-1])
             dsk[dk] = (operator.getitem, src, 1)
     deps = [op.x for op in ops.values()] + [o.x for o in (alibi, sinks_op) if o is not None]
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)  # type: ignore[arg-type]
