@@ -501,6 +501,13 @@ class _Params:
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # arrays received by a worker may sit at any address in the message's buffer
+        self.values = {
+            n: V.contiguous(a) if isinstance(a, np.ndarray) else a
+            for n, a in state["values"].items()
+        }
+
 
 def _project_heads(x: np.ndarray, p: _Params, side: str, pos: np.ndarray | None) -> np.ndarray:
     """``x`` ``(..., n, d_in)`` projected by ``w_{side}``, normalised and rotated as the
