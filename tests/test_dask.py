@@ -155,7 +155,8 @@ def test_mha_blocks_match_one_machine(client, dtype, causal):
         close(lse, want_lse, dtype)
 
 
-def test_mha_self_attention_rope_norms_sinks(client):
+@pytest.mark.usefixtures("client")
+def test_mha_self_attention_rope_norms_sinks():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((2, 45, 12))
     w = mha_weights(rng, np.float64, d_k=12)
@@ -200,7 +201,8 @@ def test_hidden_key_blocks_are_skipped_and_empty_rows_are_zero(client):
     close(out, want, np.float64)
 
 
-def test_weights_are_one_graph_value(client):
+@pytest.mark.usefixtures("client")
+def test_weights_are_one_graph_value():
     rng = np.random.default_rng(6)
     x = rng.standard_normal((4, 32, 12))
     w = mha_weights(rng, np.float64, d_k=12)
@@ -223,7 +225,8 @@ def test_workers_run_one_kernel_thread_per_task_thread(client):
     assert threads == {addr: nthreads[addr] for addr in threads} == dict.fromkeys(threads, 1)
 
 
-def test_errors_name_the_argument(client):
+@pytest.mark.usefixtures("client")
+def test_errors_name_the_argument():
     q = da.zeros((2, 4, 8, 8), chunks=(1, 4, 8, 8))
     with pytest.raises(ValueError, match="k: expected last dimension d = 8"):
         ad.scaled_dot_product_attention(q, da.zeros((2, 4, 8, 6)), da.zeros((2, 4, 8, 6)))
