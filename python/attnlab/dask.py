@@ -362,7 +362,7 @@ def scaled_dot_product_attention(
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((2, 4, 64, 8)) for _ in range(3))
     >>> out = attnlab.dask.scaled_dot_product_attention(
-    ...     da.from_array(q), da.from_array(k, chunks=(1, 4, 16, 8)), da.from_array(v),
+    ...     da.from_array(q, chunks=(1, 4, 64, 8)), da.from_array(k, chunks=(1, 4, 16, 8)), v,
     ...     causal=True)
     >>> out.chunks[0], out.shape
     ((1, 1), (2, 4, 64, 8))
