@@ -305,8 +305,8 @@ def latent_cost(
     ``"expanded"``: ``B * (n_k*r*h*(d_nope+d_v) + h*n_q*n_k*(d_nope+d_rope+d_v))``;
     ``"absorbed"``: ``B * (n_q*h*r*(d_nope+d_v) + h*n_q*n_k*(2r+d_rope))``. A decode step
     (``n_q = 1``) against ``n_k`` cached tokens costs about ``r*(d_nope+d_v) / (2r+d_rope)``
-    times less absorbed (120x with DeepSeek-V3's sizes, before the projections both share); prefill (``n_q = n_k``) about
-    ``(2r+d_rope) / (d_nope+d_rope+d_v)`` times more (3.4x).
+    times less absorbed (120x with DeepSeek-V3's sizes, before the projections both share);
+    prefill (``n_q = n_k``) about ``(2r+d_rope) / (d_nope+d_rope+d_v)`` times more (3.4x).
 
     Examples
     --------
