@@ -78,7 +78,7 @@ def test_matches_reference(form, lora, interleave):
         {"scale": 0.3, "rope_scale": 1.3, "positions": np.array([3, 1, 4, 1, 5, 9, 2])},
         {"rope_inv_freq": np.array([1.0, 0.1, 0.01]), "norm_eps": 1e-3},
     ],
-    ids=lambda o: "-".join(o),
+    ids="-".join,
 )
 @pytest.mark.parametrize("form", FORMS)
 def test_options_and_weights(form, options):
@@ -367,7 +367,7 @@ def _module(version, lora, rope, interleave, dtype, impl="sdpa"):
     return m, rot(cfg), cfg
 
 
-def _call(m, version, x, pe, mask, cache=None):
+def _call(m, x, pe, mask, cache=None):
     kwargs = dict(position_embeddings=pe, attention_mask=mask, past_key_values=cache)
     return m(x, **kwargs)[0]
 
@@ -408,16 +408,16 @@ def test_transformers_module(version, lora, rope, interleave, dtype, form):
     np_ = np.float64 if dtype == torch_.float64 else np.float32
     tol = 3e-7 if dtype == torch_.float64 else 1e-5
     with torch_.no_grad():
-        ref = _call(m, version, x, rot(x, pos), _causal(N, N))
+        ref = _call(m, x, rot(x, pos), _causal(N, N))
         got = attnlab.latent_attention(x.numpy(), **kw, causal=True, form=form)
         assert_close(got, ref.numpy(), np_, f"Deepseek{version}", tol)
         cache = T.DynamicCache(config=cfg)
-        _call(m, version, x[:, :6], rot(x, pos[:, :6]), _causal(6, 6), cache)
+        _call(m, x[:, :6], rot(x, pos[:, :6]), _causal(6, 6), cache)
         _, ours = attnlab.latent_attention(
             x[:, :6].numpy(), **kw, causal=True, return_cache=True, form=form
         )
         for lo, hi in ((6, 7), (7, N)):
-            step = _call(m, version, x[:, lo:hi], rot(x, pos[:, lo:hi]), _causal(hi - lo, hi), cache)
+            step = _call(m, x[:, lo:hi], rot(x, pos[:, lo:hi]), _causal(hi - lo, hi), cache)
             mine, ours = attnlab.latent_attention(
                 x[:, lo:hi].numpy(),
                 **kw,
@@ -430,7 +430,7 @@ def test_transformers_module(version, lora, rope, interleave, dtype, form):
     if dtype == torch_.float64:  # exact norms, the module's own frequencies: 1e-7
         _exact_norms(m)
         with torch_.no_grad():
-            ref = _call(m, version, x, rot(x, pos), _causal(N, N))
+            ref = _call(m, x, rot(x, pos), _causal(N, N))
         if "rope_inv_freq" in kw:
             kw["rope_inv_freq"] = rot.inv_freq.double().numpy()
         got = attnlab.latent_attention(x.numpy(), **kw, causal=True, form=form)
@@ -444,13 +444,13 @@ def test_transformers_gradients(version, lora, rope, interleave):
     import attnlab.torch as at
     from attnlab.interop import from_transformers
 
-    m, rot, _ = _module(version, lora, rope, interleave, torch_.float32, impl="eager")
+    m, rot, _ = _module(version, lora, rope, interleave, torch_.float32)
     gen = torch_.Generator().manual_seed(2)
     x = torch_.randn(2, N, 64, generator=gen).requires_grad_(True)
     pos = torch_.arange(N)[None].expand(2, N)
     kw = from_transformers(m, rope_length=N)
     kw.pop("causal")
-    out = _call(m, version, x, rot(x, pos), _causal(N, N))
+    out = _call(m, x, rot(x, pos), _causal(N, N))
     G = torch_.randn(out.shape, generator=gen)
     names = {
         "w_q": "q_proj",
@@ -480,5 +480,5 @@ def test_transformers_gradients(version, lora, rope, interleave):
         assert_close(mine.detach().numpy(), out.detach().numpy(), np.float32, "module", 1e-5)
         assert_close(grads[0].numpy(), theirs[0].numpy(), np.float32, "grad x", 2e-5)
         for (n, _, transposed), a, b in zip(pairs, grads[1:], theirs[1:], strict=True):
-            b = b.T if transposed else b
-            assert_close(a.numpy(), b.numpy(), np.float32, f"grad {n}", 2e-5)
+            theirs_n = b.T if transposed else b
+            assert_close(a.numpy(), theirs_n.numpy(), np.float32, f"grad {n}", 2e-5)
