@@ -105,8 +105,19 @@ def _prepare(args: dict[str, Any]) -> _Latent:
     n, d = x.shape[-2:]
     if d < 1:
         raise ValueError(f"x: the feature axis must be >= 1, got shape {V.shape_str(x.shape)}")
-    names = ("w_q", "w_q_a", "b_q_a", "q_a_norm", "w_q_b", "w_kv_a", "b_kv_a", "kv_a_norm")
-    names += ("w_kv_b", "w_o", "b_o")
+    names = [
+        "w_q",
+        "w_q_a",
+        "b_q_a",
+        "q_a_norm",
+        "w_q_b",
+        "w_kv_a",
+        "b_kv_a",
+        "kv_a_norm",
+        "w_kv_b",
+        "w_o",
+        "b_o",
+    ]
     arrs = {k: V.optional_array(args[k], k) for k in names}
     for k in ("w_kv_a", "kv_a_norm", "w_kv_b", "w_o"):
         if arrs[k] is None:
@@ -114,8 +125,9 @@ def _prepare(args: dict[str, Any]) -> _Latent:
     cache_in = V.optional_array(args["cache"], "cache")
     dtype = V.result_dtype(x, cache_in, *arrs.values())
     for k in ("w_q", "w_q_a", "w_q_b", "w_kv_a", "w_kv_b", "w_o"):
-        if arrs[k] is not None:
-            V.check_matrix(arrs[k], k, "(in, out)", 0 if k == "w_o" else 1)
+        mat = arrs[k]
+        if mat is not None:
+            V.check_matrix(mat, k, "(in, out)", 0 if k == "w_o" else 1)
     # key-value path: w_kv_b's rows fix r, the rest of w_kv_a's columns the rotary key
     w_kv_b = arrs["w_kv_b"]
     assert w_kv_b is not None
@@ -153,8 +165,9 @@ def _prepare(args: dict[str, Any]) -> _Latent:
                 raise TypeError(
                     f"{k}: expected an array (queries: w_q, or w_q_a, q_a_norm and w_q_b), got None"
                 )
-        w_q_a, g_q, w_qh = arrs["w_q_a"], arrs["q_a_norm"], arrs["w_q_b"]
-        assert w_q_a is not None and g_q is not None and w_qh is not None
+        w_q_a, g_q, w_qb = arrs["w_q_a"], arrs["q_a_norm"], arrs["w_q_b"]
+        assert w_q_a is not None and g_q is not None and w_qb is not None
+        w_qh = w_qb
         _rows_of(w_q_a, "w_q_a", d, "(d, q_lora_rank)", "x's features")
         rq = w_q_a.shape[1]
         if g_q.shape != (rq,):
@@ -294,7 +307,8 @@ def _tables(
         p = np.arange(n_past, n_past + n, dtype=np.float64)[None]
     else:
         p = _rope._positions_array(pos, "positions", n, batch)
-    return _rope.tables(freq, p, dtype, scale)
+    cos, sin = _rope.tables(freq, p, dtype, scale)
+    return cos, sin
 
 
 def _form(form: Any, B: int, n: int, n_k: int, h: int, r: int, dn: int, dr: int, dv: int) -> str:
