@@ -288,9 +288,11 @@ def latent_cost(
     -------
     dict
         ``"params"`` (weight numbers, norms and biases not counted); ``"flops"``, multiply-adds
-        of the whole layer (the projections both forms share included); ``"bytes"``, the arrays
-        the form writes and streams through after the projections (latents, up-projected
-        keys and values, absorbed queries; the attention core's tiles are O(n d)); and
+        of the whole layer (the projections both forms share included); ``"bytes"``, its
+        memory traffic: the weights read once, the latents copied in from the cache, out to
+        the new cache and read by attention (by every head when several queries are absorbed),
+        the expanded keys and values written and read, the absorbed queries (the attention
+        core's tiles are O(n d) and not counted); and
         ``"cache_bytes_per_token"``, the cache of one token: ``(r + d_rope) * itemsize``,
         against ``2 * h * d_head * itemsize`` for multi-head attention of head width
         ``d_head``.
@@ -337,10 +339,14 @@ def latent_cost(
     params = q_params + d * (r + dr) + r * h * (dn + dv) + h * dv * d
     shared = b * nq * (q_params + d * (r + dr) + h * dv * d)
     flops = shared + _latent_core_macs(form, b, nq, nk, h, r, dn, dr, dv)
-    if form == "expanded":  # latents read, keys and values written then read
-        nbytes = b * (nk * (r + dr) + 2 * nk * h * (dn + dr + dv) + nq * h * (dn + dr)) * it
-    else:  # latents read, absorbed queries written then read, latent contexts
-        nbytes = b * (nk * (r + dr) + 2 * nq * h * (r + dr) + nq * h * r) * it
+    # memory traffic: the weights once; the latents copied in (a cache), out (the new cache)
+    # and read; the expanded keys and values written and read; the absorbed queries
+    lat = 3 * nk * (r + dr)
+    if form == "expanded":
+        act = lat + nk * h * (3 * dn + 2 * dr + 2 * dv)
+    else:  # one query reads the latents once (heads as its rows), more read them per head
+        act = lat + (0 if nq == 1 else (h - 1) * nk * (r + dr)) + 4 * nq * h * (r + dr)
+    nbytes = (params + b * act) * it
     return {
         "params": int(params),
         "flops": int(flops),

@@ -19,7 +19,7 @@ from .peak import fma_peak, sgemm_gflops
 
 __all__ = ["run_all", "format_table", "targets"]
 
-FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward")
+FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward", "latent")
 
 
 def _cpu_name() -> str:
