@@ -570,7 +570,8 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
         xk = kw.get("key", xq)
         n_q, n_k = xq.shape[-2], xk.shape[-2]
         options += [
-            width_of("query", -1, "query|w_q|w_qk"),
+            # self-attention: key and value default to query, so w_k and w_v read it too
+            width_of("query", -1, "query|w_q|w_qk" if "key" in kw else "query|w_q|w_qk|w_k|w_v"),
             width_of("w_v", 0, "w_v|value|key|query"),
             width_of("w_o", 0, "w_o"),
             option("num_heads", bad_ints, "num_heads|w_q|w_qk|w_o|w_v"),

@@ -560,3 +560,27 @@ def test_torch_adapter_differentiates_sinks():
     ref = attnlab.scaled_dot_product_attention_backward(g, q, k, v, sinks=sinks, softcap=2.0)
     np.testing.assert_allclose(ts.grad.numpy(), ref["sinks"], rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(tq.grad.numpy(), ref["q"], rtol=1e-12, atol=1e-13)
+
+
+def test_window_and_softcap_match_torch_flex_attention():
+    """FlexAttention's score_mod (soft cap) and block_mask (causal band) on the CPU."""
+    torch = pytest.importorskip("torch")
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    rng = np.random.default_rng(47)
+    B, H, n, d, left, cap = 1, 2, 300, 16, 40, 2.0
+    q, k, v = (rng.standard_normal((B, H, n, d)) for _ in range(3))
+
+    def score_mod(s, b, h, qi, kj):  # noqa: ARG001 (FlexAttention's signature)
+        return cap * torch.tanh(s / cap)
+
+    def mask_mod(b, h, qi, kj):  # noqa: ARG001 (FlexAttention's signature)
+        return (kj <= qi) & (kj >= qi - left)
+
+    block_mask = flex.create_block_mask(mask_mod, B, H, n, n, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex_attention warns that it is not compiled
+        want = flex.flex_attention(
+            *(torch.tensor(a) for a in (q, k, v)), score_mod=score_mod, block_mask=block_mask
+        )
+    got = attnlab.scaled_dot_product_attention(q, k, v, softcap=cap, window=(left, 0), causal=True)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)

@@ -3,6 +3,7 @@
 #include "attnlab/additive.hpp"
 
 #include "common.hpp"
+#include "interrupt.hpp"
 
 namespace attnlab {
 namespace bind {
@@ -220,7 +221,7 @@ void pooled_forward(const Args& a, py::array out, py::object state) {
         auto p = problem<T>(a);
         p.out = contiguous<T>(out, "out", {a.batch * a.n, p.d_out}, true);
         set_state(p, state);
-        py::gil_scoped_release release;
+        ReleaseGil release;
         run(p);
         return 0;
     });
@@ -236,7 +237,7 @@ void pooled_backward(py::array grad_out, const Args& a, py::dict grads, py::obje
         p.state.filled = !state.is_none();
         const T* gout = contiguous<T>(grad_out, "grad_out", {a.batch * a.n, p.d_out});
         const auto g = grad_buffers<T>(a, p, grads);
-        py::gil_scoped_release release;
+        ReleaseGil release;
         run(p, gout, g);
         return 0;
     });

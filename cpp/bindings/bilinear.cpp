@@ -2,6 +2,7 @@
 #include "attnlab/bilinear.hpp"
 
 #include "common.hpp"
+#include "interrupt.hpp"
 
 namespace attnlab {
 namespace bind {
@@ -57,7 +58,7 @@ void bilinear_forward(const BilinearArgs& a, int order, py::array out, py::objec
         using T = decltype(tag);
         BilinearProblem<T> p = bilinear_problem<T>(a, order, state);
         projected_outputs<T>(p, out, weights);
-        py::gil_scoped_release release;
+        ReleaseGil release;
         kernels_for<T>().bilinear_attention_forward(p);
         return 0;
     });
@@ -80,7 +81,7 @@ void bilinear_backward(py::array grad_out, const BilinearArgs& a, py::dict grads
             if (!p.u_k) throw py::value_error("u_k: a gradient was requested but u_k is None");
             g.u_k = grad_buffer<T>(grads, "u_k", {p.heads, p.d_k});
         }
-        py::gil_scoped_release release;
+        ReleaseGil release;
         kernels_for<T>().bilinear_attention_backward(p, gout, g);
         return 0;
     });

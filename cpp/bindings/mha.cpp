@@ -1,6 +1,7 @@
 // Bindings for scaled dot-product and multi-head attention.
 #include "attnlab/attention.hpp"
 #include "common.hpp"
+#include "interrupt.hpp"
 
 namespace attnlab {
 namespace bind {
@@ -54,7 +55,7 @@ void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const Ma
         if (!weights.is_none())
             p.weights = contiguous<T>(weights.cast<py::array>(), "weights", {B, H, nq, nk}, true);
         if (!lse.is_none()) p.lse = contiguous<T>(lse.cast<py::array>(), "lse", {B, H, nq}, true);
-        py::gil_scoped_release release;
+        ReleaseGil release;
         kernels_for<T>().attention_forward(p);
         return 0;
     });
@@ -86,7 +87,7 @@ void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, co
             g.d_mask = contiguous<T>(d_mask.cast<py::array>(), "d_mask", {B, H, nq, nk}, true);
         if (!d_sinks.is_none())
             g.d_sinks = contiguous<T>(d_sinks.cast<py::array>(), "d_sinks", {B, H}, true);
-        py::gil_scoped_release release;
+        ReleaseGil release;
         const KernelSet<T>& kernels = kernels_for<T>();
         if (recompute) kernels.attention_forward(p);  // else out and lse are the forward's (vjp)
         kernels.attention_backward(p, g);
@@ -146,7 +147,7 @@ void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object
         using T = decltype(tag);
         MhaProblem<T> p = mha_problem<T>(a, state);
         projected_outputs<T>(p, out, weights);
-        py::gil_scoped_release release;
+        ReleaseGil release;
         kernels_for<T>().multi_head_attention_forward(p);
         return 0;
     });
@@ -164,7 +165,7 @@ void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::obje
         projected_grads<T>(g, grads, p, p.w_q.in, p.w_k.in);
         g.w_q = linear_grad(grads, p.w_q, "w_q", "b_q");
         g.w_k = linear_grad(grads, p.w_k, "w_k", "b_k");
-        py::gil_scoped_release release;
+        ReleaseGil release;
         kernels_for<T>().multi_head_attention_backward(p, gout, g);
         return 0;
     });
@@ -180,7 +181,7 @@ void linear_forward(py::array x, py::array w, py::object b, py::array y) {
         const T* pw = contiguous<T>(w, "w", {in, out});
         const T* pb = optional_vector<T>(b, "b", out);
         T* py_ = contiguous<T>(y, "y", {rows, out}, true);
-        py::gil_scoped_release release;
+        ReleaseGil release;
         kernels_for<T>().linear(rows, in, out, px, in, pw, pb, py_, out, false);
         return 0;
     });

@@ -10,6 +10,7 @@
 
 #include "attnlab/kernels.hpp"
 #include "attnlab/threading.hpp"
+#include "interrupt.hpp"
 
 namespace py = pybind11;
 
@@ -66,7 +67,7 @@ static void copy_arrays(const py::list& pairs) {
         keep.push_back(d);
         keep.push_back(s);
     }
-    py::gil_scoped_release release;
+    attnlab::bind::ReleaseGil release;
     attnlab::parallel_copy(src.data(), dst.data(), bytes.data(), bytes.size());
 }
 
@@ -75,6 +76,17 @@ PYBIND11_MODULE(_core, m) {
     // (pybind11 turns the std::runtime_error into one), never an illegal instruction.
     const attnlab::KernelTable& table = attnlab::select_kernels(std::getenv("ATTNLAB_ISA"));
     m.doc() = "attnlab compiled kernels (private; use the attnlab package)";
+    attnlab::bind::g_main_thread =
+        py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
+    // An interrupted call: the exception its signal handler raised is already pending (see
+    // interrupt.hpp); KeyboardInterrupt if, unexpectedly, there is none.
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const attnlab::Interrupted&) {
+            if (!PyErr_Occurred()) PyErr_SetNone(PyExc_KeyboardInterrupt);
+        }
+    });
     m.attr("__version__") = ATTNLAB_VERSION;
     m.attr("ISA") = table.isa;
     m.attr("BUILT_ISAS") = built_isas();

@@ -540,6 +540,7 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
     const BackwardScratch<T> w(d, dv, dp);
     const Index t0 = s * plan.seg_tiles, t1 = std::min(plan.k_tiles, t0 + plan.seg_tiles);
     for (Index kt = t0; kt < t1; ++kt) {
+        interruption_point();  // a task is a sixteenth of the call: too long to wait for
         const Index j0 = kt * kBwdTileK, kb = tile_rows(p.n_k, kBwdTileK, plan.k_tiles, kt);
         const Index kbp = (kb + L - 1) / L * L;
         key_tile_transposed(kbase, ks, j0, kb, kbp, d, w.kt);

@@ -30,6 +30,7 @@ struct Job {
     std::int64_t n;
     std::atomic<std::int64_t> next{0};
     std::atomic<std::int64_t> done{0};
+    std::atomic<bool> cancelled{false};  // tasks not yet started are skipped
     std::exception_ptr error;
     std::mutex error_mutex;
     std::mutex done_mutex;
@@ -56,21 +57,45 @@ static bool spin_until(F ready) {
     }
 }
 
-// Runs tasks of `job` until none is left.
-static void work_on(Job& job) {
+// The innermost InterruptPoll of this thread (null: not interruptible), and the job whose task
+// this thread is running (for interruption_point).
+static thread_local InterruptPoll* tl_poll = nullptr;
+static thread_local Job* tl_job = nullptr;
+
+static void count_done(Job& job, std::int64_t count) {
+    if (job.done.fetch_add(count) + count == job.n) {
+        std::lock_guard<std::mutex> lock(job.done_mutex);
+        job.done_cv.notify_all();
+    }
+}
+
+// Stops handing out the tasks of `job` not yet started and counts them as done.
+static void cancel(Job& job) {
+    job.cancelled.store(true);
+    const std::int64_t first = job.next.exchange(job.n);  // tasks from here on are nobody's
+    if (first < job.n) count_done(job, job.n - first);
+}
+
+// Runs tasks of `job` until none is left. `poll`: the calling thread's, null on workers; asked
+// before each task (it polls only when due).
+static void work_on(Job& job, InterruptPoll* poll) {
     for (;;) {
-        std::int64_t i = job.next.fetch_add(1);
+        if (poll && poll->stop_requested()) cancel(job);
+        const std::int64_t i = job.next.fetch_add(1);
         if (i >= job.n) return;
+        Job* const outer = tl_job;
+        tl_job = &job;
         try {
             (*job.fn)(i);
         } catch (...) {
-            std::lock_guard<std::mutex> lock(job.error_mutex);
-            if (!job.error) job.error = std::current_exception();
+            {
+                std::lock_guard<std::mutex> lock(job.error_mutex);
+                if (!job.error) job.error = std::current_exception();
+            }
+            cancel(job);  // the call fails anyway: the other tasks need not run
         }
-        if (job.done.fetch_add(1) + 1 == job.n) {
-            std::lock_guard<std::mutex> lock(job.done_mutex);
-            job.done_cv.notify_all();
-        }
+        tl_job = outer;
+        count_done(job, 1);
     }
 }
 
@@ -124,7 +149,7 @@ class ThreadPool {
                     continue;
                 }
             }
-            work_on(*job);
+            work_on(*job, nullptr);
         }
     }
 
@@ -343,8 +368,44 @@ void set_num_threads(int n) {
     }
 }
 
+const char* Interrupted::what() const noexcept { return "attnlab: the call was interrupted"; }
+
+InterruptPoll::InterruptPoll(Fn poll, void* context) : poll_(poll), context_(context) {
+    if (!poll_) return;
+    next_ = std::chrono::steady_clock::now() + kInterruptPollInterval;
+    outer_ = detail::tl_poll;
+    outer_job_ = detail::tl_job;
+    detail::tl_poll = this;
+    detail::tl_job = nullptr;  // a call made from inside a task (a signal handler) is its own
+}
+
+InterruptPoll::~InterruptPoll() {
+    if (!poll_) return;
+    detail::tl_poll = outer_;
+    detail::tl_job = static_cast<detail::Job*>(outer_job_);
+}
+
+bool InterruptPoll::stop_requested() {
+    if (stopped_) return true;
+    if (!poll_ || std::chrono::steady_clock::now() < next_) return false;
+    stopped_ = poll_(context_);
+    next_ = std::chrono::steady_clock::now() + kInterruptPollInterval;  // the poll's own time aside
+    return stopped_;
+}
+
+void interruption_point() {
+    detail::Job* const job = detail::tl_job;
+    if (job && job->cancelled.load(std::memory_order_relaxed)) throw Interrupted();
+    InterruptPoll* const poll = detail::tl_poll;
+    if (poll && poll->stop_requested()) {
+        if (job) detail::cancel(*job);
+        throw Interrupted();
+    }
+}
+
 void parallel_for(std::int64_t n, const std::function<void(std::int64_t)>& fn) {
     if (n <= 0) return;
+    InterruptPoll* const poll = detail::tl_poll;
     std::shared_ptr<detail::ThreadPool> pool;
     if (n > 1) {
         std::lock_guard<std::mutex> lock(detail::g_pool_mutex);
@@ -352,18 +413,32 @@ void parallel_for(std::int64_t n, const std::function<void(std::int64_t)>& fn) {
         pool = detail::pool_for_locked();
     }
     if (!pool) {
-        for (std::int64_t i = 0; i < n; ++i) fn(i);
+        for (std::int64_t i = 0; i < n; ++i) {
+            if (poll && poll->stop_requested()) throw Interrupted();
+            fn(i);
+        }
         return;
     }
     auto job = std::make_shared<detail::Job>();
     job->fn = &fn;
     job->n = n;
     pool->submit(job);
-    detail::work_on(*job);
-    if (!detail::spin_until([&] { return job->done.load() >= job->n; })) {
+    detail::work_on(*job, poll);
+    const auto finished = [&] { return job->done.load() >= job->n; };
+    if (!detail::spin_until(finished)) {
         std::unique_lock<std::mutex> lock(job->done_mutex);
-        job->done_cv.wait(lock, [&] { return job->done.load() >= job->n; });
+        if (!poll) {
+            job->done_cv.wait(lock, finished);
+        } else {
+            // the last tasks may be long: keep polling, without the lock (the poll may block)
+            while (!job->done_cv.wait_for(lock, kInterruptPollInterval, finished)) {
+                lock.unlock();
+                if (!job->cancelled.load() && poll->stop_requested()) detail::cancel(*job);
+                lock.lock();
+            }
+        }
     }
+    if (poll && poll->stopped()) throw Interrupted();  // the interrupt over the tasks' errors
     if (job->error) std::rethrow_exception(job->error);
 }
 

@@ -215,11 +215,13 @@ _SDPA_DOC = """\
         *may attend*, as in ``F.scaled_dot_product_attention``, the opposite of
         ``nn.MultiheadAttention``'s masks: see :func:`attnlab.interop.torch_masks`); a mask may
         be a tensor. The backward does not warn again.
+    sinks : torch.Tensor, shape (h,) or (..., h), optional
+        Attention sinks (a per-head logit in every softmax denominator), differentiated.
 
     Returns
     -------
     out : torch.Tensor, shape (..., h, n_q, d_v)
-        Differentiable with respect to ``q``, ``k`` and ``v``.
+        Differentiable with respect to ``q``, ``k``, ``v`` and ``sinks``.
     weights : torch.Tensor, optional
         When ``return_weights`` is set; not differentiable.
 
@@ -248,6 +250,8 @@ _MULTI_HEAD_DOC = """\
         The backward does not warn again.
     q_norm, k_norm : torch.Tensor, shape (d_head,), optional
         Per-head RMSNorm weights of the queries and keys, differentiated.
+    sinks : torch.Tensor, shape (h,) or (..., h), optional
+        Attention sinks (a per-head logit in every softmax denominator), differentiated.
     rope_theta, rope_dim, positions, rope_inv_freq, rope_scale
         Rotary embeddings, as for :func:`attnlab.multi_head_attention`; ``positions`` (array,
         tensor or a pair of them) and ``rope_inv_freq`` are constants, not differentiated.
@@ -292,6 +296,8 @@ _BILINEAR_DOC = """\
         A :class:`attnlab.BilinearQK` (NumPy arrays) is a constant: no gradient flows to it.
     u_k : torch.Tensor, shape (h, d_k), optional
     w_v, w_o, b_v, b_o : torch.Tensor
+    sinks : torch.Tensor, shape (h,) or (..., h), optional
+        Attention sinks, differentiated.
     {constants}
         As for :func:`attnlab.bilinear_attention` (``True`` in a boolean mask means *may
         attend*; :func:`attnlab.interop.torch_masks` converts ``nn.MultiheadAttention``'s).
