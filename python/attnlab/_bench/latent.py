@@ -52,7 +52,7 @@ def run(quick: bool, threads: int) -> list[Row]:  # noqa: ARG001 (threads set by
     def w(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
 
-    weights = {
+    weights: dict[str, Any] = {
         "w_q": w(d, h * (dn + dr)),
         "w_kv_a": w(d, r + dr),
         "kv_a_norm": np.ones(r, np.float32),
