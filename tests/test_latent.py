@@ -8,8 +8,9 @@ and gradients through attnlab.torch against the modules' autograd.
 Tolerances against transformers, float64: the modules compute their RMSNorms in float32 even in
 a float64 model (``hidden_states.to(torch.float32)``) and their rotary tables (and YaRN's
 frequencies) in float32; with the norms patched to run in the model's dtype and the module's
-own frequencies, attnlab agrees to 3e-8 (measured: 0.8e-8 to 2.5e-8, V2's rotation in
-complex64 the largest); as shipped, to 2e-7 (measured 5.8e-8 to 9.1e-8)."""
+own frequencies, attnlab agrees to 1e-7 (measured up to 5.2e-8, YaRN the largest: the float32
+cos/sin tables); as shipped, to 3e-7 (measured up to 1.3e-7, decode steps). float32: 1e-5
+(measured up to 3.0e-7)."""
 
 from __future__ import annotations
 
