@@ -22,6 +22,7 @@ from ._bilinear import (
     collapse_qk,
     factorize_qk,
 )
+from ._latent import latent_attention, latent_attention_backward
 from ._loader import core as _core
 from ._merge import merge_attention
 from ._mha import (
@@ -55,6 +56,8 @@ __all__ = [
     "get_num_threads",
     "diagnostics",
     "init",
+    "latent_attention",
+    "latent_attention_backward",
     "layers",
     "optim",
     "multi_head_attention",

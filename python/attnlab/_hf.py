@@ -38,7 +38,17 @@ _ROTARY = {
 _BERT_SELF = ("BertSelfAttention", "RobertaSelfAttention")
 _BERT = ("BertAttention", "RobertaAttention")
 _PACKED = ("GPTNeoXAttention", "FalconAttention", "BloomAttention", "MptAttention")
-_SUPPORTED = (*_BERT, *_BERT_SELF, "ViTAttention", "GPT2Attention", *_ROTARY, *_PACKED)
+# DeepSeek's multi-head latent attention: loaded as attnlab.latent_attention's kwargs
+_LATENT = ("DeepseekV2Attention", "DeepseekV3Attention")
+_SUPPORTED = (
+    *_BERT,
+    *_BERT_SELF,
+    "ViTAttention",
+    "GPT2Attention",
+    *_ROTARY,
+    *_PACKED,
+    *_LATENT,
+)
 
 # Settings of a module or its config that change what attention computes: the loaders read
 # those they reproduce; an unknown module naming any of them is refused naming it.
@@ -564,7 +574,11 @@ def from_transformers(
     - packed projections: ``GPTNeoXAttention`` (GPT-NeoX, Pythia; partial rotary),
       ``FalconAttention`` (rotary; multi-query, grouped (new decoder architecture) or
       multi-head; its bfloat16 ALiBi is refused), ``BloomAttention`` and ``MptAttention``
-      (ALiBi).
+      (ALiBi);
+    - multi-head latent attention: ``DeepseekV2Attention``, ``DeepseekV3Attention`` (with or
+      without ``q_lora_rank``, interleaved or half-split rotary, YaRN with its ``mscale``):
+      the keyword arguments of :func:`attnlab.latent_attention`, not of
+      ``multi_head_attention``.
 
     T5's relative position bias: :func:`t5_position_bias`.
 
@@ -676,6 +690,8 @@ def _from_transformers(
         return _rotary(module, rope_length)
     if name in _PACKED:
         return _packed(module, rope_length, ignore_residual)
+    if name in _LATENT:
+        return _latent(module, rope_length)
     if name == "T5Attention":
         raise ValueError(
             "module: T5Attention adds a relative position bias that its stack's first layer "
@@ -836,3 +852,57 @@ def transformers_masks(attention_mask: Any) -> dict[str, np.ndarray]:
     if np.all(m[~blocked] == 0):
         return {"mask": ~blocked}
     return {"mask": np.where(blocked, m.dtype.type(-np.inf), m)}
+
+
+def _latent(module: Any, rope_length: int | None) -> dict[str, Any]:
+    """DeepSeek-V2/V3's multi-head latent attention as ``latent_attention``'s kwargs."""
+    name = type(module).__name__
+    config = module.config
+    lora = getattr(module, "q_lora_rank", None) is not None
+    queries = {"q_a_proj", "q_a_layernorm", "q_b_proj"} if lora else {"q_proj"}
+    _refuse_children(
+        module, queries | {"kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"}
+    )
+    out: dict[str, Any] = {}
+    eps = set()
+    if lora:
+        out["w_q_a"], out["b_q_a"] = _linear(module, "q_a_proj")
+        out["q_a_norm"], e = _norm_weight(module, "q_a_layernorm")
+        eps.add(e)
+        out["w_q_b"], b = _linear(module, "q_b_proj")
+    else:
+        out["w_q"], b = _linear(module, "q_proj")
+    if b is not None:
+        raise ValueError(f"module: {name}'s query up-projection has a bias, not reproduced")
+    out["w_kv_a"], out["b_kv_a"] = _linear(module, "kv_a_proj_with_mqa")
+    out["kv_a_norm"], e = _norm_weight(module, "kv_a_layernorm")
+    eps.add(e)
+    if len(eps) > 1:
+        raise ValueError(f"module: {name}'s two RMSNorms have different epsilons {sorted(eps)}")
+    out["w_kv_b"], b = _linear(module, "kv_b_proj")
+    if b is not None:
+        raise ValueError(f"module: {name}'s kv_b_proj has a bias, not reproduced")
+    out["w_o"], out["b_o"] = _linear(module, "o_proj")
+    dr = V.check_positive_int(config.qk_rope_head_dim, "qk_rope_head_dim")
+    rope_type, theta, dim, inv, factor = _inverse_frequencies(module, config, dr, rope_length)
+    if dim != dr:
+        raise ValueError(
+            f"module: {name}'s rotary embeddings turn {dim} features, not qk_rope_head_dim = "
+            f"{dr}; latent_attention rotates the whole rotary part"
+        )
+    if rope_type == "default":
+        out["rope_theta"] = theta
+    else:
+        out["rope_inv_freq"] = inv
+        if factor != 1.0:
+            out["rope_scale"] = factor
+    # V2 rotates complex pairs (interleaved); V3 as its config says
+    interleave = name == "DeepseekV2Attention" or bool(getattr(config, "rope_interleave", True))
+    out.update(
+        num_heads=V.check_positive_int(module.num_heads, "num_attention_heads"),
+        causal=bool(module.is_causal),
+        scale=float(module.scaling),
+        rope_interleave=interleave,
+        norm_eps=eps.pop(),
+    )
+    return out

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _additive, _bilinear, _docs, _mha, _rope
+from . import _additive, _bilinear, _docs, _latent, _mha, _rope
 
 __all__ = ["vjp"]
 
@@ -29,6 +29,7 @@ KEPT: dict[Any, Callable[[dict[str, Any], Any], dict[str, np.ndarray]]] = {
     _additive.separable_attention: lambda k, g: _additive._separable_grads(
         k["prepared"], g, k["state"]
     ),
+    _latent.latent_attention: lambda k, g: _latent._grads(k["prepared"], k["state"], g),
 }
 
 
@@ -55,14 +56,16 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
     ``scaled_dot_product_attention`` and ``bilinear_attention`` keep the projections, the
     attention output and the log-sum-exp; ``additive_attention`` the normalised queries and
     keys with their norms, the scores and the pooled global query ``G``;
-    ``separable_attention`` the scores, the keys, ``relu(v)`` and the context vector.
+    ``separable_attention`` the scores, the keys, ``relu(v)`` and the context vector;
+    ``latent_attention`` its projections, latents, keys (or absorbed queries), attention output
+    and log-sum-exp.
 
     Parameters
     ----------
     f : callable
         One of ``attnlab.multi_head_attention``, ``attnlab.scaled_dot_product_attention``,
         ``attnlab.bilinear_attention``, ``attnlab.additive_attention``,
-        ``attnlab.separable_attention``.
+        ``attnlab.separable_attention``, ``attnlab.latent_attention``.
     *args, **kwargs
         The arguments of ``f``.
 

@@ -20,7 +20,14 @@ from typing import Any
 from . import _signature as _sig
 from . import _validate as V
 
-__all__ = ["attention_cost", "plan_qk", "collapsed_order", "collapsed_order_flops"]
+__all__ = [
+    "attention_cost",
+    "collapsed_order",
+    "collapsed_order_flops",
+    "latent_cost",
+    "plan_latent",
+    "plan_qk",
+]
 
 _FORMS = ("separate", "collapsed")
 
@@ -226,3 +233,164 @@ def plan_qk(
     sep = attention_cost("separate", **kw)["flops"]
     col = attention_cost("collapsed", **kw)["flops"]
     return "collapsed" if col < sep else "separate"
+
+
+# -- multi-head latent attention (DeepSeek's MLA) ---------------------------------------------
+
+_LATENT_FORMS = ("expanded", "absorbed")
+
+
+def _latent_core_macs(
+    form: str, B: int, n_q: int, n_k: int, h: int, r: int, dn: int, dr: int, dv: int
+) -> int:
+    """Multiply-adds of the part of latent attention where the two forms differ: from the
+    latents ``(n_k, r)`` and the queries to the heads' contexts ``(n_q, h, d_v)``."""
+    if form == "expanded":  # every key up-projected, then attention with d_nope + d_rope, d_v
+        return B * (n_k * r * h * (dn + dv) + h * n_q * n_k * (dn + dr + dv))
+    # W_uk into each query, W_uv after; attention over the latents: r + d_rope, then r
+    return B * (n_q * h * r * (dn + dv) + h * n_q * n_k * (2 * r + dr))
+
+
+def latent_cost(
+    form: str,
+    *,
+    n_q: int,
+    n_k: int | None = None,
+    d_model: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    q_lora_rank: int | None = None,
+    batch: int = 1,
+    itemsize: int = 4,
+) -> dict[str, int]:
+    """Cost of one multi-head latent attention layer (:func:`attnlab.latent_attention`) in
+    the expanded or the absorbed form.
+
+    Parameters
+    ----------
+    form : {"expanded", "absorbed"}
+    n_q : int
+        New tokens (queries): the prompt for prefill, 1 for a decode step.
+    n_k : int, optional
+        Keys: cached tokens plus the new ones; defaults to ``n_q`` (no cache).
+    d_model, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        ``d``, ``h``, ``r``, ``d_nope``, ``d_rope``, ``d_v`` (transformers' config names).
+    q_lora_rank : int, optional
+        The query latent's width (``None``: one query projection).
+    batch : int
+    itemsize : int
+        Bytes per number (4 for float32).
+
+    Returns
+    -------
+    dict
+        ``"params"`` (weight numbers, norms and biases not counted); ``"flops"``, multiply-adds
+        of the whole layer (the projections both forms share included); ``"bytes"``, its
+        memory traffic: the weights read once, the latents copied in from the cache, out to
+        the new cache and read by attention (by every head when several queries are absorbed),
+        the expanded keys and values written and read, the absorbed queries (the attention
+        core's tiles are O(n d) and not counted); and
+        ``"cache_bytes_per_token"``, the cache of one token: ``(r + d_rope) * itemsize``,
+        against ``2 * h * d_head * itemsize`` for multi-head attention of head width
+        ``d_head``.
+
+    Notes
+    -----
+    With ``B = batch``, shared by both forms (queries, latent, output)::
+
+        B * n_q * (d*h*(d_nope+d_rope) [or d*q_lora + q_lora*h*(d_nope+d_rope)]
+                   + d*(r+d_rope) + h*d_v*d)
+
+    ``"expanded"``: ``B * (n_k*r*h*(d_nope+d_v) + h*n_q*n_k*(d_nope+d_rope+d_v))``;
+    ``"absorbed"``: ``B * (n_q*h*r*(d_nope+d_v) + h*n_q*n_k*(2r+d_rope))``. A decode step
+    (``n_q = 1``) against ``n_k`` cached tokens costs about ``r*(d_nope+d_v) / (2r+d_rope)``
+    times less absorbed (120x with DeepSeek-V3's sizes, before the projections both share);
+    prefill (``n_q = n_k``) about ``(2r+d_rope) / (d_nope+d_rope+d_v)`` times more (3.4x).
+
+    Examples
+    --------
+    >>> from attnlab.cost import latent_cost
+    >>> kw = dict(d_model=1024, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
+    ...           qk_rope_head_dim=64, v_head_dim=128)
+    >>> e = latent_cost("expanded", n_q=1, n_k=4096, **kw)["flops"]
+    >>> a = latent_cost("absorbed", n_q=1, n_k=4096, **kw)["flops"]
+    >>> round(e / a)
+    109
+    """
+    if form not in _LATENT_FORMS:
+        raise ValueError(f"form: expected 'expanded' or 'absorbed', got {form!r}")
+    nq = V.check_positive_int(n_q, "n_q", 0)
+    nk = nq if n_k is None else V.check_positive_int(n_k, "n_k", 0)
+    if nk < nq:
+        raise ValueError(f"n_k: expected the keys to include the {nq} new tokens, got {nk}")
+    d = V.check_positive_int(d_model, "d_model")
+    h = V.check_positive_int(num_heads, "num_heads")
+    r = V.check_positive_int(kv_lora_rank, "kv_lora_rank")
+    dn = V.check_positive_int(qk_nope_head_dim, "qk_nope_head_dim")
+    dr = V.check_positive_int(qk_rope_head_dim, "qk_rope_head_dim")
+    dv = V.check_positive_int(v_head_dim, "v_head_dim")
+    qr = None if q_lora_rank is None else V.check_positive_int(q_lora_rank, "q_lora_rank")
+    b = V.check_positive_int(batch, "batch", 0)
+    it = V.check_positive_int(itemsize, "itemsize")
+    q_params = d * h * (dn + dr) if qr is None else d * qr + qr * h * (dn + dr)
+    params = q_params + d * (r + dr) + r * h * (dn + dv) + h * dv * d
+    shared = b * nq * (q_params + d * (r + dr) + h * dv * d)
+    flops = shared + _latent_core_macs(form, b, nq, nk, h, r, dn, dr, dv)
+    # memory traffic: the weights once; the latents copied in (a cache), out (the new cache)
+    # and read; the expanded keys and values written and read; the absorbed queries
+    lat = 3 * nk * (r + dr)
+    if form == "expanded":
+        act = lat + nk * h * (3 * dn + 2 * dr + 2 * dv)
+    else:  # one query reads the latents once (heads as its rows), more read them per head
+        act = lat + (0 if nq == 1 else (h - 1) * nk * (r + dr)) + 4 * nq * h * (r + dr)
+    nbytes = (params + b * act) * it
+    return {
+        "params": int(params),
+        "flops": int(flops),
+        "bytes": int(nbytes),
+        "cache_bytes_per_token": int((r + dr) * it),
+    }
+
+
+def plan_latent(
+    *,
+    n_q: int,
+    n_k: int | None = None,
+    d_model: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+    q_lora_rank: int | None = None,
+    batch: int = 1,
+) -> str:
+    """``"expanded"`` or ``"absorbed"``: the form of :func:`attnlab.latent_attention` with
+    fewer multiply-adds by :func:`latent_cost` (ties go to ``"expanded"``);
+    ``form="auto"`` uses this rule.
+
+    Parameters
+    ----------
+    n_q, n_k, d_model, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim
+    v_head_dim, q_lora_rank, batch
+        As for :func:`latent_cost`.
+
+    Returns
+    -------
+    str
+
+    Examples
+    --------
+    >>> from attnlab.cost import plan_latent
+    >>> kw = dict(d_model=1024, num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
+    ...           qk_rope_head_dim=64, v_head_dim=128)
+    >>> plan_latent(n_q=1, n_k=4096, **kw), plan_latent(n_q=4096, **kw)
+    ('absorbed', 'expanded')
+    """
+    kw = _sig.arguments(locals())
+    e = latent_cost("expanded", **kw)["flops"]
+    a = latent_cost("absorbed", **kw)["flops"]
+    return "absorbed" if a < e else "expanded"

@@ -28,9 +28,16 @@ from . import _validate as V
 from . import init as _init
 from ._additive import _check_eps, _variant_code, additive_attention, separable_attention
 from ._bilinear import bilinear_attention, collapse_qk
+from ._latent import latent_attention
 from ._mha import multi_head_attention
 
-__all__ = ["AdditiveAttention", "BilinearAttention", "MultiHeadAttention", "SeparableAttention"]
+__all__ = [
+    "AdditiveAttention",
+    "BilinearAttention",
+    "LatentAttention",
+    "MultiHeadAttention",
+    "SeparableAttention",
+]
 
 
 def _optional_int(x: Any, name: str, default: int) -> int:
@@ -755,3 +762,151 @@ class SeparableAttention(_PooledLayer):
 
     def _functional_kwargs(self) -> dict[str, Any]:
         return {}
+
+
+class LatentAttention(_Layer):
+    """DeepSeek's multi-head latent attention, over :func:`attnlab.latent_attention`.
+
+    Parameters
+    ----------
+    d_model : int
+        Input features ``d``.
+    num_heads : int
+    kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim : int
+        ``r`` (the cached latent's width), ``d_nope``, ``d_rope`` (even), ``d_v``, as in
+        transformers' DeepSeek configs.
+    q_lora_rank : int, optional
+        Compress the queries through a latent of this width (with its RMSNorm); ``None``: one
+        query projection.
+    d_out : int, optional
+        Output features; defaults to ``d_model``.
+    bias : bool
+        Biases on the down-projections and the output (transformers' ``attention_bias``).
+    rope_theta : float
+        Rotary base of the rotary parts.
+    rope_interleave : bool
+        DeepSeek's interleaved rotary layout (default) or ``rotate_half``'s.
+    init : str, callable or attnlab.init.Scheme
+        For the projections (the norms start at 1); default ``"torch"``.
+    seed : int or numpy.random.Generator, optional
+    dtype : float32 or float64
+
+    Attributes
+    ----------
+    params : dict of ndarray
+        ``w_q`` (or ``w_q_a``, ``b_q_a``, ``q_a_norm``, ``w_q_b``), ``w_kv_a``, ``b_kv_a``,
+        ``kv_a_norm``, ``w_kv_b``, ``w_o``, ``b_o`` (biases with ``bias``): the keyword
+        arguments of :func:`attnlab.latent_attention`.
+    grads : dict of ndarray
+        Filled by :meth:`backward`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnlab.layers import LatentAttention
+    >>> mla = LatentAttention(32, 4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+    ...                       v_head_dim=8, seed=0)
+    >>> x = np.random.default_rng(0).standard_normal((2, 5, 32))
+    >>> y, cache = mla(x, causal=True, return_cache=True)
+    >>> dx = mla.backward(np.ones_like(y))
+    >>> step = mla(x[:, -1:], cache=cache, causal="bottom_right")
+    >>> y.shape, cache.shape, step.shape, dx.shape
+    ((2, 5, 32), (2, 5, 20), (2, 1, 32), (2, 5, 32))
+    """
+
+    _forward = staticmethod(latent_attention)
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        q_lora_rank: int | None = None,
+        d_out: int | None = None,
+        bias: bool = False,
+        rope_theta: float = 10000.0,
+        rope_interleave: bool = True,
+        init: Any = "torch",
+        seed: Any = None,
+        dtype: Any = np.float64,
+    ) -> None:
+        super().__init__(init=init, seed=seed, dtype=dtype)
+        d = self.d_model = V.check_positive_int(d_model, "d_model")
+        h = self.num_heads = V.check_positive_int(num_heads, "num_heads")
+        r = V.check_positive_int(kv_lora_rank, "kv_lora_rank")
+        dn = V.check_positive_int(qk_nope_head_dim, "qk_nope_head_dim")
+        dr = V.check_positive_int(qk_rope_head_dim, "qk_rope_head_dim")
+        if dr % 2:
+            raise ValueError(f"qk_rope_head_dim: expected an even number, got {dr}")
+        dv = V.check_positive_int(v_head_dim, "v_head_dim")
+        self.d_out = _optional_int(d_out, "d_out", d)
+        self.bias = _bool(bias, "bias")
+        self.rope_theta = _rope._theta(rope_theta)
+        self.rope_interleave = _bool(rope_interleave, "rope_interleave")
+        if q_lora_rank is None:
+            self._weight("w_q", d, h * (dn + dr))
+        else:
+            qr = V.check_positive_int(q_lora_rank, "q_lora_rank")
+            self._linears(("q_a", d, qr))
+            self.params["q_a_norm"] = np.ones(qr, self.dtype)
+            self._weight("w_q_b", qr, h * (dn + dr))
+        self._linears(("kv_a", d, r + dr))
+        self.params["kv_a_norm"] = np.ones(r, self.dtype)
+        self._weight("w_kv_b", r, h * (dn + dv))
+        self._linears(("o", h * dv, self.d_out))
+
+    def _functional_kwargs(self) -> dict[str, Any]:
+        return {
+            "num_heads": self.num_heads,
+            "rope_theta": self.rope_theta,
+            "rope_interleave": self.rope_interleave,
+        }
+
+    def __call__(
+        self,
+        x: Any,
+        *,
+        cache: Any = None,
+        positions: Any = None,
+        mask: Any = None,
+        key_padding_mask: Any = None,
+        causal: bool | str = False,
+        window: tuple[int | None, int | None] | None = None,
+        form: str = "auto",
+        return_weights: bool | str = False,
+        return_cache: bool = False,
+        warn_empty_rows: bool = True,
+    ) -> Any:
+        """Attend over the cached tokens (``cache``) and ``x``'s.
+
+        Parameters
+        ----------
+        x : array_like, shape (..., n, d_model)
+        cache, positions, mask, key_padding_mask, causal, window, form, return_weights
+        return_cache, warn_empty_rows
+            As for :func:`attnlab.latent_attention` (``causal="bottom_right"`` to decode
+            against a cache). A cache given is differentiated: :meth:`backward` then returns
+            ``(d_x, d_cache)``.
+
+        Returns
+        -------
+        out : ndarray, shape (..., n, d_out)
+        weights, cache : ndarray, optional
+        """
+        self._check_width(x, "x", "d_model")
+        options = {
+            "positions": positions,
+            "mask": mask,
+            "key_padding_mask": key_padding_mask,
+            "causal": causal,
+            "window": window,
+            "form": form,
+            "return_weights": return_weights,
+            "return_cache": return_cache,
+            "warn_empty_rows": warn_empty_rows,
+        }
+        return self._run({"x": x, "cache": cache}, options)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _additive, _args, _bilinear, _docs, _mha
+from . import _additive, _args, _bilinear, _docs, _latent, _mha
 from . import _signature as _sig
 from ._bilinear import BilinearQK
 from ._vjp import vjp
@@ -35,6 +35,7 @@ from .interop import _plain
 __all__ = [
     "additive_attention",
     "bilinear_attention",
+    "latent_attention",
     "multi_head_attention",
     "scaled_dot_product_attention",
     "separable_attention",
@@ -373,4 +374,52 @@ separable_attention = _wrapper(
     _SEPARABLE_DOC,
     "torch.Tensor",
     origin="MobileViT-v2",
+)
+
+_LATENT_DOC = """\
+    x : torch.Tensor, shape (..., n, d)
+    w_q, w_q_a, b_q_a, q_a_norm, w_q_b, w_kv_a, b_kv_a, kv_a_norm, w_kv_b, w_o, b_o : torch.Tensor
+        ``(in, out)`` weights (``nn.Linear.weight.T``), biases and RMSNorm weights, as for
+        :func:`attnlab.latent_attention`; those not given are ``None``.
+    cache : torch.Tensor, shape (..., n_past, kv_lora_rank + d_rope), optional
+        Differentiated too.
+    {constants}
+        As for :func:`attnlab.latent_attention` (``True`` in a boolean mask means *may
+        attend*); ``positions`` and ``rope_inv_freq`` are constants. The adapter returns the
+        output (and the weights with ``return_weights``); call
+        :func:`attnlab.latent_attention` on NumPy arrays for ``return_lse`` or
+        ``return_cache``.
+
+    {torch_attention_returns}
+
+    {torch_examples}
+    >>> h, d, r, dn, dr, dv = 2, 16, 8, 4, 4, 4
+    >>> w = dict(w_q=torch.randn(d, h * (dn + dr)) / 4, w_kv_a=torch.randn(d, r + dr) / 4,
+    ...          kv_a_norm=torch.ones(r), w_kv_b=torch.randn(r, h * (dn + dv)) / 3,
+    ...          w_o=torch.randn(h * dv, d) / 3)
+    >>> x = torch.randn(3, d, requires_grad=True)
+    >>> at.latent_attention(x, **w, num_heads=h, rope_theta=1e4).sum().backward()
+    >>> x.grad.shape
+    torch.Size([3, 16])
+    """
+latent_attention = _wrapper(
+    _latent.latent_attention,
+    (
+        "x",
+        "w_q",
+        "w_q_a",
+        "b_q_a",
+        "q_a_norm",
+        "w_q_b",
+        "w_kv_a",
+        "b_kv_a",
+        "kv_a_norm",
+        "w_kv_b",
+        "w_o",
+        "b_o",
+        "cache",
+        "sinks",
+    ),
+    _LATENT_DOC,
+    origin="DeepSeek-V2/V3",
 )

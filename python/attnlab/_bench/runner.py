@@ -22,7 +22,7 @@ from .peak import fma_peak, sgemm_gflops
 
 __all__ = ["run_all", "format_table", "targets", "to_json", "from_json", "plot"]
 
-FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward")
+FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward", "latent")
 
 
 def _cpu_name() -> str:

@@ -15,6 +15,7 @@ from ._bilinear import (
     factorize_qk,
     separate_logits,
 )
+from ._latent import latent_attention
 from ._mha import multi_head_attention, scaled_dot_product_attention
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "bilinear_logits",
     "collapse_qk",
     "factorize_qk",
+    "latent_attention",
     "multi_head_attention",
     "scaled_dot_product_attention",
     "separable_attention",
