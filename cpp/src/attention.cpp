@@ -10,6 +10,7 @@
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "decode.hpp"
 #include "microkernel.hpp"
 #include "products.hpp"
 #include "scratch.hpp"
@@ -677,6 +678,10 @@ void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g)
 template <typename T>
 void attention_forward(const AttentionProblem<T>& p) {
     if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
+    if (!p.weights && detail::use_decode(p.n_q, p.heads, p.kv_heads, p.n_k)) {
+        detail::decode_forward(p);  // few queries per kv head: split along the keys
+        return;
+    }
     const Index q_tiles = detail::tile_count(p.n_q, detail::kTileQ);
     const Index tasks = p.batch * p.heads * q_tiles;
     // Value rows holding NaN/Inf: scanned per key block in the flash tiles when each head has few

@@ -35,23 +35,26 @@ namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
 // The per-thread tile buffers, by owner. Adding one: a name here and its user's comment.
 enum class ScratchBuffer : int {
-    kFlashQueries,      // flash_tile: scale * Q^T of the query tile (d x padded queries)
-    kFlashScores,       // flash_tile: S^T then P^T of one key block (keys x padded queries)
-    kFlashAccumulator,  // flash_tile: (P V)^T, unnormalised (d_v x padded queries)
-    kFlashStats,        // flash_tile: running max and sum (2 x padded queries)
-    kValueFlags,        // flash_tile: which value rows of a key block hold NaN/Inf
-    kDenseQueries,      // dense_tile: scale * Q of the query tile
-    kFlaggedRows,       // flash_tile, dense_tile: value rows holding NaN/Inf in a key block
-    kFlaggedSees,       // flash_tile, dense_tile: which queries may see each flagged row
-    kValueCopy,         // flash_tile, dense_tile: a value block with the flagged rows zeroed
-    kBackwardTiles,     // backward_task: K^T, V^T, padded K, dK^T, dV^T, S/P, dP/dS of a tile
-    kGemmPanel,         // panel_gemm: a depth chunk of the B panel, zero-padded
-    kGemmEdge,          // gemm: the padded copy of a partial last panel of Y
-    kAdditiveRows,      // additive/separable forward: one row block's projections
-    kAdditiveShare,     // additive/separable forward: a row block's share of the pooled vector
-    kAdditiveWeights,   // additive/separable: a row block's token weights, a batch row's scores
-    kAdditivePooled,    // additive/separable forward: a batch row's pooled vector, in double
-    kAdditiveFolded,    // additive/separable forward: the weights folded with the pooled vector
+    kFlashQueries,       // flash_tile: scale * Q^T of the query tile (d x padded queries)
+    kFlashScores,        // flash_tile: S^T then P^T of one key block (keys x padded queries)
+    kFlashAccumulator,   // flash_tile: (P V)^T, unnormalised (d_v x padded queries)
+    kFlashStats,         // flash_tile: running max and sum (2 x padded queries)
+    kValueFlags,         // flash_tile: which value rows of a key block hold NaN/Inf
+    kDenseQueries,       // dense_tile: scale * Q of the query tile
+    kFlaggedRows,        // flash_tile, dense_tile: value rows holding NaN/Inf in a key block
+    kFlaggedSees,        // flash_tile, dense_tile: which queries may see each flagged row
+    kValueCopy,          // flash_tile, dense_tile: a value block with the flagged rows zeroed
+    kDecodeQueries,      // decode_split: scale * q of the rows of a kv head group
+    kDecodeScores,       // decode_split: scores and probabilities of a key block (rows x keys)
+    kDecodeAccumulator,  // decode_split: unnormalised context of the rows (rows x padded d_v)
+    kBackwardTiles,      // backward_task: K^T, V^T, padded K, dK^T, dV^T, S/P, dP/dS of a tile
+    kGemmPanel,          // panel_gemm: a depth chunk of the B panel, zero-padded
+    kGemmEdge,           // gemm: the padded copy of a partial last panel of Y
+    kAdditiveRows,       // additive/separable forward: one row block's projections
+    kAdditiveShare,      // additive/separable forward: a row block's share of the pooled vector
+    kAdditiveWeights,    // additive/separable: a row block's token weights, a batch row's scores
+    kAdditivePooled,     // additive/separable forward: a batch row's pooled vector, in double
+    kAdditiveFolded,     // additive/separable forward: the weights folded with the pooled vector
     kCount
 };
 
