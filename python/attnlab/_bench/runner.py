@@ -22,7 +22,7 @@ from .peak import fma_peak, sgemm_gflops
 
 __all__ = ["run_all", "format_table", "targets", "to_json", "from_json", "plot"]
 
-FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward", "latent")
+FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward", "latent", "window")
 
 
 def _cpu_name() -> str:
@@ -97,6 +97,17 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         b = _find(rows, family, case, other, a.shape) or b
         return b.ms / a.ms, a
 
+    for case in ("window fwd fp32", "window bwd fp32"):  # linear in n at a fixed window
+        sweep = [r for r in rows if r.family == "window" and r.case == case]
+        if len(sweep) >= 2:
+            grow = sweep[-1].extra["us_per_token"] / sweep[0].extra["us_per_token"]
+            add(
+                f"{case}: time per token at n = {sweep[-1].extra['n']} / at n = "
+                f"{sweep[0].extra['n']}",
+                grow,
+                "<= 1.5 (linear in n)",
+                grow <= 1.5,
+            )
     for case, label in (
         ("ViT-S fwd fp32", "MHA fwd ViT-S vs torch MHA"),
         ("ViT-B fwd fp32", "MHA fwd ViT-B vs torch MHA"),
