@@ -8,6 +8,7 @@ package that was built and tested.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import shutil
 from pathlib import Path
 
@@ -69,3 +70,28 @@ html_theme = "furo"
 html_title = f"attnlab {release}"
 templates_path = ["_templates"]
 html_static_path: list[str] = []
+
+
+def _hide_private_parameters(app, what, name, obj, options, signature, return_annotation):  # noqa: ARG001 (Sphinx's event signature)
+    """Signatures without attnlab's private parameters (``_keep``, ``_order``), which the
+    docstrings do not describe either."""
+    if signature is None or not callable(obj):
+        return None
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    if not any(p.startswith("_") for p in sig.parameters):
+        return None
+    params = [
+        p.replace(annotation=inspect.Parameter.empty)
+        for p in sig.parameters.values()
+        if not p.name.startswith("_")
+    ]
+    if what in ("class", "method") and params and params[0].name == "self":
+        params = params[1:]
+    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty)), None
+
+
+def setup(app):
+    app.connect("autodoc-process-signature", _hide_private_parameters)
