@@ -35,6 +35,7 @@ from .backward import FORWARDS, training_targets
 from .common import Row, Timing, gradient_error, relative_error
 from .peak import fma_peak, memory_bandwidth, sgemm_gflops, worker_env
 from .peers_worker import CASES, RUNTIMES
+from .progress import Progress
 
 __all__ = [
     "DEFAULT_CASES",
@@ -173,11 +174,17 @@ def _calls_per_round(call_ms: float, quick: bool) -> int:
 
 
 def run_case(
-    name: str, runtimes: tuple[str, ...], threads: int, quick: bool, notes: list[str]
+    name: str,
+    runtimes: tuple[str, ...],
+    threads: int,
+    quick: bool,
+    notes: list[str],
+    progress: Progress | None = None,
 ) -> list[Row]:
     """Times one case on every runtime (attnlab first: its output is the check of the others);
     appends a note for every runtime skipped, failed or refused by the check."""
     case = CASES[name]
+    progress = progress or Progress(1, False)
     order = (("attnlab",) if "attnlab" in runtimes else ()) + tuple(
         r for r in runtimes if r != "attnlab"
     )
@@ -187,6 +194,7 @@ def run_case(
     with tempfile.TemporaryDirectory(prefix="attnlab-peers-") as tmp:
         try:
             for rt in order:
+                progress.step(f"{case.label}: {rt} (start, check)")
                 out = os.path.join(tmp, f"{rt}.npy")
                 log = open(os.path.join(tmp, f"{rt}.log"), "w")  # noqa: SIM115 (closed with tmp)
                 w = _Worker(rt, name, threads, out, log)
@@ -222,6 +230,7 @@ def run_case(
                 (rt, p): [] for rt, parts in turns.items() for p in parts
             }
             names = list(live)
+            progress.step(f"{case.label}: timing {', '.join(names) or 'nothing'}")
             for r in range(3 if quick else 5):
                 for rt in names[r % len(names) :] + names[: r % len(names)] if names else []:
                     w, head, _ = live[rt]
@@ -276,6 +285,7 @@ def run_peers(
     cases: tuple[str, ...] | None = None,
     runtimes: tuple[str, ...] = RUNTIMES,
     train: bool = False,
+    show_progress: bool = False,
 ) -> dict[str, Any]:
     """The whole peer benchmark: the FMA peak, OpenBLAS's sgemm (its check) and every case.
 
@@ -291,6 +301,8 @@ def run_peers(
         Names from ``peers_worker.RUNTIMES``.
     train : bool
         Without ``cases``: the training-step cases instead of the inference ones.
+    show_progress : bool
+        Print each step, the rows as they finish and the time left on stderr.
 
     Returns
     -------
@@ -312,13 +324,19 @@ def run_peers(
         default = TRAIN_CASES if train else DEFAULT_CASES
         cases = tuple(c for c in default if not (quick and CASES[c].long))
     threads = get_num_threads()
+    # per case: one step per runtime started, one for the timing rounds; then the peak
+    progress = Progress(len(cases) * (len(runtimes) + 1) + 1, show_progress)
+    progress.step("FMA peak, sgemm and memory bandwidth")
     peak = fma_peak(quick)
     sgemm = sgemm_gflops(threads, quick)
     bandwidth = memory_bandwidth(threads, quick)
+    progress.finish(f"{peak['gflops']:.0f} GFLOP/s")
     notes: list[str] = []
     rows: list[Row] = []
     for c in cases:
-        rows.extend(run_case(c, runtimes, threads, quick, notes))
+        new = run_case(c, runtimes, threads, quick, notes, progress)
+        progress.finish(", ".join(f"{r.impl} {float(r.ms):.3g} ms" for r in new) or "no row")
+        rows.extend(new)
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "cpu": _cpu_name(),
