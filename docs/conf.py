@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 import shutil
 from pathlib import Path
+from typing import Any
 
 import attnlab
 
@@ -54,8 +55,6 @@ myst_heading_anchors = 3
 
 # The API reference: autosummary writes one page per name (docs/generated/, not committed).
 autosummary_generate = True
-autosummary_imported_members = True
-autodoc_default_options = {"members": False}
 autodoc_typehints = "none"  # the numpydoc Parameters section states the types
 
 # Optional dependencies: attnlab.torch imports torch, attnlab.dask imports dask. Where they are
@@ -72,9 +71,11 @@ templates_path = ["_templates"]
 html_static_path: list[str] = []
 
 
-def _hide_private_parameters(app, what, name, obj, options, signature, return_annotation):  # noqa: ARG001 (Sphinx's event signature)
+def _hide_private_parameters(
+    _app: Any, what: str, _name: str, obj: Any, _options: Any, signature: str | None, _ret: Any
+) -> tuple[str, None] | None:
     """Signatures without attnlab's private parameters (``_keep``, ``_order``), which the
-    docstrings do not describe either."""
+    docstrings do not describe either (Sphinx's ``autodoc-process-signature`` event)."""
     if signature is None or not callable(obj):
         return None
     try:
@@ -93,5 +94,5 @@ def _hide_private_parameters(app, what, name, obj, options, signature, return_an
     return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty)), None
 
 
-def setup(app):
+def setup(app: Any) -> None:
     app.connect("autodoc-process-signature", _hide_private_parameters)
