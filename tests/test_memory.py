@@ -261,7 +261,25 @@ def test_the_blocks_kept_are_bounded() -> None:
 
 def test_vjp_copies_are_freed_without_the_garbage_collector() -> None:
     """The pullback's copies of the arguments go when the pullback goes (a reference cycle
-    once kept them until the collector ran, so every training step took fresh memory)."""
+    once kept them until the collector ran, so every training step took fresh memory). In a
+    fresh process: the collector's count is process-wide, and threads earlier tests left (a
+    Dask client's) make garbage of their own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    pkg = str(Path(attnlab.__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), pkg, env.get("PYTHONPATH")) if p)
+    code = "import test_memory as t; t._vjp_copies_freed()"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def _vjp_copies_freed() -> None:
     import gc
     import weakref
 
