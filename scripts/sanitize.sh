@@ -115,7 +115,7 @@ else
   TESTS=(test_mha.py test_bilinear.py test_additive.py test_backward_mha.py
          test_backward_bilinear.py test_backward_additive.py test_errors.py
          test_properties.py test_fuzz.py test_concurrency.py test_memory.py test_numerics.py
-         test_options.py test_interrupt.py
+         test_options.py test_decode.py test_interrupt.py
          -k "not torch and not gil_is_released")
 fi
 start=$(date +%s)

@@ -496,3 +496,23 @@ def test_bench_quick_default_output(tmp_path):
     assert {"mha", "bilinear", "additive", "separable"} <= fams, errors
     assert all(e < 1e-4 for e in errors.values()), errors
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_lines_count_the_steps_and_stay_quiet_unless_asked():
+    import io
+
+    from attnlab._bench.progress import Progress
+
+    out = io.StringIO()
+    p = Progress(3, True, out)
+    for what in ("a", "b", "c"):
+        p.step(what)
+        p.finish(f"{what} done")
+    text = out.getvalue().splitlines()
+    assert text[0] == "[1/3] a ..." and text[2].startswith("[2/3] b ..., about ")
+    assert text[-1].strip() == "c: c done" and len(text) == 6
+    quiet = io.StringIO()
+    q = Progress(2, False, quiet)
+    q.step("a")
+    q.finish("x")
+    assert quiet.getvalue() == ""

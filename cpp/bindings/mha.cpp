@@ -172,9 +172,11 @@ void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::obje
 }
 
 // y = x w + b over all rows (for the bench's GEMM peak and projection timings).
-void linear_forward(py::array x, py::array w, py::object b, py::array y) {
+void linear_forward(py::array x, py::array w, py::object b, py::array y, bool bf16) {
     dispatch(x, "x", [&](auto tag) {
         using T = decltype(tag);
+        if (bf16 && !std::is_same_v<T, float>)
+            throw py::type_error("x: bf16 products take float32 arrays, got float64");
         if (x.ndim() != 2 || w.ndim() != 2) throw py::value_error("x, w: expected 2-d arrays");
         const Index rows = x.shape(0), in = x.shape(1), out = w.shape(1);
         const T* px = contiguous<T>(x, "x", {rows, in});
@@ -182,6 +184,12 @@ void linear_forward(py::array x, py::array w, py::object b, py::array y) {
         const T* pb = optional_vector<T>(b, "b", out);
         T* py_ = contiguous<T>(y, "y", {rows, out}, true);
         ReleaseGil release;
+        if constexpr (std::is_same_v<T, float>) {
+            if (bf16) {
+                kernels().linear_bf16(rows, in, out, px, in, pw, pb, py_, out);
+                return 0;
+            }
+        }
         kernels_for<T>().linear(rows, in, out, px, in, pw, pb, py_, out, false);
         return 0;
     });
@@ -204,8 +212,8 @@ void bind_mha(py::module_& m) {
         MhaSignature::After<py::array>::wrap<py::dict, py::object>(&mha_backward),
         std::tuple_cat(std::make_tuple(py::arg("grad_out")), mha_arg_names(),
                        std::make_tuple(py::arg("grads"), py::arg("state") = py::none())));
-    m.def("linear_forward", &linear_forward, py::arg("x"), py::arg("w"), py::arg("b"),
-          py::arg("y"));
+    m.def("linear_forward", &linear_forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("y"),
+          py::arg("bf16") = false);
 }
 
 }  // namespace bind

@@ -147,6 +147,7 @@ PYBIND11_MODULE(_core, m) {
         std::string simd = t.compiled_for;
         while (!simd.empty() && simd.back() == ' ') simd.pop_back();
         d["compiled_for"] = simd;
+        d["bf16_kernel"] = std::string(t.bf16_kernel());
         d["num_threads"] = attnlab::get_num_threads();
         d["num_threads_source"] = attnlab::num_threads_source();
         return d;

@@ -69,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         help="with --peers: only this runtime (attnlab, torch-sdpa, torch-mha, "
         "onnxruntime, openvino, jax); repeatable",
     )
+    b.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="print each step, the rows as they finish and the time left on stderr "
+        "(default: when stdout is a terminal)",
+    )
     sub.add_parser("info", help="print build_info()")
     args = parser.parse_args(argv)
     if args.command == "info":
@@ -78,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--case, --runtime and --train go with --peers")
     if args.train and args.case:
         parser.error("--train chooses the training cases: name them with --case alone")
+    show_progress = sys.stdout.isatty() if args.progress is None else args.progress
     if args.peers:
         if args.only or args.plot or args.verbose or args.targets:
             parser.error(
@@ -94,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 tuple(args.case) if args.case else None,
                 tuple(args.runtime) if args.runtime else RUNTIMES,
                 train=args.train,
+                show_progress=show_progress,
             )
         except ValueError as e:
             parser.error(str(e))
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from ._bench.runner import FAMILIES, plot, run_all, to_json
 
     fams = tuple(args.only) if args.only else FAMILIES
-    result = run_all(args.quick, fams)
+    result = run_all(args.quick, fams, show_progress)
     print(format_report(result, verbose=args.verbose, targets=args.targets))
     if args.json:
         with open(args.json, "w") as f:

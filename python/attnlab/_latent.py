@@ -576,9 +576,12 @@ def latent_attention(
         Positions of ``x``'s tokens for the rotary embeddings; default ``n_past + arange(n)``.
     mask : array_like of bool or float, optional
         Broadcasts to ``(..., h, n, n_past + n)``; ``True`` means *may attend*, floats are
-        added to the scaled scores.
+        added to the scaled scores. ``nn.MultiheadAttention``'s boolean masks mean the
+        opposite (``True`` = masked out): convert them with
+        :func:`attnlab.interop.torch_masks`.
     key_padding_mask : array_like of bool, optional
-        ``(..., n_past + n)``, ``True`` for real tokens.
+        ``(..., n_past + n)``, ``True`` for real tokens (the opposite of
+        ``nn.MultiheadAttention``'s ``key_padding_mask``).
     causal : bool or {"top_left", "bottom_right"}
         As for :func:`attnlab.multi_head_attention`, over ``n`` queries and ``n_past + n``
         keys: decoding against a cache is ``"bottom_right"`` (``True`` equals it without a

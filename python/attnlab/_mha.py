@@ -378,6 +378,7 @@ def multi_head_attention(
     q_norm: Any = None,
     k_norm: Any = None,
     norm_eps: float | None = None,
+    precision: str | None = None,
     warn_empty_rows: bool = True,
     _keep: dict[str, Any] | None = None,
 ) -> Any:
@@ -456,6 +457,15 @@ def multi_head_attention(
         ``1 + weight``. Differentiated (gradients ``"q_norm"``, ``"k_norm"``).
     norm_eps : float, optional
         The norms' epsilon; default ``1e-6``.
+    precision : {None, "bf16"}, optional
+        ``None``: exact in the input dtype. ``"bf16"`` (float32 inputs): the four projections
+        round both operands to bfloat16 and sum the products in float32, on AMX tiles where
+        the CPU has them (``build_info()["bf16_kernel"]`` says ``"amx"``) and with the same
+        rounding emulated elsewhere, so the answers agree across CPUs to the order of the
+        float32 sums; :func:`attnlab.reference.multi_head_attention` computes the same
+        rounding in float64. The attention core stays float32. The error against the exact
+        result grows to the order of bfloat16's unit roundoff, ``2**-8``, relative. Gradients
+        (``*_backward``, ``vjp``) take float32 products over the bf16 forward's projections.
     warn_empty_rows : bool
         Warn (a ``UserWarning``, once per call, with the count) when the boolean masks leave a
         query row with no key at all: the usual sign of a mask in PyTorch's polarity. Pass

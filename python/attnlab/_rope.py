@@ -55,17 +55,34 @@ class Rope(NamedTuple):
 
 
 class Composed(NamedTuple):
-    """What the composed path adds to the projections: rotation tables and q/k norms."""
+    """What the composed path adds to the projections: rotation tables and q/k norms, and
+    whether the forward's projections take bf16 products (``precision="bf16"``)."""
 
     rope: Rope | None
     q_norm: np.ndarray | None  # (d_head,), the call's dtype
     k_norm: np.ndarray | None
     eps: float
+    bf16: bool = False
 
 
 # The keyword arguments that send a multi-head call down the composed path (attnlab.vjp reads
 # them without binding the signature).
-COMPOSED_ARGS = ("rope_theta", "rope_inv_freq", "q_norm", "k_norm")
+COMPOSED_ARGS = ("rope_theta", "rope_inv_freq", "q_norm", "k_norm", "precision")
+
+
+def precision_bf16(precision: Any, dtype: np.dtype) -> bool:
+    """Whether ``precision`` asks for bf16 products: ``None`` (exact in the input dtype) or
+    ``"bf16"`` (float32 inputs only)."""
+    if precision is None:
+        return False
+    if not isinstance(precision, str) or precision != "bf16":
+        raise ValueError(f"precision: expected None or 'bf16', got {precision!r}")
+    if dtype != np.float32:
+        raise ValueError(
+            f"precision: 'bf16' rounds float32 operands to bfloat16 and takes float32 inputs, "
+            f"got {dtype} (cast them with .astype(np.float32))"
+        )
+    return True
 
 
 def _real(x: Any, name: str, what: str) -> float:
@@ -279,14 +296,15 @@ def prepare_for(a: _Mha, args: dict[str, Any]) -> Composed | None:
     )
     q_norm = _norm_weight(args["q_norm"], "q_norm", d_head, a.dtype)
     k_norm = _norm_weight(args["k_norm"], "k_norm", d_head, a.dtype)
+    bf16 = precision_bf16(args["precision"], a.dtype)
     eps = args["norm_eps"]
     if q_norm is None and k_norm is None:
         if eps is not None:
             raise ValueError("norm_eps: given without q_norm or k_norm")
-        if rope is None:
+        if rope is None and not bf16:
             return None
     eps = 1e-6 if eps is None else _real(eps, "norm_eps", "1e-6")
-    return Composed(rope, q_norm, k_norm, eps)
+    return Composed(rope, q_norm, k_norm, eps, bf16)
 
 
 def rotate(
@@ -305,12 +323,19 @@ def rotate(
 
 
 def _project(
-    rows: np.ndarray, w: np.ndarray, b: np.ndarray | None, B: int, n: int, heads: int
+    rows: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None,
+    B: int,
+    n: int,
+    heads: int,
+    bf16: bool = False,
 ) -> np.ndarray:
-    """``rows w + b`` by the C++ GEMM, viewed as ``(B, n, heads, d_head)``."""
+    """``rows w + b`` by the C++ GEMM (bf16 products with ``bf16``), viewed as
+    ``(B, n, heads, d_head)``."""
     y = _memory.empty((rows.shape[0], w.shape[1]), w.dtype)
     if y.size:
-        core.linear_forward(rows, w, b, y)
+        core.linear_forward(rows, w, b, y, bf16)
     return y.reshape(B, n, heads, w.shape[1] // heads)
 
 
@@ -350,9 +375,9 @@ class _Projected(NamedTuple):
 
 def _qkv(a: _Mha, c: Composed) -> _Projected:
     B, w = a.B, a.w
-    q = _project(a.rq, _w(a, "w_q"), w["b_q"], B, a.n_q, a.h)
-    k = _project(a.rk, _w(a, "w_k"), w["b_k"], B, a.n_k, a.h_kv)
-    v = _project(a.rv, _w(a, "w_v"), w["b_v"], B, a.n_k, a.h_kv)
+    q = _project(a.rq, _w(a, "w_q"), w["b_q"], B, a.n_q, a.h, c.bf16)
+    k = _project(a.rk, _w(a, "w_k"), w["b_k"], B, a.n_k, a.h_kv, c.bf16)
+    v = _project(a.rv, _w(a, "w_v"), w["b_v"], B, a.n_k, a.h_kv, c.bf16)
     q_pre = k_pre = None
     if c.q_norm is not None:
         qn, r = rms_norm(q, c.q_norm, c.eps)
@@ -412,7 +437,7 @@ def forward(
         weights,
         lse,
     )
-    core.linear_forward(_rows(ctx), _w(a, "w_o"), a.w["b_o"], out)
+    core.linear_forward(_rows(ctx), _w(a, "w_o"), a.w["b_o"], out, c.bf16)
 
 
 def backward(go: np.ndarray, a: _Mha, c: Composed, grads: dict[str, np.ndarray]) -> None:

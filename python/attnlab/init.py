@@ -4,15 +4,15 @@ Every weight initialiser is a function ``(fan_in, fan_out, rng, dtype) -> ndarra
 ``(fan_in, fan_out)`` (attnlab's weights are ``(in_features, out_features)``); every scheme also
 has a bias initialiser ``(fan_in, fan_out, rng, dtype) -> ndarray`` of shape ``(fan_out,)``.
 
-=================== ========================================== ==================================
-name                weights                                    biases
-=================== ========================================== ==================================
-``"torch"``         U(-1/sqrt(fan_in), +1/sqrt(fan_in))        the same (``nn.Linear``'s default)
-``"xavier_uniform"`` U(+-sqrt(6 / (fan_in + fan_out)))         zeros
-``"xavier_normal"`` N(0, 2 / (fan_in + fan_out))               zeros
-``"randn"``         N(0, 1) (``nn.Parameter(torch.randn(..))``) zeros
-``"trunc_normal"``  N(0, 0.02^2) cut at +-2 std = +-0.04        zeros
-=================== ========================================== ==================================
+==================== =========================================== ==================================
+name                 weights                                     biases
+==================== =========================================== ==================================
+``"torch"``          U(-1/sqrt(fan_in), +1/sqrt(fan_in))         the same (``nn.Linear``'s default)
+``"xavier_uniform"`` U(+-sqrt(6 / (fan_in + fan_out)))           zeros
+``"xavier_normal"``  N(0, 2 / (fan_in + fan_out))                zeros
+``"randn"``          N(0, 1) (``nn.Parameter(torch.randn(..))``) zeros
+``"trunc_normal"``   N(0, 0.02^2) cut at +-2 std = +-0.04        zeros
+==================== =========================================== ==================================
 
 The variance of a weight decides the scale of the attention logits: with std-1 weights
 (``"randn"``) the logit std grows like ``d_model``, the softmax saturates and the query/key

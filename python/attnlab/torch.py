@@ -385,8 +385,10 @@ _LATENT_DOC = """\
         Differentiated too.
     {constants}
         As for :func:`attnlab.latent_attention` (``True`` in a boolean mask means *may
-        attend*); ``positions`` and ``rope_inv_freq`` are constants. The adapter returns the
-        output (and the weights with ``return_weights``); call
+        attend*, the opposite of ``nn.MultiheadAttention``'s masks: see
+        :func:`attnlab.interop.torch_masks`); ``positions`` and ``rope_inv_freq`` are
+        constants. The adapter returns the output (and the weights with ``return_weights``);
+        call
         :func:`attnlab.latent_attention` on NumPy arrays for ``return_lse`` or
         ``return_cache``.
 

@@ -42,6 +42,12 @@ struct KernelTable {
     // The float32 FMA peak of this build's widest vector (attnlab/peak.hpp): the benchmark's
     // denominator, per variant since each variant has its own vector width.
     double (*fma_peak)(double seconds, double* per_task, double* per_task_cpu, Index tasks);
+    // float32 y = x w + b with bf16 products and float32 sums (precision="bf16"; x rows of
+    // stride ldx, w contiguous, b or null, y rows of stride ldy), and the kernel it runs
+    // here: "amx" (tiles) or "emulated" (the same rounding on the float32 GEMM)
+    void (*linear_bf16)(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,
+                        const float* b, float* y, Index ldy);
+    const char* (*bf16_kernel)();
 
     template <typename T>
     const KernelSet<T>& get() const {

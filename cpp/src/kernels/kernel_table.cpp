@@ -1,6 +1,7 @@
 // This build's kernel table (compiled once per instruction set, like every kernel source).
 #include "attnlab/gemm.hpp"
 #include "attnlab/kernels.hpp"
+#include "bf16_gemm.hpp"
 
 #ifndef ATTNLAB_ISA_NAME
 #error "ATTNLAB_ISA_NAME must name the instruction-set variant (set by CMakeLists.txt)"
@@ -56,6 +57,8 @@ constexpr KernelTable kernel_table = {ATTNLAB_ISA_NAME,
                                       &eigen_simd,
                                       kernel_set<float>(),
                                       kernel_set<double>(),
-                                      &fma_peak};
+                                      &fma_peak,
+                                      &linear_bf16,
+                                      &bf16_kernel};
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

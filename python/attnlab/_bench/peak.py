@@ -74,22 +74,16 @@ def worker_env(threads: int) -> dict[str, str]:
     return env
 
 
-def sgemm_gflops(threads: int, quick: bool) -> dict[str, Any] | None:
-    """NumPy's float32 matmul (OpenBLAS) on a large square matrix, ``threads`` threads, in a
-    fresh process (its spinning threads then disturb nothing else): the best rate of a few calls,
-    or None when the subprocess failed."""
-    n = 1024 if quick else 2048
-    cmd = [
-        sys.executable,
-        "-m",
-        "attnlab._bench.peers_worker",
-        "sgemm",
-        str(n),
-        "--repeat",
-        "5" if quick else "10",
-        "--threads",
-        str(threads),
-    ]
+def memory_bandwidth(threads: int, quick: bool) -> dict[str, Any] | None:
+    """The machine's memory read bandwidth with ``threads`` threads (``peers_worker
+    bandwidth``: OpenBLAS's sgemv over a matrix far larger than the caches), in a fresh
+    process: the best GB/s of a few calls, or None when the subprocess failed."""
+    return _worker(["bandwidth", "512" if quick else "1024"], threads, "5" if quick else "10")
+
+
+def _worker(what: list[str], threads: int, repeat: str) -> dict[str, Any] | None:
+    cmd = [sys.executable, "-m", "attnlab._bench.peers_worker", *what, "--repeat", repeat]
+    cmd += ["--threads", str(threads)]
     try:
         r = subprocess.run(
             cmd, check=False, capture_output=True, text=True, timeout=300, env=worker_env(threads)
@@ -98,3 +92,10 @@ def sgemm_gflops(threads: int, quick: bool) -> dict[str, Any] | None:
         return out
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+
+
+def sgemm_gflops(threads: int, quick: bool) -> dict[str, Any] | None:
+    """NumPy's float32 matmul (OpenBLAS) on a large square matrix, ``threads`` threads, in a
+    fresh process (its spinning threads then disturb nothing else): the best rate of a few calls,
+    or None when the subprocess failed."""
+    return _worker(["sgemm", "1024" if quick else "2048"], threads, "5" if quick else "10")

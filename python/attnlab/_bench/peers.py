@@ -33,8 +33,9 @@ import numpy as np
 from .. import build_info, get_num_threads
 from .backward import FORWARDS, training_targets
 from .common import Row, Timing, gradient_error, relative_error
-from .peak import fma_peak, sgemm_gflops, worker_env
+from .peak import fma_peak, memory_bandwidth, sgemm_gflops, worker_env
 from .peers_worker import CASES, RUNTIMES
+from .progress import Progress
 
 __all__ = [
     "DEFAULT_CASES",
@@ -46,7 +47,7 @@ __all__ = [
     "best_other",
 ]
 
-DEFAULT_CASES = ("bert", "vit-s", "vit-b", "long", "long-causal", "sdpa")
+DEFAULT_CASES = ("bert", "vit-s", "vit-b", "long", "long-causal", "sdpa", "decode", "decode-gqa")
 # `--train`: the training-step cases (issue 14's table)
 TRAIN_CASES = ("vit-s-train", "long-causal-train")
 # normwise relative difference from attnlab's output above which a peer's graph is wrong: float32
@@ -173,11 +174,17 @@ def _calls_per_round(call_ms: float, quick: bool) -> int:
 
 
 def run_case(
-    name: str, runtimes: tuple[str, ...], threads: int, quick: bool, notes: list[str]
+    name: str,
+    runtimes: tuple[str, ...],
+    threads: int,
+    quick: bool,
+    notes: list[str],
+    progress: Progress | None = None,
 ) -> list[Row]:
     """Times one case on every runtime (attnlab first: its output is the check of the others);
     appends a note for every runtime skipped, failed or refused by the check."""
     case = CASES[name]
+    progress = progress or Progress(1, False)
     order = (("attnlab",) if "attnlab" in runtimes else ()) + tuple(
         r for r in runtimes if r != "attnlab"
     )
@@ -187,6 +194,7 @@ def run_case(
     with tempfile.TemporaryDirectory(prefix="attnlab-peers-") as tmp:
         try:
             for rt in order:
+                progress.step(f"{case.label}: {rt} (start, check)")
                 out = os.path.join(tmp, f"{rt}.npy")
                 log = open(os.path.join(tmp, f"{rt}.log"), "w")  # noqa: SIM115 (closed with tmp)
                 w = _Worker(rt, name, threads, out, log)
@@ -222,6 +230,7 @@ def run_case(
                 (rt, p): [] for rt, parts in turns.items() for p in parts
             }
             names = list(live)
+            progress.step(f"{case.label}: timing {', '.join(names) or 'nothing'}")
             for r in range(3 if quick else 5):
                 for rt in names[r % len(names) :] + names[: r % len(names)] if names else []:
                     w, head, _ = live[rt]
@@ -255,7 +264,17 @@ def run_case(
                 f"{rt} {p}".strip(),
                 Timing(float(np.median(ms)), max(ms) / min(ms) if min(ms) > 0 else 1.0),
                 case.flops * (FORWARDS[p] if p else 1),
-                extra={"check": err, "calls": len(ms), "version": head.get("version", "")},
+                extra={
+                    "check": err,
+                    "calls": len(ms),
+                    "version": head.get("version", ""),
+                    # decode reads every key and value once: its rate is bytes per second
+                    **(
+                        {"gbs": case.kv_bytes / (float(np.median(ms)) * 1e-3) / 1e9}
+                        if case.n_q is not None
+                        else {}
+                    ),
+                },
             )
         )
     return rows
@@ -266,6 +285,7 @@ def run_peers(
     cases: tuple[str, ...] | None = None,
     runtimes: tuple[str, ...] = RUNTIMES,
     train: bool = False,
+    show_progress: bool = False,
 ) -> dict[str, Any]:
     """The whole peer benchmark: the FMA peak, OpenBLAS's sgemm (its check) and every case.
 
@@ -281,6 +301,8 @@ def run_peers(
         Names from ``peers_worker.RUNTIMES``.
     train : bool
         Without ``cases``: the training-step cases instead of the inference ones.
+    show_progress : bool
+        Print each step, the rows as they finish and the time left on stderr.
 
     Returns
     -------
@@ -302,12 +324,19 @@ def run_peers(
         default = TRAIN_CASES if train else DEFAULT_CASES
         cases = tuple(c for c in default if not (quick and CASES[c].long))
     threads = get_num_threads()
+    # per case: one step per runtime started, one for the timing rounds; then the peak
+    progress = Progress(len(cases) * (len(runtimes) + 1) + 1, show_progress)
+    progress.step("FMA peak, sgemm and memory bandwidth")
     peak = fma_peak(quick)
     sgemm = sgemm_gflops(threads, quick)
+    bandwidth = memory_bandwidth(threads, quick)
+    progress.finish(f"{peak['gflops']:.0f} GFLOP/s")
     notes: list[str] = []
     rows: list[Row] = []
     for c in cases:
-        rows.extend(run_case(c, runtimes, threads, quick, notes))
+        new = run_case(c, runtimes, threads, quick, notes, progress)
+        progress.finish(", ".join(f"{r.impl} {float(r.ms):.3g} ms" for r in new) or "no row")
+        rows.extend(new)
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "cpu": _cpu_name(),
@@ -316,6 +345,7 @@ def run_peers(
         "peak": peak,
         "peak_gflops": peak["gflops"],
         "sgemm": sgemm,
+        "bandwidth": bandwidth,
         "rows": rows,
         "notes": notes,
     }
@@ -325,7 +355,8 @@ def run_peers(
 
 def peer_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The performance targets on this run: attnlab >= 1.1x the fastest other runtime on every
-    case, every MHA layer case >= 85% of the FMA peak; on the training cases, the training step
+    case, every MHA layer case >= 85% of the FMA peak, every decode case >= 90% of the memory
+    bandwidth; on the training cases, the training step
     >= 1.3x torch autograd's and the pullback <= 2.0x the forward."""
     out: list[dict[str, Any]] = []
     rows: list[Row] = result["rows"]
@@ -357,6 +388,17 @@ def peer_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     "value": round(s, 3),
                     "goal": ">= 0.85",
                     "met": s >= 0.85,
+                }
+            )
+        bw = (result.get("bandwidth") or {}).get("gbs")
+        if bw and "gbs" in row.extra:
+            s = row.extra["gbs"] / bw
+            out.append(
+                {
+                    "target": f"{row.case} {row.shape}: share of the memory bandwidth",
+                    "value": round(s, 3),
+                    "goal": ">= 0.9",
+                    "met": s >= 0.9,
                 }
             )
     return out
@@ -407,7 +449,15 @@ def format_peers(result: dict[str, Any]) -> str:
             f"threads={result['threads']} (every runtime)  isa={result['isa']}  float32"
         )
     ]
-    lines += peak_lines(result) + [""]
+    lines += peak_lines(result)
+    bw = (result.get("bandwidth") or {}).get("gbs")
+    if bw:
+        lines.append(
+            f"memory read bandwidth (measured: OpenBLAS sgemv over "
+            f"{result['bandwidth'].get('mib')} MiB) = {bw:.1f} GB/s; decode rows read every "
+            f"key and value once: their GB/s and share of it follow the version"
+        )
+    lines.append("")
     lines.append(
         f"{'case':<17} {'shape':<30} {'runtime':<16} {'ms':>9} {'GFLOP/s':>8} "
         f"{'%peak':>6} {'vs best other':>24}  {'check':>8}  version"
@@ -420,6 +470,11 @@ def format_peers(result: dict[str, Any]) -> str:
             f"{r.case:<17.17} {r.shape:<30.30} {r.impl:<16.16} {r.ms:>9.3f} "
             f"{r.gflops:>8.1f} {share(r, peak):>6} {vs:>24}  "
             f"{r.extra.get('check', 0):>8.1e}  {r.extra.get('version', '')}{flag}"
+            + (
+                f"  {r.extra['gbs']:.1f} GB/s = {100 * r.extra['gbs'] / bw:.0f}% of bandwidth"
+                if bw and "gbs" in r.extra
+                else ""
+            )
         )
     lines += [
         "",

@@ -56,11 +56,28 @@ class Case:
     core_only: bool = False
     long: bool = False  # skipped by --quick
     train: bool = False  # a training step (forward + every gradient), not a forward
+    n_q: int | None = None  # core only: queries when fewer than the n keys (decode)
+    h_kv: int | None = None  # core only: kv heads when fewer than h (grouped-query)
+
+    @property
+    def queries(self) -> int:
+        return self.n if self.n_q is None else self.n_q
+
+    @property
+    def kv_heads(self) -> int:
+        return self.h if self.h_kv is None else self.h_kv
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values a core call reads (float32): a decode call's traffic."""
+        return 2 * 4 * self.B * self.kv_heads * self.n * (self.d // self.h)
 
     @property
     def shape(self) -> str:
         if self.core_only:
-            return f"({self.B}, {self.h}, {self.n}, {self.d // self.h})" + (
+            kv = f", kv heads {self.kv_heads}" if self.kv_heads != self.h else ""
+            q = f", {self.queries} queries" if self.queries != self.n else ""
+            return f"({self.B}, {self.h}, {self.n}, {self.d // self.h}){q}{kv}" + (
                 " causal" if self.causal else ""
             )
         return f"B={self.B} n={self.n} d={self.d} h={self.h}" + (" causal" if self.causal else "")
@@ -73,7 +90,7 @@ class Case:
 
         return mha_flops(
             self.B,
-            self.n,
+            self.queries,
             self.n,
             0 if self.core_only else self.d,
             self.h,
@@ -89,6 +106,9 @@ CASES: dict[str, Case] = {
     "long": Case("long", 1, 8192, 512, 8, long=True),
     "long-causal": Case("long causal", 1, 8192, 512, 8, causal=True, long=True),
     "sdpa": Case("SDPA core", 1, 4096, 512, 8, core_only=True),
+    # decoding one token against 8192 cached keys, 32 heads x 128: memory bound (issue 30)
+    "decode": Case("decode", 1, 8192, 4096, 32, core_only=True, n_q=1),
+    "decode-gqa": Case("decode GQA", 1, 8192, 4096, 32, core_only=True, n_q=1, h_kv=8),
     # training steps, the cases of issue 14 (`bench --peers --train`)
     "vit-s-train": Case("ViT-S train", 8, 197, 384, 6, train=True),
     "long-causal-train": Case("long causal train", 1, 4096, 512, 8, True, long=True, train=True),
@@ -110,8 +130,10 @@ def inputs(case: Case) -> dict[str, np.ndarray]:
 
     rng = np.random.default_rng(SEED)
     if case.core_only:
-        shape = (case.B, case.h, case.n, case.d // case.h)
-        return {k: rng.standard_normal(shape, dtype=np.float32) for k in ("q", "k", "v")}
+        dh = case.d // case.h
+        q = rng.standard_normal((case.B, case.h, case.queries, dh), dtype=np.float32)
+        kv = (case.B, case.kv_heads, case.n, dh)
+        return {"q": q, **{k: rng.standard_normal(kv, dtype=np.float32) for k in ("k", "v")}}
     out = {"x": rng.standard_normal((case.B, case.n, case.d), dtype=np.float32)}
     out.update(_weights(rng, case.d, np.float32))
     if case.train:
@@ -166,9 +188,12 @@ def _torch_fn(torch: Any, case: Case, a: dict[str, np.ndarray]) -> Callable[...,
     from .mha import _torch_sdpa_mha
 
     if case.core_only:
+        gqa = case.kv_heads != case.h
 
         def core(q: Any, k: Any, v: Any) -> Any:
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=case.causal, enable_gqa=gqa
+            )
 
         return core
     return _torch_sdpa_mha(torch, _layer_weights(a), case.h, case.causal)  # type: ignore[no-any-return]
@@ -252,11 +277,16 @@ def _onnx_core(case: Case) -> Any:
     """The ONNX Attention operator (opset 23): q, k, v as (B, h, n, d_head), as given."""
     from onnx import TensorProto, helper
 
-    shape = [case.B, case.h, case.n, case.d // case.h]
-    vi = [helper.make_tensor_value_info(k, TensorProto.FLOAT, shape) for k in ("q", "k", "v")]
+    dh = case.d // case.h
+    q_shape = [case.B, case.h, case.queries, dh]
+    kv_shape = [case.B, case.kv_heads, case.n, dh]
+    vi = [
+        helper.make_tensor_value_info(k, TensorProto.FLOAT, s)
+        for k, s in (("q", q_shape), ("k", kv_shape), ("v", kv_shape))
+    ]
     node = helper.make_node("Attention", ["q", "k", "v"], ["y"], is_causal=int(case.causal))
     graph = helper.make_graph(
-        [node], "sdpa", vi, [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)]
+        [node], "sdpa", vi, [helper.make_tensor_value_info("y", TensorProto.FLOAT, q_shape)]
     )
     return helper.make_model(graph, ir_version=11, opset_imports=[helper.make_opsetid("", 23)])
 
@@ -292,7 +322,10 @@ def _openvino(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
         def forward(self, *xs: Any) -> Any:
             return fn(*xs)
 
-    model = ov.convert_model(Layer().eval(), example_input=tuple(args))
+    try:
+        model = ov.convert_model(Layer().eval(), example_input=tuple(args))
+    except Exception as e:  # noqa: BLE001 (any conversion failure: reported, not an error)
+        raise Skip(f"openvino.convert_model cannot convert this case: {e}") from None
     compiled = ov.Core().compile_model(
         model,
         "CPU",
@@ -478,9 +511,26 @@ def sgemm(n: int, repeat: int) -> dict[str, Any]:
     }
 
 
+def bandwidth(mib: int, repeat: int) -> dict[str, Any]:
+    """Memory read bandwidth: NumPy's float32 matrix-vector product (OpenBLAS's sgemv, on its
+    threads) over ``mib`` MiB, which reads the matrix once: the best GB/s of ``repeat`` calls."""
+    rows = mib * (1 << 20) // (4 * 1024)
+    a = np.ones((rows, 1024), dtype=np.float32)
+    x = np.ones(1024, dtype=np.float32)
+    y = np.empty(rows, dtype=np.float32)
+    ms = _time(lambda: np.matmul(a, x, out=y), repeat)
+    return {
+        "runtime": "bandwidth",
+        "mib": mib,
+        "ms": ms,
+        "gbs": a.nbytes / (min(ms) * 1e-3) / 1e9,
+        "version": f"numpy {np.__version__}",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m attnlab._bench.peers_worker")
-    p.add_argument("runtime", choices=RUNTIMES + ("sgemm",))
+    p.add_argument("runtime", choices=RUNTIMES + ("sgemm", "bandwidth"))
     p.add_argument("case", help=f"one of {', '.join(CASES)} (for sgemm: the matrix size)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeat", type=int, default=5, help="timed calls (one-shot mode)")
@@ -497,6 +547,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.case.isdigit() or int(args.case) < 1:
             p.error(f"case: sgemm takes a matrix size, got {args.case!r}")
         _emit(sgemm(int(args.case), args.repeat))
+        return 0
+    if args.runtime == "bandwidth":
+        if not args.case.isdigit() or int(args.case) < 1:
+            p.error(f"case: bandwidth takes a size in MiB, got {args.case!r}")
+        _emit(bandwidth(int(args.case), args.repeat))
         return 0
     if args.case not in CASES:
         p.error(f"case: expected one of {', '.join(CASES)}, got {args.case!r}")

@@ -4,6 +4,7 @@ the plot."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import json
@@ -19,10 +20,11 @@ from .backward import training_targets
 from .common import NOISY, Row, Timing, target
 from .gemm import square_gemm
 from .peak import fma_peak, sgemm_gflops
+from .progress import Progress
 
 __all__ = ["run_all", "format_table", "targets", "to_json", "from_json", "plot"]
 
-FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward", "latent")
+FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward", "latent", "window")
 
 
 def _cpu_name() -> str:
@@ -36,17 +38,23 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def run_all(quick: bool, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]:
+def run_all(
+    quick: bool, families: tuple[str, ...] = FAMILIES, show_progress: bool = False
+) -> dict[str, Any]:
     threads = get_num_threads()
+    progress = Progress(len(families) + 1, show_progress)
+    progress.step("FMA peak")
     peak = fma_peak(quick)
+    progress.finish(f"{peak['gflops']:.0f} GFLOP/s")
     sgemm = sgemm_gflops(threads, quick) if "gemm" in families else None
-    rows: list[Row] = square_gemm(threads, quick, sgemm) if "gemm" in families else []
+    rows: list[Row] = []
     for fam in families:
-        try:
-            mod = importlib.import_module(f"attnlab._bench.{fam}")
-        except ModuleNotFoundError:
-            continue
-        rows.extend(mod.run(quick, threads))
+        progress.step(fam)
+        new = square_gemm(threads, quick, sgemm) if fam == "gemm" else []
+        with contextlib.suppress(ModuleNotFoundError):
+            new += importlib.import_module(f"attnlab._bench.{fam}").run(quick, threads)
+        progress.finish(f"{len(new)} rows")
+        rows.extend(new)
     info = build_info()
     result = {
         "version": info.get("version"),
@@ -97,6 +105,17 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         b = _find(rows, family, case, other, a.shape) or b
         return b.ms / a.ms, a
 
+    for case in ("window fwd fp32", "window bwd fp32"):  # linear in n at a fixed window
+        sweep = [r for r in rows if r.family == "window" and r.case == case]
+        if len(sweep) >= 2:
+            grow = sweep[-1].extra["us_per_token"] / sweep[0].extra["us_per_token"]
+            add(
+                f"{case}: time per token at n = {sweep[-1].extra['n']} / at n = "
+                f"{sweep[0].extra['n']}",
+                grow,
+                "<= 1.5 (linear in n)",
+                grow <= 1.5,
+            )
     for case, label in (
         ("ViT-S fwd fp32", "MHA fwd ViT-S vs torch MHA"),
         ("ViT-B fwd fp32", "MHA fwd ViT-B vs torch MHA"),

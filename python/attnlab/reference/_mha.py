@@ -22,6 +22,16 @@ def _f64(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to the nearest bfloat16 (ties to even) via float32, subnormals to zero:
+    the rounding of attnlab's ``precision="bf16"``, in float64."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    flushed = (u & 0x7F800000) == 0
+    rounded = np.where(flushed, (u & 0x80000000).astype(np.uint32), rounded)
+    return rounded.view(np.float32).astype(np.float64)
+
+
 def _bias(b: Any) -> np.ndarray | float:
     """An optional bias in float64; absent, 0.0 (adding it changes nothing)."""
     return 0.0 if b is None else _f64(b)
@@ -322,6 +332,9 @@ def multi_head_attention(args: dict[str, Any]) -> Any:
     xq, xk, xv = _qkv(args["query"], args["key"], args["value"])
     h, h_kv = _heads(args["num_heads"], args["num_kv_heads"])
     w_q, w_k, w_v, w_o = (_f64(args[n]) for n in ("w_q", "w_k", "w_v", "w_o"))
+    # precision="bf16": every projection's operands rounded to bfloat16 (products exact here)
+    rnd = _bf16 if args["precision"] == "bf16" else (lambda a: a)
+    xq, xk, xv, w_q, w_k, w_v = (rnd(a) for a in (xq, xk, xv, w_q, w_k, w_v))
     d_head = w_q.shape[1] // h
     d_vhead = w_v.shape[1] // h_kv
     Q = xq @ w_q + _bias(args["b_q"])
@@ -350,5 +363,5 @@ def multi_head_attention(args: dict[str, Any]) -> Any:
     reads = allowed & ~np.isneginf(logits)  # keys each query reads
     contexts = [_context(p[..., i, :, :], values[i], reads[..., i, :, :]) for i in range(h)]
     ctx = np.concatenate(contexts, axis=-1)
-    out = ctx @ w_o + _bias(args["b_o"])
+    out = rnd(ctx) @ rnd(w_o) + _bias(args["b_o"])
     return _with_weights(out, p, args, lse)

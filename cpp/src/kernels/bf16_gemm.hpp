@@ -1,0 +1,228 @@
+#pragma once
+// y = x w + b for float32 arrays with bf16 products and float32 accumulation (precision="bf16"):
+// the operands rounded to bfloat16 (round to nearest even; subnormal inputs to zero, as the
+// hardware conversion does), their products summed in float32. With AMX (TDPBF16PS tiles) where
+// the CPU and the OS provide it, in the AVX-512 build; elsewhere the same rounding emulated on
+// the float32 GEMM, so the answers agree across CPUs to the order of the float32 sums.
+//
+// Shapes: x (rows x in, row stride ldx), w (in x out), b (out) or null, y (rows x out).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "attnlab/gemm.hpp"
+#include "attnlab/threading.hpp"
+#include "scratch.hpp"
+
+#if defined(__AVX512F__) && defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#define ATTNLAB_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
+namespace detail {
+
+// x rounded to the nearest bfloat16 (ties to even), as a float; subnormals to signed zero, NaN
+// to a quiet NaN: what VCVTNE2PS2BF16 gives.
+inline float round_bf16(float x) {
+    std::uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7f800000u) == 0) {
+        u &= 0x80000000u;
+    } else if ((u & 0x7fffffffu) > 0x7f800000u) {
+        u = (u | 0x00400000u) & 0xffff0000u;
+    } else {
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    }
+    float r;
+    std::memcpy(&r, &u, 4);
+    return r;
+}
+
+#if defined(ATTNLAB_AMX)
+#define ATTNLAB_AMX_TARGET \
+    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// AMX bf16 tiles usable here: the CPU has them (cpuid), the OS saves their state (XCR0) and
+// grants this process the tile data (Linux's arch_prctl permission request, once). ATTNLAB_AMX=0
+// turns them off (the emulation then runs: a way to compare both on one machine).
+inline bool amx_usable() {
+    static const bool usable = [] {
+        const char* env = std::getenv("ATTNLAB_AMX");
+        if (env && std::strcmp(env, "0") == 0) return false;
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        if (!((d >> 24) & 1u) || !((d >> 22) & 1u) || !((b >> 16) & 1u)) return false;
+        if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1u)) return false;  // bf16
+        if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !((c >> 27) & 1u)) return false;
+        unsigned lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        if (((lo >> 17) & 3u) != 3u) return false;
+        constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+    }();
+    return usable;
+}
+
+struct alignas(64) TileConfig {
+    std::uint8_t palette = 1, start_row = 0;
+    std::uint8_t reserved[14] = {};
+    std::uint16_t colsb[16] = {};
+    std::uint8_t rows[16] = {};
+};
+
+// Eight tiles of 16 rows x 64 bytes: C (0-3, 16 x 16 floats), A (4-5, 16 x 32 bf16), B (6-7, 16
+// pairs x 16 columns).
+ATTNLAB_AMX_TARGET inline void tiles_on() {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    // GCC 12 deletes the stores above as dead without this: ldtilecfg would read garbage
+    __asm__ volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+ATTNLAB_AMX_TARGET inline void tiles_off() { _tile_release(); }
+
+// 32 floats to 32 bf16 (src[0..16) in the low half).
+ATTNLAB_AMX_TARGET inline void to_bf16(const float* src, std::uint16_t* dst) {
+    const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+    _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(r));
+}
+
+// Rows [i0, i1) of x into bf16 rows of kp (>= in, a multiple of 32) columns, zero padded.
+ATTNLAB_AMX_TARGET inline void pack_rows(Index i0, Index i1, Index rows, Index in, const float* x,
+                                         Index ldx, Index kp, std::uint16_t* xp) {
+    alignas(64) float buf[32];
+    for (Index i = i0; i < i1; ++i) {
+        std::uint16_t* row = xp + i * kp;
+        for (Index k = 0; k < kp; k += 32) {
+            if (i < rows && k + 32 <= in) {
+                to_bf16(x + i * ldx + k, row + k);
+                continue;
+            }
+            for (Index t = 0; t < 32; ++t)
+                buf[t] = i < rows && k + t < in ? x[i * ldx + k + t] : 0.0f;
+            to_bf16(buf, row + k);
+        }
+    }
+}
+
+// The k-block kb (32 input features) of w as its B tiles, one per 16 output columns: pair r
+// (features 2r, 2r + 1) of column n at [(nb * 16 + r) * 32 + 2n + parity] (the VNNI layout).
+ATTNLAB_AMX_TARGET inline void pack_weight_block(Index kb, Index in, Index out, const float* w,
+                                                 Index np, std::uint16_t* wp) {
+    alignas(64) float buf[32];
+    const __m512i interleave =
+        _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    std::uint16_t* block = wp + kb * (np / 16) * 512;
+    for (Index nb = 0; nb < np / 16; ++nb) {
+        for (Index r = 0; r < 16; ++r) {
+            const Index k0 = kb * 32 + 2 * r, c0 = nb * 16;
+            for (Index p = 0; p < 2; ++p)
+                for (Index n = 0; n < 16; ++n)
+                    buf[p * 16 + n] =
+                        k0 + p < in && c0 + n < out ? w[(k0 + p) * out + c0 + n] : 0.0f;
+            alignas(64) std::uint16_t pair[32];
+            to_bf16(buf, pair);  // features k0 (low half) and k0 + 1 (high half)
+            const __m512i v = _mm512_permutexvar_epi16(interleave, _mm512_load_si512(pair));
+            _mm512_storeu_si512(block + (nb * 16 + r) * 32, v);
+        }
+    }
+}
+
+// C (32 x 32 floats, row stride 32) = rows [32 mb, 32 mb + 32) of xp times columns
+// [32 nb, 32 nb + 32) of the packed weight.
+ATTNLAB_AMX_TARGET inline void tile_block(Index kp, Index np, const std::uint16_t* xp,
+                                          const std::uint16_t* wp, Index mb, Index nb, float* c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const std::uint16_t* a0 = xp + mb * 32 * kp;
+    const std::uint16_t* a1 = a0 + 16 * kp;
+    for (Index kb = 0; kb < kp / 32; ++kb) {
+        const std::uint16_t* b = wp + (kb * (np / 16) + 2 * nb) * 512;
+        _tile_loadd(4, a0 + kb * 32, kp * 2);
+        _tile_loadd(5, a1 + kb * 32, kp * 2);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+// The tile product: both operands packed to bf16 in parallel, then 32 x 32 blocks of y as tasks
+// (the grid depends on the shapes alone; each element is one chain of tile sums over the
+// input features, so the result does not depend on the thread count).
+inline void linear_bf16_amx(Index rows, Index in, Index out, const float* x, Index ldx,
+                            const float* w, const float* b, float* y, Index ldy) {
+    const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32, np = (out + 31) / 32 * 32;
+    auto xp = make_buffer<std::uint16_t>(mp * kp);
+    auto wp = make_buffer<std::uint16_t>(kp * np);
+    parallel_for(kp / 32, [&](Index kb) { pack_weight_block(kb, in, out, w, np, wp.get()); });
+    parallel_for(mp / 32, [&](Index mb) {
+        pack_rows(mb * 32, mb * 32 + 32, rows, in, x, ldx, kp, xp.get());
+    });
+    const Index mblocks = mp / 32, nblocks = np / 32;
+    parallel_for(mblocks * nblocks, [&](Index t) {
+        const Index mb = t / nblocks, nb = t % nblocks;
+        alignas(64) float c[32 * 32];
+        tiles_on();
+        tile_block(kp, np, xp.get(), wp.get(), mb, nb, c);
+        tiles_off();
+        for (Index i = 0; i < 32 && mb * 32 + i < rows; ++i) {
+            float* yr = y + (mb * 32 + i) * ldy + nb * 32;
+            for (Index j = 0; j < 32 && nb * 32 + j < out; ++j)
+                yr[j] = c[i * 32 + j] + (b ? b[nb * 32 + j] : 0.0f);
+        }
+    });
+}
+#endif
+
+}  // namespace detail
+
+// Which kernel precision="bf16" runs here: "amx" or "emulated".
+inline const char* bf16_kernel() {
+#if defined(ATTNLAB_AMX)
+    if (detail::amx_usable()) return "amx";
+#endif
+    return "emulated";
+}
+
+inline void linear_bf16(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,
+                        const float* b, float* y, Index ldy) {
+    if (rows <= 0 || out <= 0) return;
+#if defined(ATTNLAB_AMX)
+    if (detail::amx_usable()) {
+        detail::linear_bf16_amx(rows, in, out, x, ldx, w, b, y, ldy);
+        return;
+    }
+#endif
+    // the same rounding on the float32 GEMM: the products of bf16 values are exact in float32
+    auto xr = make_buffer<float>(rows * in), wr = make_buffer<float>(in * out);
+    parallel_for(rows, [&](Index i) {
+        for (Index k = 0; k < in; ++k) xr[i * in + k] = detail::round_bf16(x[i * ldx + k]);
+    });
+    parallel_for(in, [&](Index k) {
+        for (Index j = 0; j < out; ++j) wr[k * out + j] = detail::round_bf16(w[k * out + j]);
+    });
+    linear<float>(rows, in, out, xr.get(), in, wr.get(), b, y, ldy, false);
+}
+
+}  // namespace attnlab::ATTNLAB_ISA_NS
