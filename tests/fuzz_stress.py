@@ -191,6 +191,8 @@ def build_sdpa(c: Chooser, dtype: Any) -> Case:
         window=_window(c),
         softcap=None if c.bool(0.8) else float(c.choice((0.5, 3.0))),
         alibi_slopes=None if c.bool(0.8) else np.linspace(0.1, 0.5, h),
+        sinks=None if c.bool(0.8) else np.linspace(-1.0, 1.0, h),
+        return_lse=c.bool(0.2),
         scale=_scale(c),
         return_weights=c.choice((False, False, True, "heads", "mean")),
     )
@@ -243,6 +245,8 @@ def build_mha(c: Chooser, dtype: Any) -> Case:
         key_padding_mask=_kpm(c, batch, n_k),
         causal=_causal(c),
         window=_window(c),
+        softcap=None if c.bool(0.85) else float(c.choice((0.5, 3.0))),
+        sinks=None if c.bool(0.85) else np.linspace(-1.0, 1.0, h),
         scale=_scale(c),
         return_weights=c.choice((False, False, True, "heads", "mean")),
     )
@@ -259,9 +263,12 @@ def build_bilinear(c: Chooser, dtype: Any) -> Case:
     w_q, w_k = kw.pop("w_q"), kw.pop("w_k")
     b_q, b_k = kw.pop("b_q", None), kw.pop("b_k", None)
     if c.bool():  # a BilinearQK (carries u and the scale) or raw arrays
-        kw["w_qk"] = attnlab.collapse_qk(
+        kw["w_qk"] = qk = attnlab.collapse_qk(
             w_q, w_k, b_q, b_k, num_heads=h, num_kv_heads=kw.get("num_kv_heads")
         )
+        if qk.v is not None or qk.c is not None:  # b_k's terms: refused with a cap or a sink
+            kw.pop("softcap", None)
+            kw.pop("sinks", None)
     else:
         d_q, d_k = w_q.shape[0], w_k.shape[0]
         kw["w_qk"] = _arr(c, (h, d_q, d_k), dtype, 0.4)

@@ -24,7 +24,7 @@ from .progress import Progress
 
 __all__ = ["run_all", "format_table", "targets", "to_json", "from_json", "plot"]
 
-FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward", "latent", "window")
+FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward", "latent", "window", "dask")
 
 
 def _cpu_name() -> str:
