@@ -246,7 +246,7 @@ def test_gil_is_released_during_kernels(entry: str) -> None:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_repeated_calls_are_bitwise_equal_whatever_the_heap_holds(dtype: Any) -> None:
     """The same call gives the same bits while unrelated allocations come and go (outputs and
-    internal copies are 64-byte aligned, see ``attnlab._validate.empty``, so where the heap
+    internal copies are 64-byte aligned, see ``attnlab._memory.empty``, so where the heap
     puts them cannot change how Eigen peels its vector loops)."""
     cases = _cases(dtype, n=20, batch=2)
     first = {name: _bytes(f()) for name, f in cases.items()}

@@ -211,52 +211,52 @@ def test_impossible_sizes_raise_memory_error_not_crash() -> None:
     assert not bad, bad
 
 
-# -- the recycled memory of large arrays (_validate._Blocks) ---------------------------------------
+# -- the recycled memory of large arrays (_memory._Blocks) ---------------------------------------
 
 BIG = (512, 1024)  # 2 MiB of float32: above the size from which blocks are recycled
 
 
 def _blocks_or_skip():
-    from attnlab import _validate as V
+    from attnlab import _memory as memory
 
-    if not V._blocks.usable:
+    if not memory._blocks.usable:
         pytest.skip("no private anonymous mappings here: NumPy's memory is used")
-    return V
+    return memory
 
 
 def test_a_dropped_array_s_memory_serves_the_next_array_of_its_size() -> None:
-    V = _blocks_or_skip()
-    a = V.empty(BIG, np.float32)
+    memory = _blocks_or_skip()
+    a = memory.empty(BIG, np.float32)
     where = a.ctypes.data
     assert where % 64 == 0 and a.flags.c_contiguous and a.flags.writeable
     del a
-    b = V.empty(BIG, np.float32)
+    b = memory.empty(BIG, np.float32)
     assert b.ctypes.data == where
-    c = V.empty(BIG, np.float32)  # b is alive: never handed out twice
+    c = memory.empty(BIG, np.float32)  # b is alive: never handed out twice
     assert c.ctypes.data != b.ctypes.data
 
 
 def test_a_view_keeps_its_block_out_of_reuse() -> None:
-    V = _blocks_or_skip()
-    a = V.empty(BIG, np.float32)
+    memory = _blocks_or_skip()
+    a = memory.empty(BIG, np.float32)
     a[...] = 1.0
     view = a[3:5, ::2].T  # a view of a view: keeps the block as long as it lives
     del a
-    b = V.empty(BIG, np.float32)
+    b = memory.empty(BIG, np.float32)
     b[...] = 2.0
     assert np.all(view == 1.0)
     assert not np.shares_memory(view, b)
 
 
 def test_the_blocks_kept_are_bounded() -> None:
-    V = _blocks_or_skip()
-    V._blocks.clear()
-    n = V._Blocks.LIMIT // (8 << 20) + 4
-    arrays = [V.empty((8 << 20,), np.uint8) for _ in range(n)]
+    memory = _blocks_or_skip()
+    memory._blocks.clear()
+    n = memory._Blocks.LIMIT // (8 << 20) + 4
+    arrays = [memory.empty((8 << 20,), np.uint8) for _ in range(n)]
     del arrays
-    assert 0 < V._blocks.waiting <= V._Blocks.LIMIT
-    V._blocks.clear()
-    assert V._blocks.waiting == 0
+    assert 0 < memory._blocks.waiting <= memory._Blocks.LIMIT
+    memory._blocks.clear()
+    assert memory._blocks.waiting == 0
 
 
 def test_vjp_copies_are_freed_without_the_garbage_collector() -> None:
@@ -302,19 +302,19 @@ def _vjp_copies_freed() -> None:
 FORKED = """
 import json, os
 import numpy as np
-from attnlab import _validate as V
+from attnlab import _memory as memory
 
-a = V.empty((512, 1024), np.float32)
+a = memory.empty((512, 1024), np.float32)
 a[...] = 1.0
 del a                      # the block waits in the parent's cache
 pid = os.fork()
 if pid == 0:               # the child writes into the same block
-    b = V.empty((512, 1024), np.float32)
+    b = memory.empty((512, 1024), np.float32)
     b[...] = 7.0
     os._exit(0)
 os.waitpid(pid, 0)
-c = V.empty((512, 1024), np.float32)
-print(json.dumps({"parent_sees": float(c[0, 0]), "usable": V._blocks.usable}))
+c = memory.empty((512, 1024), np.float32)
+print(json.dumps({"parent_sees": float(c[0, 0]), "usable": memory._blocks.usable}))
 """
 
 
@@ -330,17 +330,17 @@ def test_a_block_given_back_while_the_cache_is_busy_is_kept_later() -> None:
     """A finalizer can run while the cache's lock is held (the garbage collector inside a
     locked section, or another thread): it must not wait for the lock (a deadlock in the first
     case); the block is kept by the next call instead."""
-    V = _blocks_or_skip()
-    V._blocks.clear()
-    a = V.empty(BIG, np.float32)
+    memory = _blocks_or_skip()
+    memory._blocks.clear()
+    a = memory.empty(BIG, np.float32)
     where = a.ctypes.data
-    V._blocks._lock.acquire()  # as if the collector dropped `a` inside a locked section
+    memory._blocks._lock.acquire()  # as if the collector dropped `a` inside a locked section
     try:
         del a  # the finalizer runs now, with the lock held: it must return at once
     finally:
-        V._blocks._lock.release()
-    assert V._blocks.waiting > 0
-    assert V.empty(BIG, np.float32).ctypes.data == where
+        memory._blocks._lock.release()
+    assert memory._blocks.waiting > 0
+    assert memory.empty(BIG, np.float32).ctypes.data == where
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -349,7 +349,7 @@ def test_gradients_do_not_depend_on_what_recycled_memory_held(family: str, dtype
     # The MHA and SDPA backwards write their gradients into unzeroed buffers (the kernel writes
     # every element). Poisoned blocks of every size the gradients take (all bits set: NaN)
     # must not change a single bit of them.
-    V = _blocks_or_skip()
+    memory = _blocks_or_skip()
     rng = np.random.default_rng(7)
     B, n, nk, d, h = 2, 80, 72, 192, 3
     if family == "sdpa":
@@ -383,18 +383,18 @@ def test_gradients_do_not_depend_on_what_recycled_memory_held(family: str, dtype
             back = attnlab.multi_head_attention_backward(g, *args, num_heads=h, **w)
             return {**pull(g), **{"b_" + key: val for key, val in back.items()}}
 
-    V._blocks.clear()
+    memory._blocks.clear()
     clean = grads()
     sizes = {a.nbytes for a in clean.values()}
-    poison = [V.empty((s,), np.uint8) for s in sorted(sizes) for _ in range(4)]
+    poison = [memory.empty((s,), np.uint8) for s in sorted(sizes) for _ in range(4)]
     for p in poison:
         p.fill(0xFF)
     del poison
-    assert V._blocks.waiting > 0
+    assert memory._blocks.waiting > 0
     again = grads()
     for key, val in clean.items():
         assert np.array_equal(val, again[key]), key
-    V._blocks.clear()
+    memory._blocks.clear()
 
 
 def test_copy_arrays_copies_every_byte_of_every_pair() -> None:

@@ -1,5 +1,5 @@
 // The extension module attnlab._core: bindings compiled once, calling the kernel table that
-// cpp/src/dispatch.cpp picks at import (ATTNLAB_ISA forces one).
+// cpp/src/runtime/dispatch.cpp picks at import (ATTNLAB_ISA forces one).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 

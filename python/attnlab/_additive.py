@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _args, _docs, _grad
+from . import _args, _docs, _grad, _memory
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -61,7 +61,7 @@ def _additive_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
     """Buffers for what the additive forward keeps for attnlab.vjp (AdditiveState in
     cpp/include/attnlab/additive.hpp): (2 D + 3) values per token, D + 1 per batch element."""
     B, n, D, dtype = a["B"], a["n"], a["D"], a["dtype"]
-    return V.empty_group(
+    return _memory.empty_group(
         {
             "q": ((B * n, D), dtype),
             "k": ((B * n, D), dtype),
@@ -105,12 +105,12 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
             f"{V.shape_str(ws[bad].shape)}"
         )
     D = wq_.shape[1]
-    wq = V.contiguous(wq_, dtype)
-    wk = V.contiguous(wk_, dtype)
+    wq = _memory.contiguous(wq_, dtype)
+    wk = _memory.contiguous(wk_, dtype)
     wg_ = ws["w_g"]
     if wg_.shape not in ((D,), (D, 1)):
         raise ValueError(f"w_g: expected shape ({D},) or ({D}, 1), got {V.shape_str(wg_.shape)}")
-    wg = V.contiguous(wg_.reshape(D), dtype)
+    wg = _memory.contiguous(wg_.reshape(D), dtype)
     wp = V.matrix(ws["w_proj"], "w_proj", dtype, D, D, f"(D, D) = ({D}, {D})")
     wf = V.matrix(ws["w_final"], "w_final", dtype, D, None, f"(D, d_out) = ({D}, d_out)")
     d_out = wf.shape[1]
@@ -124,8 +124,8 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
     kp = _args.pooled_padding(args, batch, n)
     B = V.count(batch)
     if d_in == 0:  # no features: x w = 0; one zero feature computes the same
-        xr = V.zeros((B * n, 1), dtype)
-        wq, wk = V.zeros((1, D), dtype), V.zeros((1, D), dtype)
+        xr = _memory.zeros((B * n, 1), dtype)
+        wq, wk = _memory.zeros((1, D), dtype), _memory.zeros((1, D), dtype)
     else:
         xr = V.rows(xa, batch, dtype)
     # the arrays the kernels read, by argument name: the gradients take their names and shapes
@@ -245,10 +245,10 @@ def additive_attention(
     """
     a = _prepare_additive(_sig.arguments(locals()))
     B, n, d_out = a["B"], a["n"], a["d_out"]
-    out = V.empty((B * n, d_out), a["dtype"])
+    out = _memory.empty((B * n, d_out), a["dtype"])
     state = None
     if _keep is not None:  # attnlab.vjp: keep the pooling's intermediates for the pullback
-        a = V.owned(a)
+        a = _memory.owned(a)
         state = _additive_state(a)
         _keep.update(prepared=a, state=state)
     if out.size:
@@ -262,7 +262,7 @@ def _separable_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
     """Buffers for what the separable forward keeps for attnlab.vjp (SeparableState in
     cpp/include/attnlab/additive.hpp): 2 d + 1 values per token, d per batch element."""
     B, n, d, dtype = a["B"], a["n"], a["d"], a["dtype"]
-    return V.empty_group(
+    return _memory.empty_group(
         {
             "s": ((B * n,), dtype),
             "k": ((B * n, d), dtype),
@@ -294,13 +294,13 @@ def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
         V.reader(wqkv_, "w_qkv", f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})", lambda c: c == 1 + 2 * d, d)
     ]
     V.check_readers([("x", xa, readers)], "from_mobilevitv2")
-    wqkv = V.contiguous(wqkv_, dtype)
+    wqkv = _memory.contiguous(wqkv_, dtype)
     if wo_.shape[0] != d:  # w_o reads the d value features
         r_o = V.reader(wo_, "w_o", f"(d, d_out) = ({d}, d_out)", lambda _c: True, d)
         if r_o.transposed_fits:
             raise V.transposed(r_o, "from_mobilevitv2")
         raise ValueError(f"w_o: expected shape {r_o.layout}, got {V.shape_str(wo_.shape)}")
-    wo = V.contiguous(wo_, dtype)
+    wo = _memory.contiguous(wo_, dtype)
     d_out = wo.shape[1]
     bqkv = V.vector(bqkv_, "b_qkv", dtype, 1 + 2 * d)
     bo = V.vector(bo_, "b_o", dtype, d_out)
@@ -394,10 +394,10 @@ def separable_attention(
     a = _prepare_separable(_sig.arguments(locals()))
     B, n, d, d_out = a["B"], a["n"], a["d"], a["d_out"]
     batch, dtype = a["batch"], a["dtype"]
-    out = V.empty((B * n, d_out), dtype)
+    out = _memory.empty((B * n, d_out), dtype)
     state = None
     if _keep is not None:  # attnlab.vjp: keep the pooling's intermediates for the pullback
-        a = V.owned(a)
+        a = _memory.owned(a)
         state = _separable_state(a)
         _keep.update(prepared=a, state=state)
     bo = a["bo"]
@@ -452,9 +452,9 @@ def _additive_grads(
         leading: _CoreArgs = a["core"]
         core.additive_backward(go, *leading, grads, state)
     if d_in == 0:
-        grads["x"] = V.zeros((B * n, 0), dtype)
-        grads["w_q"] = V.zeros((0, D), dtype)
-        grads["w_k"] = V.zeros((0, D), dtype)
+        grads["x"] = _memory.zeros((B * n, 0), dtype)
+        grads["w_q"] = _memory.zeros((0, D), dtype)
+        grads["w_k"] = _memory.zeros((0, D), dtype)
     grads["x"] = grads["x"].reshape(a["x_shape"])
     grads["w_g"] = grads["w_g"].reshape(a["wg_shape"])
     return grads
@@ -492,7 +492,7 @@ def _separable_grads(
     go = _grad.grad_out_rows(grad_out, a["batch"] + (n, d_out), dtype)
     params = {"w_qkv": a["wqkv"], "b_qkv": a["bqkv"], "w_o": a["wo"], "b_o": a["bo"]}
     # x's rows are absent without features (the kernel is not called): (B * n, 0) zeros
-    grads = {"x": V.zeros((B * n, d), dtype), **_grad.grad_buffers(params, dtype)}
+    grads = {"x": _memory.zeros((B * n, d), dtype), **_grad.grad_buffers(params, dtype)}
     if B * n > 0 and d_out > 0:
         if d == 0:  # out = b_o
             if a["bo"] is not None:

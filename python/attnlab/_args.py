@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _memory
 from . import _validate as V
 
 __all__: list[str] = []  # private module
@@ -86,7 +87,7 @@ class Qkv(NamedTuple):
 
         def rows_of(x: np.ndarray) -> np.ndarray:
             n, d = x.shape[-2:]
-            return V.rows(x, batch, dtype) if B * n else V.empty((0, d), dtype)
+            return V.rows(x, batch, dtype) if B * n else _memory.empty((0, d), dtype)
 
         rq = rows_of(self.xq)
         rk = rq if self.xk is self.xq else rows_of(self.xk)

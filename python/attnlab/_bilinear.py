@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _args, _docs, _grad
+from . import _args, _docs, _grad, _memory
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -427,23 +427,23 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
     rq = V.Reader("w_qk", wqk_.shape, wqk_.shape[1], "entries on axis 1", lay_qk, False)
     rk = V.Reader("w_qk", wqk_.shape, wqk_.shape[2], "entries on axis 2", lay_qk, False)
     V.check_readers(x.groups((rq, rk, rv)), "from_torch_mha")
-    wqk = V.contiguous(wqk_, dtype)
+    wqk = _memory.contiguous(wqk_, dtype)
     uk = None
     if uk_ is not None:
         if uk_.shape != (h, d_k):
             raise ValueError(
                 f"u_k: expected shape (h, d_k) = ({h}, {d_k}), got {V.shape_str(uk_.shape)}"
             )
-        uk = V.contiguous(uk_, dtype)
+        uk = _memory.contiguous(uk_, dtype)
     d_vhead = wv_.shape[1] // h_kv
-    wv = V.contiguous(wv_, dtype)
+    wv = _memory.contiguous(wv_, dtype)
     if wo_.shape[0] != h * d_vhead:
         raise ValueError(
             f"w_o: expected shape (num_heads * d_vhead, d_out) = ({h * d_vhead}, "
             f"d_out) with d_vhead = {d_vhead} from w_v {V.shape_str(wv_.shape)}, "
             f"got {V.shape_str(wo_.shape)}"
         )
-    wo = V.contiguous(wo_, dtype)
+    wo = _memory.contiguous(wo_, dtype)
     d_out = wo.shape[1]
     bv = V.vector(bv_, "b_v", dtype, h_kv * d_vhead)
     bo = V.vector(bo_, "b_o", dtype, d_out)
@@ -556,11 +556,11 @@ def bilinear_attention(
     a = _prepare(args)
     B, n_q, n_k, h, d_out, dtype, mode = a.B, a.n_q, a.n_k, a.h, a.d_out, a.dtype, a.mode
     batch = a.batch
-    out = V.empty((B * n_q, d_out), dtype)
-    weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
+    out = _memory.empty((B * n_q, d_out), dtype)
+    weights = _memory.empty((B, h, n_q, n_k), dtype) if mode else None
     state = None
     if _keep is not None:  # attnlab.vjp
-        a = V.owned(a)
+        a = _memory.owned(a)
         # the backward evaluates in the query order: its state is kept when the forward runs
         # in that order too (else the pullback recomputes, and the output stays the one the
         # cost model's order gives)
@@ -616,7 +616,7 @@ _BACKWARD_DOC = """\
 def _bilinear_state(a: _Prepared) -> dict[str, np.ndarray]:
     """Buffers for what the forward keeps for attnlab.vjp's pullback (O(n d))."""
     B, h, dtype = a.B, a.h, a.dtype
-    return V.empty_group(
+    return _memory.empty_group(
         {
             "v": ((B * a.n_k, a.wv.shape[1]), dtype),
             "proj": ((B * a.n_q, h * a.wqk.shape[2]), dtype),

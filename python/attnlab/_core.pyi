@@ -34,8 +34,9 @@ def cgroup_cpu_limit(sysroot: str) -> int: ...
 def build_info() -> dict[str, Any]: ...
 
 # float32 FMA peak of the variant in use, measured for `seconds` on every pool thread
-# (cpp/src/peak.cpp): (GFLOP/s of all threads over the wall time, [GFLOP/s of each thread over
-# its wall time], [GFLOP/s of each thread over its CPU time; 0 without a per-thread clock]).
+# (cpp/src/kernels/peak.cpp): (GFLOP/s of all threads over the wall time, [GFLOP/s of each
+# thread over its wall time], [GFLOP/s of each thread over its CPU time; 0 without a per-thread
+# clock]).
 def fma_peak(seconds: _Float) -> tuple[float, list[float], list[float]]: ...
 
 # Multi-head attention (cpp/bindings/mha.cpp).

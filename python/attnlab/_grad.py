@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _memory
 from . import _validate as V
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ def grad_out(g: Any, expected: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 def grad_out_rows(g: Any, expected: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """``grad_out`` checked, then as contiguous ``(B * n, d_out)`` rows for a kernel."""
     rows = V.count(expected[:-1])  # not -1: ambiguous when d_out == 0
-    return V.contiguous(grad_out(g, expected, dtype).reshape(rows, expected[-1]))
+    return _memory.contiguous(grad_out(g, expected, dtype).reshape(rows, expected[-1]))
 
 
 def unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -82,7 +83,7 @@ def input_buffers(
     shared by an omitted ``key``/``value`` and the argument it defaulted to: a kernel that adds
     into an aliased buffer sums them itself (no two extra arrays, no additions). Zeroed unless
     ``zeroed`` is False (for a kernel that writes every element)."""
-    new = V.zeros if zeroed else V.empty
+    new = _memory.zeros if zeroed else _memory.empty
     out = {"query": new(rows["query"], dtype)}
     out["key"] = out["query"] if key_omitted else new(rows["key"], dtype)
     out["value"] = out["key"] if value_omitted else new(rows["value"], dtype)
@@ -95,7 +96,7 @@ def grad_buffers(
     """Gradient buffers for the arrays given (``None``: an omitted bias, no entry); zeroed
     unless ``zeroed`` is False (for a kernel that writes every element: filling them first took
     0.37 ms a ViT-S training step, 0.25 the weights' and 0.11 the inputs', on one thread)."""
-    new = V.zeros if zeroed else V.empty
+    new = _memory.zeros if zeroed else _memory.empty
     return {name: new(a.shape, dtype) for name, a in arrays.items() if a is not None}
 
 
@@ -107,9 +108,9 @@ def logit_buffers(
     ``sinks`` ``(B, h)``; only those the call was given."""
     out: dict[str, np.ndarray] = {}
     if "mask" in m.given:
-        out["mask"] = V.zeros((B, h, n_q, n_k), dtype)
+        out["mask"] = _memory.zeros((B, h, n_q, n_k), dtype)
     if "sinks" in m.given:
-        out["sinks"] = V.zeros((B, h), dtype)
+        out["sinks"] = _memory.zeros((B, h), dtype)
     return out
 
 

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _args, _docs, _grad, _rope
+from . import _args, _docs, _grad, _memory, _rope
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -201,7 +201,7 @@ def _prepare(args: dict[str, Any]) -> _Latent:
     w: dict[str, np.ndarray | None] = {}
     for k in ("w_q", "w_q_a", "q_a_norm", "w_q_b", "w_kv_a", "kv_a_norm", "w_kv_b", "w_o"):
         a_ = arrs[k]
-        w[k] = None if a_ is None else V.contiguous(a_, dtype)
+        w[k] = None if a_ is None else _memory.contiguous(a_, dtype)
     w["b_q_a"] = V.vector(
         arrs["b_q_a"], "b_q_a", dtype, 0 if w["w_q_a"] is None else w["w_q_a"].shape[1]
     )
@@ -222,7 +222,7 @@ def _prepare(args: dict[str, Any]) -> _Latent:
     B = V.count(batch)
     cache = None
     if cache_in is not None:
-        cache = V.contiguous(
+        cache = _memory.contiguous(
             np.broadcast_to(cache_in, batch + cache_in.shape[-2:]).reshape(B, n_past, r + dr),
             dtype,
         )
@@ -242,7 +242,7 @@ def _prepare(args: dict[str, Any]) -> _Latent:
         and m.alibi is None
         and m.sinks is None
     )
-    xr = V.rows(x, batch, dtype) if B * n else V.empty((0, d), dtype)
+    xr = V.rows(x, batch, dtype) if B * n else _memory.empty((0, d), dtype)
     return _Latent(
         xr,
         x.shape,
@@ -368,9 +368,9 @@ def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-    y = V.empty((x.shape[0], w.shape[1]), w.dtype)
+    y = _memory.empty((x.shape[0], w.shape[1]), w.dtype)
     if y.size:
-        core.linear_forward(V.contiguous(x), w, b, y)
+        core.linear_forward(_memory.contiguous(x), w, b, y)
     return y
 
 
@@ -401,7 +401,7 @@ def _run(a: _Latent, weights: np.ndarray | None) -> tuple[np.ndarray, _State]:
     q = q.reshape(B, n, h, dn + dr)
     _rotate(q[..., dn:], a.cos, a.sin, a.interleave)
     ckv = _linear(a.x, _w(a, "w_kv_a"), w["b_kv_a"])  # (B*n, r + d_rope)
-    c_pre = V.copy(ckv[:, :r])
+    c_pre = _memory.copy(ckv[:, :r])
     c, rr_kv = _rope.rms_norm(c_pre, _w(a, "kv_a_norm"), a.eps)
     ckv[:, :r] = c
     new = ckv.reshape(B, n, r + dr)
@@ -409,7 +409,7 @@ def _run(a: _Latent, weights: np.ndarray | None) -> tuple[np.ndarray, _State]:
     if a.cache is None:
         lat = new
     else:
-        lat = V.empty((B, a.n_k, r + dr), dtype)
+        lat = _memory.empty((B, a.n_k, r + dr), dtype)
         lat[:, : a.n_past] = a.cache
         lat[:, a.n_past :] = new
     kv_pre = (c_pre, rr_kv)
@@ -426,10 +426,10 @@ def _expanded(
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     B, n, n_k, h, r, dr, dn, dv, dtype = a.B, a.n, a.n_k, a.h, a.r, a.dr, a.dn, a.dv, a.dtype
     kv = _gemm(lat[..., :r].reshape(B * n_k, r), _w(a, "w_kv_b")).reshape(B, n_k, h, dn + dv)
-    k = V.empty((B, n_k, h, dn + dr), dtype)
+    k = _memory.empty((B, n_k, h, dn + dr), dtype)
     k[..., :dn] = kv[..., :dn]
     k[..., dn:] = lat[:, :, None, r:]
-    out = V.empty((B, h, n, dv), dtype)
+    out = _memory.empty((B, h, n, dv), dtype)
     lse = a.m.empty_lse(B, h, n, dtype)
     if n_k:
         core.sdpa_forward(
@@ -444,7 +444,7 @@ def _expanded(
         )
     else:
         out.fill(0)
-    ctx = V.copy(_heads(out)).reshape(B * n, h * dv)
+    ctx = _memory.copy(_heads(out)).reshape(B * n, h * dv)
     return {"k": k, "kv": kv, "out": out}, lse, ctx
 
 
@@ -465,20 +465,20 @@ def _absorbed(
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     B, n, n_k, h, r, dr, dn, dv, dtype = a.B, a.n, a.n_k, a.h, a.r, a.dr, a.dn, a.dv, a.dtype
     w_uk, w_uv = _split_kv_b(a)
-    qq = V.empty((B, n, h, r + dr), dtype)
+    qq = _memory.empty((B, n, h, r + dr), dtype)
     qq[..., :r] = np.matmul(_per_head(q[..., :dn]), w_uk).reshape(h, B, n, r).transpose(1, 2, 0, 3)
     qq[..., r:] = q[..., dn:]
     keys = lat[:, None]
     values = lat[:, None, :, :r]
     if a.stacked:  # (B, n=1, h, .) is (B, kv head, h rows, .)
-        out = V.empty((B, 1, h, r), dtype)
+        out = _memory.empty((B, 1, h, r), dtype)
         lse = a.m.empty_lse(B, 1, h, dtype)
         wv = None if weights is None else weights.reshape(B, 1, h, n_k)
         if n_k:
             core.sdpa_forward(qq, keys, values, out, _stacked_mask(a), a.m.scale, wv, lse)
         ctx_lat = out  # (B, n=1, h, r)
     else:
-        out = V.empty((B, h, n, r), dtype)
+        out = _memory.empty((B, h, n, r), dtype)
         lse = a.m.empty_lse(B, h, n, dtype)
         if n_k:
             core.sdpa_forward(
@@ -488,7 +488,7 @@ def _absorbed(
     if not n_k:
         out.fill(0)
     ctx = np.matmul(_per_head(ctx_lat), w_uv)  # (h, B*n, d_v)
-    ctx = V.copy(ctx.reshape(h, B * n, dv).transpose(1, 0, 2)).reshape(B * n, h * dv)
+    ctx = _memory.copy(ctx.reshape(h, B * n, dv).transpose(1, 0, 2)).reshape(B * n, h * dv)
     return {"qq": qq, "out": out}, lse, ctx
 
 
@@ -647,13 +647,13 @@ def latent_attention(
     lse_wanted = V.check_flag(return_lse, "return_lse")
     cache_wanted = V.check_flag(return_cache, "return_cache")
     B, h, n = a.B, a.h, a.n
-    weights = V.zeros((B, h, n, a.n_k), a.dtype) if mode else None
+    weights = _memory.zeros((B, h, n, a.n_k), a.dtype) if mode else None
     if B * n:
         out, st = _run(a, weights)
     else:
-        out, st = V.zeros((B * n, a.d_out), a.dtype), None
+        out, st = _memory.zeros((B * n, a.d_out), a.dtype), None
     if _keep is not None:
-        _keep.update(prepared=V.owned(a), state=st)
+        _keep.update(prepared=_memory.owned(a), state=st)
     lse = None
     if lse_wanted:
         lse = a.m.empty_lse(B, h, n, a.dtype) if st is None else st.lse.reshape(B, h, n)
@@ -665,7 +665,7 @@ def latent_attention(
     elif a.cache is not None:
         new_cache = a.cache.reshape(a.batch + a.cache.shape[1:]).copy()
     else:
-        new_cache = V.zeros(a.batch + (0, a.r + a.dr), a.dtype)
+        new_cache = _memory.zeros(a.batch + (0, a.r + a.dr), a.dtype)
     return (*result, new_cache) if isinstance(result, tuple) else (result, new_cache)
 
 
@@ -677,10 +677,10 @@ def _grads(a: _Latent, st: _State | None, grad_out: Any) -> dict[str, np.ndarray
     B, n, h, dtype = a.B, a.n, a.h, a.dtype
     go = _grad.grad_out_rows(grad_out, a.batch + (n, a.d_out), dtype)
     given = {k: v for k, v in a.w.items() if v is not None}
-    grads = {k: V.zeros(v.shape, dtype) for k, v in given.items()}
-    grads["x"] = V.zeros(a.x.shape, dtype)
+    grads = {k: _memory.zeros(v.shape, dtype) for k, v in given.items()}
+    grads["x"] = _memory.zeros(a.x.shape, dtype)
     if a.cache is not None:
-        grads["cache"] = V.zeros(a.cache.shape, dtype)
+        grads["cache"] = _memory.zeros(a.cache.shape, dtype)
     logit = _grad.logit_buffers(a.m, B, h, n, a.n_k, dtype)
     if B * n:
         if st is None:
@@ -715,7 +715,7 @@ def _backward(
         dq, dlat = _absorbed_backward(a, st, g_ctx, grads, logit)
     if a.cache is not None:
         grads["cache"][...] = dlat[:, : a.n_past]
-    dnew = V.copy(dlat[:, a.n_past :]).reshape(B * n, r + dr)
+    dnew = _memory.copy(dlat[:, a.n_past :]).reshape(B * n, r + dr)
     # the new tokens' latents: inverse rotation of the key, the norm of c
     _rotate(dnew.reshape(B, n, r + dr)[..., r:], a.cos[:, :, 0], a.sin[:, :, 0], a.interleave, True)
     dc, grads["kv_a_norm"][...] = _rope.rms_norm_backward(
@@ -754,12 +754,12 @@ def _expanded_backward(
 ) -> tuple[np.ndarray, np.ndarray]:
     B, n, n_k, h, r, dr, dn, dv, dtype = a.B, a.n, a.n_k, a.h, a.r, a.dr, a.dn, a.dv, a.dtype
     k, kv = st.core["k"], st.core["kv"]
-    dq = V.zeros((B, h, n, dn + dr), dtype)
-    dk = V.zeros((B, h, n_k, dn + dr), dtype)
-    dvv = V.zeros((B, h, n_k, dv), dtype)
+    dq = _memory.zeros((B, h, n, dn + dr), dtype)
+    dk = _memory.zeros((B, h, n_k, dn + dr), dtype)
+    dvv = _memory.zeros((B, h, n_k, dv), dtype)
     if n_k:
         core.sdpa_backward(
-            V.kernel_ready(_heads(g_ctx)),
+            _memory.kernel_ready(_heads(g_ctx)),
             _heads(st.q),
             _heads(k),
             _heads(kv[..., dn:]),
@@ -774,16 +774,16 @@ def _expanded_backward(
             logit.get("mask"),
             logit.get("sinks"),
         )
-    dkv = V.empty((B, n_k, h, dn + dv), dtype)
+    dkv = _memory.empty((B, n_k, h, dn + dv), dtype)
     dkv[..., :dn] = _heads(dk)[..., :dn]
     dkv[..., dn:] = _heads(dvv)
     dkv2 = dkv.reshape(B * n_k, h * (dn + dv))
-    c_all = V.copy(st.lat[..., :r]).reshape(B * n_k, r)
+    c_all = _memory.copy(st.lat[..., :r]).reshape(B * n_k, r)
     grads["w_kv_b"][...] = _gemm(c_all.T, dkv2)
-    dlat = V.empty((B, n_k, r + dr), dtype)
+    dlat = _memory.empty((B, n_k, r + dr), dtype)
     dlat[..., :r] = _gemm(dkv2, _w(a, "w_kv_b").T).reshape(B, n_k, r)
     dlat[..., r:] = dk[..., dn:].sum(axis=1)
-    return V.copy(_heads(dq)), dlat
+    return _memory.copy(_heads(dq)), dlat
 
 
 def _absorbed_backward(
@@ -803,15 +803,15 @@ def _absorbed_backward(
     g_lat = g_lat.reshape(h, B, n, r).transpose(1, 2, 0, 3)  # (B, n, h, r)
     keys = st.lat[:, None]
     values = st.lat[:, None, :, :r]
-    dk = V.zeros((B, 1, n_k, r + dr), dtype)
-    dvv = V.zeros((B, 1, n_k, r), dtype)
+    dk = _memory.zeros((B, 1, n_k, r + dr), dtype)
+    dvv = _memory.zeros((B, 1, n_k, r), dtype)
     if a.stacked:
-        dqq = V.zeros((B, 1, h, r + dr), dtype)
+        dqq = _memory.zeros((B, 1, h, r + dr), dtype)
         dm = logit.get("mask")
-        dm_view = None if dm is None else V.zeros((B, 1, h, n_k), dtype)
+        dm_view = None if dm is None else _memory.zeros((B, 1, h, n_k), dtype)
         if n_k:
             core.sdpa_backward(
-                V.copy(g_lat),
+                _memory.copy(g_lat),
                 qq,
                 keys,
                 values,
@@ -830,10 +830,10 @@ def _absorbed_backward(
             dm[...] = dm_view.reshape(dm.shape)
         dqq_rows = dqq  # (B, n=1, h, .)
     else:
-        dqq = V.zeros((B, h, n, r + dr), dtype)
+        dqq = _memory.zeros((B, h, n, r + dr), dtype)
         if n_k:
             core.sdpa_backward(
-                V.copy(_heads(g_lat)),
+                _memory.copy(_heads(g_lat)),
                 _heads(qq),
                 keys,
                 values,
@@ -854,7 +854,7 @@ def _absorbed_backward(
     # q_lat = q_nope W_uk^T per head
     dql = _per_head(dqq_rows[..., :r])  # (h, B*n, r)
     d_wuk = np.matmul(dql.transpose(0, 2, 1), _per_head(st.q[..., :dn]))  # (h, r, d_nope)
-    dq = V.empty((B, n, h, dn + dr), dtype)
+    dq = _memory.empty((B, n, h, dn + dr), dtype)
     dq[..., :dn] = (
         np.matmul(dql, w_uk.transpose(0, 2, 1)).reshape(h, B, n, dn).transpose(1, 2, 0, 3)
     )

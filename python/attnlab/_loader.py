@@ -3,8 +3,8 @@
 The kernel sources are compiled once per instruction set into that module (``generic``: the
 x86-64 baseline, or NEON on aarch64; ``avx2``: x86-64-v3, AVX2 + FMA; ``avx512``: x86-64-v4,
 512-bit vectors), each in its own C++ namespace; the bindings are compiled once and call the
-kernel table that ``cpp/src/dispatch.cpp`` picks when the module is imported: the best variant
-built that the CPU and operating system support (cpuid and XGETBV).
+kernel table that ``cpp/src/runtime/dispatch.cpp`` picks when the module is imported: the best
+variant built that the CPU and operating system support (cpuid and XGETBV).
 ``ATTNLAB_ISA=generic|avx2|avx512|native`` forces one; an unknown, unbuilt or unsupported value
 is an ImportError naming ATTNLAB_ISA, before any kernel code runs.
 """

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _args, _docs, _grad, _rope
+from . import _args, _docs, _grad, _memory, _rope
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -166,11 +166,11 @@ def scaled_dot_product_attention(
     lse_wanted = V.check_flag(return_lse, "return_lse")
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
-    out = V.empty((B, h, n_q, d_v), dtype)
-    weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
+    out = _memory.empty((B, h, n_q, d_v), dtype)
+    weights = _memory.empty((B, h, n_q, n_k), dtype) if mode else None
     lse = None
     if _keep is not None:  # attnlab.vjp: the pullback reuses the output and log-sum-exp
-        a = V.owned(a)
+        a = _memory.owned(a)
     if _keep is not None or lse_wanted:
         lse = a.m.empty_lse(B, h, n_q, dtype)  # what a call with no key leaves
     if out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
@@ -312,10 +312,10 @@ def _prepare_mha(args: dict[str, Any]) -> _Mha:
             f"d_vhead = {d_vhead} from w_v {V.shape_str(wv_.shape)}, got "
             f"{V.shape_str(wo_.shape)}"
         )
-    wq = V.contiguous(wq_, dtype)
-    wk = V.contiguous(wk_, dtype)
-    wv = V.contiguous(wv_, dtype)
-    wo = V.contiguous(wo_, dtype)
+    wq = _memory.contiguous(wq_, dtype)
+    wk = _memory.contiguous(wk_, dtype)
+    wv = _memory.contiguous(wv_, dtype)
+    wo = _memory.contiguous(wo_, dtype)
     d_out = wo.shape[1]
     bq = V.vector(bs["b_q"], "b_q", dtype, h * d_head)
     bk = V.vector(bs["b_k"], "b_k", dtype, h_kv * d_head)
@@ -495,12 +495,12 @@ def multi_head_attention(
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
     B = V.count(batch)
-    out = V.empty((B * n_q, d_out), dtype)
-    weights = V.empty((B, h, n_q, n_k), dtype) if mode else None
+    out = _memory.empty((B * n_q, d_out), dtype)
+    weights = _memory.empty((B, h, n_q, n_k), dtype) if mode else None
     lse_wanted = V.check_flag(return_lse, "return_lse")
     state = None
     if _keep is not None:  # attnlab.vjp: keep projections, context and log-sum-exp
-        a = V.owned(a)
+        a = _memory.owned(a)
         state = _mha_state(a)
         _keep.update(prepared=a, state=state)
     lse = a.m.empty_lse(B, h, n_q, dtype) if lse_wanted else None
@@ -563,16 +563,16 @@ def _sdpa_grads(
     go = _grad.grad_out(grad_out, batch + (h, n_q, d_v), dtype)
     B = V.count(batch)
     kernel = B * n_q * n_k > 0
-    new = V.empty if kernel else V.zeros  # the kernel writes every element
+    new = _memory.empty if kernel else _memory.zeros  # the kernel writes every element
     dq = new((B, h, n_q, d), dtype)
     dk = new((B, h_kv, n_k, d), dtype)
     dv = new((B, h_kv, n_k, d_v), dtype)
     logit = _grad.logit_buffers(a.m, B, h, n_q, n_k, dtype)
     if kernel:
-        go4 = V.kernel_ready(go.reshape((B, h, n_q, d_v)))
+        go4 = _memory.kernel_ready(go.reshape((B, h, n_q, d_v)))
         if kept is None:
-            out = V.empty((B, h, n_q, d_v), dtype)
-            lse = V.empty((B, h, n_q), dtype)
+            out = _memory.empty((B, h, n_q, d_v), dtype)
+            lse = _memory.empty((B, h, n_q), dtype)
         else:
             out, lse = kept["out"], kept["lse"]
         core.sdpa_backward(
@@ -629,7 +629,7 @@ def _mha_state(a: _Mha) -> dict[str, np.ndarray]:
     wo = a.w["w_o"]
     assert wq is not None and wv is not None and wo is not None
     d_head, d_vhead, B = wq.shape[1] // a.h, wv.shape[1] // a.h_kv, a.B
-    return V.empty_group(
+    return _memory.empty_group(
         {
             "q": ((B * a.n_q, a.h * d_head), a.dtype),
             "k": ((B * a.n_k, a.h_kv * d_head), a.dtype),

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from . import _memory
 from . import _validate as V
 from ._loader import core
 
@@ -272,7 +273,7 @@ def _norm_weight(w: Any, name: str, d_head: int, dtype: np.dtype) -> np.ndarray 
             f"{name}: expected shape ({d_head},) (one weight per feature of a head, d_head = "
             f"{d_head}), got {V.shape_str(a.shape)}"
         )
-    return V.contiguous(a, dtype)
+    return _memory.contiguous(a, dtype)
 
 
 def prepare_for(a: _Mha, args: dict[str, Any]) -> Composed | None:
@@ -332,7 +333,7 @@ def _project(
 ) -> np.ndarray:
     """``rows w + b`` by the C++ GEMM (bf16 products with ``bf16``), viewed as
     ``(B, n, heads, d_head)``."""
-    y = V.empty((rows.shape[0], w.shape[1]), w.dtype)
+    y = _memory.empty((rows.shape[0], w.shape[1]), w.dtype)
     if y.size:
         core.linear_forward(rows, w, b, y, bf16)
     return y.reshape(B, n, heads, w.shape[1] // heads)
@@ -394,8 +395,8 @@ def _qkv(a: _Mha, c: Composed) -> _Projected:
 def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a @ b`` by attnlab's GEMM (its threads; NumPy's BLAS threads spin when the machine is
     shared, which made this backward 2-3x slower); transposed operands are copied, O(n d)."""
-    a, b = V.contiguous(a), V.contiguous(b)
-    y = V.empty((a.shape[0], b.shape[1]), b.dtype)
+    a, b = _memory.contiguous(a), _memory.contiguous(b)
+    y = _memory.empty((a.shape[0], b.shape[1]), b.dtype)
     if y.size:
         if a.shape[1]:
             core.linear_forward(a, b, None, y)
@@ -425,7 +426,7 @@ def forward(
     """Composed multi-head attention into ``out`` ``(B*n_q, d_out)`` (and ``weights``, and
     the log-sum-exp ``(B, h, n_q)``)."""
     q, k, v, _, _ = _qkv(a, c)
-    ctx = V.empty((a.B, a.n_q, a.h, v.shape[-1]), a.dtype)
+    ctx = _memory.empty((a.B, a.n_q, a.h, v.shape[-1]), a.dtype)
     core.sdpa_forward(
         _heads(q),
         _heads(k),
@@ -448,12 +449,12 @@ def backward(go: np.ndarray, a: _Mha, c: Composed, grads: dict[str, np.ndarray])
     w_o = _w(a, "w_o")
     d_vhead = v.shape[-1]
     g_ctx = _gemm(go, w_o.T).reshape(B, a.n_q, a.h, d_vhead)
-    ctx = V.zeros((B, a.h, a.n_q, d_vhead), dtype)
-    dq = V.zeros((B, a.h, a.n_q, q.shape[-1]), dtype)
-    dk = V.zeros((B, a.h_kv, a.n_k, k.shape[-1]), dtype)
-    dv = V.zeros((B, a.h_kv, a.n_k, d_vhead), dtype)
+    ctx = _memory.zeros((B, a.h, a.n_q, d_vhead), dtype)
+    dq = _memory.zeros((B, a.h, a.n_q, q.shape[-1]), dtype)
+    dk = _memory.zeros((B, a.h_kv, a.n_k, k.shape[-1]), dtype)
+    dv = _memory.zeros((B, a.h_kv, a.n_k, d_vhead), dtype)
     if a.n_k:  # no key: the context is 0 and so are the gradients through it
-        lse = V.empty((B, a.h, a.n_q), dtype)
+        lse = _memory.empty((B, a.h, a.n_q), dtype)
         core.sdpa_backward(
             _heads(g_ctx),
             _heads(q),

@@ -33,7 +33,7 @@ import numpy as np
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from . import _args, _mha, _rope
+from . import _args, _memory, _mha, _rope
 from . import _validate as V
 from ._loader import core
 from ._merge import merge_attention
@@ -504,7 +504,7 @@ class _Params:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # arrays received by a worker may sit at any address in the message's buffer
         self.values = {
-            n: V.contiguous(a) if isinstance(a, np.ndarray) else a
+            n: _memory.contiguous(a) if isinstance(a, np.ndarray) else a
             for n, a in state["values"].items()
         }
 
@@ -519,7 +519,7 @@ def _project_heads(x: np.ndarray, p: _Params, side: str, pos: np.ndarray | None)
     n = x.shape[-2]
     x = np.broadcast_to(x, lead + x.shape[-2:])
     B = V.count(lead)
-    rows = V.contiguous(x.reshape(B * n, x.shape[-1]), w.dtype)
+    rows = _memory.contiguous(x.reshape(B * n, x.shape[-1]), w.dtype)
     y = _rope._project(rows, w, b, B, n, heads)
     if side != "v":
         norm = p[f"{side}_norm"]
@@ -565,9 +565,9 @@ def _mha_output(merged: tuple[np.ndarray, np.ndarray], p: _Params) -> tuple:
     _limit_threads()
     ctx, lse = merged
     lead, (h, n, dv) = ctx.shape[:-3], ctx.shape[-3:]
-    rows = V.contiguous(np.moveaxis(ctx, -3, -2).reshape(V.count(lead) * n, h * dv))
+    rows = _memory.contiguous(np.moveaxis(ctx, -3, -2).reshape(V.count(lead) * n, h * dv))
     w_o = p["w_o"]
-    y = V.empty((rows.shape[0], w_o.shape[1]), w_o.dtype)
+    y = _memory.empty((rows.shape[0], w_o.shape[1]), w_o.dtype)
     if y.size:
         core.linear_forward(rows, w_o, p["b_o"], y)
     return y.reshape(lead + (n, w_o.shape[1])), lse

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import _validate as V
-from .interop import _flag, _mask_array
+from .interop._common import _flag, _mask_array
 
 __all__ = [
     "attention_entropy",

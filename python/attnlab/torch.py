@@ -30,7 +30,7 @@ from . import _additive, _args, _bilinear, _docs, _latent, _mha
 from . import _signature as _sig
 from ._bilinear import BilinearQK
 from ._vjp import vjp
-from .interop import _plain
+from .interop._common import _plain
 
 __all__ = [
     "additive_attention",

@@ -1,8 +1,8 @@
 #pragma once
 // Types shared by every kernel: strided matrix views and the mask description.
 //
-// The kernel sources (cpp/src) are compiled once per instruction set, each build inside its own
-// namespace attnlab::ATTNLAB_ISA_NS (isa_generic, isa_avx2, ...; set by CMake), with Eigen's
+// The kernel sources (cpp/src/kernels) are compiled once per instruction set, each build inside its
+// own namespace attnlab::ATTNLAB_ISA_NS (isa_generic, isa_avx2, ...; set by CMake), with Eigen's
 // namespace renamed per build too (-DEigen=attnlab_eigen_<isa>), so that no inline function or
 // template instantiation compiled for one instruction set can stand in for another's at link
 // time. The plain structs here are shared with the bindings (compiled once); what touches Eigen
@@ -87,7 +87,7 @@ void for_each_option(MaskOptions& o, F&& f) {
 
 // Which (query, key) pairs may attend, and what is added to their scaled scores: the one
 // struct that carries every mask option from the bindings to the kernels (the arrays read in
-// apply_mask, cpp/src/softmax.hpp; the scalar options through key_interval).
+// apply_mask, cpp/src/kernels/softmax.hpp; the scalar options through key_interval).
 // mask element (b, h, i, j) at mask[b*sb + h*sh + i*sq + j*sk]. Booleans are bytes, nonzero
 // meaning "may attend".
 template <typename T>
@@ -118,7 +118,7 @@ struct Interval {
 
 // The keys [lo, hi) (0 <= lo <= hi <= n_k) that query i of n_q may see under the scalar mask
 // options: their meaning, in one place. Both ends never decrease as i grows; the tile ranges
-// and tile_needs_mask (cpp/src/softmax.hpp) rely on that.
+// and tile_needs_mask (cpp/src/kernels/softmax.hpp) rely on that.
 // The key p(i) query i is aligned with: i, or i + n_k - n_q for bottom_right (the last query
 // with the last key). The window and ALiBi distances count from it.
 inline Index aligned_key(const MaskOptions& o, Index n_q, Index n_k, Index i) {

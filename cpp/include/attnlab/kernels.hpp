@@ -1,8 +1,8 @@
 #pragma once
 // The kernel table: every entry point of one instruction-set build of the kernels, as plain
-// function pointers over the shared problem structs. cpp/src/kernel_table.cpp defines one table
-// per build (attnlab::isa_<name>::kernel_table); cpp/src/dispatch.cpp picks one at import from
-// the CPU's features (or ATTNLAB_ISA) and the bindings call through it. Pure C++.
+// function pointers over the shared problem structs. cpp/src/kernels/kernel_table.cpp defines one
+// table per build (attnlab::isa_<name>::kernel_table); cpp/src/runtime/dispatch.cpp picks one at
+// import from the CPU's features (or ATTNLAB_ISA) and the bindings call through it. Pure C++.
 
 #include <string>
 #include <vector>
@@ -59,7 +59,7 @@ struct KernelTable {
     }
 };
 
-// --- cpp/src/dispatch.cpp (compiled once, without any instruction-set flag)
+// --- cpp/src/runtime/dispatch.cpp (compiled once, without any instruction-set flag)
 
 // What the running CPU and operating system support, by name: the x86-64-v3/v4 features
 // (cpuid) and whether the OS saves the AVX / AVX-512 registers (XGETBV); {"neon": true} on

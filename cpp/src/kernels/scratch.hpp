@@ -14,7 +14,7 @@
 // Both are uninitialised. Nothing else allocates in hot code: no std::vector, no Eigen
 // matrices held by value inside tasks (scratch_matrix gives an Eigen view of a named block with
 // the same alignment and strides as the matrix it replaces, so Eigen evaluates it the same way
-// and results stay bitwise the same). Internal to cpp/src: not part of the public headers.
+// and results stay bitwise the same). Internal to cpp/src/kernels: not part of the public headers.
 
 #include <algorithm>
 #include <cstddef>

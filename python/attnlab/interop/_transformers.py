@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _mha
-from . import _signature as _sig
-from . import _validate as V
-from .interop import _flag, _list, _mask_array, _plain, _t
+from .. import _mha
+from .. import _signature as _sig
+from .. import _validate as V
+from ._common import _flag, _list, _mask_array, _t, _weight_array
 
-__all__ = ["from_transformers", "t5_position_bias", "transformers_masks"]
+__all__ = ["from_transformers", "transformers_masks"]
 
 # Decoder attention modules with q_proj / k_proj / v_proj / o_proj (Phi-3: qkv_proj / o_proj)
 # and rotary embeddings; the value: what else their attention does, beyond the config's
@@ -75,13 +75,9 @@ def _linear(module: Any, name: str) -> tuple[np.ndarray, np.ndarray | None]:
             f"module: {type(module).__name__} has no {name}.weight; expected the "
             f"module of a transformers model"
         )
-    w = _weight(w, f"{name}.weight")
+    w = _weight_array(w, f"{name}.weight")
     b = getattr(lin, "bias", None)
-    return _t(w), None if b is None else np.array(_weight(b, f"{name}.bias"), copy=True)
-
-
-def _weight(t: Any, name: str) -> np.ndarray:
-    return V.as_array(_plain(t), name)
+    return _t(w), None if b is None else np.array(_weight_array(b, f"{name}.bias"), copy=True)
 
 
 def _refuse_children(module: Any, allowed: set[str]) -> None:
@@ -120,12 +116,12 @@ def _gpt2(module: Any) -> dict[str, Any]:
     h = V.check_positive_int(module.num_heads, "num_heads")
     E = int(module.embed_dim)
     # Conv1D already stores (in, out), attnlab's layout: no transpose
-    w = _weight(module.c_attn.weight, "c_attn.weight")
-    b = _weight(module.c_attn.bias, "c_attn.bias")
+    w = _weight_array(module.c_attn.weight, "c_attn.weight")
+    b = _weight_array(module.c_attn.bias, "c_attn.bias")
     out: dict[str, Any] = {}
     if getattr(module, "is_cross_attention", False):  # q_attn for the queries, c_attn = [K | V]
-        out["w_q"] = np.array(_weight(module.q_attn.weight, "q_attn.weight"), copy=True)
-        out["b_q"] = np.array(_weight(module.q_attn.bias, "q_attn.bias"), copy=True)
+        out["w_q"] = np.array(_weight_array(module.q_attn.weight, "q_attn.weight"), copy=True)
+        out["b_q"] = np.array(_weight_array(module.q_attn.bias, "q_attn.bias"), copy=True)
         parts: tuple[str, ...] = ("k", "v")
     else:
         parts = ("q", "k", "v")
@@ -136,8 +132,8 @@ def _gpt2(module: Any) -> dict[str, Any]:
     for i, p in enumerate(parts):
         out[f"w_{p}"] = np.ascontiguousarray(w[:, i * E : (i + 1) * E])
         out[f"b_{p}"] = np.array(b[i * E : (i + 1) * E], copy=True)
-    out["w_o"] = np.array(_weight(module.c_proj.weight, "c_proj.weight"), copy=True)
-    out["b_o"] = np.array(_weight(module.c_proj.bias, "c_proj.bias"), copy=True)
+    out["w_o"] = np.array(_weight_array(module.c_proj.weight, "c_proj.weight"), copy=True)
+    out["b_o"] = np.array(_weight_array(module.c_proj.bias, "c_proj.bias"), copy=True)
     out.update(num_heads=h, causal=bool(module.is_causal), scale=float(module.scaling))
     return out
 
@@ -336,7 +332,7 @@ def _norm_weight(module: Any, name: str) -> tuple[np.ndarray, float]:
             f"module: {type(module).__name__}.{name} is a {cls}, not an RMSNorm; "
             f"multi_head_attention's {name} is a per-head RMSNorm"
         )
-    w = np.array(_weight(norm.weight, f"{name}.weight"), copy=True)
+    w = np.array(_weight_array(norm.weight, f"{name}.weight"), copy=True)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if eps is None:
         raise ValueError(f"module: {type(module).__name__}.{name} has no epsilon")
@@ -390,7 +386,7 @@ def _rotary(module: Any, rope_length: int | None) -> dict[str, Any]:
         _option(
             out,
             "sinks",
-            np.array(_weight(sinks, "sinks"), copy=True),
+            np.array(_weight_array(sinks, "sinks"), copy=True),
             module,
             "attention sinks (a per-head logit in every softmax)",
         )
@@ -701,104 +697,6 @@ def _from_transformers(
             "layer's attention, n_q, n_k) for self-attention"
         )
     raise _unknown(module)
-
-
-def t5_position_bias(
-    module: Any,
-    n_q: int,
-    n_k: int | None = None,
-    *,
-    query_offset: int = 0,
-    bidirectional: bool | None = None,
-) -> np.ndarray:
-    """A ``T5Attention``'s relative position bias as attnlab's float ``mask``.
-
-    T5 (and its descendants: mT5, T5 v1.1, UMT5's first layer, LongT5's local attention) adds a
-    learned bias per head and per bucket of relative distance ``j - i`` to the unscaled logits
-    (T5 attends with ``scale=1``). The first layer of each stack owns the table
-    (``has_relative_attention_bias``) and its bias is reused by the stack's other layers.
-    Passed as ``mask=``, the bias is differentiated with the float-mask gradient of
-    ``multi_head_attention_backward`` (summed back to this shape), so the table can be
-    trained by scattering that gradient into its buckets.
-
-    Parameters
-    ----------
-    module : T5Attention
-        The attention module that owns the table (``relative_attention_bias``).
-    n_q, n_k : int
-        Query and key counts (``n_k`` defaults to ``n_q``).
-    query_offset : int
-        Position of the first query among the keys (decoding with a cache: the number of
-        cached tokens), as ``compute_bias``' ``past_seen_tokens``.
-    bidirectional : bool, optional
-        Buckets for both signs of ``j - i`` (encoders) or only the past (decoders); defaults
-        to ``not module.is_decoder``, as the module does.
-
-    Returns
-    -------
-    ndarray, shape (h, n_q, n_k)
-        The bias (the table's dtype; bfloat16 becomes float32), equal to the module's
-        ``compute_bias(n_q, n_k)[0]``.
-
-    Raises
-    ------
-    ValueError
-        A module without a relative attention table, or bad lengths.
-
-    Notes
-    -----
-    The buckets are computed in float32, as transformers computes them, so that bucket
-    boundaries fall where they fall for the module.
-
-    Examples
-    --------
-    >>> import numpy as np, attnlab
-    >>> from attnlab.interop import t5_position_bias
-    >>> from transformers import T5Config
-    >>> from transformers.models.t5.modeling_t5 import T5Attention
-    >>> cfg = T5Config(d_model=32, d_kv=8, num_heads=4)
-    >>> att = T5Attention(cfg, has_relative_attention_bias=True)
-    >>> bias = t5_position_bias(att, 6)
-    >>> bias.shape
-    (4, 6, 6)
-    >>> w = {f"w_{p}": getattr(att, p).weight.detach().numpy().T for p in "qkvo"}
-    >>> x = np.ones((6, 32), np.float32)
-    >>> attnlab.multi_head_attention(x, num_heads=4, scale=1.0, mask=bias, **w).shape
-    (6, 32)
-    """
-    emb = getattr(module, "relative_attention_bias", None)
-    if emb is None or not getattr(module, "has_relative_attention_bias", True):
-        raise ValueError(
-            f"module: {type(module).__name__} has no relative_attention_bias table; pass the "
-            f"attention of the first layer of the stack (the one that owns it)"
-        )
-    nq = V.check_positive_int(n_q, "n_q", 0)
-    nk = nq if n_k is None else V.check_positive_int(n_k, "n_k", 0)
-    off = V.check_positive_int(query_offset, "query_offset", 0)
-    bidi = (
-        (not module.is_decoder) if bidirectional is None else _flag(bidirectional, "bidirectional")
-    )
-    table = _weight(emb.weight, "relative_attention_bias.weight")  # (num_buckets, h)
-    num_buckets = int(module.relative_attention_num_buckets)
-    max_distance = int(module.relative_attention_max_distance)
-    rel = np.arange(nk)[None, :] - (np.arange(nq)[:, None] + off)
-    buckets = np.zeros(rel.shape, dtype=np.int64)
-    if bidi:
-        num_buckets //= 2
-        buckets += (rel > 0) * num_buckets
-        rel = np.abs(rel)
-    else:
-        rel = -np.minimum(rel, 0)
-    max_exact = num_buckets // 2
-    with np.errstate(divide="ignore"):  # log(0) in the rows the small branch takes
-        large = np.log(rel.astype(np.float32) / np.float32(max_exact))
-    large = (
-        large / np.float32(math.log(max_distance / max_exact)) * np.float32(num_buckets - max_exact)
-    )
-    large_bucket = max_exact + np.where(rel < max_exact, 0, large).astype(np.int64)
-    large_bucket = np.minimum(large_bucket, num_buckets - 1)
-    buckets += np.where(rel < max_exact, rel, large_bucket)
-    return np.ascontiguousarray(np.moveaxis(table[buckets], -1, 0))
 
 
 def transformers_masks(attention_mask: Any) -> dict[str, np.ndarray]:

@@ -1,0 +1,319 @@
+// The attention backward: P recomputed from the log-sum-exp tile by tile, tasks per (key
+// segment, batch, kv head), dQ summed over the segments in a fixed order.
+#include <algorithm>
+#include <cmath>
+
+#include "attnlab/attention.hpp"
+#include "attnlab/threading.hpp"
+#include "microkernel.hpp"
+#include "scratch.hpp"
+#include "softmax.hpp"
+#include "tiles.hpp"
+
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
+
+namespace detail {
+
+// Backward. Keys run along the vector lanes here (the forward has queries there): the tile
+// holds S = scale Q K^T as (queries x keys), so that recomputing P = exp(S - lse) and forming
+// dS = P * (dP - D) are whole-packet operations with one broadcast per query row, and the
+// products that sum over queries (dV^T += dO^T P, dK^T += Q^T dS) write whole key packets.
+// Every product runs in lanes_product: dO is read in place through its strides, scale Q comes
+// from a first pass (with D, once per query row instead of once per tile pair), and the key
+// tile's K and V are transposed once and reused by every query tile.
+//
+// Tasks are (key segment, batch, kv head): a task owns dK and dV of its keys (no races) and
+// loops over the query heads of its group and the query tiles that can see each key tile
+// (tiles the scalar mask options hide, as causal ones above the diagonal, are skipped). dQ sums
+// over all keys, so each segment writes its share into its own buffer and a last pass adds the
+// segments in a fixed order: the result does not depend on the thread count. Segments are added
+// only when batch x kv heads gives too few tasks, so the buffers stay at most kBwdMaxSegments times
+// the size of dQ (the alternative, a dQ pass and a dK/dV pass each recomputing P, costs two more
+// products).
+constexpr Index kBwdTileQ = 64;
+constexpr Index kBwdTileK = 96;  // a whole number of panels for 4, 8 and 16 lanes
+// the longest key tile (a short last one joins the one before: tile_count), padded to packets
+constexpr Index kBwdTileKMax = 128;
+static_assert(kBwdTileK + kBwdTileK / 4 <= kBwdTileKMax);
+constexpr Index kBwdTasks = 16;
+constexpr Index kBwdMaxSegments = 8;
+
+template <typename T>
+struct BackwardPlan {
+    Index q_tiles = 0, k_tiles = 0;
+    Index segments = 0, seg_tiles = 0;  // segments of seg_tiles key tiles each (the last fewer)
+    Index dp = 0;                       // head width padded to whole packets
+    T* dq_part = nullptr;               // (segments, batch, heads, n_q, dp): dQ / scale per segment
+    T* qs = nullptr;                    // (batch, heads, n_q, d): scale Q
+    T* dsum = nullptr;                  // (batch, heads, n_q): D = rowsum(dO * O)
+    T* sink_part = nullptr;             // (batch, heads, q_tiles): each tile's share of d sink
+
+    Index head(const AttentionProblem<T>& p, Index b, Index h) const {
+        return (b * p.heads + h) * p.n_q;
+    }
+    T* part(const AttentionProblem<T>& p, Index s, Index b, Index h) const {
+        return dq_part + (s * p.batch * p.heads * p.n_q + head(p, b, h)) * dp;
+    }
+    // Per key tile, the query tiles [lo, hi) that may see one of its keys (the others are
+    // skipped). Both ends never decrease with the key tile, so the key tiles that see a query
+    // tile are consecutive: the first of a segment writes its share of dQ, the rest add.
+    Buffer<Interval> query_tiles;
+
+    bool sees(Index kt, Index qt) const {
+        return query_tiles[kt].lo <= qt && qt < query_tiles[kt].hi;
+    }
+    bool segment_sees(Index s, Index qt) const {
+        for (Index kt = s * seg_tiles; kt < std::min(k_tiles, (s + 1) * seg_tiles); ++kt)
+            if (sees(kt, qt)) return true;
+        return false;
+    }
+};
+
+template <typename T>
+BackwardPlan<T> backward_plan(const AttentionProblem<T>& p) {
+    constexpr Index L = packet_size<T>();
+    BackwardPlan<T> plan;
+    plan.q_tiles = (p.n_q + kBwdTileQ - 1) / kBwdTileQ;
+    plan.k_tiles = tile_count(p.n_k, kBwdTileK);
+    plan.dp = (p.d + L - 1) / L * L;
+    if (plan.k_tiles == 0) return plan;
+    plan.query_tiles = make_buffer<Interval>(plan.k_tiles);
+    for (Index kt = 0; kt < plan.k_tiles; ++kt) {
+        const Index j0 = kt * kBwdTileK, kb = tile_rows(p.n_k, kBwdTileK, plan.k_tiles, kt);
+        const Interval q = queries_seeing(p.mask, p.n_q, p.n_k, j0, j0 + kb);
+        plan.query_tiles[kt] = q.lo < q.hi
+                                   ? Interval{q.lo / kBwdTileQ, (q.hi + kBwdTileQ - 1) / kBwdTileQ}
+                                   : Interval{};
+    }
+    const Index heads = p.batch * p.kv_heads;
+    const Index want = std::clamp<Index>((kBwdTasks + heads - 1) / heads, 1,
+                                         std::min(kBwdMaxSegments, plan.k_tiles));
+    plan.seg_tiles = (plan.k_tiles + want - 1) / want;
+    plan.segments = (plan.k_tiles + plan.seg_tiles - 1) / plan.seg_tiles;
+    return plan;
+}
+
+// Per-thread tile buffers of the backward, carved from one scratch block.
+template <typename T>
+struct BackwardScratch {
+    T *kt, *vt, *kp, *dkt, *dvt, *s, *dp, *th;
+
+    BackwardScratch(Index d, Index dv, Index dp_width) {
+        constexpr Index tk = kBwdTileKMax, tq = kBwdTileQ;
+        const Index sizes[] = {d * tk,  dv * tk, tk * dp_width, d * tk,
+                               dv * tk, tq * tk, tq * tk,       tq * tk};
+        T** slots[] = {&kt, &vt, &kp, &dkt, &dvt, &s, &dp, &th};
+        auto round = [](Index n) { return (n + 15) / 16 * 16; };  // keep every slot 64-byte aligned
+        Index total = 0;
+        for (Index n : sizes) total += round(n);
+        T* base = scratch<T>(ScratchBuffer::kBackwardTiles, static_cast<std::size_t>(total));
+        for (int i = 0; i < 8; ++i) {
+            *slots[i] = base;
+            base += round(sizes[i]);
+        }
+    }
+};
+
+// One (batch, query head, query tile) against the key tile held in w (kt, vt, kp: K^T, V^T and
+// K padded to dp columns, kbp = kb padded to whole packets). Adds into w.dkt, w.dvt (dK^T, dV^T
+// of the tile) and writes or adds the tile's share of dQ / scale at dq.
+template <typename T>
+void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
+                   const BackwardPlan<T>& plan, const BackwardScratch<T>& w, Index b, Index h,
+                   Index i0, Index mq, Index j0, Index kb, Index kbp, T* dq, bool accumulate_dq) {
+    namespace ei = Eigen::internal;
+    using Packet = PacketOf<T>;
+    constexpr Index L = packet_size<T>();
+    const Index d = p.d, dv = p.d_v, dp = plan.dp;
+    const T* dout = g.d_out.at(b, h) + i0 * g.d_out.row_stride;
+    const Index ds = g.d_out.row_stride;
+    const T* qs = plan.qs + (plan.head(p, b, h) + i0) * d;
+    const T* lse = p.lse + plan.head(p, b, h) + i0;
+    const T* dsum = plan.dsum + plan.head(p, b, h) + i0;
+
+    // S = (scale Q) K^T: the products of flash_tile in the same order, so the same S
+    lanes_product<T, false>(mq, kbp, d, qs, d, 1, w.kt, kbp, w.s, kbp);
+    const bool capped = p.mask.options.softcap > 0;
+    if (capped) softcap_scores(static_cast<T>(p.mask.options.softcap), w.s, mq * kbp, w.th);
+    if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, i0 + mq, j0, j0 + kb))
+        apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, w.s, kbp, Index(1));
+    // dP = dO V^T
+    lanes_product<T, false>(mq, kbp, dv, dout, ds, 1, w.vt, kbp, w.dp, kbp);
+    // P = exp(S - lse) in place of S (0 on a fully masked row and in the padding lanes), then
+    // dS = P * (dP - D) in place of dP
+    for (Index i = 0; i < mq; ++i) {
+        T* si = w.s + i * kbp;
+        T* dpi = w.dp + i * kbp;
+        if (lse[i] == neg_inf<T>()) {
+            std::fill(si, si + kbp, T(0));
+        } else {
+            std::fill(si + kb, si + kbp, neg_inf<T>());
+            const Packet l = ei::pset1<Packet>(lse[i]);
+            for (Index j = 0; j < kbp; j += L)
+                ei::pstoreu(si + j, exp_flush(ei::psub(ei::ploadu<Packet>(si + j), l)));
+        }
+        const Packet di = ei::pset1<Packet>(dsum[i]);
+        for (Index j = 0; j < kbp; j += L)
+            ei::pstoreu(dpi + j, ei::pmul(ei::ploadu<Packet>(si + j),
+                                          ei::psub(ei::ploadu<Packet>(dpi + j), di)));
+        // dS is the gradient of the final logits, so of an additive mask; through the soft cap
+        // the scaled scores get dS (1 - tanh^2)
+        if (g.d_mask) {
+            T* dm = g.d_mask + ((b * p.heads + h) * p.n_q + i0 + i) * p.n_k + j0;
+            std::copy(dpi, dpi + kb, dm);
+        }
+        if (capped) {
+            const T* ti = w.th + i * kbp;
+            const Packet one = ei::pset1<Packet>(T(1));
+            for (Index j = 0; j < kbp; j += L) {
+                const Packet t = ei::ploadu<Packet>(ti + j);
+                ei::pstoreu(dpi + j,
+                            ei::pmul(ei::ploadu<Packet>(dpi + j), ei::psub(one, ei::pmul(t, t))));
+            }
+        }
+    }
+    // dV^T += dO^T P; dK^T += (scale Q)^T dS; dQ / scale (+)= dS K
+    lanes_product<T, true>(dv, kbp, mq, dout, 1, ds, w.s, kbp, w.dvt, kbp);
+    lanes_product<T, true>(d, kbp, mq, qs, 1, d, w.dp, kbp, w.dkt, kbp);
+    if (accumulate_dq) {
+        lanes_product<T, true>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
+    } else {
+        lanes_product<T, false>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
+    }
+}
+
+// Rows [j0, j0 + kb) of x (row stride xs, width n) transposed into t (n x kbp), padding zeroed.
+template <typename T>
+void key_tile_transposed(const T* x, Index xs, Index j0, Index kb, Index kbp, Index n, T* t) {
+    transpose(kb, n, x + j0 * xs, xs, t, kbp);
+    for (Index c = 0; c < n; ++c) std::fill(t + c * kbp + kb, t + (c + 1) * kbp, T(0));
+}
+
+// One task: the key tiles of segment s of (batch b, kv head hk).
+template <typename T>
+void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
+                   const BackwardPlan<T>& plan, Index s, Index b, Index hk) {
+    constexpr Index L = packet_size<T>();
+    const Index group = p.heads / p.kv_heads;
+    const Index d = p.d, dv = p.d_v, dp = plan.dp;
+    const T* kbase = p.k.at(b, hk);
+    const Index ks = p.k.row_stride;
+    const BackwardScratch<T> w(d, dv, dp);
+    const Index t0 = s * plan.seg_tiles, t1 = std::min(plan.k_tiles, t0 + plan.seg_tiles);
+    for (Index kt = t0; kt < t1; ++kt) {
+        interruption_point();  // a task is a sixteenth of the call: too long to wait for
+        const Index j0 = kt * kBwdTileK, kb = tile_rows(p.n_k, kBwdTileK, plan.k_tiles, kt);
+        const Index kbp = (kb + L - 1) / L * L;
+        key_tile_transposed(kbase, ks, j0, kb, kbp, d, w.kt);
+        key_tile_transposed(p.v.at(b, hk), p.v.row_stride, j0, kb, kbp, dv, w.vt);
+        for (Index j = 0; j < kb; ++j) {
+            std::copy(kbase + (j0 + j) * ks, kbase + (j0 + j) * ks + d, w.kp + j * dp);
+            std::fill(w.kp + j * dp + d, w.kp + (j + 1) * dp, T(0));
+        }
+        std::fill(w.dkt, w.dkt + d * kbp, T(0));
+        std::fill(w.dvt, w.dvt + dv * kbp, T(0));
+        for (Index gi = 0; gi < group; ++gi) {
+            const Index h = hk * group + gi;
+            T* part = plan.part(p, s, b, h);
+            for (Index qt = plan.query_tiles[kt].lo; qt < plan.query_tiles[kt].hi; ++qt) {
+                const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
+                const bool added = kt != t0 && plan.sees(kt - 1, qt);  // a share is there
+                backward_pair(p, g, plan, w, b, h, i0, mq, j0, kb, kbp, part + i0 * dp, added);
+            }
+        }
+        transpose(d, kb, w.dkt, kbp, g.d_k.at(b, hk) + j0 * g.d_k.row_stride, g.d_k.row_stride);
+        transpose(dv, kb, w.dvt, kbp, g.d_v.at(b, hk) + j0 * g.d_v.row_stride, g.d_v.row_stride);
+    }
+}
+
+// Before the tasks, per (batch, head, query tile): scale Q and D = rowsum(dO * O).
+template <typename T>
+void backward_prepare(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
+                      const BackwardPlan<T>& plan, Index b, Index h, Index qt) {
+    const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
+    const T* q = p.q.at(b, h);
+    const T* o = p.out.at(b, h);
+    const T* dout = g.d_out.at(b, h);
+    T* qs = plan.qs + plan.head(p, b, h) * p.d;
+    for (Index i = i0; i < i0 + mq; ++i) {
+        for (Index c = 0; c < p.d; ++c) qs[i * p.d + c] = p.scale * q[i * p.q.row_stride + c];
+        plan.dsum[plan.head(p, b, h) + i] =
+            dot(dout + i * g.d_out.row_stride, o + i * p.out.row_stride, p.d_v);
+    }
+    // d sink = -sum_i P_i(sink) D_i, P_i(sink) = exp(sink - lse_i)
+    if (g.d_sinks && p.mask.sinks) {
+        const T sink = p.mask.sink(b, h);
+        T share = 0;
+        for (Index i = i0; i < i0 + mq; ++i) {
+            const T lse = p.lse[plan.head(p, b, h) + i];
+            if (sink != neg_inf<T>())
+                share -= std::exp(sink - lse) * plan.dsum[plan.head(p, b, h) + i];
+        }
+        plan.sink_part[(b * p.heads + h) * plan.q_tiles + qt] = share;
+    }
+}
+
+// After the tasks, per (batch, head, query tile): dQ = scale times the sum of the segments'
+// shares, in segment order. A segment no key of which the tile sees wrote nothing there.
+template <typename T>
+void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
+                 const BackwardPlan<T>& plan, Index b, Index h, Index qt) {
+    const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
+    T* dq = g.d_q.at(b, h) + i0 * g.d_q.row_stride;
+    for (Index i = 0; i < mq; ++i)
+        std::fill(dq + i * g.d_q.row_stride, dq + i * g.d_q.row_stride + p.d, T(0));
+    for (Index s = 0; s < plan.segments; ++s) {
+        if (!plan.segment_sees(s, qt)) continue;
+        const T* part = plan.part(p, s, b, h) + i0 * plan.dp;
+        for (Index i = 0; i < mq; ++i)
+            for (Index c = 0; c < p.d; ++c) dq[i * g.d_q.row_stride + c] += part[i * plan.dp + c];
+    }
+    for (Index i = 0; i < mq; ++i)
+        for (Index c = 0; c < p.d; ++c) dq[i * g.d_q.row_stride + c] *= p.scale;
+}
+
+}  // namespace detail
+
+template <typename T>
+void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g) {
+    if (p.batch <= 0 || p.kv_heads <= 0) return;
+    detail::BackwardPlan<T> plan = detail::backward_plan(p);
+    const Index rows = p.batch * p.heads * p.n_q;
+    auto dq_part = make_buffer<T>(plan.segments * rows * plan.dp);
+    auto qs = make_buffer<T>(rows * p.d), dsum = make_buffer<T>(rows);
+    const bool sink_grad = g.d_sinks && p.mask.sinks;
+    auto sink_part = make_buffer<T>(sink_grad ? p.batch * p.heads * plan.q_tiles : 0);
+    plan.dq_part = dq_part.get();
+    plan.qs = qs.get();
+    plan.dsum = dsum.get();
+    plan.sink_part = sink_part.get();
+    const Index q_tasks = p.batch * p.heads * plan.q_tiles;
+    const auto per_query_tile = [&](auto f) {
+        parallel_for(q_tasks, [&](Index t) {
+            f(p, g, plan, t / (p.heads * plan.q_tiles), (t / plan.q_tiles) % p.heads,
+              t % plan.q_tiles);
+        });
+    };
+    per_query_tile(detail::backward_prepare<T>);
+    // heaviest segments first (under the causal rule the first keys are seen by most queries)
+    const Index heads = p.batch * p.kv_heads;
+    parallel_for(plan.segments * heads, [&](Index t) {
+        detail::backward_task(p, g, plan, t / heads, (t % heads) / p.kv_heads, t % p.kv_heads);
+    });
+    per_query_tile(detail::backward_dq<T>);
+    if (g.d_sinks) {  // the tiles' shares in a fixed order: thread-count independent
+        for (Index bh = 0; bh < p.batch * p.heads; ++bh) {
+            T sum = 0;
+            for (Index qt = 0; sink_grad && qt < plan.q_tiles; ++qt)
+                sum += plan.sink_part[bh * plan.q_tiles + qt];
+            g.d_sinks[bh] = sum;
+        }
+    }
+}
+
+template void attention_backward<float>(const AttentionProblem<float>&,
+                                        const AttentionGrad<float>&);
+template void attention_backward<double>(const AttentionProblem<double>&,
+                                         const AttentionGrad<double>&);
+
+}  // namespace attnlab::ATTNLAB_ISA_NS

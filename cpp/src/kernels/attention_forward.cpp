@@ -1,0 +1,268 @@
+// The attention forward: flash tiles (online softmax over key tiles), weights tiles (the
+// rows of P materialised), and the decode path (decode.hpp) for few query rows per kv head.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "attnlab/attention.hpp"
+#include "attnlab/threading.hpp"
+#include "decode.hpp"
+#include "microkernel.hpp"
+#include "nonfinite.hpp"
+#include "products.hpp"
+#include "scratch.hpp"
+#include "softmax.hpp"
+#include "tiles.hpp"
+
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
+
+namespace detail {
+
+// Tile sizes. Forward: 96 queries (a whole number of panels for 4, 8 and 16 lanes) against 128
+// keys; the score tile (48 KiB in float) streams through L2 row by row. 4 x 3-packet panels
+// with 96 queries against 6 x 2 with 64: 2-3% faster at d_head = 64 in CPU-time measurements
+// on a 2-core AVX2 machine (n = 2048). Backward: see backward_pair.
+constexpr Index kTileQ = 96;
+constexpr Index kTileK = 128;
+constexpr Index kDepth = 256;  // head-width chunk of the score product
+// Up to this many query tiles per head, each flash tile scans its key blocks' value rows for
+// NaN/Inf itself (from cache, just before its product reads them): by operation count about
+// 1/mp of the value product per tile, so a call's single scan of V costs less once a head has
+// many tiles. 8 is chosen by that count, not measured.
+constexpr Index kScanInTilesMax = 8;
+
+// One (batch, head, query tile) with an online softmax over key tiles.
+//
+// Layout: queries run along the vector lanes. The tile keeps Q^T (scaled), S^T = K Q^T (keys x
+// queries) and the accumulator (P V)^T (d_v x queries), the query count padded to whole packets.
+// Then the softmax statistics (running max m, running sum l) are whole packets, updated by
+// vertical max/exp/add over the keys without horizontal reductions, and both products run in
+// lanes_product without packing K or V (their entries are broadcast through their strides).
+template <typename T>
+void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index mq,
+                const std::uint8_t* v_flags, bool scan_values) {
+    namespace ei = Eigen::internal;
+    using Packet = PacketOf<T>;
+    constexpr Index L = packet_size<T>();
+    const Index hk = h / (p.heads / p.kv_heads);
+    const Index d = p.d, dv = p.d_v;
+    // Queries padded to whole packets, not panels: the last tile of n = 197 (5 queries) is then
+    // one 16-lane packet with AVX-512, not a 48-lane panel (240 lanes for 197 queries, now 208).
+    const Index mp = (mq + L - 1) / L * L;
+    const T* qbase = p.q.at(b, h) + i0 * p.q.row_stride;
+    const T* kbase = p.k.at(b, hk);
+    const T* vbase = p.v.at(b, hk);
+    const Index ks = p.k.row_stride, vs = p.v.row_stride;
+
+    T* qt = scratch<T>(ScratchBuffer::kFlashQueries, static_cast<std::size_t>(d * mp));
+    T* st = scratch<T>(ScratchBuffer::kFlashScores, static_cast<std::size_t>(kTileK * mp));
+    T* acc = scratch<T>(ScratchBuffer::kFlashAccumulator, static_cast<std::size_t>(dv * mp));
+    T* stats = scratch<T>(ScratchBuffer::kFlashStats, static_cast<std::size_t>(2 * mp));
+    T* row_m = stats;
+    T* row_l = stats + mp;
+    // Q^T by packet transposes, then scaled in place (the same products as scale * Q; the
+    // scalar transpose with scaling was an eighth of this function's time in a ViT-S layer)
+    transpose(mq, d, qbase, p.q.row_stride, qt, mp);
+    {
+        const Packet sc = ei::pset1<Packet>(p.scale);
+        for (Index c = 0; c < d; ++c) {
+            T* row = qt + c * mp;
+            Index i = 0;
+            for (; i + L <= mq; i += L)
+                ei::pstoreu(row + i, ei::pmul(sc, ei::ploadu<Packet>(row + i)));
+            for (; i < mq; ++i) row[i] = p.scale * row[i];
+            std::fill(row + mq, row + mp, T(0));
+        }
+    }
+    std::fill(acc, acc + dv * mp, T(0));
+    // a sink is a first key of logit `sink` and value 0: it starts the running max and sum
+    const T sink = p.mask.sinks ? p.mask.sink(b, h) : neg_inf<T>();
+    std::fill(row_m, row_m + mp, sink);
+    std::fill(row_l, row_l + mp, sink == neg_inf<T>() ? T(0) : T(1));
+
+    const Packet ninf = ei::pset1<Packet>(neg_inf<T>());
+    const Packet zero = ei::pzero(ninf);
+    const Interval keys = keys_seen(p.mask, p.n_q, p.n_k, i0, i0 + mq);
+    for (Index j0 = keys.lo; j0 < keys.hi; j0 += kTileK) {
+        const Index kb = std::min(kTileK, keys.hi - j0);
+        // S^T[j, i] = sum_c K[j0 + j, c] * qt[c, i], over head widths in chunks of kDepth so
+        // that a chunk of the Q^T panel stays in L1 while the key rows pass (wide heads)
+        for (Index c0 = 0; c0 < d; c0 += kDepth) {
+            const Index dc = std::min(kDepth, d - c0);
+            const T* kc = kbase + j0 * ks + c0;
+            if (c0 == 0) {
+                lanes_product<T, false>(kb, mp, dc, kc, ks, 1, qt, mp, st, mp);
+            } else {
+                lanes_product<T, true>(kb, mp, dc, kc, ks, 1, qt + c0 * mp, mp, st, mp);
+            }
+        }
+        if (d == 0) std::fill(st, st + kb * mp, T(0));
+        if (p.mask.options.softcap > 0)
+            softcap_scores(static_cast<T>(p.mask.options.softcap), st, kb * mp, (T*)nullptr);
+        if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, i0 + mq, j0, j0 + kb))
+            apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, st, Index(1), mp);
+        // nonfinite value rows: which queries may read them, before the exp overwrites S^T
+        const std::uint8_t* block_flags = scan_values ? value_flags(vbase + j0 * vs, vs, kb, dv)
+                                          : v_flags   ? v_flags + j0
+                                                      : nullptr;
+        const FlaggedRows bad = flagged_rows(block_flags, kb, st, Index(1), mp, mq);
+        // Online softmax, queries in lanes, one packet of queries at a time down the tile's keys:
+        // that column of S^T (kb lines) stays in L1 from the max to the exp, and the max and the
+        // sum stay in registers (row by row, with the statistics in memory, each key's max and
+        // sum waited on the store of the key before). A column masked so far keeps m = -inf and
+        // is shifted by 0 instead, so that its exponentials are exactly 0 rather than NaN.
+        for (Index io = 0; io < mp; io += L) {
+            T* col = st + io;
+            // two chains of maxima (the max is exact: the same result in any order)
+            Packet m0 = ei::pload<Packet>(row_m + io), m1 = m0;
+            Index j = 0;
+            for (; j + 2 <= kb; j += 2) {
+                m0 = ei::pmax(m0, ei::pload<Packet>(col + j * mp));
+                m1 = ei::pmax(m1, ei::pload<Packet>(col + (j + 1) * mp));
+            }
+            if (j < kb) m0 = ei::pmax(m0, ei::pload<Packet>(col + j * mp));
+            const Packet mn = ei::pmax(m0, m1);
+            const Packet shift = ei::pselect(ei::pcmp_eq(mn, ninf), zero, mn);
+            Packet sum = zero;
+            for (j = 0; j < kb; ++j) {
+                const Packet e = exp_flush(ei::psub(ei::pload<Packet>(col + j * mp), shift));
+                ei::pstore(col + j * mp, e);
+                sum = ei::padd(sum, e);
+            }
+            const Packet alpha = exp_flush(ei::psub(ei::pload<Packet>(row_m + io), shift));
+            ei::pstore(row_l + io, ei::padd(ei::pmul(ei::pload<Packet>(row_l + io), alpha), sum));
+            ei::pstore(row_m + io, mn);
+            for (Index c = 0; c < dv; ++c) {
+                T* ac = acc + c * mp + io;
+                ei::pstore(ac, ei::pmul(ei::pload<Packet>(ac), alpha));
+            }
+        }
+        // acc[c, i] += sum_j V[j0 + j, c] * P^T[j, i]
+        if (bad.count == 0) {
+            lanes_product<T, true>(dv, mp, kb, vbase + j0 * vs, 1, vs, st, mp, acc, mp);
+        } else {
+            const T* vclean = value_copy_without(vbase + j0 * vs, vs, kb, dv, bad);
+            lanes_product<T, true>(dv, mp, kb, vclean, 1, dv, st, mp, acc, mp);
+            for (Index r = 0; r < bad.count; ++r) {
+                const T* vrow = vbase + (j0 + bad.rows[r]) * vs;
+                for (Index i = 0; i < mq; ++i)
+                    if (bad.sees[r * mq + i])
+                        for (Index c = 0; c < dv; ++c)
+                            acc[c * mp + i] += vrow[c] * st[bad.rows[r] * mp + i];
+            }
+        }
+    }
+    // O = (acc / l)^T: divided in the lanes, written back by packet transposes (not scalar
+    // divisions reading acc a column at a time)
+    for (Index c = 0; c < dv; ++c)
+        for (Index io = 0; io < mp; io += L) {
+            T* ac = acc + c * mp + io;
+            ei::pstore(ac, ei::pdiv(ei::pload<Packet>(ac), ei::pload<Packet>(row_l + io)));
+        }
+    T* obase = p.out.at(b, h) + i0 * p.out.row_stride;
+    transpose(dv, mq, acc, mp, obase, p.out.row_stride);
+    for (Index i = 0; i < mq; ++i) {
+        const T l = row_l[i];
+        if (l == T(0)) {  // fully masked row: zeros, not 0 / 0
+            T* orow = obase + i * p.out.row_stride;
+            std::fill(orow, orow + dv, T(0));
+        }
+        if (p.lse) {
+            p.lse[(b * p.heads + h) * p.n_q + i0 + i] =
+                l == T(0) ? neg_inf<T>() : row_m[i] + std::log(l);
+        }
+    }
+}
+
+// One (batch, head, query tile) when the weights are wanted: the rows of P are materialised in
+// the output weights array, normalised there, then multiplied by V.
+template <typename T>
+void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index mq,
+                const std::uint8_t* v_flags) {
+    const Index hk = h / (p.heads / p.kv_heads);
+    const Index d = p.d, dv = p.d_v, nk = p.n_k;
+    ConstRowMap<T> Q(p.q.at(b, h) + i0 * p.q.row_stride, mq, d,
+                     Eigen::OuterStride<>(p.q.row_stride));
+    ConstRowMap<T> K(p.k.at(b, hk), nk, d, Eigen::OuterStride<>(p.k.row_stride));
+    ConstRowMap<T> V(p.v.at(b, hk), nk, dv, Eigen::OuterStride<>(p.v.row_stride));
+    RowMap<T> O(p.out.at(b, h) + i0 * p.out.row_stride, mq, dv,
+                Eigen::OuterStride<>(p.out.row_stride));
+    T* wbase = p.weights + ((b * p.heads + h) * p.n_q + i0) * nk;
+    RowMap<T> P(wbase, mq, nk, Eigen::OuterStride<>(nk));
+    T* qs_buf = scratch<T>(ScratchBuffer::kDenseQueries, static_cast<std::size_t>(mq * d));
+    RowMap<T> Qs(qs_buf, mq, d, Eigen::OuterStride<>(d));
+    Qs.noalias() = Q * p.scale;
+    eigen_product_bt<T>(cview<T>(qs_buf, mq, d, d), K, P);
+    if (p.mask.options.softcap > 0)
+        softcap_scores(static_cast<T>(p.mask.options.softcap), wbase, mq * nk, (T*)nullptr);
+    if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, i0 + mq, Index(0), nk))
+        apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, Index(0), mq, nk, wbase, nk, Index(1));
+    const FlaggedRows bad = flagged_rows(v_flags, nk, wbase, nk, Index(1), mq);  // as in flash_tile
+    const T sink = p.mask.sinks ? p.mask.sink(b, h) : neg_inf<T>();
+    for (Index r = 0; r < mq; ++r) {
+        T* row = wbase + r * nk;
+        const T rm = row_max(row, nk);
+        const T m = rm < sink ? sink : rm;  // NaN stays
+        T lse = neg_inf<T>();
+        if (m == neg_inf<T>()) {  // fully masked: zeros; NaN scores propagate
+            const T fillv = has_nan(row, nk) ? std::numeric_limits<T>::quiet_NaN() : T(0);
+            std::fill(row, row + nk, fillv);
+            lse = fillv == T(0) ? neg_inf<T>() : fillv;
+        } else {
+            const T l =
+                exp_row(row, m, row, nk) + (sink == neg_inf<T>() ? T(0) : std::exp(sink - m));
+            Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>(row, nk) /= l;
+            lse = m + std::log(l);
+        }
+        if (p.lse) p.lse[(b * p.heads + h) * p.n_q + i0 + r] = lse;
+    }
+    if (bad.count == 0) {
+        eigen_product<T>(cview<T>(wbase, mq, nk, nk), V, O);
+        return;
+    }
+    ConstRowMap<T> Vclean(value_copy_without(V.data(), p.v.row_stride, nk, dv, bad), nk, dv,
+                          Eigen::OuterStride<>(dv));
+    eigen_product<T>(cview<T>(wbase, mq, nk, nk), Vclean, O);
+    for (Index c = 0; c < bad.count; ++c)
+        for (Index r = 0; r < mq; ++r)
+            if (bad.sees[c * mq + r]) O.row(r) += P(r, bad.rows[c]) * V.row(bad.rows[c]);
+}
+
+}  // namespace detail
+
+template <typename T>
+void attention_forward(const AttentionProblem<T>& p) {
+    if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
+    if (!p.weights && detail::use_decode(p.n_q, p.heads, p.kv_heads, p.n_k)) {
+        detail::decode_forward(p);  // few queries per kv head: split along the keys
+        return;
+    }
+    const Index q_tiles = detail::tile_count(p.n_q, detail::kTileQ);
+    const Index tasks = p.batch * p.heads * q_tiles;
+    // Value rows holding NaN/Inf: scanned per key block in the flash tiles when each head has few
+    // query tiles (value_flags), else once for the call (each block would be scanned too often).
+    const bool scan_in_tiles = !p.weights && q_tiles <= detail::kScanInTilesMax;
+    const Buffer<std::uint8_t> v_flags =
+        scan_in_tiles ? Buffer<std::uint8_t>() : detail::nonfinite_rows(p);
+    parallel_for(tasks, [&](Index t) {
+        const Index qt = t % q_tiles;
+        const Index h = (t / q_tiles) % p.heads;
+        const Index b = t / (q_tiles * p.heads);
+        const Index i0 = qt * detail::kTileQ;
+        const Index mq = detail::tile_rows(p.n_q, detail::kTileQ, q_tiles, qt);
+        const Index hk = h / (p.heads / p.kv_heads);
+        const std::uint8_t* flags =
+            v_flags ? v_flags.get() + (b * p.kv_heads + hk) * p.n_k : nullptr;
+        if (p.weights) {
+            detail::dense_tile(p, b, h, i0, mq, flags);
+        } else {
+            detail::flash_tile(p, b, h, i0, mq, flags, scan_in_tiles);
+        }
+    });
+}
+
+template void attention_forward<float>(const AttentionProblem<float>&);
+template void attention_forward<double>(const AttentionProblem<double>&);
+
+}  // namespace attnlab::ATTNLAB_ISA_NS

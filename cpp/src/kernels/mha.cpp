@@ -1,0 +1,139 @@
+// Multi-head attention composed from its parts: the projections (gemm), the attention core
+// over heads viewed as column blocks (attention_forward / attention_backward), the output
+// projection.
+#include "attnlab/attention.hpp"
+#include "attnlab/gemm.hpp"
+#include "scratch.hpp"
+
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
+
+namespace detail {
+
+// The attention over the heads of packed projections q (rows x h*d_head), k, v and the
+// context buffer: heads are column blocks, viewed in place.
+template <typename T>
+AttentionProblem<T> head_problem(const MhaProblem<T>& p, const T* q, const T* k, const T* v,
+                                 T* ctx) {
+    const Index wq = p.heads * p.d_head, wk = p.kv_heads * p.d_head;
+    const Index wv = p.kv_heads * p.d_vhead, wc = p.heads * p.d_vhead;
+    AttentionProblem<T> a;
+    a.batch = p.batch;
+    a.heads = p.heads;
+    a.kv_heads = p.kv_heads;
+    a.n_q = p.n_q;
+    a.n_k = p.n_k;
+    a.d = p.d_head;
+    a.d_v = p.d_vhead;
+    a.scale = p.scale;
+    a.q = {q, p.n_q * wq, p.d_head, wq};
+    a.k = {k, p.n_k * wk, p.d_head, wk};
+    a.v = {v, p.n_k * wv, p.d_vhead, wv};
+    a.out = {ctx, p.n_q * wc, p.d_vhead, wc};
+    a.mask = p.mask;
+    return a;
+}
+
+// The forward's intermediates: in p.state when the caller keeps them, else in temporaries.
+template <typename T>
+struct MhaBuffers {
+    Buffer<T> own_q, own_k, own_v, own_ctx, own_lse;
+    T *q, *k, *v, *ctx, *lse;
+
+    MhaBuffers(const MhaProblem<T>& p, bool need_lse) {
+        const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
+        const auto take = [](T* kept, Buffer<T>& own, Index n) {
+            if (kept) return kept;
+            own = make_buffer<T>(n);
+            return own.get();
+        };
+        q = take(p.state.q, own_q, rq * p.heads * p.d_head);
+        k = take(p.state.k, own_k, rk * p.kv_heads * p.d_head);
+        v = take(p.state.v, own_v, rk * p.kv_heads * p.d_vhead);
+        ctx = take(p.state.ctx, own_ctx, rq * p.heads * p.d_vhead);
+        lse = p.state.lse || need_lse ? take(p.state.lse, own_lse, p.batch * p.heads * p.n_q)
+                                      : nullptr;
+    }
+};
+
+// Projections (one GEMM each over all rows; heads are then column blocks of q, k, v) and the
+// attention core, into b.
+template <typename T>
+AttentionProblem<T> mha_core_forward(const MhaProblem<T>& p, const MhaBuffers<T>& b) {
+    const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
+    const Index wq = p.heads * p.d_head, wk = p.kv_heads * p.d_head;
+    const Index wv = p.kv_heads * p.d_vhead;
+    linear(rq, p.w_q.in, wq, p.query, p.w_q.in, p.w_q.w, p.w_q.b, b.q, wq);
+    linear(rk, p.w_k.in, wk, p.key, p.w_k.in, p.w_k.w, p.w_k.b, b.k, wk);
+    linear(rk, p.w_v.in, wv, p.value, p.w_v.in, p.w_v.w, p.w_v.b, b.v, wv);
+    AttentionProblem<T> a = head_problem(p, b.q, b.k, b.v, b.ctx);
+    a.lse = b.lse;
+    return a;
+}
+
+}  // namespace detail
+
+template <typename T>
+void multi_head_attention_forward(const MhaProblem<T>& p) {
+    const Index rq = p.batch * p.n_q, wc = p.heads * p.d_vhead;
+    detail::MhaBuffers<T> b(p, false);
+    AttentionProblem<T> a = detail::mha_core_forward(p, b);
+    a.weights = p.weights;
+    attention_forward(a);
+    linear(rq, wc, p.w_o.out, b.ctx, wc, p.w_o.w, p.w_o.b, p.out, p.w_o.out);
+}
+
+template <typename T>
+void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
+                                   const MhaGrads<T>& g) {
+    const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
+    const Index wq = p.heads * p.d_head, wk = p.kv_heads * p.d_head;
+    const Index wv = p.kv_heads * p.d_vhead, wc = p.heads * p.d_vhead;
+    const Index d_out = p.w_o.out;
+    detail::MhaBuffers<T> b(p, true);
+    AttentionProblem<T> a;
+    if (p.state.filled) {  // attnlab.vjp: the forward kept everything
+        a = detail::head_problem(p, b.q, b.k, b.v, b.ctx);
+        a.lse = b.lse;
+    } else {
+        a = detail::mha_core_forward(p, b);
+        attention_forward(a);
+    }
+    const T* ctx = b.ctx;
+
+    // output projection: dW_o = ctx^T dY, db_o = sum dY, dctx = dY W_o^T
+    linear_weight_grad(rq, wc, d_out, ctx, wc, grad_out, d_out, g.w_o.w, g.w_o.b);
+    auto dctx = make_buffer<T>(rq * wc);
+    linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc);
+
+    auto dq = make_buffer<T>(rq * wq), dk = make_buffer<T>(rk * wk), dv = make_buffer<T>(rk * wv);
+    AttentionGrad<T> ag;
+    ag.d_out = {dctx.get(), p.n_q * wc, p.d_vhead, wc};
+    ag.d_q = {dq.get(), p.n_q * wq, p.d_head, wq};
+    ag.d_k = {dk.get(), p.n_k * wk, p.d_head, wk};
+    ag.d_v = {dv.get(), p.n_k * wv, p.d_vhead, wv};
+    ag.d_mask = g.mask;
+    ag.d_sinks = g.sinks;
+    attention_backward(a, ag);
+
+    linear_weight_grad(rq, p.w_q.in, wq, p.query, p.w_q.in, dq.get(), wq, g.w_q.w, g.w_q.b);
+    linear_weight_grad(rk, p.w_k.in, wk, p.key, p.w_k.in, dk.get(), wk, g.w_k.w, g.w_k.b);
+    linear_weight_grad(rk, p.w_v.in, wv, p.value, p.w_v.in, dv.get(), wv, g.w_v.w, g.w_v.b);
+    // An input that is another one (self-attention: key = value = query) may share its
+    // gradient buffer: the later products add into it, in the order value, key, query.
+    if (g.value) linear_input_grad(rk, p.w_v.in, wv, dv.get(), wv, p.w_v.w, g.value, p.w_v.in);
+    if (g.key)
+        linear_input_grad(rk, p.w_k.in, wk, dk.get(), wk, p.w_k.w, g.key, p.w_k.in,
+                          g.key == g.value);
+    if (g.query)
+        linear_input_grad(rq, p.w_q.in, wq, dq.get(), wq, p.w_q.w, g.query, p.w_q.in,
+                          g.query == g.key || g.query == g.value);
+}
+
+template void multi_head_attention_forward<float>(const MhaProblem<float>&);
+template void multi_head_attention_forward<double>(const MhaProblem<double>&);
+template void multi_head_attention_backward<float>(const MhaProblem<float>&, const float*,
+                                                   const MhaGrads<float>&);
+template void multi_head_attention_backward<double>(const MhaProblem<double>&, const double*,
+                                                    const MhaGrads<double>&);
+
+}  // namespace attnlab::ATTNLAB_ISA_NS

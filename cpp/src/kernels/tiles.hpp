@@ -1,0 +1,25 @@
+#pragma once
+// Query and key tiles of the attention kernels (forward and backward): how n rows are cut.
+
+#include "attnlab/common.hpp"
+
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
+namespace detail {
+
+// Tiles of `size` over n rows, a last one shorter than size / 4 joining the one before (n = 197
+// in tiles of 96: 96 and 101, not 96, 96 and 5, whose lanes, padded to a packet, were mostly
+// padding: 5% of a ViT-S forward, 4% of its backward in perf). No result depends on where the
+// tiles start (each entry is one chain over the depth, and sums run across tiles in order) but
+// the backward's dQ when its keys are split into segments, whose bounds are whole tiles: that
+// depends on the tiles, never on the thread count.
+inline Index tile_count(Index n, Index size) {
+    if (n <= 0) return 0;
+    return n / size + (n < size || n % size >= size / 4 ? 1 : 0);
+}
+// Rows in tile t of tile_count(n, size) = count.
+inline Index tile_rows(Index n, Index size, Index count, Index t) {
+    return t + 1 == count ? n - t * size : size;
+}
+
+}  // namespace detail
+}  // namespace attnlab::ATTNLAB_ISA_NS
