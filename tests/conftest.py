@@ -131,3 +131,44 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
         if item.get_closest_marker("empty_rows"):
             for text in EMPTY_ROWS_WARNINGS:
                 item.add_marker(pytest.mark.filterwarnings(f"ignore:.*{text}:UserWarning"))
+
+
+def numeric_grad(f: Any, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Central differences of the scalar ``f()`` with respect to ``x``, changed in place."""
+    g = np.zeros_like(x)
+    flat, gflat = x.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        fp = f()
+        flat[i] = old - eps
+        fm = f()
+        flat[i] = old
+        gflat[i] = (fp - fm) / (2 * eps)
+    return g
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    """Largest error relative to the largest entry of ``b`` (absolute below 1)."""
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1.0))
+
+
+def in_fresh_process(code: str) -> None:
+    """Runs ``code`` in a new interpreter that imports the same attnlab and these tests'
+    modules; fails with its output unless it exits 0. For measurements that are process-wide
+    (resident memory, the garbage collector), which what earlier tests left running moves."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import attnlab
+
+    here = Path(__file__).resolve().parent
+    pkg = str(Path(attnlab.__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), pkg, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

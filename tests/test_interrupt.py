@@ -23,7 +23,7 @@ import pytest
 
 import attnlab
 from attnlab import reference
-from conftest import assert_close, make_mha_weights
+from conftest import assert_close, in_fresh_process, make_mha_weights
 
 pytestmark = pytest.mark.skipif(
     not hasattr(signal, "pthread_kill"), reason="needs signal.pthread_kill (POSIX)"
@@ -194,18 +194,9 @@ def _rss_bytes() -> int:
 def test_memory_does_not_grow_over_interrupted_calls():
     """In a fresh process: resident memory is process-wide, and what earlier tests left running
     (a Dask client's threads) moves it."""
-    import subprocess
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-    pkg = str(Path(attnlab.__file__).resolve().parents[1])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), pkg, env.get("PYTHONPATH")) if p)
-    code = "import numpy as np, test_interrupt as t; t._memory_check(np.random.default_rng(1))"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, check=False
+    in_fresh_process(
+        "import numpy as np, test_interrupt as t; t._memory_check(np.random.default_rng(1))"
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 def _memory_check(rng: np.random.Generator) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import attnlab
+from conftest import in_fresh_process
 
 CALLS = 10_000
 LIMIT_MIB = 5.0
@@ -264,19 +265,7 @@ def test_vjp_copies_are_freed_without_the_garbage_collector() -> None:
     once kept them until the collector ran, so every training step took fresh memory). In a
     fresh process: the collector's count is process-wide, and threads earlier tests left (a
     Dask client's) make garbage of their own."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-    pkg = str(Path(attnlab.__file__).resolve().parents[1])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), pkg, env.get("PYTHONPATH")) if p)
-    code = "import test_memory as t; t._vjp_copies_freed()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, check=False
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    in_fresh_process("import test_memory as t; t._vjp_copies_freed()")
 
 
 def _vjp_copies_freed() -> None:

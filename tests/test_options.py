@@ -13,7 +13,7 @@ import pytest
 
 import attnlab
 from attnlab import reference
-from conftest import assert_close, make_mha_weights
+from conftest import assert_close, make_mha_weights, numeric_grad, rel_err
 
 WINDOWS = [(0, 0), (2, 0), (3, 1), (None, 2), (1, None), (0, None), (100, 100), (None, None)]
 CAUSAL = [False, True, "bottom_right"]
@@ -30,24 +30,6 @@ def window_mask(n_q: int, n_k: int, window, causal) -> np.ndarray:
     if right is not None:
         ok &= j <= p + right
     return ok
-
-
-def numeric_grad(f, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    g = np.zeros_like(x)
-    flat, gflat = x.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + eps
-        fp = f()
-        flat[i] = old - eps
-        fm = f()
-        flat[i] = old
-        gflat[i] = (fp - fm) / (2 * eps)
-    return g
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1.0))
 
 
 # --- window ------------------------------------------------------------------------------------
