@@ -566,3 +566,14 @@ def test_window_and_softcap_match_torch_flex_attention():
         )
     got = attnlab.scaled_dot_product_attention(q, k, v, softcap=cap, window=(left, 0), causal=True)
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_layers_take_the_logit_options_per_call():
+    layer = attnlab.layers.MultiHeadAttention(8, num_heads=2, seed=0)
+    x = np.random.default_rng(0).standard_normal((2, 12, 8))
+    kw = dict(window=(3, 0), causal=True, softcap=2.0, sinks=[0.5, -0.5], alibi_slopes=[0.1, 0.2])
+    out = layer(x, **kw)
+    ref = reference.multi_head_attention(x, **layer.params, num_heads=2, **kw)
+    assert_close(out, ref, np.float64, "logit options layer")
+    dx = layer.backward(np.ones_like(out))
+    assert dx.shape == x.shape and set(layer.grads) == set(layer.params)

@@ -296,6 +296,9 @@ class _QKVLayer(_Layer):
         key_padding_mask: Any = None,
         causal: bool | str = False,
         window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+        alibi_slopes: Any = None,
+        sinks: Any = None,
         return_weights: bool | str = False,
         positions: Any = None,
         warn_empty_rows: bool = True,
@@ -318,6 +321,10 @@ class _QKVLayer(_Layer):
         window : (int or None, int or None), optional
             Sliding window ``(left, right)`` around each query's aligned key, as for
             :func:`attnlab.multi_head_attention`.
+        softcap, alibi_slopes, sinks : optional
+            Logit soft-capping, ALiBi slopes ``(h,)`` and attention sinks ``(h,)``, as for
+            :func:`attnlab.multi_head_attention`: options of this call, not parameters of the
+            layer (``backward`` gives them no gradient in ``grads``).
         positions : array_like, optional
             Token positions for a layer with rotary embeddings (``rope_theta``), as for
             :func:`attnlab.multi_head_attention`.
@@ -336,6 +343,9 @@ class _QKVLayer(_Layer):
             "key_padding_mask": key_padding_mask,
             "causal": causal,
             "window": window,
+            "softcap": softcap,
+            "alibi_slopes": alibi_slopes,
+            "sinks": sinks,
             "return_weights": return_weights,
             "warn_empty_rows": warn_empty_rows,
         }
