@@ -163,11 +163,6 @@ class Masks(NamedTuple):
             lse[...] = self.sinks[:, :, None]
         return lse
 
-    @property
-    def float_mask(self) -> bool:
-        """Whether ``mask`` is an additive (float) bias, which has a gradient."""
-        return self.mask4 is not None and self.mask4.dtype != np.bool_
-
     def key_intervals(self, n_q: int, n_k: int) -> tuple[np.ndarray, np.ndarray]:
         """``(lo, hi)``: query ``i`` may see keys ``lo[i] <= j < hi[i]`` under the scalar
         options, the rule of the kernels' ``key_interval`` (cpp/include/attnlab/common.hpp),
@@ -277,11 +272,11 @@ def masks(
     kp = V.key_padding2(args.get("key_padding_mask"), batch, n_k)
     alibi = per_head(args["alibi_slopes"], "alibi_slopes", batch, h, dtype)
     sinks = per_head(args["sinks"], "sinks", batch, h, dtype)
-    given = {
-        name: np.shape(args[name])
-        for name, keep in (("mask", m4 is not None and m4.dtype != np.bool_), ("sinks", sinks))
-        if keep is not None and keep is not False
-    }
+    given = {}  # the caller's shapes of the arrays with a gradient: a float mask, the sinks
+    if m4 is not None and m4.dtype != np.bool_:
+        given["mask"] = np.shape(args["mask"])
+    if sinks is not None:
+        given["sinks"] = np.shape(args["sinks"])
     m = Masks(code, s, m4, kp, window, cap, alibi, sinks, given)
     if V.check_flag(args["warn_empty_rows"], "warn_empty_rows"):
         # only a mask array can leave a row empty that the scalar options do not
