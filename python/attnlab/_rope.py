@@ -296,7 +296,7 @@ def prepare_for(a: _Mha, args: dict[str, Any]) -> Composed | None:
     )
     q_norm = _norm_weight(args["q_norm"], "q_norm", d_head, a.dtype)
     k_norm = _norm_weight(args["k_norm"], "k_norm", d_head, a.dtype)
-    bf16 = precision_bf16(args.get("precision"), a.dtype)
+    bf16 = precision_bf16(args["precision"], a.dtype)
     eps = args["norm_eps"]
     if q_norm is None and k_norm is None:
         if eps is not None:

@@ -770,6 +770,7 @@ def multi_head_attention(
         q_norm=q_norm,
         k_norm=k_norm,
         norm_eps=norm_eps,
+        precision=None,  # the blocks project in float32: no bf16 option here
     )
     if positions is not None and rope_theta is None and rope_inv_freq is None:
         raise ValueError(
