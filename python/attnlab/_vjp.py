@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import _additive, _bilinear, _docs, _latent, _mha, _rope
+from . import _signature as _sig
 
 __all__ = ["vjp"]
 
@@ -31,6 +32,8 @@ KEPT: dict[Any, Callable[[dict[str, Any], Any], dict[str, np.ndarray]]] = {
     ),
     _latent.latent_attention: lambda k, g: _latent._grads(k["prepared"], k["state"], g),
 }
+for _forward in KEPT:  # ``_keep`` is vjp's, not the caller's: help() and the docs omit it
+    _sig.hide_private(_forward)
 
 
 def _recomputing(
