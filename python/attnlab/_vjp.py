@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _additive, _bilinear, _docs, _latent, _mha, _rope
+from . import _additive, _bilinear, _docs, _latent, _mha, _rope, _separable
 from . import _signature as _sig
 
 __all__ = ["vjp"]
@@ -27,7 +27,7 @@ KEPT: dict[Any, Callable[[dict[str, Any], Any], dict[str, np.ndarray]]] = {
     _additive.additive_attention: lambda k, g: _additive._additive_grads(
         k["prepared"], g, k["state"]
     ),
-    _additive.separable_attention: lambda k, g: _additive._separable_grads(
+    _separable.separable_attention: lambda k, g: _separable._separable_grads(
         k["prepared"], g, k["state"]
     ),
     _latent.latent_attention: lambda k, g: _latent._grads(k["prepared"], k["state"], g),
