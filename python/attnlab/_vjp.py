@@ -108,8 +108,8 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
     if f not in KEPT:
         names = ", ".join(f"attnlab.{g.__name__}" for g in KEPT)
         raise TypeError(f"f: expected one of {names}, got {f!r}")
-    # the composed path's options are keyword-only: no signature binding (inspect.signature
-    # took 0.15 ms a step)
+    # the composed path's options are keyword-only: no signature binding, a cost on every
+    # training step (docs/performance.md)
     composed = f is _mha.multi_head_attention and any(
         kwargs.get(n) is not None for n in _rope.COMPOSED_ARGS
     )
