@@ -42,21 +42,22 @@ struct AdditiveArgs {
     int variant;
     py::object key_padding_mask;
 };
-using AdditiveSignature =
-    Signature<AdditiveArgs, Types<py::array, py::array, py::object, py::array, py::object,
-                                  py::array, py::array, py::object, py::array, py::object, Index,
-                                  Index, double, double, int, py::object>>;
-auto additive_arg_names() {
-    return std::make_tuple(py::arg("x"), py::arg("w_q"), py::arg("b_q"), py::arg("w_k"),
-                           py::arg("b_k"), py::arg("w_g"), py::arg("w_proj"), py::arg("b_proj"),
-                           py::arg("w_final"), py::arg("b_final"), py::arg("batch"), py::arg("n"),
-                           py::arg("scale"), py::arg("eps"), py::arg("variant"),
-                           py::arg("key_padding_mask"));
-}
 
-// What pooled_forward and pooled_backward (pooled.hpp) need of additive attention.
+// What pooled_forward, pooled_backward and bind_pooled (pooled.hpp) need of additive attention.
 struct Additive {
     using Args = AdditiveArgs;
+    // Its arguments' types and names, in their positional order (bind_pooled).
+    using Sig =
+        Signature<AdditiveArgs, Types<py::array, py::array, py::object, py::array, py::object,
+                                      py::array, py::array, py::object, py::array, py::object,
+                                      Index, Index, double, double, int, py::object>>;
+    static auto arg_names() {
+        return std::make_tuple(py::arg("x"), py::arg("w_q"), py::arg("b_q"), py::arg("w_k"),
+                               py::arg("b_k"), py::arg("w_g"), py::arg("w_proj"), py::arg("b_proj"),
+                               py::arg("w_final"), py::arg("b_final"), py::arg("batch"),
+                               py::arg("n"), py::arg("scale"), py::arg("eps"), py::arg("variant"),
+                               py::arg("key_padding_mask"));
+    }
 
     // Checks every buffer and fills the problem (forward and backward; out is set by the
     // forward).
@@ -121,16 +122,7 @@ struct Additive {
 
 }  // namespace
 
-void bind_additive(py::module_& m) {
-    def(m, "additive_forward",
-        AdditiveSignature::After<>::wrap<py::array, py::object>(&pooled_forward<Additive>),
-        std::tuple_cat(additive_arg_names(),
-                       std::make_tuple(py::arg("out"), py::arg("state") = py::none())));
-    def(m, "additive_backward",
-        AdditiveSignature::After<py::array>::wrap<py::dict, py::object>(&pooled_backward<Additive>),
-        std::tuple_cat(std::make_tuple(py::arg("grad_out")), additive_arg_names(),
-                       std::make_tuple(py::arg("grads"), py::arg("state") = py::none())));
-}
+void bind_additive(py::module_& m) { bind_pooled<Additive>(m, "additive"); }
 
 }  // namespace bind
 }  // namespace attnlab

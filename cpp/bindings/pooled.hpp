@@ -1,9 +1,12 @@
 #pragma once
 // What the bindings of the two pooled families (additive.cpp: SwiftFormer's additive attention,
 // separable.cpp: MobileViT-v2's separable self-attention) share: the buffer checks of their
-// tensor visitors, and their forward and backward, written once over a Family (Additive or
-// Separable) that supplies the family's problem builder, state, gradient buffers and kernels.
+// tensor visitors, and their forward and backward and its binding, written once over a Family
+// (Additive or Separable) that supplies the family's arguments, problem builder, state,
+// gradient buffers and kernels.
 
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -63,6 +66,23 @@ void pooled_backward(py::array grad_out, const typename Family::Args& a, py::dic
         Family::backward(p, gout, g);
         return 0;
     });
+}
+
+// <name>_forward(<the family's arguments>, out, state=None) and <name>_backward(grad_out,
+// <the family's arguments>, grads, state=None); Family::Sig and Family::arg_names() are its
+// arguments' types and names.
+template <typename Family>
+void bind_pooled(py::module_& m, const std::string& name) {
+    using Sig = typename Family::Sig;
+    def(m, (name + "_forward").c_str(),
+        Sig::template After<>::template wrap<py::array, py::object>(&pooled_forward<Family>),
+        std::tuple_cat(Family::arg_names(),
+                       std::make_tuple(py::arg("out"), py::arg("state") = py::none())));
+    def(m, (name + "_backward").c_str(),
+        Sig::template After<py::array>::template wrap<py::dict, py::object>(
+            &pooled_backward<Family>),
+        std::tuple_cat(std::make_tuple(py::arg("grad_out")), Family::arg_names(),
+                       std::make_tuple(py::arg("grads"), py::arg("state") = py::none())));
 }
 
 }  // namespace bind

@@ -27,18 +27,19 @@ struct SeparableArgs {
     Index batch, n;
     py::object key_padding_mask;
 };
-using SeparableSignature =
-    Signature<SeparableArgs, Types<py::array, py::array, py::object, py::array, py::object, Index,
-                                   Index, py::object>>;
-auto separable_arg_names() {
-    return std::make_tuple(py::arg("x"), py::arg("w_qkv"), py::arg("b_qkv"), py::arg("w_o"),
-                           py::arg("b_o"), py::arg("batch"), py::arg("n"),
-                           py::arg("key_padding_mask"));
-}
 
-// What pooled_forward and pooled_backward (pooled.hpp) need of separable self-attention.
+// What pooled_forward, pooled_backward and bind_pooled (pooled.hpp) need of separable
+// self-attention.
 struct Separable {
     using Args = SeparableArgs;
+    // Its arguments' types and names, in their positional order (bind_pooled).
+    using Sig = Signature<SeparableArgs, Types<py::array, py::array, py::object, py::array,
+                                               py::object, Index, Index, py::object>>;
+    static auto arg_names() {
+        return std::make_tuple(py::arg("x"), py::arg("w_qkv"), py::arg("b_qkv"), py::arg("w_o"),
+                               py::arg("b_o"), py::arg("batch"), py::arg("n"),
+                               py::arg("key_padding_mask"));
+    }
 
     // Checks every buffer and fills the problem (forward and backward; out is set by the
     // forward).
@@ -93,17 +94,7 @@ struct Separable {
 
 }  // namespace
 
-void bind_separable(py::module_& m) {
-    def(m, "separable_forward",
-        SeparableSignature::After<>::wrap<py::array, py::object>(&pooled_forward<Separable>),
-        std::tuple_cat(separable_arg_names(),
-                       std::make_tuple(py::arg("out"), py::arg("state") = py::none())));
-    def(m, "separable_backward",
-        SeparableSignature::After<py::array>::wrap<py::dict, py::object>(
-            &pooled_backward<Separable>),
-        std::tuple_cat(std::make_tuple(py::arg("grad_out")), separable_arg_names(),
-                       std::make_tuple(py::arg("grads"), py::arg("state") = py::none())));
-}
+void bind_separable(py::module_& m) { bind_pooled<Separable>(m, "separable"); }
 
 }  // namespace bind
 }  // namespace attnlab
