@@ -64,6 +64,37 @@ void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const Ma
     });
 }
 
+// The forward with k and v in half precision (their bits as uint16 arrays; half 1: float16, 2:
+// bfloat16), q and out float32.
+void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::array out,
+                       const MaskArgs& mask, double scale, py::object lse) {
+    if (half != 1 && half != 2) throw py::value_error("half: expected 1 (float16) or 2 (bfloat16)");
+    if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
+        throw py::value_error("q, k, v: expected (batch, heads, n, d) arrays");
+    const Index B = q.shape(0), H = q.shape(1), nq = q.shape(2), d = q.shape(3);
+    const Index Hk = k.shape(1), nk = k.shape(2), dv = v.shape(3);
+    check_heads(H, Hk);
+    AttentionProblem<float> p;
+    p.batch = B;
+    p.heads = H;
+    p.kv_heads = Hk;
+    p.n_q = nq;
+    p.n_k = nk;
+    p.d = d;
+    p.d_v = dv;
+    p.scale = static_cast<float>(scale);
+    p.q = const_stack<float>(check<float>(q, "q", {B, H, nq, d}), q);
+    p.half = half == 1 ? HalfFormat::float16 : HalfFormat::bfloat16;
+    p.k_half = const_stack<std::uint16_t>(check<std::uint16_t>(k, "k", {B, Hk, nk, d}), k);
+    p.v_half = const_stack<std::uint16_t>(check<std::uint16_t>(v, "v", {B, Hk, nk, dv}), v);
+    auto so = check<float>(out, "out", {B, H, nq, dv}, true);
+    p.out = {static_cast<float*>(out.mutable_data()), so[0], so[1], so[2]};
+    p.mask = mask_spec<float>(mask, B, H, nq, nk);
+    if (!lse.is_none()) p.lse = contiguous<float>(lse.cast<py::array>(), "lse", {B, H, nq}, true);
+    ReleaseGil release;
+    kernels_for<float>().attention_forward(p);
+}
+
 // Forward with log-sum-exp (unless recompute is false: out and lse are then the forward's),
 // then backward: gradients of q, k, v for grad_out.
 void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, const MaskArgs& mask,
@@ -209,6 +240,8 @@ void bind_mha(py::module_& m) {
     m.def("sdpa_forward", &sdpa_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
           py::arg("mask"), py::arg("scale"), py::arg("weights"), py::arg("lse"),
           py::arg("bf16") = false);
+    m.def("sdpa_forward_half", &sdpa_forward_half, py::arg("q"), py::arg("k"), py::arg("v"),
+          py::arg("half"), py::arg("out"), py::arg("mask"), py::arg("scale"), py::arg("lse"));
     m.def("sdpa_backward", &sdpa_backward, py::arg("grad_out"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("out"), py::arg("lse"),
           py::arg("d_q"), py::arg("d_k"), py::arg("d_v"), py::arg("recompute") = true,

@@ -51,6 +51,16 @@ def sdpa_forward(
     lse: _Optional,
     bf16: bool = ...,
 ) -> None: ...
+def sdpa_forward_half(
+    q: _Array,
+    k: _Array,
+    v: _Array,
+    half: _Int,
+    out: _Array,
+    mask: _Mask,
+    scale: _Float,
+    lse: _Optional,
+) -> None: ...
 def mha_forward(
     query: _Array,
     key: _Array,

@@ -41,11 +41,16 @@ class _Sdpa(NamedTuple):
     bf16: bool  # precision="bf16"
 
 
-def _prepare_sdpa(args: dict[str, Any]) -> _Sdpa:
-    """The validated arguments of an SDPA call (forward and backward)."""
+def _prepare_sdpa(args: dict[str, Any], half_kv: bool = False) -> _Sdpa:
+    """The validated arguments of an SDPA call (forward and backward). ``half_kv``: ``k`` and
+    ``v`` (float16 or bfloat16, as :func:`_half.storage` found) stay in their dtype, for the
+    kernel that reads them so (``sdpa_forward_half``)."""
     q = V.as_array(args["q"], "q")
-    k = V.as_array(args["k"], "k")
-    v = V.as_array(args["v"], "v")
+    if half_kv:
+        k, v = np.asarray(args["k"]), np.asarray(args["v"])
+    else:
+        k = V.as_array(args["k"], "k")
+        v = V.as_array(args["v"], "v")
     V.check_ndim(q, "q", 3, "(..., h, n_q, d)")
     V.check_ndim(k, "k", 3, "(..., h_kv, n_k, d)")
     V.check_ndim(v, "v", 3, "(..., h_kv, n_k, d_v)")
@@ -79,8 +84,8 @@ def _prepare_sdpa(args: dict[str, Any]) -> _Sdpa:
         k,
         v,
         V.stack(q, batch, dtype, 3),
-        V.stack(k, batch, dtype, 3),
-        V.stack(v, batch, dtype, 3),
+        V.stack(k, batch, k.dtype if half_kv else dtype, 3),
+        V.stack(v, batch, v.dtype if half_kv else dtype, 3),
         batch,
         dtype,
         h,
@@ -166,8 +171,11 @@ def scaled_dot_product_attention(
     (2, 4, 8)
     """
     args = _sig.arguments(locals())
-    a = _prepare_sdpa(args)
+    half = _half.storage(args)
     mode = V.weights_mode(return_weights)
+    # a half-precision cache is read as it is stored (half the bytes of a float32 copy)
+    half_kv = half is not None and mode is None and precision is None and _keep is None
+    a = _prepare_sdpa(args, half_kv)
     lse_wanted = V.check_flag(return_lse, "return_lse")
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
@@ -178,12 +186,15 @@ def scaled_dot_product_attention(
         a = _memory.owned(a)
     if _keep is not None or lse_wanted:
         lse = a.m.empty_lse(B, h, n_q, dtype)  # what a call with no key leaves
-    if out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
+    if half_kv and (out.size or (lse is not None and lse.size)):
+        code = 1 if a.k4.dtype == np.float16 else 2
+        bits = [x.view(np.uint16) for x in (a.k4, a.v4)]
+        core.sdpa_forward_half(a.q4, *bits, code, out, a.m.core_mask(), a.m.scale, lse)
+    elif out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse, a.bf16)
     if _keep is not None:
         _keep.update(prepared=a, out=out.copy(), lse=lse, halves=_half.halves(args))
     lse_out = lse if lse_wanted else None
-    half = _half.storage(args)
     return _args.with_weights(out, weights, mode, batch, (h, n_q, d_v), lse_out, half)
 
 

@@ -12,6 +12,10 @@ namespace attnlab {
 // the probabilities too before their product with V (cpp/src/kernels/attention_bf16.hpp)
 enum class Bf16 : int { none = 0, operands = 1, probabilities = 2 };
 
+// K and V stored in half precision (their bits): read converted to float, by the decode path
+// block by block (half the bytes of a float cache) and by the others through float copies
+enum class HalfFormat : int { none = 0, float16 = 1, bfloat16 = 2 };
+
 template <typename T>
 struct AttentionProblem {
     Index batch = 0, heads = 0, kv_heads = 0;
@@ -23,6 +27,8 @@ struct AttentionProblem {
     T* weights = nullptr;  // optional (batch, heads, n_q, n_k) contiguous: the attention weights
     T* lse = nullptr;      // optional (batch, heads, n_q) contiguous: log-sum-exp of the logits
     Bf16 bf16 = Bf16::none;
+    HalfFormat half = HalfFormat::none;  // float only; then k_half, v_half replace k, v
+    MatrixStack<const std::uint16_t> k_half, v_half;
 };
 
 // Gradients of attention_forward. Needs p.out and p.lse as attention_forward left them (the

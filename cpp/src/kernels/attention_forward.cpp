@@ -273,11 +273,42 @@ void forward_tiles(const AttentionProblem<T>& p) {
     });
 }
 
+// K and V of half precision as float copies (the tiles read them several times each)
+template <typename T>
+void forward_from_half(const AttentionProblem<T>& p) {
+    auto widen = [&](const MatrixStack<const std::uint16_t>& src, Index cols, Buffer<T>& buf,
+                     MatrixStack<const T>& dst) {
+        const Index rows = p.n_k, heads = p.batch * p.kv_heads;
+        buf = make_buffer<T>(heads * rows * cols);
+        if constexpr (std::is_same_v<T, float>)
+            parallel_for(heads, [&](Index t) {
+                half_rows_to_float(src.at(t / p.kv_heads, t % p.kv_heads), src.row_stride, rows,
+                                   cols, p.half, buf.get() + t * rows * cols);
+            });
+        dst = {buf.get(), p.kv_heads * rows * cols, rows * cols, cols};
+    };
+    AttentionProblem<T> r = p;
+    Buffer<T> k, v;
+    widen(p.k_half, p.d, k, r.k);
+    widen(p.v_half, p.d_v, v, r.v);
+    r.half = HalfFormat::none;
+    forward_tiles(r);
+}
+
 }  // namespace detail
 
 template <typename T>
 void attention_forward(const AttentionProblem<T>& p) {
     if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
+    if (p.half != HalfFormat::none) {  // the decode path reads them itself
+        const bool decode = !p.weights && detail::use_decode(p.n_q, p.heads, p.kv_heads, p.n_k);
+        if (decode) {
+            detail::decode_forward(p);
+        } else {
+            detail::forward_from_half(p);
+        }
+        return;
+    }
     if (p.bf16 == Bf16::none) {
         detail::forward_tiles(p);
         return;

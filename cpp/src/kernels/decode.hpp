@@ -22,9 +22,10 @@
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace detail {
 
-constexpr Index kDecodeRows = 16;    // query rows per kv head up to which the decode path runs
-constexpr Index kDecodeSplit = 512;  // keys per split: the task grid depends on n_k alone
-constexpr Index kDecodeBlock = 64;   // keys per block inside a split (scores of R rows in L1)
+constexpr Index kDecodeRows = 16;       // query rows per kv head up to which the decode path runs
+constexpr Index kDecodeSplit = 512;     // keys per split: the task grid depends on n_k alone
+constexpr Index kDecodeBlock = 64;      // keys per block inside a split (scores of R rows in L1)
+constexpr Index kDecodeHalfBlock = 16;  // the same from half-precision K and V
 
 inline bool use_decode(Index n_q, Index heads, Index kv_heads, Index n_k) {
     return n_q * (heads / kv_heads) <= kDecodeRows && n_k >= 2 * kDecodeSplit;
@@ -97,12 +98,32 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     std::fill(l, l + R, T(0));
     const T* kbase = p.k.at(b, hk);
     const T* vbase = p.v.at(b, hk);
+    const std::uint16_t* kbase16 = p.half != HalfFormat::none ? p.k_half.at(b, hk) : nullptr;
+    const std::uint16_t* vbase16 = p.half != HalfFormat::none ? p.v_half.at(b, hk) : nullptr;
     const bool capped = p.mask.options.softcap > 0;
-    for (Index j0 = j_lo; j0 < j_hi; j0 += kbp) {
-        const Index kb = std::min(kbp, j_hi - j0);
-        for (Index r = 0; r < R; ++r)
-            decode_scores(qs + r * d, kbase + j0 * p.k.row_stride, p.k.row_stride, kb, d,
-                          sc + r * kbp);
+    // half-precision keys and values are widened a block at a time: blocks small enough that the
+    // widened copies stay in L1 with the scores
+    const Index step = p.half != HalfFormat::none ? kDecodeHalfBlock : kbp;
+    for (Index j0 = j_lo; j0 < j_hi; j0 += step) {
+        const Index kb = std::min(step, j_hi - j0);
+        const T* kblock = kbase + j0 * p.k.row_stride;
+        const T* vblock = vbase + j0 * p.v.row_stride;
+        Index ks = p.k.row_stride, vs = p.v.row_stride;
+        if constexpr (std::is_same_v<T, float>) {
+            if (p.half != HalfFormat::none) {  // the block's keys and values, read once, as floats
+                float* kf = scratch<float>(ScratchBuffer::kDecodeKeys, std::size_t(kbp * d));
+                float* vf = scratch<float>(ScratchBuffer::kDecodeValues, std::size_t(kbp * dv));
+                half_rows_to_float(kbase16 + j0 * p.k_half.row_stride, p.k_half.row_stride, kb, d,
+                                   p.half, kf);
+                half_rows_to_float(vbase16 + j0 * p.v_half.row_stride, p.v_half.row_stride, kb, dv,
+                                   p.half, vf);
+                kblock = kf;
+                vblock = vf;
+                ks = d;
+                vs = dv;
+            }
+        }
+        for (Index r = 0; r < R; ++r) decode_scores(qs + r * d, kblock, ks, kb, d, sc + r * kbp);
         for (Index g = 0; g < group; ++g) {
             T* sg = sc + g * p.n_q * kbp;
             if (capped)
@@ -135,7 +156,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         // acc_r += sum_j p_rj v_j, each value row read once for the R rows; a key a row may
         // not see (masked logit -inf) is skipped, so its value (even NaN) is never read for it
         for (Index j = 0; j < kb; ++j) {
-            const T* vj = vbase + (j0 + j) * p.v.row_stride;
+            const T* vj = vblock + j * vs;
             for (Index r = 0; r < R; ++r) {
                 if (sc[r * kbp + j] == neg_inf<T>()) continue;
                 const T w = pr[r * kbp + j];

@@ -50,6 +50,8 @@ enum class ScratchBuffer : int {
     kDecodeQueries,      // decode_split: scale * q of the rows of a kv head group
     kDecodeScores,       // decode_split: scores and probabilities of a key block (rows x keys)
     kDecodeAccumulator,  // decode_split: unnormalised context of the rows (rows x padded d_v)
+    kDecodeKeys,         // decode_split: a key block read from half precision (keys x d)
+    kDecodeValues,       // decode_split: a value block read from half precision (keys x d_v)
     kBackwardTiles,      // backward_task: K^T, V^T, padded K, dK^T, dV^T, S/P, dP/dS of a tile
     kGemmPanel,          // panel_gemm: a depth chunk of the B panel, zero-padded
     kGemmEdge,           // gemm: the padded copy of a partial last panel of Y
