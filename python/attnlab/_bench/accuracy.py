@@ -165,7 +165,7 @@ def attnlab_call(case: Case, arrays: dict[str, np.ndarray], precision: str | Non
     if case.core_only:
         q, k, v = (arrays[n] for n in ("q", "k", "v"))
         return attnlab.scaled_dot_product_attention(q, k, v, causal=case.causal, **extra)
-    w = {n: a for n, a in arrays.items() if n not in ("x", "g")}
+    w: dict[str, Any] = {n: a for n, a in arrays.items() if n not in ("x", "g")}
     return attnlab.multi_head_attention(
         arrays["x"], num_heads=case.h, causal=case.causal, **w, **extra
     )
