@@ -230,7 +230,10 @@ def _peer(
     except subprocess.TimeoutExpired:
         return None, "timed out (30 min)", ""
     lines = res.stdout.strip().splitlines()
-    head = json.loads(lines[-1]) if lines else {}
+    try:
+        head = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:  # a worker that died mid-line: reported with its stderr
+        head = {}
     if "skip" in head:
         return None, f"skipped: {head['skip']}", ""
     if "error" in head or not os.path.exists(out):
