@@ -59,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         "--case",
         metavar="NAME",
         action="append",
-        help="with --peers: run only this case (bert, vit-s, vit-b, long, long-causal, "
-        "sdpa, tiny; training steps: vit-s-train, long-causal-train, tiny-train); "
-        "repeatable. Default: the inference cases but tiny (--quick: no long ones)",
+        help="with --peers or --accuracy: run only this case (bert, vit-s, vit-b, long, "
+        "long-causal, sdpa, decode, decode-gqa, tiny; training steps: vit-s-train, "
+        "long-causal-train, tiny-train); repeatable. Default: the inference cases but tiny "
+        "(--quick: no long ones)",
     )
     b.add_argument(
         "--train",
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         action="append",
         help="with --peers: only this runtime (attnlab, torch-sdpa, torch-mha, "
-        "onnxruntime, openvino, jax); repeatable",
+        "onnxruntime, openvino, jax); with --accuracy: torch-sdpa, torch-bf16, onnxruntime, "
+        "openvino-default; repeatable",
     )
     b.add_argument(
         "--progress",

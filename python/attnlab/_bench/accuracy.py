@@ -45,6 +45,7 @@ import numpy as np
 from .. import build_info, get_num_threads, reference
 from .common import relative_error
 from .peak import worker_env
+from .peers import DEFAULT_CASES
 from .peers_worker import CASES, Case, inputs
 from .progress import Progress
 
@@ -86,7 +87,6 @@ PEERS: dict[str, str] = {
     "openvino-default": "openvino default",
 }
 
-DEFAULT_CASES = ("bert", "vit-s", "vit-b", "long", "long-causal", "sdpa", "decode", "decode-gqa")
 # the float64 reference of the long cases at the bench's n = 8192 takes over 20 s and several
 # GiB (all heads' score matrices): measured at n = 4096
 ACCURACY_N = {"long": 4096, "long-causal": 4096}
