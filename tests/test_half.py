@@ -322,6 +322,70 @@ def test_bilinear_vjp_within_bound(shape, path):
     )
 
 
+# ----------------------------------------------------------------- latent attention
+
+# (B, n, options); heads 4, d_model 32, latent 16, nope 8, rope 6, value 10 (as test_latent)
+LATENT_SHAPES = [(1, 1, {}), (2, 7, {"causal": True}), (2, 64, {"causal": True})]
+
+
+def _latent_case(shape: tuple) -> tuple[dict[str, Any], dict[str, Any], float, int]:
+    """DeepSeek's MLA with nn.Linear-like weights. Its logits mix rotated and latent features:
+    rho is read off the float64 reference's weights instead, as the spread of each row's logits
+    (``log p`` centred over the keys it sees; for random weights the same size as
+    ``logit_scale`` of its queries and keys)."""
+    B, n, opts = shape
+    h, d, r, dn, dr, dv = 4, 32, 16, 8, 6, 10
+    rng = np.random.default_rng(B * n + 4)
+    args: dict[str, Any] = {
+        "x": rng.standard_normal((B, n, d)).astype(np.float32),
+        "w_q": _uniform(rng, d, (d, h * (dn + dr))),
+        "w_kv_a": _uniform(rng, d, (d, r + dr)),
+        "b_kv_a": _uniform(rng, d, (r + dr,)),
+        "kv_a_norm": (1 + 0.1 * rng.standard_normal(r)).astype(np.float32),
+        "w_kv_b": _uniform(rng, r, (r, h * (dn + dv))),
+        "w_o": _uniform(rng, h * dv, (h * dv, d)),
+        "b_o": _uniform(rng, h * dv, (d,)),
+    }
+    kw = {"num_heads": h, "rope_theta": 1e4, **opts}
+    _, p = reference.latent_attention(**args, **kw, return_weights=True)
+    seen = p > 0
+    logp = np.log(np.where(seen, p, 1.0))
+    mean = (logp * seen).sum(-1, keepdims=True) / seen.sum(-1, keepdims=True)
+    centred = np.where(seen, logp - mean, 0.0)
+    rho = float(np.sqrt((centred**2).sum() / seen.sum()))
+    return args, kw, rho, max(d, n, h * dv)
+
+
+@pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
+@pytest.mark.parametrize("shape", LATENT_SHAPES, ids=str)
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_latent_within_bound(shape, path, form):
+    args, kw, rho, length = _latent_case(shape)
+    kw = dict(kw, form=form)
+    _check_forward(
+        "latent_attention",
+        attnlab.latent_attention,
+        reference.latent_attention,
+        args,
+        kw,
+        path,
+        rho,
+        length,
+    )
+    g = np.random.default_rng(12).standard_normal(args["x"].shape).astype(np.float32)
+    _check_vjp(
+        "latent_attention",
+        attnlab.latent_attention,
+        attnlab.latent_attention_backward,
+        args,
+        kw,
+        g,
+        path,
+        rho,
+        length,
+    )
+
+
 # ----------------------------------------------------------------- additive and separable
 
 # (B, n, d_in, D)
