@@ -49,6 +49,7 @@ def sdpa_forward(
     scale: _Float,
     weights: _Optional,
     lse: _Optional,
+    bf16: bool = ...,
 ) -> None: ...
 def mha_forward(
     query: _Array,
@@ -88,6 +89,7 @@ def sdpa_backward(
     recompute: bool = ...,
     d_mask: _Optional = ...,
     d_sinks: _Optional = ...,
+    bf16: bool = ...,
 ) -> None: ...
 def mha_backward(
     grad_out: _Array,

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _additive, _bilinear, _docs, _latent, _mha, _rope
+from . import _additive, _bilinear, _docs, _half, _latent, _mha, _rope
 
 __all__ = ["vjp"]
 
@@ -115,4 +115,5 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
     keep: dict[str, Any] = {}
     out = f(*args, **kwargs, _keep=keep)
     pull = KEPT[f]
-    return out, lambda grad_out: pull(keep, grad_out)
+    hs = keep.get("halves", {})  # gradients of half-precision arguments are stored in that dtype
+    return out, lambda grad_out: _half.store_grads(pull(keep, grad_out), hs)
