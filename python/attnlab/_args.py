@@ -285,6 +285,13 @@ def masks(
     return m
 
 
+def pooled_tokens(x: Any) -> np.ndarray:
+    """The input ``x`` of a pooled family (additive, separable) as an array ``(..., n, d)``."""
+    a = V.as_array(x, "x")
+    V.check_ndim(a, "x", 2, "(..., n, d)")
+    return a
+
+
 def pooled_padding(args: Mapping[str, Any], batch: tuple[int, ...], n: int) -> np.ndarray | None:
     """``key_padding_mask`` of a pooled family (additive, separable) as ``(B, n)``, with the
     warning when it leaves a sequence with no real token (unless ``warn_empty_rows=False``)."""

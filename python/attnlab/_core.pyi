@@ -161,7 +161,8 @@ def bilinear_backward(
     state: dict[str, _Array] | None = ...,
 ) -> None: ...
 
-# Additive (SwiftFormer) and separable (MobileViT-v2) attention (cpp/bindings/additive.cpp).
+# Additive (SwiftFormer) and separable (MobileViT-v2) attention (cpp/bindings/additive.cpp,
+# separable.cpp).
 # variant: 0 official, 1 hf. state: attnlab.vjp's buffers (AdditiveState, SeparableState), filled
 # by the forward, read by the backward.
 def additive_forward(

@@ -22,8 +22,8 @@ namespace detail {
 
 // Tile sizes. Forward: 96 queries (a whole number of panels for 4, 8 and 16 lanes) against 128
 // keys; the score tile (48 KiB in float) streams through L2 row by row. 4 x 3-packet panels
-// with 96 queries against 6 x 2 with 64: 2-3% faster at d_head = 64 in CPU-time measurements
-// on a 2-core AVX2 machine (n = 2048). Backward: see backward_pair.
+// with 96 queries rather than 6 x 2 with 64: faster at d_head = 64 (docs/performance.md,
+// kTileQ). Backward: see backward_pair.
 constexpr Index kTileQ = 96;
 constexpr Index kTileK = 128;
 constexpr Index kDepth = 256;  // head-width chunk of the score product

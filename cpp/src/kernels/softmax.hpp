@@ -118,7 +118,7 @@ T row_max(const T* s, Index n) {
 // about 1 ulp), exp(r) by the degree-6 Cephes polynomial, 2^n built in the exponent bits. As
 // x <= 0, n is at least -126 wherever the result is kept, so no range clamping is needed: about
 // 18 vector operations against Eigen's 27 or so (counted, not timed alone). Worth it because
-// the softmax took 16% of a flash tile's time in perf (the two products the rest). exp(0) is
+// the softmax is a large share of a flash tile's time (the two products the rest). exp(0) is
 // exactly 1. double: Eigen's pexp. NaN propagates in both.
 template <typename Packet>
 Packet exp_flush(const Packet& x) {
