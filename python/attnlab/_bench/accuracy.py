@@ -176,7 +176,7 @@ def _reference(case: Case, a: dict[str, np.ndarray]) -> np.ndarray:
         return np.asarray(
             reference.scaled_dot_product_attention(a["q"], a["k"], a["v"], causal=case.causal)
         )
-    w = {n: v for n, v in a.items() if n not in ("x", "g")}
+    w: dict[str, Any] = {n: v for n, v in a.items() if n not in ("x", "g")}
     out = reference.multi_head_attention(a["x"], num_heads=case.h, causal=case.causal, **w)
     return np.asarray(out)
 
