@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -516,3 +517,119 @@ def test_progress_lines_count_the_steps_and_stay_quiet_unless_asked():
     q.step("a")
     q.finish("x")
     assert quiet.getvalue() == ""
+
+
+# ----------------------------------------------------------------- bench --accuracy (issue 31)
+
+
+def _accuracy_result(errors: dict[str, float | None], n_note: str = "") -> dict:
+    from attnlab._bench import accuracy
+
+    bounds = {key: accuracy.error_bound(u, 0.5, 128) for key, *_, u in accuracy.PATHS}
+    row = {
+        "case": "vit-b",
+        "label": "ViT-B layer",
+        "shape": "B=8 n=197 d=768 h=12",
+        "n_note": n_note,
+        "rho": 0.5,
+        "length": 128,
+        "errors": errors,
+        "bounds": bounds,
+        "peers": {"torch-sdpa": 4e-7, "torch-bf16": 3.6e-3},
+    }
+    return {
+        "date": "today",
+        "cpu": "cpu",
+        "threads": 2,
+        "isa": "avx512",
+        "bf16_kernel": "amx",
+        "version": "0.1.0",
+        "rows": [row],
+        "versions": {"torch-bf16": "torch 2.13 autocast bfloat16"},
+        "notes": ["attnlab float16 inputs: returned float64 (ViT-B layer)"],
+    }
+
+
+def test_accuracy_table_prints_errors_bounds_and_what_is_missing():
+    """One line per case: attnlab's error and its tested bound on each path, '-' where a path
+    was not measured (said in the notes), the peers' errors; an error above its bound is named;
+    a case measured at a smaller n is starred and the reason given."""
+    from attnlab._bench import accuracy
+
+    ok = {"float32": 4e-7, "bf16": 2.1e-3, "float16": None, "bfloat16": 3e-3}
+    text = accuracy.format_accuracy(_accuracy_result(ok))
+    line = next(x for x in text.splitlines() if x.strip().startswith("ViT-B layer"))
+    bf16_bound = accuracy.error_bound(2.0**-8, 0.5, 128)
+    assert "4.0e-07" in line and "2.1e-03" in line and f"{bf16_bound:.1e}" in line
+    assert " - " in line and "3.6e-03" in line, line
+    assert "torch bf16" in text and "onnxruntime" not in text  # only the peers measured
+    assert "Notes:" in text and "returned float64" in text and "ABOVE" not in text
+    assert "tests/test_half.py" in text  # the legend says where the bound is held
+    bad = dict(ok, bf16=0.5)
+    starred = _accuracy_result(bad, "n=4096, not the bench's 8192")
+    text = accuracy.format_accuracy(starred)
+    assert 'ABOVE ITS BOUND: ViT-B layer precision="bf16"' in text
+    assert "B=8 n=197 d=768 h=12 *" in text and "*: ViT-B layer: n=4096" in text
+    md = accuracy.markdown_table(starred)
+    assert md.splitlines()[0].startswith("| case | fp32 | bf16 | fp16 in | bf16 in | torch fp32")
+    assert "| ViT-B layer * | 4.0e-07 | 5.0e-01 | - |" in md
+
+
+def test_bench_accuracy_on_the_tiny_case(tmp_path):
+    """``bench --accuracy --case tiny --runtime torch-sdpa --json``: attnlab's float32 error
+    within its bound, torch's measured in its own process (or skipped with a note), the JSON
+    carries every row."""
+    path = tmp_path / "acc.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "attnlab", "bench", "--accuracy", "--case", "tiny"]
+        + ["--runtime", "torch-sdpa", "--json", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "bench --accuracy" in res.stdout and "tiny (smoke)" in res.stdout, res.stdout
+    assert "ABOVE ITS BOUND" not in res.stdout, res.stdout
+    row = json.loads(path.read_text())["rows"][0]
+    assert 0 < row["errors"]["float32"] <= row["bounds"]["float32"] < 1e-4
+    torch_err = row["peers"]["torch-sdpa"]
+    assert (torch_err is not None and torch_err < 1e-5) or "torch fp32: skipped" in res.stdout
+
+
+def test_peers_worker_output_only_at_another_n(tmp_path):
+    """``--no-time --n N``: one run at N keys, the output saved, no timing; ``torch-bf16``
+    really computes in bfloat16 (its error is bf16's, not float32's)."""
+    pytest.importorskip("torch")
+    from attnlab import reference
+
+    out = tmp_path / "t.npy"
+    cmd = [sys.executable, "-m", "attnlab._bench.peers_worker", "torch-bf16", "sdpa"]
+    cmd += ["--n", "32", "--no-time", "--threads", "1", "--out", str(out)]
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, env=_env(), timeout=300)
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "ms" not in rep and "call_ms" not in rep and "autocast" in rep["version"], rep
+    case = replace(peers_worker.CASES["sdpa"], n=32)
+    a = peers_worker.inputs(case)
+    got = np.load(out)
+    assert got.shape == (1, 8, 32, 64)
+    err = peers.relative_error(got, reference.scaled_dot_product_attention(a["q"], a["k"], a["v"]))
+    assert 1e-4 < err < 2e-2, err
+
+
+def test_cli_refuses_bad_accuracy_options():
+    for args, word in (
+        (["--accuracy", "--peers"], "--accuracy takes"),
+        (["--accuracy", "--case", "nope"], "cases"),
+        (["--accuracy", "--runtime", "jax"], "runtimes"),
+    ):
+        res = subprocess.run(
+            [sys.executable, "-m", "attnlab", "bench", *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=300,
+        )
+        assert res.returncode == 2 and word in res.stderr, res.stderr

@@ -1,6 +1,7 @@
 """Command line: ``python -m attnlab bench [--quick] [--verbose] [--targets] [--json PATH]
 [--plot PATH]``,
-``python -m attnlab bench --peers [--train] [--case NAME] [--runtime NAME]`` and
+``python -m attnlab bench --peers [--train] [--case NAME] [--runtime NAME]``,
+``python -m attnlab bench --accuracy [--quick] [--case NAME] [--runtime NAME]`` and
 ``python -m attnlab info``."""
 
 from __future__ import annotations
@@ -47,12 +48,21 @@ def main(argv: list[str] | None = None) -> int:
         "process (install them with the 'bench' extra; missing ones are skipped)",
     )
     b.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="the normwise error against the float64 reference of attnlab in float32, with "
+        "precision='bf16' and on float16 and bfloat16 inputs, beside torch (float32, bfloat16 "
+        "autocast), ONNX Runtime and OpenVINO (default precision) on the same inputs, on the "
+        "cases of --peers (runtimes: torch-sdpa, torch-bf16, onnxruntime, openvino-default)",
+    )
+    b.add_argument(
         "--case",
         metavar="NAME",
         action="append",
-        help="with --peers: run only this case (bert, vit-s, vit-b, long, long-causal, "
-        "sdpa, tiny; training steps: vit-s-train, long-causal-train, tiny-train); "
-        "repeatable. Default: the inference cases but tiny (--quick: no long ones)",
+        help="with --peers or --accuracy: run only this case (bert, vit-s, vit-b, long, "
+        "long-causal, sdpa, decode, decode-gqa, tiny; training steps: vit-s-train, "
+        "long-causal-train, tiny-train); repeatable. Default: the inference cases but tiny "
+        "(--quick: no long ones)",
     )
     b.add_argument(
         "--train",
@@ -67,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         action="append",
         help="with --peers: only this runtime (attnlab, torch-sdpa, torch-mha, "
-        "onnxruntime, openvino, jax); repeatable",
+        "onnxruntime, openvino, jax); with --accuracy: torch-sdpa, torch-bf16, onnxruntime, "
+        "openvino-default; repeatable",
     )
     b.add_argument(
         "--progress",
@@ -81,8 +92,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         print(json.dumps(build_info(), indent=2))
         return 0
-    if (args.case or args.runtime or args.train) and not args.peers:
-        parser.error("--case, --runtime and --train go with --peers")
+    if (args.case or args.runtime) and not (args.peers or args.accuracy):
+        parser.error("--case and --runtime go with --peers or --accuracy")
+    if args.train and not args.peers:
+        parser.error("--train goes with --peers")
+    if args.accuracy:
+        if args.peers or args.only or args.plot or args.verbose or args.targets or args.train:
+            parser.error("--accuracy takes --quick, --case, --runtime, --json and --progress only")
+        from ._bench.accuracy import PEERS, format_accuracy, run_accuracy
+
+        try:
+            acc = run_accuracy(
+                args.quick,
+                tuple(args.case) if args.case else None,
+                tuple(args.runtime) if args.runtime else tuple(PEERS),
+                show_progress=sys.stdout.isatty() if args.progress is None else args.progress,
+            )
+        except ValueError as e:
+            parser.error(str(e))
+        print(format_accuracy(acc))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(acc, f, indent=2)
+        return 0
     if args.train and args.case:
         parser.error("--train chooses the training cases: name them with --case alone")
     show_progress = sys.stdout.isatty() if args.progress is None else args.progress

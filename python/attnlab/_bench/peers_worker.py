@@ -16,6 +16,13 @@ and the pullback alone: the parts of a worker, each a row of the table.
   untimed call, then K timed ones; the first part when none is named), until ``quit`` or end of
   input. The parent alternates its workers round by round without paying their start-up again.
 
+``--no-time`` runs the case once, saves the output (``--out``) and exits: ``bench --accuracy``
+measures the output's error against the float64 reference, on the inputs every worker builds
+(``--n`` sets the case's number of keys, and of queries when the case has as many). The
+runtimes of ``LOW_PRECISION_RUNTIMES`` (torch under bfloat16 autocast, OpenVINO at its default
+inference precision) are for that comparison: ``bench --peers`` checks its runtimes against
+attnlab's float32 output.
+
 ``python -m attnlab._bench.peers_worker sgemm N`` times NumPy's float32 matmul (OpenBLAS) on
 N x N matrices instead: the check of the FMA peak.
 
@@ -32,12 +39,13 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-__all__ = ["CASES", "RUNTIMES", "Case", "TRAIN_BUILDERS", "main"]
+__all__ = ["CASES", "RUNTIMES", "LOW_PRECISION_RUNTIMES", "Case", "TRAIN_BUILDERS", "main"]
 
 SEED = 1234
 
@@ -120,6 +128,10 @@ CASES: dict[str, Case] = {
 # torch-sdpa: F.linear + F.scaled_dot_product_attention (the best torch path);
 # torch-mha: nn.MultiheadAttention (what most models call).
 RUNTIMES = ("attnlab", "torch-sdpa", "torch-mha", "onnxruntime", "openvino", "jax")
+# what a user gets without asking for float32: torch-sdpa under torch.autocast(bfloat16), and
+# OpenVINO at its default inference precision (bf16 on AMX and AVX512-BF16 CPUs); measured by
+# bench --accuracy, not in bench --peers' float32 check
+LOW_PRECISION_RUNTIMES = ("torch-bf16", "openvino-default")
 
 
 def inputs(case: Case) -> dict[str, np.ndarray]:
@@ -215,6 +227,20 @@ def _torch_sdpa(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     return f, lambda t: t.numpy(), f"torch {torch.__version__}"
 
 
+def _torch_bf16(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
+    """torch-sdpa under ``torch.autocast("cpu", dtype=torch.bfloat16)``: F.linear and SDPA take
+    bfloat16 operands (the core's q, k, v too)."""
+    torch = _import("torch")
+    torch.set_num_threads(threads)
+    fn, args = _torch_fn(torch, case, a), _tensors(torch, case, a)
+
+    def f() -> Any:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return fn(*args)
+
+    return f, lambda t: t.float().numpy(), f"torch {torch.__version__} autocast bfloat16"
+
+
 def _torch_mha(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     if case.core_only:
         raise Skip("nn.MultiheadAttention has no attention-core-only form")
@@ -308,7 +334,11 @@ def _onnxruntime(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     return f, np.asarray, f"onnxruntime {ort.__version__}"
 
 
-def _openvino(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
+def _openvino(
+    case: Case, a: dict[str, np.ndarray], threads: int, precision: str | None = "f32"
+) -> Built:
+    """The torch layer converted by OpenVINO, at inference precision ``precision`` (None: the
+    CPU plugin's default, bf16 where the CPU has bf16 instructions)."""
     ov = _import("openvino")
     try:
         torch = _import("torch")
@@ -326,22 +356,18 @@ def _openvino(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
         model = ov.convert_model(Layer().eval(), example_input=tuple(args))
     except Exception as e:  # noqa: BLE001 (any conversion failure: reported, not an error)
         raise Skip(f"openvino.convert_model cannot convert this case: {e}") from None
-    compiled = ov.Core().compile_model(
-        model,
-        "CPU",
-        {
-            "INFERENCE_PRECISION_HINT": "f32",
-            "INFERENCE_NUM_THREADS": threads,
-            "PERFORMANCE_HINT": "LATENCY",
-        },
-    )
+    config: dict[str, Any] = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
+    if precision is not None:
+        config["INFERENCE_PRECISION_HINT"] = precision
+    compiled = ov.Core().compile_model(model, "CPU", config)
     req = compiled.create_infer_request()
     feed = [a[k] for k in (("q", "k", "v") if case.core_only else ("x",))]
 
     def f() -> Any:
         return req.infer(feed, share_inputs=True)[0]
 
-    return f, np.asarray, f"openvino {ov.__version__}"
+    used = compiled.get_property("INFERENCE_PRECISION_HINT").to_string()  # e.g. "bf16"
+    return f, np.asarray, f"openvino {ov.__version__}" + ("" if precision else f" {used}")
 
 
 JAX_ARGS = ("x", "w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
@@ -396,6 +422,8 @@ BUILDERS: dict[str, Callable[[Case, dict[str, np.ndarray], int], Built]] = {
     "onnxruntime": _onnxruntime,
     "openvino": _openvino,
     "jax": _jax,
+    "torch-bf16": _torch_bf16,
+    "openvino-default": partial(_openvino, precision=None),
 }
 
 
@@ -466,6 +494,7 @@ TRAIN_BUILDERS: dict[str, Callable[[Case, dict[str, np.ndarray], int], TrainBuil
     "onnxruntime": _no_training("onnxruntime"),
     "openvino": _no_training("openvino"),
     "jax": _jax_train,
+    **{rt: _no_training(rt) for rt in LOW_PRECISION_RUNTIMES},
 }
 
 
@@ -530,12 +559,14 @@ def bandwidth(mib: int, repeat: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m attnlab._bench.peers_worker")
-    p.add_argument("runtime", choices=RUNTIMES + ("sgemm", "bandwidth"))
+    p.add_argument("runtime", choices=RUNTIMES + LOW_PRECISION_RUNTIMES + ("sgemm", "bandwidth"))
     p.add_argument("case", help=f"one of {', '.join(CASES)} (for sgemm: the matrix size)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeat", type=int, default=5, help="timed calls (one-shot mode)")
     p.add_argument("--out", help="save the output here (.npy) for the correctness check")
     p.add_argument("--serve", action="store_true", help="take 'time K' commands on stdin")
+    p.add_argument("--n", type=int, help="the case's keys (and queries, when as many) instead")
+    p.add_argument("--no-time", action="store_true", help="run once, save --out, no timing")
     args = p.parse_args(argv)
     if args.threads < 1:
         p.error(f"--threads: expected a positive count, got {args.threads}")
@@ -556,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.case not in CASES:
         p.error(f"case: expected one of {', '.join(CASES)}, got {args.case!r}")
     case = CASES[args.case]
+    if args.n is not None:
+        if args.n < 1:
+            p.error(f"--n: expected a positive count, got {args.n}")
+        case = replace(case, n=args.n)
     head: dict[str, Any] = {"runtime": args.runtime, "case": args.case}
     try:
         built = (TRAIN_BUILDERS if case.train else BUILDERS)[args.runtime](
@@ -570,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
         head.update(version=version, first_ms=(time.perf_counter() - t0) * 1e3)
         if args.out:
             _save(args.out, out)
+        if args.no_time:
+            _emit(head)
+            return 0
         call_ms = {p: min(_time(fp, 1)) for p, fp in parts.items()}
         head["call_ms"] = call_ms[first]
         if len(parts) > 1 or "" not in parts:
