@@ -156,6 +156,116 @@ def test_forms_agree_and_auto_follows_the_plan():
     assert c["cache_bytes_per_token"] == (R + DR) * 4
 
 
+@pytest.mark.parametrize("options", ["none", "key_padding_mask", "softcap", "mask", "weights"])
+def test_decode_step_over_a_long_cache(options):
+    """One query against a cache long enough to be cut into key parts (two whole parts and a
+    shorter last one, merged by their log-sum-exps): the absorbed step equals the reference and
+    the expanded step, output, log-sum-exp and gradients; a mask array or the weights run the
+    call whole."""
+    rng = np.random.default_rng(11)
+    w = _weights(rng, True)
+    n_past = 2 * 512 + 300
+    x = rng.standard_normal((2, 1, D))
+    cache = rng.standard_normal((2, n_past, R + DR))
+    kw = dict(num_heads=H, rope_theta=1e4, causal="bottom_right", return_lse=True)
+    if options == "key_padding_mask":
+        kp = np.ones((2, n_past + 1), bool)
+        kp[0, 100:700] = False  # a whole part and pieces of two more
+        kp[1, 1024:] = False  # the last part, and the new token's own key
+        kw["key_padding_mask"] = kp
+    elif options == "softcap":
+        kw["softcap"] = 1.5
+    elif options == "mask":
+        kw["mask"] = rng.standard_normal((2, H, 1, n_past + 1))
+    elif options == "weights":
+        kw["return_weights"] = True
+    ref = reference.latent_attention(x, **w, **kw, cache=cache)
+    got = attnlab.latent_attention(x, **w, **kw, cache=cache, form="absorbed")
+    exp = attnlab.latent_attention(x, **w, **kw, cache=cache, form="expanded")
+    for g, e, r_ in zip(got, exp, ref, strict=True):
+        assert_close(g, r_, np.float64, "long decode step")
+        np.testing.assert_allclose(g, e, rtol=0, atol=1e-12)
+    kw.pop("return_lse")
+    G = rng.standard_normal((2, 1, D))
+    ga = attnlab.latent_attention_backward(G, x, **w, **kw, cache=cache, form="absorbed")
+    ge = attnlab.latent_attention_backward(G, x, **w, **kw, cache=cache, form="expanded")
+    for k in ge:
+        np.testing.assert_allclose(ga[k], ge[k], rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.parametrize("serial", [0, 1 << 40], ids=["attnlab-gemm", "numpy-matmul"])
+@pytest.mark.parametrize("n", [1, 5])
+def test_absorbed_per_head_products_either_way(monkeypatch, serial, n):
+    """The absorbed form's per-head products on NumPy's matmul (a decode step's size) and on
+    attnlab's GEMM (larger ones): both equal to the reference."""
+    from attnlab import _latent
+
+    monkeypatch.setattr(_latent, "_BLAS_SERIAL", serial)
+    rng = np.random.default_rng(13)
+    w = _weights(rng, True)
+    x = rng.standard_normal((2, n, D))
+    cache = rng.standard_normal((2, 4, R + DR))
+    kw = dict(num_heads=H, rope_theta=1e4, causal="bottom_right", cache=cache)
+    ref = reference.latent_attention(x, **w, **kw)
+    got = attnlab.latent_attention(x, **w, **kw, form="absorbed")
+    assert_close(got, ref, np.float64, "absorbed products")
+
+
+def test_returned_cache_is_the_callers():
+    """The cache comes back without a copy, and writing into it changes neither a later call
+    nor what attnlab.vjp kept for its pullback."""
+    rng = np.random.default_rng(12)
+    w = _weights(rng, False)
+    x = rng.standard_normal((2, 3, D))
+    kw = dict(num_heads=H, rope_theta=1e4, causal=True, return_cache=True)
+    (out, cache), pullback = attnlab.vjp(attnlab.latent_attention, x, **w, **kw)
+    G = rng.standard_normal(out.shape)
+    before = pullback(G)
+    cache[...] = np.nan
+    after = pullback(G)
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+    out2, cache2 = attnlab.latent_attention(x, **w, **kw)
+    np.testing.assert_array_equal(out2, out)
+    assert np.isfinite(cache2).all()
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("n", [1, 3, 0])
+def test_gradient_through_the_returned_cache(form, n):
+    """``(grad_out, grad_cache)``: the cotangent of the returned cache reaches x, the key-value
+    weights and the cache given, against finite differences of sum(out G) + sum(cache G_c);
+    the vjp pullback takes the same pair."""
+    rng = np.random.default_rng(14)
+    w = _weights(rng, True)
+    args = dict(x=rng.standard_normal((2, n, D)), cache=rng.standard_normal((2, 4, R + DR)), **w)
+    kw = dict(num_heads=H, rope_theta=1e4, causal="bottom_right", form=form)
+    G = rng.standard_normal((2, n, D))
+    Gc = rng.standard_normal((2, 4 + n, R + DR))
+
+    def f(**a):
+        out, cache = attnlab.latent_attention(**a, **kw, return_cache=True)
+        return np.sum(out * G) + np.sum(cache * Gc)
+
+    g = attnlab.latent_attention_backward((G, Gc), **args, **kw, return_cache=True)
+    for name in sorted(args):
+        d = rng.standard_normal(np.shape(args[name]))
+        eps = 1e-6
+        fd = f(**{**args, name: args[name] + eps * d}) - f(**{**args, name: args[name] - eps * d})
+        fd /= 2 * eps
+        an = np.sum(g[name] * d)
+        assert abs(fd - an) <= 1e-6 * max(1.0, abs(fd)), (name, fd, an)
+    _, pullback = attnlab.vjp(attnlab.latent_attention, **args, **kw, return_cache=True)
+    got = pullback((G, Gc))
+    for k in g:
+        np.testing.assert_allclose(got[k], g[k], rtol=1e-12, atol=1e-12, err_msg=k)
+    assert set(pullback((G, None))) == set(g)
+    with pytest.raises(ValueError, match="grad_cache: expected the returned cache's shape"):
+        pullback((G, Gc[:, 1:]))
+    with pytest.raises(ValueError, match="grad_out: expected an array or the pair"):
+        pullback((G, Gc, Gc))
+
+
 def _fd_check(f, args, grads, names, rng, eps=1e-6, tol=1e-6):
     """Directional finite differences of ``sum(f(**args) * G)`` for each name."""
     out = f(**args)

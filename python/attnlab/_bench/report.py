@@ -11,6 +11,7 @@ import textwrap
 from typing import Any
 
 from .common import NOISY, Row
+from .latent import summary_tables
 from .runner import format_table, share, target_lines
 
 __all__ = ["format_report", "NEXT", "TITLES"]
@@ -27,6 +28,7 @@ TITLES = {
     "bilinear": "Bilinear attention: query-key weights collapsed per head, against separate heads",
     "additive": "Additive (SwiftFormer) and separable (MobileViT-v2) attention, forward",
     "backward": "Gradients: a training step is the forward and every gradient (torch: autograd)",
+    "latent": "Latent attention (DeepSeek's MLA): absorbed against expanded, and latent_cost",
 }
 
 _LEGEND = (
@@ -241,6 +243,7 @@ def format_report(result: dict[str, Any], *, verbose: bool = False, targets: boo
             + _slopes(rows),
         ),
         ("backward", _versus(rows, peak, ("backward",), grads)),
+        ("latent", [ln for t, h, b in summary_tables(rows) for ln in ["  " + t, *_table(h, b, 0)]]),
     ]
     shown = [(fam, body) for fam, body in sections if body]
     for fam, body in shown:
