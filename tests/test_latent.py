@@ -415,6 +415,45 @@ def test_torch_adapter_matches_numpy():
         np.testing.assert_allclose(t.grad.numpy(), ref[k], rtol=1e-12, atol=1e-12, err_msg=k)
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_torch_adapter_lse_cache_and_decoding_through_the_cache(form):
+    """return_lse and return_cache through the adapter: the values the NumPy function returns,
+    the log-sum-exp not differentiable; a loss over a prefill and two decode steps, each fed the
+    cache the one before returned, has torch autograd's gradients equal to one causal call over
+    the whole sequence (the cache carries the gradient back)."""
+    torch = pytest.importorskip("torch")
+    import attnlab.torch as at
+
+    rng = np.random.default_rng(15)
+    w = _weights(rng, True)
+    x = rng.standard_normal((2, 7, D))
+    kw = dict(num_heads=H, rope_theta=1e4, form=form)
+    G = rng.standard_normal((2, 7, D))
+    want = attnlab.latent_attention(
+        x[:, :4], **w, **kw, causal=True, return_lse=True, return_cache=True
+    )
+    tw = {k: torch.tensor(v, requires_grad=True) for k, v in w.items()}
+    tx = torch.tensor(x, requires_grad=True)
+    out, lse, cache = at.latent_attention(
+        tx[:, :4], **tw, **kw, causal=True, return_lse=True, return_cache=True
+    )
+    for t, a in zip((out, lse, cache), want, strict=True):
+        np.testing.assert_allclose(t.detach().numpy(), a, rtol=0, atol=1e-13)
+    assert not lse.requires_grad and cache.requires_grad
+    loss = (out * torch.tensor(G[:, :4])).sum()
+    for i in (4, 5):  # decode steps of 1 and 2 tokens
+        j = i + 1 if i == 4 else 7
+        step, cache = at.latent_attention(
+            tx[:, i:j], **tw, **kw, cache=cache, causal="bottom_right", return_cache=True
+        )
+        loss = loss + (step * torch.tensor(G[:, i:j])).sum()
+    loss.backward()
+    ref = attnlab.latent_attention_backward(G, x, **w, **kw, causal=True)
+    np.testing.assert_allclose(tx.grad.numpy(), ref["x"], rtol=1e-10, atol=1e-12)
+    for k, t in tw.items():
+        np.testing.assert_allclose(t.grad.numpy(), ref[k], rtol=1e-10, atol=1e-12, err_msg=k)
+
+
 # ---------------------------------------------------------------------------------------------
 # The real transformers modules
 

@@ -52,7 +52,7 @@ def _config() -> dict[str, int]:
     }
 
 
-def _weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _weights(rng: np.random.Generator) -> dict[str, Any]:
     d, h, r, dn, dr, dv = SIZES
 
     def w(*shape: int) -> np.ndarray:
@@ -68,7 +68,7 @@ def _weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def _steps(
-    rng: np.random.Generator, weights: dict[str, np.ndarray], n_q: int, n_k: int
+    rng: np.random.Generator, weights: dict[str, Any], n_q: int, n_k: int
 ) -> dict[str, Callable[[], Any]]:
     """Both forms of one call: ``n_q`` new tokens after a cache of ``n_k - n_q``, returning the
     new cache (as a decoding loop does)."""
