@@ -266,6 +266,44 @@ def test_gradient_through_the_returned_cache(form, n):
         pullback((G, Gc, Gc))
 
 
+def test_bench_crossover_tables_and_targets():
+    """The bench family's bookkeeping on made-up rows (no timing): the crossover is where
+    plan_latent switches, the tables carry both forms and the checks, the targets follow them."""
+    from attnlab._bench import latent as bench
+    from attnlab._bench.common import Row
+
+    x = bench.crossover(bench.PLAN_KEYS)
+    cfg = bench._config()
+    assert plan_latent(n_q=x, n_k=bench.PLAN_KEYS, **cfg) == "expanded"
+    assert plan_latent(n_q=x - 1, n_k=bench.PLAN_KEYS, **cfg) == "absorbed"
+    check = {"pred_ratio": 20.0, "meas_ratio": 25.0, "within_20pct": False, "pred_ms": 9.0}
+    check |= {"n": 4096, "gemm_gmacs": 40.0, "read_gbs": 8.0}
+    plan = {"n": 100, "plan": "absorbed", "faster": "absorbed", "plan_within_10pct": True}
+    rows = [
+        Row(
+            "latent",
+            "MLA decode step fp32",
+            "s",
+            "expanded",
+            200.0,
+            extra={"n": 4096, "pred_ms": 180.0},
+        ),
+        Row("latent", "MLA decode step fp32", "s", "absorbed", 8.0, extra=check),
+        Row("latent", "MLA plan sweep fp32", "p", "expanded", 50.0, extra={"n": 100}),
+        Row("latent", "MLA plan sweep fp32", "p", "absorbed", 40.0, extra=plan),
+    ]
+    (_, _, decode), (_, _, sweep) = bench.summary_tables(rows)
+    assert decode == [
+        ["4096", "200.0", "180.0", "8.00", "9.00", "25.0x", "20.0x", "NO", "40.0", "8.0"]
+    ]
+    assert sweep == [["100", "50.0", "40.0", "absorbed", "absorbed", "yes"]]
+    met = {t["target"].split(":")[0]: t["met"] for t in bench.targets(rows)}
+    assert met == {
+        "MLA decode at 4096 cached tokens": False,
+        "MLA plan_latent within 10% (1/1 points)": True,
+    }
+
+
 def _fd_check(f, args, grads, names, rng, eps=1e-6, tol=1e-6):
     """Directional finite differences of ``sum(f(**args) * G)`` for each name."""
     out = f(**args)

@@ -160,6 +160,11 @@ def _bilinear(rows: list[Row], peak: float | None) -> list[str]:
     return _table(head, body, 1)
 
 
+def _latent(rows: list[Row]) -> list[str]:
+    """The latent family's tables (left out of ``--quick``, which keeps to one screen)."""
+    return [ln for t, h, b in summary_tables(rows) for ln in ["  " + t, *_table(h, b, 0)]]
+
+
 def _slopes(rows: list[Row]) -> list[str]:
     """The growth exponents of the additive family's sweep, as one sentence."""
     names = {
@@ -243,7 +248,7 @@ def format_report(result: dict[str, Any], *, verbose: bool = False, targets: boo
             + _slopes(rows),
         ),
         ("backward", _versus(rows, peak, ("backward",), grads)),
-        ("latent", [ln for t, h, b in summary_tables(rows) for ln in ["  " + t, *_table(h, b, 0)]]),
+        ("latent", [] if result.get("quick") else _latent(rows)),
     ]
     shown = [(fam, body) for fam, body in sections if body]
     for fam, body in shown:
