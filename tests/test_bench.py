@@ -408,7 +408,8 @@ def _every_family(noisy: bool) -> dict:
         Row("backward", "ViT-S step fp32", "B=8 n=197", "torch step", Timing(33.0), 3e9),
     ]
     decode = {"n": 4096, "pred_ratio": 20.0, "meas_ratio": 18.0, "within_20pct": True}
-    decode |= {"pred_ms": 15.0, "gemm_gmacs": 40.0, "read_gbs": 8.0}
+    decode |= {"pred_ms": 15.0, "gemm_gmacs": 40.0, "attention_gmacs": 20.0, "read_gbs": 8.0}
+    decode["copy_gbs"] = 12.0
     plan = {"n": 158, "plan": "expanded", "faster": "absorbed", "plan_within_10pct": True}
     rows += [
         Row("latent", "MLA decode step fp32", "n_k=4096", "expanded", Timing(300.0), 1e10),

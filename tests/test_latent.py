@@ -277,7 +277,8 @@ def test_bench_crossover_tables_and_targets():
     assert plan_latent(n_q=x, n_k=bench.PLAN_KEYS, **cfg) == "expanded"
     assert plan_latent(n_q=x - 1, n_k=bench.PLAN_KEYS, **cfg) == "absorbed"
     check = {"pred_ratio": 20.0, "meas_ratio": 25.0, "within_20pct": False, "pred_ms": 9.0}
-    check |= {"n": 4096, "gemm_gmacs": 40.0, "read_gbs": 8.0}
+    check |= {"n": 4096, "gemm_gmacs": 40.0, "attention_gmacs": 20.0, "read_gbs": 8.0}
+    check |= {"copy_gbs": 12.0}
     plan = {"n": 100, "plan": "absorbed", "faster": "absorbed", "plan_within_10pct": True}
     rows = [
         Row(
@@ -294,7 +295,20 @@ def test_bench_crossover_tables_and_targets():
     ]
     (_, _, decode), (_, _, sweep) = bench.summary_tables(rows)
     assert decode == [
-        ["4096", "200.0", "180.0", "8.00", "9.00", "25.0x", "20.0x", "NO", "40.0", "8.0"]
+        [
+            "4096",
+            "200.0",
+            "180.0",
+            "8.00",
+            "9.00",
+            "25.0x",
+            "20.0x",
+            "NO",
+            "40.0",
+            "20.0",
+            "8.0",
+            "12.0",
+        ]
     ]
     assert sweep == [["100", "50.0", "40.0", "absorbed", "absorbed", "yes"]]
     met = {t["target"].split(":")[0]: t["met"] for t in bench.targets(rows)}

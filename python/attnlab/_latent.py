@@ -197,7 +197,13 @@ def _prepare(args: dict[str, Any]) -> _Latent:
         )
     w_o = arrs["w_o"]
     assert w_o is not None
-    _rows_of(w_o, "w_o", h * dv, "(num_heads * d_v, d_out)", f"d_v = {dv} from w_kv_b")
+    _rows_of(
+        w_o,
+        "w_o",
+        h * dv,
+        "(num_heads * d_v, d_out)",
+        f"d_v = {dv}: w_kv_b's {dn + dv} columns per head less d_nope = {dn} from {q_name}",
+    )
     d_out = w_o.shape[1]
     w: dict[str, np.ndarray | None] = {}
     for k in ("w_q", "w_q_a", "q_a_norm", "w_q_b", "w_kv_a", "kv_a_norm", "w_kv_b", "w_o"):
@@ -1013,6 +1019,8 @@ _BACKWARD_DOC = """\
 
 def _latent_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
+    V.check_flag(args["return_lse"], "return_lse")
+    V.check_flag(args["return_cache"], "return_cache")
     return _grads(_prepare(args), None, grad_out)
 
 

@@ -288,7 +288,10 @@ def latent_cost(
     -------
     dict
         ``"params"`` (weight numbers, norms and biases not counted); ``"flops"``, multiply-adds
-        of the whole layer (the projections both forms share included); ``"bytes"``, the
+        of the whole layer (the projections both forms share included); ``"attention_flops"``,
+        those of them the attention core makes (scores and weighted values: ``B*h*n_q*n_k``
+        times ``d_nope+d_rope+d_v`` expanded, ``2r+d_rope`` absorbed; the rest are GEMMs);
+        ``"bytes"``, the
         memory traffic of the passes :func:`attnlab.latent_attention` makes: the weights read
         once, the cached latents read and every latent written (the new cache), the queries
         and contexts; expanded: the latents' ``c`` copied and read by the up-projection, the
@@ -367,9 +370,11 @@ def latent_cost(
         # once for one query (its heads are the rows of one key head), once per head for more
         act += 2 * nq * h * (lat + r) + (1 if nq == 1 else h) * nk * lat
     nbytes = (params + b * act) * it
+    width = dn + dr + dv if form == "expanded" else 2 * r + dr  # scores and values per pair
     return {
         "params": int(params),
         "flops": int(flops),
+        "attention_flops": int(b * h * nq * nk * width),
         "bytes": int(nbytes),
         "cache_bytes_per_token": int((r + dr) * it),
     }

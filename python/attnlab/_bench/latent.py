@@ -2,14 +2,17 @@
 by :func:`attnlab.cost.latent_cost`.
 
 - **Decode steps**: one new token against caches of 1024 to 16384 tokens (quick: 4096), both
-  forms. Each form's time is predicted as its multiply-adds at the rate of attnlab's
-  GEMM plus its bytes at the memory read bandwidth. Both rates are measured in this process,
-  interleaved with the steps so that a shared machine's load hits them alike: the GEMM on the
-  up-projection's product at 2048 keys, the bandwidth as attnlab's matrix-vector product over a
-  64 MiB matrix (what :func:`attnlab._bench.peak.memory_bandwidth` measures with OpenBLAS's
-  sgemv in a process of its own). Each absorbed row's extra: the predicted and the measured
-  ratio expanded / absorbed, and whether they agree within 20% (issue 28's target at 4096
-  cached tokens).
+  forms. Each form's time is predicted from :func:`attnlab.cost.latent_cost`: its GEMMs'
+  multiply-adds at the rate of attnlab's GEMM, its attention core's at the rate of attnlab's
+  attention kernel, its weights' bytes at the rate a matrix-vector product streams a matrix (a
+  decode step reads every weight so), its other bytes at the rate of a copy; one after the
+  other. The rates are measured in this process, interleaved with the steps so that a shared
+  machine's load hits them alike: the GEMM on the up-projection's product at 2048 keys, the
+  attention kernel on the absorbed decode's shape against 4096 latents, attnlab's
+  matrix-vector product over a 64 MiB matrix (what :func:`attnlab._bench.peak.memory_bandwidth`
+  measures with OpenBLAS's sgemv in a process of its own), a 64 MiB copy. Each absorbed row's
+  extra: the predicted and the measured ratio expanded / absorbed, and whether they agree
+  within 20% (issue 28's target at 4096 cached tokens).
 - **The planner near its crossover**: ``n_q`` new tokens against a cache, ``n_k`` keys in all,
   ``n_q`` around where :func:`attnlab.cost.plan_latent` switches from absorbed to expanded.
   Each point's extra: the form the plan picks, the faster form measured, and whether the plan's
@@ -25,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import latent_attention
+from .. import _latent, latent_attention
+from .._args import CoreMask
 from .._loader import core
 from ..cost import latent_cost, plan_latent
 from .common import Row, interleaved, target
@@ -38,7 +42,9 @@ CACHES, CACHES_QUICK = (1024, 2048, 4096, 8192, 16384), (4096,)
 TARGET_CACHE = 4096  # issue 28: the predicted ratio within 20% here
 PLAN_KEYS = 2048  # keys of the planner's sweep (cache and new tokens)
 GEMM_ROWS = 2048  # rows of the GEMM that measures the multiply-add rate
+ATTENTION_KEYS = 4096  # keys of the attention call that measures the attention core's rate
 STREAM_MIB = 64  # the matrix that measures the read bandwidth, far larger than L2
+ITEMSIZE = 4  # float32
 
 
 def _config() -> dict[str, int]:
@@ -93,9 +99,10 @@ def _steps(
 
 
 def _probes() -> tuple[dict[str, Callable[[], Any]], dict[str, float]]:
-    """The rate measurements (timed with the steps) and their work: multiply-adds of the GEMM,
-    bytes read by the matrix-vector product."""
-    _, h, r, dn, _, dv = SIZES
+    """The rate measurements (timed with the steps) and their work: multiply-adds of the GEMM
+    and of the attention core (the absorbed decode's: ``h`` rows of width ``r + d_rope``
+    against 4096 latents in parts), bytes read by the matrix-vector product."""
+    _, h, r, dn, dr, dv = SIZES
     rng = np.random.default_rng(1)
     a = rng.standard_normal((GEMM_ROWS, r)).astype(np.float32)
     b = rng.standard_normal((r, h * (dn + dv))).astype(np.float32)
@@ -104,11 +111,47 @@ def _probes() -> tuple[dict[str, Callable[[], Any]], dict[str, float]]:
     m = np.ones((1024, cols), np.float32)
     v = np.ones((1, 1024), np.float32)
     mv = np.empty((1, cols), np.float32)
+    parts = ATTENTION_KEYS // _latent._KEY_PART  # as the absorbed decode step runs them
+    q = np.broadcast_to(
+        rng.standard_normal((1, 1, h, r + dr)).astype(np.float32), (parts, 1, h, r + dr)
+    )
+    lat = rng.standard_normal((parts, 1, _latent._KEY_PART, r + dr)).astype(np.float32)
+    out = np.empty((parts, 1, h, r), np.float32)
+    lse = np.empty((parts, 1, h), np.float32)
+
+    def attend() -> None:
+        core.sdpa_forward(q, lat, lat[..., :r], out, CoreMask(None, None, 0), 0.1, None, lse)
+
+    src = np.ones(STREAM_MIB << 18, np.float32)
+    dst = np.empty_like(src)
     fns = {
         "gemm": lambda: core.linear_forward(a, b, None, y),
+        "attention": attend,
         "stream": lambda: core.linear_forward(v, m, None, mv),
+        "copy": lambda: np.copyto(dst, src),
     }
-    return fns, {"gemm": float(a.shape[0] * r * b.shape[1]), "stream": float(m.nbytes)}
+    work = {
+        "gemm": float(a.shape[0] * r * b.shape[1]),
+        "attention": float(h * ATTENTION_KEYS * (2 * r + dr)),
+        "stream": float(m.nbytes),
+        "copy": float(src.nbytes + dst.nbytes),
+    }
+    return fns, work
+
+
+def _seconds(cost: dict[str, int], rate: dict[str, float]) -> float:
+    """A form's predicted time: its GEMMs' multiply-adds at the GEMM rate, the attention core's
+    at the attention rate, the weights' bytes at the rate a matrix-vector product streams a
+    matrix (a decode step reads each weight so), the other bytes at the rate of a copy (one
+    after the other: no overlap)."""
+    gemm = cost["flops"] - cost["attention_flops"]
+    weights = ITEMSIZE * cost["params"]
+    return (
+        gemm / rate["gemm"]
+        + cost["attention_flops"] / rate["attention"]
+        + weights / rate["stream"]
+        + (cost["bytes"] - weights) / rate["copy"]
+    )
 
 
 def _decode_rows(quick: bool, rng: np.random.Generator, weights: dict[str, Any]) -> list[Row]:
@@ -119,18 +162,22 @@ def _decode_rows(quick: bool, rng: np.random.Generator, weights: dict[str, Any])
         times = interleaved(
             _steps(rng, weights, 1, n_k) | probes, repeat=3 if quick else 11, warmup=1
         )
-        macs_s = work["gemm"] / (times["gemm"] * 1e-3)
-        bytes_s = work["stream"] / (times["stream"] * 1e-3)
-        cost = {f: latent_cost(f, n_q=1, n_k=n_k, **cfg) for f in ("expanded", "absorbed")}
-        pred = {f: 1e3 * (c["flops"] / macs_s + c["bytes"] / bytes_s) for f, c in cost.items()}
+        rate = {k: work[k] / (times[k] * 1e-3) for k in work}
+        cost = {
+            f: latent_cost(f, n_q=1, n_k=n_k, itemsize=ITEMSIZE, **cfg)
+            for f in ("expanded", "absorbed")
+        }
+        pred = {f: 1e3 * _seconds(c, rate) for f, c in cost.items()}
         pred_ratio = pred["expanded"] / pred["absorbed"]
         meas_ratio = times["expanded"] / times["absorbed"]
         check = {
             "pred_ratio": pred_ratio,
             "meas_ratio": meas_ratio,
             "within_20pct": bool(abs(meas_ratio / pred_ratio - 1) <= 0.2),
-            "gemm_gmacs": macs_s / 1e9,
-            "read_gbs": bytes_s / 1e9,
+            "gemm_gmacs": rate["gemm"] / 1e9,
+            "attention_gmacs": rate["attention"] / 1e9,
+            "read_gbs": rate["stream"] / 1e9,
+            "copy_gbs": rate["copy"] / 1e9,
         }
         d, h, r, dn, dr, dv = SIZES
         shape = f"B=1 n_k={n_k} d={d} h={h} r={r} dn={dn} dr={dr} dv={dv}"
@@ -236,7 +283,9 @@ def summary_tables(rows: list[Row]) -> list[tuple[str, list[str], list[list[str]
                     f"{x['pred_ratio']:.1f}x",
                     "yes" if x["within_20pct"] else "NO",
                     f"{x['gemm_gmacs']:.1f}",
+                    f"{x['attention_gmacs']:.1f}",
                     f"{x['read_gbs']:.1f}",
+                    f"{x['copy_gbs']:.1f}",
                 ]
             )
         elif "plan" in x:
@@ -253,10 +302,11 @@ def summary_tables(rows: list[Row]) -> list[tuple[str, list[str], list[list[str]
     tables = []
     if decode:
         head = ["n_k", "expanded ms", "predicted", "absorbed ms", "predicted", "ratio"]
-        head += ["predicted", "within 20%", "GEMM GMAC/s", "read GB/s"]
+        head += ["predicted", "within 20%", "GEMM GMAC/s", "attention", "GEMV GB/s", "copy"]
         title = (
             "One decode step against n_k cached tokens; predicted: latent_cost's multiply-adds "
-            "at the GEMM rate plus its bytes at the read bandwidth, both measured alongside:"
+            "at the GEMM and attention rates, its weights' bytes at the GEMV rate and its other "
+            "bytes at the copy rate, all measured alongside:"
         )
         tables.append((title, head, decode))
     if plan:
