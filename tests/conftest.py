@@ -15,6 +15,16 @@ import pytest
 
 # Relative tolerances (against a float64 oracle), normwise: |got - ref| <= tol * (|ref| + max|ref|)
 TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float64): 1e-12}
+# half-precision storage: computed in float32 from the exact inputs, one rounding to the storage's
+# unit roundoff u at the end (2**-11, 2**-8): within 2u of the float64 result of the same inputs
+TOL[np.dtype(np.float16)] = 2.0**-10
+try:
+    import ml_dtypes
+
+    BF16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
+    TOL[BF16] = 2.0**-7
+except ImportError:  # bfloat16 tests skip
+    BF16 = None
 
 _MAX_ERR: dict[tuple[str, str], float] = defaultdict(float)
 

@@ -434,7 +434,8 @@ def test_dtypes_follow_contract(rng):
     assert attnlab.additive_attention(x32, **w).dtype == np.float32
     assert attnlab.additive_attention(x32.astype(np.float64), **w).dtype == np.float64
     assert attnlab.additive_attention(np.ones((3, 4), np.int64), **w).dtype == np.float64
-    assert attnlab.additive_attention(x32.astype(np.float16), **w).dtype == np.float64
+    # float16 with float32 weights: computed and returned in float32 (np.result_type)
+    assert attnlab.additive_attention(x32.astype(np.float16), **w).dtype == np.float32
     ws = separable_weights(rng, 4, dtype=np.float32)
     assert attnlab.separable_attention(x32, **ws).dtype == np.float32
     assert attnlab.separable_attention(x32.tolist(), **ws).dtype == np.float64

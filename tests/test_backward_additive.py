@@ -14,11 +14,12 @@ import pytest
 
 import attnlab
 from attnlab import _additive as A
+from attnlab import _separable as S
 
 # attnlab/__init__.py re-exports these; import them from their module so that this file does
 # not depend on that line.
 additive_attention_backward = A.additive_attention_backward
-separable_attention_backward = A.separable_attention_backward
+separable_attention_backward = S.separable_attention_backward
 
 
 def seed(*key) -> int:
@@ -332,4 +333,4 @@ def test_empty_and_featureless():
 
 def test_exported():
     assert "additive_attention_backward" in A.__all__
-    assert "separable_attention_backward" in A.__all__
+    assert "separable_attention_backward" in S.__all__

@@ -137,3 +137,140 @@ def test_precision_errors():
         attnlab.multi_head_attention(x.astype(np.float64), **w, num_heads=2, precision="bf16")
     with pytest.raises(TypeError, match="x: bf16 products take float32 arrays"):
         core.linear_forward(np.ones((2, 2)), np.ones((2, 2)), None, np.ones((2, 2)), True)
+
+
+def _logit_error_bound(q, k, scale):
+    """E >= max |s_bf16 - s| over the logits: each product of two operands rounded to bfloat16
+    is off by at most (2 u + u**2) |q| |k|, u = 2**-8, summed over the features (float32's
+    sums add less than 1e-5 of that here)."""
+    u = 2.0**-8
+    qa = np.abs(q.astype(np.float64))
+    ka = np.abs(k.astype(np.float64))
+    group = q.shape[-3] // k.shape[-3]
+    ka = np.repeat(ka, group, axis=-3)
+    return abs(scale) * (2 * u + u * u) * 1.0001 * float((qa @ np.swapaxes(ka, -1, -2)).max())
+
+
+SDPA_BF16_CASES = [
+    ((1, 2, 100, 64), (1, 2, 100, 64), {}),
+    ((2, 3, 33, 40), (2, 3, 70, 40), {"causal": True}),
+    ((1, 4, 129, 64), (1, 2, 300, 64), {"causal": "bottom_right"}),  # grouped-query heads
+    ((1, 2, 200, 32), (1, 2, 200, 32), {"window": (40, 10)}),
+    ((1, 2, 64, 128), (1, 2, 96, 128), {"softcap": 3.0, "alibi_slopes": [0.5, 0.25]}),
+    ((1, 2, 50, 16), (1, 2, 77, 16), {"sinks": [0.5, -1.0], "scale": 0.3}),
+    ((2, 1, 40, 8), (2, 1, 40, 8), {"mask": "bool"}),
+    ((1, 2, 45, 24), (1, 2, 45, 24), {"mask": "float", "scale": -0.2}),
+    ((1, 2, 3, 64), (1, 2, 2048, 64), {}),  # the decode path
+    ((1, 2, 30, 64), (1, 2, 30, 64), {"return_weights": True, "d_v": 48}),  # the weights path
+]
+
+
+def _sdpa_case(q_shape, k_shape, options, seed):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(q_shape).astype(np.float32)
+    k = rng.standard_normal(k_shape).astype(np.float32)
+    v = rng.standard_normal(k_shape[:-1] + (options.pop("d_v", k_shape[-1]),)).astype(np.float32)
+    if options.get("mask") == "bool":
+        options["mask"] = rng.random((q_shape[-2], k_shape[-2])) < 0.7
+    elif options.get("mask") == "float":
+        options["mask"] = rng.standard_normal((q_shape[-2], k_shape[-2])).astype(np.float32)
+    for name in ("alibi_slopes", "sinks"):
+        if name in options:
+            options[name] = np.asarray(options[name], np.float32)
+    return q, k, v, options
+
+
+@pytest.mark.parametrize("q_shape,k_shape,options", SDPA_BF16_CASES)
+def test_sdpa_bf16_within_its_bounds(q_shape, k_shape, options):
+    """Against the reference with the operands rounded (the products exact): the kernels also
+    round each probability to bfloat16, relative 2**-8 at most, so the output is within
+    2**-8 max|v| (and float32's sums). Against the exact reference: logits off by at most E
+    (from the operands' rounding) move the weights of a row by at most e**(2E) - 1 in sum,
+    and v's rounding and P's add 2**-8 each: |out - exact| <= (e**(2E) - 1 + 2 2**-8) max|v|."""
+    q, k, v, kw = _sdpa_case(q_shape, k_shape, dict(options), seed=sum(q_shape) + len(options))
+    got = attnlab.scaled_dot_product_attention(q, k, v, precision="bf16", **kw)
+    same = reference.scaled_dot_product_attention(q, k, v, precision="bf16", **kw)
+    exact = reference.scaled_dot_product_attention(q, k, v, **kw)
+    if kw.get("return_weights"):
+        (got, w_got), (same, w_same), (exact, _) = got, same, exact
+        np.testing.assert_allclose(w_got, w_same, rtol=1e-4, atol=1e-6)  # float32 weights
+    assert got.dtype == np.float32
+    vmax = float(np.abs(v).max())
+    assert np.abs(got - same).max() <= 2.0**-8 * vmax * 1.01 + 1e-5
+    scale = kw.get("scale", 1 / np.sqrt(q_shape[-1]))
+    e = _logit_error_bound(q, k, scale)
+    assert np.abs(got - exact).max() <= (np.expm1(2 * e) + 2 * 2.0**-8) * vmax * 1.01 + 1e-5
+    assert np.abs(same - exact).max() > 1e-5 * vmax  # the rounding is really there
+
+
+def test_sdpa_bf16_nonfinite_values_take_the_careful_path():
+    """A value row holding Inf or NaN: only the queries that may see it get Inf/NaN, as in
+    float32 (the AMX path hands such calls to the emulation)."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 1, 64, 32)).astype(np.float32) for _ in range(3))
+    v[0, 0, 40, 3] = np.nan
+    got = attnlab.scaled_dot_product_attention(q, k, v, causal=True, precision="bf16")
+    ref = attnlab.scaled_dot_product_attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    assert np.isnan(got[0, 0, 40:, 3]).all() and not np.isnan(got[0, 0, :40]).any()
+
+
+def test_sdpa_bf16_amx_and_emulation_agree():
+    """Both kernels round the same operands; the probabilities may round differently where the
+    running maximum moves at another key (AMX blocks of 32 queries, the emulation's of 96):
+    within 2**-8 max|v|."""
+    info = attnlab.build_info()
+    if info["bf16_kernel"] != "amx":
+        pytest.skip(f"this CPU runs the {info['bf16_kernel']} bf16 kernel: no AMX to compare")
+    code = (
+        "import sys, numpy as np, attnlab; rng = np.random.default_rng(9); "
+        "q, k, v = (rng.standard_normal((2, 3, 150, 64)).astype(np.float32) for _ in range(3)); "
+        "o = attnlab.scaled_dot_product_attention(q, k, v, causal=True, precision='bf16'); "
+        "np.save(sys.argv[1], o)"
+    )
+    pkg = str(Path(attnlab.__file__).resolve().parents[1])
+    outs = []
+    for amx in ("1", "0"):
+        env = dict(os.environ, ATTNLAB_AMX=amx)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg, env.get("PYTHONPATH")) if p)
+        path = Path(os.environ.get("TMPDIR", "/tmp")) / f"attnlab-bf16-{os.getpid()}-{amx}.npy"
+        subprocess.run([sys.executable, "-c", code, str(path)], env=env, check=True)
+        outs.append(np.load(path))
+        path.unlink()
+    rng = np.random.default_rng(9)
+    v = [rng.standard_normal((2, 3, 150, 64)) for _ in range(3)][2].astype(np.float32)
+    assert np.abs(outs[0] - outs[1]).max() <= 2.0**-8 * float(np.abs(v).max())
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True, "num_kv_heads": 1}])
+def test_sdpa_bf16_gradients_and_vjp(options):
+    """Gradients in float32 at the rounded operands: within 4 2**-8 of the exact float64
+    gradients' largest entry; vjp gives the same."""
+    rng = np.random.default_rng(10)
+    kv = options.pop("num_kv_heads", 2)
+    q = rng.standard_normal((2, 2, 40, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((2, kv, 40, 16)).astype(np.float32) for _ in range(2))
+    g = rng.standard_normal((2, 2, 40, 16)).astype(np.float32)
+    grads = attnlab.scaled_dot_product_attention_backward(g, q, k, v, precision="bf16", **options)
+    exact = attnlab.scaled_dot_product_attention_backward(
+        *(a.astype(np.float64) for a in (g, q, k, v)), **options
+    )
+    for name, gr in grads.items():
+        assert gr.dtype == np.float32
+        assert np.abs(gr - exact[name]).max() <= 4 * 2.0**-8 * np.abs(exact[name]).max()
+    out, pull = attnlab.vjp(
+        attnlab.scaled_dot_product_attention, q, k, v, precision="bf16", **options
+    )
+    np.testing.assert_array_equal(
+        out, attnlab.scaled_dot_product_attention(q, k, v, precision="bf16", **options)
+    )
+    for name, gr in pull(g).items():
+        np.testing.assert_allclose(gr, grads[name], rtol=1e-5, atol=1e-6)
+
+
+def test_sdpa_precision_errors():
+    q = np.ones((1, 2, 4, 8))
+    with pytest.raises(ValueError, match=r"precision: 'bf16' .* float32 inputs, got float64"):
+        attnlab.scaled_dot_product_attention(q, q, q, precision="bf16")
+    with pytest.raises(ValueError, match="precision: expected None or 'bf16', got 'tf32'"):
+        attnlab.scaled_dot_product_attention(q, q, q, precision="tf32")

@@ -455,8 +455,8 @@ MIXED = [  # dtypes of (query, weights) -> result
     (np.float64, np.float32, F64),
     (np.int64, np.float32, F64),
     (np.int32, np.float64, F64),
-    (np.float16, np.float32, F64),
-    (np.float16, np.float16, F64),
+    (np.float16, np.float32, F32),  # half precision is computed in float32
+    (np.float16, np.float16, np.float16),  # and stored in its own dtype when every input has it
     (np.uint8, np.int16, F64),
 ]
 

@@ -2,6 +2,9 @@
 
 - mypy passes on the installed package (with its ``_core.pyi`` stub and ``py.typed``), every
   function fully annotated;
+- mypy sees the generated functions' parameters (every ``*_backward`` and the reference's
+  twins of the public functions): it rejects a misspelt keyword and accepts the right call;
+- ``help()`` shows no private parameter (``_keep``, vjp's);
 - the stub declares exactly the compiled module's functions, with the bindings' argument names;
 - every public function of attnlab, attnlab.interop, .diagnostics, .init, .reference, .layers,
   .optim and .torch, and every public method of their public classes, has a NumPy-style
@@ -49,31 +52,140 @@ def test_package_ships_stub_and_marker():
     assert (PKG / "_core.pyi").is_file()
 
 
-def test_mypy_passes_on_installed_package(tmp_path):
+@pytest.fixture(scope="module")
+def mypy_tree(tmp_path_factory):
+    """A copy of the package outside site-packages (mypy refuses to check a package inside its
+    own search path), its config, and one cache the module's mypy runs share."""
     pytest.importorskip("mypy")
-    # A copy outside site-packages: mypy refuses to check a package inside its own search path.
+    tree = tmp_path_factory.mktemp("mypy")
     shutil.copytree(
-        PKG, tmp_path / "attnlab", ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__")
+        PKG, tree / "attnlab", ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__")
     )
-    (tmp_path / "mypy.ini").write_text(MYPY_INI)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mypy",
-            "--config-file",
-            str(tmp_path / "mypy.ini"),
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "attnlab",
-        ],
-        cwd=tmp_path,
+    (tree / "mypy.ini").write_text(MYPY_INI)
+    return tree
+
+
+def _mypy(tree: Path, *targets: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(tree / "mypy.ini")]
+        + ["--cache-dir", str(tree / "cache"), *targets],
+        cwd=tree,
         capture_output=True,
         text=True,
         check=False,
         timeout=600,
     )
+
+
+def test_mypy_passes_on_installed_package(mypy_tree):
+    proc = _mypy(mypy_tree, "attnlab")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# The generated functions: each backward (``grad_out`` first, then its forward's parameters) and
+# the reference's functions that take a public function's parameters.
+GENERATED = [
+    f"attnlab.{f}_backward"
+    for f in (
+        "scaled_dot_product_attention",
+        "multi_head_attention",
+        "bilinear_attention",
+        "latent_attention",
+        "additive_attention",
+        "separable_attention",
+    )
+] + [
+    f"attnlab.reference.{f}"
+    for f in (
+        "scaled_dot_product_attention",
+        "multi_head_attention",
+        "bilinear_attention",
+        "collapse_qk",
+        "factorize_qk",
+        "latent_attention",
+        "additive_attention",
+        "separable_attention",
+        "separate_logits",
+    )
+]
+
+
+def _resolve(dotted: str):
+    module, name = dotted.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def _calls(dotted: str) -> tuple[str, str, str]:
+    """A call with the required arguments, the same call with a parameter's name misspelt (two
+    letters swapped) as a keyword, and that misspelling."""
+    params = list(inspect.signature(_resolve(dotted)).parameters.values())
+    args = []
+    for p in params:
+        if p.default is not p.empty:
+            continue
+        value = "1" if p.annotation == "int" else "a"
+        args.append(value if p.kind is p.POSITIONAL_OR_KEYWORD else f"{p.name}={value}")
+    names = {p.name for p in params}
+    # an optional keyword's name if there is one (factorize_qk has none), of 4 letters or more
+    by_default = sorted(params, key=lambda p: p.default is p.empty)
+    word = next(p.name for p in by_default if len(p.name) > 3)
+    typo = word[0] + word[2] + word[1] + word[3:]
+    assert typo not in names
+    right = f"{dotted}({', '.join(args)})"
+    return right, f"{dotted}({', '.join([*args, f'{typo}=a'])})", typo
+
+
+def test_mypy_sees_generated_parameters(mypy_tree):
+    """mypy checks the keywords of every generated function against the forward's ``def``: a
+    misspelt one is an error, the right call is not (as for a written-out ``def``)."""
+    lines = ["import numpy as np", "import attnlab", "import attnlab.reference", ""]
+    lines.append("a = np.ones((2, 3, 4))")
+    expected: dict[int, str] = {}  # line number -> the misspelt keyword mypy must name
+    for dotted in GENERATED:
+        right, wrong, typo = _calls(dotted)
+        lines.append(right)
+        lines.append(wrong)
+        expected[len(lines)] = typo
+    (mypy_tree / "snippet.py").write_text("\n".join(lines) + "\n")
+    proc = _mypy(mypy_tree, "snippet.py")
+    errors: dict[int, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"snippet\.py:(\d+): error: (.*)", line)
+        if m:
+            errors.setdefault(int(m.group(1)), []).append(m.group(2))
+    assert set(errors) == set(expected), proc.stdout + proc.stderr
+    for number, typo in expected.items():
+        assert any(f'Unexpected keyword argument "{typo}"' in e for e in errors[number]), errors
+
+
+def test_separate_logits_parameters_are_multi_head_attentions():
+    """``reference.separate_logits`` writes out the query-key side of
+    ``multi_head_attention``'s parameters: the same names, kinds, defaults and annotations."""
+    mha = inspect.signature(attnlab.multi_head_attention).parameters
+    for name, p in inspect.signature(attnlab.reference.separate_logits).parameters.items():
+        assert name in mha, name
+        q = mha[name]
+        assert (p.kind, p.default, p.annotation) == (q.kind, q.default, q.annotation), name
+
+
+FORWARDS_WITH_KEEP = [
+    "multi_head_attention",
+    "scaled_dot_product_attention",
+    "bilinear_attention",
+    "latent_attention",
+    "additive_attention",
+    "separable_attention",
+]
+
+
+@pytest.mark.parametrize("name", FORWARDS_WITH_KEEP)
+def test_help_hides_private_parameters(name):
+    import pydoc
+
+    f = getattr(attnlab, name)
+    text = pydoc.render_doc(f, renderer=pydoc.plaintext)
+    assert "_keep" not in text and "_keep" not in str(inspect.signature(f))
+    assert "_keep" in f.__code__.co_varnames  # still the forward's, for attnlab.vjp
 
 
 def _stub_functions() -> dict[str, list[str]]:

@@ -239,20 +239,18 @@ MaskSpec<T> mask_spec(const MaskArgs& args, Index batch, Index heads, Index n_q,
         m.sk = st[3];
     }
     m.key_padding = token_mask(args.key_padding_mask, batch, n_k);
-    if (!args.alibi_slopes.is_none()) {
-        py::array a = args.alibi_slopes.cast<py::array>();
-        auto st = check<T>(a, "alibi_slopes", {batch, heads}, false, false, false);
-        m.alibi = static_cast<const T*>(a.data());
-        m.alibi_sb = st[0];
-        m.alibi_sh = st[1];
-    }
-    if (!args.sinks.is_none()) {
-        py::array a = args.sinks.cast<py::array>();
-        auto st = check<T>(a, "sinks", {batch, heads}, false, false, false);
-        m.sinks = static_cast<const T*>(a.data());
-        m.sinks_sb = st[0];
-        m.sinks_sh = st[1];
-    }
+    // the per-(batch, head) arrays, broadcast along either axis (stride 0)
+    const auto per_head = [&](const py::object& arg, const char* name, const T*& data, Index& sb,
+                              Index& sh) {
+        if (arg.is_none()) return;
+        py::array a = arg.cast<py::array>();
+        auto st = check<T>(a, name, {batch, heads}, false, false, false);
+        data = static_cast<const T*>(a.data());
+        sb = st[0];
+        sh = st[1];
+    };
+    per_head(args.alibi_slopes, "alibi_slopes", m.alibi, m.alibi_sb, m.alibi_sh);
+    per_head(args.sinks, "sinks", m.sinks, m.sinks_sb, m.sinks_sh);
     return m;
 }
 

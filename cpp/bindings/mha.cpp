@@ -22,7 +22,9 @@ void check_heads(Index heads, Index kv_heads) {
 // The checked (batch, heads, n, d) views of q, k, v shared by forward and backward.
 template <typename T>
 AttentionProblem<T> sdpa_problem(const py::array& q, const py::array& k, const py::array& v,
-                                 double scale) {
+                                 double scale, bool bf16) {
+    if (bf16 && !std::is_same_v<T, float>)
+        throw py::type_error("bf16: bf16 products take float32 operands, got float64 q");
     if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
         throw py::value_error("q, k, v: expected (batch, heads, n, d) arrays");
     const Index B = q.shape(0), H = q.shape(1), nq = q.shape(2), d = q.shape(3);
@@ -40,14 +42,15 @@ AttentionProblem<T> sdpa_problem(const py::array& q, const py::array& k, const p
     p.q = const_stack<T>(check<T>(q, "q", {B, H, nq, d}), q);
     p.k = const_stack<T>(check<T>(k, "k", {B, Hk, nk, d}), k);
     p.v = const_stack<T>(check<T>(v, "v", {B, Hk, nk, dv}), v);
+    p.bf16 = bf16 ? Bf16::probabilities : Bf16::none;
     return p;
 }
 
 void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const MaskArgs& mask,
-                  double scale, py::object weights, py::object lse) {
+                  double scale, py::object weights, py::object lse, bool bf16) {
     dispatch(q, "q", [&](auto tag) {
         using T = decltype(tag);
-        AttentionProblem<T> p = sdpa_problem<T>(q, k, v, scale);
+        AttentionProblem<T> p = sdpa_problem<T>(q, k, v, scale, bf16);
         const Index B = p.batch, H = p.heads, nq = p.n_q, nk = p.n_k, dv = p.d_v;
         auto so = check<T>(out, "out", {B, H, nq, dv}, true);
         p.out = {static_cast<T*>(out.mutable_data()), so[0], so[1], so[2]};
@@ -65,10 +68,11 @@ void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const Ma
 // then backward: gradients of q, k, v for grad_out.
 void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, const MaskArgs& mask,
                    double scale, py::array out, py::array lse, py::array d_q, py::array d_k,
-                   py::array d_v, bool recompute, py::object d_mask, py::object d_sinks) {
+                   py::array d_v, bool recompute, py::object d_mask, py::object d_sinks,
+                   bool bf16) {
     dispatch(q, "q", [&](auto tag) {
         using T = decltype(tag);
-        AttentionProblem<T> p = sdpa_problem<T>(q, k, v, scale);
+        AttentionProblem<T> p = sdpa_problem<T>(q, k, v, scale, bf16);
         const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
         const Index d = p.d, dv = p.d_v;
         T* po = contiguous<T>(out, "out", {B, H, nq, dv}, true);
@@ -89,7 +93,11 @@ void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, co
             g.d_sinks = contiguous<T>(d_sinks.cast<py::array>(), "d_sinks", {B, H}, true);
         ReleaseGil release;
         const KernelSet<T>& kernels = kernels_for<T>();
-        if (recompute) kernels.attention_forward(p);  // else out and lse are the forward's (vjp)
+        if (recompute) {                // else out and lse are the forward's (vjp)
+            AttentionProblem<T> f = p;  // bf16: the forward of the function differentiated
+            if (f.bf16 != Bf16::none) f.bf16 = Bf16::operands;
+            kernels.attention_forward(f);
+        }
         kernels.attention_backward(p, g);
         return 0;
     });
@@ -199,11 +207,12 @@ void linear_forward(py::array x, py::array w, py::object b, py::array y, bool bf
 
 void bind_mha(py::module_& m) {
     m.def("sdpa_forward", &sdpa_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
-          py::arg("mask"), py::arg("scale"), py::arg("weights"), py::arg("lse"));
+          py::arg("mask"), py::arg("scale"), py::arg("weights"), py::arg("lse"),
+          py::arg("bf16") = false);
     m.def("sdpa_backward", &sdpa_backward, py::arg("grad_out"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("out"), py::arg("lse"),
           py::arg("d_q"), py::arg("d_k"), py::arg("d_v"), py::arg("recompute") = true,
-          py::arg("d_mask") = py::none(), py::arg("d_sinks") = py::none());
+          py::arg("d_mask") = py::none(), py::arg("d_sinks") = py::none(), py::arg("bf16") = false);
     def(m, "mha_forward",
         MhaSignature::After<>::wrap<py::array, py::object, py::object>(&mha_forward),
         std::tuple_cat(mha_arg_names(), std::make_tuple(py::arg("out"), py::arg("weights"),

@@ -19,6 +19,7 @@ namespace bind {
 void bind_mha(py::module_& m);
 void bind_bilinear(py::module_& m);
 void bind_additive(py::module_& m);
+void bind_separable(py::module_& m);
 }  // namespace bind
 }  // namespace attnlab
 
@@ -155,4 +156,5 @@ PYBIND11_MODULE(_core, m) {
     attnlab::bind::bind_mha(m);
     attnlab::bind::bind_bilinear(m);
     attnlab::bind::bind_additive(m);
+    attnlab::bind::bind_separable(m);
 }

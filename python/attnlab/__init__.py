@@ -9,12 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import diagnostics, init, layers, optim, reference
-from ._additive import (
-    additive_attention,
-    additive_attention_backward,
-    separable_attention,
-    separable_attention_backward,
-)
+from ._additive import additive_attention, additive_attention_backward
 from ._bilinear import (
     BilinearQK,
     bilinear_attention,
@@ -31,6 +26,7 @@ from ._mha import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
+from ._separable import separable_attention, separable_attention_backward
 from ._vjp import vjp
 from .cost import attention_cost, plan_qk
 

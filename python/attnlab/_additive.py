@@ -1,7 +1,8 @@
-"""Efficient additive attention (SwiftFormer) and separable self-attention (MobileViT-v2).
+"""Efficient additive attention (SwiftFormer).
 
-Both pool the tokens into one global vector and mix it back into every token, so their cost is
-linear in the number of tokens ``n`` (multi-head attention's is quadratic).
+It pools the tokens into one global vector and mixes it back into every token, so its cost is
+linear in the number of tokens ``n`` (multi-head attention's is quadratic), as separable
+self-attention's (:mod:`attnlab._separable`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
 
-__all__ = [
-    "additive_attention",
-    "additive_attention_backward",
-    "separable_attention",
-    "separable_attention_backward",
-]
+# layers.py and torch.py import separable_attention from here (to move to ._separable)
+from ._separable import separable_attention as separable_attention
+
+__all__ = ["additive_attention", "additive_attention_backward"]
 
 _VARIANTS = {"official": 0, "hf": 1}
 
@@ -40,12 +39,6 @@ def _variant_code(variant: Any) -> int:
     if isinstance(variant, str) and variant in _VARIANTS:
         return _VARIANTS[variant]
     raise ValueError(f"variant: expected 'official' or 'hf', got {variant!r}")
-
-
-def _tokens(x: Any) -> np.ndarray:
-    a = V.as_array(x, "x")
-    V.check_ndim(a, "x", 2, "(..., n, d)")
-    return a
 
 
 _Opt = np.ndarray | None
@@ -78,7 +71,7 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward."""
     code = _variant_code(args["variant"])
     e = _check_eps(args["eps"])
-    xa = _tokens(args["x"])
+    xa = _args.pooled_tokens(args["x"])
     n, d_in = xa.shape[-2:]
     ws = {k: V.as_array(args[k], k) for k in ("w_q", "w_k", "w_g", "w_proj", "w_final")}
     bs = {k: V.optional_array(args[k], k) for k in ("b_q", "b_k", "b_proj", "b_final")}
@@ -258,159 +251,6 @@ def additive_attention(
     return out.reshape(batch + (n, d_out))
 
 
-def _separable_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Buffers for what the separable forward keeps for attnlab.vjp (SeparableState in
-    cpp/include/attnlab/additive.hpp): 2 d + 1 values per token, d per batch element."""
-    B, n, d, dtype = a["B"], a["n"], a["d"], a["dtype"]
-    return _memory.empty_group(
-        {
-            "s": ((B * n,), dtype),
-            "k": ((B * n, d), dtype),
-            "v": ((B * n, d), dtype),
-            "context": ((B, d), dtype),
-        }
-    )
-
-
-def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
-    """Validated, converted arguments shared by the forward and the backward."""
-    xa = _tokens(args["x"])
-    n, d = xa.shape[-2:]
-    wqkv_ = V.as_array(args["w_qkv"], "w_qkv")
-    wo_ = V.as_array(args["w_o"], "w_o")
-    bqkv_ = V.optional_array(args["b_qkv"], "b_qkv")
-    bo_ = V.optional_array(args["b_o"], "b_o")
-    dtype = V.result_dtype(xa, wqkv_, wo_, bqkv_, bo_)
-    V.check_matrix(wqkv_, "w_qkv", "(d, 1 + 2 d)")
-    V.check_matrix(wo_, "w_o", "(d, d_out)", 0)
-    # its own shape, as long as it is not (out, in)
-    if wqkv_.shape[1] != 1 + 2 * wqkv_.shape[0] and wqkv_.shape[0] != 1 + 2 * wqkv_.shape[1]:
-        r = wqkv_.shape[0]
-        raise ValueError(
-            f"w_qkv: expected shape (d, 1 + 2 d) = ({r}, {1 + 2 * r}), got "
-            f"{V.shape_str(wqkv_.shape)}"
-        )
-    readers = [
-        V.reader(wqkv_, "w_qkv", f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})", lambda c: c == 1 + 2 * d, d)
-    ]
-    V.check_readers([("x", xa, readers)], "from_mobilevitv2")
-    wqkv = _memory.contiguous(wqkv_, dtype)
-    if wo_.shape[0] != d:  # w_o reads the d value features
-        r_o = V.reader(wo_, "w_o", f"(d, d_out) = ({d}, d_out)", lambda _c: True, d)
-        if r_o.transposed_fits:
-            raise V.transposed(r_o, "from_mobilevitv2")
-        raise ValueError(f"w_o: expected shape {r_o.layout}, got {V.shape_str(wo_.shape)}")
-    wo = _memory.contiguous(wo_, dtype)
-    d_out = wo.shape[1]
-    bqkv = V.vector(bqkv_, "b_qkv", dtype, 1 + 2 * d)
-    bo = V.vector(bo_, "b_o", dtype, d_out)
-
-    batch = tuple(xa.shape[:-2])
-    kp = _args.pooled_padding(args, batch, n)
-    B = V.count(batch)
-    return dict(
-        x_shape=xa.shape,
-        # the kernel's rows (none without features: the kernel is not called)
-        xr=V.rows(xa, batch, dtype) if d else None,
-        wqkv=wqkv,
-        bqkv=bqkv,
-        wo=wo,
-        bo=bo,
-        B=B,
-        n=n,
-        d=d,
-        d_out=d_out,
-        kp=kp,
-        batch=batch,
-        dtype=dtype,
-    )
-
-
-@_docs.filled
-def separable_attention(
-    x: Any,
-    *,
-    w_qkv: Any,
-    b_qkv: Any = None,
-    w_o: Any,
-    b_o: Any = None,
-    key_padding_mask: Any = None,
-    warn_empty_rows: bool = True,
-    _keep: dict[str, Any] | None = None,
-) -> np.ndarray:
-    """MobileViT-v2's separable self-attention (``LinearSelfAttention``) on tokens.
-
-    Per batch element, with ``[s | k | v] = x w_qkv + b_qkv`` split into widths 1, d, d::
-
-        c = softmax over the n tokens of s         (n,): the context scores
-        ctx = sum_n c_n k_n                        (d,): the context vector
-        out = (relu(v) * ctx) w_o + b_o
-
-    ``ctx`` is folded into ``w_o`` per batch element (``diag(ctx) w_o``): linear in ``n``.
-    The original's ``attn_dropout`` on ``c`` is the identity at inference and is not applied.
-
-    Parameters
-    ----------
-    x : array_like, shape (..., n, d)
-        Tokens; any number of leading batch dimensions. MobileViT-v2 works on unfolded feature
-        maps ``(B, C, P, N)`` (P pixels per patch, N patches) and attends over the N patches
-        separately for every pixel position P: treat P as a batch dimension,
-        ``x = fmap.transpose(0, 2, 3, 1)`` of shape (B, P, N, C), and transpose the result back
-        with ``out.transpose(0, 3, 1, 2)``.
-    w_qkv : array_like, shape (d, 1 + 2 d)
-        ``qkv_proj`` (a 1x1 convolution) as ``(in, out)``: ``conv.weight[:, :, 0, 0].T``.
-        Column 0 gives the scores, columns 1..d the keys, the last d the values.
-    b_qkv : array_like, shape (1 + 2 d,), optional
-    w_o : array_like, shape (d, d_out)
-        ``out_proj`` as ``(in, out)`` (d_out = d in MobileViT-v2). ``b_o`` (d_out,), optional.
-    key_padding_mask : array_like of bool, shape (..., n), optional
-        ``True`` for real tokens; padded tokens are left out of the softmax and of ``ctx`` (an
-        addition: the original has no mask). Padded tokens still get an output row.
-        ``nn.MultiheadAttention``'s ``key_padding_mask`` means the opposite (``True`` =
-        padding): convert it with :func:`attnlab.interop.torch_masks`.
-    warn_empty_rows : bool
-        Warn (a ``UserWarning``, once per call, with the count) when ``key_padding_mask``
-        leaves a sequence with no real token. Pass ``False`` when such sequences are intended.
-
-    Returns
-    -------
-    out : ndarray, shape (..., n, d_out)
-
-    Notes
-    -----
-    A batch element with no real token has ``ctx = 0``, so every output row is ``b_o``; never
-    NaN. NaN in a real token's score makes its whole batch element NaN, as in torch.
-    {dtypes}
-
-    {examples}
-    >>> B, C, P, N = 2, 8, 4, 16                      # MobileViT-v2's unfolded map
-    >>> fmap = rng.standard_normal((B, C, P, N))
-    >>> w_qkv = rng.standard_normal((C, 1 + 2 * C)) * 0.3
-    >>> w_o = rng.standard_normal((C, C)) * 0.3
-    >>> out = attnlab.separable_attention(fmap.transpose(0, 2, 3, 1), w_qkv=w_qkv, w_o=w_o)
-    >>> out.transpose(0, 3, 1, 2).shape               # back to (B, C, P, N)
-    (2, 8, 4, 16)
-    """
-    a = _prepare_separable(_sig.arguments(locals()))
-    B, n, d, d_out = a["B"], a["n"], a["d"], a["d_out"]
-    batch, dtype = a["batch"], a["dtype"]
-    out = _memory.empty((B * n, d_out), dtype)
-    state = None
-    if _keep is not None:  # attnlab.vjp: keep the pooling's intermediates for the pullback
-        a = _memory.owned(a)
-        state = _separable_state(a)
-        _keep.update(prepared=a, state=state)
-    bo = a["bo"]
-    if out.size:
-        if d == 0:  # no features: no keys or values, ctx is empty and out = b_o
-            out[...] = 0.0 if bo is None else bo
-        else:
-            core.separable_forward(
-                a["xr"], a["wqkv"], a["bqkv"], a["wo"], bo, B, n, a["kp"], out, state
-            )
-    return out.reshape(batch + (n, d_out))
-
-
 _ADDITIVE_BACKWARD_DOC = """\
     x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale, variant, eps,
     key_padding_mask, warn_empty_rows
@@ -460,54 +300,6 @@ def _additive_grads(
     return grads
 
 
-_SEPARABLE_BACKWARD_DOC = """\
-    x, w_qkv, b_qkv, w_o, b_o, key_padding_mask, warn_empty_rows
-        As for :func:`separable_attention`
-        {padding_polarity}
-
-    Returns
-    -------
-    dict
-        Keyed by argument name: ``"x"``, ``"w_qkv"``, ``"w_o"`` and each bias given. The mask
-        is not differentiated; relu's gradient at 0 is 0, as torch's.
-
-    {examples}
-    >>> x = rng.standard_normal((16, 8))
-    >>> w_qkv, w_o = rng.standard_normal((8, 17)) * 0.3, rng.standard_normal((8, 8)) * 0.3
-    >>> g = attnlab.separable_attention_backward(np.ones((16, 8)), x, w_qkv=w_qkv, w_o=w_o)
-    >>> sorted(g)
-    ['w_o', 'w_qkv', 'x']
-    """
-
-
-def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
-    return _separable_grads(_prepare_separable(args), grad_out)
-
-
-def _separable_grads(
-    a: dict[str, Any], grad_out: Any, state: dict[str, np.ndarray] | None = None
-) -> dict[str, np.ndarray]:
-    """As :func:`_additive_grads`, for a prepared separable call."""
-    B, n, d, d_out, dtype = a["B"], a["n"], a["d"], a["d_out"], a["dtype"]
-    go = _grad.grad_out_rows(grad_out, a["batch"] + (n, d_out), dtype)
-    params = {"w_qkv": a["wqkv"], "b_qkv": a["bqkv"], "w_o": a["wo"], "b_o": a["bo"]}
-    # x's rows are absent without features (the kernel is not called): (B * n, 0) zeros
-    grads = {"x": _memory.zeros((B * n, d), dtype), **_grad.grad_buffers(params, dtype)}
-    if B * n > 0 and d_out > 0:
-        if d == 0:  # out = b_o
-            if a["bo"] is not None:
-                grads["b_o"] = go.sum(axis=0)
-        else:
-            core.separable_backward(
-                go, a["xr"], a["wqkv"], a["bqkv"], a["wo"], a["bo"], B, n, a["kp"], grads, state
-            )
-    grads["x"] = grads["x"].reshape(a["x_shape"])
-    return grads
-
-
 additive_attention_backward = _sig.backward_of(
     additive_attention, _additive_backward, "(..., n, d_out)", _ADDITIVE_BACKWARD_DOC
-)
-separable_attention_backward = _sig.backward_of(
-    separable_attention, _separable_backward, "(..., n, d_out)", _SEPARABLE_BACKWARD_DOC
 )

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _memory
+from . import _half, _memory
 from . import _validate as V
 
 __all__: list[str] = []  # private module
@@ -285,6 +285,13 @@ def masks(
     return m
 
 
+def pooled_tokens(x: Any) -> np.ndarray:
+    """The input ``x`` of a pooled family (additive, separable) as an array ``(..., n, d)``."""
+    a = V.as_array(x, "x")
+    V.check_ndim(a, "x", 2, "(..., n, d)")
+    return a
+
+
 def pooled_padding(args: Mapping[str, Any], batch: tuple[int, ...], n: int) -> np.ndarray | None:
     """``key_padding_mask`` of a pooled family (additive, separable) as ``(B, n)``, with the
     warning when it leaves a sequence with no real token (unless ``warn_empty_rows=False``)."""
@@ -301,16 +308,19 @@ def with_weights(
     batch: tuple[int, ...],
     out_shape: tuple[int, ...],
     lse: np.ndarray | None = None,
+    half: np.dtype | None = None,
 ) -> Any:
     """The result of a forward from the kernel's buffers: ``out`` as ``batch + out_shape``, or
     ``(out, weights)`` with the weights ``(B, h, n_q, n_k)`` as ``batch + (h, n_q, n_k)``
     (averaged over the heads for ``return_weights="mean"``), then the log-sum-exp
-    ``(B, h, n_q)`` as ``batch + (h, n_q)`` when ``return_lse`` asked for it."""
-    result = [out.reshape(batch + out_shape)]
+    ``(B, h, n_q)`` as ``batch + (h, n_q)`` when ``return_lse`` asked for it. ``half``: the
+    storage dtype of the output and weights (the log-sum-exp stays float32, as a softmax
+    statistic)."""
+    result = [_half.store(out.reshape(batch + out_shape), half)]
     if mode is not None:
         assert weights is not None
         weights = weights.reshape(batch + weights.shape[1:])
-        result.append(weights.mean(axis=-3) if mode == "mean" else weights)
+        result.append(_half.store(weights.mean(axis=-3) if mode == "mean" else weights, half))
     if lse is not None:
         result.append(lse.reshape(batch + lse.shape[1:]).copy())
     return result[0] if len(result) == 1 else tuple(result)

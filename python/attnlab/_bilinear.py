@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _args, _docs, _grad, _memory
+from . import _args, _docs, _grad, _half, _memory
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -565,7 +565,7 @@ def bilinear_attention(
         # in that order too (else the pullback recomputes, and the output stays the one the
         # cost model's order gives)
         state = _bilinear_state(a) if a.order == "query" else None
-        _keep.update(prepared=a, state=state)
+        _keep.update(prepared=a, state=state, halves=_half.halves(args))
     if lse_wanted and state is None:
         state = _bilinear_state(a)
     if B * n_q > 0:
@@ -575,7 +575,8 @@ def bilinear_attention(
     if lse_wanted:
         assert state is not None
         lse = state["lse"] if B * n_q > 0 else a.m.empty_lse(B, h, n_q, dtype)
-    return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse)
+    half = _half.storage(args)
+    return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse, half)
 
 
 _BACKWARD_DOC = """\
@@ -648,7 +649,8 @@ def _bilinear_grads(
 
 def _bilinear_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     # the query order, whatever order the forward chose: the gradient is the same function
-    return _bilinear_grads(_prepare({**args, "_order": "query"}), grad_out)
+    grads = _bilinear_grads(_prepare({**args, "_order": "query"}), grad_out)
+    return _half.store_grads(grads, _half.halves(args))
 
 
 bilinear_attention_backward = _sig.backward_of(

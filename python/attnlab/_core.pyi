@@ -49,6 +49,7 @@ def sdpa_forward(
     scale: _Float,
     weights: _Optional,
     lse: _Optional,
+    bf16: bool = ...,
 ) -> None: ...
 def mha_forward(
     query: _Array,
@@ -88,6 +89,7 @@ def sdpa_backward(
     recompute: bool = ...,
     d_mask: _Optional = ...,
     d_sinks: _Optional = ...,
+    bf16: bool = ...,
 ) -> None: ...
 def mha_backward(
     grad_out: _Array,
@@ -159,7 +161,8 @@ def bilinear_backward(
     state: dict[str, _Array] | None = ...,
 ) -> None: ...
 
-# Additive (SwiftFormer) and separable (MobileViT-v2) attention (cpp/bindings/additive.cpp).
+# Additive (SwiftFormer) and separable (MobileViT-v2) attention (cpp/bindings/additive.cpp,
+# separable.cpp).
 # variant: 0 official, 1 hf. state: attnlab.vjp's buffers (AdditiveState, SeparableState), filled
 # by the forward, read by the backward.
 def additive_forward(

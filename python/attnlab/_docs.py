@@ -21,8 +21,23 @@ FRAGMENTS = {
     ),
     "dtypes_mixed": (
         "float32 and float64 are computed natively and the result keeps that dtype; mixed inputs\n"
-        "follow ``np.result_type`` (float32 with float64 gives float64); ints and float16 become\n"
-        "float64; bool, complex, object and string data raise ``TypeError``."
+        "follow ``np.result_type`` (float32 with float64 gives float64). float16 and bfloat16\n"
+        "(``ml_dtypes``) are computed in float32 and the results stored in that dtype when every\n"
+        "input has it (gradients in the dtype of their argument; the log-sum-exp in float32);\n"
+        "ints become float64; bool, complex, object and string data raise ``TypeError``."
+    ),
+    # precision= of the attention core
+    "precision_core": (
+        'precision : {None, "bf16"}, optional\n'
+        '    ``None``: exact in the input dtype. ``"bf16"`` (float32 inputs): ``q``, ``k``,\n'
+        "    ``v`` rounded to bfloat16, the scores and the context summed in float32, the softmax\n"
+        "    statistics in float32 and the probabilities rounded to bfloat16 for their product\n"
+        '    with ``v``: on AMX tiles where the CPU has them (``build_info()["bf16_kernel"]``)\n'
+        "    and emulated elsewhere, the same numbers up to the order of the float32 sums. The\n"
+        "    error against the exact result is of the order of bfloat16's unit roundoff\n"
+        "    ``2**-8``, relative (the bound is stated in ``docs/guide.md``). Gradients are\n"
+        "    those of the float32 attention at the rounded ``q``, ``k``, ``v`` (probabilities\n"
+        "    unrounded; ``attnlab.vjp``'s pullback recomputes that forward)."
     ),
     # the inputs of the query/key/value families, key and value defaulting as they do
     "query_key_value": (

@@ -94,8 +94,8 @@ def grad_buffers(
     arrays: dict[str, np.ndarray | None], dtype: np.dtype, zeroed: bool = True
 ) -> dict[str, np.ndarray]:
     """Gradient buffers for the arrays given (``None``: an omitted bias, no entry); zeroed
-    unless ``zeroed`` is False (for a kernel that writes every element: filling them first took
-    0.37 ms a ViT-S training step, 0.25 the weights' and 0.11 the inputs', on one thread)."""
+    unless ``zeroed`` is False (for a kernel that writes every element: filling them first is a
+    cost on every training step, docs/performance.md)."""
     new = _memory.zeros if zeroed else _memory.empty
     return {name: new(a.shape, dtype) for name, a in arrays.items() if a is not None}
 

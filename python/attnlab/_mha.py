@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _args, _docs, _grad, _memory, _rope
+from . import _args, _docs, _grad, _half, _memory, _rope
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -38,6 +38,7 @@ class _Sdpa(NamedTuple):
     d: int
     d_v: int
     m: _args.Masks
+    bf16: bool  # precision="bf16"
 
 
 def _prepare_sdpa(args: dict[str, Any]) -> _Sdpa:
@@ -89,6 +90,7 @@ def _prepare_sdpa(args: dict[str, Any]) -> _Sdpa:
         d,
         d_v,
         m,
+        V.precision_bf16(args["precision"], dtype),
     )
 
 
@@ -107,6 +109,7 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     return_weights: Weights = False,
     return_lse: bool = False,
+    precision: str | None = None,
     warn_empty_rows: bool = True,
     _keep: dict[str, Any] | None = None,
 ) -> Any:
@@ -139,6 +142,7 @@ def scaled_dot_product_attention(
     return_weights : bool or {"heads", "mean"}
         Also return the attention weights, per head ``(..., h, n_q, n_k)`` or their mean over
         heads ``(..., n_q, n_k)``.
+    {precision_core}
     warn_empty_rows : bool
         Warn (a ``UserWarning``, once per call, with the count) when the boolean masks leave a
         query row with no key at all: the usual sign of a mask in PyTorch's polarity. Pass
@@ -161,7 +165,8 @@ def scaled_dot_product_attention(
     >>> attnlab.scaled_dot_product_attention(q, k, v, causal=True).shape
     (2, 4, 8)
     """
-    a = _prepare_sdpa(_sig.arguments(locals()))
+    args = _sig.arguments(locals())
+    a = _prepare_sdpa(args)
     mode = V.weights_mode(return_weights)
     lse_wanted = V.check_flag(return_lse, "return_lse")
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
@@ -174,10 +179,12 @@ def scaled_dot_product_attention(
     if _keep is not None or lse_wanted:
         lse = a.m.empty_lse(B, h, n_q, dtype)  # what a call with no key leaves
     if out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
-        core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse)
+        core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse, a.bf16)
     if _keep is not None:
-        _keep.update(prepared=a, out=out.copy(), lse=lse)
-    return _args.with_weights(out, weights, mode, batch, (h, n_q, d_v), lse if lse_wanted else None)
+        _keep.update(prepared=a, out=out.copy(), lse=lse, halves=_half.halves(args))
+    lse_out = lse if lse_wanted else None
+    half = _half.storage(args)
+    return _args.with_weights(out, weights, mode, batch, (h, n_q, d_v), lse_out, half)
 
 
 _Opt = np.ndarray | None
@@ -462,10 +469,11 @@ def multi_head_attention(
         round both operands to bfloat16 and sum the products in float32, on AMX tiles where
         the CPU has them (``build_info()["bf16_kernel"]`` says ``"amx"``) and with the same
         rounding emulated elsewhere, so the answers agree across CPUs to the order of the
-        float32 sums; :func:`attnlab.reference.multi_head_attention` computes the same
-        rounding in float64. The attention core stays float32. The error against the exact
-        result grows to the order of bfloat16's unit roundoff, ``2**-8``, relative. Gradients
-        (``*_backward``, ``vjp``) take float32 products over the bf16 forward's projections.
+        float32 sums; the attention core as :func:`scaled_dot_product_attention`'s
+        ``precision="bf16"``. :func:`attnlab.reference.multi_head_attention` computes the same
+        rounding of the operands in float64. The error against the exact result grows to the
+        order of bfloat16's unit roundoff, ``2**-8``, relative. Gradients (``*_backward``,
+        ``vjp``) take float32 products over the bf16 forward's projections.
     warn_empty_rows : bool
         Warn (a ``UserWarning``, once per call, with the count) when the boolean masks leave a
         query row with no key at all: the usual sign of a mask in PyTorch's polarity. Pass
@@ -502,7 +510,7 @@ def multi_head_attention(
     if _keep is not None:  # attnlab.vjp: keep projections, context and log-sum-exp
         a = _memory.owned(a)
         state = _mha_state(a)
-        _keep.update(prepared=a, state=state)
+        _keep.update(prepared=a, state=state, halves=_half.halves(args))
     lse = a.m.empty_lse(B, h, n_q, dtype) if lse_wanted else None
     if lse_wanted and composed is None and state is None:
         state = _mha_state(a)
@@ -513,7 +521,8 @@ def multi_head_attention(
                 lse = state["lse"]
         else:
             _rope.forward(a, composed, out, weights, lse)
-    return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse)
+    half = _half.storage(args)
+    return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse, half)
 
 
 _SDPA_BACKWARD_INTRO = """\
@@ -570,6 +579,8 @@ def _sdpa_grads(
     logit = _grad.logit_buffers(a.m, B, h, n_q, n_k, dtype)
     if kernel:
         go4 = _memory.kernel_ready(go.reshape((B, h, n_q, d_v)))
+        if a.bf16:  # the gradient at the rounded operands recomputes the unrounded softmax
+            kept = None
         if kept is None:
             out = _memory.empty((B, h, n_q, d_v), dtype)
             lse = _memory.empty((B, h, n_q), dtype)
@@ -590,6 +601,7 @@ def _sdpa_grads(
             kept is None,
             logit.get("mask"),
             logit.get("sinks"),
+            a.bf16,
         )
     return {
         "q": _grad.unbroadcast(dq.reshape(batch + dq.shape[1:]), a.q.shape),
@@ -677,13 +689,14 @@ def _mha_grads(
 
 def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
-    return _sdpa_grads(_prepare_sdpa(args), grad_out)
+    return _half.store_grads(_sdpa_grads(_prepare_sdpa(args), grad_out), _half.halves(args))
 
 
 def _mha_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
     a = _prepare_mha(args)
-    return _mha_grads(a, grad_out, rope=_rope.prepare_for(a, args))
+    grads = _mha_grads(a, grad_out, rope=_rope.prepare_for(a, args))
+    return _half.store_grads(grads, _half.halves(args))
 
 
 scaled_dot_product_attention_backward = _sig.backward_of(

@@ -70,21 +70,6 @@ class Composed(NamedTuple):
 COMPOSED_ARGS = ("rope_theta", "rope_inv_freq", "q_norm", "k_norm", "precision")
 
 
-def precision_bf16(precision: Any, dtype: np.dtype) -> bool:
-    """Whether ``precision`` asks for bf16 products: ``None`` (exact in the input dtype) or
-    ``"bf16"`` (float32 inputs only)."""
-    if precision is None:
-        return False
-    if not isinstance(precision, str) or precision != "bf16":
-        raise ValueError(f"precision: expected None or 'bf16', got {precision!r}")
-    if dtype != np.float32:
-        raise ValueError(
-            f"precision: 'bf16' rounds float32 operands to bfloat16 and takes float32 inputs, "
-            f"got {dtype} (cast them with .astype(np.float32))"
-        )
-    return True
-
-
 def _real(x: Any, name: str, what: str) -> float:
     """A finite real > 0 (``what`` describes None's meaning, for the message)."""
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
@@ -296,7 +281,7 @@ def prepare_for(a: _Mha, args: dict[str, Any]) -> Composed | None:
     )
     q_norm = _norm_weight(args["q_norm"], "q_norm", d_head, a.dtype)
     k_norm = _norm_weight(args["k_norm"], "k_norm", d_head, a.dtype)
-    bf16 = precision_bf16(args["precision"], a.dtype)
+    bf16 = V.precision_bf16(args["precision"], a.dtype)
     eps = args["norm_eps"]
     if q_norm is None and k_norm is None:
         if eps is not None:
@@ -436,6 +421,7 @@ def forward(
         a.m.scale,
         weights,
         lse,
+        c.bf16,
     )
     core.linear_forward(_rows(ctx), _w(a, "w_o"), a.w["b_o"], out, c.bf16)
 
@@ -470,6 +456,7 @@ def backward(go: np.ndarray, a: _Mha, c: Composed, grads: dict[str, np.ndarray])
             True,
             grads.get("mask"),
             grads.get("sinks"),
+            c.bf16,
         )
     grads["w_o"][...] = _gemm(_rows(_heads(ctx)).T, go)
     if "b_o" in grads:

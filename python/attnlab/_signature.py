@@ -5,7 +5,10 @@ the forward's ``def``, and every derived function takes it.
 
 Generated functions are ordinary Python functions (compiled from source, as ``dataclasses``
 builds ``__init__``): ``inspect.signature``, ``help()``, tab completion and Python's own
-argument errors see the real parameters, names, defaults and annotations."""
+argument errors see the real parameters, names, defaults and annotations. Static tools see
+them too: :func:`backward_of` and :func:`reference_of` are typed with the forward's
+``ParamSpec``, so mypy rejects a misspelt keyword and an editor's hover lists the forward's
+parameters (a backward's first, positional, being ``grad_out``)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ import linecache
 import os
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import numpy as np
 
 from . import _docs
 
@@ -23,6 +28,7 @@ __all__: list[str] = []  # private module
 _PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def arguments(local_vars: Mapping[str, Any]) -> dict[str, Any]:
@@ -34,6 +40,13 @@ def arguments(local_vars: Mapping[str, Any]) -> dict[str, Any]:
 def public_parameters(f: Callable[..., Any]) -> list[inspect.Parameter]:
     """``f``'s parameters but the private ones (``_keep``, ``_order``: attnlab's own)."""
     return [p for p in inspect.signature(f).parameters.values() if not p.name.startswith("_")]
+
+
+def hide_private(f: Callable[..., Any]) -> None:
+    """Give ``f`` the signature of its public parameters only, the one ``help()``,
+    ``inspect.signature`` and the documentation show (its private ones stay callable)."""
+    sig = inspect.signature(f)
+    setattr(f, "__signature__", sig.replace(parameters=public_parameters(f)))  # noqa: B010
 
 
 def name_list(
@@ -98,14 +111,14 @@ def generate(
 
 
 def backward_of(
-    forward: Callable[..., Any],
+    forward: Callable[P, Any],
     body: Callable[[Any, dict[str, Any]], Any],
     output: str,
     doc: str,
     *,
     wrt: str = "every array argument given",
     intro: str = "",
-) -> Callable[..., dict[str, Any]]:
+) -> Callable[Concatenate[Any, P], dict[str, np.ndarray]]:
     """``<forward>_backward(grad_out, <forward's public arguments>)``: ``body(grad_out,
     arguments)`` computes the gradients.
 
@@ -131,37 +144,31 @@ def backward_of(
 
 
 def reference_of(
-    forward: Callable[..., Any], *, only: tuple[str, ...] | None = None
-) -> Callable[[Callable[[dict[str, Any]], T]], Callable[..., T]]:
+    forward: Callable[P, Any],
+) -> Callable[[Callable[[dict[str, Any]], T]], Callable[P, T]]:
     """Decorator of a reference function's body ``name(args)``: the function
     ``name(<forward's public parameters>)`` that calls ``body({param: value, ...})``.
 
     Only the parameters are ``forward``'s (names, kinds, defaults, annotations); the body
-    computes the result its own way. The function takes the body's name (``forward``'s, unless
-    ``only`` names the parameters of ``forward`` it takes), module, return annotation and
-    docstring, with :mod:`attnlab._docs`' fragments filled in and ``{parameters}`` standing for
-    a Parameters section that lists the parameters and refers to ``attnlab.<forward>`` for
-    their meaning."""
+    computes the result its own way. The function takes the body's name (``forward``'s),
+    module, return annotation and docstring, with :mod:`attnlab._docs`' fragments filled in and
+    ``{parameters}`` standing for a Parameters section that lists the parameters and refers to
+    ``attnlab.<forward>`` for their meaning."""
     params = public_parameters(forward)
-    if only is not None:
-        unknown = set(only) - {p.name for p in params}
-        if unknown:
-            raise TypeError(f"reference_of({forward.__name__}): no parameters {sorted(unknown)}")
-        params = [p for p in params if p.name in only]
     names = name_list(forward, params=params)
     section = (
         f"Parameters\n----------\n{names}\n    As for :func:`attnlab.{forward.__name__}`, from "
         f"whose signature this function takes them."
     )
 
-    def decorate(body: Callable[[dict[str, Any]], T]) -> Callable[..., T]:
-        if only is None and body.__name__ != forward.__name__:
+    def decorate(body: Callable[[dict[str, Any]], T]) -> Callable[P, T]:
+        if body.__name__ != forward.__name__:
             raise TypeError(f"reference_of({forward.__name__}): the body is {body.__name__}")
         returns = inspect.signature(body).return_annotation
         # attnlab's modules postpone their annotations: each is the text written in the ``def``
         returns = returns if isinstance(returns, str) else "Any"
         doc = _docs.fill(body.__doc__ or "", {"parameters": section})
-        fn: Callable[..., T] = generate(body.__name__, body.__module__, params, returns, doc, body)
+        fn: Callable[P, T] = generate(body.__name__, body.__module__, params, returns, doc, body)
         return fn
 
     return decorate

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._half import is_half
 from ._memory import _zero_strides_to_one, contiguous, copy, kernel_ready
 
 __all__: list[str] = []  # private module
@@ -25,8 +26,9 @@ _NATIVE = (np.dtype(np.float32), np.dtype(np.float64))
 def as_array(x: Any, name: str) -> np.ndarray:
     """Return ``x`` as a float32/float64 array following the dtype rules.
 
-    float32 and float64 are kept; other real numeric dtypes (ints, float16, ...) become
-    float64; bool, complex, object and string data raise ``TypeError``.
+    float32 and float64 are kept; float16 and bfloat16 become float32 (exactly: see
+    :mod:`attnlab._half`); other real numeric dtypes (ints, ...) become float64; bool, complex,
+    object and string data raise ``TypeError``.
     """
     if x is None:
         raise TypeError(f"{name}: expected an array, got None")
@@ -35,6 +37,8 @@ def as_array(x: Any, name: str) -> np.ndarray:
     except Exception as exc:  # noqa: BLE001 (ragged lists, or whatever __array__ raises)
         raise TypeError(f"{name}: could not be converted to an array ({exc})") from None
     kind = a.dtype.kind
+    if is_half(a.dtype):
+        return a.astype(np.float32)
     if kind == "b":
         raise TypeError(f"{name}: expected real floating-point data, got dtype bool")
     if kind not in "fiu":
@@ -94,6 +98,21 @@ def check_scale(scale: Any, default: float) -> float:
     if not math.isfinite(s):
         raise ValueError(f"scale: expected a finite number, got {s}")
     return s
+
+
+def precision_bf16(precision: Any, dtype: np.dtype) -> bool:
+    """Whether ``precision`` asks for bf16 products: ``None`` (exact in the input dtype) or
+    ``"bf16"`` (float32 inputs only)."""
+    if precision is None:
+        return False
+    if not isinstance(precision, str) or precision != "bf16":
+        raise ValueError(f"precision: expected None or 'bf16', got {precision!r}")
+    if dtype != np.float32:
+        raise ValueError(
+            f"precision: 'bf16' rounds float32 operands to bfloat16 and takes float32 inputs, "
+            f"got {dtype} (cast them with .astype(np.float32))"
+        )
+    return True
 
 
 _CAUSAL = {False: 0, None: 0, True: 1, "top_left": 1, "bottom_right": 2}

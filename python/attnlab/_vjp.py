@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _additive, _bilinear, _docs, _latent, _mha, _rope
+from . import _additive, _bilinear, _docs, _half, _latent, _mha, _rope, _separable
+from . import _signature as _sig
 
 __all__ = ["vjp"]
 
@@ -26,11 +27,13 @@ KEPT: dict[Any, Callable[[dict[str, Any], Any], dict[str, np.ndarray]]] = {
     _additive.additive_attention: lambda k, g: _additive._additive_grads(
         k["prepared"], g, k["state"]
     ),
-    _additive.separable_attention: lambda k, g: _additive._separable_grads(
+    _separable.separable_attention: lambda k, g: _separable._separable_grads(
         k["prepared"], g, k["state"]
     ),
     _latent.latent_attention: lambda k, g: _latent._grads(k["prepared"], k["state"], g),
 }
+for _forward in KEPT:  # ``_keep`` is vjp's, not the caller's: help() and the docs omit it
+    _sig.hide_private(_forward)
 
 
 def _recomputing(
@@ -105,8 +108,8 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
     if f not in KEPT:
         names = ", ".join(f"attnlab.{g.__name__}" for g in KEPT)
         raise TypeError(f"f: expected one of {names}, got {f!r}")
-    # the composed path's options are keyword-only: no signature binding (inspect.signature
-    # took 0.15 ms a step)
+    # the composed path's options are keyword-only: no signature binding, a cost on every
+    # training step (docs/performance.md)
     composed = f is _mha.multi_head_attention and any(
         kwargs.get(n) is not None for n in _rope.COMPOSED_ARGS
     )
@@ -115,4 +118,5 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
     keep: dict[str, Any] = {}
     out = f(*args, **kwargs, _keep=keep)
     pull = KEPT[f]
-    return out, lambda grad_out: pull(keep, grad_out)
+    hs = keep.get("halves", {})  # gradients of half-precision arguments are stored in that dtype
+    return out, lambda grad_out: _half.store_grads(pull(keep, grad_out), hs)

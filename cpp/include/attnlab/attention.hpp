@@ -8,6 +8,10 @@ namespace attnlab {
 
 // softmax(scale * q k^T + mask) v for every (batch, head); query head j reads kv head
 // j / (heads / kv_heads). Fully masked rows give a zero output row, zero weights and lse = -inf.
+// precision="bf16" (float only): q, k and v rounded to bfloat16 (operands), and in the forward
+// the probabilities too before their product with V (cpp/src/kernels/attention_bf16.hpp)
+enum class Bf16 : int { none = 0, operands = 1, probabilities = 2 };
+
 template <typename T>
 struct AttentionProblem {
     Index batch = 0, heads = 0, kv_heads = 0;
@@ -18,6 +22,7 @@ struct AttentionProblem {
     MaskSpec<T> mask;
     T* weights = nullptr;  // optional (batch, heads, n_q, n_k) contiguous: the attention weights
     T* lse = nullptr;      // optional (batch, heads, n_q) contiguous: log-sum-exp of the logits
+    Bf16 bf16 = Bf16::none;
 };
 
 // Gradients of attention_forward. Needs p.out and p.lse as attention_forward left them (the

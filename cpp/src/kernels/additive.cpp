@@ -6,6 +6,7 @@
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "pooled.hpp"
 #include "products.hpp"
 #include "scratch.hpp"
 
@@ -13,20 +14,6 @@ namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
 namespace detail {
 namespace {
-
-// Rows per GEMM block: large enough for Eigen to reach its peak, fixed so that results never
-// depend on the thread count.
-constexpr Index kRowBlock = 128;
-// Rows per task of the output pass: each task scales its own copy of the projection by the
-// pooled vector, so a task must cover enough rows to amortise that D x D_out step.
-constexpr Index kRowsPerTask = 1024;
-
-template <typename T>
-using Vec = Eigen::Matrix<T, 1, Eigen::Dynamic>;
-template <typename T>
-using VecMap = Eigen::Map<Vec<T>>;
-template <typename T>
-using ConstVecMap = Eigen::Map<const Vec<T>>;
 
 // ||v||_2 as sqrt(sum v^2), the formula torch and NumPy use, falling back to Eigen's scaled
 // norm only when the squares underflow or overflow (so tiny and huge rows stay exact).
@@ -62,39 +49,6 @@ typename Derived::Scalar robust_norm(const Eigen::MatrixBase<Derived>& v) {
     }
 }
 
-// Y = X W + b over a block of rows (W row-major (in, out), possibly a strided column block).
-template <typename T, typename XMap, typename YMap>
-void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y) {
-    if (X.cols() == 0) {
-        Y.setZero();
-    } else {
-        block_product<T>(X, W, Y);
-    }
-    if (b) Y.rowwise() += ConstVecMap<T>(b, Y.cols());
-}
-
-// Rows [r0, r0 + m) of x (width in) times W plus b, into this thread's kAdditiveRows block
-// (m x W.cols()): the first step of both forwards.
-template <typename T>
-auto project_block(const T* x, Index r0, Index m, Index in, const ConstRowMap<T>& W, const T* b) {
-    ConstRowMap<T> X(x + r0 * in, m, in, Eigen::OuterStride<>(std::max<Index>(in, 1)));
-    auto Y = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, W.cols());
-    RowMap<T> Ym(Y.data(), m, W.cols(), Eigen::OuterStride<>(W.cols()));
-    project<T>(X, W, b, Ym);
-    return Y;
-}
-
-// Calls fn(task, b, i0, m) for every block of kRowBlock rows [i0, i0 + m) of every batch
-// element b, in parallel; task = b * blocks_per_element + block (fixed: thread-count free).
-template <typename F>
-void for_batch_blocks(Index B, Index n, F fn) {
-    const Index per = (n + kRowBlock - 1) / kRowBlock;
-    parallel_for(B * per, [&](Index task) {
-        const Index b = task / per, i0 = (task % per) * kRowBlock;
-        fn(task, b, i0, std::min(kRowBlock, n - i0));
-    });
-}
-
 // v / max(||v||, eps) in place, for every row; the norms into `norms` when set.
 template <typename T, typename M>
 void normalize_rows(M& Y, T eps, T* norms = nullptr) {
@@ -105,26 +59,17 @@ void normalize_rows(M& Y, T eps, T* norms = nullptr) {
     }
 }
 
-// The last step of both forwards. Per task of at most kRowsPerTask rows of batch element b: the
-// weights folded with b's pooled vector, Wb = diag(pooled_b) W (width x d_out), once per task;
-// then apply(X, Y, Wb) for each block of kRowBlock rows, X the block of x (rows x width) and Y
-// the same rows of y (rows x d_out).
-template <typename T, typename WMatrix, typename F>
-void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, const WMatrix& W,
-                 const T* x, T* y, F apply) {
-    const Index per = (n + kRowsPerTask - 1) / kRowsPerTask;
-    parallel_for(B * per, [&](Index t) {
-        const Index b = t / per, r0 = (t % per) * kRowsPerTask;
-        const Index r1 = std::min(n, r0 + kRowsPerTask);
-        auto Wb = scratch_matrix<T>(ScratchBuffer::kAdditiveFolded, width, dout);
-        Wb = ConstVecMap<T>(pooled + b * width, width).asDiagonal() * W;
-        for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
-            const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
-            ConstRowMap<T> X(x + row * width, m, width, Eigen::OuterStride<>(width));
-            RowMap<T> Y(y + row * dout, m, dout, Eigen::OuterStride<>(dout));
-            apply(X, Y, Wb);
-        }
-    });
+// Backward of u = v / max(||v||, eps), in place on du, as torch's autograd computes it: above
+// eps the projection (du - u (u . du)) / ||v||; below it max() sends the gradient to eps, a
+// constant, so du / eps.
+template <typename T, typename R1, typename R2>
+void normalize_backward(R1&& du, const R2& u, T nrm, T eps) {
+    if (nrm >= eps) {
+        const T dot = u.dot(du);
+        du = (du - dot * u) / nrm;
+    } else {
+        du /= eps;
+    }
 }
 
 }  // namespace
@@ -273,199 +218,6 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
                        Y.rowwise() += c;
                    });
 }
-
-namespace detail {
-namespace {
-
-// Steps 1 and 2 of the separable forward, which the backward runs too when it has no kept
-// state (one code path: the two agree bitwise). Writes st.v (relu(v)) and st.context; st.s and
-// st.k when set (the forward without state keeps only relu(v)).
-template <typename T>
-void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st) {
-    const Index B = p.batch, n = p.n, d = p.d;
-    const Index ld = 1 + 2 * d;  // block rows are [s | k | v]
-    constexpr T kInf = std::numeric_limits<T>::infinity();
-
-    const ConstRowMap<T> Wqkv(p.w_qkv, d, ld, Eigen::OuterStride<>(ld));
-    const Index per = (n + kRowBlock - 1) / kRowBlock;
-    // Per (batch element, block): the block's softmax state over its real tokens, as in an
-    // online softmax: its max m_b, sum_n exp(s_n - m_b), sum_n exp(s_n - m_b) k_n.
-    auto bmax = make_buffer<T>(B * per);
-    auto bsum = make_buffer<double>(B * per);
-    auto bctx = make_buffer<double>(B * per * d);
-    auto breal = make_buffer<Index>(B * per);
-
-    // 1. [s | k | v] in one GEMM per block, the block's softmax state while k is in cache, and
-    //    relu(v) (NaN stays NaN, as torch's relu).
-    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
-        const Index r0 = b * n + i0;
-        auto P = project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv);
-        RowMap<T>(st.v + r0 * d, m, d, Eigen::OuterStride<>(d)) =
-            P.rightCols(d).unaryExpr([](T v) { return v < T(0) ? T(0) : v; });
-        if (st.k) RowMap<T>(st.k + r0 * d, m, d, Eigen::OuterStride<>(d)) = P.middleCols(1, d);
-        if (st.s)
-            for (Index i = 0; i < m; ++i) st.s[r0 + i] = P(i, 0);
-        T mx = -kInf;
-        bool nan = false;
-        Index real = 0;
-        for (Index i = 0; i < m; ++i) {
-            if (!p.key_padding.real(b, i0 + i)) continue;
-            const T s = P(i, 0);
-            if (std::isnan(s)) nan = true;
-            mx = std::max(mx, s);
-            ++real;
-        }
-        if (nan) mx = std::numeric_limits<T>::quiet_NaN();
-        Eigen::Map<Vec<double>> ctx(bctx.get() + task * d, d);
-        ctx.setZero();
-        bmax[task] = mx;
-        bsum[task] = 0.0;
-        breal[task] = real;
-        if (real == 0 || mx == -kInf) return;  // nothing here can carry weight
-        auto e = scratch_vector<T>(ScratchBuffer::kAdditiveWeights, m);
-        double z = 0;
-        for (Index i = 0; i < m; ++i) {
-            e[i] = p.key_padding.real(b, i0 + i) ? std::exp(P(i, 0) - mx) : T(0);
-            z += static_cast<double>(e[i]);
-        }
-        bsum[task] = z;
-        if (real == m) {
-            Vec<T> eP(d);
-            eigen_product<T>(cview<T>(e.data(), 1, m, m), cview<T>(P.data() + 1, m, d, ld),
-                             view<T>(eP.data(), 1, d, d));
-            ctx = eP.template cast<double>();
-        } else {  // skip padded tokens rather than weighting them by 0 (0 * NaN is NaN)
-            auto acc = scratch_vector<T>(ScratchBuffer::kAdditiveShare, d);
-            acc.setZero();
-            for (Index i = 0; i < m; ++i)
-                if (p.key_padding.real(b, i0 + i)) acc += e[i] * P.row(i).segment(1, d);
-            ctx = acc.template cast<double>();
-        }
-    });
-
-    // 2. Per batch element: merge the blocks' states into ctx = sum_n c_n k_n, c the softmax
-    //    over the real tokens. No real token: ctx = 0.
-    parallel_for(B, [&](Index b) {
-        VecMap<T> ctx(st.context + b * d, d);
-        T mx = -kInf;
-        bool nan = false, any = false;
-        for (Index k = 0; k < per; ++k) {
-            const Index t = b * per + k;
-            if (breal[t] == 0) continue;
-            any = true;
-            if (std::isnan(bmax[t])) nan = true;
-            mx = std::max(mx, bmax[t]);
-        }
-        // No real token, or every real score -inf (masked out by the score itself, as a -inf
-        // float mask in SDPA): nothing carries weight, ctx = 0 and out = b_o, never NaN.
-        if (!any || (!nan && mx == -kInf)) {
-            ctx.setZero();
-            return;
-        }
-        if (nan) mx = std::numeric_limits<T>::quiet_NaN();
-        double z = 0;
-        auto acc = scratch_vector<double>(ScratchBuffer::kAdditivePooled, d);
-        acc.setZero();
-        for (Index k = 0; k < per; ++k) {
-            const Index t = b * per + k;
-            if (breal[t] == 0 || bmax[t] == -kInf) continue;
-            const double f = std::exp(static_cast<double>(bmax[t]) - static_cast<double>(mx));
-            z += f * bsum[t];
-            acc += f * Eigen::Map<const Vec<double>>(bctx.get() + t * d, d);
-        }
-        // NaN among the real scores, or +inf: z or ctx is NaN (propagation, as torch)
-        ctx = (acc / z).template cast<T>();
-    });
-}
-
-}  // namespace
-}  // namespace detail
-
-template <typename T>
-void separable_attention_forward(const SeparableProblem<T>& p) {
-    using namespace detail;
-    const Index B = p.batch, n = p.n, d = p.d, dout = p.d_out;
-    const Index rows = B * n;
-    if (rows <= 0 || dout <= 0) return;
-    const ConstRowMap<T> Wo(p.w_o, d, dout, Eigen::OuterStride<>(dout));
-
-    // Without a state to fill, only relu(v) (all the output needs) and ctx, in buffers of this
-    // call.
-    Buffer<T> values, context;
-    SeparableState<T> st = p.state;
-    if (!st.v) {
-        values = make_buffer<T>(rows * d);
-        context = make_buffer<T>(B * d);
-        st = SeparableState<T>{};
-        st.v = values.get();
-        st.context = context.get();
-    }
-    separable_pool(p, st);
-
-    // 3. out = relu(v) (diag(ctx) w_o) + b_o.
-    folded_rows<T>(B, n, d, dout, st.context, Wo, st.v, p.out,
-                   [&](const auto& Vv, auto& Y, const auto& Wb) {
-                       if (d == 0) {
-                           Y.setZero();
-                       } else {
-                           block_product<T>(Vv, cview<T>(Wb.data(), d, dout, dout), Y);
-                       }
-                       if (p.b_o) Y.rowwise() += ConstVecMap<T>(p.b_o, dout);
-                   });
-}
-
-namespace detail {
-namespace {
-
-// Per batch element, the sum over its blocks of kRowBlock rows of the shares fn(b, i0, m,
-// share) writes (length `width`): blocks in parallel, then added in block order in double
-// (B x width).
-template <typename T, typename F>
-RowMatrix<double> block_sums(Index B, Index n, Index width, F fn) {
-    const Index per = (n + kRowBlock - 1) / kRowBlock;
-    auto partial_buf = make_buffer<double>(B * per * width);
-    Eigen::Map<RowMatrix<double>> partial(partial_buf.get(), B * per, width);
-    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
-        auto share = scratch_vector<T>(ScratchBuffer::kAdditiveShare, width);
-        fn(b, i0, m, share);
-        partial.row(task) = share.template cast<double>();
-    });
-    RowMatrix<double> sums = RowMatrix<double>::Zero(B, width);
-    parallel_for(B, [&](Index b) {
-        for (Index k = 0; k < per; ++k) sums.row(b) += partial.row(b * per + k);
-    });
-    return sums;
-}
-
-// Calls fn(r0, m) for fixed blocks of kRowBlock rows of [0, rows), in parallel (row-local work).
-template <typename F>
-void for_row_blocks(Index rows, F fn) {
-    parallel_for((rows + kRowBlock - 1) / kRowBlock, [&](Index c) {
-        const Index r0 = c * kRowBlock;
-        fn(r0, std::min(kRowBlock, rows - r0));
-    });
-}
-
-// Backward of u = v / max(||v||, eps), in place on du, as torch's autograd computes it: above
-// eps the projection (du - u (u . du)) / ||v||; below it max() sends the gradient to eps, a
-// constant, so du / eps.
-template <typename T, typename R1, typename R2>
-void normalize_backward(R1&& du, const R2& u, T nrm, T eps) {
-    if (nrm >= eps) {
-        const T dot = u.dot(du);
-        du = (du - dot * u) / nrm;
-    } else {
-        du /= eps;
-    }
-}
-
-template <typename T>
-void fill_zero(T* p, Index count) {
-    if (p) std::fill(p, p + std::max<Index>(count, 0), T(0));
-}
-
-}  // namespace
-}  // namespace detail
 
 template <typename T>
 void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
@@ -620,137 +372,11 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     linear_weight_grad(rows, din, D, p.x, din, dZ, D, g.w_k, g.b_k);
 }
 
-template <typename T>
-void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_out,
-                                  const SeparableGrads<T>& g) {
-    using namespace detail;
-    const Index B = p.batch, n = p.n, d = p.d, dout = p.d_out;
-    const Index rows = B * n, ld = 1 + 2 * d;
-    if (rows <= 0 || dout <= 0 || d <= 0) {
-        fill_zero(g.x, rows * d);
-        fill_zero(g.w_qkv, d * ld);
-        fill_zero(g.b_qkv, ld);
-        fill_zero(g.w_o, d * dout);
-        fill_zero(g.b_o, dout);
-        if (g.b_o && dout > 0)  // out = b_o when there are no features
-            for (Index r = 0; r < rows; ++r)
-                VecMap<T>(g.b_o, dout) += ConstVecMap<T>(grad_out + r * dout, dout);
-        return;
-    }
-    constexpr T kInf = std::numeric_limits<T>::infinity();
-    auto drow = [&](T* base, Index r) { return VecMap<T>(base + r * d, d); };
-    auto crow = [&](const T* base, Index r) { return ConstVecMap<T>(base + r * d, d); };
-    auto prow = [&](T* base, Index r) { return VecMap<T>(base + r * ld, ld); };
-    auto real = [&](Index r) { return p.key_padding.real(r / n, r % n); };
-
-    // The forward's scores, keys, relu(v) and ctx: kept by the forward (attnlab.vjp), or its
-    // pooling run again here, on the same code.
-    SeparableState<T> st = p.state;
-    Buffer<T> kept[4];
-    if (!st.filled) {
-        int next = 0;
-        auto own = [&](T*& ptr, Index count) {
-            kept[next] = make_buffer<T>(count);
-            ptr = kept[next++].get();
-        };
-        own(st.s, rows);
-        own(st.k, rows * d);
-        own(st.v, rows * d);
-        own(st.context, B * d);
-        separable_pool(p, st);
-    }
-    const T* S = st.s;
-    const T* Kv = st.k;
-    const T* Rv = st.v;  // relu(v)
-    const Eigen::Map<const RowMatrix<T>> ctx(st.context, B, d);
-
-    // The softmax c over the real tokens (0 for padded ones).
-    auto c = make_buffer<T>(rows);
-    parallel_for(B, [&](Index b) {
-        T mx = -kInf;
-        bool nan = false;
-        for (Index r = b * n; r < (b + 1) * n; ++r) {
-            if (!real(r)) continue;
-            nan = nan || std::isnan(S[r]);
-            mx = std::max(mx, S[r]);
-        }
-        if (nan) mx = std::numeric_limits<T>::quiet_NaN();
-        if (mx == -kInf) {  // no real token, or every real score -inf: c = 0, as the forward
-            for (Index r = b * n; r < (b + 1) * n; ++r) c[r] = T(0);
-            return;
-        }
-        double z = 0;
-        for (Index r = b * n; r < (b + 1) * n; ++r) {
-            c[r] = real(r) ? std::exp(S[r] - mx) : T(0);
-            z += static_cast<double>(c[r]);
-        }
-        for (Index r = b * n; r < (b + 1) * n; ++r)
-            if (real(r)) c[r] = static_cast<T>(static_cast<double>(c[r]) / z);
-    });
-
-    // U = relu(v) * ctx; out = U w_o + b_o.
-    auto Ub = make_buffer<T>(rows * d), dU = make_buffer<T>(rows * d);
-    for_row_blocks(rows, [&](Index r0, Index m) {
-        for (Index r = r0; r < r0 + m; ++r)
-            drow(Ub.get(), r) = crow(Rv, r).cwiseProduct(ctx.row(r / n));
-    });
-    linear_weight_grad(rows, d, dout, Ub.get(), d, grad_out, dout, g.w_o, g.b_o);
-    linear_input_grad(rows, d, dout, grad_out, dout, p.w_o, dU.get(), d);
-
-    // dctx = sum over every token of relu(v) * dU.
-    const RowMatrix<T> dctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m, auto& share) {
-                                  share.setZero();
-                                  for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
-                                      share += crow(Rv, r).cwiseProduct(drow(dU.get(), r));
-                              }).template cast<T>();
-
-    // dP = [ds | dk | dv]: dv = [v > 0] ctx * dU (torch's relu: 0 at 0; relu(v) <= 0 exactly
-    // when v <= 0, NaN passing as in torch); dk = c dctx over real tokens; ds = c (dc - sum_R
-    // c dc), dc_n = k_n . dctx.
-    auto dP = make_buffer<T>(rows * ld);
-    auto dc = make_buffer<T>(rows);
-    for_row_blocks(rows, [&](Index r0, Index m) {
-        for (Index r = r0; r < r0 + m; ++r) {
-            const Index b = r / n;
-            const T* rv = Rv + r * d;
-            auto dp = prow(dP.get(), r);
-            for (Index j = 0; j < d; ++j)
-                dp[1 + d + j] = rv[j] <= T(0) ? T(0) : ctx(b, j) * dU[r * d + j];
-            if (real(r)) {
-                dp.segment(1, d) = c[r] * dctx.row(b);
-                dc[r] = crow(Kv, r).dot(dctx.row(b));
-            } else {
-                dp.segment(1, d).setZero();
-                dc[r] = T(0);
-            }
-        }
-    });
-    const RowMatrix<double> cdot =
-        block_sums<T>(B, n, 1, [&](Index b, Index i0, Index m, auto& acc) {
-            acc.setZero();
-            for (Index r = b * n + i0; r < b * n + i0 + m; ++r)
-                if (real(r)) acc[0] += c[r] * dc[r];
-        });
-    for_row_blocks(rows, [&](Index r0, Index m) {
-        for (Index r = r0; r < r0 + m; ++r)
-            dP[r * ld] = real(r) ? c[r] * (dc[r] - static_cast<T>(cdot(r / n, 0))) : T(0);
-    });
-
-    linear_input_grad(rows, d, ld, dP.get(), ld, p.w_qkv, g.x, d);
-    linear_weight_grad(rows, d, ld, p.x, d, dP.get(), ld, g.w_qkv, g.b_qkv);
-}
-
 template void additive_attention_forward<float>(const AdditiveProblem<float>&);
 template void additive_attention_forward<double>(const AdditiveProblem<double>&);
-template void separable_attention_forward<float>(const SeparableProblem<float>&);
-template void separable_attention_forward<double>(const SeparableProblem<double>&);
 template void additive_attention_backward<float>(const AdditiveProblem<float>&, const float*,
                                                  const AdditiveGrads<float>&);
 template void additive_attention_backward<double>(const AdditiveProblem<double>&, const double*,
                                                   const AdditiveGrads<double>&);
-template void separable_attention_backward<float>(const SeparableProblem<float>&, const float*,
-                                                  const SeparableGrads<float>&);
-template void separable_attention_backward<double>(const SeparableProblem<double>&, const double*,
-                                                   const SeparableGrads<double>&);
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "attention_bf16.hpp"
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
 #include "microkernel.hpp"
@@ -277,6 +278,12 @@ void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
 template <typename T>
 void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g) {
     if (p.batch <= 0 || p.kv_heads <= 0) return;
+    if (p.bf16 != Bf16::none) {  // differentiated in float32 at the operands rounded to bf16
+        detail::Bf16Operands<T> r = detail::bf16_operands(p);
+        r.p.bf16 = Bf16::none;
+        attention_backward(r.p, g);
+        return;
+    }
     detail::BackwardPlan<T> plan = detail::backward_plan(p);
     const Index rows = p.batch * p.heads * p.n_q;
     auto dq_part = make_buffer<T>(plan.segments * rows * plan.dp);

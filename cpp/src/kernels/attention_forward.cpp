@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "attention_bf16.hpp"
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
 #include "decode.hpp"
@@ -21,8 +22,8 @@ namespace detail {
 
 // Tile sizes. Forward: 96 queries (a whole number of panels for 4, 8 and 16 lanes) against 128
 // keys; the score tile (48 KiB in float) streams through L2 row by row. 4 x 3-packet panels
-// with 96 queries against 6 x 2 with 64: 2-3% faster at d_head = 64 in CPU-time measurements
-// on a 2-core AVX2 machine (n = 2048). Backward: see backward_pair.
+// with 96 queries rather than 6 x 2 with 64: faster at d_head = 64 (docs/performance.md,
+// kTileQ). Backward: see backward_pair.
 constexpr Index kTileQ = 96;
 constexpr Index kTileK = 128;
 constexpr Index kDepth = 256;  // head-width chunk of the score product
@@ -138,6 +139,8 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
                 ei::pstore(ac, ei::pmul(ei::pload<Packet>(ac), alpha));
             }
         }
+        if (p.bf16 == Bf16::probabilities)
+            round_bf16_inplace(st, kb * mp);  // the sums above took P unrounded
         // acc[c, i] += sum_j V[j0 + j, c] * P^T[j, i]
         if (bad.count == 0) {
             lanes_product<T, true>(dv, mp, kb, vbase + j0 * vs, 1, vs, st, mp, acc, mp);
@@ -217,13 +220,20 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         }
         if (p.lse) p.lse[(b * p.heads + h) * p.n_q + i0 + r] = lse;
     }
+    const T* probs = wbase;  // precision="bf16": the product takes the weights rounded
+    if (p.bf16 == Bf16::probabilities) {
+        T* r = scratch<T>(ScratchBuffer::kDenseProbs, static_cast<std::size_t>(mq * nk));
+        std::copy(wbase, wbase + mq * nk, r);
+        round_bf16_inplace(r, mq * nk);
+        probs = r;
+    }
     if (bad.count == 0) {
-        eigen_product<T>(cview<T>(wbase, mq, nk, nk), V, O);
+        eigen_product<T>(cview<T>(probs, mq, nk, nk), V, O);
         return;
     }
     ConstRowMap<T> Vclean(value_copy_without(V.data(), p.v.row_stride, nk, dv, bad), nk, dv,
                           Eigen::OuterStride<>(dv));
-    eigen_product<T>(cview<T>(wbase, mq, nk, nk), Vclean, O);
+    eigen_product<T>(cview<T>(probs, mq, nk, nk), Vclean, O);
     for (Index c = 0; c < bad.count; ++c)
         for (Index r = 0; r < mq; ++r)
             if (bad.sees[c * mq + r]) O.row(r) += P(r, bad.rows[c]) * V.row(bad.rows[c]);
@@ -231,9 +241,10 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
 
 }  // namespace detail
 
+namespace detail {
+
 template <typename T>
-void attention_forward(const AttentionProblem<T>& p) {
-    if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
+void forward_tiles(const AttentionProblem<T>& p) {
     if (!p.weights && detail::use_decode(p.n_q, p.heads, p.kv_heads, p.n_k)) {
         detail::decode_forward(p);  // few queries per kv head: split along the keys
         return;
@@ -260,6 +271,26 @@ void attention_forward(const AttentionProblem<T>& p) {
             detail::flash_tile(p, b, h, i0, mq, flags, scan_in_tiles);
         }
     });
+}
+
+}  // namespace detail
+
+template <typename T>
+void attention_forward(const AttentionProblem<T>& p) {
+    if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
+    if (p.bf16 == Bf16::none) {
+        detail::forward_tiles(p);
+        return;
+    }
+#if defined(ATTNLAB_AMX)
+    if constexpr (std::is_same_v<T, float>) {
+        const bool tiles = p.bf16 == Bf16::probabilities && !p.weights &&
+                           !detail::use_decode(p.n_q, p.heads, p.kv_heads, p.n_k);
+        if (tiles && detail::amx_usable() && detail::amx_forward(p)) return;
+    }
+#endif
+    const detail::Bf16Operands<T> r = detail::bf16_operands(p);  // the emulation
+    detail::forward_tiles(r.p);
 }
 
 template void attention_forward<float>(const AttentionProblem<float>&);

@@ -14,6 +14,7 @@
 
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
+#include "bf16.hpp"
 #include "microkernel.hpp"
 #include "scratch.hpp"
 #include "softmax.hpp"
@@ -119,6 +120,8 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
             const T mn = m[r] < bm ? bm : m[r];  // a NaN score reaches the row through its sum
             const T shift = mn == neg_inf<T>() ? T(0) : mn;
             const T sum = exp_row(s, shift, pr + r * kbp, kb);
+            if (p.bf16 == Bf16::probabilities)
+                round_bf16_inplace(pr + r * kbp, kb);  // the sum took them unrounded
             const T alpha = m[r] == neg_inf<T>() ? T(0) : std::exp(m[r] - shift);
             l[r] = l[r] * alpha + sum;
             m[r] = mn;

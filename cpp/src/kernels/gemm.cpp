@@ -13,8 +13,8 @@ namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace {
 // Blocking: a task is 128 rows x 8 panels of output columns; the depth runs in chunks of 256 so
 // that the B panel chunk (256 x panel width) stays in L1 while the rows of the task pass (with
-// AVX2; AVX-512's 48 KiB chunk does not fit a 32 KiB L1, but chunks of 128 were 1-2% slower,
-// the accumulators stored and reloaded twice as often). Fixed sizes: the summation order never
+// AVX2; AVX-512's 48 KiB chunk does not fit a 32 KiB L1, but shorter chunks were slower, the
+// accumulators stored and reloaded twice as often). Fixed sizes: the summation order never
 // depends on the thread count.
 constexpr Index kRowChunk = 128;
 constexpr Index kPanelsPerTask = 8;
@@ -24,11 +24,10 @@ constexpr Index kGemmDepth = 256;
 // B(t, j) = b[t * ldb + j], or b[j * ldb + t] when b_transposed; Y initialised by the caller,
 // or Y = A B when zero_start (depth > 0). Each depth chunk of the B panel is copied to a
 // contiguous buffer, zero-padded to W columns: read in place, its rows would be ldb apart, and a
-// power-of-two ldb maps them all onto the same L1 sets (measured at 1024^3, one thread: 51
-// GFLOP/s in place, 81 packed). A whole panel is copied by the first row block's kernel as it
-// reads it (a copy before the products was 14% of a 128 x 768 x 2304 projection in perf, most
-// of it waiting for the weights). The same FMAs in the same order either way: the result does
-// not depend on which rows packed.
+// power-of-two ldb maps them all onto the same L1 sets (docs/performance.md, "GEMM packing").
+// A whole panel is copied by the first row block's kernel as it reads it (a copy before the
+// products mostly waited for the weights). The same FMAs in the same order either way: the result
+// does not depend on which rows packed.
 //
 // NP: the panel's width in packets, W = NP packets; 3 but for the last panel of a width that is
 // not a whole number of 3-packet panels (64 columns with AVX-512: 48 + 16, not 48 + 48).
@@ -52,8 +51,8 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                         kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y, ldy, bp, W);
                     // ... while the B block packed next (this panel's next depth chunk, else
                     // the next panel's first) is fetched, a share after each slice of rows, so
-                    // that the packing kernel waits less for memory (128 x 768 x 768 with the
-                    // weights not in cache: 1.57 -> 1.52 ms at one thread; no change when warm)
+                    // that the packing kernel waits less for memory (when the weights are not
+                    // in cache; no change when warm)
                     const bool more_depth = k0 + kc < depth;
                     const T* next = more_depth   ? b + (k0 + kc) * ldb + j0
                                     : next_panel ? b + j0 + W
@@ -80,8 +79,8 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                     return;
                 }
             }
-            // B^T blocks by packet transposes (a scalar gather was half of this function's time
-            // in a ViT-S backward, in perf)
+            // B^T blocks by packet transposes (a scalar gather dominated this function in the
+            // attention backward)
             if (b_transposed) {
                 detail::transpose(nw, kc, b + j0 * ldb + k0, ldb, bp, W);
             } else {
@@ -152,7 +151,7 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
 
 // Y (rows x cols, row stride ldy) = A B (+ bias), or Y += A B when accumulate. Tasks:
 // kRowChunk rows x kPanelsPerTask panels, or fewer panels when that would leave threads idle (a
-// weight gradient of 384 x 384 is 3 tasks: one of 2 threads waited a third of the time). What
+// weight gradient of 384 x 384 is 3 tasks: one of 2 threads would wait for the third). What
 // an element sums, and in which order, depends only on the depth chunks, never on the grid:
 // the result does not depend on the thread count.
 template <typename T>

@@ -48,7 +48,7 @@ constexpr int rows_for_packets() {
 // A(r, t) = a[r * a_rs + t * a_ts]; B rows are ldb apart, C rows ldc apart, any alignment
 // (unaligned loads cost the same as aligned ones on aligned data on AVX2/AVX-512 CPUs). The sum
 // over t runs in order, so the result does not depend on the thread. Always inlined: with more
-// callers GCC kept it out of line and flash_tile got 2-3% slower.
+// callers GCC kept it out of line and flash_tile got slower.
 //
 // PackB: B is also copied, row by row, to `packed` (rows ldp apart) as it is read, so that the
 // next row blocks read it from there: the copy's loads (of weights that are often out of L2)
@@ -106,8 +106,8 @@ void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, con
     Index r = 0;
     // A's rows read along the depth (a_ts = 1), short and far apart (the keys of packed
     // projections: d_head of every h d_head): the next row block's rows are fetched while this
-    // one runs, the hardware prefetchers seeing too little of each page to follow them (3-4%
-    // of attention at n = 4096, one thread; a GEMM's contiguous rows lost 1.5% to it)
+    // one runs, the hardware prefetchers seeing too little of each page to follow them (only
+    // for such rows: a GEMM's contiguous rows lose by it; docs/performance.md)
     const bool fetch = a_ts == 1 && a_rs * Index(sizeof(T)) > 1024 && a_rs >= 4 * depth;
     for (; r + MR <= rows; r += MR) {
         if (fetch && r + 2 * MR <= rows)
@@ -128,7 +128,7 @@ void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, con
 // The three panel shapes (3, 2 and 1 packets, rows_for_packets rows at a time), each with and
 // without accumulation, for float and double: instantiated once, in gemm.cpp, and called from
 // there by every kernel source (each is the kernel inlined for every row count up to MR): built
-// in every source that used them, the whole build took 101 CPU-seconds instead of 88.
+// in every source that used them, they lengthened the whole build (docs/performance.md).
 #define ATTNLAB_PANEL_ROWS(prefix, T, NP, ACC)                           \
     prefix template void panel_rows<T, NP, rows_for_packets<NP>(), ACC>( \
         Index, Index, const T*, Index, Index, const T*, Index, T*, Index);
@@ -158,9 +158,8 @@ void panel_product(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, 
 // C[0:rows, 0:cols) (+)= A B with cols a whole number of packets (callers pad): three-packet
 // panels, then two-packet ones for the rest (a last single packet only when cols is one
 // packet). Narrower panels take more rows at a time (6 x 2, 8 x 1), so that the accumulators
-// still fill the registers. 4 packets as 2 + 2 rather than 3 + 1: 110 against 75 GFLOP/s for
-// a 64 x 64 x 96 product in L1 on AVX-512 (no difference on AVX2, none measurable in a whole
-// backward on a loaded machine).
+// still fill the registers. 4 packets as 2 + 2 rather than 3 + 1: faster in L1 on AVX-512, the
+// same on AVX2 (docs/performance.md, lanes_product).
 template <typename T, bool Accumulate>
 void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, Index a_ts,
                    const T* b, Index ldb, T* c, Index ldc) {
@@ -180,7 +179,7 @@ void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, 
 
 // dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: blocks of L x L through packet
 // transposes, scalar at the edges (strided scalar copies of the backward's K, V, dK and dV
-// tiles were 5% of a ViT-S backward in perf; most of what is left is the first write of dK, dV).
+// tiles showed in its profile; most of what is left is the first write of dK, dV).
 template <typename T>
 void transpose(Index rows, Index cols, const T* src, Index lds, T* dst, Index ldd) {
     namespace ei = Eigen::internal;

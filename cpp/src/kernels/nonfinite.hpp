@@ -43,7 +43,7 @@ bool nonfinite_row(const T* row, Index n) {
 
 // Flags (batch, kv_heads, n_k): 1 where the value row holds NaN or Inf. Null when none does.
 // In parallel over (batch, kv head) (a scalar isfinite per element, on the calling thread
-// alone, was 4% of a ViT-S attention call). For the weights path and long sequences; short
+// alone, showed in a ViT-S call's profile). For the weights path and long sequences; short
 // ones scan each key block in the tile instead (value_flags).
 template <typename T>
 Buffer<std::uint8_t> nonfinite_rows(const AttentionProblem<T>& p) {
@@ -66,8 +66,8 @@ Buffer<std::uint8_t> nonfinite_rows(const AttentionProblem<T>& p) {
 
 // The flags of value rows [0, kb) (row stride vs), scanned in the tile just before its value
 // product reads them (so from cache): null when none holds NaN/Inf. With a few query tiles per
-// head this is cheaper than the call's scan over all of V from memory, which was 3.4% of a
-// one-thread ViT-S attention call, and it is one parallel pass fewer.
+// head this is cheaper than the call's scan over all of V from memory (docs/performance.md),
+// and it is one parallel pass fewer.
 template <typename T>
 const std::uint8_t* value_flags(const T* v, Index vs, Index kb, Index dv) {
     std::uint8_t* flags = nullptr;

@@ -23,8 +23,8 @@ constexpr Index kLanes = Eigen::internal::packet_traits<float>::size;
 // cores, so 8-10 chains are in flight at once; 12 leave slack and still fit in 16 registers
 // with the two operands (AVX2 and SSE2 have 16 vector registers, AVX-512 32).
 constexpr int kFmaChains = 12;
-// Multiply-adds per chain between two looks at the clock: about 0.1-0.5 ms on any x86 core,
-// fine-grained enough for the deadline, long enough that reading the clock costs nothing.
+// Multiply-adds per chain between two looks at the clock: fine-grained enough for the deadline,
+// long enough that reading the clock costs nothing.
 constexpr Index kStepsPerCheck = 20000;
 
 // acc = acc * a + b on every chain, `steps` times. Not inlined: one loop the disassembly shows

@@ -118,7 +118,7 @@ T row_max(const T* s, Index n) {
 // about 1 ulp), exp(r) by the degree-6 Cephes polynomial, 2^n built in the exponent bits. As
 // x <= 0, n is at least -126 wherever the result is kept, so no range clamping is needed: about
 // 18 vector operations against Eigen's 27 or so (counted, not timed alone). Worth it because
-// the softmax took 16% of a flash tile's time in perf (the two products the rest). exp(0) is
+// the softmax is a large share of a flash tile's time (the two products the rest). exp(0) is
 // exactly 1. double: Eigen's pexp. NaN propagates in both.
 template <typename Packet>
 Packet exp_flush(const Packet& x) {
@@ -138,16 +138,17 @@ Packet exp_flush(const Packet& x) {
         y = ei::pmadd(y, r, ei::pset1<Packet>(1.6666665459e-1f));
         y = ei::pmadd(y, r, ei::pset1<Packet>(5.0000001201e-1f));
         y = ei::padd(ei::pmadd(y, r2, r), ei::pset1<Packet>(1.0f));
-        const PacketI e = ei::padd(ei::pcast<Packet, PacketI>(n), ei::pset1<PacketI>(127));
-        const Packet two_n = ei::preinterpret<Packet>(ei::plogical_shift_left<23>(e));
 #ifdef __AVX512F__
-        // the flush as the multiply's zeroing mask: Eigen's pcmp/pselect convert the mask
-        // register to a vector and back (two more operations: 14% of flash_tile's samples in perf)
+        // y 2^n by VSCALEFPS (one operation for the four building 2^n: the same exact product,
+        // as the result is normal wherever it is kept), the flush as its zeroing mask (Eigen's
+        // pcmp/pselect would convert the mask register to a vector and back)
         if constexpr (std::is_same_v<Packet, ei::Packet16f>) {
             const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_NLT_UQ);
-            return _mm512_maskz_mul_ps(keep, y, two_n);
+            return _mm512_maskz_scalef_ps(keep, y, n);
         }
 #endif
+        const PacketI e = ei::padd(ei::pcast<Packet, PacketI>(n), ei::pset1<PacketI>(127));
+        const Packet two_n = ei::preinterpret<Packet>(ei::plogical_shift_left<23>(e));
         return ei::pselect(ei::pcmp_lt(x, ei::pset1<Packet>(-87.33654f)), zero, ei::pmul(y, two_n));
     } else {
         const Packet e = ei::pexp(x);

@@ -8,7 +8,7 @@ namespace detail {
 
 // Tiles of `size` over n rows, a last one shorter than size / 4 joining the one before (n = 197
 // in tiles of 96: 96 and 101, not 96, 96 and 5, whose lanes, padded to a packet, were mostly
-// padding: 5% of a ViT-S forward, 4% of its backward in perf). No result depends on where the
+// padding, work for nothing: docs/performance.md). No result depends on where the
 // tiles start (each entry is one chain over the depth, and sums run across tiles in order) but
 // the backward's dQ when its keys are split into segments, whose bounds are whole tiles: that
 // depends on the tiles, never on the thread count.

@@ -40,10 +40,9 @@ struct Job {
 // How long a thread polls before it sleeps, waiting for work (a worker) or for the last task
 // of its job (the caller). The parallel regions of one call (three projections, the attention,
 // the output projection) follow each other within microseconds, and the next call from Python
-// comes tens of microseconds later; sleeping in between, a BERT-base layer at B = 1 took
-// 3.74-3.96 ms and a tiny MHA call 63-69 us, polling 3.54-3.59 ms and 49-50 us (2 threads).
-// Short, so that an idle pool does not keep cores busy (other runtimes' threads that spin for
-// milliseconds slow whatever runs next).
+// comes soon after; sleeping in between makes both slower than polling (docs/performance.md,
+// kSpin). Short, so that an idle pool does not keep cores busy (other runtimes' threads that
+// spin for milliseconds slow whatever runs next).
 constexpr auto kSpin = std::chrono::microseconds(100);
 
 // Polls `ready` until it holds or kSpin has passed; whether it held.

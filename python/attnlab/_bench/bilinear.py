@@ -77,7 +77,7 @@ def run(quick: bool, threads: int) -> list[Row]:  # noqa: ARG001 (threads set by
         dh = d // h if dh_ is None else dh_
         nk = n if n_k_ is None else n_k_
         s = 1.0 / np.sqrt(d)
-        w = {
+        w: dict[str, Any] = {
             k: rng.uniform(-s, s, shape).astype(np.float32)
             for k, shape in (
                 ("w_q", (d, h * dh)),

@@ -69,8 +69,8 @@ def target(name: str, value: float, goal: str, met: bool) -> dict[str, Any]:
     return {"target": name, "value": round(value, 3), "goal": goal, "met": bool(met)}
 
 
-# Implementations built on NumPy's BLAS: OpenBLAS threads spin for up to ~0.1 s after a call,
-# which slowed whatever ran next by up to 2x in one process. They are timed apart, after the
+# Implementations built on NumPy's BLAS: OpenBLAS threads spin for a while after a call, which
+# slowed whatever ran next in the same process. They are timed apart, after the
 # others, so that they disturb nobody.
 APART = ("reference", "numpy-blas")
 

@@ -7,7 +7,7 @@ that function's ``def``), so the two cannot drift apart.
 
 from __future__ import annotations
 
-from ._additive import additive_attention, separable_attention
+from ._additive import additive_attention
 from ._bilinear import (
     bilinear_attention,
     bilinear_logits,
@@ -17,6 +17,7 @@ from ._bilinear import (
 )
 from ._latent import latent_attention
 from ._mha import multi_head_attention, scaled_dot_product_attention
+from ._separable import separable_attention
 
 __all__ = [
     "additive_attention",

@@ -14,7 +14,6 @@ import numpy as np
 
 from .. import _bilinear as _public
 from .. import _docs
-from .. import _mha as _public_mha
 from .. import _signature as _sig
 from .._bilinear import BilinearQK
 from ._mha import (
@@ -125,17 +124,28 @@ def factorize_qk(args: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return np.concatenate(fq, axis=1), np.concatenate(fk, axis=1), np.array(err)
 
 
-# multi-head attention's query-key side: its parameters, as many as the logits read
-@_sig.reference_of(
-    _public_mha.multi_head_attention,
-    only=("query", "key", "w_q", "w_k", "b_q", "b_k", "num_heads", "num_kv_heads", "scale"),
-)
-def separate_logits(args: dict[str, Any]) -> np.ndarray:
+@_docs.filled
+def separate_logits(
+    query: Any,
+    key: Any = None,
+    *,
+    w_q: Any,
+    w_k: Any,
+    b_q: Any = None,
+    b_k: Any = None,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    scale: float | None = None,
+) -> np.ndarray:
     """Scaled logits ``(..., h, n_q, n_k)`` of multi-head attention: project, then ``Q_i K_i^T``.
 
     The separate (unfolded) form, against which :func:`bilinear_logits` is compared.
 
-    {parameters}
+    Parameters
+    ----------
+    query, key, w_q, w_k, b_q, b_k, num_heads, num_kv_heads, scale
+        As for :func:`attnlab.multi_head_attention`: the parameters of its query-key side,
+        with its names, kinds and defaults (``tests/test_typing.py`` checks them against it).
 
     Returns
     -------
@@ -150,13 +160,13 @@ def separate_logits(args: dict[str, Any]) -> np.ndarray:
     >>> sep.shape, bool(np.allclose(sep, fold))
     ((2, 3, 3), True)
     """
-    xq, xk, _ = _qkv(args["query"], args["key"], None)  # no value: the logits only
-    w_q, w_k = _f64(args["w_q"]), _f64(args["w_k"])
-    h, h_kv = _heads(args["num_heads"], args["num_kv_heads"])
-    d_head = w_q.shape[1] // h
-    q = _matmul(xq, w_q) + _bias(args["b_q"])
-    k = _matmul(xk, w_k) + _bias(args["b_k"])
-    s = _scale(args, d_head)
+    xq, xk, _ = _qkv(query, key, None)  # no value: the logits only
+    wq, wk = _f64(w_q), _f64(w_k)
+    h, h_kv = _heads(num_heads, num_kv_heads)
+    d_head = wq.shape[1] // h
+    q = _matmul(xq, wq) + _bias(b_q)
+    k = _matmul(xk, wk) + _bias(b_k)
+    s = _scale({"scale": scale}, d_head)
     out = []
     for i in range(h):
         j = i // (h // h_kv)

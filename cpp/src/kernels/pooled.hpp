@@ -1,0 +1,121 @@
+#pragma once
+// What the two pooled families' kernels (additive.cpp: SwiftFormer's additive attention,
+// separable.cpp: MobileViT-v2's separable self-attention) share: their row blocks and tasks,
+// the projection of a block of rows, the output pass with the weights folded with the pooled
+// vector, per-element sums over blocks.
+
+#include <algorithm>
+
+#include "attnlab/common.hpp"
+#include "attnlab/threading.hpp"
+#include "products.hpp"
+#include "scratch.hpp"
+
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
+namespace detail {
+
+// Rows per GEMM block: large enough for Eigen to reach its peak, fixed so that results never
+// depend on the thread count.
+inline constexpr Index kRowBlock = 128;
+// Rows per task of the output pass: each task scales its own copy of the projection by the
+// pooled vector, so a task must cover enough rows to amortise that D x D_out step.
+inline constexpr Index kRowsPerTask = 1024;
+
+template <typename T>
+using Vec = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+template <typename T>
+using VecMap = Eigen::Map<Vec<T>>;
+template <typename T>
+using ConstVecMap = Eigen::Map<const Vec<T>>;
+
+// Y = X W + b over a block of rows (W row-major (in, out), possibly a strided column block).
+template <typename T, typename XMap, typename YMap>
+void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y) {
+    if (X.cols() == 0) {
+        Y.setZero();
+    } else {
+        block_product<T>(X, W, Y);
+    }
+    if (b) Y.rowwise() += ConstVecMap<T>(b, Y.cols());
+}
+
+// Rows [r0, r0 + m) of x (width in) times W plus b, into this thread's kAdditiveRows block
+// (m x W.cols()): the first step of both forwards.
+template <typename T>
+auto project_block(const T* x, Index r0, Index m, Index in, const ConstRowMap<T>& W, const T* b) {
+    ConstRowMap<T> X(x + r0 * in, m, in, Eigen::OuterStride<>(std::max<Index>(in, 1)));
+    auto Y = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, W.cols());
+    RowMap<T> Ym(Y.data(), m, W.cols(), Eigen::OuterStride<>(W.cols()));
+    project<T>(X, W, b, Ym);
+    return Y;
+}
+
+// Calls fn(task, b, i0, m) for every block of kRowBlock rows [i0, i0 + m) of every batch
+// element b, in parallel; task = b * blocks_per_element + block (fixed: thread-count free).
+template <typename F>
+void for_batch_blocks(Index B, Index n, F fn) {
+    const Index per = (n + kRowBlock - 1) / kRowBlock;
+    parallel_for(B * per, [&](Index task) {
+        const Index b = task / per, i0 = (task % per) * kRowBlock;
+        fn(task, b, i0, std::min(kRowBlock, n - i0));
+    });
+}
+
+// The last step of both forwards. Per task of at most kRowsPerTask rows of batch element b: the
+// weights folded with b's pooled vector, Wb = diag(pooled_b) W (width x d_out), once per task;
+// then apply(X, Y, Wb) for each block of kRowBlock rows, X the block of x (rows x width) and Y
+// the same rows of y (rows x d_out).
+template <typename T, typename WMatrix, typename F>
+void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, const WMatrix& W,
+                 const T* x, T* y, F apply) {
+    const Index per = (n + kRowsPerTask - 1) / kRowsPerTask;
+    parallel_for(B * per, [&](Index t) {
+        const Index b = t / per, r0 = (t % per) * kRowsPerTask;
+        const Index r1 = std::min(n, r0 + kRowsPerTask);
+        auto Wb = scratch_matrix<T>(ScratchBuffer::kAdditiveFolded, width, dout);
+        Wb = ConstVecMap<T>(pooled + b * width, width).asDiagonal() * W;
+        for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
+            const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
+            ConstRowMap<T> X(x + row * width, m, width, Eigen::OuterStride<>(width));
+            RowMap<T> Y(y + row * dout, m, dout, Eigen::OuterStride<>(dout));
+            apply(X, Y, Wb);
+        }
+    });
+}
+
+// Per batch element, the sum over its blocks of kRowBlock rows of the shares fn(b, i0, m,
+// share) writes (length `width`): blocks in parallel, then added in block order in double
+// (B x width).
+template <typename T, typename F>
+RowMatrix<double> block_sums(Index B, Index n, Index width, F fn) {
+    const Index per = (n + kRowBlock - 1) / kRowBlock;
+    auto partial_buf = make_buffer<double>(B * per * width);
+    Eigen::Map<RowMatrix<double>> partial(partial_buf.get(), B * per, width);
+    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
+        auto share = scratch_vector<T>(ScratchBuffer::kAdditiveShare, width);
+        fn(b, i0, m, share);
+        partial.row(task) = share.template cast<double>();
+    });
+    RowMatrix<double> sums = RowMatrix<double>::Zero(B, width);
+    parallel_for(B, [&](Index b) {
+        for (Index k = 0; k < per; ++k) sums.row(b) += partial.row(b * per + k);
+    });
+    return sums;
+}
+
+// Calls fn(r0, m) for fixed blocks of kRowBlock rows of [0, rows), in parallel (row-local work).
+template <typename F>
+void for_row_blocks(Index rows, F fn) {
+    parallel_for((rows + kRowBlock - 1) / kRowBlock, [&](Index c) {
+        const Index r0 = c * kRowBlock;
+        fn(r0, std::min(kRowBlock, rows - r0));
+    });
+}
+
+template <typename T>
+void fill_zero(T* p, Index count) {
+    if (p) std::fill(p, p + std::max<Index>(count, 0), T(0));
+}
+
+}  // namespace detail
+}  // namespace attnlab::ATTNLAB_ISA_NS

@@ -1,0 +1,71 @@
+"""Half-precision storage: float16 and bfloat16 (``ml_dtypes``) arrays are computed in float32
+(products accumulated and softmax statistics kept in float32) and the results stored back in
+the input dtype. The conversion in is exact; the one rounding out is the storage's own.
+
+A call stores in half precision when every floating array argument that sets the computation
+dtype has the same half dtype (float16 and float32 mixed compute and return float32, as
+``np.result_type`` says; float16 and bfloat16 mixed compute and return float32)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__: list[str] = []  # private module
+
+HALF_NAMES = frozenset({"float16", "bfloat16"})
+
+# arguments whose dtype never sets the computation dtype (masks and per-head options are
+# converted to it): they do not decide the storage either
+_OPTIONS = frozenset(
+    {"mask", "key_padding_mask", "positions", "alibi_slopes", "sinks", "rope_inv_freq"}
+)
+
+
+def is_half(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is float16 or bfloat16 (``ml_dtypes``' is recognised by name, so that
+    attnlab does not import ``ml_dtypes`` itself)."""
+    return dtype.name in HALF_NAMES
+
+
+def storage(args: Mapping[str, Any], skip: Iterable[str] = ()) -> np.dtype | None:
+    """The half dtype the call's results are stored in, or None (stored in the computation
+    dtype). ``args``: the call's arguments by name; ``skip``: further names that do not set
+    the computation dtype."""
+    skipped = _OPTIONS.union(skip)
+    found: np.dtype | None = None
+    for name, x in args.items():
+        if name in skipped or name.startswith("_") or x is None:
+            continue
+        dt = getattr(x, "dtype", None)
+        if not isinstance(dt, np.dtype) or dt.kind not in "fV":
+            continue
+        if not is_half(dt) or (found is not None and dt != found):
+            return None
+        found = dt
+    return found
+
+
+def store(x: np.ndarray, half: np.dtype | None) -> np.ndarray:
+    """``x`` rounded to the storage dtype ``half`` (round to nearest even), or ``x`` itself."""
+    return x if half is None else x.astype(half)
+
+
+def halves(args: Mapping[str, Any]) -> dict[str, np.dtype]:
+    """The half dtypes of the arguments given in one, by name (what :func:`store_grads`
+    needs, kept by ``attnlab.vjp``'s forward without the arrays themselves)."""
+    found = {}
+    for name, x in args.items():
+        dt = getattr(x, "dtype", None)
+        if isinstance(dt, np.dtype) and is_half(dt):
+            found[name] = dt
+    return found
+
+
+def store_grads(grads: dict[str, np.ndarray], hs: Mapping[str, np.dtype]) -> dict[str, np.ndarray]:
+    """Each gradient in the dtype of its argument when that is a half dtype (``hs``: the
+    call's :func:`halves`), as autograd gives a float16 parameter a float16 gradient; the
+    others as computed."""
+    return {n: g.astype(hs[n]) if n in hs else g for n, g in grads.items()}
