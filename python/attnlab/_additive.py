@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _args, _docs, _grad, _memory
+from . import _args, _docs, _grad, _half, _memory
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -236,19 +236,20 @@ def additive_attention(
     >>> attnlab.additive_attention(x, w_g=rng.standard_normal(d), **w).shape
     (2, 49, 8)
     """
-    a = _prepare_additive(_sig.arguments(locals()))
+    args = _sig.arguments(locals())
+    a = _prepare_additive(args)
     B, n, d_out = a["B"], a["n"], a["d_out"]
     out = _memory.empty((B * n, d_out), a["dtype"])
     state = None
     if _keep is not None:  # attnlab.vjp: keep the pooling's intermediates for the pullback
         a = _memory.owned(a)
         state = _additive_state(a)
-        _keep.update(prepared=a, state=state)
+        _keep.update(prepared=a, state=state, halves=_half.halves(args))
     if out.size:
         leading: _CoreArgs = a["core"]
         core.additive_forward(*leading, out, state)
     batch = a["batch"]
-    return out.reshape(batch + (n, d_out))
+    return _half.store(out.reshape(batch + (n, d_out)), _half.storage(args))
 
 
 _ADDITIVE_BACKWARD_DOC = """\
@@ -276,7 +277,7 @@ _ADDITIVE_BACKWARD_DOC = """\
 
 
 def _additive_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
-    return _additive_grads(_prepare_additive(args), grad_out)
+    return _half.store_grads(_additive_grads(_prepare_additive(args), grad_out), _half.halves(args))
 
 
 def _additive_grads(

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _args, _docs, _grad, _memory
+from . import _args, _docs, _grad, _half, _memory
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -152,7 +152,8 @@ def separable_attention(
     >>> out.transpose(0, 3, 1, 2).shape               # back to (B, C, P, N)
     (2, 8, 4, 16)
     """
-    a = _prepare_separable(_sig.arguments(locals()))
+    args = _sig.arguments(locals())
+    a = _prepare_separable(args)
     B, n, d, d_out = a["B"], a["n"], a["d"], a["d_out"]
     batch, dtype = a["batch"], a["dtype"]
     out = _memory.empty((B * n, d_out), dtype)
@@ -160,7 +161,7 @@ def separable_attention(
     if _keep is not None:  # attnlab.vjp: keep the pooling's intermediates for the pullback
         a = _memory.owned(a)
         state = _separable_state(a)
-        _keep.update(prepared=a, state=state)
+        _keep.update(prepared=a, state=state, halves=_half.halves(args))
     bo = a["bo"]
     if out.size:
         if d == 0:  # no features: no keys or values, ctx is empty and out = b_o
@@ -169,7 +170,7 @@ def separable_attention(
             core.separable_forward(
                 a["xr"], a["wqkv"], a["bqkv"], a["wo"], bo, B, n, a["kp"], out, state
             )
-    return out.reshape(batch + (n, d_out))
+    return _half.store(out.reshape(batch + (n, d_out)), _half.storage(args))
 
 
 _SEPARABLE_BACKWARD_DOC = """\
@@ -193,7 +194,9 @@ _SEPARABLE_BACKWARD_DOC = """\
 
 
 def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
-    return _separable_grads(_prepare_separable(args), grad_out)
+    return _half.store_grads(
+        _separable_grads(_prepare_separable(args), grad_out), _half.halves(args)
+    )
 
 
 def _separable_grads(

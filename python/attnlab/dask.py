@@ -390,6 +390,7 @@ def scaled_dot_product_attention(
         alibi_slopes=alibi_slopes,
         sinks=sinks,
         scale=scale,
+        precision=None,  # the blocks run in the input dtype: no bf16 option here
         warn_empty_rows=False,
     )
     a = _mha._prepare_sdpa(args)  # the one-machine checks, no data copied
