@@ -348,12 +348,70 @@ def build_factorize(c: Chooser, dtype: Any) -> Case:
     return Case("factorize_qk", kw, dtype, R.factorize_qk, arrays=["w"])
 
 
+def build_latent(c: Chooser, dtype: Any) -> Case:
+    batch = _batch(c)
+    h, d, d_out = c.int(1, 3), c.int(1, 8), c.int(1, 8)
+    r, dr, dn, dv = c.int(2, 6), 2 * c.int(1, 2), c.int(1, 4), c.int(1, 4)
+    n = c.int(1, 6)
+    n_past = c.choice((0, c.int(1, 6)))
+    kw: dict[str, Any] = dict(x=_arr(c, batch + (n, d), dtype))
+    if c.bool():  # query compression (q_lora_rank)
+        rq = c.int(1, 6)
+        kw.update(
+            w_q_a=_weight(c, d, rq, dtype),
+            q_a_norm=1 + _vec(c, rq, dtype, 0.3),
+            w_q_b=_weight(c, rq, h * (dn + dr), dtype),
+        )
+        if c.bool():
+            kw["b_q_a"] = _vec(c, rq, dtype)
+    else:
+        kw["w_q"] = _weight(c, d, h * (dn + dr), dtype)
+    kw.update(
+        w_kv_a=_weight(c, d, r + dr, dtype),
+        kv_a_norm=1 + _vec(c, r, dtype, 0.3),
+        w_kv_b=_weight(c, r, h * (dn + dv), dtype),
+        w_o=_weight(c, h * dv, d_out, dtype),
+    )
+    for name, k in (("b_kv_a", r + dr), ("b_o", d_out)):
+        if c.bool():
+            kw[name] = _vec(c, k, dtype)
+    if n_past:  # the cache may broadcast over the batch
+        kw["cache"] = _arr(c, tuple(s if c.bool() else 1 for s in batch) + (n_past, r + dr), dtype)
+    n_k = n_past + n
+    if c.bool(0.8):
+        kw["rope_theta"] = float(c.choice((1e4, 50.0)))
+    else:
+        kw["rope_inv_freq"] = np.linspace(1.0, 0.05, dr // 2)
+    kw.update(
+        num_heads=h,
+        mask=_mask(c, batch, h, n, n_k, dtype),
+        key_padding_mask=_kpm(c, batch, n_k),
+        causal=_causal(c),
+        window=_window(c),
+        softcap=None if c.bool(0.85) else float(c.choice((0.5, 3.0))),
+        alibi_slopes=None if c.bool(0.85) else np.linspace(0.1, 0.5, h),
+        sinks=None if c.bool(0.85) else np.linspace(-1.0, 1.0, h),
+        scale=_scale(c),
+        positions=None if c.bool(0.8) else np.arange(n) * c.int(1, 3) + c.int(0, 4),
+        rope_scale=None if c.bool(0.8) else 1.3,
+        rope_interleave=c.bool(),
+        norm_eps=None if c.bool(0.8) else 1e-3,
+        form=c.choice(("auto", "expanded", "absorbed")),
+        return_weights=c.choice((False, False, True, "heads", "mean")),
+        return_lse=c.bool(0.2),
+        return_cache=c.bool(0.2),
+    )
+    arrays = [k for k in kw if k in ("x", "cache") or k[:2] in ("w_", "b_") or k.endswith("norm")]
+    return Case("latent_attention", kw, dtype, R.latent_attention, arrays=arrays)
+
+
 FORWARD_BUILDERS: dict[str, Callable[[Chooser, Any], Case]] = {
     "scaled_dot_product_attention": build_sdpa,
     "multi_head_attention": build_mha,
     "bilinear_attention": build_bilinear,
     "additive_attention": build_additive,
     "separable_attention": build_separable,
+    "latent_attention": build_latent,
 }
 OTHER_BUILDERS: dict[str, Callable[[Chooser, Any], Case]] = {
     "collapse_qk": build_collapse,
@@ -498,6 +556,9 @@ _REQUIRED = {
     "w_qk",
     "w",
     "grad_out",
+    "w_kv_a",
+    "kv_a_norm",
+    "w_kv_b",
 }
 _HUGE = 2**62
 
@@ -677,7 +738,45 @@ def invalid_variant(c: Chooser, case: Case) -> Invalid:
                 label="nan",
             ),
         ]
-    if fam in ("scaled_dot_product_attention", "multi_head_attention", "bilinear_attention"):
+    if fam == "latent_attention":
+        h = kw["num_heads"]
+        x = kw["x"]
+        n_q = x.shape[-2]
+        n_k = n_q + (kw["cache"].shape[-2] if "cache" in kw else 0)
+        options += [
+            width_of("x", -1, "x|w_q|w_q_a|w_kv_a"),
+            width_of("w_kv_a", 1, "w_kv_a|w_q|w_q_b|kv_a_norm"),
+            width_of("w_kv_b", 0, "w_kv_b|kv_a_norm"),
+            width_of("w_kv_b", 1, "w_kv_b"),
+            width_of("w_o", 0, "w_o"),
+            width_of("kv_a_norm", 0, "kv_a_norm"),
+            option("num_heads", bad_ints, "num_heads|w_q|w_kv_b|w_o"),
+            option("form", ("fast", 1, None), "form"),
+            option("rope_theta", ("a", -1.0, float("nan")), "rope_theta"),
+            option("rope_interleave", ("yes", 1, None), "rope_interleave"),
+            option("norm_eps", ("a", 0.0, float("inf")), "norm_eps"),
+            option("return_cache", ("yes", 1), "return_cache"),
+            option("positions", (np.arange(n_q + 1), "a"), "positions"),
+        ]
+        if "cache" in kw:
+            options.append(width_of("cache", -1, "cache"))
+        if "w_q" in kw:
+            options.append(width_of("w_q", 1, "w_q"))
+            options.append(lambda: Invalid({**kw, "w_q_a": np.ones((1, 1))}, "w_q", label="q+lora"))
+        else:
+            options.append(width_of("q_a_norm", 0, "q_a_norm"))
+            options.append(width_of("w_q_b", 0, "w_q_b"))
+        for b in ("b_q_a", "b_kv_a", "b_o"):
+            if b in kw:
+                options.append(width_of(b, 0, b))
+        options += _mask_options(kw, c, h, n_q, n_k)
+        options += _kpm_options(kw, n_k)
+    if fam in (
+        "scaled_dot_product_attention",
+        "multi_head_attention",
+        "bilinear_attention",
+        "latent_attention",
+    ):
         options.append(option("causal", ("yes", 3, "bottom"), "causal"))
         options.append(option("window", (3, (-1, 0), (0, 1.5), (1, 2, 3), "ab"), "window"))
         options.append(option("softcap", (0.0, -1.0, float("nan"), "a"), "softcap"))
@@ -744,10 +843,11 @@ def huge_variant(c: Chooser, case: Case) -> Invalid:
         )
         for k in ("key", "value", "mask", "key_padding_mask"):
             kw.pop(k, None)
-    elif fam in ("additive_attention", "separable_attention"):
+    elif fam in ("additive_attention", "separable_attention", "latent_attention"):
         x = kw["x"]
         kw["x"] = np.broadcast_to(x.reshape(-1, x.shape[-1])[:1], (2**20, 2**21) + x.shape[-1:])
-        kw.pop("key_padding_mask", None)
+        for k in ("key_padding_mask", "mask", "cache", "positions"):
+            kw.pop(k, None)
     else:
         return invalid_variant(c, case)
     if case.grad_of:

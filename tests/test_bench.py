@@ -408,6 +408,19 @@ def _every_family(noisy: bool) -> dict:
         Row("backward", "ViT-S step fp32", "B=8 n=197", "attnlab pullback", Timing(20.0), 2e9),
         Row("backward", "ViT-S step fp32", "B=8 n=197", "torch step", Timing(33.0), 3e9),
     ]
+    decode = {"n": 4096, "pred_ratio": 20.0, "meas_ratio": 18.0, "within_20pct": True}
+    decode |= {"pred_ms": 15.0, "gemm_gmacs": 40.0, "attention_gmacs": 20.0, "read_gbs": 8.0}
+    decode["copy_gbs"] = 12.0
+    plan = {"n": 158, "plan": "expanded", "faster": "absorbed", "plan_within_10pct": True}
+    rows += [
+        Row("latent", "MLA decode step fp32", "n_k=4096", "expanded", Timing(300.0), 1e10),
+        Row("latent", "MLA decode step fp32", "n_k=4096", "absorbed", Timing(17.0), 1e8),
+        Row("latent", "MLA plan sweep fp32", "n_q=158", "expanded", Timing(240.0), 1e10),
+        Row("latent", "MLA plan sweep fp32", "n_q=158", "absorbed", Timing(222.0), 1e10),
+    ]
+    rows[-4].extra.update(n=4096, pred_ms=290.0)
+    rows[-3].extra.update(decode)
+    rows[-1].extra.update(plan)
     rows[1].extra["n"] = 197
     rows[8].extra["slope"] = 1.01
     result = _result(rows, 200.0, sgemm=150.0)

@@ -70,4 +70,4 @@ def test_ten_thousand_random_calls_never_crash() -> None:
             report.get(f"kind:{k}", 0) > 0
             for k in ("valid", "layout", "invalid", "nonfinite", "huge")
         )
-        assert sum(1 for k in report if k.startswith("family:")) == 12
+        assert sum(1 for k in report if k.startswith("family:")) == 14

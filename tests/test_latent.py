@@ -156,6 +156,168 @@ def test_forms_agree_and_auto_follows_the_plan():
     assert c["cache_bytes_per_token"] == (R + DR) * 4
 
 
+@pytest.mark.parametrize("options", ["none", "key_padding_mask", "softcap", "mask", "weights"])
+def test_decode_step_over_a_long_cache(options):
+    """One query against a cache long enough to be cut into key parts (two whole parts and a
+    shorter last one, merged by their log-sum-exps): the absorbed step equals the reference and
+    the expanded step, output, log-sum-exp and gradients; a mask array or the weights run the
+    call whole."""
+    rng = np.random.default_rng(11)
+    w = _weights(rng, True)
+    n_past = 2 * 512 + 300
+    x = rng.standard_normal((2, 1, D))
+    cache = rng.standard_normal((2, n_past, R + DR))
+    kw = dict(num_heads=H, rope_theta=1e4, causal="bottom_right", return_lse=True)
+    if options == "key_padding_mask":
+        kp = np.ones((2, n_past + 1), bool)
+        kp[0, 100:700] = False  # a whole part and pieces of two more
+        kp[1, 1024:] = False  # the last part, and the new token's own key
+        kw["key_padding_mask"] = kp
+    elif options == "softcap":
+        kw["softcap"] = 1.5
+    elif options == "mask":
+        kw["mask"] = rng.standard_normal((2, H, 1, n_past + 1))
+    elif options == "weights":
+        kw["return_weights"] = True
+    ref = reference.latent_attention(x, **w, **kw, cache=cache)
+    got = attnlab.latent_attention(x, **w, **kw, cache=cache, form="absorbed")
+    exp = attnlab.latent_attention(x, **w, **kw, cache=cache, form="expanded")
+    for g, e, r_ in zip(got, exp, ref, strict=True):
+        assert_close(g, r_, np.float64, "long decode step")
+        np.testing.assert_allclose(g, e, rtol=0, atol=1e-12)
+    kw.pop("return_lse")
+    G = rng.standard_normal((2, 1, D))
+    ga = attnlab.latent_attention_backward(G, x, **w, **kw, cache=cache, form="absorbed")
+    ge = attnlab.latent_attention_backward(G, x, **w, **kw, cache=cache, form="expanded")
+    for k in ge:
+        np.testing.assert_allclose(ga[k], ge[k], rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.parametrize("serial", [0, 1 << 40], ids=["attnlab-gemm", "numpy-matmul"])
+@pytest.mark.parametrize("n", [1, 5])
+def test_absorbed_per_head_products_either_way(monkeypatch, serial, n):
+    """The absorbed form's per-head products on NumPy's matmul (a decode step's size) and on
+    attnlab's GEMM (larger ones): both equal to the reference."""
+    from attnlab import _latent
+
+    monkeypatch.setattr(_latent, "_BLAS_SERIAL", serial)
+    rng = np.random.default_rng(13)
+    w = _weights(rng, True)
+    x = rng.standard_normal((2, n, D))
+    cache = rng.standard_normal((2, 4, R + DR))
+    kw = dict(num_heads=H, rope_theta=1e4, causal="bottom_right", cache=cache)
+    ref = reference.latent_attention(x, **w, **kw)
+    got = attnlab.latent_attention(x, **w, **kw, form="absorbed")
+    assert_close(got, ref, np.float64, "absorbed products")
+
+
+def test_returned_cache_is_the_callers():
+    """The cache comes back without a copy, and writing into it changes neither a later call
+    nor what attnlab.vjp kept for its pullback."""
+    rng = np.random.default_rng(12)
+    w = _weights(rng, False)
+    x = rng.standard_normal((2, 3, D))
+    kw = dict(num_heads=H, rope_theta=1e4, causal=True, return_cache=True)
+    (out, cache), pullback = attnlab.vjp(attnlab.latent_attention, x, **w, **kw)
+    G = rng.standard_normal(out.shape)
+    before = pullback(G)
+    cache[...] = np.nan
+    after = pullback(G)
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+    out2, cache2 = attnlab.latent_attention(x, **w, **kw)
+    np.testing.assert_array_equal(out2, out)
+    assert np.isfinite(cache2).all()
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("n", [1, 3, 0])
+def test_gradient_through_the_returned_cache(form, n):
+    """``(grad_out, grad_cache)``: the cotangent of the returned cache reaches x, the key-value
+    weights and the cache given, against finite differences of sum(out G) + sum(cache G_c);
+    the vjp pullback takes the same pair."""
+    rng = np.random.default_rng(14)
+    w = _weights(rng, True)
+    args = dict(x=rng.standard_normal((2, n, D)), cache=rng.standard_normal((2, 4, R + DR)), **w)
+    kw = dict(num_heads=H, rope_theta=1e4, causal="bottom_right", form=form)
+    G = rng.standard_normal((2, n, D))
+    Gc = rng.standard_normal((2, 4 + n, R + DR))
+
+    def f(**a):
+        out, cache = attnlab.latent_attention(**a, **kw, return_cache=True)
+        return np.sum(out * G) + np.sum(cache * Gc)
+
+    g = attnlab.latent_attention_backward((G, Gc), **args, **kw, return_cache=True)
+    for name in sorted(args):
+        d = rng.standard_normal(np.shape(args[name]))
+        eps = 1e-6
+        fd = f(**{**args, name: args[name] + eps * d}) - f(**{**args, name: args[name] - eps * d})
+        fd /= 2 * eps
+        an = np.sum(g[name] * d)
+        assert abs(fd - an) <= 1e-6 * max(1.0, abs(fd)), (name, fd, an)
+    _, pullback = attnlab.vjp(attnlab.latent_attention, **args, **kw, return_cache=True)
+    got = pullback((G, Gc))
+    for k in g:
+        np.testing.assert_allclose(got[k], g[k], rtol=1e-12, atol=1e-12, err_msg=k)
+    assert set(pullback((G, None))) == set(g)
+    with pytest.raises(ValueError, match="grad_cache: expected the returned cache's shape"):
+        pullback((G, Gc[:, 1:]))
+    with pytest.raises(ValueError, match="grad_out: expected an array or the pair"):
+        pullback((G, Gc, Gc))
+
+
+def test_bench_crossover_tables_and_targets():
+    """The bench family's bookkeeping on made-up rows (no timing): the crossover is where
+    plan_latent switches, the tables carry both forms and the checks, the targets follow them."""
+    from attnlab._bench import latent as bench
+    from attnlab._bench.common import Row
+
+    x = bench.crossover(bench.PLAN_KEYS)
+    cfg = bench._config()
+    assert plan_latent(n_q=x, n_k=bench.PLAN_KEYS, **cfg) == "expanded"
+    assert plan_latent(n_q=x - 1, n_k=bench.PLAN_KEYS, **cfg) == "absorbed"
+    check = {"pred_ratio": 20.0, "meas_ratio": 25.0, "within_20pct": False, "pred_ms": 9.0}
+    check |= {"n": 4096, "gemm_gmacs": 40.0, "attention_gmacs": 20.0, "read_gbs": 8.0}
+    check |= {"copy_gbs": 12.0}
+    plan = {"n": 100, "plan": "absorbed", "faster": "absorbed", "plan_within_10pct": True}
+    rows = [
+        Row(
+            "latent",
+            "MLA decode step fp32",
+            "s",
+            "expanded",
+            200.0,
+            extra={"n": 4096, "pred_ms": 180.0},
+        ),
+        Row("latent", "MLA decode step fp32", "s", "absorbed", 8.0, extra=check),
+        Row("latent", "MLA plan sweep fp32", "p", "expanded", 50.0, extra={"n": 100}),
+        Row("latent", "MLA plan sweep fp32", "p", "absorbed", 40.0, extra=plan),
+    ]
+    (_, _, decode), (_, _, sweep) = bench.summary_tables(rows)
+    assert decode == [
+        [
+            "4096",
+            "200.0",
+            "180.0",
+            "8.00",
+            "9.00",
+            "25.0x",
+            "20.0x",
+            "NO",
+            "40.0",
+            "20.0",
+            "8.0",
+            "12.0",
+        ]
+    ]
+    assert sweep == [["100", "50.0", "40.0", "absorbed", "absorbed", "yes"]]
+    met = {t["target"].split(":")[0]: t["met"] for t in bench.targets(rows)}
+    assert met == {
+        "MLA decode at 4096 cached tokens": False,
+        "MLA plan_latent within 10% (1/1 points)": True,
+    }
+
+
 def _fd_check(f, args, grads, names, rng, eps=1e-6, tol=1e-6):
     """Directional finite differences of ``sum(f(**args) * G)`` for each name."""
     out = f(**args)
@@ -303,6 +465,45 @@ def test_torch_adapter_matches_numpy():
     np.testing.assert_allclose(tx.grad.numpy(), ref["x"], rtol=1e-12, atol=1e-12)
     for k, t in tw.items():
         np.testing.assert_allclose(t.grad.numpy(), ref[k], rtol=1e-12, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_torch_adapter_lse_cache_and_decoding_through_the_cache(form):
+    """return_lse and return_cache through the adapter: the values the NumPy function returns,
+    the log-sum-exp not differentiable; a loss over a prefill and two decode steps, each fed the
+    cache the one before returned, has torch autograd's gradients equal to one causal call over
+    the whole sequence (the cache carries the gradient back)."""
+    torch = pytest.importorskip("torch")
+    import attnlab.torch as at
+
+    rng = np.random.default_rng(15)
+    w = _weights(rng, True)
+    x = rng.standard_normal((2, 7, D))
+    kw = dict(num_heads=H, rope_theta=1e4, form=form)
+    G = rng.standard_normal((2, 7, D))
+    want = attnlab.latent_attention(
+        x[:, :4], **w, **kw, causal=True, return_lse=True, return_cache=True
+    )
+    tw = {k: torch.tensor(v, requires_grad=True) for k, v in w.items()}
+    tx = torch.tensor(x, requires_grad=True)
+    out, lse, cache = at.latent_attention(
+        tx[:, :4], **tw, **kw, causal=True, return_lse=True, return_cache=True
+    )
+    for t, a in zip((out, lse, cache), want, strict=True):
+        np.testing.assert_allclose(t.detach().numpy(), a, rtol=0, atol=1e-13)
+    assert not lse.requires_grad and cache.requires_grad
+    loss = (out * torch.tensor(G[:, :4])).sum()
+    for i in (4, 5):  # decode steps of 1 and 2 tokens
+        j = i + 1 if i == 4 else 7
+        step, cache = at.latent_attention(
+            tx[:, i:j], **tw, **kw, cache=cache, causal="bottom_right", return_cache=True
+        )
+        loss = loss + (step * torch.tensor(G[:, i:j])).sum()
+    loss.backward()
+    ref = attnlab.latent_attention_backward(G, x, **w, **kw, causal=True)
+    np.testing.assert_allclose(tx.grad.numpy(), ref["x"], rtol=1e-10, atol=1e-12)
+    for k, t in tw.items():
+        np.testing.assert_allclose(t.grad.numpy(), ref[k], rtol=1e-10, atol=1e-12, err_msg=k)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from . import _args, _docs, _grad, _memory, _rope
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
+from ._merge import merge_attention
 
 __all__ = ["latent_attention", "latent_attention_backward"]
 
@@ -196,7 +197,13 @@ def _prepare(args: dict[str, Any]) -> _Latent:
         )
     w_o = arrs["w_o"]
     assert w_o is not None
-    _rows_of(w_o, "w_o", h * dv, "(num_heads * d_v, d_out)", f"d_v = {dv} from w_kv_b")
+    _rows_of(
+        w_o,
+        "w_o",
+        h * dv,
+        "(num_heads * d_v, d_out)",
+        f"d_v = {dv}: w_kv_b's {dn + dv} columns per head less d_nope = {dn} from {q_name}",
+    )
     d_out = w_o.shape[1]
     w: dict[str, np.ndarray | None] = {}
     for k in ("w_q", "w_q_a", "q_a_norm", "w_q_b", "w_kv_a", "kv_a_norm", "w_kv_b", "w_o"):
@@ -386,6 +393,68 @@ def _stacked_mask(a: _Latent) -> _args.CoreMask:
     return m._replace(causal=0, mask4=m4).core_mask()
 
 
+# Keys per part of a stacked call (one query, heads as rows): parts of fewer than twice the
+# kernel's decode split (kDecodeSplit in cpp/src/kernels/decode.hpp) run the flash tile, which
+# keeps the h query rows in registers across a key tile, where the decode path streams each
+# row's dot products over the whole head width separately (half the rate at width 576).
+_KEY_PART = 512
+
+
+def _stacked_forward(
+    a: _Latent,
+    qq: np.ndarray,
+    lat: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    weights: np.ndarray | None,
+) -> None:
+    """Attention of one query's ``h`` heads, as the rows ``(B, 1, h, .)`` of the one key head,
+    over the latents ``(B, n_k, r + d_rope)`` into ``out`` ``(B, 1, h, r)`` and ``lse``.
+
+    Many keys are cut into parts of :data:`_KEY_PART` that run as one batch (the parts in
+    parallel) and are merged by their log-sum-exps in a fixed order, whatever the thread
+    count; a call that asks for the weights or carries a mask array runs whole."""
+    B, n_k, r, h = a.B, a.n_k, a.r, a.h
+    cm = _stacked_mask(a)
+    parts = n_k // _KEY_PART
+    if weights is not None or cm.mask is not None or parts < 2:
+        core.sdpa_forward(qq, lat[:, None], lat[:, None, :, :r], out, cm, a.m.scale, weights, lse)
+        return
+    whole = parts * _KEY_PART
+    keys = lat[:, :whole].reshape(B * parts, 1, _KEY_PART, lat.shape[-1])
+    rows = np.broadcast_to(qq[:, None], (B, parts) + qq.shape[1:]).reshape(
+        keys.shape[:2] + qq.shape[2:]
+    )
+    kp = cm.key_padding_mask
+    o = _memory.empty((B * parts, 1, h, r), a.dtype)
+    s = _memory.empty((B * parts, 1, h), a.dtype)
+    part_kp = None if kp is None else kp[:, :whole].reshape(B * parts, _KEY_PART)
+    core.sdpa_forward(
+        rows, keys, keys[..., :r], o, cm._replace(key_padding_mask=part_kp), a.m.scale, None, s
+    )
+    outs = list(o.reshape(B, parts, h, r).transpose(1, 0, 2, 3))
+    lses = list(s.reshape(B, parts, h).transpose(1, 0, 2))
+    if whole < n_k:  # the last, shorter part
+        o_t = _memory.empty((B, 1, h, r), a.dtype)
+        s_t = _memory.empty((B, 1, h), a.dtype)
+        tail = lat[:, None, whole:]
+        core.sdpa_forward(
+            qq,
+            tail,
+            tail[..., :r],
+            o_t,
+            cm._replace(key_padding_mask=None if kp is None else kp[:, whole:]),
+            a.m.scale,
+            None,
+            s_t,
+        )
+        outs.append(o_t.reshape(B, h, r))
+        lses.append(s_t.reshape(B, h))
+    merged, merged_lse = merge_attention(outs, lses)
+    out[...] = merged.reshape(out.shape)
+    lse[...] = merged_lse.reshape(lse.shape)
+
+
 def _run(a: _Latent, weights: np.ndarray | None) -> tuple[np.ndarray, _State]:
     """The forward: the output rows ``(B*n, d_out)`` and the state."""
     B, n, h, r, dr, dn, dtype = a.B, a.n, a.h, a.r, a.dr, a.dn, a.dtype
@@ -448,10 +517,19 @@ def _expanded(
     return {"k": k, "kv": kv, "out": out}, lse, ctx
 
 
-def _split_kv_b(a: _Latent) -> tuple[np.ndarray, np.ndarray]:
-    """``W_uk`` ``(h, d_nope, r)`` and ``W_uv`` ``(h, r, d_v)``: views of ``w_kv_b``."""
-    wkv = _w(a, "w_kv_b").reshape(a.r, a.h, a.dn + a.dv)
-    return wkv[:, :, : a.dn].transpose(1, 2, 0), wkv[:, :, a.dn :].transpose(1, 0, 2)
+# The absorbed form's per-head products (W_uk into the queries, W_uv after attention) run on
+# NumPy's matmul while each is below OpenBLAS's threading threshold (m n k < 4 * 65536: a decode
+# step), which then runs them on the calling thread without copying the weights; larger ones on
+# attnlab's GEMM, head by head: OpenBLAS's threads would fight attnlab's for the cores.
+_BLAS_SERIAL = 4 * 65536
+
+
+def _split_kv_b(a: _Latent, views: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``W_uk`` ``(h, r, d_nope)`` and ``W_uv`` ``(h, r, d_v)``: each head's columns of
+    ``w_kv_b``, as contiguous blocks (copied by rows) for attnlab's GEMM, or as views."""
+    wkv = _w(a, "w_kv_b").reshape(a.r, a.h, a.dn + a.dv).transpose(1, 0, 2)
+    w_uk, w_uv = wkv[..., : a.dn], wkv[..., a.dn :]
+    return (w_uk, w_uv) if views else (_memory.copy(w_uk), _memory.copy(w_uv))
 
 
 def _per_head(x: np.ndarray) -> np.ndarray:
@@ -464,9 +542,15 @@ def _absorbed(
     a: _Latent, q: np.ndarray, lat: np.ndarray, weights: np.ndarray | None
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     B, n, n_k, h, r, dr, dn, dv, dtype = a.B, a.n, a.n_k, a.h, a.r, a.dr, a.dn, a.dv, a.dtype
-    w_uk, w_uv = _split_kv_b(a)
+    few = B * n * r * max(dn, dv) < _BLAS_SERIAL
+    w_uk, w_uv = _split_kv_b(a, views=few)
+    qn = _per_head(q[..., :dn])  # (h, B*n, d_nope)
     qq = _memory.empty((B, n, h, r + dr), dtype)
-    qq[..., :r] = np.matmul(_per_head(q[..., :dn]), w_uk).reshape(h, B, n, r).transpose(1, 2, 0, 3)
+    if few:
+        qq[..., :r] = np.matmul(qn, w_uk.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(B, n, h, r)
+    else:
+        for i in range(h):  # q_nope,i W_uk,i^T as (W_uk,i q_nope,i^T)^T: no transposed copy
+            qq[:, :, i, :r] = _gemm(w_uk[i], qn[i].T).T.reshape(B, n, r)
     qq[..., r:] = q[..., dn:]
     keys = lat[:, None]
     values = lat[:, None, :, :r]
@@ -475,7 +559,7 @@ def _absorbed(
         lse = a.m.empty_lse(B, 1, h, dtype)
         wv = None if weights is None else weights.reshape(B, 1, h, n_k)
         if n_k:
-            core.sdpa_forward(qq, keys, values, out, _stacked_mask(a), a.m.scale, wv, lse)
+            _stacked_forward(a, qq, lat, out, lse, wv)
         ctx_lat = out  # (B, n=1, h, r)
     else:
         out = _memory.empty((B, h, n, r), dtype)
@@ -487,13 +571,21 @@ def _absorbed(
         ctx_lat = _heads(out)  # (B, n, h, r) view
     if not n_k:
         out.fill(0)
-    ctx = np.matmul(_per_head(ctx_lat), w_uv)  # (h, B*n, d_v)
-    ctx = _memory.copy(ctx.reshape(h, B * n, dv).transpose(1, 0, 2)).reshape(B * n, h * dv)
+    cl = _per_head(ctx_lat)  # (h, B*n, r)
+    ctx = _memory.empty((B * n, h * dv), dtype)
+    if few:
+        ctx.reshape(B * n, h, dv)[...] = np.matmul(cl, w_uv).transpose(1, 0, 2)
+    else:
+        for i in range(h):
+            ctx[:, i * dv : (i + 1) * dv] = _gemm(cl[i], w_uv[i])
     return {"qq": qq, "out": out}, lse, ctx
 
 
-def _new_cache(a: _Latent, st: _State) -> np.ndarray:
-    return st.lat.reshape(a.batch + (a.n_k, a.r + a.dr)).copy()
+def _new_cache(a: _Latent, st: _State, kept: bool) -> np.ndarray:
+    """The cache after the call: the latents themselves (this call's own array), or a copy
+    when attnlab.vjp keeps them for the pullback (a caller may write into the cache)."""
+    lat = st.lat.reshape(a.batch + (a.n_k, a.r + a.dr))
+    return lat.copy() if kept else lat
 
 
 @_docs.filled
@@ -611,7 +703,9 @@ def latent_attention(
         Also return the attention weights ``(..., h, n, n_past + n)`` (or their mean).
     return_cache : bool
         Also return the cache after this call, ``(..., n_past + n, kv_lora_rank + d_rope)``,
-        last in the tuple (not differentiated).
+        last in the tuple. A gradient flows from it when its cotangent comes with the
+        output's, as the pair ``(grad_out, grad_cache)``, to :func:`latent_attention_backward`
+        or an :func:`attnlab.vjp` pullback (training through several decode steps).
     warn_empty_rows : bool
         As for :func:`attnlab.multi_head_attention`.
 
@@ -661,7 +755,7 @@ def latent_attention(
     if not cache_wanted:
         return result
     if st is not None:
-        new_cache = _new_cache(a, st)
+        new_cache = _new_cache(a, st, _keep is not None)
     elif a.cache is not None:
         new_cache = a.cache.reshape(a.batch + a.cache.shape[1:]).copy()
     else:
@@ -672,9 +766,33 @@ def latent_attention(
 # -- backward ---------------------------------------------------------------------------------
 
 
+def _cotangents(g: Any, a: _Latent) -> tuple[Any, np.ndarray | None]:
+    """``grad_out``, or the pair ``(grad_out, grad_cache)``: the cotangents of the output and of
+    the cache ``return_cache`` returns, the latter as ``(B, n_k, r + d_rope)`` (or None)."""
+    if not isinstance(g, tuple):
+        return g, None
+    if len(g) != 2:
+        raise ValueError(
+            f"grad_out: expected an array or the pair (grad_out, grad_cache), got a tuple of "
+            f"{len(g)}"
+        )
+    if g[1] is None:
+        return g[0], None
+    gc = V.as_array(g[1], "grad_cache")
+    expected = a.batch + (a.n_k, a.r + a.dr)
+    if gc.shape != expected:
+        raise ValueError(
+            f"grad_cache: expected the returned cache's shape {V.shape_str(expected)}, got "
+            f"{V.shape_str(gc.shape)}"
+        )
+    return g[0], _memory.contiguous(gc.reshape(a.B, a.n_k, a.r + a.dr), a.dtype)
+
+
 def _grads(a: _Latent, st: _State | None, grad_out: Any) -> dict[str, np.ndarray]:
-    """The gradients of a prepared call from its state (``None``: recompute it)."""
+    """The gradients of a prepared call from its state (``None``: recompute it); ``grad_out``
+    may carry the cache's cotangent too (:func:`_cotangents`)."""
     B, n, h, dtype = a.B, a.n, a.h, a.dtype
+    grad_out, g_cache = _cotangents(grad_out, a)
     go = _grad.grad_out_rows(grad_out, a.batch + (n, a.d_out), dtype)
     given = {k: v for k, v in a.w.items() if v is not None}
     grads = {k: _memory.zeros(v.shape, dtype) for k, v in given.items()}
@@ -685,7 +803,9 @@ def _grads(a: _Latent, st: _State | None, grad_out: Any) -> dict[str, np.ndarray
     if B * n:
         if st is None:
             st = _run(a, None)[1]
-        _backward(a, st, go, grads, logit)
+        _backward(a, st, go, grads, logit, g_cache)
+    elif g_cache is not None and a.cache is not None:  # no new token: the cache passes through
+        grads["cache"][...] = g_cache
     out = {k: v for k, v in grads.items() if k not in ("x", "cache")}
     out["x"] = _grad.unbroadcast(grads["x"].reshape(a.batch + (n, a.x.shape[1])), a.x_shape)
     if a.cache is not None:
@@ -702,6 +822,7 @@ def _backward(
     go: np.ndarray,
     grads: dict[str, np.ndarray],
     logit: dict[str, np.ndarray],
+    g_cache: np.ndarray | None,
 ) -> None:
     B, n, h, r, dr, dn, dv = a.B, a.n, a.h, a.r, a.dr, a.dn, a.dv
     w = a.w
@@ -713,6 +834,8 @@ def _backward(
         dq, dlat = _expanded_backward(a, st, g_ctx, grads, logit)
     else:
         dq, dlat = _absorbed_backward(a, st, g_ctx, grads, logit)
+    if g_cache is not None:  # the returned cache holds every latent as attention read it
+        dlat += g_cache
     if a.cache is not None:
         grads["cache"][...] = dlat[:, : a.n_past]
     dnew = _memory.copy(dlat[:, a.n_past :]).reshape(B * n, r + dr)
@@ -797,10 +920,13 @@ def _absorbed_backward(
     w_uk, w_uv = _split_kv_b(a)
     qq, out = st.core["qq"], st.core["out"]
     ctx_lat = out if a.stacked else _heads(out)  # (B, n, h, r)
+    cl = _per_head(ctx_lat)  # (h, B*n, r)
     gh = _per_head(g_ctx)  # (h, B*n, d_v)
-    d_wuv = np.matmul(_per_head(ctx_lat).transpose(0, 2, 1), gh)  # (h, r, d_v)
-    g_lat = np.matmul(gh, w_uv.transpose(0, 2, 1))  # (h, B*n, r)
-    g_lat = g_lat.reshape(h, B, n, r).transpose(1, 2, 0, 3)  # (B, n, h, r)
+    gw = grads["w_kv_b"].reshape(r, h, dn + dv)
+    g_lat = _memory.empty((B, n, h, r), dtype)
+    for i in range(h):  # ctx_i = ctx_lat,i W_uv,i
+        gw[:, i, dn:] = _gemm(cl[i].T, gh[i])
+        g_lat[:, :, i] = _gemm(w_uv[i], gh[i].T).T.reshape(B, n, r)
     keys = st.lat[:, None]
     values = st.lat[:, None, :, :r]
     dk = _memory.zeros((B, 1, n_k, r + dr), dtype)
@@ -811,7 +937,7 @@ def _absorbed_backward(
         dm_view = None if dm is None else _memory.zeros((B, 1, h, n_k), dtype)
         if n_k:
             core.sdpa_backward(
-                _memory.copy(g_lat),
+                g_lat,
                 qq,
                 keys,
                 values,
@@ -853,15 +979,12 @@ def _absorbed_backward(
     dlat[..., :r] += dvv[:, 0]
     # q_lat = q_nope W_uk^T per head
     dql = _per_head(dqq_rows[..., :r])  # (h, B*n, r)
-    d_wuk = np.matmul(dql.transpose(0, 2, 1), _per_head(st.q[..., :dn]))  # (h, r, d_nope)
+    qn = _per_head(st.q[..., :dn])  # (h, B*n, d_nope)
     dq = _memory.empty((B, n, h, dn + dr), dtype)
-    dq[..., :dn] = (
-        np.matmul(dql, w_uk.transpose(0, 2, 1)).reshape(h, B, n, dn).transpose(1, 2, 0, 3)
-    )
+    for i in range(h):
+        gw[:, i, :dn] = _gemm(dql[i].T, qn[i])
+        dq[:, :, i, :dn] = _gemm(dql[i], w_uk[i]).reshape(B, n, dn)
     dq[..., dn:] = dqq_rows[..., r:]
-    gw = grads["w_kv_b"].reshape(r, h, dn + dv)
-    gw[:, :, :dn] = d_wuk.transpose(1, 0, 2)
-    gw[:, :, dn:] = d_wuv.transpose(1, 0, 2)
     return dq, dlat
 
 
@@ -870,7 +993,10 @@ _BACKWARD_DOC = """\
         As for :func:`latent_attention`
         {mask_polarity}
         ``return_weights``, ``return_lse`` and ``return_cache`` are accepted and ignored:
-        gradients flow from the output only. Positions and masks are not differentiated.
+        gradients flow from the output, and from the returned cache when ``grad_out`` is the
+        pair ``(grad_out, grad_cache)`` (``grad_cache`` shaped like the cache
+        ``return_cache=True`` returns, ``(..., n_past + n, kv_lora_rank + d_rope)``).
+        Positions and masks are not differentiated.
 
     Returns
     -------
@@ -893,6 +1019,8 @@ _BACKWARD_DOC = """\
 
 def _latent_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
+    V.check_flag(args["return_lse"], "return_lse")
+    V.check_flag(args["return_cache"], "return_cache")
     return _grads(_prepare(args), None, grad_out)
 
 

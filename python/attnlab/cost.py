@@ -288,11 +288,17 @@ def latent_cost(
     -------
     dict
         ``"params"`` (weight numbers, norms and biases not counted); ``"flops"``, multiply-adds
-        of the whole layer (the projections both forms share included); ``"bytes"``, its
-        memory traffic: the weights read once, the latents copied in from the cache, out to
-        the new cache and read by attention (by every head when several queries are absorbed),
-        the expanded keys and values written and read, the absorbed queries (the attention
-        core's tiles are O(n d) and not counted); and
+        of the whole layer (the projections both forms share included); ``"attention_flops"``,
+        those of them the attention core makes (scores and weighted values: ``B*h*n_q*n_k``
+        times ``d_nope+d_rope+d_v`` expanded, ``2r+d_rope`` absorbed; the rest are GEMMs);
+        ``"bytes"``, the
+        memory traffic of the passes :func:`attnlab.latent_attention` makes: the weights read
+        once, the cached latents read and every latent written (the new cache), the queries
+        and contexts; expanded: the latents' ``c`` copied and read by the up-projection, the
+        keys and values written, the keys' no-rope part read back, both read by attention;
+        absorbed: the absorbed queries and contexts, the latents read by attention once for
+        one query token (every head is a row of the one key head), once per head for more
+        (the attention core's tiles are O(n d) and not counted); and
         ``"cache_bytes_per_token"``, the cache of one token: ``(r + d_rope) * itemsize``,
         against ``2 * h * d_head * itemsize`` for multi-head attention of head width
         ``d_head``.
@@ -309,6 +315,18 @@ def latent_cost(
     (``n_q = 1``) against ``n_k`` cached tokens costs about ``r*(d_nope+d_v) / (2r+d_rope)``
     times less absorbed (120x with DeepSeek-V3's sizes, before the projections both share);
     prefill (``n_q = n_k``) about ``(2r+d_rope) / (d_nope+d_rope+d_v)`` times more (3.4x).
+
+    Bytes, in numbers of ``itemsize`` each, with ``L = r + d_rope``::
+
+        params + B * ((2*n_k - n_q)*L + 2*n_q*h*(d_nope+d_rope+d_v)
+                      + 3*n_k*r + n_k*d_rope + n_k*h*(4*d_nope+2*d_rope+2*d_v)  # expanded
+                      + 2*n_q*h*(L+r) + (1 if n_q == 1 else h)*n_k*L)             # absorbed
+
+    A decode step reads every weight once and the cache about twice in either form; the
+    expanded form also writes and reads ``h`` heads' keys and values per cached token. At batch
+    1 the absorbed step is bound by these bytes, the expanded one by its up-projection's
+    multiply-adds: ``python -m attnlab bench`` (family ``latent``) turns both into times with
+    this machine's measured GEMM rate and memory bandwidth.
 
     Examples
     --------
@@ -339,17 +357,24 @@ def latent_cost(
     params = q_params + d * (r + dr) + r * h * (dn + dv) + h * dv * d
     shared = b * nq * (q_params + d * (r + dr) + h * dv * d)
     flops = shared + _latent_core_macs(form, b, nq, nk, h, r, dn, dr, dv)
-    # memory traffic: the weights once; the latents copied in (a cache), out (the new cache)
-    # and read; the expanded keys and values written and read; the absorbed queries
-    lat = 3 * nk * (r + dr)
+    # memory traffic, the passes latent_attention makes: the weights once; the cached latents
+    # read and all the latents written (the new cache); the queries and contexts written, read
+    lat = r + dr
+    act = (2 * nk - nq) * lat + 2 * nq * h * (dn + dr + dv)
     if form == "expanded":
-        act = lat + nk * h * (3 * dn + 2 * dr + 2 * dv)
-    else:  # one query reads the latents once (heads as its rows), more read them per head
-        act = lat + (0 if nq == 1 else (h - 1) * nk * (r + dr)) + 4 * nq * h * (r + dr)
+        # c copied out of the latents and read by the up-projection, the rotary key read; keys
+        # and values written, the keys' no-rope part read from them, both read by attention
+        act += 3 * nk * r + nk * dr + nk * h * (4 * dn + 2 * dr + 2 * dv)
+    else:
+        # absorbed queries and their contexts written and read; attention reads the latents
+        # once for one query (its heads are the rows of one key head), once per head for more
+        act += 2 * nq * h * (lat + r) + (1 if nq == 1 else h) * nk * lat
     nbytes = (params + b * act) * it
+    width = dn + dr + dv if form == "expanded" else 2 * r + dr  # scores and values per pair
     return {
         "params": int(params),
         "flops": int(flops),
+        "attention_flops": int(b * h * nq * nk * width),
         "bytes": int(nbytes),
         "cache_bytes_per_token": int((r + dr) * it),
     }

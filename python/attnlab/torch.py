@@ -82,21 +82,23 @@ def _tensor(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
+# what a forward returns after its output, in order, when asked: the weights and the
+# log-sum-exp are not differentiated; latent attention's cache is
+_EXTRA_OUTPUTS = ("weights", "lse", "cache")
+
+
 class _Call:
-    """One call: the NumPy forward, the tensor arguments' names, the constants."""
+    """One call: the NumPy forward, the tensor arguments' names, the constants, the names of
+    what it returns (``"out"``, then those of :data:`_EXTRA_OUTPUTS` asked for)."""
 
     def __init__(
-        self,
-        forward: Callable[..., Any],
-        tensors: dict[str, Any],
-        consts: dict[str, Any],
-        weights: bool,
+        self, forward: Callable[..., Any], tensors: dict[str, Any], consts: dict[str, Any]
     ) -> None:
         self.forward = forward
         self.names = [n for n, t in tensors.items() if t is not None]
         self.inputs = [_check(tensors[n], n) for n in self.names]
         self.consts = consts
-        self.weights = weights
+        self.outputs = ("out",) + tuple(n for n in _EXTRA_OUTPUTS if consts.get(f"return_{n}"))
 
     def arrays(self, tensors: tuple[torch.Tensor, ...]) -> dict[str, np.ndarray]:
         return {n: _plain(t) for n, t in zip(self.names, tensors, strict=True)}
@@ -114,18 +116,23 @@ class _Attention(torch.autograd.Function):
         result, ctx.pullback = vjp(call.forward, **call.arrays(tensors), **call.consts)
         ctx.call = call
         ctx.dtypes = [t.dtype for t in tensors]
-        if call.weights:
-            out, w = result
-            wt = _tensor(w)
-            ctx.mark_non_differentiable(wt)
-            return _tensor(out), wt
-        return _tensor(result)
+        if len(call.outputs) == 1:
+            return _tensor(result)
+        outs = tuple(_tensor(r) for r in result)
+        for name, t in zip(call.outputs, outs, strict=True):
+            if name in ("weights", "lse"):
+                ctx.mark_non_differentiable(t)
+        return outs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor, *_weights_grad: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor, *grad_extra: Any) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
-        grads = ctx.pullback(_plain(grad_out))
+        g: Any = _plain(grad_out)
+        if "cache" in call.outputs:  # the pair (grad_out, grad_cache) of latent attention
+            gc = grad_extra[call.outputs.index("cache") - 1]
+            g = (g, None if gc is None else _plain(gc))
+        grads = ctx.pullback(g)
         result: list[torch.Tensor | None] = [None]
         for name, dtype, need in zip(call.names, ctx.dtypes, ctx.needs_input_grad[1:], strict=True):
             g = grads.get(name) if need else None
@@ -157,8 +164,7 @@ def _apply(forward: Callable[..., Any], tensor_names: tuple[str, ...], args: dic
             args[name] = _positions(args[name])
     names = [n for n in tensor_names if not isinstance(args[n], BilinearQK)]  # a constant
     tensors = {n: args.pop(n) for n in names}
-    call = _Call(forward, tensors, args, bool(args.get("return_weights", False)))
-    return call.apply()
+    return _Call(forward, tensors, args).apply()
 
 
 def _wrapper(
@@ -387,12 +393,19 @@ _LATENT_DOC = """\
         As for :func:`attnlab.latent_attention` (``True`` in a boolean mask means *may
         attend*, the opposite of ``nn.MultiheadAttention``'s masks: see
         :func:`attnlab.interop.torch_masks`); ``positions`` and ``rope_inv_freq`` are
-        constants. The adapter returns the output (and the weights with ``return_weights``);
-        call
-        :func:`attnlab.latent_attention` on NumPy arrays for ``return_lse`` or
-        ``return_cache``.
+        constants.
 
-    {torch_attention_returns}
+    Returns
+    -------
+    out : torch.Tensor, shape (..., n, d_out)
+        Differentiable with respect to every tensor argument but the masks.
+    weights, lse : torch.Tensor, optional
+        With ``return_weights`` and ``return_lse``, as for :func:`attnlab.latent_attention`;
+        not differentiable (``requires_grad`` is False: a loss through them gets no gradient
+        from them).
+    cache : torch.Tensor, shape (..., n_past + n, kv_lora_rank + d_rope), optional
+        With ``return_cache``, last: differentiable, so a loss over several decode steps, each
+        fed the cache the one before returned, trains through all of them.
 
     {torch_examples}
     >>> h, d, r, dn, dr, dv = 2, 16, 8, 4, 4, 4

@@ -11,6 +11,7 @@ import textwrap
 from typing import Any
 
 from .common import NOISY, Row
+from .latent import summary_tables
 from .runner import format_table, share, target_lines
 
 __all__ = ["format_report", "NEXT", "TITLES"]
@@ -27,6 +28,7 @@ TITLES = {
     "bilinear": "Bilinear attention: query-key weights collapsed per head, against separate heads",
     "additive": "Additive (SwiftFormer) and separable (MobileViT-v2) attention, forward",
     "backward": "Gradients: a training step is the forward and every gradient (torch: autograd)",
+    "latent": "Latent attention (DeepSeek's MLA): absorbed against expanded, and latent_cost",
 }
 
 _LEGEND = (
@@ -158,6 +160,11 @@ def _bilinear(rows: list[Row], peak: float | None) -> list[str]:
     return _table(head, body, 1)
 
 
+def _latent(rows: list[Row]) -> list[str]:
+    """The latent family's tables (left out of ``--quick``, which keeps to one screen)."""
+    return [ln for t, h, b in summary_tables(rows) for ln in ["  " + t, *_table(h, b, 0)]]
+
+
 def _slopes(rows: list[Row]) -> list[str]:
     """The growth exponents of the additive family's sweep, as one sentence."""
     names = {
@@ -241,6 +248,7 @@ def format_report(result: dict[str, Any], *, verbose: bool = False, targets: boo
             + _slopes(rows),
         ),
         ("backward", _versus(rows, peak, ("backward",), grads)),
+        ("latent", [] if result.get("quick") else _latent(rows)),
     ]
     shown = [(fam, body) for fam, body in sections if body]
     for fam, body in shown:

@@ -19,6 +19,7 @@ from .backward import CASES as BACKWARD_CASES
 from .backward import training_targets
 from .common import NOISY, Row, Timing, target
 from .gemm import square_gemm
+from .latent import targets as latent_targets
 from .peak import fma_peak, sgemm_gflops
 from .progress import Progress
 
@@ -140,6 +141,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         r = speedup(fam, case, "torch")
         if r:
             add(f"{label} {r[1].shape} vs torch eager", r[0], ">= 1.5x", r[0] >= 1.5)
+    out += latent_targets(rows)
     plans = [p for p in rows if p.family == "bilinear" and "plan_within_10pct" in p.extra]
     if plans:
         hit = sum(bool(p.extra["plan_within_10pct"]) for p in plans)
