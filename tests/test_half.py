@@ -55,7 +55,7 @@ BF16 = [("precision-bf16", np.dtype(np.float32), "bf16", UNIT_ROUNDOFF["bfloat16
 ISSUE = "issue 31's half-precision kernels are not in this build"
 # families that compute half-precision inputs in float32 but do not yet store the result in
 # the input dtype (issue 31 covers the others first)
-PENDING_STORAGE = ("latent_attention",)
+PENDING_STORAGE: tuple[str, ...] = ()
 
 
 def _skip_if_missing(name: str, dtype: np.dtype, call: Callable[[], Any]) -> Any:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _args, _docs, _grad, _memory, _rope
+from . import _args, _docs, _grad, _half, _memory, _rope
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -747,11 +747,12 @@ def latent_attention(
     else:
         out, st = _memory.zeros((B * n, a.d_out), a.dtype), None
     if _keep is not None:
-        _keep.update(prepared=_memory.owned(a), state=st)
+        _keep.update(prepared=_memory.owned(a), state=st, halves=_half.halves(args))
     lse = None
     if lse_wanted:
         lse = a.m.empty_lse(B, h, n, a.dtype) if st is None else st.lse.reshape(B, h, n)
-    result = _args.with_weights(out, weights, mode, a.batch, (n, a.d_out), lse)
+    half = _half.storage(args)
+    result = _args.with_weights(out, weights, mode, a.batch, (n, a.d_out), lse, half)
     if not cache_wanted:
         return result
     if st is not None:
@@ -760,6 +761,7 @@ def latent_attention(
         new_cache = a.cache.reshape(a.batch + a.cache.shape[1:]).copy()
     else:
         new_cache = _memory.zeros(a.batch + (0, a.r + a.dr), a.dtype)
+    new_cache = _half.store(new_cache, half)  # a half-precision cache stays one
     return (*result, new_cache) if isinstance(result, tuple) else (result, new_cache)
 
 
@@ -1021,7 +1023,7 @@ def _latent_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarra
     V.weights_mode(args["return_weights"])
     V.check_flag(args["return_lse"], "return_lse")
     V.check_flag(args["return_cache"], "return_cache")
-    return _grads(_prepare(args), None, grad_out)
+    return _half.store_grads(_grads(_prepare(args), None, grad_out), _half.halves(args))
 
 
 latent_attention_backward = _sig.backward_of(
