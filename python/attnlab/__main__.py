@@ -65,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         "(--quick: no long ones)",
     )
     b.add_argument(
+        "--bf16",
+        action="store_true",
+        help="with --peers: bf16 products against the peers' (cases vit-b, sdpa, decode, "
+        "decode-gqa; runtimes attnlab (float32: the check), attnlab-bf16 (precision='bf16'; "
+        "a bfloat16 cache when decoding), torch-bf16, openvino-default)",
+    )
+    b.add_argument(
         "--train",
         action="store_true",
         help="with --peers: the training-step cases (vit-s-train, long-causal-train; "
@@ -96,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--case and --runtime go with --peers or --accuracy")
     if args.train and not args.peers:
         parser.error("--train goes with --peers")
+    if args.bf16 and (not args.peers or args.train):
+        parser.error("--bf16 goes with --peers (inference cases)")
     if args.accuracy:
         if args.peers or args.only or args.plot or args.verbose or args.targets or args.train:
             parser.error("--accuracy takes --quick, --case, --runtime, --json and --progress only")
@@ -135,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 tuple(args.runtime) if args.runtime else RUNTIMES,
                 train=args.train,
                 show_progress=show_progress,
+                bf16=args.bf16,
             )
         except ValueError as e:
             parser.error(str(e))

@@ -131,7 +131,7 @@ RUNTIMES = ("attnlab", "torch-sdpa", "torch-mha", "onnxruntime", "openvino", "ja
 # what a user gets without asking for float32: torch-sdpa under torch.autocast(bfloat16), and
 # OpenVINO at its default inference precision (bf16 on AMX and AVX512-BF16 CPUs); measured by
 # bench --accuracy, not in bench --peers' float32 check
-LOW_PRECISION_RUNTIMES = ("torch-bf16", "openvino-default")
+LOW_PRECISION_RUNTIMES = ("attnlab-bf16", "torch-bf16", "openvino-default")
 
 
 def inputs(case: Case) -> dict[str, np.ndarray]:
@@ -227,12 +227,45 @@ def _torch_sdpa(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     return f, lambda t: t.numpy(), f"torch {torch.__version__}"
 
 
+def _attnlab_bf16(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
+    """attnlab with bf16 products: ``precision="bf16"`` on the layer and the attention core;
+    the decode cases read a bfloat16 cache (q, k, v stored in bfloat16, as torch-bf16's)."""
+    import attnlab
+
+    attnlab.set_num_threads(threads)
+    if case.n_q is not None:
+        bf16 = _import("ml_dtypes").bfloat16
+        q, k, v = (a[n].astype(bf16) for n in ("q", "k", "v"))
+
+        def f() -> Any:
+            return attnlab.scaled_dot_product_attention(q, k, v, causal=case.causal)
+    elif case.core_only:
+
+        def f() -> Any:
+            return attnlab.scaled_dot_product_attention(
+                a["q"], a["k"], a["v"], causal=case.causal, precision="bf16"
+            )
+    else:
+        w: dict[str, Any] = _layer_weights(a)
+
+        def f() -> Any:
+            return attnlab.multi_head_attention(
+                a["x"], num_heads=case.h, causal=case.causal, precision="bf16", **w
+            )
+
+    kernel = attnlab.build_info()["bf16_kernel"]
+    return f, lambda o: np.asarray(o, np.float32), f"attnlab {attnlab.__version__} bf16={kernel}"
+
+
 def _torch_bf16(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     """torch-sdpa under ``torch.autocast("cpu", dtype=torch.bfloat16)``: F.linear and SDPA take
-    bfloat16 operands (the core's q, k, v too)."""
+    bfloat16 operands; the attention-core cases take bfloat16 tensors made once (a bfloat16
+    cache when decoding), not converted in every call."""
     torch = _import("torch")
     torch.set_num_threads(threads)
     fn, args = _torch_fn(torch, case, a), _tensors(torch, case, a)
+    if case.core_only:
+        args = [t.bfloat16() for t in args]
 
     def f() -> Any:
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -422,6 +455,7 @@ BUILDERS: dict[str, Callable[[Case, dict[str, np.ndarray], int], Built]] = {
     "onnxruntime": _onnxruntime,
     "openvino": _openvino,
     "jax": _jax,
+    "attnlab-bf16": _attnlab_bf16,
     "torch-bf16": _torch_bf16,
     "openvino-default": partial(_openvino, precision=None),
 }
