@@ -188,8 +188,8 @@ def scaled_dot_product_attention(
         lse = a.m.empty_lse(B, h, n_q, dtype)  # what a call with no key leaves
     if half_kv and (out.size or (lse is not None and lse.size)):
         code = 1 if a.k4.dtype == np.float16 else 2
-        bits = [x.view(np.uint16) for x in (a.k4, a.v4)]
-        core.sdpa_forward_half(a.q4, *bits, code, out, a.m.core_mask(), a.m.scale, lse)
+        k16, v16 = a.k4.view(np.uint16), a.v4.view(np.uint16)  # the bits, as the kernel takes
+        core.sdpa_forward_half(a.q4, k16, v16, code, out, a.m.core_mask(), a.m.scale, lse)
     elif out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse, a.bf16)
     if _keep is not None:
