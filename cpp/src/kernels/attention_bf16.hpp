@@ -94,25 +94,33 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
     const float* v = p.v.at(b, hk);
     const Index ks = p.k.row_stride, vs = p.v.row_stride, d = p.d, dv = p.d_v, nk = p.n_k;
     alignas(64) float buf[32];
-    alignas(64) std::uint16_t row[32];
     // K: for each 16-key tile and 32-feature chunk, key n's 16 feature pairs go down column n
+    // (the 16 keys converted into rows of pairs, then each row of the tile gathered from them)
+    alignas(64) std::uint32_t keys16[16 * 16];
+    const __m512i column =
+        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32(16));
     for (Index jt = 0; jt < L.key_tiles; ++jt)
         for (Index c0 = 0; c0 < L.kp; c0 += 32) {
             std::uint32_t* tile =
                 reinterpret_cast<std::uint32_t*>(kt + ((c0 / 32) * L.key_tiles + jt) * 512);
             for (Index n = 0; n < 16; ++n) {
                 const Index j = jt * 16 + n;
+                std::uint16_t* dst = reinterpret_cast<std::uint16_t*>(keys16 + n * 16);
+                if (j < nk && c0 + 32 <= d) {
+                    to_bf16(k + j * ks + c0, dst);
+                    continue;
+                }
                 for (Index t = 0; t < 32; ++t)
                     buf[t] = j < nk && c0 + t < d ? k[j * ks + c0 + t] : 0.0f;
-                to_bf16(buf, row);
-                const std::uint32_t* pairs = reinterpret_cast<const std::uint32_t*>(row);
-                for (Index r = 0; r < 16; ++r) tile[r * 16 + n] = pairs[r];
+                to_bf16(buf, dst);
             }
+            for (Index r = 0; r < 16; ++r)
+                _mm512_store_si512(tile + r * 16,
+                                   _mm512_i32gather_epi32(
+                                       _mm512_add_epi32(column, _mm512_set1_epi32(r)), keys16, 4));
         }
     // V: for each 32-key chunk and 16-column block, keys (2r, 2r + 1) interleaved in row r
-    const __m512i interleave =
-        _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     bool finite = true;
     for (Index j = 0; j < nk; ++j) finite &= !nonfinite_row(v + j * vs, dv);
     if (!finite) return false;
@@ -120,18 +128,8 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
     for (Index j0 = 0; j0 < L.n_pad; j0 += 32)
         for (Index cb = 0; cb < col_tiles; ++cb) {
             std::uint16_t* tile = vt + ((j0 / 32) * col_tiles + cb) * 512;
-            for (Index r = 0; r < 16; ++r) {
-                for (Index par = 0; par < 2; ++par) {
-                    const Index j = j0 + 2 * r + par;
-                    for (Index n = 0; n < 16; ++n) {
-                        const Index c = cb * 16 + n;
-                        buf[par * 16 + n] = j < nk && c < dv ? v[j * vs + c] : 0.0f;
-                    }
-                }
-                to_bf16(buf, row);  // key 2r in the low half, key 2r + 1 in the high half
-                _mm512_storeu_si512(tile + r * 32,
-                                    _mm512_permutexvar_epi16(interleave, _mm512_load_si512(row)));
-            }
+            for (Index r = 0; r < 16; ++r)
+                _mm512_store_si512(tile + r * 32, vnni_row(v, vs, nk, dv, j0 + 2 * r, cb * 16));
         }
     return true;
 }

@@ -124,6 +124,25 @@ ATTNLAB_AMX_TARGET inline void tiles_on() {
 }
 ATTNLAB_AMX_TARGET inline void tiles_off() { _tile_release(); }
 
+// Row r of a B tile (VNNI layout) from a row-major float matrix m (rows x cols, row stride ld):
+// rows k0 and k0 + 1, columns [c0, c0 + 16), rounded to bf16 and interleaved in pairs; zero
+// outside the matrix.
+ATTNLAB_AMX_TARGET inline __m512i vnni_row(const float* m, Index ld, Index rows, Index cols,
+                                           Index k0, Index c0) {
+    const Index left = cols - c0;
+    const __mmask16 in = left >= 16  ? __mmask16(0xffff)
+                         : left <= 0 ? __mmask16(0)
+                                     : __mmask16((1u << left) - 1);
+    const __m512 lo = k0 < rows ? _mm512_maskz_loadu_ps(in, m + k0 * ld + c0) : _mm512_setzero_ps();
+    const __m512 hi =
+        k0 + 1 < rows ? _mm512_maskz_loadu_ps(in, m + (k0 + 1) * ld + c0) : _mm512_setzero_ps();
+    const __m512i interleave =
+        _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave,
+                                    reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+}
+
 // 32 floats to 32 bf16 (src[0..16) in the low half).
 ATTNLAB_AMX_TARGET inline void to_bf16(const float* src, std::uint16_t* dst) {
     const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));

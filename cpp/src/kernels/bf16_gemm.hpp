@@ -45,24 +45,11 @@ ATTNLAB_AMX_TARGET inline void pack_rows(Index i0, Index i1, Index rows, Index i
 // (features 2r, 2r + 1) of column n at [(nb * 16 + r) * 32 + 2n + parity] (the VNNI layout).
 ATTNLAB_AMX_TARGET inline void pack_weight_block(Index kb, Index in, Index out, const float* w,
                                                  Index np, std::uint16_t* wp) {
-    alignas(64) float buf[32];
-    const __m512i interleave =
-        _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     std::uint16_t* block = wp + kb * (np / 16) * 512;
-    for (Index nb = 0; nb < np / 16; ++nb) {
-        for (Index r = 0; r < 16; ++r) {
-            const Index k0 = kb * 32 + 2 * r, c0 = nb * 16;
-            for (Index p = 0; p < 2; ++p)
-                for (Index n = 0; n < 16; ++n)
-                    buf[p * 16 + n] =
-                        k0 + p < in && c0 + n < out ? w[(k0 + p) * out + c0 + n] : 0.0f;
-            alignas(64) std::uint16_t pair[32];
-            to_bf16(buf, pair);  // features k0 (low half) and k0 + 1 (high half)
-            const __m512i v = _mm512_permutexvar_epi16(interleave, _mm512_load_si512(pair));
-            _mm512_storeu_si512(block + (nb * 16 + r) * 32, v);
-        }
-    }
+    for (Index nb = 0; nb < np / 16; ++nb)
+        for (Index r = 0; r < 16; ++r)
+            _mm512_storeu_si512(block + (nb * 16 + r) * 32,
+                                vnni_row(w, out, in, out, kb * 32 + 2 * r, nb * 16));
 }
 
 // C (32 x 32 floats, row stride 32) = rows [32 mb, 32 mb + 32) of xp times columns
@@ -105,17 +92,31 @@ inline void linear_bf16_amx(Index rows, Index in, Index out, const float* x, Ind
         pack_rows(mb * 32, mb * 32 + 32, rows, in, x, ldx, kp, xp.get());
     });
     const Index mblocks = mp / 32, nblocks = np / 32;
-    parallel_for(mblocks * nblocks, [&](Index t) {
-        const Index mb = t / nblocks, nb = t % nblocks;
+    // a task: 32 rows by up to kGroup blocks of 32 columns, the tiles configured once and the
+    // row panel of xp kept in L1 across its column blocks
+    constexpr Index kGroup = 8;
+    const Index groups = (nblocks + kGroup - 1) / kGroup;
+    parallel_for(mblocks * groups, [&](Index t) {
+        const Index mb = t / groups, nb0 = (t % groups) * kGroup;
+        const Index m_rows = std::min<Index>(32, rows - mb * 32);
         alignas(64) float c[32 * 32];
         tiles_on();
-        tile_block(kp, np, xp.get(), wp.get(), mb, nb, c);
-        tiles_off();
-        for (Index i = 0; i < 32 && mb * 32 + i < rows; ++i) {
-            float* yr = y + (mb * 32 + i) * ldy + nb * 32;
-            for (Index j = 0; j < 32 && nb * 32 + j < out; ++j)
-                yr[j] = c[i * 32 + j] + (b ? b[nb * 32 + j] : 0.0f);
+        for (Index nb = nb0; nb < std::min(nblocks, nb0 + kGroup); ++nb) {
+            tile_block(kp, np, xp.get(), wp.get(), mb, nb, c);
+            const Index cols = std::min<Index>(32, out - nb * 32);
+            for (Index half = 0; half < 2; ++half) {  // y = c + b, 16 columns at a time
+                const Index left = cols - half * 16;
+                if (left <= 0) break;
+                const __mmask16 in = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+                const Index j0 = nb * 32 + half * 16;
+                const __m512 bias = b ? _mm512_maskz_loadu_ps(in, b + j0) : _mm512_setzero_ps();
+                for (Index i = 0; i < m_rows; ++i)
+                    _mm512_mask_storeu_ps(
+                        y + (mb * 32 + i) * ldy + j0, in,
+                        _mm512_add_ps(_mm512_load_ps(c + i * 32 + half * 16), bias));
+            }
         }
+        tiles_off();
     });
 }
 #endif
