@@ -219,7 +219,8 @@ def _context(p: np.ndarray, v: np.ndarray, reads: np.ndarray) -> np.ndarray:
     reads = np.broadcast_to(reads, p.shape)
     bad = ~np.isfinite(v).all(axis=-1)  # (..., n_k): value rows with NaN/Inf
     out = p @ np.where(bad[..., None], 0.0, v)
-    for j in np.nonzero(bad.reshape(-1, bad.shape[-1]).any(axis=0))[0]:
+    flagged = bad.any(axis=tuple(range(bad.ndim - 1))) if bad.ndim > 1 else bad
+    for j in np.nonzero(flagged)[0]:
         take = reads[..., :, j, None] & bad[..., j, None, None]
         with np.errstate(invalid="ignore"):
             out = out + np.where(take, p[..., :, j, None] * v[..., j, None, :], 0.0)
