@@ -215,25 +215,13 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     // S = Q K^T for keys [j0 + jc, j0 + jc + 32) of a block into buffer sb. (Issuing the next
     // block's products between the rows of this block's softmax measured no faster.)
     auto scores = [&](Index j0, Index jc, float* sb) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_2x2();
         const Index jt = (j0 + jc) / 16;
         for (Index c = 0; c < kp / 32; ++c) {
-            _tile_loadd(4, qb + c * 32, kp * 2);
-            _tile_loadd(5, qb + 16 * kp + c * 32, kp * 2);
-            _tile_loadd(6, kt + (c * L.key_tiles + jt) * 512, 64);
-            _tile_loadd(7, kt + (c * L.key_tiles + jt + 1) * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            const std::uint16_t* kc = kt + (c * L.key_tiles + jt) * 512;
+            dp_2x2(qb + c * 32, kp, kc, kc + 512);
         }
-        _tile_stored(0, sb + jc, kAmxK * 4);
-        _tile_stored(1, sb + jc + 16, kAmxK * 4);
-        _tile_stored(2, sb + 16 * kAmxK + jc, kAmxK * 4);
-        _tile_stored(3, sb + 16 * kAmxK + jc + 16, kAmxK * 4);
+        store_2x2(sb + jc, kAmxK);
     };
     tiles_on();
     for (Index j0 = keys.lo / 32 * 32; j0 < keys.hi; j0 += kAmxK) {
@@ -274,26 +262,12 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
         }
         // acc += P V, 32 queries x 32 value columns at a time
         for (Index cb = 0; cb < vp / 16; cb += 2) {
-            float* a0 = acc + cb * 16;
-            _tile_loadd(0, a0, vp * 4);
-            _tile_loadd(1, a0 + 16, vp * 4);
-            _tile_loadd(2, a0 + 16 * vp, vp * 4);
-            _tile_loadd(3, a0 + 16 * vp + 16, vp * 4);
+            load_2x2(acc + cb * 16, vp);
             for (Index jc = 0; jc < kbp; jc += 32) {
                 const std::uint16_t* vb = vt + (((j0 + jc) / 32) * col_tiles + cb) * 512;
-                _tile_loadd(4, pb + jc, kAmxK * 2);
-                _tile_loadd(5, pb + 16 * kAmxK + jc, kAmxK * 2);
-                _tile_loadd(6, vb, 64);
-                _tile_loadd(7, vb + 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+                dp_2x2(pb + jc, kAmxK, vb, vb + 512);
             }
-            _tile_stored(0, a0, vp * 4);
-            _tile_stored(1, a0 + 16, vp * 4);
-            _tile_stored(2, a0 + 16 * vp, vp * 4);
-            _tile_stored(3, a0 + 16 * vp + 16, vp * 4);
+            store_2x2(acc + cb * 16, vp);
         }
     }
     tiles_off();

@@ -124,6 +124,41 @@ ATTNLAB_AMX_TARGET inline void tiles_on() {
 }
 ATTNLAB_AMX_TARGET inline void tiles_off() { _tile_release(); }
 
+// The 2 x 2 block of accumulator tiles 0-3 (32 x 32 floats): C += A B with A's two 16-row tiles
+// at a and a + 16 rows (row stride lda elements, 32 bf16 per row read) and B's tiles b0, b1
+// (the two 16-column halves, 64-byte rows), through tiles 4-7.
+ATTNLAB_AMX_TARGET inline void dp_2x2(const std::uint16_t* a, Index lda, const std::uint16_t* b0,
+                                      const std::uint16_t* b1) {
+    _tile_loadd(4, a, lda * 2);
+    _tile_loadd(5, a + 16 * lda, lda * 2);
+    _tile_loadd(6, b0, 64);
+    _tile_loadd(7, b1, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+}
+
+// Accumulator tiles 0-3 zeroed, loaded from or stored to a 32 x 32 float block (row stride ldc).
+ATTNLAB_AMX_TARGET inline void zero_2x2() {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+ATTNLAB_AMX_TARGET inline void load_2x2(const float* c, Index ldc) {
+    _tile_loadd(0, c, ldc * 4);
+    _tile_loadd(1, c + 16, ldc * 4);
+    _tile_loadd(2, c + 16 * ldc, ldc * 4);
+    _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+}
+ATTNLAB_AMX_TARGET inline void store_2x2(float* c, Index ldc) {
+    _tile_stored(0, c, ldc * 4);
+    _tile_stored(1, c + 16, ldc * 4);
+    _tile_stored(2, c + 16 * ldc, ldc * 4);
+    _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
 // Row r of a B tile (VNNI layout) from a row-major float matrix m (rows x cols, row stride ld):
 // rows k0 and k0 + 1, columns [c0, c0 + 16), rounded to bf16 and interleaved in pairs; zero
 // outside the matrix.

@@ -56,27 +56,12 @@ ATTNLAB_AMX_TARGET inline void pack_weight_block(Index kb, Index in, Index out, 
 // [32 nb, 32 nb + 32) of the packed weight.
 ATTNLAB_AMX_TARGET inline void tile_block(Index kp, Index np, const std::uint16_t* xp,
                                           const std::uint16_t* wp, Index mb, Index nb, float* c) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const std::uint16_t* a0 = xp + mb * 32 * kp;
-    const std::uint16_t* a1 = a0 + 16 * kp;
+    zero_2x2();
     for (Index kb = 0; kb < kp / 32; ++kb) {
         const std::uint16_t* b = wp + (kb * (np / 16) + 2 * nb) * 512;
-        _tile_loadd(4, a0 + kb * 32, kp * 2);
-        _tile_loadd(5, a1 + kb * 32, kp * 2);
-        _tile_loadd(6, b, 64);
-        _tile_loadd(7, b + 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        dp_2x2(xp + mb * 32 * kp + kb * 32, kp, b, b + 512);
     }
-    _tile_stored(0, c, 128);
-    _tile_stored(1, c + 16, 128);
-    _tile_stored(2, c + 16 * 32, 128);
-    _tile_stored(3, c + 16 * 32 + 16, 128);
+    store_2x2(c, 32);
 }
 
 // The tile product: both operands packed to bf16 in parallel, then 32 x 32 blocks of y as tasks
