@@ -26,6 +26,7 @@ constexpr Index kDecodeRows = 16;       // query rows per kv head up to which th
 constexpr Index kDecodeSplit = 512;     // keys per split: the task grid depends on n_k alone
 constexpr Index kDecodeBlock = 64;      // keys per block inside a split (scores of R rows in L1)
 constexpr Index kDecodeHalfBlock = 16;  // the same from half-precision K and V
+constexpr Index kDecodePrefetch = 32;   // rows ahead a streamed key or value row is requested
 
 inline bool use_decode(Index n_q, Index heads, Index kv_heads, Index n_k) {
     return n_q * (heads / kv_heads) <= kDecodeRows && n_k >= 2 * kDecodeSplit;
@@ -41,7 +42,7 @@ struct DecodeParts {
 
 // s[j] = q . k_j for four keys at a time (four independent FMA chains over the head width).
 template <typename T>
-void decode_scores(const T* q, const T* k, Index ks, Index kb, Index d, T* s) {
+void decode_scores(const T* q, const T* k, Index ks, Index kb, Index d, T* s, bool prefetch) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -49,6 +50,11 @@ void decode_scores(const T* q, const T* k, Index ks, Index kb, Index d, T* s) {
     Index j = 0;
     for (; j + 4 <= kb; j += 4) {
         const T* k0 = k + j * ks;
+        if (prefetch)  // the keys kDecodePrefetch rows on, requested as these are read
+            for (Index u = 0; u < 4; ++u)
+                for (Index b = 0; b < d * Index(sizeof(T)); b += 64)
+                    __builtin_prefetch(
+                        reinterpret_cast<const char*>(k0 + (kDecodePrefetch + u) * ks) + b, 0, 3);
         Packet a0 = ei::pset1<Packet>(T(0)), a1 = a0, a2 = a0, a3 = a0;
         for (Index c = 0; c < dv; c += L) {
             const Packet x = ei::ploadu<Packet>(q + c);
@@ -123,7 +129,10 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                 vs = dv;
             }
         }
-        for (Index r = 0; r < R; ++r) decode_scores(qs + r * d, kblock, ks, kb, d, sc + r * kbp);
+        // the first row streams the keys from memory (prefetching ahead); the others reread them
+        for (Index r = 0; r < R; ++r)
+            decode_scores(qs + r * d, kblock, ks, kb, d, sc + r * kbp,
+                          r == 0 && p.half == HalfFormat::none);
         for (Index g = 0; g < group; ++g) {
             T* sg = sc + g * p.n_q * kbp;
             if (capped)
@@ -157,6 +166,10 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         // not see (masked logit -inf) is skipped, so its value (even NaN) is never read for it
         for (Index j = 0; j < kb; ++j) {
             const T* vj = vblock + j * vs;
+            if (p.half == HalfFormat::none)
+                for (Index b = 0; b < dv * Index(sizeof(T)); b += 64)
+                    __builtin_prefetch(reinterpret_cast<const char*>(vj + kDecodePrefetch * vs) + b,
+                                       0, 3);
             for (Index r = 0; r < R; ++r) {
                 if (sc[r * kbp + j] == neg_inf<T>()) continue;
                 const T w = pr[r * kbp + j];
