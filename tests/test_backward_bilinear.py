@@ -14,27 +14,7 @@ import pytest
 
 import attnlab
 from attnlab._bilinear import bilinear_attention_backward
-
-
-def numeric_grad(f, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    g = np.zeros_like(x)
-    flat, gflat = x.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + eps
-        fp = f()
-        flat[i] = old - eps
-        fm = f()
-        flat[i] = old
-        gflat[i] = (fp - fm) / (2 * eps)
-    return g
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    """Largest error relative to max(1, largest gradient entry)."""
-    if b.size == 0:
-        return 0.0
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1.0))
+from conftest import numeric_grad, rel_err
 
 
 def uniform(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int) -> np.ndarray:

@@ -9,28 +9,7 @@ import numpy as np
 import pytest
 
 import attnlab
-
-
-def numeric_grad(f, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    g = np.zeros_like(x)
-    flat, gflat = x.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + eps
-        fp = f()
-        flat[i] = old - eps
-        fm = f()
-        flat[i] = old
-        gflat[i] = (fp - fm) / (2 * eps)
-    return g
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    """Largest error relative to the largest gradient entry (absolute below 1, e.g. for b_k
-    whose true gradient is 0 because it cancels in the softmax)."""
-    scale = max(np.abs(b).max(), 1.0)
-    return float(np.abs(a - b).max() / scale)
-
+from conftest import numeric_grad, rel_err
 
 SDPA_CASES = [
     # (B, h, h_kv, n_q, n_k, d, d_v, causal, mask kind)

@@ -19,12 +19,11 @@ void check_heads(Index heads, Index kv_heads) {
                               std::to_string(heads) + " and " + std::to_string(kv_heads));
 }
 
-// The checked (batch, heads, n, d) views of q, k, v shared by forward and backward.
+// The sizes of (batch, heads, n, d) arrays q, k, v, the scale and the view of q (k and v are
+// viewed by the caller, in the dtype they are stored in).
 template <typename T>
-AttentionProblem<T> sdpa_problem(const py::array& q, const py::array& k, const py::array& v,
-                                 double scale, bool bf16) {
-    if (bf16 && !std::is_same_v<T, float>)
-        throw py::type_error("bf16: bf16 products take float32 operands, got float64 q");
+AttentionProblem<T> sdpa_sizes(const py::array& q, const py::array& k, const py::array& v,
+                               double scale) {
     if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
         throw py::value_error("q, k, v: expected (batch, heads, n, d) arrays");
     const Index B = q.shape(0), H = q.shape(1), nq = q.shape(2), d = q.shape(3);
@@ -40,8 +39,18 @@ AttentionProblem<T> sdpa_problem(const py::array& q, const py::array& k, const p
     p.d_v = dv;
     p.scale = static_cast<T>(scale);
     p.q = const_stack<T>(check<T>(q, "q", {B, H, nq, d}), q);
-    p.k = const_stack<T>(check<T>(k, "k", {B, Hk, nk, d}), k);
-    p.v = const_stack<T>(check<T>(v, "v", {B, Hk, nk, dv}), v);
+    return p;
+}
+
+// The checked (batch, heads, n, d) views of q, k, v shared by forward and backward.
+template <typename T>
+AttentionProblem<T> sdpa_problem(const py::array& q, const py::array& k, const py::array& v,
+                                 double scale, bool bf16) {
+    if (bf16 && !std::is_same_v<T, float>)
+        throw py::type_error("bf16: bf16 products take float32 operands, got float64 q");
+    AttentionProblem<T> p = sdpa_sizes<T>(q, k, v, scale);
+    p.k = const_stack<T>(check<T>(k, "k", {p.batch, p.kv_heads, p.n_k, p.d}), k);
+    p.v = const_stack<T>(check<T>(v, "v", {p.batch, p.kv_heads, p.n_k, p.d_v}), v);
     p.bf16 = bf16 ? Bf16::probabilities : Bf16::none;
     return p;
 }
@@ -69,21 +78,9 @@ void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const Ma
 void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::array out,
                        const MaskArgs& mask, double scale, py::object lse) {
     if (half != 1 && half != 2) throw py::value_error("half: expected 1 (float16) or 2 (bfloat16)");
-    if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
-        throw py::value_error("q, k, v: expected (batch, heads, n, d) arrays");
-    const Index B = q.shape(0), H = q.shape(1), nq = q.shape(2), d = q.shape(3);
-    const Index Hk = k.shape(1), nk = k.shape(2), dv = v.shape(3);
-    check_heads(H, Hk);
-    AttentionProblem<float> p;
-    p.batch = B;
-    p.heads = H;
-    p.kv_heads = Hk;
-    p.n_q = nq;
-    p.n_k = nk;
-    p.d = d;
-    p.d_v = dv;
-    p.scale = static_cast<float>(scale);
-    p.q = const_stack<float>(check<float>(q, "q", {B, H, nq, d}), q);
+    AttentionProblem<float> p = sdpa_sizes<float>(q, k, v, scale);
+    const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
+    const Index d = p.d, dv = p.d_v;
     p.half = half == 1 ? HalfFormat::float16 : HalfFormat::bfloat16;
     p.k_half = const_stack<std::uint16_t>(check<std::uint16_t>(k, "k", {B, Hk, nk, d}), k);
     p.v_half = const_stack<std::uint16_t>(check<std::uint16_t>(v, "v", {B, Hk, nk, dv}), v);

@@ -33,7 +33,9 @@ FRAGMENTS = {
         "    ``v`` rounded to bfloat16, the scores and the context summed in float32, the softmax\n"
         "    statistics in float32 and the probabilities rounded to bfloat16 for their product\n"
         '    with ``v``: on AMX tiles where the CPU has them (``build_info()["bf16_kernel"]``)\n'
-        "    and emulated elsewhere, the same numbers up to the order of the float32 sums. The\n"
+        "    and emulated elsewhere; the two agree within ``2**-8 max|v|`` (a probability may\n"
+        "    round to the neighbouring bfloat16 where the running maximum moves at another key\n"
+        "    or by the AMX kernel's exponential, a polynomial within 3e-6 relative). The\n"
         "    error against the exact result is of the order of bfloat16's unit roundoff\n"
         "    ``2**-8``, relative (the bound is stated in ``docs/guide.md``). Gradients are\n"
         "    those of the float32 attention at the rounded ``q``, ``k``, ``v`` (probabilities\n"

@@ -193,7 +193,8 @@ def scaled_dot_product_attention(
     elif out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse, a.bf16)
     if _keep is not None:
-        _keep.update(prepared=a, out=out.copy(), lse=lse, halves=_half.halves(args))
+        kept_out = None if a.bf16 else out.copy()  # bf16: the pullback recomputes the forward
+        _keep.update(prepared=a, out=kept_out, lse=lse, halves=_half.halves(args))
     lse_out = lse if lse_wanted else None
     return _args.with_weights(out, weights, mode, batch, (h, n_q, d_v), lse_out, half)
 

@@ -7,8 +7,9 @@
 // (batch, head, 32 queries) runs an online softmax over blocks of 128 keys with both products on
 // TDPBF16PS tiles. Elsewhere, or when a value row holds NaN/Inf (the float tiles' careful path),
 // bf16_operands gives the float32 kernels the rounded operands and they round P themselves
-// (AttentionProblem::bf16): the same numbers up to the order of the float32 sums and the points
-// where the running maximum moves.
+// (AttentionProblem::bf16): the same numbers but for the order of the float32 sums, the keys where
+// the running maximum moves and the AMX exponential's polynomial (exp2_for_bf16): a probability
+// may round to the neighbouring bf16, within 2**-8 max|v| of the output (tested).
 
 #include <algorithm>
 #include <atomic>
