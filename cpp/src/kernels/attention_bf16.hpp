@@ -64,7 +64,7 @@ Bf16Operands<T> bf16_operands(const AttentionProblem<T>& p) {
 }
 
 #if defined(ATTNLAB_AMX)
-constexpr Index kAmxQ = 32;   // queries per task: two 16-column tiles, two vectors
+constexpr Index kAmxQ = 64;   // queries per task: 16-column tiles, vectors of 16
 constexpr Index kAmxK = 128;  // keys per softmax block (the float flash tiles' kTileK)
 
 inline Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
@@ -115,10 +115,7 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
         _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                            _mm512_set1_epi32(static_cast<int>(vs)));
     auto keys16 = [&](Index j, Index c) {
-        const Index left = c < dv ? nk - j : 0;
-        const __mmask16 in = left >= 16  ? __mmask16(0xffff)
-                             : left <= 0 ? __mmask16(0)
-                                         : __mmask16((1u << left) - 1);
+        const __mmask16 in = first_lanes(c < dv ? nk - j : 0);
         return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, rows, v + j * vs + c, 4);
     };
     for (Index c = 0; c < L.vp; ++c)
@@ -147,14 +144,14 @@ ATTNLAB_AMX_TARGET inline __m512 exp2_for_bf16(__m512 t) {
 
 // The running softmax statistics of a task's 32 queries (lanes: queries 0-15, 16-31).
 struct AmxStats {
-    __m512 m[2], l[2];
+    __m512 m[kAmxQ / 16], l[kAmxQ / 16];
 };
 
 // One (batch, head, block of up to 32 queries) from the packed operands.
 ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const AmxPacked& L,
                                         const std::uint16_t* kt, const std::uint16_t* vt, Index b,
                                         Index h, Index i0, Index mq) {
-    constexpr Index Q = kAmxQ;
+    constexpr Index Q = kAmxQ, G = Q / 16;
     const Index d = p.d, dv = p.d_v, kp = L.kp, vp = L.vp, np = L.n_pad;
     // the queries in bf16, row-major (qb), then as B tiles of the score product (qt: feature pair r
     // of query n at [(chunk * 2 + n / 16) * 512 + r * 32 + 2 (n % 16) + parity])
@@ -170,13 +167,15 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
         scratch<float>(ScratchBuffer::kFlashScores, static_cast<std::size_t>(2 * kAmxK * Q));
     float* acc = scratch<float>(ScratchBuffer::kFlashAccumulator,
                                 static_cast<std::size_t>(vp * Q));  // O^T: value columns x queries
-    alignas(64) float buf[32];
     const float* q = p.q.at(b, h) + i0 * p.q.row_stride;
     for (Index i = 0; i < Q; ++i)
         for (Index c0 = 0; c0 < kp; c0 += 32) {
-            for (Index t = 0; t < 32; ++t)
-                buf[t] = i < mq && c0 + t < d ? q[i * p.q.row_stride + c0 + t] : 0.0f;
-            to_bf16(buf, qb + i * kp + c0);
+            const float* row = q + i * p.q.row_stride + c0;
+            const Index left = i < mq ? d - c0 : 0;
+            const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(left), row);
+            const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(left - 16), row + 16);
+            _mm512_store_si512(qb + i * kp + c0,
+                               reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
         }
     {
         const std::uint32_t* words = reinterpret_cast<const std::uint32_t*>(qb);
@@ -184,8 +183,8 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
             _mm512_set1_epi32(static_cast<int>(kp / 2)));
         for (Index c = 0; c < kp / 32; ++c)
-            for (Index half = 0; half < 2; ++half) {
-                std::uint32_t* tile = reinterpret_cast<std::uint32_t*>(qt + (c * 2 + half) * 512);
+            for (Index half = 0; half < G; ++half) {
+                std::uint32_t* tile = reinterpret_cast<std::uint32_t*>(qt + (c * G + half) * 512);
                 const __m512i at = _mm512_add_epi32(
                     column, _mm512_set1_epi32(static_cast<int>(half * 16 * (kp / 2) + c * 16)));
                 for (Index r = 0; r < 16; ++r)
@@ -198,7 +197,7 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     std::fill(acc, acc + vp * Q, 0.0f);
     const float sink = p.mask.sinks ? p.mask.sink(b, h) : neg_inf<float>();
     AmxStats st;
-    for (int g = 0; g < 2; ++g) {
+    for (int g = 0; g < G; ++g) {
         st.m[g] = _mm512_set1_ps(sink);
         st.l[g] = _mm512_set1_ps(sink == neg_inf<float>() ? 0.0f : 1.0f);
     }
@@ -207,25 +206,28 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     const Index first = keys.lo / 32 * 32;
     auto block_keys = [&](Index j0) { return std::min(kAmxK, keys.hi - j0); };
     // S^T = K Q^T for the keys [j0, j0 + kbp) into sb (row stride Q)
-    auto scores = [&](Index j0, float* sb) {
+    auto scores = [&](Index j0, float* sb) ATTNLAB_AMX_TARGET {
         const Index kbp = round_up(block_keys(j0), 32);
-        for (Index jc = 0; jc < kbp; jc += 32) {
-            zero_2x2();
-            for (Index c = 0; c < kp / 32; ++c)
-                dp_2x2(kt + (j0 + jc) * kp + c * 32, kp, qt + c * 2 * 512, qt + (c * 2 + 1) * 512);
-            store_2x2(sb + jc * Q, Q);
-        }
+        for (Index jc = 0; jc < kbp; jc += 32)
+            for (Index g = 0; g < G; g += 2) {  // the K tiles stay in L1 for the next g
+                zero_2x2();
+                for (Index c = 0; c < kp / 32; ++c)
+                    dp_2x2(kt + (j0 + jc) * kp + c * 32, kp, qt + (c * G + g) * 512,
+                           qt + (c * G + g + 1) * 512);
+                store_2x2(sb + jc * Q + g * 16, Q);
+            }
     };
     // O^T += V^T P^T for the keys [j0, j0 + kbp), 32 value columns x 32 queries at a time
-    auto values = [&](Index j0, const std::uint16_t* pb) {
+    auto values = [&](Index j0, const std::uint16_t* pb) ATTNLAB_AMX_TARGET {
         const Index kbp = round_up(block_keys(j0), 32);
-        for (Index cb = 0; cb < vp; cb += 32) {
-            load_2x2(acc + cb * Q, Q);
-            for (Index jc = 0; jc < kbp; jc += 32)
-                dp_2x2(vt + cb * np + j0 + jc, np, pb + (jc / 32) * 2 * 512,
-                       pb + ((jc / 32) * 2 + 1) * 512);
-            store_2x2(acc + cb * Q, Q);
-        }
+        for (Index cb = 0; cb < vp; cb += 32)
+            for (Index g = 0; g < G; g += 2) {  // the V^T tiles stay in L1 for the next g
+                load_2x2(acc + cb * Q + g * 16, Q);
+                for (Index jc = 0; jc < kbp; jc += 32)
+                    dp_2x2(vt + cb * np + j0 + jc, np, pb + ((jc / 32) * G + g) * 512,
+                           pb + ((jc / 32) * G + g + 1) * 512);
+                store_2x2(acc + cb * Q + g * 16, Q);
+            }
     };
     const __m512 ninf = _mm512_set1_ps(neg_inf<float>()), zero = _mm512_setzero_ps();
     const __m512 one = _mm512_set1_ps(1.0f);
@@ -252,20 +254,20 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
         }
         const __m512 sc = _mm512_set1_ps(fused ? p.scale : 1.0f);
         // the block's maxima down the keys (four chains per half: the max's latency)
-        __m512 mx[2][4];
-        for (int g = 0; g < 2; ++g)
+        __m512 mx[G][4];
+        for (int g = 0; g < G; ++g)
             for (int u = 0; u < 4; ++u) mx[g][u] = ninf;
         Index j = 0;
         for (; j + 4 <= kb; j += 4)
             for (int u = 0; u < 4; ++u)
-                for (int g = 0; g < 2; ++g)
+                for (int g = 0; g < G; ++g)
                     mx[g][u] = _mm512_max_ps(mx[g][u], _mm512_load_ps(s + (j + u) * Q + g * 16));
         for (; j < kb; ++j)
-            for (int g = 0; g < 2; ++g)
+            for (int g = 0; g < G; ++g)
                 mx[g][0] = _mm512_max_ps(mx[g][0], _mm512_load_ps(s + j * Q + g * 16));
-        __m512 shift[2], alpha[2], m_new[2];
+        __m512 shift[G], alpha[G], m_new[G];
         bool moved = false;
-        for (int g = 0; g < 2; ++g) {
+        for (int g = 0; g < G; ++g) {
             const __m512 bm = _mm512_mul_ps(sc, _mm512_max_ps(_mm512_max_ps(mx[g][0], mx[g][1]),
                                                               _mm512_max_ps(mx[g][2], mx[g][3])));
             // a NaN score reaches the query via its sum
@@ -282,35 +284,41 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
             if (pending >= 0) values(pending, pending_p);
             pending = -1;
             for (Index c = 0; c < vp; ++c)
-                for (int g = 0; g < 2; ++g) {
+                for (int g = 0; g < G; ++g) {
                     float* a = acc + c * Q + g * 16;
                     _mm512_store_ps(a, _mm512_mul_ps(alpha[g], _mm512_load_ps(a)));
                 }
         }
         // P^T = exp(sc S^T - shift) rounded to bf16, two keys a row of the B tiles
         const __m512 vs = _mm512_mul_ps(sc, _mm512_set1_ps(1.44269504088896341f));
-        const __m512 vm[2] = {_mm512_mul_ps(shift[0], _mm512_set1_ps(1.44269504088896341f)),
-                              _mm512_mul_ps(shift[1], _mm512_set1_ps(1.44269504088896341f))};
-        __m512 sum[2][2] = {{zero, zero}, {zero, zero}};
-        for (Index r = 0; r < kbp / 2; ++r) {
-            const Index j2 = 2 * r;
-            for (int g = 0; g < 2; ++g) {
-                const __m512 e0 = j2 < kb ? exp2_for_bf16(_mm512_fmsub_ps(
-                                                _mm512_load_ps(s + j2 * Q + g * 16), vs, vm[g]))
-                                          : zero;
-                const __m512 e1 = j2 + 1 < kb
-                                      ? exp2_for_bf16(_mm512_fmsub_ps(
-                                            _mm512_load_ps(s + (j2 + 1) * Q + g * 16), vs, vm[g]))
-                                      : zero;
+        __m512 vm[G], sum[G][2];
+        for (int g = 0; g < G; ++g) {
+            vm[g] = _mm512_mul_ps(shift[g], _mm512_set1_ps(1.44269504088896341f));
+            sum[g][0] = sum[g][1] = zero;
+        }
+        // keys 2r and 2r + 1 into row r % 16 of the block's B tiles; past kb (the padding of
+        // the last block) a probability is 0
+        auto pair = [&](Index r, auto tail) ATTNLAB_AMX_TARGET {
+            std::uint16_t* row = pb + (r / 16) * G * 512 + (r % 16) * 32;
+            for (int g = 0; g < G; ++g) {
+                auto e = [&](Index j) ATTNLAB_AMX_TARGET {
+                    if (tail && j >= kb) return zero;
+                    return exp2_for_bf16(
+                        _mm512_fmsub_ps(_mm512_load_ps(s + j * Q + g * 16), vs, vm[g]));
+                };
+                const __m512 e0 = e(2 * r), e1 = e(2 * r + 1);
                 sum[g][0] = _mm512_add_ps(sum[g][0], e0);
                 sum[g][1] = _mm512_add_ps(sum[g][1], e1);
                 _mm512_store_si512(
-                    pb + ((r / 16) * 2 + g) * 512 + (r % 16) * 32,
+                    row + g * 512,
                     _mm512_permutexvar_epi16(
                         interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0))));
             }
-        }
-        for (int g = 0; g < 2; ++g) {
+        };
+        Index r = 0;
+        for (; r < kb / 2; ++r) pair(r, std::false_type{});
+        for (; r < kbp / 2; ++r) pair(r, std::true_type{});
+        for (int g = 0; g < G; ++g) {
             st.l[g] = _mm512_fmadd_ps(st.l[g], alpha[g], _mm512_add_ps(sum[g][0], sum[g][1]));
             st.m[g] = m_new[g];
         }
@@ -323,15 +331,29 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     if (pending >= 0) values(pending, pending_p);
     tiles_off();
     alignas(64) float m[Q], l[Q];
-    for (int g = 0; g < 2; ++g) {
+    for (int g = 0; g < G; ++g) {
         _mm512_store_ps(m + g * 16, st.m[g]);
         _mm512_store_ps(l + g * 16, st.l[g]);
     }
+    // out = O / l (0 where l = 0), each query's row gathered from the columns of O^T
+    for (Index c = 0; c < dv; ++c)
+        for (int g = 0; g < G; ++g) {
+            float* a = acc + c * Q + g * 16;
+            const __mmask16 seen = _mm512_cmp_ps_mask(st.l[g], zero, _CMP_NEQ_UQ);
+            _mm512_store_ps(a, _mm512_maskz_div_ps(seen, _mm512_load_ps(a), st.l[g]));
+        }
+    const __m512i column =
+        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32(Q));
     float* obase = p.out.at(b, h) + i0 * p.out.row_stride;
     for (Index i = 0; i < mq; ++i) {
         float* orow = obase + i * p.out.row_stride;
+        for (Index c0 = 0; c0 < dv; c0 += 16) {
+            const __mmask16 in = first_lanes(dv - c0);
+            _mm512_mask_storeu_ps(orow + c0, in,
+                                  _mm512_mask_i32gather_ps(zero, in, column, acc + c0 * Q + i, 4));
+        }
         const float li = l[i];
-        for (Index c = 0; c < dv; ++c) orow[c] = li == 0.0f ? 0.0f : acc[c * Q + i] / li;
         if (p.lse)
             p.lse[(b * p.heads + h) * p.n_q + i0 + i] =
                 li == 0.0f ? neg_inf<float>() : m[i] + std::log(li);
