@@ -27,7 +27,7 @@ void visit_additive(const Args& a, AdditiveTensors<P>& t, Index rows, Index d_in
     f(t.b_final, a.b_final, "b_final", {d_out}, true);
 }
 
-// The arguments additive_forward and additive_backward share, in their positional order.
+// The arguments additive_forward and additive_backward share: core.AdditiveArgs.
 struct AdditiveArgs {
     py::array x, w_q;
     py::object b_q;
@@ -41,23 +41,31 @@ struct AdditiveArgs {
     double scale, eps;
     int variant;
     py::object key_padding_mask;
+
+    template <typename F>
+    static void fields(F&& f) {
+        f("x", &AdditiveArgs::x);
+        f("w_q", &AdditiveArgs::w_q);
+        f("b_q", &AdditiveArgs::b_q);
+        f("w_k", &AdditiveArgs::w_k);
+        f("b_k", &AdditiveArgs::b_k);
+        f("w_g", &AdditiveArgs::w_g);
+        f("w_proj", &AdditiveArgs::w_proj);
+        f("b_proj", &AdditiveArgs::b_proj);
+        f("w_final", &AdditiveArgs::w_final);
+        f("b_final", &AdditiveArgs::b_final);
+        f("batch", &AdditiveArgs::batch);
+        f("n", &AdditiveArgs::n);
+        f("scale", &AdditiveArgs::scale);
+        f("eps", &AdditiveArgs::eps);
+        f("variant", &AdditiveArgs::variant);
+        f("key_padding_mask", &AdditiveArgs::key_padding_mask);
+    }
 };
 
 // What pooled_forward, pooled_backward and bind_pooled (pooled.hpp) need of additive attention.
 struct Additive {
     using Args = AdditiveArgs;
-    // Its arguments' types and names, in their positional order (bind_pooled).
-    using Sig =
-        Signature<AdditiveArgs, Types<py::array, py::array, py::object, py::array, py::object,
-                                      py::array, py::array, py::object, py::array, py::object,
-                                      Index, Index, double, double, int, py::object>>;
-    static auto arg_names() {
-        return std::make_tuple(py::arg("x"), py::arg("w_q"), py::arg("b_q"), py::arg("w_k"),
-                               py::arg("b_k"), py::arg("w_g"), py::arg("w_proj"), py::arg("b_proj"),
-                               py::arg("w_final"), py::arg("b_final"), py::arg("batch"),
-                               py::arg("n"), py::arg("scale"), py::arg("eps"), py::arg("variant"),
-                               py::arg("key_padding_mask"));
-    }
 
     // Checks every buffer and fills the problem (forward and backward; out is set by the
     // forward).
@@ -122,7 +130,7 @@ struct Additive {
 
 }  // namespace
 
-void bind_additive(py::module_& m) { bind_pooled<Additive>(m, "additive"); }
+void bind_additive(py::module_& m) { bind_pooled<Additive>(m, "additive", "AdditiveArgs"); }
 
 }  // namespace bind
 }  // namespace attnlab

@@ -8,7 +8,6 @@
 
 #include <cstdint>
 #include <string>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -20,20 +19,6 @@ namespace attnlab {
 namespace bind {
 
 namespace py = pybind11;
-
-// A list of types, and lists joined end to end.
-template <typename... Ts>
-struct Types {};
-template <typename... Lists>
-struct JoinTypes;
-template <typename... Ts>
-struct JoinTypes<Types<Ts...>> {
-    using type = Types<Ts...>;
-};
-template <typename... A, typename... B, typename... Rest>
-struct JoinTypes<Types<A...>, Types<B...>, Rest...> : JoinTypes<Types<A..., B...>, Rest...> {};
-template <typename... Lists>
-using Join = typename JoinTypes<Lists...>::type;
 
 inline std::string shape_str(const py::array& a) {
     std::string s = "(";
@@ -127,6 +112,7 @@ struct MaskArgs {
     MaskOptions options;
     py::object alibi_slopes;  // (batch, heads) or None
     py::object sinks;         // (batch, heads) or None
+    py::tuple given;          // the tuple as passed (the `mask` attribute of MhaArgs, ...)
 };
 
 // The number of items of Python's mask tuple and, for errors, their names:
@@ -202,6 +188,7 @@ inline MaskArgs mask_args(py::handle o) {
     });
     a.alibi_slopes = t[k++];
     a.sinks = t[k++];
+    a.given = t;
     return a;
 }
 
@@ -294,9 +281,8 @@ auto dispatch(const py::array& a, const char* name, F&& f) {
                          std::string(py::str(a.dtype())));
 }
 
-// --- Multi-head and bilinear attention. Their forward and backward take query, key, value,
-// the query-key weights of the family, then the same run of arguments: SharedArgs, in order.
-// (Brace elision fills it from Signature's flat field list; its MaskArgs is one field there.)
+// --- Multi-head and bilinear attention: the fields their argument objects (MhaArgs,
+// BilinearArgs, derived from this) share after the inputs and the query-key weights.
 struct SharedArgs {
     py::array w_v;
     py::object b_v;
@@ -305,14 +291,23 @@ struct SharedArgs {
     Index batch, n_q, n_k, heads, kv_heads;
     MaskArgs mask;
     double scale;
+
+    // f(name, member) for each field (bind_args).
+    template <typename F>
+    static void fields(F&& f) {
+        f("w_v", &SharedArgs::w_v);
+        f("b_v", &SharedArgs::b_v);
+        f("w_o", &SharedArgs::w_o);
+        f("b_o", &SharedArgs::b_o);
+        f("batch", &SharedArgs::batch);
+        f("n_q", &SharedArgs::n_q);
+        f("n_k", &SharedArgs::n_k);
+        f("heads", &SharedArgs::heads);
+        f("kv_heads", &SharedArgs::kv_heads);
+        f("mask", &SharedArgs::mask);
+        f("scale", &SharedArgs::scale);
+    }
 };
-using SharedFields = Types<py::array, py::object, py::array, py::object, Index, Index, Index, Index,
-                           Index, MaskArgs, double>;
-inline auto shared_arg_names() {
-    return std::make_tuple(py::arg("w_v"), py::arg("b_v"), py::arg("w_o"), py::arg("b_o"),
-                           py::arg("batch"), py::arg("n_q"), py::arg("n_k"), py::arg("heads"),
-                           py::arg("kv_heads"), py::arg("mask"), py::arg("scale"));
-}
 
 // The fields of MhaProblem and BilinearProblem filled from their common arguments, checked in
 // argument order by both builders (Problem: MhaProblem or BilinearProblem).
@@ -320,7 +315,7 @@ inline auto shared_arg_names() {
 // Sizes and the three inputs (Args: MhaArgs or BilinearArgs), rows of widths d_q, d_k, d_v.
 template <typename T, typename Problem, typename Args>
 void projected_inputs(Problem& p, const Args& a, Index d_q, Index d_k, Index d_v) {
-    const SharedArgs& s = a.shared;
+    const SharedArgs& s = a;
     p.batch = s.batch;
     p.n_q = s.n_q;
     p.n_k = s.n_k;
@@ -373,44 +368,53 @@ const KernelSet<T>& kernels_for() {
     return kernels().get<T>();
 }
 
-// A run of positional arguments shared by several bound functions, gathered into the aggregate
-// Args (its fields, nested aggregates flattened, have the types Fields). A family's forward
-// and backward take the same run between their own leading and trailing arguments, so it is
-// written once for both:
-//   Signature<MhaArgs, MhaFields>::After<py::array>::wrap<py::dict, py::object>(f)
-// is a function (grad_out, <the fields>, grads, state) calling f(grad_out, args, grads, state).
-#if defined(__clang__)
-#pragma clang diagnostic push
-#pragma clang diagnostic ignored "-Wmissing-braces"  // Args{fields...} elides braces on purpose
-#elif defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmissing-braces"
-#endif
-template <typename Args, typename Fields>
-struct Signature;
-template <typename Args, typename... Fields>
-struct Signature<Args, Types<Fields...>> {
-    template <typename... Before>
-    struct After {
-        template <typename... Tail, typename F>
-        static auto wrap(F f) {
-            return [f](Before... before, Fields... fields, Tail... tail) {
-                f(std::move(before)..., Args{std::move(fields)...}, std::move(tail)...);
-            };
-        }
-    };
-};
-#if defined(__clang__)
-#pragma clang diagnostic pop
-#elif defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
+// A field of a bound argument object, from the keyword argument `value`: an array, any object
+// (an optional array, checked where it is read), an int, a float or the mask tuple.
+template <typename Field>
+Field field_value(py::handle value, const char* type, const char* field) {
+    py::detail::make_caster<Field> caster;
+    if (!caster.load(value, true)) {
+        const char* expected = std::is_same_v<Field, py::array>  ? "an ndarray"
+                               : std::is_floating_point_v<Field> ? "a float"
+                                                                 : "an int";
+        throw py::type_error(std::string(type) + "." + field + ": expected " + expected + ", got " +
+                             std::string(py::str(py::type::of(value).attr("__name__"))));
+    }
+    return py::detail::cast_op<Field>(caster);
+}
 
-// m.def(name, f, names...) for a tuple of py::arg names (a family's shared run spliced in with
-// std::tuple_cat).
-template <typename F, typename... Names>
-void def(py::module_& m, const char* name, F&& f, const std::tuple<Names...>& names) {
-    std::apply([&](const auto&... n) { m.def(name, std::forward<F>(f), n...); }, names);
+// A family's arguments as one Python object, core.<type>(field=..., ...): every field by
+// keyword and no other, each a read-only attribute. Args lists its fields once, in
+// Args::fields(f), which calls f(name, &Args::member) for each; C++ reads them by name.
+template <typename Args>
+void bind_args(py::module_& m, const char* type) {
+    py::class_<Args> c(m, type);
+    c.def(py::init([type](const py::kwargs& kw) {
+        Args a;
+        std::size_t given = 0;
+        Args::fields([&](const char* field, auto member) {
+            using Field = std::remove_reference_t<decltype(a.*member)>;
+            const py::handle value = PyDict_GetItemString(kw.ptr(), field);  // borrowed
+            if (!value)
+                throw py::type_error(std::string(type) + ": missing keyword argument '" + field +
+                                     "'");
+            a.*member = field_value<Field>(value, type, field);
+            ++given;
+        });
+        if (given != kw.size()) {
+            std::string unknown;
+            for (const auto& item : kw) {
+                bool known = false;
+                const std::string key = py::str(item.first);
+                Args::fields([&](const char* field, auto) { known = known || key == field; });
+                if (!known) unknown = key;
+            }
+            throw py::type_error(std::string(type) + ": unexpected keyword argument '" + unknown +
+                                 "'");
+        }
+        return a;
+    }));
+    Args::fields([&](const char* field, auto member) { c.def_readonly(field, member); });
 }
 
 }  // namespace bind
@@ -427,6 +431,10 @@ struct type_caster<attnlab::bind::MaskArgs> {
     bool load(handle src, bool) {
         value = attnlab::bind::mask_args(src);
         return true;
+    }
+    // the attribute `mask` of a bound argument object: the tuple it was built from
+    static handle cast(const attnlab::bind::MaskArgs& src, return_value_policy, handle) {
+        return src.given.inc_ref();
     }
 };
 }  // namespace detail

@@ -18,7 +18,7 @@ void visit_separable(const Args& a, SeparableTensors<P>& t, Index rows, Index d,
     f(t.b_o, a.b_o, "b_o", {d_out}, true);
 }
 
-// The arguments separable_forward and separable_backward share, in their positional order.
+// The arguments separable_forward and separable_backward share: core.SeparableArgs.
 struct SeparableArgs {
     py::array x, w_qkv;
     py::object b_qkv;
@@ -26,20 +26,24 @@ struct SeparableArgs {
     py::object b_o;
     Index batch, n;
     py::object key_padding_mask;
+
+    template <typename F>
+    static void fields(F&& f) {
+        f("x", &SeparableArgs::x);
+        f("w_qkv", &SeparableArgs::w_qkv);
+        f("b_qkv", &SeparableArgs::b_qkv);
+        f("w_o", &SeparableArgs::w_o);
+        f("b_o", &SeparableArgs::b_o);
+        f("batch", &SeparableArgs::batch);
+        f("n", &SeparableArgs::n);
+        f("key_padding_mask", &SeparableArgs::key_padding_mask);
+    }
 };
 
 // What pooled_forward, pooled_backward and bind_pooled (pooled.hpp) need of separable
 // self-attention.
 struct Separable {
     using Args = SeparableArgs;
-    // Its arguments' types and names, in their positional order (bind_pooled).
-    using Sig = Signature<SeparableArgs, Types<py::array, py::array, py::object, py::array,
-                                               py::object, Index, Index, py::object>>;
-    static auto arg_names() {
-        return std::make_tuple(py::arg("x"), py::arg("w_qkv"), py::arg("b_qkv"), py::arg("w_o"),
-                               py::arg("b_o"), py::arg("batch"), py::arg("n"),
-                               py::arg("key_padding_mask"));
-    }
 
     // Checks every buffer and fills the problem (forward and backward; out is set by the
     // forward).
@@ -94,7 +98,7 @@ struct Separable {
 
 }  // namespace
 
-void bind_separable(py::module_& m) { bind_pooled<Separable>(m, "separable"); }
+void bind_separable(py::module_& m) { bind_pooled<Separable>(m, "separable", "SeparableArgs"); }
 
 }  // namespace bind
 }  // namespace attnlab

@@ -87,6 +87,20 @@ def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _core_args(a: dict[str, Any]) -> core.SeparableArgs:
+    """The arguments core.separable_forward / separable_backward share, of a prepared call."""
+    return core.SeparableArgs(
+        x=a["xr"],
+        w_qkv=a["wqkv"],
+        b_qkv=a["bqkv"],
+        w_o=a["wo"],
+        b_o=a["bo"],
+        batch=a["B"],
+        n=a["n"],
+        key_padding_mask=a["kp"],
+    )
+
+
 @_docs.filled
 def separable_attention(
     x: Any,
@@ -167,9 +181,7 @@ def separable_attention(
         if d == 0:  # no features: no keys or values, ctx is empty and out = b_o
             out[...] = 0.0 if bo is None else bo
         else:
-            core.separable_forward(
-                a["xr"], a["wqkv"], a["bqkv"], a["wo"], bo, B, n, a["kp"], out, state
-            )
+            core.separable_forward(_core_args(a), out, state)
     return _half.store(out.reshape(batch + (n, d_out)), _half.storage(args))
 
 
@@ -213,9 +225,7 @@ def _separable_grads(
             if a["bo"] is not None:
                 grads["b_o"] = go.sum(axis=0)
         else:
-            core.separable_backward(
-                go, a["xr"], a["wqkv"], a["bqkv"], a["wo"], a["bo"], B, n, a["kp"], grads, state
-            )
+            core.separable_backward(go, _core_args(a), grads, state)
     grads["x"] = grads["x"].reshape(a["x_shape"])
     return grads
 
