@@ -42,24 +42,17 @@ struct AdditiveArgs {
     int variant;
     py::object key_padding_mask;
 
-    template <typename F>
-    static void fields(F&& f) {
-        f("x", &AdditiveArgs::x);
-        f("w_q", &AdditiveArgs::w_q);
-        f("b_q", &AdditiveArgs::b_q);
-        f("w_k", &AdditiveArgs::w_k);
-        f("b_k", &AdditiveArgs::b_k);
-        f("w_g", &AdditiveArgs::w_g);
-        f("w_proj", &AdditiveArgs::w_proj);
-        f("b_proj", &AdditiveArgs::b_proj);
-        f("w_final", &AdditiveArgs::w_final);
-        f("b_final", &AdditiveArgs::b_final);
-        f("batch", &AdditiveArgs::batch);
-        f("n", &AdditiveArgs::n);
-        f("scale", &AdditiveArgs::scale);
-        f("eps", &AdditiveArgs::eps);
-        f("variant", &AdditiveArgs::variant);
-        f("key_padding_mask", &AdditiveArgs::key_padding_mask);
+    static constexpr auto fields() {
+        return std::make_tuple(
+            field("x", &AdditiveArgs::x), field("w_q", &AdditiveArgs::w_q),
+            field("b_q", &AdditiveArgs::b_q), field("w_k", &AdditiveArgs::w_k),
+            field("b_k", &AdditiveArgs::b_k), field("w_g", &AdditiveArgs::w_g),
+            field("w_proj", &AdditiveArgs::w_proj), field("b_proj", &AdditiveArgs::b_proj),
+            field("w_final", &AdditiveArgs::w_final), field("b_final", &AdditiveArgs::b_final),
+            field("batch", &AdditiveArgs::batch), field("n", &AdditiveArgs::n),
+            field("scale", &AdditiveArgs::scale), field("eps", &AdditiveArgs::eps),
+            field("variant", &AdditiveArgs::variant),
+            field("key_padding_mask", &AdditiveArgs::key_padding_mask));
     }
 };
 

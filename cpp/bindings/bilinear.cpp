@@ -15,14 +15,12 @@ struct BilinearArgs : SharedArgs {
     py::array w_qk;
     py::object u_k;
 
-    template <typename F>
-    static void fields(F&& f) {
-        f("query", &BilinearArgs::query);
-        f("key", &BilinearArgs::key);
-        f("value", &BilinearArgs::value);
-        f("w_qk", &BilinearArgs::w_qk);
-        f("u_k", &BilinearArgs::u_k);
-        SharedArgs::fields(f);
+    static constexpr auto fields() {
+        return std::tuple_cat(
+            std::make_tuple(field("query", &BilinearArgs::query), field("key", &BilinearArgs::key),
+                            field("value", &BilinearArgs::value),
+                            field("w_qk", &BilinearArgs::w_qk), field("u_k", &BilinearArgs::u_k)),
+            SharedArgs::fields());
     }
 };
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -281,6 +282,17 @@ auto dispatch(const py::array& a, const char* name, F&& f) {
                          std::string(py::str(a.dtype())));
 }
 
+// A field of a bound argument object (bind_args): its Python name and the member it fills.
+template <typename C, typename M>
+struct Field {
+    const char* name;
+    M C::*member;
+};
+template <typename C, typename M>
+constexpr Field<C, M> field(const char* name, M C::*member) {
+    return {name, member};
+}
+
 // --- Multi-head and bilinear attention: the fields their argument objects (MhaArgs,
 // BilinearArgs, derived from this) share after the inputs and the query-key weights.
 struct SharedArgs {
@@ -292,20 +304,14 @@ struct SharedArgs {
     MaskArgs mask;
     double scale;
 
-    // f(name, member) for each field (bind_args).
-    template <typename F>
-    static void fields(F&& f) {
-        f("w_v", &SharedArgs::w_v);
-        f("b_v", &SharedArgs::b_v);
-        f("w_o", &SharedArgs::w_o);
-        f("b_o", &SharedArgs::b_o);
-        f("batch", &SharedArgs::batch);
-        f("n_q", &SharedArgs::n_q);
-        f("n_k", &SharedArgs::n_k);
-        f("heads", &SharedArgs::heads);
-        f("kv_heads", &SharedArgs::kv_heads);
-        f("mask", &SharedArgs::mask);
-        f("scale", &SharedArgs::scale);
+    static constexpr auto fields() {
+        return std::make_tuple(field("w_v", &SharedArgs::w_v), field("b_v", &SharedArgs::b_v),
+                               field("w_o", &SharedArgs::w_o), field("b_o", &SharedArgs::b_o),
+                               field("batch", &SharedArgs::batch), field("n_q", &SharedArgs::n_q),
+                               field("n_k", &SharedArgs::n_k), field("heads", &SharedArgs::heads),
+                               field("kv_heads", &SharedArgs::kv_heads),
+                               field("mask", &SharedArgs::mask),
+                               field("scale", &SharedArgs::scale));
     }
 };
 
@@ -368,53 +374,46 @@ const KernelSet<T>& kernels_for() {
     return kernels().get<T>();
 }
 
-// A field of a bound argument object, from the keyword argument `value`: an array, any object
-// (an optional array, checked where it is read), an int, a float or the mask tuple.
-template <typename Field>
-Field field_value(py::handle value, const char* type, const char* field) {
-    py::detail::make_caster<Field> caster;
+// Sets the field f of `a` from the keyword arguments: an array, any object (an optional array,
+// checked where it is read), an int, a float or the mask tuple (its caster's errors).
+template <typename Args, typename C, typename M>
+void set_field(Args& a, const Field<C, M>& f, const py::kwargs& kw, const char* type) {
+    const py::handle value = PyDict_GetItemString(kw.ptr(), f.name);  // borrowed
+    if (!value)
+        throw py::type_error(std::string(type) + ": missing keyword argument '" + f.name + "'");
+    py::detail::make_caster<M> caster;
     if (!caster.load(value, true)) {
-        const char* expected = std::is_same_v<Field, py::array>  ? "an ndarray"
-                               : std::is_floating_point_v<Field> ? "a float"
-                                                                 : "an int";
-        throw py::type_error(std::string(type) + "." + field + ": expected " + expected + ", got " +
-                             std::string(py::str(py::type::of(value).attr("__name__"))));
+        const char* expected = std::is_same_v<M, py::array>  ? "an ndarray"
+                               : std::is_floating_point_v<M> ? "a float"
+                                                             : "an int";
+        throw py::type_error(std::string(type) + "." + f.name + ": expected " + expected +
+                             ", got " + std::string(py::str(py::type::of(value).attr("__name__"))));
     }
-    return py::detail::cast_op<Field>(caster);
+    a.*f.member = py::detail::cast_op<M>(caster);
 }
 
 // A family's arguments as one Python object, core.<type>(field=..., ...): every field by
-// keyword and no other, each a read-only attribute. Args lists its fields once, in
-// Args::fields(f), which calls f(name, &Args::member) for each; C++ reads them by name.
+// keyword and no other, each a read-only attribute. Args::fields() lists them once, each as
+// field(name, &Args::member); C++ reads them by name.
 template <typename Args>
 void bind_args(py::module_& m, const char* type) {
     py::class_<Args> c(m, type);
     c.def(py::init([type](const py::kwargs& kw) {
         Args a;
-        std::size_t given = 0;
-        Args::fields([&](const char* field, auto member) {
-            using Field = std::remove_reference_t<decltype(a.*member)>;
-            const py::handle value = PyDict_GetItemString(kw.ptr(), field);  // borrowed
-            if (!value)
-                throw py::type_error(std::string(type) + ": missing keyword argument '" + field +
-                                     "'");
-            a.*member = field_value<Field>(value, type, field);
-            ++given;
-        });
-        if (given != kw.size()) {
-            std::string unknown;
+        std::apply([&](const auto&... f) { (set_field(a, f, kw, type), ...); }, Args::fields());
+        if (kw.size() != std::tuple_size_v<decltype(Args::fields())>) {  // all set: one more
             for (const auto& item : kw) {
-                bool known = false;
                 const std::string key = py::str(item.first);
-                Args::fields([&](const char* field, auto) { known = known || key == field; });
-                if (!known) unknown = key;
+                const bool known = std::apply(
+                    [&](const auto&... f) { return ((key == f.name) || ...); }, Args::fields());
+                if (!known)
+                    throw py::type_error(std::string(type) + ": unexpected keyword argument '" +
+                                         key + "'");
             }
-            throw py::type_error(std::string(type) + ": unexpected keyword argument '" + unknown +
-                                 "'");
         }
         return a;
     }));
-    Args::fields([&](const char* field, auto member) { c.def_readonly(field, member); });
+    std::apply([&](const auto&... f) { (c.def_readonly(f.name, f.member), ...); }, Args::fields());
 }
 
 }  // namespace bind

@@ -139,16 +139,13 @@ struct MhaArgs : SharedArgs {
     py::array w_k;
     py::object b_k;
 
-    template <typename F>
-    static void fields(F&& f) {
-        f("query", &MhaArgs::query);
-        f("key", &MhaArgs::key);
-        f("value", &MhaArgs::value);
-        f("w_q", &MhaArgs::w_q);
-        f("b_q", &MhaArgs::b_q);
-        f("w_k", &MhaArgs::w_k);
-        f("b_k", &MhaArgs::b_k);
-        SharedArgs::fields(f);
+    static constexpr auto fields() {
+        return std::tuple_cat(
+            std::make_tuple(field("query", &MhaArgs::query), field("key", &MhaArgs::key),
+                            field("value", &MhaArgs::value), field("w_q", &MhaArgs::w_q),
+                            field("b_q", &MhaArgs::b_q), field("w_k", &MhaArgs::w_k),
+                            field("b_k", &MhaArgs::b_k)),
+            SharedArgs::fields());
     }
 };
 

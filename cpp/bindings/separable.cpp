@@ -27,16 +27,12 @@ struct SeparableArgs {
     Index batch, n;
     py::object key_padding_mask;
 
-    template <typename F>
-    static void fields(F&& f) {
-        f("x", &SeparableArgs::x);
-        f("w_qkv", &SeparableArgs::w_qkv);
-        f("b_qkv", &SeparableArgs::b_qkv);
-        f("w_o", &SeparableArgs::w_o);
-        f("b_o", &SeparableArgs::b_o);
-        f("batch", &SeparableArgs::batch);
-        f("n", &SeparableArgs::n);
-        f("key_padding_mask", &SeparableArgs::key_padding_mask);
+    static constexpr auto fields() {
+        return std::make_tuple(field("x", &SeparableArgs::x), field("w_qkv", &SeparableArgs::w_qkv),
+                               field("b_qkv", &SeparableArgs::b_qkv),
+                               field("w_o", &SeparableArgs::w_o), field("b_o", &SeparableArgs::b_o),
+                               field("batch", &SeparableArgs::batch), field("n", &SeparableArgs::n),
+                               field("key_padding_mask", &SeparableArgs::key_padding_mask));
     }
 };
 
