@@ -127,24 +127,14 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
         d_out=d_out,
         batch=batch,
         dtype=dtype,
-        scale=s,
-        eps=e,
-        variant=code,
-        kp=kp,
+        # the other fields of core.AdditiveArgs
+        options=dict(batch=B, n=n, scale=s, eps=e, variant=code, key_padding_mask=kp),
     )
 
 
 def _core_args(a: dict[str, Any]) -> core.AdditiveArgs:
     """The arguments core.additive_forward / additive_backward share, of a prepared call."""
-    return core.AdditiveArgs(
-        **a["arrays"],
-        batch=a["B"],
-        n=a["n"],
-        scale=a["scale"],
-        eps=a["eps"],
-        variant=a["variant"],
-        key_padding_mask=a["kp"],
-    )
+    return core.AdditiveArgs(**a["arrays"], **a["options"])
 
 
 @_docs.filled
