@@ -210,17 +210,7 @@ def window_sides(window: Any) -> tuple[int, int]:
 
 def softcap_value(softcap: Any) -> float:
     """``softcap`` as a float > 0, or 0.0 (off) for ``None``."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.number)):
-        raise TypeError(
-            f"softcap: expected a positive real number or None, got "
-            f"{type(softcap).__name__} {softcap!r}"
-        )
-    c = float(softcap)
-    if not (np.isfinite(c) and c > 0):
-        raise ValueError(f"softcap: expected a finite number > 0 (or None for off), got {c}")
-    return c
+    return 0.0 if softcap is None else V.positive_real(softcap, "softcap", off=True)
 
 
 def per_head(
