@@ -96,6 +96,22 @@ def _rows_of(w: np.ndarray, name: str, rows: int, layout: str, whose: str) -> No
         )
 
 
+# The weight arguments, in the signature's order (the torch wrapper's tensors too).
+WEIGHTS = (
+    "w_q",
+    "w_q_a",
+    "b_q_a",
+    "q_a_norm",
+    "w_q_b",
+    "w_kv_a",
+    "b_kv_a",
+    "kv_a_norm",
+    "w_kv_b",
+    "w_o",
+    "b_o",
+)
+
+
 def _prepare(args: dict[str, Any]) -> _Latent:
     """Validate a call, in an order that finds the root cause: the heads, the input, the
     key-value path (it fixes r and d_rope), the query path, the output, the cache, the masks,
@@ -106,20 +122,7 @@ def _prepare(args: dict[str, Any]) -> _Latent:
     n, d = x.shape[-2:]
     if d < 1:
         raise ValueError(f"x: the feature axis must be >= 1, got shape {V.shape_str(x.shape)}")
-    names = [
-        "w_q",
-        "w_q_a",
-        "b_q_a",
-        "q_a_norm",
-        "w_q_b",
-        "w_kv_a",
-        "b_kv_a",
-        "kv_a_norm",
-        "w_kv_b",
-        "w_o",
-        "b_o",
-    ]
-    arrs = {k: V.optional_array(args[k], k) for k in names}
+    arrs = {k: V.optional_array(args[k], k) for k in WEIGHTS}
     for k in ("w_kv_a", "kv_a_norm", "w_kv_b", "w_o"):
         if arrs[k] is None:
             raise TypeError(f"{k}: expected an array, got None")
