@@ -5,8 +5,8 @@ family validates an option the same way and a new option is added here once."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -14,6 +14,8 @@ from . import _half, _memory
 from . import _validate as V
 
 __all__: list[str] = []  # private module
+
+T = TypeVar("T")
 
 # The mask options of the attention families, in the order the normaliser reads them: the
 # torch adapter passes these as constants (never differentiated), converting tensors.
@@ -314,3 +316,23 @@ def with_weights(
     if lse is not None:
         result.append(lse.reshape(batch + lse.shape[1:]).copy())
     return result[0] if len(result) == 1 else tuple(result)
+
+
+def projected_args(
+    kind: Callable[..., T], a: Any, layers: Mapping[str, np.ndarray | None], **own: Any
+) -> T:
+    """The kernels' argument object ``kind`` (``core.MhaArgs`` or ``core.BilinearArgs``) of a
+    prepared call ``a`` (its ``B``, ``n_q``, ``n_k``, ``h``, ``h_kv`` and masks ``m``): the
+    family's ``own`` fields, then those the two share, the value and output ``layers``
+    (``w_v``, ``b_v``, ``w_o``, ``b_o``), the sizes, the mask and the scale."""
+    return kind(
+        **own,
+        **{name: layers[name] for name in ("w_v", "b_v", "w_o", "b_o")},
+        batch=a.B,
+        n_q=a.n_q,
+        n_k=a.n_k,
+        heads=a.h,
+        kv_heads=a.h_kv,
+        mask=a.m.core_mask(),
+        scale=a.m.scale,
+    )

@@ -339,24 +339,11 @@ class _Prepared(NamedTuple):
     def core_args(self) -> core.BilinearArgs:
         """The arguments core.bilinear_forward / bilinear_backward share."""
         query, key, value = self.rows()
-        return core.BilinearArgs(
-            query=query,
-            key=key,
-            value=value,
-            w_qk=self.wqk,
-            u_k=self.uk,
-            w_v=self.wv,
-            b_v=self.bv,
-            w_o=self.wo,
-            b_o=self.bo,
-            batch=self.B,
-            n_q=self.n_q,
-            n_k=self.n_k,
-            heads=self.h,
-            kv_heads=self.h_kv,
-            mask=self.m.core_mask(),
-            scale=self.m.scale,
-        )
+        layers = {"w_v": self.wv, "b_v": self.bv, "w_o": self.wo, "b_o": self.bo}
+        return _args.projected_args(
+            core.BilinearArgs, self, layers, query=query, key=key, value=value,
+            w_qk=self.wqk, u_k=self.uk,
+        )  # fmt: skip
 
 
 def _prepare(args: dict[str, Any]) -> _Prepared:

@@ -223,32 +223,10 @@ class _Mha(NamedTuple):
     def core_args(self) -> core.MhaArgs:
         """The arguments core.mha_forward / mha_backward share."""
         w = self.w
-
-        def req(name: str) -> np.ndarray:  # the weights (biases are optional)
-            a = w[name]
-            assert a is not None
-            return a
-
-        return core.MhaArgs(
-            query=self.rq,
-            key=self.rk,
-            value=self.rv,
-            w_q=req("w_q"),
-            b_q=w["b_q"],
-            w_k=req("w_k"),
-            b_k=w["b_k"],
-            w_v=req("w_v"),
-            b_v=w["b_v"],
-            w_o=req("w_o"),
-            b_o=w["b_o"],
-            batch=self.B,
-            n_q=self.n_q,
-            n_k=self.n_k,
-            heads=self.h,
-            kv_heads=self.h_kv,
-            mask=self.m.core_mask(),
-            scale=self.m.scale,
-        )
+        return _args.projected_args(
+            core.MhaArgs, self, w, query=self.rq, key=self.rk, value=self.rv,
+            w_q=w["w_q"], b_q=w["b_q"], w_k=w["w_k"], b_k=w["b_k"],
+        )  # fmt: skip
 
 
 def _prepare_mha(args: dict[str, Any]) -> _Mha:
