@@ -132,11 +132,6 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _core_args(a: dict[str, Any]) -> core.AdditiveArgs:
-    """The arguments core.additive_forward / additive_backward share, of a prepared call."""
-    return core.AdditiveArgs(**a["arrays"], **a["options"])
-
-
 @_docs.filled
 def additive_attention(
     x: Any,
@@ -242,7 +237,7 @@ def additive_attention(
         state = _additive_state(a)
         _keep.update(prepared=a, state=state, halves=_half.halves(args))
     if out.size:
-        core.additive_forward(_core_args(a), out, state)
+        core.additive_forward(core.AdditiveArgs(**a["arrays"], **a["options"]), out, state)
     batch = a["batch"]
     return _half.store(out.reshape(batch + (n, d_out)), _half.storage(args))
 
@@ -285,7 +280,7 @@ def _additive_grads(
     # as the kernel reads them: x, w_q and w_k with one zero feature when d_in == 0
     grads = _grad.grad_buffers(a["arrays"], dtype)
     if B * n > 0 and d_out > 0:
-        core.additive_backward(go, _core_args(a), grads, state)
+        core.additive_backward(go, core.AdditiveArgs(**a["arrays"], **a["options"]), grads, state)
     if d_in == 0:
         grads["x"] = _memory.zeros((B * n, 0), dtype)
         grads["w_q"] = _memory.zeros((0, D), dtype)

@@ -86,11 +86,6 @@ def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _core_args(a: dict[str, Any]) -> core.SeparableArgs:
-    """The arguments core.separable_forward / separable_backward share, of a prepared call."""
-    return core.SeparableArgs(**a["arrays"], **a["options"])
-
-
 @_docs.filled
 def separable_attention(
     x: Any,
@@ -171,7 +166,7 @@ def separable_attention(
         if d == 0:  # no features: no keys or values, ctx is empty and out = b_o
             out[...] = 0.0 if bo is None else bo
         else:
-            core.separable_forward(_core_args(a), out, state)
+            core.separable_forward(core.SeparableArgs(**a["arrays"], **a["options"]), out, state)
     return _half.store(out.reshape(batch + (n, d_out)), _half.storage(args))
 
 
@@ -215,7 +210,9 @@ def _separable_grads(
             if params["b_o"] is not None:
                 grads["b_o"] = go.sum(axis=0)
         else:
-            core.separable_backward(go, _core_args(a), grads, state)
+            core.separable_backward(
+                go, core.SeparableArgs(**a["arrays"], **a["options"]), grads, state
+            )
     grads["x"] = grads["x"].reshape(a["x_shape"])
     return grads
 
