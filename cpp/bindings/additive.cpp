@@ -29,13 +29,13 @@ void visit_additive(const Args& a, AdditiveTensors<P>& t, Index rows, Index d_in
 
 // The arguments additive_forward and additive_backward share: core.AdditiveArgs.
 struct AdditiveArgs {
-    py::array x, w_q;
+    Array x, w_q;
     py::object b_q;
-    py::array w_k;
+    Array w_k;
     py::object b_k;
-    py::array w_g, w_proj;
+    Array w_g, w_proj;
     py::object b_proj;
-    py::array w_final;
+    Array w_final;
     py::object b_final;
     Index batch, n;
     double scale, eps;

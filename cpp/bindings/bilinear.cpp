@@ -11,8 +11,8 @@ namespace {
 
 // The arguments bilinear_forward and bilinear_backward share: core.BilinearArgs.
 struct BilinearArgs : SharedArgs {
-    py::array query, key, value;
-    py::array w_qk;
+    Array query, key, value;
+    Array w_qk;
     py::object u_k;
 
     static constexpr auto fields() {

@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -282,6 +283,14 @@ auto dispatch(const py::array& a, const char* name, F&& f) {
                          std::string(py::str(a.dtype())));
 }
 
+// An array field of a bound argument object: null until bind_args sets it (py::array's own
+// default constructor allocates an empty array, which every call would make for nothing).
+struct Array : py::array {
+    Array() : py::array(py::handle(), borrowed_t{}) {}
+    Array(py::handle h, borrowed_t) : py::array(h, borrowed_t{}) {}
+    Array(py::handle h, stolen_t) : py::array(h, stolen_t{}) {}
+};
+
 // A field of a bound argument object (bind_args): its Python name and the member it fills.
 template <typename C, typename M>
 struct Field {
@@ -296,9 +305,9 @@ constexpr Field<C, M> field(const char* name, M C::*member) {
 // --- Multi-head and bilinear attention: the fields their argument objects (MhaArgs,
 // BilinearArgs, derived from this) share after the inputs and the query-key weights.
 struct SharedArgs {
-    py::array w_v;
+    Array w_v;
     py::object b_v;
-    py::array w_o;
+    Array w_o;
     py::object b_o;
     Index batch, n_q, n_k, heads, kv_heads;
     MaskArgs mask;
@@ -374,22 +383,24 @@ const KernelSet<T>& kernels_for() {
     return kernels().get<T>();
 }
 
-// Sets the field f of `a` from the keyword arguments: an array, any object (an optional array,
-// checked where it is read), an int, a float or the mask tuple (its caster's errors).
+// Sets the field f of `a` to `value`: an array, any object (an optional array, checked where
+// it is read), an int, a float or the mask tuple (its caster's errors).
 template <typename Args, typename C, typename M>
-void set_field(Args& a, const Field<C, M>& f, const py::kwargs& kw, const char* type) {
-    const py::handle value = PyDict_GetItemString(kw.ptr(), f.name);  // borrowed
-    if (!value)
-        throw py::type_error(std::string(type) + ": missing keyword argument '" + f.name + "'");
-    py::detail::make_caster<M> caster;
+void set_field(Args& a, const Field<C, M>& f, py::handle value, const char* type) {
+    using Cast = std::conditional_t<std::is_same_v<M, Array>, py::array, M>;
+    py::detail::make_caster<Cast> caster;
     if (!caster.load(value, true)) {
-        const char* expected = std::is_same_v<M, py::array>  ? "an ndarray"
-                               : std::is_floating_point_v<M> ? "a float"
-                                                             : "an int";
+        const char* expected = std::is_same_v<Cast, py::array> ? "an ndarray"
+                               : std::is_floating_point_v<M>   ? "a float"
+                                                               : "an int";
         throw py::type_error(std::string(type) + "." + f.name + ": expected " + expected +
                              ", got " + std::string(py::str(py::type::of(value).attr("__name__"))));
     }
-    a.*f.member = py::detail::cast_op<M>(caster);
+    if constexpr (std::is_same_v<M, Array>) {
+        a.*f.member = py::reinterpret_borrow<Array>(value);
+    } else {
+        a.*f.member = py::detail::cast_op<M>(caster);
+    }
 }
 
 // A family's arguments as one Python object, core.<type>(field=..., ...): every field by
@@ -399,17 +410,32 @@ template <typename Args>
 void bind_args(py::module_& m, const char* type) {
     py::class_<Args> c(m, type);
     c.def(py::init([type](const py::kwargs& kw) {
+        constexpr auto fields = Args::fields();
         Args a;
-        std::apply([&](const auto&... f) { (set_field(a, f, kw, type), ...); }, Args::fields());
-        if (kw.size() != std::tuple_size_v<decltype(Args::fields())>) {  // all set: one more
-            for (const auto& item : kw) {
-                const std::string key = py::str(item.first);
-                const bool known = std::apply(
-                    [&](const auto&... f) { return ((key == f.name) || ...); }, Args::fields());
-                if (!known)
-                    throw py::type_error(std::string(type) + ": unexpected keyword argument '" +
-                                         key + "'");
-            }
+        for (const auto& [key, value] : kw) {
+            const char* name = PyUnicode_AsUTF8(key.ptr());  // keywords are str
+            if (!name) throw py::error_already_set();
+            const bool known = std::apply(
+                [&](const auto&... f) {
+                    return (
+                        (std::strcmp(name, f.name) == 0 && (set_field(a, f, value, type), true)) ||
+                        ...);
+                },
+                fields);
+            if (!known)
+                throw py::type_error(std::string(type) + ": unexpected keyword argument '" + name +
+                                     "'");
+        }
+        if (kw.size() != std::tuple_size_v<decltype(fields)>) {  // each key set one field
+            std::apply(
+                [&](const auto&... f) {
+                    ((kw.contains(f.name)
+                          ? void()
+                          : throw py::type_error(std::string(type) +
+                                                 ": missing keyword argument '" + f.name + "'")),
+                     ...);
+                },
+                fields);
         }
         return a;
     }));
@@ -421,6 +447,10 @@ void bind_args(py::module_& m, const char* type) {
 
 namespace pybind11 {
 namespace detail {
+template <>
+struct handle_type_name<attnlab::bind::Array> {
+    static constexpr auto name = const_name("numpy.ndarray");
+};
 // MaskArgs as the type of a binding's argument: pybind11 finds its caster here, the conversion
 // is mask_args. (Errors are thrown, not reported as a failed load: pybind11's "incompatible
 // function arguments" would not say what is wrong with the mask.)

@@ -133,10 +133,10 @@ void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, co
 
 // The arguments mha_forward and mha_backward share: core.MhaArgs.
 struct MhaArgs : SharedArgs {
-    py::array query, key, value;
-    py::array w_q;
+    Array query, key, value;
+    Array w_q;
     py::object b_q;
-    py::array w_k;
+    Array w_k;
     py::object b_k;
 
     static constexpr auto fields() {

@@ -20,9 +20,9 @@ void visit_separable(const Args& a, SeparableTensors<P>& t, Index rows, Index d,
 
 // The arguments separable_forward and separable_backward share: core.SeparableArgs.
 struct SeparableArgs {
-    py::array x, w_qkv;
+    Array x, w_qkv;
     py::object b_qkv;
-    py::array w_o;
+    Array w_o;
     py::object b_o;
     Index batch, n;
     py::object key_padding_mask;

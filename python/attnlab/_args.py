@@ -327,7 +327,10 @@ def projected_args(
     (``w_v``, ``b_v``, ``w_o``, ``b_o``), the sizes, the mask and the scale."""
     return kind(
         **own,
-        **{name: layers[name] for name in ("w_v", "b_v", "w_o", "b_o")},
+        w_v=layers["w_v"],
+        b_v=layers["b_v"],
+        w_o=layers["w_o"],
+        b_o=layers["b_o"],
         batch=a.B,
         n_q=a.n_q,
         n_k=a.n_k,
