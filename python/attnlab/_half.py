@@ -27,7 +27,9 @@ _OPTIONS = frozenset(
 def is_half(dtype: np.dtype) -> bool:
     """Whether ``dtype`` is float16 or bfloat16 (``ml_dtypes``' is recognised by name, so that
     attnlab does not import ``ml_dtypes`` itself)."""
-    return dtype.name in HALF_NAMES
+    # the width first: ``dtype.name`` is computed in Python on every read, and this runs for
+    # every array argument of every call
+    return dtype.itemsize == 2 and dtype.name in HALF_NAMES
 
 
 def storage(args: Mapping[str, Any], skip: Iterable[str] = ()) -> np.dtype | None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import math
 import mmap
 import numbers
@@ -128,13 +129,17 @@ def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     iterations can round differently, so where an output sits in memory could otherwise change
     the last bits of the result from one call to the next.
     """
-    dt = np.dtype(dtype)
-    shape = (int(shape),) if isinstance(shape, numbers.Integral) else tuple(int(s) for s in shape)
+    dt = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
+    if isinstance(shape, tuple):
+        shape = tuple(map(int, shape))
+    else:
+        shape = (int(shape),) if isinstance(shape, numbers.Integral) else tuple(map(int, shape))
     nbytes = math.prod(shape) * dt.itemsize
     if nbytes >= _Blocks.MIN and _blocks.usable:
         return _blocks.array(nbytes).view(dt).reshape(shape)
     buf = np.empty(nbytes + _ALIGN, np.uint8)
-    start = (-buf.ctypes.data) % _ALIGN
+    # the address through ctypes' buffer view: ndarray.ctypes builds several objects per read
+    start = (-ctypes.addressof(ctypes.c_char.from_buffer(buf))) % _ALIGN
     return buf[start : start + nbytes].view(dt).reshape(shape)
 
 

@@ -66,6 +66,8 @@ def array_shaped(x: Any, name: str, shape: tuple[int, ...], whose: str = "") -> 
 def result_dtype(*arrays: np.ndarray | None) -> np.dtype:
     """The computation dtype: ``np.result_type`` of the (already normalised) inputs."""
     present = [a.dtype for a in arrays if a is not None]
+    if present and present[0] in _NATIVE and present.count(present[0]) == len(present):
+        return present[0]  # one native dtype: its own result type (the common call)
     return np.dtype(np.result_type(*present)) if present else np.dtype(np.float64)
 
 
@@ -157,6 +159,9 @@ def weights_mode(return_weights: Any) -> str | None:
 
 def batch_shape(name_shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ...]:
     """Broadcast the leading batch shapes of several inputs, naming them on failure."""
+    first = tuple(name_shapes[0][1]) if name_shapes else ()
+    if all(tuple(s) == first for _, s in name_shapes):
+        return first  # nothing to broadcast (the common call)
     try:
         return tuple(np.broadcast_shapes(*[s for _, s in name_shapes]))
     except ValueError:
