@@ -270,9 +270,11 @@ def masks(
     if sinks is not None:
         given["sinks"] = np.shape(args["sinks"])
     m = Masks(code, s, m4, kp, window, cap, alibi, sinks, given)
-    if V.check_flag(args["warn_empty_rows"], "warn_empty_rows"):
-        # only a mask array can leave a row empty that the scalar options do not
-        keys = m.key_intervals(n_q, n_k) if m4 is not None or kp is not None else None
+    # only a mask array can leave a row empty that the scalar options do not
+    if V.check_flag(args["warn_empty_rows"], "warn_empty_rows") and (
+        m4 is not None or kp is not None
+    ):
+        keys = m.key_intervals(n_q, n_k)
         V.warn_empty(*V.empty_rows(m4, kp, keys, V.count(batch), h, n_q, n_k), V.ATTENTION_ROWS)
     return m
 

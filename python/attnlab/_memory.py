@@ -180,11 +180,12 @@ def copy(a: np.ndarray, dtype: Any = None) -> np.ndarray:
 
 def contiguous(a: np.ndarray, dtype: Any = None) -> np.ndarray:
     """``a`` itself when it is C-contiguous, aligned and of ``dtype``; else :func:`copy`."""
+    flags = a.flags
     if (
-        (dtype is None or a.dtype == np.dtype(dtype))
-        and a.flags.c_contiguous
-        and a.flags.aligned
-        and all(s >= 0 for s in a.strides)
+        (dtype is None or a.dtype == dtype)
+        and flags.c_contiguous
+        and flags.aligned
+        and min(a.strides, default=0) >= 0
     ):
         return a
     return copy(a, dtype)

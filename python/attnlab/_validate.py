@@ -83,6 +83,10 @@ def check_ndim(a: np.ndarray, name: str, min_ndim: int, layout: str) -> None:
 
 
 def check_positive_int(x: Any, name: str, minimum: int = 1) -> int:
+    if type(x) is int:  # the usual argument, without the ABC check (bool is not int here)
+        if x < minimum:
+            raise ValueError(f"{name}: expected an integer >= {minimum}, got {x}")
+        return x
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name}: expected an integer, got {type(x).__name__} {x!r}")
     v = int(x)
@@ -181,6 +185,8 @@ def stack(a: np.ndarray, batch: tuple[int, ...], dtype: np.dtype, core: int) -> 
     """
     tail = a.shape[a.ndim - core :]
     b = count(batch)
+    if a.dtype == dtype and a.shape == (b,) + tail:  # already (B,) + core: viewed as it is
+        return kernel_ready(a)
     if a.shape[: a.ndim - core] != batch:  # broadcasting needed (skipped otherwise: it is slow)
         a = np.broadcast_to(a, batch + tail)
     r = a.reshape((b,) + tail)
