@@ -229,17 +229,18 @@ class _Mha(NamedTuple):
         )  # fmt: skip
 
 
-def _prepare_mha(args: dict[str, Any]) -> _Mha:
-    """The validated arguments of an MHA call (forward and backward), checked in an order that
-    finds the root cause: head counts, the inputs' own shapes, each weight's rank, head counts
-    against widths, each weight against the input it reads, then biases and masks."""
-    h, h_kv, kv_arg = _args.heads(args["num_heads"], args["num_kv_heads"])
-    x = _args.qkv(args, min_features=True)
-    n_q, n_k = x.n_q, x.n_k
+# The weight layouts _check_weights accepted: its verdict depends on the head counts and the
+# shapes alone, so a loop of calls of one shape checks them once. Bounded; cleared when full.
+_LAYOUTS_OK: dict[tuple[Any, ...], None] = {}
+
+
+def _check_weights(h: int, h_kv: int, kv_arg: str, x: _args.Qkv, ws: dict[str, np.ndarray]) -> None:
+    """Each weight's rank, the head counts against the widths, each weight against the input
+    it reads, then the weights against each other (``ValueError`` naming the first cause)."""
+    key = (h, h_kv, *x.widths, *(w.shape for w in ws.values()))
+    if key in _LAYOUTS_OK:
+        return
     d_q, d_k, d_v = x.widths
-    ws = {n: V.as_array(args[n], n) for n in ("w_q", "w_k", "w_v", "w_o")}
-    bs = {n: V.optional_array(args[n], n) for n in ("b_q", "b_k", "b_v", "b_o")}
-    dtype = V.result_dtype(x.xq, x.xk, x.xv, *ws.values(), *bs.values())
     wq_, wk_, wv_, wo_ = ws["w_q"], ws["w_k"], ws["w_v"], ws["w_o"]
     lay = {
         "w_q": "(d_q, num_heads * d_head)",
@@ -285,6 +286,24 @@ def _prepare_mha(args: dict[str, Any]) -> _Mha:
             f"d_vhead = {d_vhead} from w_v {V.shape_str(wv_.shape)}, got "
             f"{V.shape_str(wo_.shape)}"
         )
+    if len(_LAYOUTS_OK) >= 256:
+        _LAYOUTS_OK.clear()
+    _LAYOUTS_OK[key] = None
+
+
+def _prepare_mha(args: dict[str, Any]) -> _Mha:
+    """The validated arguments of an MHA call (forward and backward), checked in an order that
+    finds the root cause: head counts, the inputs' own shapes, each weight's rank, head counts
+    against widths, each weight against the input it reads, then biases and masks."""
+    h, h_kv, kv_arg = _args.heads(args["num_heads"], args["num_kv_heads"])
+    x = _args.qkv(args, min_features=True)
+    n_q, n_k = x.n_q, x.n_k
+    ws = {n: V.as_array(args[n], n) for n in ("w_q", "w_k", "w_v", "w_o")}
+    bs = {n: V.optional_array(args[n], n) for n in ("b_q", "b_k", "b_v", "b_o")}
+    dtype = V.result_dtype(x.xq, x.xk, x.xv, *ws.values(), *bs.values())
+    _check_weights(h, h_kv, kv_arg, x, ws)
+    wq_, wk_, wv_, wo_ = ws["w_q"], ws["w_k"], ws["w_v"], ws["w_o"]
+    d_head, d_vhead = wq_.shape[1] // h, wv_.shape[1] // h_kv
     wq = _memory.contiguous(wq_, dtype)
     wk = _memory.contiguous(wk_, dtype)
     wv = _memory.contiguous(wv_, dtype)
