@@ -140,7 +140,7 @@ def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     buf = np.empty(nbytes + _ALIGN, np.uint8)
     # the address through ctypes' buffer view: ndarray.ctypes builds several objects per read
     start = (-ctypes.addressof(ctypes.c_char.from_buffer(buf))) % _ALIGN
-    return buf[start : start + nbytes].view(dt).reshape(shape)
+    return np.ndarray(shape, dt, buf, start)
 
 
 def empty_group(specs: dict[Any, tuple[tuple[int, ...], Any]]) -> dict[Any, np.ndarray]:

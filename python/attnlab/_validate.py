@@ -66,7 +66,7 @@ def array_shaped(x: Any, name: str, shape: tuple[int, ...], whose: str = "") -> 
 def result_dtype(*arrays: np.ndarray | None) -> np.dtype:
     """The computation dtype: ``np.result_type`` of the (already normalised) inputs."""
     present = [a.dtype for a in arrays if a is not None]
-    if present and present[0] in _NATIVE and present.count(present[0]) == len(present):
+    if present and present[0] in _NATIVE and all(d is present[0] for d in present):
         return present[0]  # one native dtype: its own result type (the common call)
     return np.dtype(np.result_type(*present)) if present else np.dtype(np.float64)
 
