@@ -6,8 +6,12 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -32,6 +36,33 @@ inline std::string shape_str(const py::array& a) {
     return s + ")";
 }
 
+// A shape or the element strides of an array of up to 4 axes, held in place: the checks of
+// a call allocate nothing (a std::vector each was a heap allocation and a free per array).
+class Dims {
+  public:
+    static constexpr std::size_t kMax = 4;
+    Dims(std::initializer_list<Index> l) : n_(l.size()) {
+        if (n_ > kMax) throw std::logic_error("attnlab::bind::Dims: more than 4 axes");
+        std::copy(l.begin(), l.end(), v_.begin());
+    }
+    Dims(const std::vector<Index>& s) : n_(s.size()) {  // NOLINT: the pooled families' shapes
+        if (n_ > kMax) throw std::logic_error("attnlab::bind::Dims: more than 4 axes");
+        std::copy(s.begin(), s.end(), v_.begin());
+    }
+    explicit Dims(std::size_t n) : n_(n) {  // n zeros
+        if (n_ > kMax) throw std::logic_error("attnlab::bind::Dims: more than 4 axes");
+    }
+    Index operator[](std::size_t i) const { return v_[i]; }
+    Index& operator[](std::size_t i) { return v_[i]; }
+    std::size_t size() const { return n_; }
+    bool empty() const { return n_ == 0; }
+    Index back() const { return v_[n_ - 1]; }
+
+  private:
+    std::array<Index, kMax> v_{};
+    std::size_t n_;
+};
+
 template <typename T>
 bool is_dtype(const py::array& a) {
     return py::dtype::of<T>().is(a.dtype()) || a.dtype().equal(py::dtype::of<T>());
@@ -40,8 +71,8 @@ bool is_dtype(const py::array& a) {
 // Checks ndim, dtype (T, or bool when boolean), expected shape (-1 = any) and that strides are
 // whole elements with a unit last stride; returns element strides.
 template <typename T>
-std::vector<Index> check(const py::array& a, const char* name, std::vector<Index> shape,
-                         bool writable = false, bool boolean = false, bool unit_last = true) {
+Dims check(const py::array& a, const char* name, const Dims& shape, bool writable = false,
+           bool boolean = false, bool unit_last = true) {
     if (a.ndim() != static_cast<py::ssize_t>(shape.size()))
         throw py::value_error(std::string(name) + ": expected " + std::to_string(shape.size()) +
                               " dimensions, got shape " + shape_str(a));
@@ -49,7 +80,7 @@ std::vector<Index> check(const py::array& a, const char* name, std::vector<Index
         throw py::type_error(std::string(name) + ": unexpected dtype " +
                              std::string(py::str(a.dtype())));
     const Index item = static_cast<Index>(a.itemsize());
-    std::vector<Index> strides(shape.size());
+    Dims strides(shape.size());
     for (std::size_t i = 0; i < shape.size(); ++i) {
         if (shape[i] >= 0 && a.shape(i) != shape[i])
             throw py::value_error(std::string(name) + ": shape " + shape_str(a) +
@@ -63,7 +94,7 @@ std::vector<Index> check(const py::array& a, const char* name, std::vector<Index
         strides[i] = a.strides(i) / item;
         if (strides[i] < 0) throw py::value_error(std::string(name) + ": negative strides");
     }
-    if (a.size() == 0) return std::vector<Index>(shape.size(), 0);  // nothing will be read
+    if (a.size() == 0) return Dims(shape.size());  // nothing will be read
     // Reading a T at an address that is not a multiple of its alignment is undefined.
     if (reinterpret_cast<std::uintptr_t>(a.data()) % (boolean ? 1 : alignof(T)) != 0)
         throw py::value_error(std::string(name) + ": data is not aligned");
@@ -75,8 +106,7 @@ std::vector<Index> check(const py::array& a, const char* name, std::vector<Index
 
 // A C-contiguous array of dtype T and the given shape (for outputs and packed inputs).
 template <typename T>
-T* contiguous(const py::array& a, const char* name, std::vector<Index> shape,
-              bool writable = false) {
+T* contiguous(const py::array& a, const char* name, const Dims& shape, bool writable = false) {
     check<T>(a, name, shape, writable);
     if (!(a.flags() & py::array::c_style))
         throw py::value_error(std::string(name) + ": must be C-contiguous");
@@ -92,14 +122,14 @@ const T* optional_vector(const py::object& o, const char* name, Index n) {
 // A buffer of attnlab.vjp's state dict (an ndarray the caller owns, written by the forward and
 // read by the backward); null when there is no state.
 template <typename T>
-T* state_array(const py::object& state, const char* name, std::vector<Index> shape) {
+T* state_array(const py::object& state, const char* name, const Dims& shape) {
     if (state.is_none()) return nullptr;
     const py::dict d = state.cast<py::dict>();
     if (!d.contains(name)) throw py::value_error(std::string("state: missing '") + name + "'");
     const py::object o = d[name];
     if (!py::isinstance<py::array>(o))
         throw py::type_error(std::string("state['") + name + "']: expected an ndarray");
-    return contiguous<T>(o.cast<py::array>(), name, std::move(shape), true);
+    return contiguous<T>(o.cast<py::array>(), name, shape, true);
 }
 
 // The mask options of scaled dot-product, multi-head and bilinear attention: a boolean or
@@ -258,13 +288,13 @@ Linear<T> linear_arg(const py::array& w, const py::object& b, const char* wname,
 // The gradient buffer grads[name] (allocated by Python, shaped like the argument), or null when
 // that gradient is not wanted.
 template <typename T>
-T* grad_buffer(const py::dict& grads, const char* name, std::vector<Index> shape) {
+T* grad_buffer(const py::dict& grads, const char* name, const Dims& shape) {
     if (!grads.contains(name)) return nullptr;
     py::object o = grads[name];
     // an array owned by the dict: a converted temporary would be written and lost
     if (!py::isinstance<py::array>(o))
         throw py::type_error(std::string(name) + ": gradient output must be an ndarray");
-    return contiguous<T>(o.cast<py::array>(), name, std::move(shape), true);
+    return contiguous<T>(o.cast<py::array>(), name, shape, true);
 }
 
 // The gradient buffers of a dense layer's weight and bias (either null when not wanted).
@@ -403,30 +433,62 @@ void set_field(Args& a, const Field<C, M>& f, py::handle value, const char* type
     }
 }
 
+// Sets the field number i of Args::fields() (i < its count) to `value`.
+template <typename Args, typename Fields>
+void set_field_at(Args& a, const Fields& fields, std::size_t i, py::handle value,
+                  const char* type) {
+    std::apply(
+        [&](const auto&... f) {
+            std::size_t j = 0;
+            ((j++ == i ? set_field(a, f, value, type) : void()), ...);
+        },
+        fields);
+}
+
 // A family's arguments as one Python object, core.<type>(field=..., ...): every field by
 // keyword and no other, each a read-only attribute. Args::fields() lists them once, each as
 // field(name, &Args::member); C++ reads them by name.
 template <typename Args>
 void bind_args(py::module_& m, const char* type) {
+    constexpr auto fields = Args::fields();
+    constexpr std::size_t n = std::tuple_size_v<decltype(fields)>;
+    // The names as interned str: the keywords of a call written in Python are interned too, so
+    // a keyword is found by its address, first at the place after the previous one (callers
+    // pass them in the order of fields()), by its text only when neither finds it.
+    static std::array<PyObject*, n> names{};
+    std::size_t k = 0;
+    std::apply([&](const auto&... f) { ((names[k++] = PyUnicode_InternFromString(f.name)), ...); },
+               fields);
+    for (PyObject* name : names)
+        if (!name) throw py::error_already_set();
+    const auto find = [](PyObject* key, std::size_t guess) -> std::size_t {
+        if (guess < n && names[guess] == key) return guess;
+        for (std::size_t i = 0; i < n; ++i)
+            if (names[i] == key) return i;
+        for (std::size_t i = 0; i < n; ++i) {
+            const int cmp = PyUnicode_Compare(key, names[i]);
+            if (cmp == 0) return i;
+            if (cmp == -1 && PyErr_Occurred()) throw py::error_already_set();
+        }
+        return n;
+    };
     py::class_<Args> c(m, type);
-    c.def(py::init([type](const py::kwargs& kw) {
+    c.def(py::init([type, find](const py::kwargs& kw) {
         constexpr auto fields = Args::fields();
         Args a;
+        std::size_t next = 0;
         for (const auto& [key, value] : kw) {
-            const char* name = PyUnicode_AsUTF8(key.ptr());  // keywords are str
-            if (!name) throw py::error_already_set();
-            const bool known = std::apply(
-                [&](const auto&... f) {
-                    return (
-                        (std::strcmp(name, f.name) == 0 && (set_field(a, f, value, type), true)) ||
-                        ...);
-                },
-                fields);
-            if (!known)
+            const std::size_t i = find(key.ptr(), next);
+            if (i == n) {
+                const char* name = PyUnicode_AsUTF8(key.ptr());  // keywords are str
+                if (!name) throw py::error_already_set();
                 throw py::type_error(std::string(type) + ": unexpected keyword argument '" + name +
                                      "'");
+            }
+            set_field_at(a, fields, i, value, type);
+            next = i + 1;
         }
-        if (kw.size() != std::tuple_size_v<decltype(fields)>) {  // each key set one field
+        if (kw.size() != n) {  // each key set one field
             std::apply(
                 [&](const auto&... f) {
                     ((kw.contains(f.name)

@@ -9,7 +9,7 @@ namespace bind {
 namespace {
 
 template <typename T>
-MatrixStack<const T> const_stack(const std::vector<Index>& st, const py::array& a) {
+MatrixStack<const T> const_stack(const Dims& st, const py::array& a) {
     return {static_cast<const T*>(a.data()), st[0], st[1], st[2]};
 }
 

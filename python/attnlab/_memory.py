@@ -139,7 +139,8 @@ def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         return _blocks.array(nbytes).view(dt).reshape(shape)
     buf = np.empty(nbytes + _ALIGN, np.uint8)
     # the address through ctypes' buffer view: ndarray.ctypes builds several objects per read
-    start = (-ctypes.addressof(ctypes.c_char.from_buffer(buf))) % _ALIGN
+    # (the ignore: NumPy's stubs do not declare the buffer protocol)
+    start = (-ctypes.addressof(ctypes.c_char.from_buffer(buf))) % _ALIGN  # type: ignore[arg-type]
     return np.ndarray(shape, dt, buf, start)
 
 
