@@ -88,3 +88,47 @@ def test_stack_of_a_batched_array_is_a_view() -> None:
     q = np.ones((2, 3, 4, 8), np.float32)
     assert np.shares_memory(V.stack(q, (2,), np.dtype(np.float32), 3), q)
     assert V.stack(q, (2,), np.dtype(np.float64), 3).dtype == np.float64
+
+
+def _mha_args(x: np.ndarray, w: dict[str, np.ndarray]) -> dict[str, object]:
+    mask = (None, None, 0, -1, -1, 0.0, None, None)
+    return dict(
+        query=x, key=x, value=x, w_q=w["w_q"], b_q=None, w_k=w["w_k"], b_k=None,
+        w_v=w["w_v"], b_v=None, w_o=w["w_o"], b_o=None,
+        batch=1, n_q=4, n_k=4, heads=2, kv_heads=2, mask=mask, scale=0.5,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("order", ["fields", "reversed", "built names"])
+def test_args_object_keywords_in_any_form(order: str) -> None:
+    """core.MhaArgs finds its keywords in any order and by their text when they are not the
+    interned names (built at run time), and fills the same fields."""
+    from attnlab._loader import core
+
+    x = np.ones((4, 8), np.float32)
+    kw = _mha_args(x, _layer())
+    if order == "reversed":
+        kw = dict(reversed(list(kw.items())))
+    elif order == "built names":
+        kw = {"".join(list(k)): v for k, v in kw.items()}
+    a = core.MhaArgs(**kw)
+    assert (a.batch, a.n_q, a.n_k, a.heads, a.kv_heads, a.scale) == (1, 4, 4, 2, 2, 0.5)
+    assert a.query is x and a.w_o is kw["w_o"] and a.b_q is None
+    out = np.empty((4, 8), np.float32)
+    core.mha_forward(a, out, None)
+    ref = np.empty_like(out)
+    core.mha_forward(core.MhaArgs(**_mha_args(x, _layer())), ref, None)
+    assert out.tobytes() == ref.tobytes()
+
+
+def test_args_object_keyword_errors() -> None:
+    from attnlab._loader import core
+
+    kw = _mha_args(np.ones((4, 8), np.float32), _layer())
+    with pytest.raises(TypeError, match=r"^MhaArgs: unexpected keyword argument 'queries'"):
+        core.MhaArgs(**kw, queries=1)
+    del kw["scale"]
+    with pytest.raises(TypeError, match=r"^MhaArgs: missing keyword argument 'scale'"):
+        core.MhaArgs(**kw)
+    with pytest.raises(TypeError, match=r"^MhaArgs.batch: expected an int, got str"):
+        core.MhaArgs(**{**kw, "scale": 0.5, "batch": "1"})
