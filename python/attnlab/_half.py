@@ -24,6 +24,10 @@ _OPTIONS = frozenset(
 )
 
 
+# the scalar options' types, which have no dtype (skipped without asking them for one)
+_SCALARS = frozenset({bool, int, float, str})
+
+
 def is_half(dtype: np.dtype) -> bool:
     """Whether ``dtype`` is float16 or bfloat16 (``ml_dtypes``' is recognised by name, so that
     attnlab does not import ``ml_dtypes`` itself)."""
@@ -39,7 +43,7 @@ def storage(args: Mapping[str, Any], skip: Iterable[str] = ()) -> np.dtype | Non
     skipped = _OPTIONS.union(skip)
     found: np.dtype | None = None
     for name, x in args.items():
-        if name in skipped or name.startswith("_") or x is None:
+        if x is None or type(x) in _SCALARS or name in skipped or name.startswith("_"):
             continue
         dt = getattr(x, "dtype", None)
         if not isinstance(dt, np.dtype) or dt.kind not in "fV":
