@@ -1,0 +1,97 @@
+"""Per-call times of the latency-bound calls of issue 30 ("small calls"), float32, inputs as
+``bench --peers`` builds them: the BERT-base layer (B=1, n=128, d=768, 12 heads), a tiny layer
+(B=1, n=4, d=8, 2 heads: the fixed cost of a call), single-token decode against 8192 and 256
+cached keys (32 heads x 128).
+
+    python scripts/small_calls.py [CASE ...]
+        times the attnlab on PYTHONPATH: per case the minimum over 7 repeats of timeit
+    python scripts/small_calls.py --compare A/python B/python [--rounds 3] [CASE ...]
+        the same for two trees, each case in its own process, A and B alternately, and the
+        minimum per tree over the rounds (the machine may be shared: the alternation and the
+        minimum keep other jobs' load out of the comparison as far as they can)
+
+ATTNLAB_NUM_THREADS sets the threads (default: the machine's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+CASES = ("bert", "tiny", "decode8192", "decode256")
+NUMBER = {"bert": 100, "tiny": 4000, "decode8192": 20, "decode256": 500}
+
+
+def _call(name: str) -> Callable[[], Any]:
+    import attnlab
+    from attnlab._bench.peers_worker import CASES as PEERS
+    from attnlab._bench.peers_worker import Case, inputs
+
+    case = {
+        "bert": PEERS["bert"],
+        "tiny": Case("tiny", 1, 4, 8, 2),
+        "decode8192": PEERS["decode"],
+        "decode256": Case("decode 256", 1, 256, 4096, 32, core_only=True, n_q=1),
+    }[name]
+    a = inputs(case)
+    if case.core_only:
+        q, k, v = a["q"], a["k"], a["v"]
+        return lambda: attnlab.scaled_dot_product_attention(q, k, v)
+    x = a.pop("x")
+    return lambda: attnlab.multi_head_attention(x, num_heads=case.h, **a)
+
+
+def time_case(name: str) -> float:
+    """Microseconds per call: the minimum over 7 repeats."""
+    f = _call(name)
+    f()
+    n = NUMBER[name]
+    return min(timeit.repeat(f, number=n, repeat=7)) / n * 1e6
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("cases", nargs="*", metavar="CASE", help=", ".join(CASES))
+    p.add_argument("--compare", nargs=2, metavar="PYTHONPATH")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    args.cases = args.cases or list(CASES)
+    for name in args.cases:
+        if name not in CASES:
+            p.error(f"unknown case {name!r}: expected one of {', '.join(CASES)}")
+    if not args.compare:
+        for name in args.cases:
+            print(f"{name:12s} {time_case(name):10.1f} us", flush=True)
+        return 0
+    best: dict[tuple[str, str], float] = {}
+    for _ in range(args.rounds):
+        for name in args.cases:
+            for tree in args.compare:
+                env = {**os.environ, "PYTHONPATH": tree}
+                out = subprocess.run(
+                    [sys.executable, __file__, name],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if out.returncode:
+                    sys.stderr.write(out.stderr)
+                    return 1
+                t = float(out.stdout.split()[1])
+                best[name, tree] = min(t, best.get((name, tree), t))
+    a, b = args.compare
+    print(f"{'case':12s} {'A (us)':>10s} {'B (us)':>10s}  B/A   A = {a}, B = {b}")
+    for name in args.cases:
+        ta, tb = best[name, a], best[name, b]
+        print(f"{name:12s} {ta:10.1f} {tb:10.1f}  {tb / ta:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
