@@ -133,7 +133,7 @@ inline void linear_bf16(Index rows, Index in, Index out, const float* x, Index l
                         const float* b, float* y, Index ldy) {
     if (rows <= 0 || out <= 0) return;
 #if defined(ATTNLAB_AMX)
-    if (detail::amx_usable()) {
+    if (detail::amx_usable() && in > 0) {  // no features: the float32 path writes y = b
         detail::linear_bf16_amx(rows, in, out, x, ldx, w, b, y, ldy);
         return;
     }
