@@ -293,16 +293,17 @@ def test_mha_vjp_within_bound(shape, path):
 
 # ----------------------------------------------------------------- bilinear attention
 
-BILINEAR_SHAPES = [s for s in MHA_SHAPES if s[3] == s[4]]
+BILINEAR_SHAPES = MHA_SHAPES
 
 
 def _bilinear_case(shape: tuple) -> tuple[dict[str, Any], dict[str, Any], float, int]:
     """Folded weights as plain arrays (``w_qk``, ``u_k``: so that they are stored in the path's
-    dtype); the logits' factors are the query rows times ``W_i`` and the key rows."""
-    B, n, d, h, _, opts = shape
+    dtype); the logits' factors are the query rows times ``W_i`` and the key rows. Grouped
+    values when ``h_kv < h`` (the folded matrices stay one per query head)."""
+    B, n, d, h, h_kv, opts = shape
     rng = np.random.default_rng(B * n + d + 1)
-    w = make_mha_weights(rng, d, h, d // h, dtype=np.float32)
-    qk = attnlab.collapse_qk(w["w_q"], w["w_k"], w["b_q"], w["b_k"], num_heads=h)
+    w = make_mha_weights(rng, d, h, d // h, num_kv_heads=h_kv, dtype=np.float32)
+    qk = attnlab.collapse_qk(w["w_q"], w["w_k"], w["b_q"], w["b_k"], num_heads=h, num_kv_heads=h_kv)
     x = rng.standard_normal((B, n, d)).astype(np.float32)
     args = {
         "query": x,
@@ -312,7 +313,7 @@ def _bilinear_case(shape: tuple) -> tuple[dict[str, Any], dict[str, Any], float,
     }
     scale = 1.0 / math.sqrt(d // h)
     xw = np.einsum("bnd,hde->bhne", x.astype(np.float64), qk.w)
-    kw = {"num_heads": h, "scale": scale, **opts}
+    kw = {"num_heads": h, "num_kv_heads": h_kv, "scale": scale, **opts}
     return args, kw, logit_scale(xw, x, scale), max(d, n)
 
 
