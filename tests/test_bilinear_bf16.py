@@ -222,6 +222,29 @@ def test_bf16_with_a_bilinear_qk_and_broadcast_batches():
     assert np.abs(got - same).max() <= 2 * U * vmax * reach * 1.01 + 1e-5
 
 
+@pytest.mark.parametrize("widths", [(0, 3, 4), (3, 0, 4), (3, 3, 0)], ids=str)
+def test_bf16_empty_sums(widths):
+    """A product over no feature (``d_q``, ``d_k`` or ``d_v`` zero) is its bias, or 0: as the
+    reference with the same rounding (the bf16 GEMM leaves an empty sum unwritten)."""
+    d_q, d_k, d_v = widths
+    rng = np.random.default_rng(11)
+    x, k, v = (
+        rng.standard_normal((2, n, w)).astype(np.float32)
+        for n, w in zip((5, 6, 6), widths, strict=True)
+    )
+    kw = {
+        "w_qk": rng.standard_normal((2, d_q, d_k)).astype(np.float32),
+        "w_v": rng.standard_normal((d_v, 4)).astype(np.float32),
+        "b_v": np.ones(4, np.float32),
+        "w_o": rng.standard_normal((4, 3)).astype(np.float32),
+        "num_heads": 2,
+        "scale": 0.5,
+    }
+    got = attnlab.bilinear_attention(x, k, v, **kw, precision="bf16")
+    same = reference.bilinear_attention(x, k, v, **kw, precision="bf16")
+    assert np.abs(got - same).max() <= 4 * U * np.abs(same).max()
+
+
 def test_rounding_is_the_kernels():
     """The backward's rounding of the operands (``_rounded_bf16``) is the kernels': the bf16
     product with a 1 x 1 one returns the rounded operand, ties

@@ -601,23 +601,22 @@ def _bf16_forward(
     a: _Prepared, out: np.ndarray, weights: np.ndarray | None, lse: np.ndarray | None
 ) -> None:
     """precision="bf16" into ``out`` ``(B*n_q, d_out)`` (and ``weights``, ``lse``), composed
-    of the bf16 kernels: the projections ``X_q [W_1 .. W_h] + u`` and ``X_v w_v + b_v`` and the
-    output's by ``linear_forward``, the attention core by ``sdpa_forward`` with the key rows as
-    every value head's keys (a zero-stride view: the rows are not copied per head)."""
+    of the bf16 kernels: the projections ``X_q W_i + u_i`` (head by head: no copy of ``w_qk``
+    side by side, and faster than one wide product), ``X_v w_v + b_v`` and the output's by
+    ``linear_forward``, the attention core by ``sdpa_forward`` with the key rows as every
+    value head's keys (a zero-stride view: the rows are not copied per head)."""
     B, h, h_kv, n_q, n_k, dtype = a.B, a.h, a.h_kv, a.n_q, a.n_k, a.dtype
     query, key, value = a.rows()
-    d_q, d_k = a.wqk.shape[1:]
+    d_k = a.wqk.shape[2]
     d_vhead = a.wv.shape[1] // h_kv
-    w_cat = np.ascontiguousarray(a.wqk.transpose(1, 0, 2)).reshape(d_q, h * d_k)
-    u_cat = None if a.uk is None else a.uk.reshape(h * d_k)
-    proj = _memory.empty((B * n_q, h * d_k), dtype)
-    core.linear_forward(query, w_cat, u_cat, proj, True)
+    proj = _memory.empty((h, B * n_q, d_k), dtype)
+    for i in range(h):
+        _linear_bf16(query, a.wqk[i], None if a.uk is None else a.uk[i], proj[i])
     vals = _memory.empty((B * n_k, h_kv * d_vhead), dtype)
-    if vals.size:
-        core.linear_forward(value, a.wv, a.bv, vals, True)
+    _linear_bf16(value, a.wv, a.bv, vals)
     ctx = _memory.empty((B, n_q, h, d_vhead), dtype)
     core.sdpa_forward(
-        proj.reshape(B, n_q, h, d_k).transpose(0, 2, 1, 3),
+        proj.reshape(h, B, n_q, d_k).transpose(1, 0, 2, 3),
         np.broadcast_to(key.reshape(B, 1, n_k, d_k), (B, h_kv, n_k, d_k)),
         vals.reshape(B, n_k, h_kv, d_vhead).transpose(0, 2, 1, 3),
         ctx.transpose(0, 2, 1, 3),
@@ -627,7 +626,18 @@ def _bf16_forward(
         lse,
         True,
     )
-    core.linear_forward(ctx.reshape(B * n_q, h * d_vhead), a.wo, a.bo, out, True)
+    _linear_bf16(ctx.reshape(B * n_q, h * d_vhead), a.wo, a.bo, out)
+
+
+def _linear_bf16(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, y: np.ndarray) -> None:
+    """``y = x w + b`` with bf16 products (``linear_forward``); an empty sum (no feature) is
+    ``b`` or 0, which the kernel leaves unwritten."""
+    if not y.size:
+        return
+    if not x.shape[1]:
+        y[...] = 0 if b is None else b
+        return
+    core.linear_forward(x, w, b, y, True)
 
 
 _BACKWARD_DOC = """\
