@@ -274,3 +274,15 @@ def test_sdpa_precision_errors():
         attnlab.scaled_dot_product_attention(q, q, q, precision="bf16")
     with pytest.raises(ValueError, match="precision: expected None or 'bf16', got 'tf32'"):
         attnlab.scaled_dot_product_attention(q, q, q, precision="tf32")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_without_features_writes_the_bias(bias):
+    """An empty sum over no input feature is the bias (or 0) on either kernel."""
+    x = np.zeros((5, 0), np.float32)
+    w = np.zeros((0, 7), np.float32)
+    b = np.arange(7, dtype=np.float32) if bias else None
+    for bf16 in (False, True):
+        y = np.full((5, 7), np.nan, np.float32)
+        core.linear_forward(x, w, b, y, bf16)
+        np.testing.assert_array_equal(y, np.broadcast_to(b if bias else 0.0, y.shape))
