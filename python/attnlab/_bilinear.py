@@ -521,7 +521,8 @@ def bilinear_attention(
         Default ``1/sqrt(d_head)`` for a BilinearQK, ``1/sqrt(d_q / num_heads)`` for a raw
         ``w_qk``.
     precision : {None, "bf16"}, optional
-        ``None``: exact in the input dtype. ``"bf16"`` (float32 inputs): the query order
+        ``None``: exact in the input dtype. ``"bf16"`` (float32 or half-precision inputs): the
+        query order
         ``(X_q W_i + u_i) X_k^T`` whatever the cost model says, every matrix product's operands
         rounded to bfloat16 (round to nearest even, subnormals to zero) and summed in float32.
         The rounded operands are ``query``, ``key``, ``value``, ``w_qk`` (the folded matrices
