@@ -89,8 +89,8 @@ inline AmxPacked amx_layout(Index n_k, Index d, Index dv) {
 }
 
 // Packs K and V of one (batch, kv head); false when a value row holds NaN or Inf.
-ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index b, Index hk,
-                                        const AmxPacked& L, std::uint16_t* kt, std::uint16_t* vt) {
+ATTNLAB_BF16_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index b, Index hk,
+                                         const AmxPacked& L, std::uint16_t* kt, std::uint16_t* vt) {
     const float* k = p.k.at(b, hk);
     const float* v = p.v.at(b, hk);
     const Index ks = p.k.row_stride, vs = p.v.row_stride, d = p.d, dv = p.d_v, nk = p.n_k;
@@ -136,7 +136,7 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
 }
 
 // Lanes [c, c + 16) of a score row of kb entries (-inf beyond).
-ATTNLAB_AMX_TARGET inline __m512 score_lanes(const float* s, Index c, Index kb) {
+ATTNLAB_BF16_TARGET inline __m512 score_lanes(const float* s, Index c, Index kb) {
     const Index left = kb - c;
     const __mmask16 in = left >= 16  ? __mmask16(0xffff)
                          : left <= 0 ? __mmask16(0)
@@ -146,7 +146,7 @@ ATTNLAB_AMX_TARGET inline __m512 score_lanes(const float* s, Index c, Index kb) 
 
 // Maximum of sc * s over a row of kb scores (sc > 0: the maximum of the scaled scores, as
 // rounding is monotone).
-ATTNLAB_AMX_TARGET inline float scaled_row_max(const float* s, float sc, Index kb) {
+ATTNLAB_BF16_TARGET inline float scaled_row_max(const float* s, float sc, Index kb) {
     __m512 mx = _mm512_set1_ps(neg_inf<float>());
     for (Index c = 0; c < kb; c += 16) mx = _mm512_max_ps(mx, score_lanes(s, c, kb));
     return sc * _mm512_reduce_max_ps(mx);
@@ -156,7 +156,7 @@ ATTNLAB_AMX_TARGET inline float scaled_row_max(const float* s, float sc, Index k
 // by a degree-4 polynomial (fitted for relative error: at most 3e-6, against bf16's 2**-9 rounding
 // of the result; the float32 kernels' exp_flush is exact to about 1 ulp), 2^n by VSCALEFPS, results
 // below the smallest normal float (t < -126) flushed to 0 as exp_flush does, NaN kept.
-ATTNLAB_AMX_TARGET inline __m512 exp2_for_bf16(__m512 t) {
+ATTNLAB_BF16_TARGET inline __m512 exp2_for_bf16(__m512 t) {
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
     __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(0.009570086374878883f), f,
@@ -170,8 +170,8 @@ ATTNLAB_AMX_TARGET inline __m512 exp2_for_bf16(__m512 t) {
 
 // exp(sc * s - shift) over a row of kb scores (as 2^(s sc log2 e - shift log2 e)): the sum
 // returned in float32, the values rounded to bf16 into pr (zero up to kbp, a multiple of 32).
-ATTNLAB_AMX_TARGET inline float exp_row_bf16(const float* s, float sc, float shift, Index kb,
-                                             Index kbp, std::uint16_t* pr) {
+ATTNLAB_BF16_TARGET inline float exp_row_bf16(const float* s, float sc, float shift, Index kb,
+                                              Index kbp, std::uint16_t* pr) {
     constexpr float kLog2e = 1.44269504088896341f;
     const __m512 vs = _mm512_set1_ps(sc * kLog2e), vm = _mm512_set1_ps(shift * kLog2e);
     __m512 sum = _mm512_setzero_ps();

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "attention_bf16.hpp"
+#include "attention_bf16_avx512.hpp"
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
 #include "decode.hpp"
@@ -318,6 +319,9 @@ void attention_forward(const AttentionProblem<T>& p) {
         const bool tiles = p.bf16 == Bf16::probabilities && !p.weights &&
                            !detail::use_decode(p.n_q, p.heads, p.kv_heads, p.n_k);
         if (tiles && detail::amx_usable() && detail::amx_forward(p)) return;
+        if (tiles && !detail::amx_usable() && detail::avx512_bf16_usable() &&
+            detail::vdp_forward(p))
+            return;
     }
 #endif
     const detail::Bf16Operands<T> r = detail::bf16_operands(p);  // the emulation

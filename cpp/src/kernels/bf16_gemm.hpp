@@ -108,10 +108,11 @@ inline void linear_bf16_amx(Index rows, Index in, Index out, const float* x, Ind
 
 }  // namespace detail
 
-// Which kernel precision="bf16" runs here: "amx" or "emulated".
+// Which kernel precision="bf16" runs here: "amx", "avx512_bf16" or "emulated".
 inline const char* bf16_kernel() {
 #if defined(ATTNLAB_AMX)
     if (detail::amx_usable()) return "amx";
+    if (detail::avx512_bf16_usable()) return "avx512_bf16";
 #endif
     return "emulated";
 }

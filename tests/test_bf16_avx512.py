@@ -1,0 +1,167 @@
+"""precision="bf16" on the VDPBF16PS kernel (AVX512-BF16 without AMX): the same rounding as the
+AMX kernel and the emulation (q, k, v and P rounded to bfloat16, float32 sums and softmax
+statistics), so it agrees with both to the order of the float32 sums, within test_bf16.py's
+2**-8 max|v| and test_half.py's float64 bound. ATTNLAB_AMX=0 turns AMX off (the VDPBF16PS kernel
+then runs where the CPU has AVX512-BF16) and ATTNLAB_AVX512_BF16=0 turns that off too (the
+emulation): each kernel runs in its own process, as those switches are read once."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import attnlab
+from attnlab import reference
+from attnlab._bench.accuracy import UNIT_ROUNDOFF, error_bound, logit_scale
+from test_bf16 import SDPA_BF16_CASES, _logit_error_bound
+from test_bf16 import _sdpa_case as _bf16_case
+from test_half import SDPA_SHAPES, _rel
+from test_half import _sdpa_case as _half_case
+
+# Shapes at the kernel's edges: head widths off the 32-feature chunks, value widths of 1, 3 and
+# 6 column tiles, query counts off the 8-row register blocks, key counts off the 32-key chunks
+# and across 128-key blocks, grouped-query heads, sinks with a window.
+EDGE_CASES = [
+    ((1, 2, 37, 72), (1, 2, 129, 72), {"d_v": 96}),
+    ((2, 4, 100, 8), (2, 1, 33, 8), {"causal": True, "d_v": 20}),
+    ((1, 3, 65, 130), (1, 3, 257, 130), {"causal": "bottom_right", "sinks": [0.1, 2.0, -3.0]}),
+    ((1, 2, 200, 64), (1, 2, 1000, 64), {"window": (100, 3), "scale": 0.05}),
+    ((1, 1, 9, 1), (1, 1, 300, 1), {"d_v": 1}),
+]
+KERNELS = {
+    "avx512_bf16": {"ATTNLAB_AMX": "0", "ATTNLAB_AVX512_BF16": "1"},
+    "emulated": {"ATTNLAB_AMX": "0", "ATTNLAB_AVX512_BF16": "0"},
+}
+
+RUNNER = """
+import pickle, sys, attnlab
+with open(sys.argv[1], "rb") as f:
+    cases = pickle.load(f)
+outs = [attnlab.scaled_dot_product_attention(q, k, v, precision="bf16", **kw) for q, k, v, kw in cases]
+with open(sys.argv[1], "wb") as f:
+    pickle.dump([attnlab.build_info()["bf16_kernel"], outs], f)
+"""
+
+
+def _run(env: dict[str, str], cases: list[Any], path: Path) -> tuple[str, list[Any]]:
+    """The bf16 kernel's name and its outputs on ``cases`` in a process with ``env`` set."""
+    path.write_bytes(pickle.dumps(cases))
+    pkg = str(Path(attnlab.__file__).resolve().parents[1])
+    full = dict(os.environ, **env)
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (pkg, full.get("PYTHONPATH")) if p)
+    subprocess.run([sys.executable, "-c", RUNNER, str(path)], env=full, check=True, timeout=600)
+    kernel, outs = pickle.loads(path.read_bytes())
+    return kernel, outs
+
+
+def _cases() -> list[tuple[str, tuple[Any, ...]]]:
+    """(id, (q, k, v, options)) for test_bf16.py's cases, test_half.py's shapes and the edges."""
+    out = []
+    for q_shape, k_shape, options in SDPA_BF16_CASES + EDGE_CASES:
+        args = _bf16_case(q_shape, k_shape, dict(options), seed=sum(q_shape) + len(options))
+        out.append((f"bf16-{q_shape}-{k_shape}-{sorted(options)}", args))
+    for shape in SDPA_SHAPES:
+        for scale_qk in (1.0, 2.0):
+            a, kw = _half_case(shape, scale_qk)
+            out.append((f"half-{shape[:7]}-{sorted(kw)}-{scale_qk}", (a["q"], a["k"], a["v"], kw)))
+    return out
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """Every case's output on each kernel (one process each); skips without AVX512-BF16."""
+    tmp = tmp_path_factory.mktemp("bf16_avx512")
+    inputs = [args for _, args in CASES]
+    outs = {}
+    for name, env in KERNELS.items():
+        kernel, outs[name] = _run(env, inputs, tmp / f"{name}.pkl")
+        if kernel != name:
+            pytest.skip(f"no AVX512-BF16 kernel here: with {env} the bf16 kernel is {kernel!r}")
+    return outs
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_vdpbf16ps_agrees_with_the_emulation_and_the_references(runs, index):
+    """Against the emulation and the reference with the same rounding: within 2**-8 max|v| (a
+    probability may round to the neighbouring bfloat16 where the sums' order differs); against
+    the exact float64 reference: test_bf16.py's elementwise bound and test_half.py's normwise
+    error bound."""
+    q, k, v, kw = CASES[index][1]
+    got, emulated = runs["avx512_bf16"][index], runs["emulated"][index]
+    if kw.get("return_weights"):
+        (got, w_got), (emulated, w_emulated) = got, emulated
+        np.testing.assert_array_equal(w_got, w_emulated)  # the weights path is the emulation
+    assert got.dtype == np.float32
+    vmax = float(np.abs(v).max())
+    tol = 2.0**-8 * vmax * 1.01 + 1e-5
+    assert np.abs(got - emulated).max() <= tol
+    same = reference.scaled_dot_product_attention(q, k, v, precision="bf16", **kw)
+    exact = reference.scaled_dot_product_attention(q, k, v, **kw)
+    if kw.get("return_weights"):
+        same, exact = same[0], exact[0]
+    assert np.abs(got - same).max() <= tol
+    scale = kw.get("scale", 1 / np.sqrt(q.shape[-1]))
+    e = _logit_error_bound(q, k, scale)
+    assert np.abs(got - exact).max() <= (np.expm1(2 * e) + 2 * 2.0**-8) * vmax * 1.01 + 1e-5
+    if "scale" not in kw:
+        rho = logit_scale(q, k)
+        length = max(k.shape[-2], q.shape[-1], v.shape[-1])
+        assert _rel(got, exact) <= error_bound(UNIT_ROUNDOFF["bfloat16"], rho, length)
+
+
+def test_vdpbf16ps_really_runs_and_falls_back_where_it_must(runs):
+    """Where the kernel runs its sums differ in order from the emulation's (some output differs
+    in its last bits); the weights path and the decode path (few queries per kv head) are the
+    emulation's, bit for bit."""
+    differs = fallback = 0
+    for (case_id, (q, k, v, kw)), got, emulated in zip(
+        CASES, runs["avx512_bf16"], runs["emulated"]
+    ):
+        if kw.get("return_weights"):
+            got, emulated = got[0], emulated[0]
+        # decode.hpp's use_decode: up to 16 query rows per kv head against 1024 keys or more
+        decode = q.shape[-2] * (q.shape[-3] // k.shape[-3]) <= 16 and k.shape[-2] >= 1024
+        if kw.get("return_weights") or decode:
+            np.testing.assert_array_equal(got, emulated, err_msg=case_id)
+            fallback += 1
+        elif q.shape[-2] * k.shape[-2] * q.shape[-1] >= 64 * 64 * 16:
+            differs += not np.array_equal(got, emulated)
+    assert fallback >= 2 and differs >= 5
+
+
+def test_nonfinite_values_take_the_emulation(tmp_path):
+    """A value row holding NaN or Inf: the kernel hands the call to the emulation (only the
+    queries that may see the row get NaN/Inf), bit for bit."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 2, 64, 32)).astype(np.float32) for _ in range(3))
+    v[0, 1, 40, 3] = np.nan
+    v[0, 0, 10, 0] = np.inf
+    cases = [(q, k, v, {"causal": True})]
+    kernel, (got,) = _run(KERNELS["avx512_bf16"], cases, tmp_path / "v.pkl")
+    if kernel != "avx512_bf16":
+        pytest.skip(f"no AVX512-BF16 kernel here: with ATTNLAB_AMX=0 the bf16 kernel is {kernel!r}")
+    _, (emulated,) = _run(KERNELS["emulated"], cases, tmp_path / "e.pkl")
+    np.testing.assert_array_equal(got, emulated)
+    assert np.isnan(got[0, 1, 40:, 3]).all() and not np.isnan(got[0, 1, :40]).any()
+
+
+def test_vdpbf16ps_agrees_with_amx(runs):
+    """Both kernels pack the same bf16 operands and run the same softmax; only the order of
+    the float32 sums differs: within 2**-8 max|v| of each other."""
+    if attnlab.build_info()["bf16_kernel"] != "amx":
+        pytest.skip("this CPU has no usable AMX to compare with")
+    for (case_id, (q, k, v, kw)), got in zip(CASES, runs["avx512_bf16"]):
+        amx = attnlab.scaled_dot_product_attention(q, k, v, precision="bf16", **kw)
+        if kw.get("return_weights"):
+            got, amx = got[0], amx[0]
+        assert np.abs(got - amx).max() <= 2.0**-8 * float(np.abs(v).max()) * 1.01 + 1e-5, case_id
