@@ -44,7 +44,8 @@ RUNNER = """
 import pickle, sys, attnlab
 with open(sys.argv[1], "rb") as f:
     cases = pickle.load(f)
-outs = [attnlab.scaled_dot_product_attention(q, k, v, precision="bf16", **kw) for q, k, v, kw in cases]
+sdpa = attnlab.scaled_dot_product_attention
+outs = [sdpa(q, k, v, precision="bf16", **kw) for q, k, v, kw in cases]
 with open(sys.argv[1], "wb") as f:
     pickle.dump([attnlab.build_info()["bf16_kernel"], outs], f)
 """
@@ -75,6 +76,11 @@ def _cases() -> list[tuple[str, tuple[Any, ...]]]:
 
 
 CASES = _cases()
+
+
+def _context(out: Any, kw: dict[str, Any]) -> np.ndarray:
+    """The attention output of a call (without its weights when it returned them)."""
+    return out[0] if kw.get("return_weights") else out
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +130,10 @@ def test_vdpbf16ps_really_runs_and_falls_back_where_it_must(runs):
     in its last bits); the weights path and the decode path (few queries per kv head) are the
     emulation's, bit for bit."""
     differs = fallback = 0
-    for (case_id, (q, k, v, kw)), got, emulated in zip(
-        CASES, runs["avx512_bf16"], runs["emulated"]
+    for (case_id, (q, k, _, kw)), out, out_emulated in zip(
+        CASES, runs["avx512_bf16"], runs["emulated"], strict=True
     ):
-        if kw.get("return_weights"):
-            got, emulated = got[0], emulated[0]
+        got, emulated = _context(out, kw), _context(out_emulated, kw)
         # decode.hpp's use_decode: up to 16 query rows per kv head against 1024 keys or more
         decode = q.shape[-2] * (q.shape[-3] // k.shape[-3]) <= 16 and k.shape[-2] >= 1024
         if kw.get("return_weights") or decode:
@@ -160,8 +165,7 @@ def test_vdpbf16ps_agrees_with_amx(runs):
     the float32 sums differs: within 2**-8 max|v| of each other."""
     if attnlab.build_info()["bf16_kernel"] != "amx":
         pytest.skip("this CPU has no usable AMX to compare with")
-    for (case_id, (q, k, v, kw)), got in zip(CASES, runs["avx512_bf16"]):
-        amx = attnlab.scaled_dot_product_attention(q, k, v, precision="bf16", **kw)
-        if kw.get("return_weights"):
-            got, amx = got[0], amx[0]
+    for (case_id, (q, k, v, kw)), out in zip(CASES, runs["avx512_bf16"], strict=True):
+        got = _context(out, kw)
+        amx = _context(attnlab.scaled_dot_product_attention(q, k, v, precision="bf16", **kw), kw)
         assert np.abs(got - amx).max() <= 2.0**-8 * float(np.abs(v).max()) * 1.01 + 1e-5, case_id
