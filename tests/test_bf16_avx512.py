@@ -20,7 +20,9 @@ import pytest
 import attnlab
 from attnlab import reference
 from attnlab._bench.accuracy import UNIT_ROUNDOFF, error_bound, logit_scale
-from test_bf16 import SDPA_BF16_CASES, _logit_error_bound
+from attnlab.reference._mha import _bf16
+from conftest import make_mha_weights
+from test_bf16 import SDPA_BF16_CASES, SHAPES, _logit_error_bound
 from test_bf16 import _sdpa_case as _bf16_case
 from test_half import SDPA_SHAPES, _rel
 from test_half import _sdpa_case as _half_case
@@ -41,25 +43,36 @@ KERNELS = {
 }
 
 RUNNER = """
-import pickle, sys, attnlab
+import pickle, sys, numpy as np, attnlab
+from attnlab._loader import core
+def linear(x, w, b):
+    y = np.empty((x.shape[0], w.shape[1]), np.float32)
+    core.linear_forward(x, w, b, y, True)
+    return y
+fns = {"sdpa": attnlab.scaled_dot_product_attention, "mha": attnlab.multi_head_attention,
+       "linear": linear}
 with open(sys.argv[1], "rb") as f:
-    cases = pickle.load(f)
-sdpa = attnlab.scaled_dot_product_attention
-outs = [sdpa(q, k, v, precision="bf16", **kw) for q, k, v, kw in cases]
+    calls = pickle.load(f)
+outs = [fns[name](*args, **kw) for name, args, kw in calls]
 with open(sys.argv[1], "wb") as f:
     pickle.dump([attnlab.build_info()["bf16_kernel"], outs], f)
 """
 
 
-def _run(env: dict[str, str], cases: list[Any], path: Path) -> tuple[str, list[Any]]:
-    """The bf16 kernel's name and its outputs on ``cases`` in a process with ``env`` set."""
-    path.write_bytes(pickle.dumps(cases))
+def _run(env: dict[str, str], calls: list[Any], path: Path) -> tuple[str, list[Any]]:
+    """The bf16 kernel's name and the results of ``calls`` ((name, args, kwargs): "sdpa",
+    "mha" or "linear") in a process with ``env`` set."""
+    path.write_bytes(pickle.dumps(calls))
     pkg = str(Path(attnlab.__file__).resolve().parents[1])
     full = dict(os.environ, **env)
     full["PYTHONPATH"] = os.pathsep.join(p for p in (pkg, full.get("PYTHONPATH")) if p)
     subprocess.run([sys.executable, "-c", RUNNER, str(path)], env=full, check=True, timeout=600)
     kernel, outs = pickle.loads(path.read_bytes())
     return kernel, outs
+
+
+def _sdpa_calls(cases: list[tuple[Any, ...]]) -> list[Any]:
+    return [("sdpa", (q, k, v), dict(kw, precision="bf16")) for q, k, v, kw in cases]
 
 
 def _cases() -> list[tuple[str, tuple[Any, ...]]]:
@@ -78,6 +91,38 @@ def _cases() -> list[tuple[str, tuple[Any, ...]]]:
 CASES = _cases()
 
 
+def _linear_cases() -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """test_bf16.py's GEMM shapes and edges: input widths off the 32-feature blocks and across
+    256-feature passes, outputs off the 16-column vectors and over 8 column blocks, no bias."""
+    out = []
+    for i, (m, k, n) in enumerate(SHAPES + [(1576, 768, 768), (70, 290, 300), (33, 513, 40)]):
+        rng = np.random.default_rng(100 + i)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        b = rng.standard_normal(n).astype(np.float32) if i % 2 else None
+        out.append((x, w, b))
+    return out
+
+
+LINEAR_CASES = _linear_cases()
+# (x, weights, options) for multi_head_attention: test_bf16.py's options and a ViT-like layer
+MHA_CASES = [
+    (
+        np.random.default_rng(5 + i).standard_normal((2, n, d)).astype(np.float32),
+        make_mha_weights(np.random.default_rng(50 + i), d, h, d // h, dtype=np.float32, **wkw),
+        dict(kw, num_heads=h),
+    )
+    for i, (n, d, h, wkw, kw) in enumerate(
+        [
+            (40, 64, 4, {}, {}),
+            (40, 64, 4, {}, {"causal": True, "rope_theta": 1e4}),
+            (40, 64, 4, {"num_kv_heads": 2}, {"num_kv_heads": 2}),
+            (197, 384, 6, {}, {}),
+        ]
+    )
+]
+
+
 def _context(out: Any, kw: dict[str, Any]) -> np.ndarray:
     """The attention output of a call (without its weights when it returned them)."""
     return out[0] if kw.get("return_weights") else out
@@ -87,12 +132,20 @@ def _context(out: Any, kw: dict[str, Any]) -> np.ndarray:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     """Every case's output on each kernel (one process each); skips without AVX512-BF16."""
     tmp = tmp_path_factory.mktemp("bf16_avx512")
-    inputs = [args for _, args in CASES]
+    calls = _sdpa_calls([args for _, args in CASES])
+    calls += [("linear", args, {}) for args in LINEAR_CASES]
+    calls += [("mha", (x,), dict(w, **kw, precision="bf16")) for x, w, kw in MHA_CASES]
     outs = {}
     for name, env in KERNELS.items():
-        kernel, outs[name] = _run(env, inputs, tmp / f"{name}.pkl")
+        kernel, results = _run(env, calls, tmp / f"{name}.pkl")
         if kernel != name:
             pytest.skip(f"no AVX512-BF16 kernel here: with {env} the bf16 kernel is {kernel!r}")
+        n, m = len(CASES), len(LINEAR_CASES)
+        outs[name], outs[f"{name}-linear"], outs[f"{name}-mha"] = (
+            results[:n],
+            results[n : n + m],
+            results[n + m :],
+        )
     return outs
 
 
@@ -151,7 +204,7 @@ def test_nonfinite_values_take_the_emulation(tmp_path):
     q, k, v = (rng.standard_normal((1, 2, 64, 32)).astype(np.float32) for _ in range(3))
     v[0, 1, 40, 3] = np.nan
     v[0, 0, 10, 0] = np.inf
-    cases = [(q, k, v, {"causal": True})]
+    cases = _sdpa_calls([(q, k, v, {"causal": True})])
     kernel, (got,) = _run(KERNELS["avx512_bf16"], cases, tmp_path / "v.pkl")
     if kernel != "avx512_bf16":
         pytest.skip(f"no AVX512-BF16 kernel here: with ATTNLAB_AMX=0 the bf16 kernel is {kernel!r}")
@@ -169,3 +222,36 @@ def test_vdpbf16ps_agrees_with_amx(runs):
         got = _context(out, kw)
         amx = _context(attnlab.scaled_dot_product_attention(q, k, v, precision="bf16", **kw), kw)
         assert np.abs(got - amx).max() <= 2.0**-8 * float(np.abs(v).max()) * 1.01 + 1e-5, case_id
+
+
+@pytest.mark.parametrize("index", range(len(LINEAR_CASES)))
+def test_linear_vdpbf16ps_is_the_rounded_product_to_float32_sums(runs, index):
+    """Against float64 of the bf16-rounded operands: elementwise within (K + 2) 2**-24 of
+    |x| |w| + |b|, as test_bf16.py holds AMX and the emulation (so both agree within twice
+    that); the sums' order differs from the emulation's (the kernel really ran)."""
+    x, w, b = LINEAR_CASES[index]
+    got, emulated = runs["avx512_bf16-linear"][index], runs["emulated-linear"][index]
+    bias = np.zeros(w.shape[1]) if b is None else b
+    exact = _bf16(x) @ _bf16(w) + bias
+    bound = ((np.abs(_bf16(x)) @ np.abs(_bf16(w))) + np.abs(bias)) * (x.shape[1] + 2) * 2.0**-24
+    assert got.dtype == np.float32
+    assert np.all(np.abs(got - exact) <= bound)
+    assert np.all(np.abs(emulated - exact) <= bound)
+    if x.shape[1] >= 64 and x.shape[0] * w.shape[1] >= 1000:
+        assert not np.array_equal(got, emulated)
+
+
+@pytest.mark.parametrize("index", range(len(MHA_CASES)))
+def test_mha_vdpbf16ps_within_its_bounds(runs, index):
+    """test_bf16.py's bounds for multi_head_attention (projections and attention core on
+    VDPBF16PS): within 2**-8 of the largest output of the reference with the same rounding,
+    4 2**-8 of the exact one; and within 2**-8 of the emulation."""
+    x, w, kw = MHA_CASES[index]
+    got, emulated = runs["avx512_bf16-mha"][index], runs["emulated-mha"][index]
+    same = reference.multi_head_attention(x, **w, **kw, precision="bf16")
+    exact = reference.multi_head_attention(x, **w, **kw)
+    scale = np.abs(exact).max()
+    assert got.dtype == np.float32
+    assert np.abs(got - same).max() <= 2.0**-8 * scale
+    assert np.abs(got - exact).max() <= 4 * 2.0**-8 * scale
+    assert np.abs(got - emulated).max() <= 2.0**-8 * scale
