@@ -1,9 +1,10 @@
 """precision="bf16" against float32 with AMX off (ATTNLAB_AMX=0): the SDPA core (1, 8, 4096, 64)
 and a ViT-B layer (B=8, n=197, d=768, 12 heads), timed in one process, interleaved, minimum of
-the repeats. Which bf16 kernel runs is build_info()["bf16_kernel"]: "avx512_bf16" (VDPBF16PS),
-or "emulated" with ATTNLAB_AVX512_BF16=0.
+the repeats. Which bf16 kernel runs is build_info()["bf16_kernel"]: "avx512_bf16" (VDPBF16PS:
+by default on AMD; ATTNLAB_AVX512_BF16=1 forces it on an Intel CPU that has the instruction) or
+"emulated" (ATTNLAB_AVX512_BF16=0).
 
-    ATTNLAB_AMX=0 python scripts/bench_bf16_avx512.py [--repeats 15]
+    ATTNLAB_AMX=0 ATTNLAB_AVX512_BF16=1 python scripts/bench_bf16_avx512.py [--repeats 15]
     ATTNLAB_AMX=0 ATTNLAB_AVX512_BF16=0 python scripts/bench_bf16_avx512.py
 """
 
@@ -23,8 +24,7 @@ def _cases() -> dict[str, dict[str, Callable[[], object]]]:
     q, k, v = (rng.standard_normal((1, 8, 4096, 64)).astype(np.float32) for _ in range(3))
     x = rng.standard_normal((8, 197, 768)).astype(np.float32)
     w = {
-        f"w_{n}": (rng.uniform(-1, 1, (768, 768)) / np.sqrt(768)).astype(np.float32)
-        for n in "qkvo"
+        f"w_{n}": (rng.uniform(-1, 1, (768, 768)) / np.sqrt(768)).astype(np.float32) for n in "qkvo"
     }
     w.update({f"b_{n}": rng.uniform(-0.03, 0.03, 768).astype(np.float32) for n in "qkvo"})
     sdpa, mha = attnlab.scaled_dot_product_attention, attnlab.multi_head_attention

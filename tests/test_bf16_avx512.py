@@ -1,9 +1,9 @@
 """precision="bf16" on the VDPBF16PS kernel (AVX512-BF16 without AMX): the same rounding as the
 AMX kernel and the emulation (q, k, v and P rounded to bfloat16, float32 sums and softmax
 statistics), so it agrees with both to the order of the float32 sums, within test_bf16.py's
-2**-8 max|v| and test_half.py's float64 bound. ATTNLAB_AMX=0 turns AMX off (the VDPBF16PS kernel
-then runs where the CPU has AVX512-BF16) and ATTNLAB_AVX512_BF16=0 turns that off too (the
-emulation): each kernel runs in its own process, as those switches are read once."""
+2**-8 max|v| and test_half.py's float64 bound. ATTNLAB_AMX=0 turns AMX off, ATTNLAB_AVX512_BF16=1
+runs the VDPBF16PS kernel wherever the CPU has AVX512-BF16 (by default it runs on AMD only) and
+=0 the emulation: each kernel runs in its own process, as those switches are read once."""
 
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def test_nonfinite_values_take_the_emulation(tmp_path):
     cases = _sdpa_calls([(q, k, v, {"causal": True})])
     kernel, (got,) = _run(KERNELS["avx512_bf16"], cases, tmp_path / "v.pkl")
     if kernel != "avx512_bf16":
-        pytest.skip(f"no AVX512-BF16 kernel here: with ATTNLAB_AMX=0 the bf16 kernel is {kernel!r}")
+        pytest.skip(f"no AVX512-BF16 kernel here: with {KERNELS['avx512_bf16']} it is {kernel!r}")
     _, (emulated,) = _run(KERNELS["emulated"], cases, tmp_path / "e.pkl")
     np.testing.assert_array_equal(got, emulated)
     assert np.isnan(got[0, 1, 40:, 3]).all() and not np.isnan(got[0, 1, :40]).any()

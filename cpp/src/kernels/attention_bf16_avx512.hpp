@@ -35,14 +35,22 @@ ATTNLAB_BF16_TARGET inline void vdp_tile(const AttentionProblem<float>& p, const
         scratch<float>(ScratchBuffer::kFlashAccumulator, static_cast<std::size_t>(kAmxQ * vp));
     float* m = scratch<float>(ScratchBuffer::kFlashStats, static_cast<std::size_t>(2 * kAmxQ));
     float* l = m + kAmxQ;
-    alignas(64) float buf[32];
     const float* q = p.q.at(b, h) + i0 * p.q.row_stride;
     const Index mr = (mq + kVdpRows - 1) / kVdpRows * kVdpRows;  // rows computed, zero-padded
+    // Q to bf16 rows of kp, 32 features at a time by masked loads (zero past d and past mq)
+    auto lanes = [](Index left) {
+        return left >= 16  ? __mmask16(0xffff)
+               : left <= 0 ? __mmask16(0)
+                           : __mmask16((1u << left) - 1);
+    };
     for (Index i = 0; i < mr; ++i)
         for (Index c0 = 0; c0 < kp; c0 += 32) {
-            for (Index t = 0; t < 32; ++t)
-                buf[t] = i < mq && c0 + t < d ? q[i * p.q.row_stride + c0 + t] : 0.0f;
-            to_bf16(buf, qb + i * kp + c0);
+            const float* qr = q + std::min(i, mq - 1) * p.q.row_stride + c0;
+            const Index left = i < mq ? d - c0 : 0;
+            const __m512 lo = _mm512_maskz_loadu_ps(lanes(left), qr);
+            const __m512 hi = _mm512_maskz_loadu_ps(lanes(left - 16), qr + 16);
+            _mm512_storeu_si512(qb + i * kp + c0,
+                                reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
         }
     std::fill(pb, pb + mr * kAmxK, std::uint16_t(0));
     std::fill(acc, acc + mr * vp, 0.0f);
