@@ -3,10 +3,11 @@
 // scores q.k summed in float32, the softmax statistics in float32, the probabilities rounded to
 // bfloat16 for the value product (their sum stays float32), the context summed in float32.
 //
-// With AMX (amx_forward): per (batch, kv head) K and V are packed once into bf16 tiles; each task
+// With AMX (amx_forward): per (batch, kv head) K and V are packed once into bf16; each task
 // (batch, head, 32 queries) runs an online softmax over blocks of 128 keys with both products on
-// TDPBF16PS tiles. Elsewhere, or when a value row holds NaN/Inf (the float tiles' careful path),
-// bf16_operands gives the float32 kernels the rounded operands and they round P themselves
+// TDPBF16PS tiles, transposed (S^T = K Q^T, O^T = V^T P^T) so that the queries sit in vector lanes
+// as in the float tiles. Elsewhere, or when a value row holds NaN/Inf (the float tiles' careful
+// path), bf16_operands gives the float32 kernels the rounded operands and they round P themselves
 // (AttentionProblem::bf16): the same numbers but for the order of the float32 sums, the keys where
 // the running maximum moves and the AMX exponential's polynomial (exp2_for_bf16): a probability
 // may round to the neighbouring bf16, within 2**-8 max|v| of the output (tested).
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "attention_bf16_avx512.hpp"
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
 #include "bf16.hpp"
@@ -63,100 +65,73 @@ Bf16Operands<T> bf16_operands(const AttentionProblem<T>& p) {
 }
 
 #if defined(ATTNLAB_AMX)
-constexpr Index kAmxQ = 32;   // queries per task: two row tiles
+constexpr Index kAmxQ = 64;   // queries per task: 16-column tiles, vectors of 16
 constexpr Index kAmxK = 128;  // keys per softmax block (the float flash tiles' kTileK)
 
 inline Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
 
-// The bf16 tiles of one (batch, kv head): K as B tiles of the score product (pair r of features
-// (2r, 2r + 1) of key n at [(chunk * key_tiles + n / 16) * 512 + r * 32 + 2 (n % 16) + parity]),
-// V as B tiles of the value product (pair r of keys, column n of a 16-column block). Keys are
-// zero-padded to whole 32-key chunks, features to whole 32-feature chunks.
+// The bf16 operands of one (batch, kv head) for the transposed products S^T = K Q^T and
+// O^T = V^T P^T, which put the 32 queries of a task along the tiles' columns: the softmax then runs
+// down the keys with the queries in vector lanes (no reduction across lanes, no per-query scalar
+// work). K is kept row-major (A tiles: 16 keys x 32 features), V transposed (A tiles: 16 value
+// columns x 32 keys); keys are zero-padded to whole 32-key chunks, features and value columns to
+// whole 32s.
 struct AmxPacked {
-    Index key_tiles = 0, kp = 0, vp = 0, n_pad = 0;
+    Index kp = 0, vp = 0, n_pad = 0;
     std::size_t k_size = 0, v_size = 0;
 };
 
 inline AmxPacked amx_layout(Index n_k, Index d, Index dv) {
     AmxPacked a;
     a.n_pad = round_up(std::max<Index>(n_k, 1), 32);
-    a.key_tiles = a.n_pad / 16;
     a.kp = round_up(std::max<Index>(d, 1), 32);
     a.vp = round_up(std::max<Index>(dv, 1), 32);
-    a.k_size = static_cast<std::size_t>(a.kp * a.n_pad);
-    a.v_size = static_cast<std::size_t>(a.n_pad * a.vp);
+    a.k_size = static_cast<std::size_t>(a.n_pad * a.kp);
+    a.v_size = static_cast<std::size_t>(a.vp * a.n_pad);
     return a;
 }
 
 // Packs K and V of one (batch, kv head); false when a value row holds NaN or Inf.
-ATTNLAB_BF16_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index b, Index hk,
-                                         const AmxPacked& L, std::uint16_t* kt, std::uint16_t* vt) {
+ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index b, Index hk,
+                                        const AmxPacked& L, std::uint16_t* kt, std::uint16_t* vt) {
     const float* k = p.k.at(b, hk);
     const float* v = p.v.at(b, hk);
     const Index ks = p.k.row_stride, vs = p.v.row_stride, d = p.d, dv = p.d_v, nk = p.n_k;
-    alignas(64) float buf[32];
-    // K: for each 16-key tile and 32-feature chunk, key n's 16 feature pairs go down column n
-    // (the 16 keys converted into rows of pairs, then each row of the tile gathered from them)
-    alignas(64) std::uint32_t keys16[16 * 16];
-    const __m512i column =
-        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                           _mm512_set1_epi32(16));
-    for (Index jt = 0; jt < L.key_tiles; ++jt)
-        for (Index c0 = 0; c0 < L.kp; c0 += 32) {
-            std::uint32_t* tile =
-                reinterpret_cast<std::uint32_t*>(kt + ((c0 / 32) * L.key_tiles + jt) * 512);
-            for (Index n = 0; n < 16; ++n) {
-                const Index j = jt * 16 + n;
-                std::uint16_t* dst = reinterpret_cast<std::uint16_t*>(keys16 + n * 16);
-                if (j < nk && c0 + 32 <= d) {
-                    to_bf16(k + j * ks + c0, dst);
-                    continue;
-                }
-                for (Index t = 0; t < 32; ++t)
-                    buf[t] = j < nk && c0 + t < d ? k[j * ks + c0 + t] : 0.0f;
-                to_bf16(buf, dst);
-            }
-            for (Index r = 0; r < 16; ++r)
-                _mm512_store_si512(tile + r * 16,
-                                   _mm512_i32gather_epi32(
-                                       _mm512_add_epi32(column, _mm512_set1_epi32(r)), keys16, 4));
-        }
-    // V: for each 32-key chunk and 16-column block, keys (2r, 2r + 1) interleaved in row r
     bool finite = true;
     for (Index j = 0; j < nk; ++j) finite &= !nonfinite_row(v + j * vs, dv);
     if (!finite) return false;
-    const Index col_tiles = L.vp / 16;
-    for (Index j0 = 0; j0 < L.n_pad; j0 += 32)
-        for (Index cb = 0; cb < col_tiles; ++cb) {
-            std::uint16_t* tile = vt + ((j0 / 32) * col_tiles + cb) * 512;
-            for (Index r = 0; r < 16; ++r)
-                _mm512_store_si512(tile + r * 32, vnni_row(v, vs, nk, dv, j0 + 2 * r, cb * 16));
+    alignas(64) float buf[32];
+    for (Index j = 0; j < L.n_pad; ++j)
+        for (Index c0 = 0; c0 < L.kp; c0 += 32) {
+            if (j < nk && c0 + 32 <= d) {
+                to_bf16(k + j * ks + c0, kt + j * L.kp + c0);
+                continue;
+            }
+            for (Index t = 0; t < 32; ++t)
+                buf[t] = j < nk && c0 + t < d ? k[j * ks + c0 + t] : 0.0f;
+            to_bf16(buf, kt + j * L.kp + c0);
+        }
+    // V^T row c: value column c of keys j0 .. j0 + 31, gathered 16 keys at a time
+    const __m512i rows =
+        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32(static_cast<int>(vs)));
+    auto keys16 = [&](Index j, Index c) {
+        const __mmask16 in = first_lanes(c < dv ? nk - j : 0);
+        return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, rows, v + j * vs + c, 4);
+    };
+    for (Index c = 0; c < L.vp; ++c)
+        for (Index j0 = 0; j0 < L.n_pad; j0 += 32) {
+            const __m512bh r = _mm512_cvtne2ps_pbh(keys16(j0 + 16, c), keys16(j0, c));
+            _mm512_storeu_si512(vt + c * L.n_pad + j0, reinterpret_cast<__m512i>(r));
         }
     return true;
-}
-
-// Lanes [c, c + 16) of a score row of kb entries (-inf beyond).
-ATTNLAB_BF16_TARGET inline __m512 score_lanes(const float* s, Index c, Index kb) {
-    const Index left = kb - c;
-    const __mmask16 in = left >= 16  ? __mmask16(0xffff)
-                         : left <= 0 ? __mmask16(0)
-                                     : __mmask16((1u << left) - 1);
-    return _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf<float>()), in, s + c);
-}
-
-// Maximum of sc * s over a row of kb scores (sc > 0: the maximum of the scaled scores, as
-// rounding is monotone).
-ATTNLAB_BF16_TARGET inline float scaled_row_max(const float* s, float sc, Index kb) {
-    __m512 mx = _mm512_set1_ps(neg_inf<float>());
-    for (Index c = 0; c < kb; c += 16) mx = _mm512_max_ps(mx, score_lanes(s, c, kb));
-    return sc * _mm512_reduce_max_ps(mx);
 }
 
 // 2^t for the probabilities that are rounded to bf16 next: 2^n 2^f with f = t - n in [-1/2, 1/2]
 // by a degree-4 polynomial (fitted for relative error: at most 3e-6, against bf16's 2**-9 rounding
 // of the result; the float32 kernels' exp_flush is exact to about 1 ulp), 2^n by VSCALEFPS, results
 // below the smallest normal float (t < -126) flushed to 0 as exp_flush does, NaN kept.
-ATTNLAB_BF16_TARGET inline __m512 exp2_for_bf16(__m512 t) {
+ATTNLAB_AMX_TARGET inline __m512 exp2_for_bf16(__m512 t) {
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
     __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(0.009570086374878883f), f,
@@ -168,122 +143,232 @@ ATTNLAB_BF16_TARGET inline __m512 exp2_for_bf16(__m512 t) {
     return _mm512_maskz_scalef_ps(keep, y, n);
 }
 
-// exp(sc * s - shift) over a row of kb scores (as 2^(s sc log2 e - shift log2 e)): the sum
-// returned in float32, the values rounded to bf16 into pr (zero up to kbp, a multiple of 32).
-ATTNLAB_BF16_TARGET inline float exp_row_bf16(const float* s, float sc, float shift, Index kb,
-                                              Index kbp, std::uint16_t* pr) {
-    constexpr float kLog2e = 1.44269504088896341f;
-    const __m512 vs = _mm512_set1_ps(sc * kLog2e), vm = _mm512_set1_ps(shift * kLog2e);
-    __m512 sum = _mm512_setzero_ps();
-    for (Index c = 0; c < kbp; c += 32) {
-        const __m512 e0 = exp2_for_bf16(_mm512_fmsub_ps(score_lanes(s, c, kb), vs, vm));
-        const __m512 e1 = exp2_for_bf16(_mm512_fmsub_ps(score_lanes(s, c + 16, kb), vs, vm));
-        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-        _mm512_storeu_si512(pr + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
-    }
-    return _mm512_reduce_add_ps(sum);
-}
+// The running softmax statistics of a task's 32 queries (lanes: queries 0-15, 16-31).
+struct AmxStats {
+    __m512 m[kAmxQ / 16], l[kAmxQ / 16];
+};
 
-// One (batch, head, block of up to 32 queries) from the packed tiles.
+// One (batch, head, block of up to 32 queries) from the packed operands. The vdp instance runs
+// no tile instruction (AVX512-BF16 without AMX): its AMX target only lets the helpers inline.
+template <Bf16Products products>
 ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const AmxPacked& L,
                                         const std::uint16_t* kt, const std::uint16_t* vt, Index b,
                                         Index h, Index i0, Index mq) {
-    const Index d = p.d, dv = p.d_v, kp = L.kp, vp = L.vp, col_tiles = vp / 16;
+    constexpr Index Q = kAmxQ, G = Q / 16;
+    const Index d = p.d, dv = p.d_v, kp = L.kp, vp = L.vp, np = L.n_pad;
+    // the queries in bf16, row-major (qb), then as B tiles of the score product (qt: feature pair r
+    // of query n at [(chunk * 2 + n / 16) * 512 + r * 32 + 2 (n % 16) + parity])
     std::uint16_t* qb =
-        scratch<std::uint16_t>(ScratchBuffer::kBf16Queries, static_cast<std::size_t>(kAmxQ * kp));
-    std::uint16_t* pb =
-        scratch<std::uint16_t>(ScratchBuffer::kBf16Probs, static_cast<std::size_t>(kAmxQ * kAmxK));
-    float* s = scratch<float>(ScratchBuffer::kFlashScores, static_cast<std::size_t>(kAmxQ * kAmxK));
-    float* acc =
-        scratch<float>(ScratchBuffer::kFlashAccumulator, static_cast<std::size_t>(kAmxQ * vp));
-    float* m = scratch<float>(ScratchBuffer::kFlashStats, static_cast<std::size_t>(2 * kAmxQ));
-    float* l = m + kAmxQ;
-    alignas(64) float buf[32];
+        scratch<std::uint16_t>(ScratchBuffer::kBf16Queries, static_cast<std::size_t>(2 * Q * kp));
+    std::uint16_t* qt = qb + Q * kp;
+    // two blocks of S^T (keys x queries) and of P^T (B tiles: key pair r, query n at
+    // [(chunk * 2 + n / 16) * 512 + r * 32 + 2 (n % 16) + parity]): a block's tile stores and
+    // vector stores are read back one step later, not while they are still on their way to L1
+    std::uint16_t* pbuf =
+        scratch<std::uint16_t>(ScratchBuffer::kBf16Probs, static_cast<std::size_t>(2 * Q * kAmxK));
+    float* sbuf =
+        scratch<float>(ScratchBuffer::kFlashScores, static_cast<std::size_t>(2 * kAmxK * Q));
+    float* acc = scratch<float>(ScratchBuffer::kFlashAccumulator,
+                                static_cast<std::size_t>(vp * Q));  // O^T: value columns x queries
     const float* q = p.q.at(b, h) + i0 * p.q.row_stride;
-    for (Index i = 0; i < kAmxQ; ++i)
+    for (Index i = 0; i < Q; ++i)
         for (Index c0 = 0; c0 < kp; c0 += 32) {
-            for (Index t = 0; t < 32; ++t)
-                buf[t] = i < mq && c0 + t < d ? q[i * p.q.row_stride + c0 + t] : 0.0f;
-            to_bf16(buf, qb + i * kp + c0);
+            const float* row = q + i * p.q.row_stride + c0;
+            const Index left = i < mq ? d - c0 : 0;
+            const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(left), row);
+            const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(left - 16), row + 16);
+            _mm512_store_si512(qb + i * kp + c0,
+                               reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
         }
-    std::fill(pb, pb + kAmxQ * kAmxK, std::uint16_t(0));
-    std::fill(acc, acc + kAmxQ * vp, 0.0f);
+    {
+        const std::uint32_t* words = reinterpret_cast<const std::uint32_t*>(qb);
+        const __m512i column = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(static_cast<int>(kp / 2)));
+        for (Index c = 0; c < kp / 32; ++c)
+            for (Index half = 0; half < G; ++half) {
+                std::uint32_t* tile = reinterpret_cast<std::uint32_t*>(qt + (c * G + half) * 512);
+                const __m512i at = _mm512_add_epi32(
+                    column, _mm512_set1_epi32(static_cast<int>(half * 16 * (kp / 2) + c * 16)));
+                for (Index r = 0; r < 16; ++r)
+                    _mm512_store_si512(
+                        tile + r * 16,
+                        _mm512_i32gather_epi32(_mm512_add_epi32(at, _mm512_set1_epi32(int(r))),
+                                               words, 4));
+            }
+    }
+    std::fill(acc, acc + vp * Q, 0.0f);
     const float sink = p.mask.sinks ? p.mask.sink(b, h) : neg_inf<float>();
-    std::fill(m, m + kAmxQ, sink);
-    std::fill(l, l + kAmxQ, sink == neg_inf<float>() ? 0.0f : 1.0f);
+    AmxStats st;
+    for (int g = 0; g < G; ++g) {
+        st.m[g] = _mm512_set1_ps(sink);
+        st.l[g] = _mm512_set1_ps(sink == neg_inf<float>() ? 0.0f : 1.0f);
+    }
     const float cap = static_cast<float>(p.mask.options.softcap);
     const Interval keys = keys_seen(p.mask, p.n_q, p.n_k, i0, i0 + mq);
-    // S = Q K^T for keys [j0 + jc, j0 + jc + 32) of a block into buffer sb. (Issuing the next
-    // block's products between the rows of this block's softmax measured no faster.)
-    auto scores = [&](Index j0, Index jc, float* sb) {
-        zero_2x2();
-        const Index jt = (j0 + jc) / 16;
-        for (Index c = 0; c < kp / 32; ++c) {
-            const std::uint16_t* kc = kt + (c * L.key_tiles + jt) * 512;
-            dp_2x2(qb + c * 32, kp, kc, kc + 512);
-        }
-        store_2x2(sb + jc, kAmxK);
+    const Index first = keys.lo / 32 * 32;
+    auto block_keys = [&](Index j0) { return std::min(kAmxK, keys.hi - j0); };
+    // S^T = K Q^T for the keys [j0, j0 + kbp) into sb (row stride Q)
+    auto scores = [&](Index j0, float* sb) ATTNLAB_AMX_TARGET {
+        const Index kbp = round_up(block_keys(j0), 32);
+        if constexpr (products == Bf16Products::vdp)
+            return vdp_scores(kt, kp, qt, G, Q, j0, kbp, sb);
+        for (Index jc = 0; jc < kbp; jc += 32)
+            for (Index g = 0; g < G; g += 2) {  // the K tiles stay in L1 for the next g
+                zero_2x2();
+                for (Index c = 0; c < kp / 32; ++c)
+                    dp_2x2(kt + (j0 + jc) * kp + c * 32, kp, qt + (c * G + g) * 512,
+                           qt + (c * G + g + 1) * 512);
+                store_2x2(sb + jc * Q + g * 16, Q);
+            }
     };
-    tiles_on();
-    for (Index j0 = keys.lo / 32 * 32; j0 < keys.hi; j0 += kAmxK) {
-        const Index kb = std::min(kAmxK, keys.hi - j0), kbp = round_up(kb, 32);
-        for (Index jc = 0; jc < kbp; jc += 32) scores(j0, jc, s);
+    // O^T += V^T P^T for the keys [j0, j0 + kbp), 32 value columns x 32 queries at a time
+    auto values = [&](Index j0, const std::uint16_t* pb) ATTNLAB_AMX_TARGET {
+        const Index kbp = round_up(block_keys(j0), 32);
+        if constexpr (products == Bf16Products::vdp)
+            return vdp_values(vt, np, vp, pb, G, Q, j0, kbp, acc);
+        for (Index cb = 0; cb < vp; cb += 32)
+            for (Index g = 0; g < G; g += 2) {  // the V^T tiles stay in L1 for the next g
+                load_2x2(acc + cb * Q + g * 16, Q);
+                for (Index jc = 0; jc < kbp; jc += 32)
+                    dp_2x2(vt + cb * np + j0 + jc, np, pb + ((jc / 32) * G + g) * 512,
+                           pb + ((jc / 32) * G + g + 1) * 512);
+                store_2x2(acc + cb * Q + g * 16, Q);
+            }
+    };
+    const __m512 ninf = _mm512_set1_ps(neg_inf<float>()), zero = _mm512_setzero_ps();
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512i interleave =
+        _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    if constexpr (products == Bf16Products::amx) tiles_on();
+    if (first < keys.hi) scores(first, sbuf);
+    Index pending = -1;  // the block whose V^T P^T is still to be added to acc
+    const std::uint16_t* pending_p = nullptr;
+    for (Index j0 = first, step = 0; j0 < keys.hi; j0 += kAmxK, ++step) {
+        const Index kb = block_keys(j0), kbp = round_up(kb, 32);
+        float* s = sbuf + (step & 1) * kAmxK * Q;
+        std::uint16_t* pb = pbuf + (step & 1) * Q * kAmxK;
         // the scale goes into the exponential's FMA unless masks or the cap need scaled scores
         const bool masked = tile_needs_mask(p.mask, p.n_q, p.n_k, i0, i0 + mq, j0, j0 + kb);
         const bool fused = p.scale > 0 && !(cap > 0) && !masked;
         if (!fused) {
             const __m512 sc = _mm512_set1_ps(p.scale);
-            for (Index i = 0; i < mq; ++i)
-                for (Index c = 0; c < kbp; c += 16) {
-                    float* sr = s + i * kAmxK + c;
-                    _mm512_store_ps(sr, _mm512_mul_ps(sc, _mm512_load_ps(sr)));
+            for (Index e = 0; e < kb * Q; e += 16)
+                _mm512_store_ps(s + e, _mm512_mul_ps(sc, _mm512_load_ps(s + e)));
+            if (cap > 0) softcap_scores(cap, s, kb * Q, (float*)nullptr);
+            if (masked) apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, s, Index(1), Q);
+        }
+        const __m512 sc = _mm512_set1_ps(fused ? p.scale : 1.0f);
+        // the block's maxima down the keys (four chains per half: the max's latency)
+        __m512 mx[G][4];
+        for (int g = 0; g < G; ++g)
+            for (int u = 0; u < 4; ++u) mx[g][u] = ninf;
+        Index j = 0;
+        for (; j + 4 <= kb; j += 4)
+            for (int u = 0; u < 4; ++u)
+                for (int g = 0; g < G; ++g)
+                    mx[g][u] = _mm512_max_ps(mx[g][u], _mm512_load_ps(s + (j + u) * Q + g * 16));
+        for (; j < kb; ++j)
+            for (int g = 0; g < G; ++g)
+                mx[g][0] = _mm512_max_ps(mx[g][0], _mm512_load_ps(s + j * Q + g * 16));
+        __m512 shift[G], alpha[G], m_new[G];
+        bool moved = false;
+        for (int g = 0; g < G; ++g) {
+            const __m512 bm = _mm512_mul_ps(sc, _mm512_max_ps(_mm512_max_ps(mx[g][0], mx[g][1]),
+                                                              _mm512_max_ps(mx[g][2], mx[g][3])));
+            // a NaN score reaches the query via its sum
+            m_new[g] =
+                _mm512_mask_blend_ps(_mm512_cmp_ps_mask(st.m[g], bm, _CMP_LT_OQ), st.m[g], bm);
+            shift[g] = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new[g], ninf, _CMP_EQ_OQ),
+                                            m_new[g], zero);
+            alpha[g] = exp_flush(_mm512_sub_ps(st.m[g], shift[g]));  // exp(0) = 1: most blocks
+            alpha[g] =
+                _mm512_mask_blend_ps(_mm512_cmp_ps_mask(st.m[g], ninf, _CMP_EQ_OQ), alpha[g], zero);
+            moved |= _mm512_cmp_ps_mask(alpha[g], one, _CMP_NEQ_UQ) != 0;
+        }
+        if (moved) {
+            if (pending >= 0) values(pending, pending_p);
+            pending = -1;
+            for (Index c = 0; c < vp; ++c)
+                for (int g = 0; g < G; ++g) {
+                    float* a = acc + c * Q + g * 16;
+                    _mm512_store_ps(a, _mm512_mul_ps(alpha[g], _mm512_load_ps(a)));
                 }
-            if (cap > 0)
-                for (Index i = 0; i < mq; ++i)
-                    softcap_scores(cap, s + i * kAmxK, kb, (float*)nullptr);
-            if (masked) apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, s, kAmxK, Index(1));
         }
-        const float sc = fused ? p.scale : 1.0f;
-        // online softmax row by row; P rounded to bf16 for the value product
-        for (Index i = 0; i < mq; ++i) {
-            const float* sr = s + i * kAmxK;
-            const float bm = scaled_row_max(sr, sc, kb);
-            const float mn = m[i] < bm ? bm : m[i];  // a NaN score reaches the row via its sum
-            const float shift = mn == neg_inf<float>() ? 0.0f : mn;
-            const float sum = exp_row_bf16(sr, sc, shift, kb, kbp, pb + i * kAmxK);
-            const float alpha = m[i] == neg_inf<float>() ? 0.0f : std::exp(m[i] - shift);
-            l[i] = l[i] * alpha + sum;
-            m[i] = mn;
-            if (alpha != 1.0f) {
-                const __m512 a = _mm512_set1_ps(alpha);
-                float* ar = acc + i * vp;
-                for (Index c = 0; c < vp; c += 16)
-                    _mm512_store_ps(ar + c, _mm512_mul_ps(a, _mm512_load_ps(ar + c)));
+        // P^T = exp(sc S^T - shift) rounded to bf16, two keys a row of the B tiles
+        const __m512 vs = _mm512_mul_ps(sc, _mm512_set1_ps(1.44269504088896341f));
+        __m512 vm[G], sum[G][2];
+        for (int g = 0; g < G; ++g) {
+            vm[g] = _mm512_mul_ps(shift[g], _mm512_set1_ps(1.44269504088896341f));
+            sum[g][0] = sum[g][1] = zero;
+        }
+        // keys 2r and 2r + 1 into row r % 16 of the block's B tiles; past kb (the padding of
+        // the last block) a probability is 0
+        auto pair = [&](Index r, auto tail) ATTNLAB_AMX_TARGET {
+            std::uint16_t* row = pb + (r / 16) * G * 512 + (r % 16) * 32;
+            for (int g = 0; g < G; ++g) {
+                auto e = [&](Index j) ATTNLAB_AMX_TARGET {
+                    if (tail && j >= kb) return zero;
+                    return exp2_for_bf16(
+                        _mm512_fmsub_ps(_mm512_load_ps(s + j * Q + g * 16), vs, vm[g]));
+                };
+                const __m512 e0 = e(2 * r), e1 = e(2 * r + 1);
+                sum[g][0] = _mm512_add_ps(sum[g][0], e0);
+                sum[g][1] = _mm512_add_ps(sum[g][1], e1);
+                _mm512_store_si512(
+                    row + g * 512,
+                    _mm512_permutexvar_epi16(
+                        interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0))));
             }
+        };
+        Index r = 0;
+        for (; r < kb / 2; ++r) pair(r, std::false_type{});
+        for (; r < kbp / 2; ++r) pair(r, std::true_type{});
+        for (int g = 0; g < G; ++g) {
+            st.l[g] = _mm512_fmadd_ps(st.l[g], alpha[g], _mm512_add_ps(sum[g][0], sum[g][1]));
+            st.m[g] = m_new[g];
         }
-        // acc += P V, 32 queries x 32 value columns at a time
-        for (Index cb = 0; cb < vp / 16; cb += 2) {
-            load_2x2(acc + cb * 16, vp);
-            for (Index jc = 0; jc < kbp; jc += 32) {
-                const std::uint16_t* vb = vt + (((j0 + jc) / 32) * col_tiles + cb) * 512;
-                dp_2x2(pb + jc, kAmxK, vb, vb + 512);
-            }
-            store_2x2(acc + cb * 16, vp);
-        }
+        const Index next = j0 + kAmxK;
+        if (next < keys.hi) scores(next, sbuf + ((step + 1) & 1) * kAmxK * Q);
+        if (pending >= 0) values(pending, pending_p);
+        pending = j0;
+        pending_p = pb;
     }
-    tiles_off();
+    if (pending >= 0) values(pending, pending_p);
+    if constexpr (products == Bf16Products::amx) tiles_off();
+    alignas(64) float m[Q], l[Q];
+    for (int g = 0; g < G; ++g) {
+        _mm512_store_ps(m + g * 16, st.m[g]);
+        _mm512_store_ps(l + g * 16, st.l[g]);
+    }
+    // out = O / l (0 where l = 0), each query's row gathered from the columns of O^T
+    for (Index c = 0; c < dv; ++c)
+        for (int g = 0; g < G; ++g) {
+            float* a = acc + c * Q + g * 16;
+            const __mmask16 seen = _mm512_cmp_ps_mask(st.l[g], zero, _CMP_NEQ_UQ);
+            _mm512_store_ps(a, _mm512_maskz_div_ps(seen, _mm512_load_ps(a), st.l[g]));
+        }
+    const __m512i column =
+        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32(Q));
     float* obase = p.out.at(b, h) + i0 * p.out.row_stride;
     for (Index i = 0; i < mq; ++i) {
         float* orow = obase + i * p.out.row_stride;
+        for (Index c0 = 0; c0 < dv; c0 += 16) {
+            const __mmask16 in = first_lanes(dv - c0);
+            _mm512_mask_storeu_ps(orow + c0, in,
+                                  _mm512_mask_i32gather_ps(zero, in, column, acc + c0 * Q + i, 4));
+        }
         const float li = l[i];
-        for (Index c = 0; c < dv; ++c) orow[c] = li == 0.0f ? 0.0f : acc[i * vp + c] / li;
         if (p.lse)
             p.lse[(b * p.heads + h) * p.n_q + i0 + i] =
                 li == 0.0f ? neg_inf<float>() : m[i] + std::log(li);
     }
 }
 
-// The AMX forward; false (nothing written) when a value row holds NaN or Inf.
+// The AMX (or VDPBF16PS) forward; false (nothing written) when a value row holds NaN or Inf.
+template <Bf16Products products = Bf16Products::amx>
 inline bool amx_forward(const AttentionProblem<float>& p) {
     const AmxPacked L = amx_layout(p.n_k, p.d, p.d_v);
     const Index heads = p.batch * p.kv_heads;
@@ -301,8 +386,8 @@ inline bool amx_forward(const AttentionProblem<float>& p) {
     parallel_for(p.batch * p.heads * q_tiles, [&](Index t) {
         const Index qt = t % q_tiles, h = (t / q_tiles) % p.heads, b = t / (q_tiles * p.heads);
         const Index slot = b * p.kv_heads + h / group;
-        amx_tile(p, L, kt.get() + slot * L.k_size, vt.get() + slot * L.v_size, b, h, qt * kAmxQ,
-                 std::min(kAmxQ, p.n_q - qt * kAmxQ));
+        amx_tile<products>(p, L, kt.get() + slot * L.k_size, vt.get() + slot * L.v_size, b, h,
+                           qt * kAmxQ, std::min(kAmxQ, p.n_q - qt * kAmxQ));
     });
     return true;
 }

@@ -6,7 +6,6 @@
 #include <limits>
 
 #include "attention_bf16.hpp"
-#include "attention_bf16_avx512.hpp"
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
 #include "decode.hpp"
@@ -320,7 +319,7 @@ void attention_forward(const AttentionProblem<T>& p) {
                            !detail::use_decode(p.n_q, p.heads, p.kv_heads, p.n_k);
         if (tiles && detail::amx_usable() && detail::amx_forward(p)) return;
         if (tiles && !detail::amx_usable() && detail::avx512_bf16_usable() &&
-            detail::vdp_forward(p))
+            detail::amx_forward<detail::Bf16Products::vdp>(p))
             return;
     }
 #endif

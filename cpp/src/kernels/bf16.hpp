@@ -181,15 +181,17 @@ ATTNLAB_AMX_TARGET inline void store_2x2(float* c, Index ldc) {
     _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
+// The first n of 16 lanes (none for n <= 0, all for n >= 16).
+inline __mmask16 first_lanes(Index n) {
+    return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
 // Row r of a B tile (VNNI layout) from a row-major float matrix m (rows x cols, row stride ld):
 // rows k0 and k0 + 1, columns [c0, c0 + 16), rounded to bf16 and interleaved in pairs; zero
 // outside the matrix.
 ATTNLAB_BF16_TARGET inline __m512i vnni_row(const float* m, Index ld, Index rows, Index cols,
                                             Index k0, Index c0) {
-    const Index left = cols - c0;
-    const __mmask16 in = left >= 16  ? __mmask16(0xffff)
-                         : left <= 0 ? __mmask16(0)
-                                     : __mmask16((1u << left) - 1);
+    const __mmask16 in = first_lanes(cols - c0);
     const __m512 lo = k0 < rows ? _mm512_maskz_loadu_ps(in, m + k0 * ld + c0) : _mm512_setzero_ps();
     const __m512 hi =
         k0 + 1 < rows ? _mm512_maskz_loadu_ps(in, m + (k0 + 1) * ld + c0) : _mm512_setzero_ps();

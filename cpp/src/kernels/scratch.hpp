@@ -42,8 +42,8 @@ enum class ScratchBuffer : int {
     kValueFlags,         // flash_tile: which value rows of a key block hold NaN/Inf
     kDenseQueries,       // dense_tile: scale * Q of the query tile
     kDenseProbs,         // dense_tile: the weights rounded to bf16 (precision="bf16")
-    kBf16Queries,        // amx_tile: the query block in bf16 (queries x padded d)
-    kBf16Probs,          // amx_tile: P of one key block in bf16 (queries x keys)
+    kBf16Queries,        // amx_tile: the query block in bf16, row-major then as B tiles
+    kBf16Probs,          // amx_tile: P^T of two key blocks in bf16 (B tiles)
     kFlaggedRows,        // flash_tile, dense_tile: value rows holding NaN/Inf in a key block
     kFlaggedSees,        // flash_tile, dense_tile: which queries may see each flagged row
     kValueCopy,          // flash_tile, dense_tile: a value block with the flagged rows zeroed
