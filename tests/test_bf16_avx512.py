@@ -255,3 +255,34 @@ def test_mha_vdpbf16ps_within_its_bounds(runs, index):
     assert np.abs(got - same).max() <= 2.0**-8 * scale
     assert np.abs(got - exact).max() <= 4 * 2.0**-8 * scale
     assert np.abs(got - emulated).max() <= 2.0**-8 * scale
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """The vendor and the flags of the first CPU in /proc/cpuinfo (Linux)."""
+    vendor, flags = "", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id" and not vendor:
+            vendor = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+            break
+    return vendor, flags
+
+
+def test_default_kernel_without_amx():
+    """With AMX off and no ATTNLAB_AVX512_BF16: VDPBF16PS on AMD CPUs that have AVX512-BF16
+    (on the Intel cores measured it is slower than the emulation), the emulation elsewhere."""
+    if not Path("/proc/cpuinfo").exists() or attnlab.build_info()["isa"] != "avx512":
+        pytest.skip("needs /proc/cpuinfo and the avx512 variant in use")
+    vendor, flags = _cpuinfo()
+    env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_AVX512_BF16"}
+    env["ATTNLAB_AMX"] = "0"
+    pkg = str(Path(attnlab.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg, env.get("PYTHONPATH")) if p)
+    code = "import attnlab; print(attnlab.build_info()['bf16_kernel'])"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    want = "avx512_bf16" if vendor == "AuthenticAMD" and "avx512_bf16" in flags else "emulated"
+    assert out.stdout.strip() == want
