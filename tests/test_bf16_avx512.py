@@ -50,7 +50,7 @@ def linear(x, w, b):
     core.linear_forward(x, w, b, y, True)
     return y
 fns = {"sdpa": attnlab.scaled_dot_product_attention, "mha": attnlab.multi_head_attention,
-       "linear": linear}
+       "mha_backward": attnlab.multi_head_attention_backward, "linear": linear}
 with open(sys.argv[1], "rb") as f:
     calls = pickle.load(f)
 outs = [fns[name](*args, **kw) for name, args, kw in calls]
@@ -61,7 +61,7 @@ with open(sys.argv[1], "wb") as f:
 
 def _run(env: dict[str, str], calls: list[Any], path: Path) -> tuple[str, list[Any]]:
     """The bf16 kernel's name and the results of ``calls`` ((name, args, kwargs): "sdpa",
-    "mha" or "linear") in a process with ``env`` set."""
+    "mha", "mha_backward" or "linear") in a process with ``env`` set."""
     path.write_bytes(pickle.dumps(calls))
     pkg = str(Path(attnlab.__file__).resolve().parents[1])
     full = dict(os.environ, **env)
@@ -121,6 +121,11 @@ MHA_CASES = [
         ]
     )
 ]
+# (output gradient, x, weights, options) for multi_head_attention_backward
+GRADS = [
+    (np.random.default_rng(60 + i).standard_normal(x.shape).astype(np.float32), x, w, kw)
+    for i, (x, w, kw) in enumerate(MHA_CASES[:3])
+]
 
 
 def _context(out: Any, kw: dict[str, Any]) -> np.ndarray:
@@ -135,17 +140,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     calls = _sdpa_calls([args for _, args in CASES])
     calls += [("linear", args, {}) for args in LINEAR_CASES]
     calls += [("mha", (x,), dict(w, **kw, precision="bf16")) for x, w, kw in MHA_CASES]
+    calls += [("mha_backward", (g, x), dict(w, **kw, precision="bf16")) for g, x, w, kw in GRADS]
     outs = {}
     for name, env in KERNELS.items():
         kernel, results = _run(env, calls, tmp / f"{name}.pkl")
         if kernel != name:
             pytest.skip(f"no AVX512-BF16 kernel here: with {env} the bf16 kernel is {kernel!r}")
-        n, m = len(CASES), len(LINEAR_CASES)
-        outs[name], outs[f"{name}-linear"], outs[f"{name}-mha"] = (
-            results[:n],
-            results[n : n + m],
-            results[n + m :],
-        )
+        n, m, k = len(CASES), len(LINEAR_CASES), len(MHA_CASES)
+        outs[name], outs[f"{name}-linear"] = results[:n], results[n : n + m]
+        outs[f"{name}-mha"] = results[n + m : n + m + k]
+        outs[f"{name}-grads"] = results[n + m + k :]
     return outs
 
 
@@ -286,3 +290,23 @@ def test_default_kernel_without_amx():
     )
     want = "avx512_bf16" if vendor == "AuthenticAMD" and "avx512_bf16" in flags else "emulated"
     assert out.stdout.strip() == want
+
+
+@pytest.mark.parametrize("index", range(len(GRADS)))
+def test_mha_backward_vdpbf16ps_within_its_bounds(runs, index):
+    """Gradients over the VDPBF16PS forward projections: within test_bf16.py's 4 2**-8 of the
+    exact float64 gradients' largest entry, and within that of the emulation's."""
+    g, x, w, kw = GRADS[index]
+    got, emulated = runs["avx512_bf16-grads"][index], runs["emulated-grads"][index]
+    exact = attnlab.multi_head_attention_backward(
+        g.astype(np.float64),
+        x.astype(np.float64),
+        **{k: v.astype(np.float64) for k, v in w.items()},
+        **kw,
+    )
+    assert set(got) == set(exact)
+    for name, gr in got.items():
+        tol = 4 * 2.0**-8 * np.abs(exact[name]).max() + 1e-6
+        assert gr.dtype == np.float32
+        assert np.abs(gr - exact[name]).max() <= tol, name
+        assert np.abs(gr - emulated[name]).max() <= tol, name
