@@ -600,38 +600,49 @@ def test_core_rejects_inconsistent_buffers(rng):
     w = additive_weights(rng, 8, 8, 8)
     x = np.ones((10, 8))
     out = np.empty((10, 8))
-    args = [
-        w["w_q"],
-        w["b_q"],
-        w["w_k"],
-        w["b_k"],
-        w["w_g"].reshape(-1),
-        w["w_proj"],
-        w["b_proj"],
-        w["w_final"],
-        w["b_final"],
-    ]
+    w = dict(w, w_g=w["w_g"].reshape(-1))
+    good = dict(x=x, **w, batch=2, n=5, scale=1.0, eps=1e-12, variant=0, key_padding_mask=None)
+
+    def forward(out=out, **changed):
+        core.additive_forward(core.AdditiveArgs(**dict(good, **changed)), out)
+
+    forward()
     with pytest.raises(ValueError, match=r"^x: "):
-        core.additive_forward(x, *args, 3, 5, 1.0, 1e-12, 0, None, out)  # 3*5 != 10 rows
+        forward(batch=3)  # 3*5 != 10 rows
     with pytest.raises(ValueError, match=r"^variant: "):
-        core.additive_forward(x, *args, 2, 5, 1.0, 1e-12, 2, None, out)  # bad variant
+        forward(variant=2)
     with pytest.raises(ValueError, match=r"^key_padding_mask: "):
-        core.additive_forward(x, *args, 2, 5, 1.0, 1e-12, 0, np.ones((2, 4), bool), out)
+        forward(key_padding_mask=np.ones((2, 4), bool))
     with pytest.raises(ValueError, match=r"^out: shape"):
-        core.additive_forward(x, *args, 2, 5, 1.0, 1e-12, 0, None, np.empty((10, 8))[:, :4])
+        forward(out=np.empty((10, 8))[:, :4])
     with pytest.raises(TypeError):
-        core.additive_forward(x.astype(np.float32), *args, 2, 5, 1.0, 1e-12, 0, None, out)
+        forward(x=x.astype(np.float32))
     ro = np.empty((10, 8))
     ro.flags.writeable = False
     with pytest.raises(ValueError, match=r"^out: not writable"):
-        core.additive_forward(x, *args, 2, 5, 1.0, 1e-12, 0, None, ro)
+        forward(out=ro)
+    # the argument object takes every field by keyword, typed, and no other
+    with pytest.raises(TypeError, match=r"^AdditiveArgs\.x: expected an ndarray, got list"):
+        forward(x=x.tolist())
+    with pytest.raises(TypeError, match=r"^AdditiveArgs\.n: expected an int, got float"):
+        forward(n=5.0)
+    with pytest.raises(TypeError, match=r"^AdditiveArgs: missing keyword argument 'eps'"):
+        core.AdditiveArgs(**{k: v for k, v in good.items() if k != "eps"})
+    with pytest.raises(TypeError, match=r"^AdditiveArgs: unexpected keyword argument 'w_v'"):
+        core.AdditiveArgs(**good, w_v=x)
+    with pytest.raises(TypeError):
+        core.AdditiveArgs(*good.values())
+    a = core.AdditiveArgs(**good)
+    assert a.x is x and a.n == 5 and a.key_padding_mask is None
+    with pytest.raises(AttributeError):
+        a.n = 4  # read-only
     ws = separable_weights(rng, 8)
+    sep = dict(x=x, **ws, batch=2, n=5, key_padding_mask=None)
+    bad = core.SeparableArgs(**dict(sep, w_qkv=ws["w_qkv"][:, :16].copy(), b_qkv=None))
     with pytest.raises(ValueError, match=r"^w_qkv: "):
-        core.separable_forward(
-            x, ws["w_qkv"][:, :16].copy(), None, ws["w_o"], None, 2, 5, None, out
-        )
+        core.separable_forward(bad, out)
     with pytest.raises(ValueError, match="negative sizes"):
-        core.separable_forward(x, ws["w_qkv"], ws["b_qkv"], ws["w_o"], ws["b_o"], -2, -5, None, out)
+        core.separable_forward(core.SeparableArgs(**dict(sep, batch=-2, n=-5)), out)
 
 
 # ----------------------------------------------------------------------------- PyTorch

@@ -426,11 +426,13 @@ def test_core_rejects_bad_buffers():
         kv_heads=2,
         mask=CoreMask(None, None, 0),
         scale=1.0,
-        order=0,
-        out=out,
-        weights=None,
     )
-    core.bilinear_forward(**args)
+
+    def forward(order=0, out=out, weights=None, **changed):
+        core.bilinear_forward(core.BilinearArgs(**dict(args, **changed)), order, out, weights)
+
+    forward()
+    assert core.BilinearArgs(**args).mask == CoreMask(None, None, 0)  # read back as given
     for bad in (
         dict(n_q=6),
         dict(w_qk=np.zeros((3, 4, 4))),
@@ -451,7 +453,7 @@ def test_core_rejects_bad_buffers():
         dict(batch=-1),
     ):
         with pytest.raises((ValueError, TypeError)):
-            core.bilinear_forward(**dict(args, **bad))
+            forward(**bad)
 
 
 def test_doctests():

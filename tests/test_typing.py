@@ -5,7 +5,8 @@
 - mypy sees the generated functions' parameters (every ``*_backward`` and the reference's
   twins of the public functions): it rejects a misspelt keyword and accepts the right call;
 - ``help()`` shows no private parameter (``_keep``, vjp's);
-- the stub declares exactly the compiled module's functions, with the bindings' argument names;
+- the stub declares exactly the compiled module's functions, with the bindings' argument names,
+  and its argument classes (``MhaArgs``, ...), with their fields;
 - every public function of attnlab, attnlab.interop, .diagnostics, .init, .reference, .layers,
   .optim and .torch, and every public method of their public classes, has a NumPy-style
   docstring with "Parameters" (when it takes arguments), "Returns" (when it returns something)
@@ -201,7 +202,7 @@ def _runtime_functions() -> dict[str, list[str]]:
     out = {}
     for name in dir(core):
         obj = getattr(core, name)
-        if name.startswith("_") or not callable(obj):
+        if name.startswith("_") or not callable(obj) or isinstance(obj, type):
             continue
         first = (obj.__doc__ or "").splitlines()[0]  # pybind11: "name(a: T, b: U) -> R"
         m = re.fullmatch(rf"{name}\((.*)\) -> .*", first)
@@ -220,6 +221,38 @@ def test_stub_matches_compiled_module():
     # and the compiled module really has them, as the stub says
     assert isinstance(getattr(core, "__version__", None), str)
     assert isinstance(getattr(core, "ISA", None), str)
+
+
+def _stub_classes() -> dict[str, set[str]]:
+    """The stub's public classes and their fields (with those of their bases in the stub)."""
+    tree = ast.parse((PKG / "_core.pyi").read_text())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def fields(node: ast.ClassDef) -> set[str]:
+        own = {
+            s.target.id
+            for s in node.body
+            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+        }
+        bases = [classes[b.id] for b in node.bases if isinstance(b, ast.Name) and b.id in classes]
+        return own.union(*(fields(b) for b in bases))
+
+    return {name: fields(node) for name, node in classes.items() if not name.startswith("_")}
+
+
+def test_stub_classes_match_compiled_module():
+    """The argument objects: the same classes, fields and keyword-only constructors."""
+    stub = _stub_classes()
+    runtime = {
+        name: {f for f, v in vars(obj).items() if isinstance(v, property)}
+        for name, obj in vars(core).items()
+        if isinstance(obj, type) and not name.startswith("_")
+    }
+    assert stub and sorted(stub) == sorted(runtime)
+    for name, fields in runtime.items():
+        assert stub[name] == fields, f"{name}: stub {sorted(stub[name])}, module {sorted(fields)}"
+        with pytest.raises(TypeError, match=f"^{name}: missing keyword argument"):
+            getattr(core, name)()
 
 
 DOC_MODULES = [

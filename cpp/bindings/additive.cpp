@@ -27,37 +27,38 @@ void visit_additive(const Args& a, AdditiveTensors<P>& t, Index rows, Index d_in
     f(t.b_final, a.b_final, "b_final", {d_out}, true);
 }
 
-// The arguments additive_forward and additive_backward share, in their positional order.
+// The arguments additive_forward and additive_backward share: core.AdditiveArgs.
 struct AdditiveArgs {
-    py::array x, w_q;
+    Array x, w_q;
     py::object b_q;
-    py::array w_k;
+    Array w_k;
     py::object b_k;
-    py::array w_g, w_proj;
+    Array w_g, w_proj;
     py::object b_proj;
-    py::array w_final;
+    Array w_final;
     py::object b_final;
     Index batch, n;
     double scale, eps;
     int variant;
     py::object key_padding_mask;
+
+    static constexpr auto fields() {
+        return std::make_tuple(
+            field("x", &AdditiveArgs::x), field("w_q", &AdditiveArgs::w_q),
+            field("b_q", &AdditiveArgs::b_q), field("w_k", &AdditiveArgs::w_k),
+            field("b_k", &AdditiveArgs::b_k), field("w_g", &AdditiveArgs::w_g),
+            field("w_proj", &AdditiveArgs::w_proj), field("b_proj", &AdditiveArgs::b_proj),
+            field("w_final", &AdditiveArgs::w_final), field("b_final", &AdditiveArgs::b_final),
+            field("batch", &AdditiveArgs::batch), field("n", &AdditiveArgs::n),
+            field("scale", &AdditiveArgs::scale), field("eps", &AdditiveArgs::eps),
+            field("variant", &AdditiveArgs::variant),
+            field("key_padding_mask", &AdditiveArgs::key_padding_mask));
+    }
 };
 
 // What pooled_forward, pooled_backward and bind_pooled (pooled.hpp) need of additive attention.
 struct Additive {
     using Args = AdditiveArgs;
-    // Its arguments' types and names, in their positional order (bind_pooled).
-    using Sig =
-        Signature<AdditiveArgs, Types<py::array, py::array, py::object, py::array, py::object,
-                                      py::array, py::array, py::object, py::array, py::object,
-                                      Index, Index, double, double, int, py::object>>;
-    static auto arg_names() {
-        return std::make_tuple(py::arg("x"), py::arg("w_q"), py::arg("b_q"), py::arg("w_k"),
-                               py::arg("b_k"), py::arg("w_g"), py::arg("w_proj"), py::arg("b_proj"),
-                               py::arg("w_final"), py::arg("b_final"), py::arg("batch"),
-                               py::arg("n"), py::arg("scale"), py::arg("eps"), py::arg("variant"),
-                               py::arg("key_padding_mask"));
-    }
 
     // Checks every buffer and fills the problem (forward and backward; out is set by the
     // forward).
@@ -122,7 +123,7 @@ struct Additive {
 
 }  // namespace
 
-void bind_additive(py::module_& m) { bind_pooled<Additive>(m, "additive"); }
+void bind_additive(py::module_& m) { bind_pooled<Additive>(m, "additive", "AdditiveArgs"); }
 
 }  // namespace bind
 }  // namespace attnlab

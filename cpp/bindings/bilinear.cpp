@@ -9,27 +9,26 @@ namespace bind {
 
 namespace {
 
-// The arguments bilinear_forward and bilinear_backward share, in their positional order.
-struct BilinearArgs {
-    py::array query, key, value;
-    py::array w_qk;
+// The arguments bilinear_forward and bilinear_backward share: core.BilinearArgs.
+struct BilinearArgs : SharedArgs {
+    Array query, key, value;
+    Array w_qk;
     py::object u_k;
-    SharedArgs shared;
+
+    static constexpr auto fields() {
+        return std::tuple_cat(
+            std::make_tuple(field("query", &BilinearArgs::query), field("key", &BilinearArgs::key),
+                            field("value", &BilinearArgs::value),
+                            field("w_qk", &BilinearArgs::w_qk), field("u_k", &BilinearArgs::u_k)),
+            SharedArgs::fields());
+    }
 };
-using BilinearSignature =
-    Signature<BilinearArgs,
-              Join<Types<py::array, py::array, py::array, py::array, py::object>, SharedFields>>;
-auto bilinear_arg_names() {
-    return std::tuple_cat(std::make_tuple(py::arg("query"), py::arg("key"), py::arg("value"),
-                                          py::arg("w_qk"), py::arg("u_k")),
-                          shared_arg_names());
-}
 
 // Checks the shapes the kernel relies on and fills the problem (forward and backward; the
 // outputs are set by the callers). `state`: vjp's buffers (BilinearState), or none.
 template <typename T>
 BilinearProblem<T> bilinear_problem(const BilinearArgs& a, int order, const py::object& state) {
-    const SharedArgs& s = a.shared;
+    const SharedArgs& s = a;
     const Index batch = s.batch, n_q = s.n_q, n_k = s.n_k, heads = s.heads, kv_heads = s.kv_heads;
     if (heads < 1 || kv_heads < 1 || heads % kv_heads != 0)
         throw py::value_error("num_heads must be a positive multiple of num_kv_heads");
@@ -90,15 +89,11 @@ void bilinear_backward(py::array grad_out, const BilinearArgs& a, py::dict grads
 }  // namespace
 
 void bind_bilinear(py::module_& m) {
-    def(m, "bilinear_forward",
-        BilinearSignature::After<>::wrap<int, py::array, py::object, py::object>(&bilinear_forward),
-        std::tuple_cat(bilinear_arg_names(),
-                       std::make_tuple(py::arg("order"), py::arg("out"), py::arg("weights"),
-                                       py::arg("state") = py::none())));
-    def(m, "bilinear_backward",
-        BilinearSignature::After<py::array>::wrap<py::dict, py::object>(&bilinear_backward),
-        std::tuple_cat(std::make_tuple(py::arg("grad_out")), bilinear_arg_names(),
-                       std::make_tuple(py::arg("grads"), py::arg("state") = py::none())));
+    bind_args<BilinearArgs>(m, "BilinearArgs");
+    m.def("bilinear_forward", &bilinear_forward, py::arg("args"), py::arg("order"), py::arg("out"),
+          py::arg("weights"), py::arg("state") = py::none());
+    m.def("bilinear_backward", &bilinear_backward, py::arg("grad_out"), py::arg("args"),
+          py::arg("grads"), py::arg("state") = py::none());
 }
 
 }  // namespace bind

@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -20,20 +21,6 @@ namespace attnlab {
 namespace bind {
 
 namespace py = pybind11;
-
-// A list of types, and lists joined end to end.
-template <typename... Ts>
-struct Types {};
-template <typename... Lists>
-struct JoinTypes;
-template <typename... Ts>
-struct JoinTypes<Types<Ts...>> {
-    using type = Types<Ts...>;
-};
-template <typename... A, typename... B, typename... Rest>
-struct JoinTypes<Types<A...>, Types<B...>, Rest...> : JoinTypes<Types<A..., B...>, Rest...> {};
-template <typename... Lists>
-using Join = typename JoinTypes<Lists...>::type;
 
 inline std::string shape_str(const py::array& a) {
     std::string s = "(";
@@ -127,6 +114,7 @@ struct MaskArgs {
     MaskOptions options;
     py::object alibi_slopes;  // (batch, heads) or None
     py::object sinks;         // (batch, heads) or None
+    py::tuple given;          // the tuple as passed (the `mask` attribute of MhaArgs, ...)
 };
 
 // The number of items of Python's mask tuple and, for errors, their names:
@@ -202,6 +190,7 @@ inline MaskArgs mask_args(py::handle o) {
     });
     a.alibi_slopes = t[k++];
     a.sinks = t[k++];
+    a.given = t;
     return a;
 }
 
@@ -294,25 +283,46 @@ auto dispatch(const py::array& a, const char* name, F&& f) {
                          std::string(py::str(a.dtype())));
 }
 
-// --- Multi-head and bilinear attention. Their forward and backward take query, key, value,
-// the query-key weights of the family, then the same run of arguments: SharedArgs, in order.
-// (Brace elision fills it from Signature's flat field list; its MaskArgs is one field there.)
+// An array field of a bound argument object: null until bind_args sets it (py::array's own
+// default constructor allocates an empty array, which every call would make for nothing).
+struct Array : py::array {
+    Array() : py::array(py::handle(), borrowed_t{}) {}
+    Array(py::handle h, borrowed_t) : py::array(h, borrowed_t{}) {}
+    Array(py::handle h, stolen_t) : py::array(h, stolen_t{}) {}
+};
+
+// A field of a bound argument object (bind_args): its Python name and the member it fills.
+template <typename C, typename M>
+struct Field {
+    const char* name;
+    M C::*member;
+};
+template <typename C, typename M>
+constexpr Field<C, M> field(const char* name, M C::*member) {
+    return {name, member};
+}
+
+// --- Multi-head and bilinear attention: the fields their argument objects (MhaArgs,
+// BilinearArgs, derived from this) share after the inputs and the query-key weights.
 struct SharedArgs {
-    py::array w_v;
+    Array w_v;
     py::object b_v;
-    py::array w_o;
+    Array w_o;
     py::object b_o;
     Index batch, n_q, n_k, heads, kv_heads;
     MaskArgs mask;
     double scale;
+
+    static constexpr auto fields() {
+        return std::make_tuple(field("w_v", &SharedArgs::w_v), field("b_v", &SharedArgs::b_v),
+                               field("w_o", &SharedArgs::w_o), field("b_o", &SharedArgs::b_o),
+                               field("batch", &SharedArgs::batch), field("n_q", &SharedArgs::n_q),
+                               field("n_k", &SharedArgs::n_k), field("heads", &SharedArgs::heads),
+                               field("kv_heads", &SharedArgs::kv_heads),
+                               field("mask", &SharedArgs::mask),
+                               field("scale", &SharedArgs::scale));
+    }
 };
-using SharedFields = Types<py::array, py::object, py::array, py::object, Index, Index, Index, Index,
-                           Index, MaskArgs, double>;
-inline auto shared_arg_names() {
-    return std::make_tuple(py::arg("w_v"), py::arg("b_v"), py::arg("w_o"), py::arg("b_o"),
-                           py::arg("batch"), py::arg("n_q"), py::arg("n_k"), py::arg("heads"),
-                           py::arg("kv_heads"), py::arg("mask"), py::arg("scale"));
-}
 
 // The fields of MhaProblem and BilinearProblem filled from their common arguments, checked in
 // argument order by both builders (Problem: MhaProblem or BilinearProblem).
@@ -320,7 +330,7 @@ inline auto shared_arg_names() {
 // Sizes and the three inputs (Args: MhaArgs or BilinearArgs), rows of widths d_q, d_k, d_v.
 template <typename T, typename Problem, typename Args>
 void projected_inputs(Problem& p, const Args& a, Index d_q, Index d_k, Index d_v) {
-    const SharedArgs& s = a.shared;
+    const SharedArgs& s = a;
     p.batch = s.batch;
     p.n_q = s.n_q;
     p.n_k = s.n_k;
@@ -373,44 +383,63 @@ const KernelSet<T>& kernels_for() {
     return kernels().get<T>();
 }
 
-// A run of positional arguments shared by several bound functions, gathered into the aggregate
-// Args (its fields, nested aggregates flattened, have the types Fields). A family's forward
-// and backward take the same run between their own leading and trailing arguments, so it is
-// written once for both:
-//   Signature<MhaArgs, MhaFields>::After<py::array>::wrap<py::dict, py::object>(f)
-// is a function (grad_out, <the fields>, grads, state) calling f(grad_out, args, grads, state).
-#if defined(__clang__)
-#pragma clang diagnostic push
-#pragma clang diagnostic ignored "-Wmissing-braces"  // Args{fields...} elides braces on purpose
-#elif defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmissing-braces"
-#endif
-template <typename Args, typename Fields>
-struct Signature;
-template <typename Args, typename... Fields>
-struct Signature<Args, Types<Fields...>> {
-    template <typename... Before>
-    struct After {
-        template <typename... Tail, typename F>
-        static auto wrap(F f) {
-            return [f](Before... before, Fields... fields, Tail... tail) {
-                f(std::move(before)..., Args{std::move(fields)...}, std::move(tail)...);
-            };
-        }
-    };
-};
-#if defined(__clang__)
-#pragma clang diagnostic pop
-#elif defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
+// Sets the field f of `a` to `value`: an array, any object (an optional array, checked where
+// it is read), an int, a float or the mask tuple (its caster's errors).
+template <typename Args, typename C, typename M>
+void set_field(Args& a, const Field<C, M>& f, py::handle value, const char* type) {
+    using Cast = std::conditional_t<std::is_same_v<M, Array>, py::array, M>;
+    py::detail::make_caster<Cast> caster;
+    if (!caster.load(value, true)) {
+        const char* expected = std::is_same_v<Cast, py::array> ? "an ndarray"
+                               : std::is_floating_point_v<M>   ? "a float"
+                                                               : "an int";
+        throw py::type_error(std::string(type) + "." + f.name + ": expected " + expected +
+                             ", got " + std::string(py::str(py::type::of(value).attr("__name__"))));
+    }
+    if constexpr (std::is_same_v<M, Array>) {
+        a.*f.member = py::reinterpret_borrow<Array>(value);
+    } else {
+        a.*f.member = py::detail::cast_op<M>(caster);
+    }
+}
 
-// m.def(name, f, names...) for a tuple of py::arg names (a family's shared run spliced in with
-// std::tuple_cat).
-template <typename F, typename... Names>
-void def(py::module_& m, const char* name, F&& f, const std::tuple<Names...>& names) {
-    std::apply([&](const auto&... n) { m.def(name, std::forward<F>(f), n...); }, names);
+// A family's arguments as one Python object, core.<type>(field=..., ...): every field by
+// keyword and no other, each a read-only attribute. Args::fields() lists them once, each as
+// field(name, &Args::member); C++ reads them by name.
+template <typename Args>
+void bind_args(py::module_& m, const char* type) {
+    py::class_<Args> c(m, type);
+    c.def(py::init([type](const py::kwargs& kw) {
+        constexpr auto fields = Args::fields();
+        Args a;
+        for (const auto& [key, value] : kw) {
+            const char* name = PyUnicode_AsUTF8(key.ptr());  // keywords are str
+            if (!name) throw py::error_already_set();
+            const bool known = std::apply(
+                [&](const auto&... f) {
+                    return (
+                        (std::strcmp(name, f.name) == 0 && (set_field(a, f, value, type), true)) ||
+                        ...);
+                },
+                fields);
+            if (!known)
+                throw py::type_error(std::string(type) + ": unexpected keyword argument '" + name +
+                                     "'");
+        }
+        if (kw.size() != std::tuple_size_v<decltype(fields)>) {  // each key set one field
+            std::apply(
+                [&](const auto&... f) {
+                    ((kw.contains(f.name)
+                          ? void()
+                          : throw py::type_error(std::string(type) +
+                                                 ": missing keyword argument '" + f.name + "'")),
+                     ...);
+                },
+                fields);
+        }
+        return a;
+    }));
+    std::apply([&](const auto&... f) { (c.def_readonly(f.name, f.member), ...); }, Args::fields());
 }
 
 }  // namespace bind
@@ -418,6 +447,10 @@ void def(py::module_& m, const char* name, F&& f, const std::tuple<Names...>& na
 
 namespace pybind11 {
 namespace detail {
+template <>
+struct handle_type_name<attnlab::bind::Array> {
+    static constexpr auto name = const_name("numpy.ndarray");
+};
 // MaskArgs as the type of a binding's argument: pybind11 finds its caster here, the conversion
 // is mask_args. (Errors are thrown, not reported as a failed load: pybind11's "incompatible
 // function arguments" would not say what is wrong with the mask.)
@@ -427,6 +460,10 @@ struct type_caster<attnlab::bind::MaskArgs> {
     bool load(handle src, bool) {
         value = attnlab::bind::mask_args(src);
         return true;
+    }
+    // the attribute `mask` of a bound argument object: the tuple it was built from
+    static handle cast(const attnlab::bind::MaskArgs& src, return_value_policy, handle) {
+        return src.given.inc_ref();
     }
 };
 }  // namespace detail

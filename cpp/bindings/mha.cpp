@@ -131,32 +131,30 @@ void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, co
     });
 }
 
-// The arguments mha_forward and mha_backward share, in their positional order.
-struct MhaArgs {
-    py::array query, key, value;
-    py::array w_q;
+// The arguments mha_forward and mha_backward share: core.MhaArgs.
+struct MhaArgs : SharedArgs {
+    Array query, key, value;
+    Array w_q;
     py::object b_q;
-    py::array w_k;
+    Array w_k;
     py::object b_k;
-    SharedArgs shared;
+
+    static constexpr auto fields() {
+        return std::tuple_cat(
+            std::make_tuple(field("query", &MhaArgs::query), field("key", &MhaArgs::key),
+                            field("value", &MhaArgs::value), field("w_q", &MhaArgs::w_q),
+                            field("b_q", &MhaArgs::b_q), field("w_k", &MhaArgs::w_k),
+                            field("b_k", &MhaArgs::b_k)),
+            SharedArgs::fields());
+    }
 };
-using MhaSignature = Signature<
-    MhaArgs,
-    Join<Types<py::array, py::array, py::array, py::array, py::object, py::array, py::object>,
-         SharedFields>>;
-auto mha_arg_names() {
-    return std::tuple_cat(
-        std::make_tuple(py::arg("query"), py::arg("key"), py::arg("value"), py::arg("w_q"),
-                        py::arg("b_q"), py::arg("w_k"), py::arg("b_k")),
-        shared_arg_names());
-}
 
 // Checks every buffer against the sizes and fills the problem (forward and backward; the
 // outputs are set by the callers). `state`: vjp's buffers, the projections, the attention
 // output and the log-sum-exp (or none).
 template <typename T>
 MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
-    const SharedArgs& s = a.shared;
+    const SharedArgs& s = a;
     const Index batch = s.batch, n_q = s.n_q, n_k = s.n_k, heads = s.heads, kv_heads = s.kv_heads;
     check_heads(heads, kv_heads);
     if (a.w_q.ndim() != 2 || a.w_k.ndim() != 2 || s.w_v.ndim() != 2 || s.w_o.ndim() != 2)
@@ -243,14 +241,11 @@ void bind_mha(py::module_& m) {
           py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("out"), py::arg("lse"),
           py::arg("d_q"), py::arg("d_k"), py::arg("d_v"), py::arg("recompute") = true,
           py::arg("d_mask") = py::none(), py::arg("d_sinks") = py::none(), py::arg("bf16") = false);
-    def(m, "mha_forward",
-        MhaSignature::After<>::wrap<py::array, py::object, py::object>(&mha_forward),
-        std::tuple_cat(mha_arg_names(), std::make_tuple(py::arg("out"), py::arg("weights"),
-                                                        py::arg("state") = py::none())));
-    def(m, "mha_backward",
-        MhaSignature::After<py::array>::wrap<py::dict, py::object>(&mha_backward),
-        std::tuple_cat(std::make_tuple(py::arg("grad_out")), mha_arg_names(),
-                       std::make_tuple(py::arg("grads"), py::arg("state") = py::none())));
+    bind_args<MhaArgs>(m, "MhaArgs");
+    m.def("mha_forward", &mha_forward, py::arg("args"), py::arg("out"), py::arg("weights"),
+          py::arg("state") = py::none());
+    m.def("mha_backward", &mha_backward, py::arg("grad_out"), py::arg("args"), py::arg("grads"),
+          py::arg("state") = py::none());
     m.def("linear_forward", &linear_forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("y"),
           py::arg("bf16") = false);
 }

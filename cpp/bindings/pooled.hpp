@@ -6,7 +6,6 @@
 // gradient buffers and kernels.
 
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -68,21 +67,15 @@ void pooled_backward(py::array grad_out, const typename Family::Args& a, py::dic
     });
 }
 
-// <name>_forward(<the family's arguments>, out, state=None) and <name>_backward(grad_out,
-// <the family's arguments>, grads, state=None); Family::Sig and Family::arg_names() are its
-// arguments' types and names.
+// <name>_forward(args, out, state=None), <name>_backward(grad_out, args, grads, state=None)
+// and the type of args, Family::Args bound as `type`.
 template <typename Family>
-void bind_pooled(py::module_& m, const std::string& name) {
-    using Sig = typename Family::Sig;
-    def(m, (name + "_forward").c_str(),
-        Sig::template After<>::template wrap<py::array, py::object>(&pooled_forward<Family>),
-        std::tuple_cat(Family::arg_names(),
-                       std::make_tuple(py::arg("out"), py::arg("state") = py::none())));
-    def(m, (name + "_backward").c_str(),
-        Sig::template After<py::array>::template wrap<py::dict, py::object>(
-            &pooled_backward<Family>),
-        std::tuple_cat(std::make_tuple(py::arg("grad_out")), Family::arg_names(),
-                       std::make_tuple(py::arg("grads"), py::arg("state") = py::none())));
+void bind_pooled(py::module_& m, const std::string& name, const char* type) {
+    bind_args<typename Family::Args>(m, type);
+    m.def((name + "_forward").c_str(), &pooled_forward<Family>, py::arg("args"), py::arg("out"),
+          py::arg("state") = py::none());
+    m.def((name + "_backward").c_str(), &pooled_backward<Family>, py::arg("grad_out"),
+          py::arg("args"), py::arg("grads"), py::arg("state") = py::none());
 }
 
 }  // namespace bind

@@ -18,28 +18,28 @@ void visit_separable(const Args& a, SeparableTensors<P>& t, Index rows, Index d,
     f(t.b_o, a.b_o, "b_o", {d_out}, true);
 }
 
-// The arguments separable_forward and separable_backward share, in their positional order.
+// The arguments separable_forward and separable_backward share: core.SeparableArgs.
 struct SeparableArgs {
-    py::array x, w_qkv;
+    Array x, w_qkv;
     py::object b_qkv;
-    py::array w_o;
+    Array w_o;
     py::object b_o;
     Index batch, n;
     py::object key_padding_mask;
+
+    static constexpr auto fields() {
+        return std::make_tuple(field("x", &SeparableArgs::x), field("w_qkv", &SeparableArgs::w_qkv),
+                               field("b_qkv", &SeparableArgs::b_qkv),
+                               field("w_o", &SeparableArgs::w_o), field("b_o", &SeparableArgs::b_o),
+                               field("batch", &SeparableArgs::batch), field("n", &SeparableArgs::n),
+                               field("key_padding_mask", &SeparableArgs::key_padding_mask));
+    }
 };
 
 // What pooled_forward, pooled_backward and bind_pooled (pooled.hpp) need of separable
 // self-attention.
 struct Separable {
     using Args = SeparableArgs;
-    // Its arguments' types and names, in their positional order (bind_pooled).
-    using Sig = Signature<SeparableArgs, Types<py::array, py::array, py::object, py::array,
-                                               py::object, Index, Index, py::object>>;
-    static auto arg_names() {
-        return std::make_tuple(py::arg("x"), py::arg("w_qkv"), py::arg("b_qkv"), py::arg("w_o"),
-                               py::arg("b_o"), py::arg("batch"), py::arg("n"),
-                               py::arg("key_padding_mask"));
-    }
 
     // Checks every buffer and fills the problem (forward and backward; out is set by the
     // forward).
@@ -94,7 +94,7 @@ struct Separable {
 
 }  // namespace
 
-void bind_separable(py::module_& m) { bind_pooled<Separable>(m, "separable"); }
+void bind_separable(py::module_& m) { bind_pooled<Separable>(m, "separable", "SeparableArgs"); }
 
 }  // namespace bind
 }  // namespace attnlab

@@ -41,15 +41,6 @@ def _variant_code(variant: Any) -> int:
     raise ValueError(f"variant: expected 'official' or 'hf', got {variant!r}")
 
 
-_Opt = np.ndarray | None
-# The leading arguments of core.additive_forward / additive_backward (the "core" entry of
-# _prepare_additive), typed element by element so that mypy checks the starred calls.
-_CoreArgs = tuple[
-    np.ndarray, np.ndarray, _Opt, np.ndarray, _Opt, np.ndarray, np.ndarray, _Opt, np.ndarray,
-    _Opt, int, int, float, float, int, _Opt,
-]  # fmt: skip
-
-
 def _additive_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
     """Buffers for what the additive forward keeps for attnlab.vjp (AdditiveState in
     cpp/include/attnlab/additive.hpp): (2 D + 3) values per token, D + 1 per batch element."""
@@ -136,8 +127,8 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
         d_out=d_out,
         batch=batch,
         dtype=dtype,
-        # the leading arguments of core.additive_forward and core.additive_backward
-        core=(*arrays.values(), B, n, s, e, code, kp),
+        # the other fields of core.AdditiveArgs
+        options=dict(batch=B, n=n, scale=s, eps=e, variant=code, key_padding_mask=kp),
     )
 
 
@@ -246,8 +237,7 @@ def additive_attention(
         state = _additive_state(a)
         _keep.update(prepared=a, state=state, halves=_half.halves(args))
     if out.size:
-        leading: _CoreArgs = a["core"]
-        core.additive_forward(*leading, out, state)
+        core.additive_forward(core.AdditiveArgs(**a["arrays"], **a["options"]), out, state)
     batch = a["batch"]
     return _half.store(out.reshape(batch + (n, d_out)), _half.storage(args))
 
@@ -290,8 +280,7 @@ def _additive_grads(
     # as the kernel reads them: x, w_q and w_k with one zero feature when d_in == 0
     grads = _grad.grad_buffers(a["arrays"], dtype)
     if B * n > 0 and d_out > 0:
-        leading: _CoreArgs = a["core"]
-        core.additive_backward(go, *leading, grads, state)
+        core.additive_backward(go, core.AdditiveArgs(**a["arrays"], **a["options"]), grads, state)
     if d_in == 0:
         grads["x"] = _memory.zeros((B * n, 0), dtype)
         grads["w_q"] = _memory.zeros((0, D), dtype)

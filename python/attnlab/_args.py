@@ -5,8 +5,8 @@ family validates an option the same way and a new option is added here once."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -14,6 +14,8 @@ from . import _half, _memory
 from . import _validate as V
 
 __all__: list[str] = []  # private module
+
+T = TypeVar("T")
 
 # The mask options of the attention families, in the order the normaliser reads them: the
 # torch adapter passes these as constants (never differentiated), converting tensors.
@@ -210,17 +212,7 @@ def window_sides(window: Any) -> tuple[int, int]:
 
 def softcap_value(softcap: Any) -> float:
     """``softcap`` as a float > 0, or 0.0 (off) for ``None``."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.number)):
-        raise TypeError(
-            f"softcap: expected a positive real number or None, got "
-            f"{type(softcap).__name__} {softcap!r}"
-        )
-    c = float(softcap)
-    if not (np.isfinite(c) and c > 0):
-        raise ValueError(f"softcap: expected a finite number > 0 (or None for off), got {c}")
-    return c
+    return 0.0 if softcap is None else V.positive_real(softcap, "softcap", off=True)
 
 
 def per_head(
@@ -324,3 +316,26 @@ def with_weights(
     if lse is not None:
         result.append(lse.reshape(batch + lse.shape[1:]).copy())
     return result[0] if len(result) == 1 else tuple(result)
+
+
+def projected_args(
+    kind: Callable[..., T], a: Any, layers: Mapping[str, np.ndarray | None], **own: Any
+) -> T:
+    """The kernels' argument object ``kind`` (``core.MhaArgs`` or ``core.BilinearArgs``) of a
+    prepared call ``a`` (its ``B``, ``n_q``, ``n_k``, ``h``, ``h_kv`` and masks ``m``): the
+    family's ``own`` fields, then those the two share, the value and output ``layers``
+    (``w_v``, ``b_v``, ``w_o``, ``b_o``), the sizes, the mask and the scale."""
+    return kind(
+        **own,
+        w_v=layers["w_v"],
+        b_v=layers["b_v"],
+        w_o=layers["w_o"],
+        b_o=layers["b_o"],
+        batch=a.B,
+        n_q=a.n_q,
+        n_k=a.n_k,
+        heads=a.h,
+        kv_heads=a.h_kv,
+        mask=a.m.core_mask(),
+        scale=a.m.scale,
+    )

@@ -310,29 +310,6 @@ def factorize_qk(w: Any, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return w_q, w_k, rel.astype(arr.dtype)
 
 
-_Opt = np.ndarray | None
-# The leading arguments of core.bilinear_forward / bilinear_backward, typed element by element
-# so that mypy checks the starred calls against the stub.
-_CoreArgs = tuple[
-    np.ndarray,
-    np.ndarray,
-    np.ndarray,
-    np.ndarray,
-    _Opt,
-    np.ndarray,
-    _Opt,
-    np.ndarray,
-    _Opt,
-    int,
-    int,
-    int,
-    int,
-    int,
-    _args.CoreMask,
-    float,
-]
-
-
 class _Prepared(NamedTuple):
     """Validated arguments of bilinear_attention, as the core takes them."""
 
@@ -359,25 +336,14 @@ class _Prepared(NamedTuple):
         """query, key, value as contiguous (B * n, d) rows (shared when key/value default)."""
         return self.x.rows(self.batch, self.dtype)
 
-    def core_args(self) -> _CoreArgs:
-        """The arguments core.bilinear_forward / bilinear_backward share (rows first)."""
-        m = self.m
-        return (
-            *self.rows(),
-            self.wqk,
-            self.uk,
-            self.wv,
-            self.bv,
-            self.wo,
-            self.bo,
-            self.B,
-            self.n_q,
-            self.n_k,
-            self.h,
-            self.h_kv,
-            m.core_mask(),
-            m.scale,
-        )
+    def core_args(self) -> core.BilinearArgs:
+        """The arguments core.bilinear_forward / bilinear_backward share."""
+        query, key, value = self.rows()
+        layers = {"w_v": self.wv, "b_v": self.bv, "w_o": self.wo, "b_o": self.bo}
+        return _args.projected_args(
+            core.BilinearArgs, self, layers, query=query, key=key, value=value,
+            w_qk=self.wqk, u_k=self.uk,
+        )  # fmt: skip
 
 
 def _prepare(args: dict[str, Any]) -> _Prepared:
@@ -569,8 +535,7 @@ def bilinear_attention(
     if lse_wanted and state is None:
         state = _bilinear_state(a)
     if B * n_q > 0:
-        rq, rk, rv = a.rows()
-        core.bilinear_forward(*a.core_args(), _ORDERS[a.order], out, weights, state)
+        core.bilinear_forward(a.core_args(), _ORDERS[a.order], out, weights, state)
     lse = None
     if lse_wanted:
         assert state is not None
@@ -642,7 +607,7 @@ def _bilinear_grads(
     buffers = _grad.input_buffers(rows, x.key_omitted, x.value_omitted, dtype)
     logit = _grad.logit_buffers(a.m, B, a.h, a.n_q, a.n_k, dtype)
     if B * a.n_q > 0:
-        core.bilinear_backward(go2, *a.core_args(), {**grads, **buffers, **logit}, state)
+        core.bilinear_backward(go2, a.core_args(), {**grads, **buffers, **logit}, state)
     inputs = _grad.input_grads(buffers, batch, shapes, x.key_omitted, x.value_omitted, True)
     return {**inputs, **grads, **_grad.logit_grads(logit, a.m, batch)}
 

@@ -5,6 +5,7 @@
 # C-contiguous or whole-element strides, outputs writable) and the bindings check the raw
 # buffers again. Optional arrays are `None` when absent.
 
+from dataclasses import dataclass
 from typing import Any, SupportsFloat, SupportsIndex, SupportsInt, TypeAlias
 
 import numpy.typing as npt
@@ -62,27 +63,7 @@ def sdpa_forward_half(
     lse: _Optional,
 ) -> None: ...
 def mha_forward(
-    query: _Array,
-    key: _Array,
-    value: _Array,
-    w_q: _Array,
-    b_q: _Optional,
-    w_k: _Array,
-    b_k: _Optional,
-    w_v: _Array,
-    b_v: _Optional,
-    w_o: _Array,
-    b_o: _Optional,
-    batch: _Int,
-    n_q: _Int,
-    n_k: _Int,
-    heads: _Int,
-    kv_heads: _Int,
-    mask: _Mask,
-    scale: _Float,
-    out: _Array,
-    weights: _Optional,
-    state: dict[str, _Array] | None = ...,
+    args: MhaArgs, out: _Array, weights: _Optional, state: dict[str, _Array] | None = ...
 ) -> None: ...
 def sdpa_backward(
     grad_out: _Array,
@@ -103,24 +84,7 @@ def sdpa_backward(
 ) -> None: ...
 def mha_backward(
     grad_out: _Array,
-    query: _Array,
-    key: _Array,
-    value: _Array,
-    w_q: _Array,
-    b_q: _Optional,
-    w_k: _Array,
-    b_k: _Optional,
-    w_v: _Array,
-    b_v: _Optional,
-    w_o: _Array,
-    b_o: _Optional,
-    batch: _Int,
-    n_q: _Int,
-    n_k: _Int,
-    heads: _Int,
-    kv_heads: _Int,
-    mask: _Mask,
-    scale: _Float,
+    args: MhaArgs,
     grads: dict[str, _Array],
     state: dict[str, _Array] | None = ...,
 ) -> None: ...
@@ -128,22 +92,7 @@ def linear_forward(x: _Array, w: _Array, b: _Optional, y: _Array, bf16: bool = .
 
 # Bilinear-collapsed attention (cpp/bindings/bilinear.cpp). order: 0 query, 1 key.
 def bilinear_forward(
-    query: _Array,
-    key: _Array,
-    value: _Array,
-    w_qk: _Array,
-    u_k: _Optional,
-    w_v: _Array,
-    b_v: _Optional,
-    w_o: _Array,
-    b_o: _Optional,
-    batch: _Int,
-    n_q: _Int,
-    n_k: _Int,
-    heads: _Int,
-    kv_heads: _Int,
-    mask: _Mask,
-    scale: _Float,
+    args: BilinearArgs,
     order: _Int,
     out: _Array,
     weights: _Optional,
@@ -151,93 +100,103 @@ def bilinear_forward(
 ) -> None: ...
 def bilinear_backward(
     grad_out: _Array,
-    query: _Array,
-    key: _Array,
-    value: _Array,
-    w_qk: _Array,
-    u_k: _Optional,
-    w_v: _Array,
-    b_v: _Optional,
-    w_o: _Array,
-    b_o: _Optional,
-    batch: _Int,
-    n_q: _Int,
-    n_k: _Int,
-    heads: _Int,
-    kv_heads: _Int,
-    mask: _Mask,
-    scale: _Float,
+    args: BilinearArgs,
     grads: dict[str, _Array],
     state: dict[str, _Array] | None = ...,
 ) -> None: ...
 
 # Additive (SwiftFormer) and separable (MobileViT-v2) attention (cpp/bindings/additive.cpp,
-# separable.cpp).
-# variant: 0 official, 1 hf. state: attnlab.vjp's buffers (AdditiveState, SeparableState), filled
-# by the forward, read by the backward.
+# separable.cpp). state: attnlab.vjp's buffers (AdditiveState, SeparableState), filled by the
+# forward, read by the backward.
 def additive_forward(
-    x: _Array,
-    w_q: _Array,
-    b_q: _Optional,
-    w_k: _Array,
-    b_k: _Optional,
-    w_g: _Array,
-    w_proj: _Array,
-    b_proj: _Optional,
-    w_final: _Array,
-    b_final: _Optional,
-    batch: _Int,
-    n: _Int,
-    scale: _Float,
-    eps: _Float,
-    variant: _Int,
-    key_padding_mask: _Optional,
-    out: _Array,
-    state: dict[str, _Array] | None = ...,
+    args: AdditiveArgs, out: _Array, state: dict[str, _Array] | None = ...
 ) -> None: ...
 def separable_forward(
-    x: _Array,
-    w_qkv: _Array,
-    b_qkv: _Optional,
-    w_o: _Array,
-    b_o: _Optional,
-    batch: _Int,
-    n: _Int,
-    key_padding_mask: _Optional,
-    out: _Array,
-    state: dict[str, _Array] | None = ...,
+    args: SeparableArgs, out: _Array, state: dict[str, _Array] | None = ...
 ) -> None: ...
 def additive_backward(
     grad_out: _Array,
-    x: _Array,
-    w_q: _Array,
-    b_q: _Optional,
-    w_k: _Array,
-    b_k: _Optional,
-    w_g: _Array,
-    w_proj: _Array,
-    b_proj: _Optional,
-    w_final: _Array,
-    b_final: _Optional,
-    batch: _Int,
-    n: _Int,
-    scale: _Float,
-    eps: _Float,
-    variant: _Int,
-    key_padding_mask: _Optional,
+    args: AdditiveArgs,
     grads: dict[str, _Array],
     state: dict[str, _Array] | None = ...,
 ) -> None: ...
 def separable_backward(
     grad_out: _Array,
-    x: _Array,
-    w_qkv: _Array,
-    b_qkv: _Optional,
-    w_o: _Array,
-    b_o: _Optional,
-    batch: _Int,
-    n: _Int,
-    key_padding_mask: _Optional,
+    args: SeparableArgs,
     grads: dict[str, _Array],
     state: dict[str, _Array] | None = ...,
 ) -> None: ...
+
+# The argument objects of the families' forward and backward (bind_args in
+# cpp/bindings/common.hpp): built with every field by keyword, read by name in C++, each field
+# a read-only attribute. Declared as frozen keyword-only dataclasses so that mypy derives the
+# constructor from the fields; the runtime classes are pybind11 classes, not dataclasses.
+@dataclass(frozen=True, kw_only=True)
+class _SharedArgs:
+    """The fields multi-head and bilinear attention share (SharedArgs)."""
+
+    w_v: _Array
+    b_v: _Optional
+    w_o: _Array
+    b_o: _Optional
+    batch: _Int
+    n_q: _Int
+    n_k: _Int
+    heads: _Int
+    kv_heads: _Int
+    mask: _Mask
+    scale: _Float
+
+@dataclass(frozen=True, kw_only=True)
+class MhaArgs(_SharedArgs):
+    """Rows (batch * n, d) of query, key and value, and the query-key projections."""
+
+    query: _Array
+    key: _Array
+    value: _Array
+    w_q: _Array
+    b_q: _Optional
+    w_k: _Array
+    b_k: _Optional
+
+@dataclass(frozen=True, kw_only=True)
+class BilinearArgs(_SharedArgs):
+    """Rows (batch * n, d) of query, key and value, and the collapsed query-key weights."""
+
+    query: _Array
+    key: _Array
+    value: _Array
+    w_qk: _Array
+    u_k: _Optional
+
+@dataclass(frozen=True, kw_only=True)
+class AdditiveArgs:
+    """variant: 0 official, 1 hf."""
+
+    x: _Array
+    w_q: _Array
+    b_q: _Optional
+    w_k: _Array
+    b_k: _Optional
+    w_g: _Array
+    w_proj: _Array
+    b_proj: _Optional
+    w_final: _Array
+    b_final: _Optional
+    batch: _Int
+    n: _Int
+    scale: _Float
+    eps: _Float
+    variant: _Int
+    key_padding_mask: _Optional
+
+@dataclass(frozen=True, kw_only=True)
+class SeparableArgs:
+    x: _Array
+    w_qkv: _Array
+    b_qkv: _Optional
+    w_o: _Array
+    b_o: _Optional
+    batch: _Int
+    n: _Int
+    key_padding_mask: _Optional

@@ -96,6 +96,22 @@ def _rows_of(w: np.ndarray, name: str, rows: int, layout: str, whose: str) -> No
         )
 
 
+# The weight arguments, in the signature's order (the torch wrapper's tensors too).
+WEIGHTS = (
+    "w_q",
+    "w_q_a",
+    "b_q_a",
+    "q_a_norm",
+    "w_q_b",
+    "w_kv_a",
+    "b_kv_a",
+    "kv_a_norm",
+    "w_kv_b",
+    "w_o",
+    "b_o",
+)
+
+
 def _prepare(args: dict[str, Any]) -> _Latent:
     """Validate a call, in an order that finds the root cause: the heads, the input, the
     key-value path (it fixes r and d_rope), the query path, the output, the cache, the masks,
@@ -106,20 +122,7 @@ def _prepare(args: dict[str, Any]) -> _Latent:
     n, d = x.shape[-2:]
     if d < 1:
         raise ValueError(f"x: the feature axis must be >= 1, got shape {V.shape_str(x.shape)}")
-    names = [
-        "w_q",
-        "w_q_a",
-        "b_q_a",
-        "q_a_norm",
-        "w_q_b",
-        "w_kv_a",
-        "b_kv_a",
-        "kv_a_norm",
-        "w_kv_b",
-        "w_o",
-        "b_o",
-    ]
-    arrs = {k: V.optional_array(args[k], k) for k in names}
+    arrs = {k: V.optional_array(args[k], k) for k in WEIGHTS}
     for k in ("w_kv_a", "kv_a_norm", "w_kv_b", "w_o"):
         if arrs[k] is None:
             raise TypeError(f"{k}: expected an array, got None")
@@ -239,7 +242,7 @@ def _prepare(args: dict[str, Any]) -> _Latent:
     cos, sin = _tables(args, dr, n, n_past, batch, dtype)
     interleave = V.check_flag(args["rope_interleave"], "rope_interleave")
     eps = args["norm_eps"]
-    eps = 1e-6 if eps is None else _rope._real(eps, "norm_eps", "1e-6")
+    eps = 1e-6 if eps is None else V.positive_real(eps, "norm_eps", none="1e-6")
     form = _form(args["form"], B, n, n_k, h, r, dn, dr, dv)
     stacked = (
         form == "absorbed"
@@ -298,7 +301,9 @@ def _tables(
             f"replaces the frequencies rope_theta ** (-2j / d_rope))"
         )
     scale = (
-        1.0 if args["rope_scale"] is None else _rope._real(args["rope_scale"], "rope_scale", "1")
+        1.0
+        if args["rope_scale"] is None
+        else V.positive_real(args["rope_scale"], "rope_scale", none="1")
     )
     if inv is not None:
         freq = _rope._inv_freq(inv, None, dr)
@@ -308,7 +313,7 @@ def _tables(
                 f"{V.shape_str(freq.shape)}"
             )
     else:
-        freq = _rope.inverse_frequencies(_rope._theta(theta), dr)
+        freq = _rope.inverse_frequencies(V.positive_real(theta, "rope_theta"), dr)
     pos = args["positions"]
     if pos is None:
         p = np.arange(n_past, n_past + n, dtype=np.float64)[None]
@@ -346,13 +351,7 @@ def _rotate(
     x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool, inverse: bool = False
 ) -> None:
     """Rotate the pairs of ``x`` in place (``inverse``: the transpose, for gradients)."""
-    x1, x2 = _pairs(x, interleave)
-    if inverse:
-        sin = -sin
-    t = x1 * cos - x2 * sin
-    x2 *= cos
-    x2 += x1 * sin
-    x1[...] = t
+    _rope.rotate_pairs(*_pairs(x, interleave), cos, sin, inverse)
 
 
 # -- forward ----------------------------------------------------------------------------------

@@ -199,31 +199,6 @@ def scaled_dot_product_attention(
     return _args.with_weights(out, weights, mode, batch, (h, n_q, d_v), lse_out, half)
 
 
-_Opt = np.ndarray | None
-# The leading arguments of core.mha_forward / mha_backward, typed element by element so that
-# mypy checks the starred calls against the stub.
-_CoreArgs = tuple[
-    np.ndarray,
-    np.ndarray,
-    np.ndarray,
-    np.ndarray,
-    _Opt,
-    np.ndarray,
-    _Opt,
-    np.ndarray,
-    _Opt,
-    np.ndarray,
-    _Opt,
-    int,
-    int,
-    int,
-    int,
-    int,
-    _args.CoreMask,
-    float,
-]
-
-
 class _Mha(NamedTuple):
     rq: np.ndarray  # (B*n_q, d_q) rows, C-contiguous
     rk: np.ndarray
@@ -245,34 +220,13 @@ class _Mha(NamedTuple):
     def B(self) -> int:
         return V.count(self.batch)
 
-    def core_args(self) -> _CoreArgs:
+    def core_args(self) -> core.MhaArgs:
+        """The arguments core.mha_forward / mha_backward share."""
         w = self.w
-
-        def req(name: str) -> np.ndarray:  # the weights (biases are optional)
-            a = w[name]
-            assert a is not None
-            return a
-
-        return (
-            self.rq,
-            self.rk,
-            self.rv,
-            req("w_q"),
-            w["b_q"],
-            req("w_k"),
-            w["b_k"],
-            req("w_v"),
-            w["b_v"],
-            req("w_o"),
-            w["b_o"],
-            self.B,
-            self.n_q,
-            self.n_k,
-            self.h,
-            self.h_kv,
-            self.m.core_mask(),
-            self.m.scale,
-        )
+        return _args.projected_args(
+            core.MhaArgs, self, w, query=self.rq, key=self.rk, value=self.rv,
+            w_q=w["w_q"], b_q=w["b_q"], w_k=w["w_k"], b_k=w["b_k"],
+        )  # fmt: skip
 
 
 def _prepare_mha(args: dict[str, Any]) -> _Mha:
@@ -528,7 +482,7 @@ def multi_head_attention(
         state = _mha_state(a)
     if B * n_q > 0:
         if composed is None:
-            core.mha_forward(*a.core_args(), out, weights, state)
+            core.mha_forward(a.core_args(), out, weights, state)
             if lse is not None and state is not None:
                 lse = state["lse"]
         else:
@@ -687,7 +641,7 @@ def _mha_grads(
     grads.update(logit)  # the composed path also adds entries of its own (q_norm, k_norm)
     if kernel:
         if rope is None:
-            core.mha_backward(go2, *a.core_args(), grads, state)
+            core.mha_backward(go2, a.core_args(), grads, state)
         else:
             _rope.backward(go2, a, rope, grads)
     logit = {n: grads.pop(n) for n in logit}

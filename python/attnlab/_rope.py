@@ -29,7 +29,6 @@ fused C++ call.
 
 from __future__ import annotations
 
-import numbers
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -68,31 +67,6 @@ class Composed(NamedTuple):
 # The keyword arguments that send a multi-head call down the composed path (attnlab.vjp reads
 # them without binding the signature).
 COMPOSED_ARGS = ("rope_theta", "rope_inv_freq", "q_norm", "k_norm", "precision")
-
-
-def _real(x: Any, name: str, what: str) -> float:
-    """A finite real > 0 (``what`` describes None's meaning, for the message)."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
-        raise TypeError(
-            f"{name}: expected a positive real number or None ({what}), got "
-            f"{type(x).__name__} {x!r}"
-        )
-    t = float(x)
-    if not (np.isfinite(t) and t > 0):
-        raise ValueError(f"{name}: expected a finite number > 0, got {t}")
-    return t
-
-
-def _theta(rope_theta: Any) -> float:
-    if isinstance(rope_theta, (bool, np.bool_)) or not isinstance(rope_theta, numbers.Real):
-        raise TypeError(
-            f"rope_theta: expected a positive real number or None, got "
-            f"{type(rope_theta).__name__} {rope_theta!r}"
-        )
-    t = float(rope_theta)
-    if not (np.isfinite(t) and t > 0):
-        raise ValueError(f"rope_theta: expected a finite number > 0, got {t}")
-    return t
 
 
 def _positions_array(p: Any, name: str, n: int, batch: tuple[int, ...]) -> np.ndarray:
@@ -218,7 +192,9 @@ def prepare(
                     f"are off when both are None)"
                 )
         return None
-    scale = 1.0 if rope_scale is None else _real(rope_scale, "rope_scale", "1: unscaled")
+    scale = (
+        1.0 if rope_scale is None else V.positive_real(rope_scale, "rope_scale", none="1: unscaled")
+    )
     if rope_inv_freq is not None:
         if rope_theta is not None:
             raise ValueError(
@@ -230,7 +206,7 @@ def prepare(
         cq, sq = tables(inv, pq, dtype, scale)
         ck, sk = tables(inv, pk, dtype, scale)
         return Rope(2 * inv.shape[0], cq, sq, ck, sk)
-    theta = _theta(rope_theta)
+    theta = V.positive_real(rope_theta, "rope_theta")
     if rope_dim is None:
         if d_head % 2:
             raise ValueError(
@@ -288,7 +264,7 @@ def prepare_for(a: _Mha, args: dict[str, Any]) -> Composed | None:
             raise ValueError("norm_eps: given without q_norm or k_norm")
         if rope is None and not bf16:
             return None
-    eps = 1e-6 if eps is None else _real(eps, "norm_eps", "1e-6")
+    eps = 1e-6 if eps is None else V.positive_real(eps, "norm_eps", none="1e-6")
     return Composed(rope, q_norm, k_norm, eps, bf16)
 
 
@@ -297,8 +273,14 @@ def rotate(
 ) -> None:
     """Rotate ``x`` ``(B, n, heads, d_head)`` in place; ``inverse`` applies the transpose."""
     half = dim // 2
-    x1 = x[..., :half]
-    x2 = x[..., half:dim]
+    rotate_pairs(x[..., :half], x[..., half:dim], cos, sin, inverse)
+
+
+def rotate_pairs(
+    x1: np.ndarray, x2: np.ndarray, cos: np.ndarray, sin: np.ndarray, inverse: bool = False
+) -> None:
+    """Rotate the pairs ``(x1, x2)`` (two views of one array) in place by the angles of
+    ``cos`` and ``sin``; ``inverse`` applies the transpose (for gradients)."""
     if inverse:
         sin = -sin
     a = x1 * cos - x2 * sin

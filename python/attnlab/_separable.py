@@ -69,21 +69,20 @@ def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
     batch = tuple(xa.shape[:-2])
     kp = _args.pooled_padding(args, batch, n)
     B = V.count(batch)
+    # the kernel's rows (none without features: the kernel is not called)
+    xr = V.rows(xa, batch, dtype) if d else None
     return dict(
         x_shape=xa.shape,
-        # the kernel's rows (none without features: the kernel is not called)
-        xr=V.rows(xa, batch, dtype) if d else None,
-        wqkv=wqkv,
-        bqkv=bqkv,
-        wo=wo,
-        bo=bo,
+        # the arrays the kernels read, by argument name: the gradients take their names
+        arrays=dict(x=xr, w_qkv=wqkv, b_qkv=bqkv, w_o=wo, b_o=bo),
         B=B,
         n=n,
         d=d,
         d_out=d_out,
-        kp=kp,
         batch=batch,
         dtype=dtype,
+        # the other fields of core.SeparableArgs
+        options=dict(batch=B, n=n, key_padding_mask=kp),
     )
 
 
@@ -162,14 +161,12 @@ def separable_attention(
         a = _memory.owned(a)
         state = _separable_state(a)
         _keep.update(prepared=a, state=state, halves=_half.halves(args))
-    bo = a["bo"]
+    bo = a["arrays"]["b_o"]
     if out.size:
         if d == 0:  # no features: no keys or values, ctx is empty and out = b_o
             out[...] = 0.0 if bo is None else bo
         else:
-            core.separable_forward(
-                a["xr"], a["wqkv"], a["bqkv"], a["wo"], bo, B, n, a["kp"], out, state
-            )
+            core.separable_forward(core.SeparableArgs(**a["arrays"], **a["options"]), out, state)
     return _half.store(out.reshape(batch + (n, d_out)), _half.storage(args))
 
 
@@ -205,16 +202,16 @@ def _separable_grads(
     """As :func:`_additive_grads`, for a prepared separable call."""
     B, n, d, d_out, dtype = a["B"], a["n"], a["d"], a["d_out"], a["dtype"]
     go = _grad.grad_out_rows(grad_out, a["batch"] + (n, d_out), dtype)
-    params = {"w_qkv": a["wqkv"], "b_qkv": a["bqkv"], "w_o": a["wo"], "b_o": a["bo"]}
+    params = {k: v for k, v in a["arrays"].items() if k != "x"}
     # x's rows are absent without features (the kernel is not called): (B * n, 0) zeros
     grads = {"x": _memory.zeros((B * n, d), dtype), **_grad.grad_buffers(params, dtype)}
     if B * n > 0 and d_out > 0:
         if d == 0:  # out = b_o
-            if a["bo"] is not None:
+            if params["b_o"] is not None:
                 grads["b_o"] = go.sum(axis=0)
         else:
             core.separable_backward(
-                go, a["xr"], a["wqkv"], a["bqkv"], a["wo"], a["bo"], B, n, a["kp"], grads, state
+                go, core.SeparableArgs(**a["arrays"], **a["options"]), grads, state
             )
     grads["x"] = grads["x"].reshape(a["x_shape"])
     return grads

@@ -100,6 +100,23 @@ def check_scale(scale: Any, default: float) -> float:
     return s
 
 
+def positive_real(x: Any, name: str, *, none: str = "", off: bool = False) -> float:
+    """``x`` as a finite float > 0, for an option that may also be None (handled by the
+    caller): the TypeError says what None means (``none``), the ValueError, with ``off``, that
+    None turns the option off."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        meaning = f" ({none})" if none else ""
+        raise TypeError(
+            f"{name}: expected a positive real number or None{meaning}, got "
+            f"{type(x).__name__} {x!r}"
+        )
+    t = float(x)
+    if not (np.isfinite(t) and t > 0):
+        hint = " (or None for off)" if off else ""
+        raise ValueError(f"{name}: expected a finite number > 0{hint}, got {t}")
+    return t
+
+
 def precision_bf16(precision: Any, dtype: np.dtype) -> bool:
     """Whether ``precision`` asks for bf16 products: ``None`` (exact in the input dtype) or
     ``"bf16"`` (float32 inputs only)."""

@@ -281,6 +281,41 @@ def _tree(dsk: dict, name: str, prefix: tuple, parts: list[Any], split_every: in
     return parts[0]
 
 
+def _merged(
+    dsk: dict,
+    name: str,
+    block: tuple,
+    parts: list[Any],
+    sinks: _Operand | None,
+    idx: dict[Any, int],
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    split_every: int,
+) -> Any:
+    """The root of the merge tree of a query block's parts (keys of ``(out, lse)``, one per key
+    block it may see, outputs of ``shape``): with the sinks' part, and an empty part when no
+    key block may be seen."""
+    parts = list(parts)
+    if sinks is not None:
+        key = (f"{name}-sinks", *block)
+        dsk[key] = (_sink_part, _key(sinks, idx), shape, dtype)
+        parts.append(key)
+    if not parts:
+        key = (f"{name}-empty", *block)
+        dsk[key] = (_empty_part, shape, dtype)
+        parts.append(key)
+    return _tree(dsk, name, block, parts, split_every)
+
+
+def _lead(x: da.Array, nb: int, core_roles: tuple[Any, ...]) -> _Operand:
+    """``x`` as an operand whose last axes have ``core_roles`` and whose leading axes are the
+    last of the ``nb`` batch axes (axes of length 1 added in front up to the full rank)."""
+    if x.ndim < nb + len(core_roles):
+        x = x[(None,) * (nb + len(core_roles) - x.ndim)]
+    batch_roles = tuple(("b", i) for i in range(nb))
+    return _Operand(x, batch_roles[nb - (x.ndim - len(core_roles)) :] + core_roles)
+
+
 def _split_every(split_every: Any) -> int:
     s = V.check_positive_int(split_every, "split_every")
     if s < 2:
@@ -397,17 +432,13 @@ def scaled_dot_product_attention(
     batch, nb, h = a.batch, len(a.batch), a.h
     bro = tuple(("b", i) for i in range(nb))
 
-    def lead(x: da.Array, core_roles: tuple[Any, ...]) -> _Operand:
-        x = x[(None,) * (nb + len(core_roles) - x.ndim)] if x.ndim < nb + len(core_roles) else x
-        return _Operand(x, bro[nb - (x.ndim - len(core_roles)) :] + core_roles)
-
     ops = {
-        "q": lead(qd.astype(dtype), (None, "q", None)),
-        "k": lead(kd.astype(dtype), (None, "k", None)),
-        "v": lead(vd.astype(dtype), (None, "k", None)),
+        "q": _lead(qd.astype(dtype), nb, (None, "q", None)),
+        "k": _lead(kd.astype(dtype), nb, (None, "k", None)),
+        "v": _lead(vd.astype(dtype), nb, (None, "k", None)),
     }
     if md is not None:
-        ops["mask"] = lead(md if md.dtype.kind == "b" else md.astype(dtype), (None, "q", "k"))
+        ops["mask"] = _lead(md if md.dtype.kind == "b" else md.astype(dtype), nb, (None, "q", "k"))
     chunks = _chunks_for(list(ops.values()), batch)
     ops = {n: _aligned(op, chunks) for n, op in ops.items()}
     alibi = _per_head(a.m.alibi, batch, h, "attnlab-alibi")
@@ -461,16 +492,8 @@ def scaled_dot_product_attention(
                     opts,
                 )
                 parts.append(key)
-            if sinks_op is not None:
-                key = (f"{name}-sinks", *bidx, qi)
-                dsk[key] = (_sink_part, _key(sinks_op, idx), out_shape, dtype)
-                parts.append(key)
-            if not parts:
-                key = (f"{name}-empty", *bidx, qi)
-                dsk[key] = (_empty_part, out_shape, dtype)
-                parts.append(key)
-            at = (*bidx, 0, qi, 0)
-            roots[at] = _tree(dsk, name, (*bidx, qi), parts, s_every)
+            root = _merged(dsk, name, (*bidx, qi), parts, sinks_op, idx, out_shape, dtype, s_every)
+            roots[(*bidx, 0, qi, 0)] = root
     deps = [op.x for op in ops.values()] + [o.x for o in (alibi, sinks_op) if o is not None]
     out_chunks = tuple(chunks[r] for r in bro) + ((h,), chunks["q"], (a.d_v,))
     for idx_, root in roots.items():
@@ -809,23 +832,18 @@ def multi_head_attention(
     nb = len(batch)
     bro = tuple(("b", i) for i in range(nb))
 
-    def lead(arr: da.Array, core_roles: tuple[Any, ...]) -> _Operand:
-        if arr.ndim < nb + len(core_roles):
-            arr = arr[(None,) * (nb + len(core_roles) - arr.ndim)]
-        return _Operand(arr, bro[nb - (arr.ndim - len(core_roles)) :] + core_roles)
-
     ops: dict[str, _Operand] = {
-        "query": lead(xq.astype(dtype), ("q", None)),
-        "key": lead(xk.astype(dtype), ("k", None)),
-        "value": lead(xv.astype(dtype), ("k", None)),
+        "query": _lead(xq.astype(dtype), nb, ("q", None)),
+        "key": _lead(xk.astype(dtype), nb, ("k", None)),
+        "value": _lead(xv.astype(dtype), nb, ("k", None)),
     }
     if md is not None:
-        ops["mask"] = lead(md if md.dtype.kind == "b" else md.astype(dtype), (None, "q", "k"))
+        ops["mask"] = _lead(md if md.dtype.kind == "b" else md.astype(dtype), nb, (None, "q", "k"))
     if kd is not None:
-        ops["kp"] = lead(kd, ("k",))
+        ops["kp"] = _lead(kd, nb, ("k",))
     for nm, p in (("pq", pq), ("pk", pk)):
         if p is not None:
-            ops[nm] = lead(da.from_array(p, chunks=p.shape), ("q" if nm == "pq" else "k",))
+            ops[nm] = _lead(da.from_array(p, chunks=p.shape), nb, ("q" if nm == "pq" else "k",))
     chunks = _chunks_for([ops[n] for n in ("query", "key", "value")], batch)
     ops = {n: _aligned(op, chunks) for n, op in ops.items()}
     alibi = _per_head(m.alibi, batch, h, "attnlab-alibi")
@@ -936,15 +954,7 @@ def multi_head_attention(
                 )
                 parts.append(part)
             ctx_shape = bsizes + (h, nq, d_vhead)
-            if sinks_op is not None:
-                sk = (f"{name}-sinks", *bidx, qi)
-                dsk[sk] = (_sink_part, _key(sinks_op, idx), ctx_shape, dtype)
-                parts.append(sk)
-            if not parts:
-                ek = (f"{name}-empty", *bidx, qi)
-                dsk[ek] = (_empty_part, ctx_shape, dtype)
-                parts.append(ek)
-            root = _tree(dsk, name, (*bidx, qi), parts, s_every)
+            root = _merged(dsk, name, (*bidx, qi), parts, sinks_op, idx, ctx_shape, dtype, s_every)
             ok = (f"{name}-out", *bidx, qi)
             dsk[ok] = (_mha_output, root, wkey)
             at = (*bidx, qi)

@@ -855,7 +855,7 @@ class LatentAttention(_Layer):
         dv = V.check_positive_int(v_head_dim, "v_head_dim")
         self.d_out = _optional_int(d_out, "d_out", d)
         self.bias = _bool(bias, "bias")
-        self.rope_theta = _rope._theta(rope_theta)
+        self.rope_theta = V.positive_real(rope_theta, "rope_theta")
         self.rope_interleave = _bool(rope_interleave, "rope_interleave")
         if q_lora_rank is None:
             self._weight("w_q", d, h * (dn + dr))

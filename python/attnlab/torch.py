@@ -419,22 +419,7 @@ _LATENT_DOC = """\
     """
 latent_attention = _wrapper(
     _latent.latent_attention,
-    (
-        "x",
-        "w_q",
-        "w_q_a",
-        "b_q_a",
-        "q_a_norm",
-        "w_q_b",
-        "w_kv_a",
-        "b_kv_a",
-        "kv_a_norm",
-        "w_kv_b",
-        "w_o",
-        "b_o",
-        "cache",
-        "sinks",
-    ),
+    ("x", *_latent.WEIGHTS, "cache", "sinks"),
     _LATENT_DOC,
     origin="DeepSeek-V2/V3",
 )

@@ -54,12 +54,17 @@ ATTNLAB_BF16_TARGET inline void pack_weight_block(Index kb, Index in, Index out,
                                 vnni_row(w, out, in, out, kb * 32 + 2 * r, nb * 16));
 }
 
-// C (32 x 32 floats, row stride 32) = rows [32 mb, 32 mb + 32) of xp times columns
-// [32 nb, 32 nb + 32) of the packed weight.
+// C (32 x 32 floats, row stride 32) += rows [32 mb, 32 mb + 32) of xp times columns
+// [32 nb, 32 nb + 32) of the packed weight, over the k-blocks [kb0, kb1) (C zero first if
+// kb0 = 0): the tiles sum the input features in order, so splitting them is exact.
 ATTNLAB_AMX_TARGET inline void tile_block(Index kp, Index np, const std::uint16_t* xp,
-                                          const std::uint16_t* wp, Index mb, Index nb, float* c) {
-    zero_2x2();
-    for (Index kb = 0; kb < kp / 32; ++kb) {
+                                          const std::uint16_t* wp, Index mb, Index nb, Index kb0,
+                                          Index kb1, float* c) {
+    if (kb0 == 0)
+        zero_2x2();
+    else
+        load_2x2(c, 32);
+    for (Index kb = kb0; kb < kb1; ++kb) {
         const std::uint16_t* b = wp + (kb * (np / 16) + 2 * nb) * 512;
         dp_2x2(xp + mb * 32 * kp + kb * 32, kp, b, b + 512);
     }
@@ -83,15 +88,24 @@ inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, 
     const Index mblocks = mp / 32, nblocks = np / 32;
     // a task: 32 rows by up to kGroup blocks of 32 columns, the tiles configured once and the
     // row panel of xp kept in L1 across its column blocks
-    constexpr Index kGroup = 8;
+    constexpr Index kGroup = 8, kSpan = 12;
     const Index groups = (nblocks + kGroup - 1) / kGroup;
     parallel_for(mblocks * groups, [&](Index t) {
         const Index mb = t / groups, nb0 = (t % groups) * kGroup;
         const Index m_rows = std::min<Index>(32, rows - mb * 32);
-        alignas(64) float c[32 * 32];
+        const Index nb1 = std::min(nblocks, nb0 + kGroup);
+        float* cs =
+            scratch<float>(ScratchBuffer::kGemmTiles, static_cast<std::size_t>(kGroup * 1024));
         tiles_on();
-        for (Index nb = nb0; nb < std::min(nblocks, nb0 + kGroup); ++nb) {
-            tile_block(kp, np, xp.get(), wp.get(), mb, nb, c);
+        // the input features in spans of kSpan k-blocks, so that the span of the row panel
+        // stays in L1 across the group's column blocks
+        for (Index kb0 = 0; kb0 < kp / 32; kb0 += kSpan)
+            for (Index nb = nb0; nb < nb1; ++nb)
+                tile_block(kp, np, xp.get(), wp.get(), mb, nb, kb0, std::min(kp / 32, kb0 + kSpan),
+                           cs + (nb - nb0) * 1024);
+        tiles_off();
+        for (Index nb = nb0; nb < nb1; ++nb) {
+            const float* c = cs + (nb - nb0) * 1024;
             const Index cols = std::min<Index>(32, out - nb * 32);
             for (Index half = 0; half < 2; ++half) {  // y = c + b, 16 columns at a time
                 const Index left = cols - half * 16;
@@ -105,7 +119,6 @@ inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, 
                         _mm512_add_ps(_mm512_load_ps(c + i * 32 + half * 16), bias));
             }
         }
-        tiles_off();
     });
 }
 #endif
