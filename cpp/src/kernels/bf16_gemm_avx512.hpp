@@ -9,6 +9,7 @@
 #include "attnlab/threading.hpp"
 #include "bf16.hpp"
 #include "bf16_vdp.hpp"
+#include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace detail {
@@ -24,7 +25,8 @@ ATTNLAB_BF16_TARGET inline void vdp_linear_block(Index rows, Index out, Index kp
                                                  const std::uint16_t* xp, const std::uint16_t* wp,
                                                  const float* b, float* y, Index ldy, Index mb,
                                                  Index nb0, Index nb1) {
-    alignas(64) float c[32 * kVdpGroup * 32];
+    float* c =
+        scratch<float>(ScratchBuffer::kGemmTiles, static_cast<std::size_t>(kVdpGroup * 1024));
     const Index ldc = (nb1 - nb0) * 32, m_rows = std::min<Index>(32, rows - mb * 32);
     const Index mr = (m_rows + kVdpRows - 1) / kVdpRows * kVdpRows;
     const auto* a = reinterpret_cast<const std::uint32_t*>(xp) + mb * 32 * (kp / 2);
