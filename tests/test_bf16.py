@@ -58,8 +58,8 @@ def test_linear_bf16_rounding_edges():
 
 
 def test_amx_and_emulation_agree_to_the_order_of_the_sums():
-    """The same products on the other kernel (ATTNLAB_AMX=0 forces the emulation), in a
-    subprocess: within K 2**-24 of |x| |w|, the float32 sums' order."""
+    """The same products on the other kernel (ATTNLAB_AMX=0 and ATTNLAB_AVX512_BF16=0 force the
+    emulation), in a subprocess: within K 2**-24 of |x| |w|, the float32 sums' order."""
     info = attnlab.build_info()
     if info["bf16_kernel"] != "amx":
         pytest.skip(f"this CPU runs the {info['bf16_kernel']} bf16 kernel: no AMX to compare")
@@ -75,7 +75,7 @@ def test_amx_and_emulation_agree_to_the_order_of_the_sums():
         "print(json.dumps([attnlab.build_info()['bf16_kernel'], y.tolist()]))"
     )
     pkg = str(Path(attnlab.__file__).resolve().parents[1])
-    env = dict(os.environ, ATTNLAB_AMX="0")
+    env = dict(os.environ, ATTNLAB_AMX="0", ATTNLAB_AVX512_BF16="0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg, env.get("PYTHONPATH")) if p)
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
@@ -231,7 +231,7 @@ def test_sdpa_bf16_amx_and_emulation_agree():
     pkg = str(Path(attnlab.__file__).resolve().parents[1])
     outs = []
     for amx in ("1", "0"):
-        env = dict(os.environ, ATTNLAB_AMX=amx)
+        env = dict(os.environ, ATTNLAB_AMX=amx, ATTNLAB_AVX512_BF16="0")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg, env.get("PYTHONPATH")) if p)
         path = Path(os.environ.get("TMPDIR", "/tmp")) / f"attnlab-bf16-{os.getpid()}-{amx}.npy"
         subprocess.run([sys.executable, "-c", code, str(path)], env=env, check=True)
