@@ -531,8 +531,9 @@ def bilinear_attention(
         ``X_v w_v + b_v`` and the context; ``u_k``, ``b_v`` and ``b_o`` are added unrounded, in
         float32. The softmax statistics are float32 and the probabilities are rounded to
         bfloat16 for their product with the values, as in
-        :func:`scaled_dot_product_attention`'s ``precision="bf16"``: on AMX tiles where the CPU
-        has them (``build_info()["bf16_kernel"]``), with the same rounding emulated elsewhere.
+        :func:`scaled_dot_product_attention`'s ``precision="bf16"``: on AMX tiles or
+        ``VDPBF16PS`` where the CPU has them (``build_info()["bf16_kernel"]``), with the same
+        rounding emulated elsewhere.
         :func:`attnlab.reference.bilinear_attention` rounds the same operands in float64 (not
         the probabilities: their rounding is within the bound). The error against the exact
         result is of the order of bfloat16's unit roundoff ``2**-8``, relative (the bound is in

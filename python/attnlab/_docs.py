@@ -32,8 +32,8 @@ FRAGMENTS = {
         '    ``None``: exact in the input dtype. ``"bf16"`` (float32 or half inputs): ``q``,\n'
         "    ``k``, ``v`` rounded to bfloat16, the scores and the context summed in float32, the\n"
         "    softmax statistics in float32 and the probabilities rounded to bfloat16 for their\n"
-        "    product with ``v``: on AMX tiles where the CPU has them\n"
-        '    (``build_info()["bf16_kernel"]``) and emulated elsewhere; the two agree within\n'
+        "    product with ``v``: on AMX tiles, or ``VDPBF16PS`` on AMD CPUs with AVX512-BF16\n"
+        '    (``build_info()["bf16_kernel"]``), and emulated elsewhere; they agree within\n'
         "    ``2**-8 max|v|`` (a probability may\n"
         "    round to the neighbouring bfloat16 where the running maximum moves at another key\n"
         "    or by the AMX kernel's exponential, a polynomial within 3e-6 relative). The\n"
