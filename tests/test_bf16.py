@@ -58,8 +58,8 @@ def test_linear_bf16_rounding_edges():
 
 
 def test_amx_and_emulation_agree_to_the_order_of_the_sums():
-    """The same products on the other kernel (ATTNLAB_AMX=0 forces the emulation), in a
-    subprocess: within K 2**-24 of |x| |w|, the float32 sums' order."""
+    """The same products on the other kernel (ATTNLAB_AMX=0 and ATTNLAB_AVX512_BF16=0 force the
+    emulation), in a subprocess: within K 2**-24 of |x| |w|, the float32 sums' order."""
     info = attnlab.build_info()
     if info["bf16_kernel"] != "amx":
         pytest.skip(f"this CPU runs the {info['bf16_kernel']} bf16 kernel: no AMX to compare")
@@ -75,7 +75,7 @@ def test_amx_and_emulation_agree_to_the_order_of_the_sums():
         "print(json.dumps([attnlab.build_info()['bf16_kernel'], y.tolist()]))"
     )
     pkg = str(Path(attnlab.__file__).resolve().parents[1])
-    env = dict(os.environ, ATTNLAB_AMX="0")
+    env = dict(os.environ, ATTNLAB_AMX="0", ATTNLAB_AVX512_BF16="0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg, env.get("PYTHONPATH")) if p)
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
@@ -231,7 +231,7 @@ def test_sdpa_bf16_amx_and_emulation_agree():
     pkg = str(Path(attnlab.__file__).resolve().parents[1])
     outs = []
     for amx in ("1", "0"):
-        env = dict(os.environ, ATTNLAB_AMX=amx)
+        env = dict(os.environ, ATTNLAB_AMX=amx, ATTNLAB_AVX512_BF16="0")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg, env.get("PYTHONPATH")) if p)
         path = Path(os.environ.get("TMPDIR", "/tmp")) / f"attnlab-bf16-{os.getpid()}-{amx}.npy"
         subprocess.run([sys.executable, "-c", code, str(path)], env=env, check=True)
@@ -274,3 +274,15 @@ def test_sdpa_precision_errors():
         attnlab.scaled_dot_product_attention(q, q, q, precision="bf16")
     with pytest.raises(ValueError, match="precision: expected None or 'bf16', got 'tf32'"):
         attnlab.scaled_dot_product_attention(q, q, q, precision="tf32")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_without_features_writes_the_bias(bias):
+    """An empty sum over no input feature is the bias (or 0) on either kernel."""
+    x = np.zeros((5, 0), np.float32)
+    w = np.zeros((0, 7), np.float32)
+    b = np.arange(7, dtype=np.float32) if bias else None
+    for bf16 in (False, True):
+        y = np.full((5, 7), np.nan, np.float32)
+        core.linear_forward(x, w, b, y, bf16)
+        np.testing.assert_array_equal(y, np.broadcast_to(b if bias else 0.0, y.shape))

@@ -18,6 +18,7 @@ in float64, bfloat16 refused, no ``precision=`` parameter); any other outcome is
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -230,6 +231,65 @@ def test_sdpa_vjp_within_bound(shape, path):
     _finish(bwd)
 
 
+# ----------------------------------------------------------------- merge_attention
+
+
+def _merge_case(shape: tuple) -> tuple[dict[str, Any], np.ndarray, list[tuple[int, int]]]:
+    """SDPA's case with a boolean mask in place of its options (a mask splits with the keys;
+    a causal mode or a window would not): bottom-right causal, and query row 0 seeing no key
+    at all; the keys cut into up to three parts."""
+    args, _ = _sdpa_case(shape[:-1] + ({},))
+    n_q, n_k = shape[3], shape[4]
+    mask = np.tril(np.ones((n_q, n_k), bool), k=n_k - n_q)
+    mask[0] = False
+    cuts = sorted({0, n_k // 3, 2 * n_k // 3, n_k})
+    return args, mask, list(itertools.pairwise(cuts))
+
+
+@pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
+@pytest.mark.parametrize("shape", SDPA_SHAPES[1:], ids=str)  # (the first's one query sees none)
+def test_merge_attention_within_bound(shape, path):
+    """SDPA over parts of the half-precision keys, merged: ``out`` in the parts' dtype, ``lse``
+    float32. Within SDPA's bound of the float64 attention over all the float32 keys (each
+    part's output is rounded to the storage, and the merged one once more: 2u of the bound's
+    4u(1 + rho)); beside SDPA over all the half keys: the same log-sum-exp to float32's sums,
+    the output within the three roundings 3u (the parts', the merged one's, the whole's);
+    a row with no key in any part is 0 with a log-sum-exp of -inf."""
+    _, dtype, _, u = path
+    args, mask, parts = _merge_case(shape)
+    q, k, v = (args[n].astype(dtype) for n in ("q", "k", "v"))
+    kw = {"warn_empty_rows": False, "return_lse": True}
+    pieces = [
+        attnlab.scaled_dot_product_attention(
+            q, k[..., a:b, :], v[..., a:b, :], mask=mask[:, a:b], **kw
+        )
+        for a, b in parts
+    ]
+    out, lse = attnlab.merge_attention([p[0] for p in pieces], [p[1] for p in pieces])
+    assert out.dtype == dtype and lse.dtype == np.float32
+    want = reference.scaled_dot_product_attention(**args, mask=mask, warn_empty_rows=False)
+    err = _rel(out, want)
+    bound = error_bound(u, _sdpa_rho(args), max(shape[4:7]), FORWARD_C)
+    assert 0.0 < err <= bound, f"error {err:.3g} above its bound {bound:.3g}"
+    whole, whole_lse = attnlab.scaled_dot_product_attention(q, k, v, mask=mask, **kw)
+    assert _rel(out, whole) <= 3 * u
+    np.testing.assert_allclose(lse, whole_lse, rtol=1e-5, atol=1e-5)
+    assert np.isneginf(lse[..., 0]).all() and not np.asarray(out[..., 0, :], np.float64).any()
+
+
+@NO_ML_DTYPES
+def test_merge_attention_mixed_half_dtypes_compute_and_return_float32():
+    """Outputs of different half dtypes (or half with float32) follow ``np.result_type``'s
+    rule of the other functions: float32, not a half storage."""
+    rng = np.random.default_rng(13)
+    o = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    s = rng.standard_normal((2, 3)).astype(np.float32)
+    for other in (bfloat16, np.dtype(np.float32)):
+        out, lse = attnlab.merge_attention([o.astype(np.float16), o.astype(other)], [s, s])
+        assert out.dtype == lse.dtype == np.float32
+        np.testing.assert_allclose(out, o, rtol=2.0**-8)
+
+
 # ----------------------------------------------------------------- multi-head attention
 
 # (B, n, d_model, h, h_kv, options)
@@ -293,16 +353,17 @@ def test_mha_vjp_within_bound(shape, path):
 
 # ----------------------------------------------------------------- bilinear attention
 
-BILINEAR_SHAPES = [s for s in MHA_SHAPES if s[3] == s[4]]
+BILINEAR_SHAPES = MHA_SHAPES
 
 
 def _bilinear_case(shape: tuple) -> tuple[dict[str, Any], dict[str, Any], float, int]:
     """Folded weights as plain arrays (``w_qk``, ``u_k``: so that they are stored in the path's
-    dtype); the logits' factors are the query rows times ``W_i`` and the key rows."""
-    B, n, d, h, _, opts = shape
+    dtype); the logits' factors are the query rows times ``W_i`` and the key rows. Grouped
+    values when ``h_kv < h`` (the folded matrices stay one per query head)."""
+    B, n, d, h, h_kv, opts = shape
     rng = np.random.default_rng(B * n + d + 1)
-    w = make_mha_weights(rng, d, h, d // h, dtype=np.float32)
-    qk = attnlab.collapse_qk(w["w_q"], w["w_k"], w["b_q"], w["b_k"], num_heads=h)
+    w = make_mha_weights(rng, d, h, d // h, num_kv_heads=h_kv, dtype=np.float32)
+    qk = attnlab.collapse_qk(w["w_q"], w["w_k"], w["b_q"], w["b_k"], num_heads=h, num_kv_heads=h_kv)
     x = rng.standard_normal((B, n, d)).astype(np.float32)
     args = {
         "query": x,
@@ -312,7 +373,7 @@ def _bilinear_case(shape: tuple) -> tuple[dict[str, Any], dict[str, Any], float,
     }
     scale = 1.0 / math.sqrt(d // h)
     xw = np.einsum("bnd,hde->bhne", x.astype(np.float64), qk.w)
-    kw = {"num_heads": h, "scale": scale, **opts}
+    kw = {"num_heads": h, "num_kv_heads": h_kv, "scale": scale, **opts}
     return args, kw, logit_scale(xw, x, scale), max(d, n)
 
 

@@ -129,7 +129,11 @@ def build_info() -> dict[str, Any]:
         ``compiler``, ``eigen_version``; ``num_threads`` and ``num_threads_source``
         (``"set_num_threads"``, ``"ATTNLAB_NUM_THREADS"``, ``"sched_getaffinity"``,
         ``"cgroup cpu quota"`` or ``"hardware_concurrency"``, with a note when it was reduced);
-        ``cpu_features``, the instruction sets (and OS register state) the CPU reports.
+        ``cpu_features``, the instruction sets (and OS register state) the CPU reports;
+        ``bf16_kernel``, what ``precision="bf16"`` runs on: ``"amx"`` (TDPBF16PS tiles),
+        ``"avx512_bf16"`` (VDPBF16PS, without usable AMX: by default on AMD CPUs only;
+        ``ATTNLAB_AVX512_BF16=1`` or ``0`` forces it on or off) or ``"emulated"`` (the same
+        roundings on the float32 kernels); ``ATTNLAB_AMX=0`` turns AMX off.
 
     Examples
     --------

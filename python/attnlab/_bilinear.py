@@ -331,19 +331,40 @@ class _Prepared(NamedTuple):
     m: _args.Masks
     mode: str | None
     order: str
+    bf16: bool  # precision="bf16" (the query order)
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """query, key, value as contiguous (B * n, d) rows (shared when key/value default)."""
         return self.x.rows(self.batch, self.dtype)
 
     def core_args(self) -> core.BilinearArgs:
-        """The arguments core.bilinear_forward / bilinear_backward share."""
+        """The arguments core.bilinear_forward / bilinear_backward share; with ``bf16`` (the
+        backward's) the inputs and the weights ``w_qk``, ``w_v``, ``w_o`` rounded to bfloat16."""
         query, key, value = self.rows()
-        layers = {"w_v": self.wv, "b_v": self.bv, "w_o": self.wo, "b_o": self.bo}
+        wqk, wv, wo = self.wqk, self.wv, self.wo
+        if self.bf16:
+            query, key, value, wqk, wv, wo = _rounded_bf16(query, key, value, wqk, wv, wo)
+        layers = {"w_v": wv, "b_v": self.bv, "w_o": wo, "b_o": self.bo}
         return _args.projected_args(
             core.BilinearArgs, self, layers, query=query, key=key, value=value,
-            w_qk=self.wqk, u_k=self.uk,
+            w_qk=wqk, u_k=self.uk,
         )  # fmt: skip
+
+
+def _rounded_bf16(*arrays: np.ndarray) -> list[np.ndarray]:
+    """float32 ``arrays`` rounded to the nearest bfloat16 (ties to even), as float32 copies:
+    subnormals to signed zero, NaN and Inf kept (the kernels' rounding, ``round_bf16`` in
+    cpp/src/kernels/bf16.hpp). An array passed twice is rounded once (shared rows stay so)."""
+    done: dict[int, np.ndarray] = {}
+    for x in arrays:
+        if id(x) not in done:
+            u = x.view(np.uint32)
+            r = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) & np.uint32(
+                0xFFFF0000
+            )
+            r = np.where((u & np.uint32(0x7F800000)) == 0, u & np.uint32(0x80000000), r)
+            done[id(x)] = np.where(np.isnan(x), x, r.view(np.float32))
+    return [done[id(x)] for x in arrays]
 
 
 def _prepare(args: dict[str, Any]) -> _Prepared:
@@ -420,7 +441,12 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
     mode = V.weights_mode(args["return_weights"])
     m = _args.masks(args, batch, h, n_q, n_k, dtype, 1.0 / math.sqrt(d_head) if d_head > 0 else 1.0)
     B = V.count(batch)
-    if _order is None:
+    bf16 = V.precision_bf16(args["precision"], dtype)
+    if bf16 and _order == "key":
+        raise ValueError("_order: precision='bf16' evaluates the query order only, got 'key'")
+    if bf16:  # one definition of the rounded products: the query order's
+        order = "query"
+    elif _order is None:
         order = collapsed_order(
             n_q=n_q, n_k=n_k, d_q=d_q, d_k=d_k, num_heads=h, batch=B, key_bias=uk is not None
         )
@@ -429,7 +455,7 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
     else:
         raise ValueError(f"_order: expected None, 'query' or 'key', got {_order!r}")
     return _Prepared(
-        dtype, batch, B, n_q, n_k, d_out, h, h_kv, x, wqk, uk, wv, bv, wo, bo, m, mode, order
+        dtype, batch, B, n_q, n_k, d_out, h, h_kv, x, wqk, uk, wv, bv, wo, bo, m, mode, order, bf16
     )
 
 
@@ -457,6 +483,7 @@ def bilinear_attention(
     scale: float | None = None,
     return_weights: bool | str = False,
     return_lse: bool = False,
+    precision: str | None = None,
     warn_empty_rows: bool = True,
     _order: str | None = None,
     _keep: dict[str, Any] | None = None,
@@ -493,6 +520,26 @@ def bilinear_attention(
     scale : float, optional
         Default ``1/sqrt(d_head)`` for a BilinearQK, ``1/sqrt(d_q / num_heads)`` for a raw
         ``w_qk``.
+    precision : {None, "bf16"}, optional
+        ``None``: exact in the input dtype. ``"bf16"`` (float32 or half-precision inputs): the
+        query order
+        ``(X_q W_i + u_i) X_k^T`` whatever the cost model says, every matrix product's operands
+        rounded to bfloat16 (round to nearest even, subnormals to zero) and summed in float32.
+        The rounded operands are ``query``, ``key``, ``value``, ``w_qk`` (the folded matrices
+        as given: fold in float32, then round), ``w_v`` and ``w_o``, and the products that feed
+        a further product: the projected queries ``X_q W_i + u_i``, the values
+        ``X_v w_v + b_v`` and the context; ``u_k``, ``b_v`` and ``b_o`` are added unrounded, in
+        float32. The softmax statistics are float32 and the probabilities are rounded to
+        bfloat16 for their product with the values, as in
+        :func:`scaled_dot_product_attention`'s ``precision="bf16"``: on AMX tiles or
+        ``VDPBF16PS`` where the CPU has them (``build_info()["bf16_kernel"]``), with the same
+        rounding emulated elsewhere.
+        :func:`attnlab.reference.bilinear_attention` rounds the same operands in float64 (not
+        the probabilities: their rounding is within the bound). The error against the exact
+        result is of the order of bfloat16's unit roundoff ``2**-8``, relative (the bound is in
+        ``docs/guide.md``, "Precision"). Gradients (``*_backward``, ``vjp``) are those of the
+        float32 bilinear attention at ``query``, ``key``, ``value``, ``w_qk``, ``w_v`` and
+        ``w_o`` rounded to bfloat16 (``vjp``'s pullback recomputes them).
 
     {attention_returns}
 
@@ -524,6 +571,15 @@ def bilinear_attention(
     batch = a.batch
     out = _memory.empty((B * n_q, d_out), dtype)
     weights = _memory.empty((B, h, n_q, n_k), dtype) if mode else None
+    half = _half.storage(args)
+    if a.bf16:
+        lse = a.m.empty_lse(B, h, n_q, dtype) if lse_wanted else None  # what no key leaves
+        if _keep is not None:  # the pullback recomputes, at the rounded operands
+            a = _memory.owned(a)
+            _keep.update(prepared=a, state=None, halves=_half.halves(args))
+        if B * n_q > 0:
+            _bf16_forward(a, out, weights, lse)
+        return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse, half)
     state = None
     if _keep is not None:  # attnlab.vjp
         a = _memory.owned(a)
@@ -540,8 +596,44 @@ def bilinear_attention(
     if lse_wanted:
         assert state is not None
         lse = state["lse"] if B * n_q > 0 else a.m.empty_lse(B, h, n_q, dtype)
-    half = _half.storage(args)
     return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse, half)
+
+
+def _bf16_forward(
+    a: _Prepared, out: np.ndarray, weights: np.ndarray | None, lse: np.ndarray | None
+) -> None:
+    """precision="bf16" into ``out`` ``(B*n_q, d_out)`` (and ``weights``, ``lse``), composed
+    of the bf16 kernels: the projections ``X_q W_i + u_i`` (head by head: no copy of ``w_qk``
+    side by side, and faster than one wide product), ``X_v w_v + b_v`` and the output's by
+    ``linear_forward``, the attention core by ``sdpa_forward`` with the key rows as every
+    value head's keys (a zero-stride view: the rows are not copied per head)."""
+    B, h, h_kv, n_q, n_k, dtype = a.B, a.h, a.h_kv, a.n_q, a.n_k, a.dtype
+    query, key, value = a.rows()
+    d_k = a.wqk.shape[2]
+    d_vhead = a.wv.shape[1] // h_kv
+    proj = _memory.empty((h, B * n_q, d_k), dtype)
+    for i in range(h):
+        _linear_bf16(query, a.wqk[i], None if a.uk is None else a.uk[i], proj[i])
+    vals = _memory.empty((B * n_k, h_kv * d_vhead), dtype)
+    _linear_bf16(value, a.wv, a.bv, vals)
+    ctx = _memory.empty((B, n_q, h, d_vhead), dtype)
+    core.sdpa_forward(
+        proj.reshape(h, B, n_q, d_k).transpose(1, 0, 2, 3),
+        np.broadcast_to(key.reshape(B, 1, n_k, d_k), (B, h_kv, n_k, d_k)),
+        vals.reshape(B, n_k, h_kv, d_vhead).transpose(0, 2, 1, 3),
+        ctx.transpose(0, 2, 1, 3),
+        a.m.core_mask(),
+        a.m.scale,
+        weights,
+        lse,
+        True,
+    )
+    _linear_bf16(ctx.reshape(B * n_q, h * d_vhead), a.wo, a.bo, out)
+
+
+def _linear_bf16(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, y: np.ndarray) -> None:
+    """``y = x w + b`` with bf16 products (``linear_forward``; no feature: ``b`` or 0)."""
+    core.linear_forward(x, w, b, y, True)
 
 
 _BACKWARD_DOC = """\

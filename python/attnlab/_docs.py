@@ -29,11 +29,12 @@ FRAGMENTS = {
     # precision= of the attention core
     "precision_core": (
         'precision : {None, "bf16"}, optional\n'
-        '    ``None``: exact in the input dtype. ``"bf16"`` (float32 inputs): ``q``, ``k``,\n'
-        "    ``v`` rounded to bfloat16, the scores and the context summed in float32, the softmax\n"
-        "    statistics in float32 and the probabilities rounded to bfloat16 for their product\n"
-        '    with ``v``: on AMX tiles where the CPU has them (``build_info()["bf16_kernel"]``)\n'
-        "    and emulated elsewhere; the two agree within ``2**-8 max|v|`` (a probability may\n"
+        '    ``None``: exact in the input dtype. ``"bf16"`` (float32 or half inputs): ``q``,\n'
+        "    ``k``, ``v`` rounded to bfloat16, the scores and the context summed in float32, the\n"
+        "    softmax statistics in float32 and the probabilities rounded to bfloat16 for their\n"
+        "    product with ``v``: on AMX tiles, or ``VDPBF16PS`` on AMD CPUs with AVX512-BF16\n"
+        '    (``build_info()["bf16_kernel"]``), and emulated elsewhere; they agree within\n'
+        "    ``2**-8 max|v|`` (a probability may\n"
         "    round to the neighbouring bfloat16 where the running maximum moves at another key\n"
         "    or by the AMX kernel's exponential, a polynomial within 3e-6 relative). The\n"
         "    error against the exact result is of the order of bfloat16's unit roundoff\n"

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _half
 from . import _validate as V
 
 __all__ = ["merge_attention"]
@@ -36,7 +37,10 @@ def merge_attention(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[np.ndarra
     Notes
     -----
     Sinks (``sinks=``) belong to one softmax: pass them to one part only, or the sink is
-    counted once per part. The dtype is ``np.result_type`` of the inputs (float32 or float64).
+    counted once per part. The dtype is ``np.result_type`` of the inputs (float32 or float64);
+    float16 and bfloat16 are computed in float32, and ``out`` is stored in the outputs' dtype
+    when they all have the same one (as the parts' attention returned them; ``lse`` stays in
+    the computation dtype, float32 for an SDPA part's log-sum-exp).
 
     Examples
     --------
@@ -83,4 +87,5 @@ def merge_attention(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[np.ndarra
     out = np.zeros(shape, dtype)
     for f, o in zip(frac, outs_a, strict=True):
         out += f[..., None] * o  # a part with weight 0 adds exactly 0 (its rows are finite)
-    return out, lse.astype(dtype, copy=False)
+    half = _half.storage({f"outs[{i}]": o for i, o in enumerate(outs)})
+    return _half.store(out, half), lse.astype(dtype, copy=False)

@@ -450,10 +450,11 @@ def multi_head_attention(
     norm_eps : float, optional
         The norms' epsilon; default ``1e-6``.
     precision : {None, "bf16"}, optional
-        ``None``: exact in the input dtype. ``"bf16"`` (float32 inputs): the four projections
-        round both operands to bfloat16 and sum the products in float32, on AMX tiles where
-        the CPU has them (``build_info()["bf16_kernel"]`` says ``"amx"``) and with the same
-        rounding emulated elsewhere, so the answers agree across CPUs to the order of the
+        ``None``: exact in the input dtype. ``"bf16"`` (float32 or half-precision inputs): the
+        four projections round both operands to bfloat16 and sum the products in float32, on
+        AMX tiles where the CPU has them, on ``VDPBF16PS`` on AMD CPUs with AVX512-BF16
+        (``build_info()["bf16_kernel"]`` says which) and with the same rounding emulated
+        elsewhere, so the answers agree across CPUs to the order of the
         float32 sums; the attention core as :func:`scaled_dot_product_attention`'s
         ``precision="bf16"``. :func:`attnlab.reference.multi_head_attention` computes the same
         rounding of the operands in float64. The error against the exact result grows to the

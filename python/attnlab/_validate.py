@@ -125,7 +125,7 @@ def positive_real(x: Any, name: str, *, none: str = "", off: bool = False) -> fl
 
 def precision_bf16(precision: Any, dtype: np.dtype) -> bool:
     """Whether ``precision`` asks for bf16 products: ``None`` (exact in the input dtype) or
-    ``"bf16"`` (float32 inputs only)."""
+    ``"bf16"`` (float32 inputs, or half-precision ones computed in float32)."""
     if precision is None:
         return False
     if not isinstance(precision, str) or precision != "bf16":

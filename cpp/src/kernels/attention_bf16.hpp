@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "attention_bf16_avx512.hpp"
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
 #include "bf16.hpp"
@@ -147,7 +148,9 @@ struct AmxStats {
     __m512 m[kAmxQ / 16], l[kAmxQ / 16];
 };
 
-// One (batch, head, block of up to 32 queries) from the packed operands.
+// One (batch, head, block of up to 32 queries) from the packed operands. The vdp instance runs
+// no tile instruction (AVX512-BF16 without AMX): its AMX target only lets the helpers inline.
+template <Bf16Products products>
 ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const AmxPacked& L,
                                         const std::uint16_t* kt, const std::uint16_t* vt, Index b,
                                         Index h, Index i0, Index mq) {
@@ -208,6 +211,8 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     // S^T = K Q^T for the keys [j0, j0 + kbp) into sb (row stride Q)
     auto scores = [&](Index j0, float* sb) ATTNLAB_AMX_TARGET {
         const Index kbp = round_up(block_keys(j0), 32);
+        if constexpr (products == Bf16Products::vdp)
+            return vdp_scores(kt, kp, qt, G, Q, j0, kbp, sb);
         for (Index jc = 0; jc < kbp; jc += 32)
             for (Index g = 0; g < G; g += 2) {  // the K tiles stay in L1 for the next g
                 zero_2x2();
@@ -220,6 +225,8 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     // O^T += V^T P^T for the keys [j0, j0 + kbp), 32 value columns x 32 queries at a time
     auto values = [&](Index j0, const std::uint16_t* pb) ATTNLAB_AMX_TARGET {
         const Index kbp = round_up(block_keys(j0), 32);
+        if constexpr (products == Bf16Products::vdp)
+            return vdp_values(vt, np, vp, pb, G, Q, j0, kbp, acc);
         for (Index cb = 0; cb < vp; cb += 32)
             for (Index g = 0; g < G; g += 2) {  // the V^T tiles stay in L1 for the next g
                 load_2x2(acc + cb * Q + g * 16, Q);
@@ -234,7 +241,7 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     const __m512i interleave =
         _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    tiles_on();
+    if constexpr (products == Bf16Products::amx) tiles_on();
     if (first < keys.hi) scores(first, sbuf);
     Index pending = -1;  // the block whose V^T P^T is still to be added to acc
     const std::uint16_t* pending_p = nullptr;
@@ -329,7 +336,7 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
         pending_p = pb;
     }
     if (pending >= 0) values(pending, pending_p);
-    tiles_off();
+    if constexpr (products == Bf16Products::amx) tiles_off();
     alignas(64) float m[Q], l[Q];
     for (int g = 0; g < G; ++g) {
         _mm512_store_ps(m + g * 16, st.m[g]);
@@ -360,7 +367,8 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     }
 }
 
-// The AMX forward; false (nothing written) when a value row holds NaN or Inf.
+// The AMX (or VDPBF16PS) forward; false (nothing written) when a value row holds NaN or Inf.
+template <Bf16Products products = Bf16Products::amx>
 inline bool amx_forward(const AttentionProblem<float>& p) {
     const AmxPacked L = amx_layout(p.n_k, p.d, p.d_v);
     const Index heads = p.batch * p.kv_heads;
@@ -378,8 +386,8 @@ inline bool amx_forward(const AttentionProblem<float>& p) {
     parallel_for(p.batch * p.heads * q_tiles, [&](Index t) {
         const Index qt = t % q_tiles, h = (t / q_tiles) % p.heads, b = t / (q_tiles * p.heads);
         const Index slot = b * p.kv_heads + h / group;
-        amx_tile(p, L, kt.get() + slot * L.k_size, vt.get() + slot * L.v_size, b, h, qt * kAmxQ,
-                 std::min(kAmxQ, p.n_q - qt * kAmxQ));
+        amx_tile<products>(p, L, kt.get() + slot * L.k_size, vt.get() + slot * L.v_size, b, h,
+                           qt * kAmxQ, std::min(kAmxQ, p.n_q - qt * kAmxQ));
     });
     return true;
 }

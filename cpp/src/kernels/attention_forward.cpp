@@ -318,6 +318,9 @@ void attention_forward(const AttentionProblem<T>& p) {
         const bool tiles = p.bf16 == Bf16::probabilities && !p.weights &&
                            !detail::use_decode(p.n_q, p.heads, p.kv_heads, p.n_k);
         if (tiles && detail::amx_usable() && detail::amx_forward(p)) return;
+        if (tiles && !detail::amx_usable() && detail::avx512_bf16_usable() &&
+            detail::amx_forward<detail::Bf16Products::vdp>(p))
+            return;
     }
 #endif
     const detail::Bf16Operands<T> r = detail::bf16_operands(p);  // the emulation

@@ -103,6 +103,28 @@ inline bool amx_usable() {
     return usable;
 }
 
+// AVX512-BF16 (VDPBF16PS) usable here, in the AVX-512 build (whose dispatch checked the ZMM state),
+// for precision="bf16" when AMX is not: by default on AMD only, as on the Intel cores measured
+// VDPBF16PS gives fewer products per cycle than float32 FMA (the emulation is faster there).
+// ATTNLAB_AVX512_BF16=1 turns it on wherever the CPU has it, =0 off (the emulation then runs).
+#define ATTNLAB_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+inline bool avx512_bf16_usable() {
+    static const bool usable = [] {
+        const char* env = std::getenv("ATTNLAB_AVX512_BF16");
+        if (env && std::strcmp(env, "0") == 0) return false;
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1u)) return false;
+        if (env && std::strcmp(env, "1") == 0) return true;
+        char vendor[12];
+        if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+        std::memcpy(vendor, &b, 4);
+        std::memcpy(vendor + 4, &d, 4);
+        std::memcpy(vendor + 8, &c, 4);
+        return std::memcmp(vendor, "AuthenticAMD", 12) == 0;
+    }();
+    return usable;
+}
+
 struct alignas(64) TileConfig {
     std::uint8_t palette = 1, start_row = 0;
     std::uint8_t reserved[14] = {};
@@ -167,8 +189,8 @@ inline __mmask16 first_lanes(Index n) {
 // Row r of a B tile (VNNI layout) from a row-major float matrix m (rows x cols, row stride ld):
 // rows k0 and k0 + 1, columns [c0, c0 + 16), rounded to bf16 and interleaved in pairs; zero
 // outside the matrix.
-ATTNLAB_AMX_TARGET inline __m512i vnni_row(const float* m, Index ld, Index rows, Index cols,
-                                           Index k0, Index c0) {
+ATTNLAB_BF16_TARGET inline __m512i vnni_row(const float* m, Index ld, Index rows, Index cols,
+                                            Index k0, Index c0) {
     const __mmask16 in = first_lanes(cols - c0);
     const __m512 lo = k0 < rows ? _mm512_maskz_loadu_ps(in, m + k0 * ld + c0) : _mm512_setzero_ps();
     const __m512 hi =
@@ -181,7 +203,7 @@ ATTNLAB_AMX_TARGET inline __m512i vnni_row(const float* m, Index ld, Index rows,
 }
 
 // 32 floats to 32 bf16 (src[0..16) in the low half).
-ATTNLAB_AMX_TARGET inline void to_bf16(const float* src, std::uint16_t* dst) {
+ATTNLAB_BF16_TARGET inline void to_bf16(const float* src, std::uint16_t* dst) {
     const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
     _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(r));
 }

@@ -2,8 +2,9 @@
 // y = x w + b for float32 arrays with bf16 products and float32 accumulation (precision="bf16"):
 // the operands rounded to bfloat16 (round to nearest even; subnormal inputs to zero, as the
 // hardware conversion does), their products summed in float32. With AMX (TDPBF16PS tiles) where
-// the CPU and the OS provide it, in the AVX-512 build; elsewhere the same rounding emulated on
-// the float32 GEMM, so the answers agree across CPUs to the order of the float32 sums.
+// the CPU and the OS provide it, in the AVX-512 build, else with VDPBF16PS where the CPU has
+// AVX512-BF16 (bf16_gemm_avx512.hpp); elsewhere the same rounding emulated on the float32 GEMM,
+// so the answers agree across CPUs to the order of the float32 sums.
 //
 // Shapes: x (rows x in, row stride ldx), w (in x out), b (out) or null, y (rows x out).
 
@@ -17,6 +18,7 @@
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
 #include "bf16.hpp"
+#include "bf16_gemm_avx512.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -24,8 +26,8 @@ namespace detail {
 
 #if defined(ATTNLAB_AMX)
 // Rows [i0, i1) of x into bf16 rows of kp (>= in, a multiple of 32) columns, zero padded.
-ATTNLAB_AMX_TARGET inline void pack_rows(Index i0, Index i1, Index rows, Index in, const float* x,
-                                         Index ldx, Index kp, std::uint16_t* xp) {
+ATTNLAB_BF16_TARGET inline void pack_rows(Index i0, Index i1, Index rows, Index in, const float* x,
+                                          Index ldx, Index kp, std::uint16_t* xp) {
     alignas(64) float buf[32];
     for (Index i = i0; i < i1; ++i) {
         std::uint16_t* row = xp + i * kp;
@@ -43,8 +45,8 @@ ATTNLAB_AMX_TARGET inline void pack_rows(Index i0, Index i1, Index rows, Index i
 
 // The k-block kb (32 input features) of w as its B tiles, one per 16 output columns: pair r
 // (features 2r, 2r + 1) of column n at [(nb * 16 + r) * 32 + 2n + parity] (the VNNI layout).
-ATTNLAB_AMX_TARGET inline void pack_weight_block(Index kb, Index in, Index out, const float* w,
-                                                 Index np, std::uint16_t* wp) {
+ATTNLAB_BF16_TARGET inline void pack_weight_block(Index kb, Index in, Index out, const float* w,
+                                                  Index np, std::uint16_t* wp) {
     std::uint16_t* block = wp + kb * (np / 16) * 512;
     for (Index nb = 0; nb < np / 16; ++nb)
         for (Index r = 0; r < 16; ++r)
@@ -71,9 +73,10 @@ ATTNLAB_AMX_TARGET inline void tile_block(Index kp, Index np, const std::uint16_
 
 // The tile product: both operands packed to bf16 in parallel, then 32 x 32 blocks of y as tasks
 // (the grid depends on the shapes alone; each element is one chain of tile sums over the
-// input features, so the result does not depend on the thread count).
-inline void linear_bf16_amx(Index rows, Index in, Index out, const float* x, Index ldx,
-                            const float* w, const float* b, float* y, Index ldy) {
+// input features, so the result does not depend on the thread count). Without AMX, the
+// VDPBF16PS product of the same packed operands.
+inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, Index ldx,
+                               const float* w, const float* b, float* y, Index ldy) {
     const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32, np = (out + 31) / 32 * 32;
     auto xp = make_buffer<std::uint16_t>(mp * kp);
     auto wp = make_buffer<std::uint16_t>(kp * np);
@@ -81,6 +84,7 @@ inline void linear_bf16_amx(Index rows, Index in, Index out, const float* x, Ind
     parallel_for(mp / 32, [&](Index mb) {
         pack_rows(mb * 32, mb * 32 + 32, rows, in, x, ldx, kp, xp.get());
     });
+    if (!amx_usable()) return linear_bf16_vdp(rows, out, kp, np, xp.get(), wp.get(), b, y, ldy);
     const Index mblocks = mp / 32, nblocks = np / 32;
     // a task: 32 rows by up to kGroup blocks of 32 columns, the tiles configured once and the
     // row panel of xp kept in L1 across its column blocks
@@ -121,10 +125,11 @@ inline void linear_bf16_amx(Index rows, Index in, Index out, const float* x, Ind
 
 }  // namespace detail
 
-// Which kernel precision="bf16" runs here: "amx" or "emulated".
+// Which kernel precision="bf16" runs here: "amx", "avx512_bf16" or "emulated".
 inline const char* bf16_kernel() {
 #if defined(ATTNLAB_AMX)
     if (detail::amx_usable()) return "amx";
+    if (detail::avx512_bf16_usable()) return "avx512_bf16";
 #endif
     return "emulated";
 }
@@ -133,8 +138,9 @@ inline void linear_bf16(Index rows, Index in, Index out, const float* x, Index l
                         const float* b, float* y, Index ldy) {
     if (rows <= 0 || out <= 0) return;
 #if defined(ATTNLAB_AMX)
-    if (detail::amx_usable()) {
-        detail::linear_bf16_amx(rows, in, out, x, ldx, w, b, y, ldy);
+    // no features: the float32 path below writes y = b
+    if (in > 0 && (detail::amx_usable() || detail::avx512_bf16_usable())) {
+        detail::linear_bf16_packed(rows, in, out, x, ldx, w, b, y, ldy);
         return;
     }
 #endif

@@ -30,7 +30,11 @@ constexpr Index packet_size() {
 // 7 loads per 12 FMAs (6 rows x 2 packets would need 8). 4 divides the usual head widths and
 // key tiles; 3 packets divide a 96-query tile for every packet size (4, 8, 16 lanes).
 constexpr int kPanelPackets = 3;
+#if defined(__AVX512F__)
+constexpr int kPanelRows = 8;  // 32 registers: 24 accumulators, 11 loads per 24 FMAs
+#else
 constexpr int kPanelRows = 4;
+#endif
 
 template <typename T>
 constexpr Index panel_width() {

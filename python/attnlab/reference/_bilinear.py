@@ -17,6 +17,7 @@ from .. import _docs
 from .. import _signature as _sig
 from .._bilinear import BilinearQK
 from ._mha import (
+    _bf16,
     _bias,
     _context,
     _f64,
@@ -185,12 +186,15 @@ def bilinear_logits(
     u_k: Any = None,
     scale: Any = None,
     order: str = "query",
+    precision: str | None = None,
 ) -> np.ndarray:
     """Scaled logits ``scale * (x_q W_i x_k^T + u_i x_k^T)``, ``(..., h, n_q, n_k)``.
 
     ``order="query"`` evaluates ``(X_q W_i + u_i) X_k^T``, ``"key"`` evaluates
     ``X_q (W_i X_k^T) + u_i X_k^T``. ``scale`` defaults to ``1/sqrt(d_q / h)``, or to
     ``1/sqrt(d_head)`` when ``w_qk`` is a BilinearQK (which also supplies ``u_k``).
+    ``precision="bf16"`` (the query order) rounds the operands of both products to bfloat16:
+    ``x_q``, ``W_i``, ``x_k`` and ``x_q W_i + u_i``, as :func:`attnlab.bilinear_attention`'s.
 
     Parameters
     ----------
@@ -203,6 +207,8 @@ def bilinear_logits(
     scale : float, optional
     order : {"query", "key"}
         Which side ``W_i`` is applied to first (the two cost differently, same result).
+    precision : {None, "bf16"}
+        ``"bf16"``: the operands rounded (in float64, the products exact); query order only.
 
     Returns
     -------
@@ -220,8 +226,15 @@ def bilinear_logits(
     d_head = None
     if isinstance(w_qk, BilinearQK):
         u_k, d_head, w_qk = w_qk.u, w_qk.d_head, w_qk.w
+    if precision not in (None, "bf16") or (precision == "bf16" and order != "query"):
+        raise ValueError(
+            f"precision: expected None, or 'bf16' with order='query', got {precision!r} with "
+            f"order={order!r}"
+        )
+    rnd = _bf16 if precision == "bf16" else (lambda a: a)
     xq, xk, _ = _qkv(query, key, None)  # no value: the logits only
-    w = _f64(w_qk)
+    xq, xk = rnd(xq), rnd(xk)
+    w = rnd(_f64(w_qk))
     h, d_q, _ = w.shape
     if d_head is None:
         d_head = d_q / h
@@ -234,7 +247,7 @@ def bilinear_logits(
             q_i = _matmul(xq, w[i])
             if u_i is not None:
                 q_i = q_i + u_i
-            logits = _matmul(q_i, xk_t)
+            logits = _matmul(rnd(q_i), xk_t)
         else:
             logits = _matmul(xq, _matmul(w[i], xk_t))
             if u_i is not None:
@@ -247,7 +260,11 @@ def bilinear_logits(
 def bilinear_attention(args: dict[str, Any]) -> Any:
     """Reference for :func:`attnlab.bilinear_attention` (float64), one head at a time.
 
-    The logits in the query order, ``(X_q W_i + u_i) X_k^T`` (:func:`bilinear_logits`).
+    The logits in the query order, ``(X_q W_i + u_i) X_k^T`` (:func:`bilinear_logits`). With
+    ``precision="bf16"`` the operands of every product are rounded to bfloat16 (the products
+    exact): the inputs, ``w_qk``, ``w_v``, ``w_o``, the projected queries, the values and the
+    context (the kernels also round the probabilities, within the bound the tests hold them
+    to).
 
     {parameters}
 
@@ -263,18 +280,22 @@ def bilinear_attention(args: dict[str, Any]) -> Any:
     >>> folded.shape, bool(np.allclose(folded, separate))
     ((5, 8), True)
     """
+    precision = args["precision"]
+    rnd = _bf16 if precision == "bf16" else (lambda a: a)
     xq, xk, xv = _qkv(args["query"], args["key"], args["value"])
     h, h_kv = _heads(args["num_heads"], args["num_kv_heads"])
-    w_v, w_o = _f64(args["w_v"]), _f64(args["w_o"])
+    w_v, w_o = rnd(_f64(args["w_v"])), rnd(_f64(args["w_o"]))
     d_vhead = w_v.shape[1] // h_kv
-    logits = bilinear_logits(xq, xk, w_qk=args["w_qk"], u_k=args["u_k"], scale=args["scale"])
-    vv = _matmul(xv, w_v) + _bias(args["b_v"])
+    logits = bilinear_logits(
+        xq, xk, w_qk=args["w_qk"], u_k=args["u_k"], scale=args["scale"], precision=precision
+    )
+    vv = rnd(_matmul(rnd(xv), w_v) + _bias(args["b_v"]))
     logits, allowed, p, lse = attention_weights(args, logits)
     contexts = []
     for i in range(h):
         j = i // (h // h_kv)
         reads = allowed[..., i, :, :] & ~np.isneginf(logits[..., i, :, :])
         contexts.append(_context(p[..., i, :, :], vv[..., j * d_vhead : (j + 1) * d_vhead], reads))
-    ctx = np.concatenate(contexts, axis=-1)
+    ctx = rnd(np.concatenate(contexts, axis=-1))
     out = _matmul(ctx, w_o) + _bias(args["b_o"])
     return _with_weights(out, p, args, lse)
