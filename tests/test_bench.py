@@ -658,5 +658,5 @@ def test_bf16_rows_have_no_share_of_the_float32_peak():
     lines = peers.format_peers(result).splitlines()
     # columns: case, shape, runtime, ms, GFLOP/s, %peak, ...
     share = {ln.split()[2]: ln.split()[5] for ln in lines if ln.startswith("sdpa ")}
-    assert share == dict(zip(impls, ("50%", "-", "-", "-")))
+    assert share == dict(zip(impls, ("50%", "-", "-", "-"), strict=True))
     assert any("%peak: float32 rows only" in ln for ln in lines)
