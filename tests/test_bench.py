@@ -646,3 +646,17 @@ def test_cli_refuses_bad_accuracy_options():
             timeout=300,
         )
         assert res.returncode == 2 and word in res.stderr, res.stderr
+
+
+def test_bf16_rows_have_no_share_of_the_float32_peak():
+    """In a ``--bf16`` table the float32 row keeps its share of the FMA peak; the bf16 rows
+    (AMX or VDPBF16PS products) show "-" and the legend says why."""
+    impls = ("attnlab", "attnlab-bf16", "torch-bf16", "openvino-default")
+    rows = [Row("peers", "sdpa", "s", impl, Timing(1.0), flops=0.5e8) for impl in impls]
+    result = _result(rows, 100.0, sgemm=50.0)
+    result["bf16"] = True
+    lines = peers.format_peers(result).splitlines()
+    # columns: case, shape, runtime, ms, GFLOP/s, %peak, ...
+    share = {ln.split()[2]: ln.split()[5] for ln in lines if ln.startswith("sdpa ")}
+    assert share == dict(zip(impls, ("50%", "-", "-", "-"), strict=True))
+    assert any("%peak: float32 rows only" in ln for ln in lines)

@@ -493,9 +493,11 @@ def format_peers(result: dict[str, Any]) -> str:
         b = best_other(r, rows)
         vs = f"{b[0]:.2f}x ({b[1]})" if b else ""
         flag = " NOISY" if _noisy(r) else ""
+        # bf16 products run on AMX tiles or VDPBF16PS, not against the float32 FMA peak
+        pct = "-" if r.impl in LOW_PRECISION_RUNTIMES else share(r, peak)
         lines.append(
             f"{r.case:<17.17} {r.shape:<30.30} {r.impl:<16.16} {r.ms:>9.3f} "
-            f"{r.gflops:>8.1f} {share(r, peak):>6} {vs:>24}  "
+            f"{r.gflops:>8.1f} {pct:>6} {vs:>24}  "
             f"{r.extra.get('check', 0):>8.1e}  {r.extra.get('version', '')}{flag}"
             + (
                 f"  {r.extra['gbs']:.1f} GB/s = {100 * r.extra['gbs'] / bw:.0f}% of bandwidth"
@@ -511,6 +513,12 @@ def format_peers(result: dict[str, Any]) -> str:
             "attnlab's output (training rows: the worst over the output and every gradient). "
             "Training rows: step = forward + every gradient, GFLOP/s counted as 3 forwards "
             "(pullback: 2). NOISY: the slowest timed call took 1.5x the fastest or more."
+            + (
+                " %peak: float32 rows only (the bf16 rows' products run on AMX tiles or "
+                "VDPBF16PS, whose rate the bench does not measure)."
+                if result.get("bf16")
+                else ""
+            )
         ),
     ]
     if result.get("notes"):
