@@ -55,12 +55,12 @@ enum class ScratchBuffer : int {
     kBackwardTiles,      // backward_task: K^T, V^T, padded K, dK^T, dV^T, S/P, dP/dS of a tile
     kGemmPanel,          // panel_gemm: a depth chunk of the B panel, zero-padded
     kGemmEdge,           // gemm: the padded copy of a partial last panel of Y
-    kGemmTiles,        // linear_bf16_packed, vdp_linear_block: the sums of a task's column blocks
-    kAdditiveRows,     // additive/separable forward: one row block's projections
-    kAdditiveShare,    // additive/separable forward: a row block's share of the pooled vector
-    kAdditiveWeights,  // additive/separable: a row block's token weights, a batch row's scores
-    kAdditivePooled,   // additive/separable forward: a batch row's pooled vector, in double
-    kAdditiveFolded,   // additive/separable forward: the weights folded with the pooled vector
+    kGemmTiles,          // linear_bf16_packed, vdp_linear_block: the sums of a task's column blocks
+    kAdditiveRows,       // additive/separable forward: one row block's projections
+    kAdditiveShare,      // additive/separable forward: a row block's share of the pooled vector
+    kAdditiveWeights,    // additive/separable: a row block's token weights, a batch row's scores
+    kAdditivePooled,     // additive/separable forward: a batch row's pooled vector, in double
+    kAdditiveFolded,     // additive/separable forward: the weights folded with the pooled vector
     kCount
 };
 
