@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "attention_bf16_avx512.hpp"
 #include "attnlab/attention.hpp"
@@ -367,9 +368,12 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     }
 }
 
-// The AMX (or VDPBF16PS) forward; false (nothing written) when a value row holds NaN or Inf.
+// The AMX (or VDPBF16PS) forward; false (nothing written) when a value row holds NaN or Inf
+// or when V's rows are too far apart for its gathers.
 template <Bf16Products products = Bf16Products::amx>
 inline bool amx_forward(const AttentionProblem<float>& p) {
+    // V^T is gathered through 32-bit offsets of up to 15 value rows
+    if (p.v.row_stride > std::numeric_limits<std::int32_t>::max() / 16) return false;
     const AmxPacked L = amx_layout(p.n_k, p.d, p.d_v);
     const Index heads = p.batch * p.kv_heads;
     auto kt = make_buffer<std::uint16_t>(static_cast<Index>(L.k_size) * heads);
