@@ -217,7 +217,7 @@ def test_sdpa_bf16_nonfinite_values_take_the_careful_path():
 
 def test_sdpa_bf16_amx_and_emulation_agree():
     """Both kernels round the same operands; the probabilities may round differently where the
-    running maximum moves at another key (AMX blocks of 32 queries, the emulation's of 96):
+    running maximum moves at another key (AMX blocks of 64 queries, the emulation's of 96):
     within 2**-8 max|v|."""
     info = attnlab.build_info()
     if info["bf16_kernel"] != "amx":

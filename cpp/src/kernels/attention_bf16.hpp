@@ -4,7 +4,7 @@
 // bfloat16 for the value product (their sum stays float32), the context summed in float32.
 //
 // With AMX (amx_forward): per (batch, kv head) K and V are packed once into bf16; each task
-// (batch, head, 32 queries) runs an online softmax over blocks of 128 keys with both products on
+// (batch, head, 64 queries) runs an online softmax over blocks of 128 keys with both products on
 // TDPBF16PS tiles, transposed (S^T = K Q^T, O^T = V^T P^T) so that the queries sit in vector lanes
 // as in the float tiles. Elsewhere, or when a value row holds NaN/Inf (the float tiles' careful
 // path), bf16_operands gives the float32 kernels the rounded operands and they round P themselves
@@ -72,7 +72,7 @@ constexpr Index kAmxK = 128;  // keys per softmax block (the float flash tiles' 
 inline Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
 
 // The bf16 operands of one (batch, kv head) for the transposed products S^T = K Q^T and
-// O^T = V^T P^T, which put the 32 queries of a task along the tiles' columns: the softmax then runs
+// O^T = V^T P^T, which put the 64 queries of a task along the tiles' columns: the softmax then runs
 // down the keys with the queries in vector lanes (no reduction across lanes, no per-query scalar
 // work). K is kept row-major (A tiles: 16 keys x 32 features), V transposed (A tiles: 16 value
 // columns x 32 keys); keys are zero-padded to whole 32-key chunks, features and value columns to
@@ -101,17 +101,7 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
     bool finite = true;
     for (Index j = 0; j < nk; ++j) finite &= !nonfinite_row(v + j * vs, dv);
     if (!finite) return false;
-    alignas(64) float buf[32];
-    for (Index j = 0; j < L.n_pad; ++j)
-        for (Index c0 = 0; c0 < L.kp; c0 += 32) {
-            if (j < nk && c0 + 32 <= d) {
-                to_bf16(k + j * ks + c0, kt + j * L.kp + c0);
-                continue;
-            }
-            for (Index t = 0; t < 32; ++t)
-                buf[t] = j < nk && c0 + t < d ? k[j * ks + c0 + t] : 0.0f;
-            to_bf16(buf, kt + j * L.kp + c0);
-        }
+    pack_rows(0, L.n_pad, nk, d, k, ks, L.kp, kt);
     // V^T row c: value column c of keys j0 .. j0 + 31, gathered 16 keys at a time
     const __m512i rows =
         _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -144,12 +134,12 @@ ATTNLAB_AMX_TARGET inline __m512 exp2_for_bf16(__m512 t) {
     return _mm512_maskz_scalef_ps(keep, y, n);
 }
 
-// The running softmax statistics of a task's 32 queries (lanes: queries 0-15, 16-31).
+// The running softmax statistics of a task's queries (16 to a vector).
 struct AmxStats {
     __m512 m[kAmxQ / 16], l[kAmxQ / 16];
 };
 
-// One (batch, head, block of up to 32 queries) from the packed operands. The vdp instance runs
+// One (batch, head, block of up to kAmxQ queries) from the packed operands. The vdp instance runs
 // no tile instruction (AVX512-BF16 without AMX): its AMX target only lets the helpers inline.
 template <Bf16Products products>
 ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const AmxPacked& L,
@@ -171,16 +161,7 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
         scratch<float>(ScratchBuffer::kFlashScores, static_cast<std::size_t>(2 * kAmxK * Q));
     float* acc = scratch<float>(ScratchBuffer::kFlashAccumulator,
                                 static_cast<std::size_t>(vp * Q));  // O^T: value columns x queries
-    const float* q = p.q.at(b, h) + i0 * p.q.row_stride;
-    for (Index i = 0; i < Q; ++i)
-        for (Index c0 = 0; c0 < kp; c0 += 32) {
-            const float* row = q + i * p.q.row_stride + c0;
-            const Index left = i < mq ? d - c0 : 0;
-            const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(left), row);
-            const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(left - 16), row + 16);
-            _mm512_store_si512(qb + i * kp + c0,
-                               reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
-        }
+    pack_rows(0, Q, mq, d, p.q.at(b, h) + i0 * p.q.row_stride, p.q.row_stride, kp, qb);
     {
         const std::uint32_t* words = reinterpret_cast<const std::uint32_t*>(qb);
         const __m512i column = _mm512_mullo_epi32(
@@ -239,9 +220,6 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     };
     const __m512 ninf = _mm512_set1_ps(neg_inf<float>()), zero = _mm512_setzero_ps();
     const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512i interleave =
-        _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     if constexpr (products == Bf16Products::amx) tiles_on();
     if (first < keys.hi) scores(first, sbuf);
     Index pending = -1;  // the block whose V^T P^T is still to be added to acc
@@ -317,10 +295,7 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
                 const __m512 e0 = e(2 * r), e1 = e(2 * r + 1);
                 sum[g][0] = _mm512_add_ps(sum[g][0], e0);
                 sum[g][1] = _mm512_add_ps(sum[g][1], e1);
-                _mm512_store_si512(
-                    row + g * 512,
-                    _mm512_permutexvar_epi16(
-                        interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0))));
+                _mm512_store_si512(row + g * 512, interleave_bf16(e0, e1));
             }
         };
         Index r = 0;

@@ -186,6 +186,15 @@ inline __mmask16 first_lanes(Index n) {
     return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
 
+// lo and hi rounded to bf16 and interleaved in pairs (lo[0], hi[0], lo[1], hi[1], ...): a row of
+// a B tile in the VNNI layout.
+ATTNLAB_BF16_TARGET inline __m512i interleave_bf16(__m512 lo, __m512 hi) {
+    const __m512i pairs =
+        _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+}
+
 // Row r of a B tile (VNNI layout) from a row-major float matrix m (rows x cols, row stride ld):
 // rows k0 and k0 + 1, columns [c0, c0 + 16), rounded to bf16 and interleaved in pairs; zero
 // outside the matrix.
@@ -195,17 +204,29 @@ ATTNLAB_BF16_TARGET inline __m512i vnni_row(const float* m, Index ld, Index rows
     const __m512 lo = k0 < rows ? _mm512_maskz_loadu_ps(in, m + k0 * ld + c0) : _mm512_setzero_ps();
     const __m512 hi =
         k0 + 1 < rows ? _mm512_maskz_loadu_ps(in, m + (k0 + 1) * ld + c0) : _mm512_setzero_ps();
-    const __m512i interleave =
-        _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(interleave,
-                                    reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    return interleave_bf16(lo, hi);
 }
 
 // 32 floats to 32 bf16 (src[0..16) in the low half).
 ATTNLAB_BF16_TARGET inline void to_bf16(const float* src, std::uint16_t* dst) {
     const __m512bh r = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
     _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(r));
+}
+
+// Rows [i0, i1) of x (rows x in, row stride ldx) as bf16 rows of kp (>= in, a multiple of 32)
+// columns at xp + i kp, zero padded (rows from `rows` on all zero).
+ATTNLAB_BF16_TARGET inline void pack_rows(Index i0, Index i1, Index rows, Index in, const float* x,
+                                          Index ldx, Index kp, std::uint16_t* xp) {
+    for (Index i = i0; i < i1; ++i) {
+        const float* src = i < rows ? x + i * ldx : x;  // masked loads: nothing read past a row
+        const Index cols = i < rows ? in : 0;
+        for (Index k = 0; k < kp; k += 32) {
+            const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(cols - k), src + k);
+            const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(cols - k - 16), src + k + 16);
+            _mm512_storeu_si512(xp + i * kp + k,
+                                reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+        }
+    }
 }
 
 #endif

@@ -25,24 +25,6 @@ namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace detail {
 
 #if defined(ATTNLAB_AMX)
-// Rows [i0, i1) of x into bf16 rows of kp (>= in, a multiple of 32) columns, zero padded.
-ATTNLAB_BF16_TARGET inline void pack_rows(Index i0, Index i1, Index rows, Index in, const float* x,
-                                          Index ldx, Index kp, std::uint16_t* xp) {
-    alignas(64) float buf[32];
-    for (Index i = i0; i < i1; ++i) {
-        std::uint16_t* row = xp + i * kp;
-        for (Index k = 0; k < kp; k += 32) {
-            if (i < rows && k + 32 <= in) {
-                to_bf16(x + i * ldx + k, row + k);
-                continue;
-            }
-            for (Index t = 0; t < 32; ++t)
-                buf[t] = i < rows && k + t < in ? x[i * ldx + k + t] : 0.0f;
-            to_bf16(buf, row + k);
-        }
-    }
-}
-
 // The k-block kb (32 input features) of w as its B tiles, one per 16 output columns: pair r
 // (features 2r, 2r + 1) of column n at [(nb * 16 + r) * 32 + 2n + parity] (the VNNI layout).
 ATTNLAB_BF16_TARGET inline void pack_weight_block(Index kb, Index in, Index out, const float* w,
