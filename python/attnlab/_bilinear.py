@@ -604,7 +604,7 @@ def _bf16_forward(
 ) -> None:
     """precision="bf16" into ``out`` ``(B*n_q, d_out)`` (and ``weights``, ``lse``), composed
     of the bf16 kernels: the projections ``X_q W_i + u_i`` (head by head: no copy of ``w_qk``
-    side by side, and faster than one wide product), ``X_v w_v + b_v`` and the output's by
+    side by side), ``X_v w_v + b_v`` and the output's by
     ``linear_forward``, the attention core by ``sdpa_forward`` with the key rows as every
     value head's keys (a zero-stride view: the rows are not copied per head)."""
     B, h, h_kv, n_q, n_k, dtype = a.B, a.h, a.h_kv, a.n_q, a.n_k, a.dtype
@@ -613,9 +613,9 @@ def _bf16_forward(
     d_vhead = a.wv.shape[1] // h_kv
     proj = _memory.empty((h, B * n_q, d_k), dtype)
     for i in range(h):
-        _linear_bf16(query, a.wqk[i], None if a.uk is None else a.uk[i], proj[i])
+        core.linear_forward(query, a.wqk[i], None if a.uk is None else a.uk[i], proj[i], True)
     vals = _memory.empty((B * n_k, h_kv * d_vhead), dtype)
-    _linear_bf16(value, a.wv, a.bv, vals)
+    core.linear_forward(value, a.wv, a.bv, vals, True)
     ctx = _memory.empty((B, n_q, h, d_vhead), dtype)
     core.sdpa_forward(
         proj.reshape(h, B, n_q, d_k).transpose(1, 0, 2, 3),
@@ -628,12 +628,7 @@ def _bf16_forward(
         lse,
         True,
     )
-    _linear_bf16(ctx.reshape(B * n_q, h * d_vhead), a.wo, a.bo, out)
-
-
-def _linear_bf16(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, y: np.ndarray) -> None:
-    """``y = x w + b`` with bf16 products (``linear_forward``; no feature: ``b`` or 0)."""
-    core.linear_forward(x, w, b, y, True)
+    core.linear_forward(ctx.reshape(B * n_q, h * d_vhead), a.wo, a.bo, out, True)
 
 
 _BACKWARD_DOC = """\
