@@ -16,7 +16,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 
 #include "attention_bf16_avx512.hpp"
 #include "attnlab/attention.hpp"
@@ -102,18 +101,26 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
     for (Index j = 0; j < nk; ++j) finite &= !nonfinite_row(v + j * vs, dv);
     if (!finite) return false;
     pack_rows(0, L.n_pad, nk, d, k, ks, L.kp, kt);
-    // V^T row c: value column c of keys j0 .. j0 + 31, gathered 16 keys at a time
-    const __m512i rows =
-        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                           _mm512_set1_epi32(static_cast<int>(vs)));
-    auto keys16 = [&](Index j, Index c) {
-        const __mmask16 in = first_lanes(c < dv ? nk - j : 0);
-        return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, rows, v + j * vs + c, 4);
-    };
-    for (Index c = 0; c < L.vp; ++c)
-        for (Index j0 = 0; j0 < L.n_pad; j0 += 32) {
-            const __m512bh r = _mm512_cvtne2ps_pbh(keys16(j0 + 16, c), keys16(j0, c));
-            _mm512_storeu_si512(vt + c * L.n_pad + j0, reinterpret_cast<__m512i>(r));
+    // V^T row c: value column c of keys j0 .. j0 + 31, from two 16 x 16 transposes of V
+    // (zero beyond the keys and the value columns)
+    namespace ei = Eigen::internal;
+    for (Index j0 = 0; j0 < L.n_pad; j0 += 32)
+        for (Index c0 = 0; c0 < L.vp; c0 += 16) {
+            const __mmask16 cols = first_lanes(dv - c0);
+            ei::PacketBlock<__m512, 16> lo, hi;
+            for (Index r = 0; r < 16; ++r) {
+                lo.packet[r] = j0 + r < nk ? _mm512_maskz_loadu_ps(cols, v + (j0 + r) * vs + c0)
+                                           : _mm512_setzero_ps();
+                hi.packet[r] = j0 + 16 + r < nk
+                                   ? _mm512_maskz_loadu_ps(cols, v + (j0 + 16 + r) * vs + c0)
+                                   : _mm512_setzero_ps();
+            }
+            ei::ptranspose(lo);
+            ei::ptranspose(hi);
+            for (Index c = 0; c < 16; ++c) {
+                const __m512bh r = _mm512_cvtne2ps_pbh(hi.packet[c], lo.packet[c]);
+                _mm512_storeu_si512(vt + (c0 + c) * L.n_pad + j0, reinterpret_cast<__m512i>(r));
+            }
         }
     return true;
 }
@@ -343,12 +350,9 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     }
 }
 
-// The AMX (or VDPBF16PS) forward; false (nothing written) when a value row holds NaN or Inf
-// or when V's rows are too far apart for its gathers.
+// The AMX (or VDPBF16PS) forward; false (nothing written) when a value row holds NaN or Inf.
 template <Bf16Products products = Bf16Products::amx>
 inline bool amx_forward(const AttentionProblem<float>& p) {
-    // V^T is gathered through 32-bit offsets of up to 15 value rows
-    if (p.v.row_stride > std::numeric_limits<std::int32_t>::max() / 16) return false;
     const AmxPacked L = amx_layout(p.n_k, p.d, p.d_v);
     const Index heads = p.batch * p.kv_heads;
     auto kt = make_buffer<std::uint16_t>(static_cast<Index>(L.k_size) * heads);
