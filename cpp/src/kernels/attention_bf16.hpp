@@ -169,23 +169,17 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     float* acc = scratch<float>(ScratchBuffer::kFlashAccumulator,
                                 static_cast<std::size_t>(vp * Q));  // O^T: value columns x queries
     pack_rows(0, Q, mq, d, p.q.at(b, h) + i0 * p.q.row_stride, p.q.row_stride, kp, qb);
-    {
-        const std::uint32_t* words = reinterpret_cast<const std::uint32_t*>(qb);
-        const __m512i column = _mm512_mullo_epi32(
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-            _mm512_set1_epi32(static_cast<int>(kp / 2)));
-        for (Index c = 0; c < kp / 32; ++c)
-            for (Index half = 0; half < G; ++half) {
-                std::uint32_t* tile = reinterpret_cast<std::uint32_t*>(qt + (c * G + half) * 512);
-                const __m512i at = _mm512_add_epi32(
-                    column, _mm512_set1_epi32(static_cast<int>(half * 16 * (kp / 2) + c * 16)));
-                for (Index r = 0; r < 16; ++r)
-                    _mm512_store_si512(
-                        tile + r * 16,
-                        _mm512_i32gather_epi32(_mm512_add_epi32(at, _mm512_set1_epi32(int(r))),
-                                               words, 4));
-            }
-    }
+    for (Index c = 0; c < kp / 32; ++c)  // 16 x 16 blocks of feature-pair words, transposed
+        for (Index half = 0; half < G; ++half) {
+            Eigen::internal::PacketBlock<__m512, 16> words;
+            for (Index n = 0; n < 16; ++n)
+                words.packet[n] = _mm512_loadu_ps(
+                    reinterpret_cast<const float*>(qb + (half * 16 + n) * kp + c * 32));
+            Eigen::internal::ptranspose(words);
+            for (Index r = 0; r < 16; ++r)
+                _mm512_store_ps(reinterpret_cast<float*>(qt + (c * G + half) * 512 + r * 32),
+                                words.packet[r]);
+        }
     std::fill(acc, acc + vp * Q, 0.0f);
     const float sink = p.mask.sinks ? p.mask.sink(b, h) : neg_inf<float>();
     AmxStats st;
@@ -325,29 +319,30 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
         _mm512_store_ps(m + g * 16, st.m[g]);
         _mm512_store_ps(l + g * 16, st.l[g]);
     }
-    // out = O / l (0 where l = 0), each query's row gathered from the columns of O^T
+    // out = O / l (0 where l = 0): 16 x 16 blocks of O^T transposed into the queries' rows
     for (Index c = 0; c < dv; ++c)
         for (int g = 0; g < G; ++g) {
             float* a = acc + c * Q + g * 16;
             const __mmask16 seen = _mm512_cmp_ps_mask(st.l[g], zero, _CMP_NEQ_UQ);
             _mm512_store_ps(a, _mm512_maskz_div_ps(seen, _mm512_load_ps(a), st.l[g]));
         }
-    const __m512i column =
-        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                           _mm512_set1_epi32(Q));
     float* obase = p.out.at(b, h) + i0 * p.out.row_stride;
-    for (Index i = 0; i < mq; ++i) {
-        float* orow = obase + i * p.out.row_stride;
-        for (Index c0 = 0; c0 < dv; c0 += 16) {
-            const __mmask16 in = first_lanes(dv - c0);
-            _mm512_mask_storeu_ps(orow + c0, in,
-                                  _mm512_mask_i32gather_ps(zero, in, column, acc + c0 * Q + i, 4));
+    for (Index c0 = 0; c0 < dv; c0 += 16) {
+        const __mmask16 in = first_lanes(dv - c0);
+        for (Index g = 0; g * 16 < mq; ++g) {
+            Eigen::internal::PacketBlock<__m512, 16> o;
+            for (Index r = 0; r < 16; ++r)
+                o.packet[r] = _mm512_load_ps(acc + (c0 + r) * Q + g * 16);
+            Eigen::internal::ptranspose(o);
+            for (Index n = 0; n < std::min<Index>(16, mq - g * 16); ++n)
+                _mm512_mask_storeu_ps(obase + (g * 16 + n) * p.out.row_stride + c0, in,
+                                      o.packet[n]);
         }
-        const float li = l[i];
-        if (p.lse)
-            p.lse[(b * p.heads + h) * p.n_q + i0 + i] =
-                li == 0.0f ? neg_inf<float>() : m[i] + std::log(li);
     }
+    if (p.lse)
+        for (Index i = 0; i < mq; ++i)
+            p.lse[(b * p.heads + h) * p.n_q + i0 + i] =
+                l[i] == 0.0f ? neg_inf<float>() : m[i] + std::log(l[i]);
 }
 
 // The AMX (or VDPBF16PS) forward; false (nothing written) when a value row holds NaN or Inf.
