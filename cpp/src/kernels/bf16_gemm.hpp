@@ -72,8 +72,11 @@ inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, 
     // row panel of xp kept in L1 across its column blocks
     constexpr Index kGroup = 8, kSpan = 12;
     const Index groups = (nblocks + kGroup - 1) / kGroup;
+    // column group outermost: a group's weight panel stays in L2 while the row panels stream
+    // (row-major tasks read the whole packed weight once per row block, from L3 when it
+    // exceeds L2)
     parallel_for(mblocks * groups, [&](Index t) {
-        const Index mb = t / groups, nb0 = (t % groups) * kGroup;
+        const Index mb = t % mblocks, nb0 = (t / mblocks) * kGroup;
         const Index m_rows = std::min<Index>(32, rows - mb * 32);
         const Index nb1 = std::min(nblocks, nb0 + kGroup);
         float* cs =
