@@ -1,6 +1,7 @@
-"""The half-precision conversions at the Python boundary (core.widen_half / narrow_half, used for
-every float16 / bfloat16 argument and result) against NumPy's and ml_dtypes' ``astype``: bit for
-bit, NaN kept as NaN, over random bit patterns, the edges of each format and odd shapes."""
+"""Half precision at the boundary: the conversions (core.widen_half / narrow_half, used for every
+float16 / bfloat16 argument and result) against NumPy's and ml_dtypes' ``astype`` (bit for bit,
+NaN kept as NaN, over every bit pattern, the edges of each format and odd shapes), and the
+multi-head attention weights its fused forward reads as stored (bit for bit the widened call)."""
 
 import numpy as np
 import pytest
@@ -75,3 +76,98 @@ def test_conversions_refuse_wrong_arrays():
         core.narrow_half(f, np.zeros(3, np.uint16), 2)
     with pytest.raises(TypeError, match="src: expected a C-contiguous float32"):
         core.narrow_half(np.zeros(8, np.float32)[::2], u, 1)
+
+
+def _mha_case(rng, dtype, cross, h_kv):
+    d, h = 32, 4
+    x = rng.standard_normal((2, 7, d)).astype(dtype)
+    kv = rng.standard_normal((2, 11, 24)).astype(dtype) if cross else None
+    d_kv = 24 if cross else d
+    w = {
+        "w_q": rng.standard_normal((d, d)) / 6,
+        "w_k": rng.standard_normal((d_kv, (h_kv or h) * 8)) / 6,
+        "w_v": rng.standard_normal((d_kv, (h_kv or h) * 8)) / 6,
+        "w_o": rng.standard_normal((d, 16)) / 6,
+    }
+    w = {n: a.astype(dtype) for n, a in w.items()}
+    return x, kv, w, {"num_heads": h, "num_kv_heads": h_kv}
+
+
+@pytest.mark.parametrize("dtype", [d for _, d in FORMATS])
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("h_kv", [None, 2])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"causal": True}, {"return_weights": True, "return_lse": True}, {"padding": True}],
+    ids=["plain", "causal", "weights_lse", "key_padding"],
+)
+def test_half_weights_read_as_stored_are_the_widened_call(dtype, cross, h_kv, options):
+    """Weights stored in one half dtype go to the fused forward as their bits (its GEMMs widen
+    them while packing): every output is bit for bit the call on float32 copies, rounded."""
+    import attnlab
+
+    rng = np.random.default_rng(7)
+    x, kv, w, kw = _mha_case(rng, dtype, cross, h_kv)
+    options = dict(options)
+    if options.pop("padding", False):
+        kw["key_padding_mask"] = np.arange(11 if cross else 7) >= 5
+    b_o = rng.standard_normal(16).astype(dtype)
+    got = attnlab.multi_head_attention(x, kv, kv, **w, b_o=b_o, **kw, **options)
+    f32 = {n: a.astype(np.float32) for n, a in w.items()}
+    kv32 = None if kv is None else kv.astype(np.float32)
+    want = attnlab.multi_head_attention(
+        x.astype(np.float32), kv32, kv32, **f32, b_o=b_o.astype(np.float32), **kw, **options
+    )
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    assert got[0].dtype == dtype  # the output (and the weights) stored in the half dtype
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.view(np.uint8), r.astype(g.dtype).view(np.uint8))
+
+
+def test_half_weights_mixed_with_other_dtypes():
+    """float32 inputs with float16 weights compute and return float32, weights read as stored;
+    float64 inputs widen the weights with them; weights of two half dtypes widen too; the
+    backward, vjp and the composed path (rotary embeddings) take widened weights."""
+    import attnlab
+
+    rng = np.random.default_rng(3)
+    x, _, w, kw = _mha_case(rng, np.float16, False, None)
+    f32 = {n: a.astype(np.float32) for n, a in w.items()}
+    x32 = x.astype(np.float32)
+    got = attnlab.multi_head_attention(x32, **w, **kw)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, attnlab.multi_head_attention(x32, **f32, **kw))
+    got = attnlab.multi_head_attention(x32.astype(np.float64), **w, **kw)
+    assert got.dtype == np.float64
+    mixed = dict(w, w_o=w["w_o"].astype(ml_dtypes.bfloat16))
+    want = attnlab.multi_head_attention(x32, **dict(f32, w_o=mixed["w_o"].astype(np.float32)), **kw)
+    np.testing.assert_array_equal(attnlab.multi_head_attention(x32, **mixed, **kw), want)
+    transposed = dict(w, w_q=np.ascontiguousarray(w["w_q"].T).T)  # not C-contiguous
+    np.testing.assert_array_equal(
+        attnlab.multi_head_attention(x32, **transposed, **kw),
+        attnlab.multi_head_attention(x32, **f32, **kw),
+    )
+    rope = attnlab.multi_head_attention(x32, **w, **kw, rope_theta=1e4)
+    np.testing.assert_array_equal(
+        rope, attnlab.multi_head_attention(x32, **f32, **kw, rope_theta=1e4)
+    )
+    out, pullback = attnlab.vjp(attnlab.multi_head_attention, x32, **w, **kw)
+    np.testing.assert_array_equal(out, attnlab.multi_head_attention(x32, **f32, **kw))
+    g = pullback(np.ones_like(out))
+    assert g["w_q"].dtype == np.float16
+
+
+def test_mha_args_refuse_a_bad_weights_half():
+    import inspect
+
+    import attnlab
+    from attnlab import _mha
+
+    rng = np.random.default_rng(0)
+    x, _, w, kw = _mha_case(rng, np.float32, False, None)
+    params = inspect.signature(attnlab.multi_head_attention).parameters.values()
+    args = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    a = _mha._prepare_mha({**args, "query": x, **w, **kw})
+    out = np.empty((14, 16), np.float32)
+    with pytest.raises(ValueError, match=r"weights_half: expected 0, 1 .* got 3"):
+        core.mha_forward(a._replace(weights_half=3).core_args(), out, None)

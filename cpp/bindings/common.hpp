@@ -273,12 +273,20 @@ MaskSpec<T> mask_spec(const MaskArgs& args, Index batch, Index heads, Index n_q,
     return m;
 }
 
-// A dense layer's checked weight (in, out) and optional bias (out).
+// A dense layer's checked weight (in, out) and optional bias (out); with `half`, the weight as
+// the uint16 bits of that format (float only).
 template <typename T>
 Linear<T> linear_arg(const py::array& w, const py::object& b, const char* wname, const char* bname,
-                     Index in, Index out) {
+                     Index in, Index out, HalfFormat half = HalfFormat::none) {
     Linear<T> l;
-    l.w = contiguous<T>(w, wname, {in, out});
+    if (half != HalfFormat::none) {
+        if (!std::is_same_v<T, float>)
+            throw py::type_error(std::string(wname) + ": half-precision weights go with float32");
+        l.w_half = contiguous<std::uint16_t>(w, wname, {in, out});
+        l.half = half;
+    } else {
+        l.w = contiguous<T>(w, wname, {in, out});
+    }
     l.b = optional_vector<T>(b, bname, out);
     l.in = in;
     l.out = out;
@@ -374,10 +382,11 @@ void projected_inputs(Problem& p, const Args& a, Index d_q, Index d_k, Index d_v
 // The value and output projections, the scale, the mask and vjp's buffers both keep (values,
 // attention output, log-sum-exp; none without a state dict).
 template <typename T, typename Problem>
-void projected_values(Problem& p, const SharedArgs& s, Index d_vhead, const py::object& state) {
+void projected_values(Problem& p, const SharedArgs& s, Index d_vhead, const py::object& state,
+                      HalfFormat half = HalfFormat::none) {
     p.d_vhead = d_vhead;
-    p.w_v = linear_arg<T>(s.w_v, s.b_v, "w_v", "b_v", s.w_v.shape(0), s.kv_heads * d_vhead);
-    p.w_o = linear_arg<T>(s.w_o, s.b_o, "w_o", "b_o", s.heads * d_vhead, s.w_o.shape(1));
+    p.w_v = linear_arg<T>(s.w_v, s.b_v, "w_v", "b_v", s.w_v.shape(0), s.kv_heads * d_vhead, half);
+    p.w_o = linear_arg<T>(s.w_o, s.b_o, "w_o", "b_o", s.heads * d_vhead, s.w_o.shape(1), half);
     p.scale = static_cast<T>(s.scale);
     p.mask = mask_spec<T>(s.mask, s.batch, s.heads, s.n_q, s.n_k);
     p.state.v = state_array<T>(state, "v", {s.batch * s.n_k, p.w_v.out});

@@ -138,13 +138,15 @@ struct MhaArgs : SharedArgs {
     py::object b_q;
     Array w_k;
     py::object b_k;
+    int weights_half;  // 0: the weights in the inputs' dtype; 1, 2: float16, bfloat16 bits
 
     static constexpr auto fields() {
         return std::tuple_cat(
             std::make_tuple(field("query", &MhaArgs::query), field("key", &MhaArgs::key),
                             field("value", &MhaArgs::value), field("w_q", &MhaArgs::w_q),
                             field("b_q", &MhaArgs::b_q), field("w_k", &MhaArgs::w_k),
-                            field("b_k", &MhaArgs::b_k)),
+                            field("b_k", &MhaArgs::b_k),
+                            field("weights_half", &MhaArgs::weights_half)),
             SharedArgs::fields());
     }
 };
@@ -168,9 +170,13 @@ MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
     MhaProblem<T> p;
     projected_inputs<T>(p, a, d_q, d_k, d_v);
     p.d_head = d_head;
-    p.w_q = linear_arg<T>(a.w_q, a.b_q, "w_q", "b_q", d_q, wq);
-    p.w_k = linear_arg<T>(a.w_k, a.b_k, "w_k", "b_k", d_k, wk);
-    projected_values<T>(p, s, d_vhead, state);
+    if (a.weights_half < 0 || a.weights_half > 2)
+        throw py::value_error("weights_half: expected 0, 1 (float16) or 2 (bfloat16), got " +
+                              std::to_string(a.weights_half));
+    const auto half = static_cast<HalfFormat>(a.weights_half);
+    p.w_q = linear_arg<T>(a.w_q, a.b_q, "w_q", "b_q", d_q, wq, half);
+    p.w_k = linear_arg<T>(a.w_k, a.b_k, "w_k", "b_k", d_k, wk, half);
+    projected_values<T>(p, s, d_vhead, state, half);
     p.state.q = state_array<T>(state, "q", {batch * n_q, wq});
     p.state.k = state_array<T>(state, "k", {batch * n_k, wk});
     return p;

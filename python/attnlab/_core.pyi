@@ -163,6 +163,7 @@ class MhaArgs(_SharedArgs):
     b_q: _Optional
     w_k: _Array
     b_k: _Optional
+    weights_half: _Int  # 0; 1 or 2: the four weights as float16 or bfloat16 bits (uint16)
 
 @dataclass(frozen=True, kw_only=True)
 class BilinearArgs(_SharedArgs):

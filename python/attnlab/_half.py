@@ -57,7 +57,7 @@ def storage(args: Mapping[str, Any], skip: Iterable[str] = ()) -> np.dtype | Non
     return found
 
 
-def _code(dtype: np.dtype) -> int:
+def code(dtype: np.dtype) -> int:
     """The kernels' name of a half dtype: 1 float16, 2 bfloat16."""
     return 1 if dtype == np.float16 else 2
 
@@ -68,7 +68,7 @@ def widen(a: np.ndarray) -> np.ndarray:
     src = a if a.flags.c_contiguous else a.copy(order="C")
     out = _memory.empty(src.shape, np.float32)
     if out.size:
-        core.widen_half(src.view(np.uint16), out, _code(src.dtype))
+        core.widen_half(src.view(np.uint16), out, code(src.dtype))
     return out
 
 
@@ -80,7 +80,7 @@ def store(x: np.ndarray, half: np.dtype | None) -> np.ndarray:
     if x.dtype != np.float32 or not x.flags.c_contiguous or not x.size:
         return x.astype(half)
     out = np.empty(x.shape, half)
-    core.narrow_half(x, out.view(np.uint16), _code(half))
+    core.narrow_half(x, out.view(np.uint16), code(half))
     return out
 
 

@@ -215,6 +215,7 @@ class _Mha(NamedTuple):
     n_k: int
     d_out: int
     m: _args.Masks
+    weights_half: int = 0  # w_q, w_k, w_v, w_o as float16 (1) / bfloat16 (2) bits, or 0
 
     @property
     def B(self) -> int:
@@ -226,6 +227,7 @@ class _Mha(NamedTuple):
         return _args.projected_args(
             core.MhaArgs, self, w, query=self.rq, key=self.rk, value=self.rv,
             w_q=w["w_q"], b_q=w["b_q"], w_k=w["w_k"], b_k=w["b_k"],
+            weights_half=self.weights_half,
         )  # fmt: skip
 
 
@@ -291,23 +293,45 @@ def _check_weights(h: int, h_kv: int, kv_arg: str, x: _args.Qkv, ws: dict[str, n
     _LAYOUTS_OK[key] = None
 
 
-def _prepare_mha(args: dict[str, Any]) -> _Mha:
+_WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
+_FLOAT32 = np.empty(0, np.float32)  # what a half-precision weight computes in
+
+
+def _half_weights(args: dict[str, Any]) -> np.dtype | None:
+    """The half dtype all four weights are stored in, or None."""
+    ws = [args[n] for n in _WEIGHTS]
+    if not all(isinstance(w, np.ndarray) for w in ws):
+        return None
+    dt = ws[0].dtype
+    return dt if _half.is_half(dt) and all(w.dtype == dt for w in ws) else None
+
+
+def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     """The validated arguments of an MHA call (forward and backward), checked in an order that
     finds the root cause: head counts, the inputs' own shapes, each weight's rank, head counts
-    against widths, each weight against the input it reads, then biases and masks."""
+    against widths, each weight against the input it reads, then biases and masks.
+    ``keep_half``: weights stored in one half dtype stay so when the call computes in float32
+    (the fused forward widens them as its GEMMs pack them: half the bytes read)."""
     h, h_kv, kv_arg = _args.heads(args["num_heads"], args["num_kv_heads"])
     x = _args.qkv(args, min_features=True)
     n_q, n_k = x.n_q, x.n_k
-    ws = {n: V.as_array(args[n], n) for n in ("w_q", "w_k", "w_v", "w_o")}
+    half = _half_weights(args) if keep_half else None
+    if half is None:
+        ws = {n: V.as_array(args[n], n) for n in _WEIGHTS}
+    else:
+        ws = {n: args[n] for n in _WEIGHTS}
     bs = {n: V.optional_array(args[n], n) for n in ("b_q", "b_k", "b_v", "b_o")}
-    dtype = V.result_dtype(x.xq, x.xk, x.xv, *ws.values(), *bs.values())
+    as_float = (_FLOAT32,) if half is not None else ws.values()
+    dtype = V.result_dtype(x.xq, x.xk, x.xv, *as_float, *bs.values())
+    if half is not None and dtype != np.float32:  # float64 inputs: the weights widen with them
+        half, ws = None, {n: V.as_array(args[n], n) for n in _WEIGHTS}
     _check_weights(h, h_kv, kv_arg, x, ws)
     wq_, wk_, wv_, wo_ = ws["w_q"], ws["w_k"], ws["w_v"], ws["w_o"]
     d_head, d_vhead = wq_.shape[1] // h, wv_.shape[1] // h_kv
-    wq = _memory.contiguous(wq_, dtype)
-    wk = _memory.contiguous(wk_, dtype)
-    wv = _memory.contiguous(wv_, dtype)
-    wo = _memory.contiguous(wo_, dtype)
+    if half is None:
+        wq, wk, wv, wo = (_memory.contiguous(w_, dtype) for w_ in (wq_, wk_, wv_, wo_))
+    else:  # their bits, as the kernels take them
+        wq, wk, wv, wo = (_memory.contiguous(w_).view(np.uint16) for w_ in (wq_, wk_, wv_, wo_))
     d_out = wo.shape[1]
     bq = V.vector(bs["b_q"], "b_q", dtype, h * d_head)
     bk = V.vector(bs["b_k"], "b_k", dtype, h_kv * d_head)
@@ -333,6 +357,7 @@ def _prepare_mha(args: dict[str, Any]) -> _Mha:
         n_k,
         d_out,
         m,
+        0 if half is None else _half.code(half),
     )
 
 
@@ -484,7 +509,10 @@ def multi_head_attention(
     (2, 5, 16)
     """
     args = _sig.arguments(locals())
-    a = _prepare_mha(args)
+    # the fused call reads half-precision weights as stored; the composed one (rotary
+    # embeddings, norms, bf16 products) and attnlab.vjp's widen them
+    fused = _keep is None and all(args[n] is None for n in _rope.COMPOSED_ARGS)
+    a = _prepare_mha(args, keep_half=fused)
     composed = _rope.prepare_for(a, args)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out

@@ -12,9 +12,9 @@ namespace attnlab {
 // the probabilities too before their product with V (cpp/src/kernels/attention_bf16.hpp)
 enum class Bf16 : int { none = 0, operands = 1, probabilities = 2 };
 
-// K and V stored in half precision (their bits): read converted to float, by the decode path
-// block by block (half the bytes of a float cache) and by the others through float copies
-enum class HalfFormat : int { none = 0, float16 = 1, bfloat16 = 2 };
+// K and V may be stored in half precision (HalfFormat, common.hpp): read converted to float, by
+// the decode path block by block (half the bytes of a float cache) and by the others through
+// float copies
 
 template <typename T>
 struct AttentionProblem {
@@ -52,6 +52,8 @@ struct Linear {
     const T* w = nullptr;
     const T* b = nullptr;
     Index in = 0, out = 0;
+    const std::uint16_t* w_half = nullptr;  // or w's bits in half precision (then w is null)
+    HalfFormat half = HalfFormat::none;
 };
 
 // What a forward can keep for its backward (attnlab.vjp): the values, the attention output

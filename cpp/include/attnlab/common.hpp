@@ -49,6 +49,9 @@ struct MatrixStack {
 };
 
 enum class Causal : int { none = 0, top_left = 1, bottom_right = 2 };
+
+// Arrays stored in half precision, passed as their bits: float16 or bfloat16
+enum class HalfFormat : int { none = 0, float16 = 1, bfloat16 = 2 };
 enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };
 
 // Optional per-batch token mask: element (b, j) at data[b * sb + j * sk], nonzero = real token.

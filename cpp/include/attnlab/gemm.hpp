@@ -13,6 +13,13 @@ template <typename T>
 void linear(Index rows, Index in, Index out, const T* x, Index ldx, const T* w, const T* b, T* y,
             Index ldy, bool accumulate = false);
 
+// linear() with W given as its bits in half precision (format): each depth chunk of a panel of W
+// is widened into the packed copy the float kernel reads anyway, so the result is linear()'s on
+// the widened W, bit for bit, with W read at half the bytes.
+template <typename T>
+void linear_half_weights(Index rows, Index in, Index out, const T* x, Index ldx,
+                         const std::uint16_t* w, HalfFormat format, const T* b, T* y, Index ldy);
+
 // Backward of linear(): dX = dY W^T (rows x in, row stride lddx), or dX += dY W^T.
 template <typename T>
 void linear_input_grad(Index rows, Index in, Index out, const T* dy, Index lddy, const T* w, T* dx,

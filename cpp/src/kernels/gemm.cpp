@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "attnlab/threading.hpp"
+#include "bf16.hpp"
 #include "microkernel.hpp"
 #include "products.hpp"
 #include "scratch.hpp"
@@ -11,6 +12,12 @@
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
 namespace {
+
+// B given as half-precision bits instead (linear_half_weights): widened as its chunks are packed
+struct HalfB {
+    const std::uint16_t* bits = nullptr;
+    HalfFormat format = HalfFormat::none;
+};
 // Blocking: a task is 128 rows x 8 panels of output columns; the depth runs in chunks of 256 so
 // that the B panel chunk (256 x panel width) stays in L1 while the rows of the task pass (with
 // AVX2; AVX-512's 48 KiB chunk does not fit a 32 KiB L1, but shorter chunks were slower, the
@@ -32,9 +39,9 @@ constexpr Index kGemmDepth = 256;
 // NP: the panel's width in packets, W = NP packets; 3 but for the last panel of a width that is
 // not a whole number of 3-packet panels (64 columns with AVX-512: 48 + 16, not 48 + 48).
 template <typename T, int NP>
-void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const T* b, Index ldb,
-                bool b_transposed, Index j0, Index nw, T* y, Index ldy, bool zero_start,
-                bool next_panel) {
+void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const HalfB& bh,
+                const T* b, Index ldb, bool b_transposed, Index j0, Index nw, T* y, Index ldy,
+                bool zero_start, bool next_panel) {
     constexpr Index W = NP * detail::packet_size<T>();
     constexpr int MR = detail::rows_for_packets<NP>();
     T* bp = scratch<T>(ScratchBuffer::kGemmPanel, static_cast<std::size_t>(kGemmDepth * W));
@@ -45,7 +52,7 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
         const auto product = [&](auto accumulate) {
             constexpr bool Acc = decltype(accumulate)::value;
             if constexpr (NP == detail::kPanelPackets) {  // whole panels only: compile time
-                if (!b_transposed && nw == W && m >= MR) {
+                if (!b_transposed && !bh.bits && nw == W && m >= MR) {
                     // the first row block packs B as it goes, the others read the packed copy
                     detail::panel_kernel<T, MR, NP, Acc, true>(
                         kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y, ldy, bp, W);
@@ -83,6 +90,11 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
             // attention backward)
             if (b_transposed) {
                 detail::transpose(nw, kc, b + j0 * ldb + k0, ldb, bp, W);
+            } else if (bh.bits) {  // float only: half weights are computed in float32
+                if constexpr (std::is_same_v<T, float>)
+                    for (Index k = 0; k < kc; ++k)
+                        detail::half_rows_to_float(bh.bits + (k0 + k) * ldb + j0, ldb, 1, nw,
+                                                   bh.format, bp + k * W);
             } else {
                 for (Index k = 0; k < kc; ++k) {
                     const T* src = b + (k0 + k) * ldb + j0;
@@ -105,9 +117,9 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
 // (+ bias), or Y += A B when accumulate; A (m x depth) and B (depth x cols) as in panel_gemm.
 // then_next: the caller computes panel p + 1 next (its B block may be fetched meanwhile).
 template <typename T>
-void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index a_ts, const T* b,
-                Index ldb, bool b_transposed, const T* bias, T* y, Index ldy, bool accumulate,
-                Index p, bool then_next) {
+void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index a_ts,
+                const HalfB& bh, const T* b, Index ldb, bool b_transposed, const T* bias, T* y,
+                Index ldy, bool accumulate, Index p, bool then_next) {
     constexpr Index W = detail::panel_width<T>(), L = detail::packet_size<T>();
     const Index j0 = p * W, nw = std::min(W, cols - j0);
     // the last panel as narrow as whole packets allow; if still wider than the columns left,
@@ -128,13 +140,13 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
     const bool zero_start = !accumulate && full;
     const bool next_panel = then_next && j0 + 2 * W <= cols;  // a whole panel follows
     if (np == 3) {
-        panel_gemm<T, 3>(m, depth, a, a_rs, a_ts, b, ldb, b_transposed, j0, nw, yb, ldb_y,
+        panel_gemm<T, 3>(m, depth, a, a_rs, a_ts, bh, b, ldb, b_transposed, j0, nw, yb, ldb_y,
                          zero_start, next_panel);
     } else if (np == 2) {
-        panel_gemm<T, 2>(m, depth, a, a_rs, a_ts, b, ldb, b_transposed, j0, nw, yb, ldb_y,
+        panel_gemm<T, 2>(m, depth, a, a_rs, a_ts, bh, b, ldb, b_transposed, j0, nw, yb, ldb_y,
                          zero_start, next_panel);
     } else {
-        panel_gemm<T, 1>(m, depth, a, a_rs, a_ts, b, ldb, b_transposed, j0, nw, yb, ldb_y,
+        panel_gemm<T, 1>(m, depth, a, a_rs, a_ts, bh, b, ldb, b_transposed, j0, nw, yb, ldb_y,
                          zero_start, next_panel);
     }
     // The bias is added after the products, not used as the accumulator's start: a bias larger
@@ -156,7 +168,8 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
 // the result does not depend on the thread count.
 template <typename T>
 void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_ts, const T* b,
-          Index ldb, bool b_transposed, const T* bias, T* y, Index ldy, bool accumulate) {
+          Index ldb, bool b_transposed, const T* bias, T* y, Index ldy, bool accumulate,
+          const HalfB& bh = {}) {
     if (rows <= 0 || cols <= 0) return;
     constexpr Index W = detail::panel_width<T>();
     const Index panels = (cols + W - 1) / W;
@@ -172,7 +185,7 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
         const Index p0 = (t % col_groups) * per_task;
         const Index p1 = std::min(panels, p0 + per_task);
         for (Index p = p0; p < p1; ++p)
-            gemm_panel(m, depth, cols, a + r0 * a_rs, a_rs, a_ts, b, ldb, b_transposed, bias,
+            gemm_panel(m, depth, cols, a + r0 * a_rs, a_rs, a_ts, bh, b, ldb, b_transposed, bias,
                        y + r0 * ldy, ldy, accumulate, p, p + 1 < p1);
     });
 }
@@ -183,6 +196,12 @@ template <typename T>
 void linear(Index rows, Index in, Index out, const T* x, Index ldx, const T* w, const T* b, T* y,
             Index ldy, bool accumulate) {
     gemm(rows, in, out, x, ldx, Index(1), w, out, false, b, y, ldy, accumulate);
+}
+
+template <typename T>
+void linear_half_weights(Index rows, Index in, Index out, const T* x, Index ldx,
+                         const std::uint16_t* w, HalfFormat format, const T* b, T* y, Index ldy) {
+    gemm<T>(rows, in, out, x, ldx, Index(1), nullptr, out, false, b, y, ldy, false, {w, format});
 }
 
 template <typename T>
@@ -241,6 +260,9 @@ template void linear<float>(Index, Index, Index, const float*, Index, const floa
                             float*, Index, bool);
 template void linear<double>(Index, Index, Index, const double*, Index, const double*,
                              const double*, double*, Index, bool);
+template void linear_half_weights<float>(Index, Index, Index, const float*, Index,
+                                         const std::uint16_t*, HalfFormat, const float*, float*,
+                                         Index);
 
 namespace detail {
 
@@ -255,7 +277,7 @@ void block_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMa
     constexpr Index W = panel_width<T>();
     const Index panels = (cols + W - 1) / W;
     for (Index p = 0; p < panels; ++p)
-        gemm_panel<T>(rows, a.cols(), cols, a.data(), a.outerStride(), Index(1), b.data(),
+        gemm_panel<T>(rows, a.cols(), cols, a.data(), a.outerStride(), Index(1), HalfB{}, b.data(),
                       b.outerStride(), false, static_cast<const T*>(nullptr), dst.data(),
                       dst.outerStride(), accumulate, p, p + 1 < panels);
 }

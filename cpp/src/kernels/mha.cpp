@@ -4,6 +4,7 @@
 #include "attnlab/attention.hpp"
 #include "attnlab/gemm.hpp"
 #include "entry_points.hpp"
+#include "half_convert.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -56,16 +57,48 @@ struct MhaBuffers {
     }
 };
 
+// y = x W + b for a layer whose W is float or half-precision bits
+template <typename T>
+void project(Index rows, const T* x, const Linear<T>& l, T* y) {
+    if constexpr (std::is_same_v<T, float>) {
+        if (l.w_half) {
+            linear_half_weights(rows, l.in, l.out, x, l.in, l.w_half, l.half, l.b, y, l.out);
+            return;
+        }
+    }
+    linear(rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out);
+}
+
+// The problem with half-precision weights widened to float copies (the backward's products
+// read W transposed, which the half path does not pack), and the copies' storage
+template <typename T>
+struct FloatWeights {
+    MhaProblem<T> p;
+    Buffer<T> w[4];
+
+    explicit FloatWeights(const MhaProblem<T>& q) : p(q) {
+        Linear<T>* layers[4] = {&p.w_q, &p.w_k, &p.w_v, &p.w_o};
+        for (int i = 0; i < 4; ++i) {
+            Linear<T>& l = *layers[i];
+            if (!l.w_half) continue;
+            w[i] = make_buffer<T>(l.in * l.out);
+            if constexpr (std::is_same_v<T, float>)
+                widen_half(l.w_half, l.in * l.out, l.half, w[i].get());
+            l.w = w[i].get();
+            l.w_half = nullptr;
+            l.half = HalfFormat::none;
+        }
+    }
+};
+
 // Projections (one GEMM each over all rows; heads are then column blocks of q, k, v) and the
 // attention core, into b.
 template <typename T>
 AttentionProblem<T> mha_core_forward(const MhaProblem<T>& p, const MhaBuffers<T>& b) {
     const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
-    const Index wq = p.heads * p.d_head, wk = p.kv_heads * p.d_head;
-    const Index wv = p.kv_heads * p.d_vhead;
-    linear(rq, p.w_q.in, wq, p.query, p.w_q.in, p.w_q.w, p.w_q.b, b.q, wq);
-    linear(rk, p.w_k.in, wk, p.key, p.w_k.in, p.w_k.w, p.w_k.b, b.k, wk);
-    linear(rk, p.w_v.in, wv, p.value, p.w_v.in, p.w_v.w, p.w_v.b, b.v, wv);
+    project(rq, p.query, p.w_q, b.q);
+    project(rk, p.key, p.w_k, b.k);
+    project(rk, p.value, p.w_v, b.v);
     AttentionProblem<T> a = head_problem(p, b.q, b.k, b.v, b.ctx);
     a.lse = b.lse;
     return a;
@@ -75,17 +108,19 @@ AttentionProblem<T> mha_core_forward(const MhaProblem<T>& p, const MhaBuffers<T>
 
 template <typename T>
 void multi_head_attention_forward(const MhaProblem<T>& p) {
-    const Index rq = p.batch * p.n_q, wc = p.heads * p.d_vhead;
+    const Index rq = p.batch * p.n_q;
     detail::MhaBuffers<T> b(p, false);
     AttentionProblem<T> a = detail::mha_core_forward(p, b);
     a.weights = p.weights;
     attention_forward(a);
-    linear(rq, wc, p.w_o.out, b.ctx, wc, p.w_o.w, p.w_o.b, p.out, p.w_o.out);
+    detail::project(rq, b.ctx, p.w_o, p.out);
 }
 
 template <typename T>
-void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
+void multi_head_attention_backward(const MhaProblem<T>& half_p, const T* grad_out,
                                    const MhaGrads<T>& g) {
+    const detail::FloatWeights<T> widened(half_p);
+    const MhaProblem<T>& p = widened.p;
     const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
     const Index wq = p.heads * p.d_head, wk = p.kv_heads * p.d_head;
     const Index wv = p.kv_heads * p.d_vhead, wc = p.heads * p.d_vhead;
