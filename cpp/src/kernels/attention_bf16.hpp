@@ -103,22 +103,20 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
     pack_rows(0, L.n_pad, nk, d, k, ks, L.kp, kt);
     // V^T row c: value column c of keys j0 .. j0 + 31, from two 16 x 16 transposes of V
     // (zero beyond the keys and the value columns)
-    namespace ei = Eigen::internal;
     for (Index j0 = 0; j0 < L.n_pad; j0 += 32)
         for (Index c0 = 0; c0 < L.vp; c0 += 16) {
             const __mmask16 cols = first_lanes(dv - c0);
-            ei::PacketBlock<__m512, 16> lo, hi;
+            __m512 lo[16], hi[16];
             for (Index r = 0; r < 16; ++r) {
-                lo.packet[r] = j0 + r < nk ? _mm512_maskz_loadu_ps(cols, v + (j0 + r) * vs + c0)
-                                           : _mm512_setzero_ps();
-                hi.packet[r] = j0 + 16 + r < nk
-                                   ? _mm512_maskz_loadu_ps(cols, v + (j0 + 16 + r) * vs + c0)
-                                   : _mm512_setzero_ps();
+                lo[r] = j0 + r < nk ? _mm512_maskz_loadu_ps(cols, v + (j0 + r) * vs + c0)
+                                    : _mm512_setzero_ps();
+                hi[r] = j0 + 16 + r < nk ? _mm512_maskz_loadu_ps(cols, v + (j0 + 16 + r) * vs + c0)
+                                         : _mm512_setzero_ps();
             }
-            ei::ptranspose(lo);
-            ei::ptranspose(hi);
+            transpose_16x16(lo);
+            transpose_16x16(hi);
             for (Index c = 0; c < 16; ++c) {
-                const __m512bh r = _mm512_cvtne2ps_pbh(hi.packet[c], lo.packet[c]);
+                const __m512bh r = _mm512_cvtne2ps_pbh(hi[c], lo[c]);
                 _mm512_storeu_si512(vt + (c0 + c) * L.n_pad + j0, reinterpret_cast<__m512i>(r));
             }
         }
@@ -171,14 +169,14 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     pack_rows(0, Q, mq, d, p.q.at(b, h) + i0 * p.q.row_stride, p.q.row_stride, kp, qb);
     for (Index c = 0; c < kp / 32; ++c)  // 16 x 16 blocks of feature-pair words, transposed
         for (Index half = 0; half < G; ++half) {
-            Eigen::internal::PacketBlock<__m512, 16> words;
+            __m512 words[16];
             for (Index n = 0; n < 16; ++n)
-                words.packet[n] = _mm512_loadu_ps(
+                words[n] = _mm512_loadu_ps(
                     reinterpret_cast<const float*>(qb + (half * 16 + n) * kp + c * 32));
-            Eigen::internal::ptranspose(words);
+            transpose_16x16(words);
             for (Index r = 0; r < 16; ++r)
                 _mm512_store_ps(reinterpret_cast<float*>(qt + (c * G + half) * 512 + r * 32),
-                                words.packet[r]);
+                                words[r]);
         }
     std::fill(acc, acc + vp * Q, 0.0f);
     const float sink = p.mask.sinks ? p.mask.sink(b, h) : neg_inf<float>();
@@ -330,13 +328,11 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     for (Index c0 = 0; c0 < dv; c0 += 16) {
         const __mmask16 in = first_lanes(dv - c0);
         for (Index g = 0; g * 16 < mq; ++g) {
-            Eigen::internal::PacketBlock<__m512, 16> o;
-            for (Index r = 0; r < 16; ++r)
-                o.packet[r] = _mm512_load_ps(acc + (c0 + r) * Q + g * 16);
-            Eigen::internal::ptranspose(o);
+            __m512 o[16];
+            for (Index r = 0; r < 16; ++r) o[r] = _mm512_load_ps(acc + (c0 + r) * Q + g * 16);
+            transpose_16x16(o);
             for (Index n = 0; n < std::min<Index>(16, mq - g * 16); ++n)
-                _mm512_mask_storeu_ps(obase + (g * 16 + n) * p.out.row_stride + c0, in,
-                                      o.packet[n]);
+                _mm512_mask_storeu_ps(obase + (g * 16 + n) * p.out.row_stride + c0, in, o[n]);
         }
     }
     if (p.lse)

@@ -181,6 +181,17 @@ ATTNLAB_AMX_TARGET inline void store_2x2(float* c, Index ldc) {
     _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
+// rows[0, 16) transposed in registers as a 16 x 16 block (lane j of row i to lane i of row j);
+// a template so that the packet type, whose attributes a PacketBlock<__m512, 16> would drop
+// with a warning, is deduced
+template <typename Packet>
+inline void transpose_16x16(Packet (&rows)[16]) {
+    Eigen::internal::PacketBlock<Packet, 16> block;
+    for (int i = 0; i < 16; ++i) block.packet[i] = rows[i];
+    Eigen::internal::ptranspose(block);
+    for (int i = 0; i < 16; ++i) rows[i] = block.packet[i];
+}
+
 // The first n of 16 lanes (none for n <= 0, all for n >= 16).
 inline __mmask16 first_lanes(Index n) {
     return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
