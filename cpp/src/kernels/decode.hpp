@@ -22,13 +22,14 @@
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace detail {
 
-constexpr Index kDecodeRows = 16;       // query rows per kv head up to which the decode path runs
-constexpr Index kDecodeSplit = 512;     // keys per split at most
-constexpr Index kDecodeTasks = 8;       // tasks a call is cut into at least, while keys allow
-constexpr Index kDecodeBlock = 64;      // keys per block inside a split (scores of R rows in L1)
-constexpr Index kDecodeHalfBlock = 16;  // the same from half-precision K and V
-constexpr Index kDecodePrefetch = 32;   // rows ahead a streamed key or value row is requested
-constexpr int kDecodeKeys = 4;          // keys a score pass takes at once
+constexpr Index kDecodeRows = 16;         // query rows per kv head up to which the decode path runs
+constexpr Index kDecodeSplit = 512;       // keys per split at most
+constexpr Index kDecodeTasks = 8;         // tasks a call is cut into at least, while keys allow
+constexpr Index kDecodeBlock = 64;        // keys per block inside a split (scores of R rows in L1)
+constexpr Index kDecodeHalfBlock = 16;    // the same from half-precision K and V
+constexpr Index kDecodePrefetch = 16384;  // bytes of rows ahead a streamed K or V row is
+                                          // requested: what L1 holds beside the block's work
+constexpr int kDecodeKeys = 4;            // keys a score pass takes at once
 #if defined(__AVX512F__)
 // rows a pass holds in registers: 4 rows x 4 keys (or value packets) of accumulators with their
 // operands fit the 32 vector registers, 16 of SSE2/AVX2 take 2 rows
@@ -52,6 +53,13 @@ inline Index decode_split_keys(Index span, Index pairs) {
     return std::min(kDecodeSplit, std::max<Index>(blocks, 1) * kDecodeBlock);
 }
 
+// Rows ahead of the one read that a streamed row of `bytes` is requested: none where the rows'
+// queries or accumulators (`rows_bytes`) would leave L1 no room for the rows requested.
+inline Index decode_ahead(bool stream, Index bytes, Index rows_bytes) {
+    if (!stream || rows_bytes > kDecodePrefetch) return 0;
+    return std::max<Index>(kDecodePrefetch / std::max<Index>(bytes, 1), 1);
+}
+
 // Partial results of one split: unnormalised context, running max and sum per row.
 template <typename T>
 struct DecodeParts {
@@ -69,16 +77,15 @@ struct DecodeParts {
 // RB x KB independent FMA chains over the head width; the sum of each is the same whatever
 // the block, so every row gets the same scores however the rows are grouped.
 template <typename T, int RB, int KB>
-void decode_dots(const T* q, const T* k, Index ks, Index d, T* s, Index ss, bool prefetch) {
+void decode_dots(const T* q, const T* k, Index ks, Index d, T* s, Index ss, Index ahead) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
     const Index dv = d / L * L;
-    if (prefetch)  // the keys kDecodePrefetch rows on, requested as these are read
+    if (ahead > 0)  // the keys `ahead` rows on, requested as these are read
         for (int u = 0; u < KB; ++u)
             for (Index b = 0; b < d * Index(sizeof(T)); b += 64)
-                __builtin_prefetch(
-                    reinterpret_cast<const char*>(k + (kDecodePrefetch + u) * ks) + b, 0, 3);
+                __builtin_prefetch(reinterpret_cast<const char*>(k + (ahead + u) * ks) + b, 0, 3);
     Packet a[RB][KB];
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < KB; ++u) a[r][u] = ei::pset1<Packet>(T(0));
@@ -105,10 +112,10 @@ void decode_dots(const T* q, const T* k, Index ks, Index d, T* s, Index ss, bool
 // decode_dots for `rows` <= RB rows
 template <typename T, int RB, int KB>
 void decode_dots_rows(Index rows, const T* q, const T* k, Index ks, Index d, T* s, Index ss,
-                      bool prefetch) {
+                      Index ahead) {
     if constexpr (RB > 1)
-        if (rows < RB) return decode_dots_rows<T, RB - 1, KB>(rows, q, k, ks, d, s, ss, prefetch);
-    decode_dots<T, RB, KB>(q, k, ks, d, s, ss, prefetch);
+        if (rows < RB) return decode_dots_rows<T, RB - 1, KB>(rows, q, k, ks, d, s, ss, ahead);
+    decode_dots<T, RB, KB>(q, k, ks, d, s, ss, ahead);
 }
 
 // acc_r[c0, c0 + NP L) += sum_{j < kb} p_rj v_j[c0, c0 + NP L) for RB rows (p_r at pr + r * ss,
@@ -116,7 +123,7 @@ void decode_dots_rows(Index rows, const T* q, const T* k, Index ks, Index d, T* 
 // may not see (score -inf) is skipped for it, so its value (even NaN) never reaches that row.
 template <typename T, int RB, int NP, bool Skip>
 void decode_values(const T* sc, const T* pr, Index ss, const T* v, Index vs, Index kb, T* acc,
-                   Index as, Index c0, bool prefetch) {
+                   Index as, Index c0, Index ahead) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -125,10 +132,9 @@ void decode_values(const T* sc, const T* pr, Index ss, const T* v, Index vs, Ind
         for (int u = 0; u < NP; ++u) a[r][u] = ei::pload<Packet>(acc + r * as + c0 + u * L);
     for (Index j = 0; j < kb; ++j) {
         const T* vj = v + j * vs + c0;
-        if (prefetch)
+        if (ahead > 0)
             for (Index b = 0; b < NP * L * Index(sizeof(T)); b += 64)
-                __builtin_prefetch(reinterpret_cast<const char*>(vj + kDecodePrefetch * vs) + b, 0,
-                                   3);
+                __builtin_prefetch(reinterpret_cast<const char*>(vj + ahead * vs) + b, 0, 3);
         Packet x[NP];
         for (int u = 0; u < NP; ++u) x[u] = ei::ploadu<Packet>(vj + u * L);
         for (int r = 0; r < RB; ++r) {
@@ -144,12 +150,12 @@ void decode_values(const T* sc, const T* pr, Index ss, const T* v, Index vs, Ind
 // decode_values for `rows` <= RB rows
 template <typename T, int RB, int NP, bool Skip>
 void decode_values_rows(Index rows, const T* sc, const T* pr, Index ss, const T* v, Index vs,
-                        Index kb, T* acc, Index as, Index c0, bool prefetch) {
+                        Index kb, T* acc, Index as, Index c0, Index ahead) {
     if constexpr (RB > 1)
         if (rows < RB)
             return decode_values_rows<T, RB - 1, NP, Skip>(rows, sc, pr, ss, v, vs, kb, acc, as, c0,
-                                                           prefetch);
-    decode_values<T, RB, NP, Skip>(sc, pr, ss, v, vs, kb, acc, as, c0, prefetch);
+                                                           ahead);
+    decode_values<T, RB, NP, Skip>(sc, pr, ss, v, vs, kb, acc, as, c0, ahead);
 }
 
 // decode_values for the R rows over the whole packets of [c, dv), in chunks of NP, NP / 2, ...,
@@ -157,15 +163,15 @@ void decode_values_rows(Index rows, const T* sc, const T* pr, Index ss, const T*
 // streams them); returns the first column after them
 template <typename T, int NP, bool Skip>
 Index decode_values_cols(Index R, const T* sc, const T* pr, Index ss, const T* v, Index vs,
-                         Index kb, T* acc, Index as, Index c, Index dv, bool prefetch) {
+                         Index kb, T* acc, Index as, Index c, Index dv, Index ahead) {
     constexpr Index W = NP * packet_size<T>();
     for (; c + W <= dv; c += W)
         for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
             decode_values_rows<T, kDecodeRowBlock, NP, Skip>(
                 std::min<Index>(kDecodeRowBlock, R - r0), sc + r0 * ss, pr + r0 * ss, ss, v, vs, kb,
-                acc + r0 * as, as, c, prefetch && r0 == 0);
+                acc + r0 * as, as, c, r0 == 0 ? ahead : 0);
     if constexpr (NP > 1)
-        c = decode_values_cols<T, NP / 2, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, c, dv, prefetch);
+        c = decode_values_cols<T, NP / 2, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, c, dv, ahead);
     return c;
 }
 
@@ -173,12 +179,11 @@ Index decode_values_cols(Index R, const T* sc, const T* pr, Index ss, const T* v
 // value packets per row as many as leave the registers to the accumulators of a row block
 template <typename T, bool Skip>
 Index decode_values_all(Index R, const T* sc, const T* pr, Index ss, const T* v, Index vs, Index kb,
-                        T* acc, Index as, Index dv, bool prefetch) {
+                        T* acc, Index as, Index dv, Index ahead) {
     constexpr int wide = kDecodeAccumulators / 2, narrow = kDecodeAccumulators / kDecodeRowBlock;
     if (R <= 2)
-        return decode_values_cols<T, wide, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv,
-                                                 prefetch);
-    return decode_values_cols<T, narrow, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv, prefetch);
+        return decode_values_cols<T, wide, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv, ahead);
+    return decode_values_cols<T, narrow, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv, ahead);
 }
 
 // One task: rows of (b, hk) against keys [j_lo, j_hi) of split sp.
@@ -214,6 +219,9 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     const Index step = p.half != HalfFormat::none ? kDecodeHalfBlock : kbp;
     // streamed rows are requested ahead; widened half-precision blocks are in L1 already
     const bool stream = p.half == HalfFormat::none;
+    const Index rows_bytes = R * std::max(d, dvp) * Index(sizeof(T));
+    const Index k_ahead = decode_ahead(stream, d * Index(sizeof(T)), rows_bytes);
+    const Index v_ahead = decode_ahead(stream, dv * Index(sizeof(T)), rows_bytes);
     for (Index j0 = j_lo; j0 < j_hi; j0 += step) {
         const Index kb = std::min(step, j_hi - j0);
         const T* kblock = kbase + j0 * p.k.row_stride;
@@ -240,12 +248,12 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
             for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
                 decode_dots_rows<T, kDecodeRowBlock, kDecodeKeys>(
                     std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * ks, ks, d,
-                    sc + r0 * kbp + j, kbp, stream && r0 == 0);
+                    sc + r0 * kbp + j, kbp, r0 == 0 ? k_ahead : 0);
         for (; j < kb; ++j)
             for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
                 decode_dots_rows<T, kDecodeRowBlock, 1>(std::min<Index>(kDecodeRowBlock, R - r0),
                                                         qs + r0 * d, kblock + j * ks, ks, d,
-                                                        sc + r0 * kbp + j, kbp, false);
+                                                        sc + r0 * kbp + j, kbp, 0);
         for (Index g = 0; g < group; ++g) {
             T* sg = sc + g * p.n_q * kbp;
             if (capped)
@@ -281,10 +289,10 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         bool masked = false;
         for (Index r = 0; r < R && !masked; ++r)
             masked = std::find(sc + r * kbp, sc + r * kbp + kb, neg_inf<T>()) != sc + r * kbp + kb;
-        const Index c =
-            masked
-                ? decode_values_all<T, true>(R, sc, pr, kbp, vblock, vs, kb, acc, dvp, dv, stream)
-                : decode_values_all<T, false>(R, sc, pr, kbp, vblock, vs, kb, acc, dvp, dv, stream);
+        const Index c = masked ? decode_values_all<T, true>(R, sc, pr, kbp, vblock, vs, kb, acc,
+                                                            dvp, dv, v_ahead)
+                               : decode_values_all<T, false>(R, sc, pr, kbp, vblock, vs, kb, acc,
+                                                             dvp, dv, v_ahead);
         for (Index j = 0; j < kb; ++j)  // the columns after the last whole packet
             for (Index r = 0; r < R; ++r)
                 if (sc[r * kbp + j] != neg_inf<T>())
