@@ -20,6 +20,7 @@ void bind_mha(py::module_& m);
 void bind_bilinear(py::module_& m);
 void bind_additive(py::module_& m);
 void bind_separable(py::module_& m);
+void bind_half(py::module_& m);
 }  // namespace bind
 }  // namespace attnlab
 
@@ -157,4 +158,5 @@ PYBIND11_MODULE(_core, m) {
     attnlab::bind::bind_bilinear(m);
     attnlab::bind::bind_additive(m);
     attnlab::bind::bind_separable(m);
+    attnlab::bind::bind_half(m);
 }

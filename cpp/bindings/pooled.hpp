@@ -1,9 +1,9 @@
 #pragma once
 // What the bindings of the two pooled families (additive.cpp: SwiftFormer's additive attention,
-// separable.cpp: MobileViT-v2's separable self-attention) share: the buffer checks of their
-// tensor visitors, and their forward and backward and its binding, written once over a Family
-// (Additive or Separable) that supplies the family's arguments, problem builder, state,
-// gradient buffers and kernels.
+// separable.cpp: MobileViT-v2's separable self-attention) share: the problem and the gradient
+// buffers built through the family's tensor visitor, the forward and backward and their binding,
+// written once over a Family (Additive or Separable) that supplies its arguments, problem and
+// gradient types, widths, visitor, state and kernels.
 
 #include <string>
 #include <utility>
@@ -15,10 +15,6 @@
 namespace attnlab {
 namespace bind {
 
-inline void check_sizes(Index batch, Index n) {
-    if (batch < 0 || n < 0) throw py::value_error("negative sizes");
-}
-
 // For the visitors: an input checked as C-contiguous T of its shape (null for an absent bias).
 template <typename T>
 void check_input(const T*& ptr, const py::object& arg, const char* name, std::vector<Index> shape,
@@ -27,12 +23,38 @@ void check_input(const T*& ptr, const py::object& arg, const char* name, std::ve
                                     : contiguous<T>(arg.cast<py::array>(), name, std::move(shape));
 }
 
-// For the visitors: the gradient buffer of each tensor (null when not wanted).
-template <typename T>
-auto grad_from(const py::dict& grads) {
-    return [&grads](T*& ptr, const py::object&, const char* name, std::vector<Index> shape, bool) {
-        ptr = grad_buffer<T>(grads, name, std::move(shape));
-    };
+// The problem (forward and backward; out is set by the forward): the sizes, the family's own
+// checks and widths, every buffer through the family's visitor in argument order, the padding.
+template <typename Family, typename T>
+auto pooled_problem(const typename Family::Args& a) {
+    if (a.batch < 0 || a.n < 0) throw py::value_error("negative sizes");
+    typename Family::template Problem<T> p;
+    p.batch = a.batch;
+    p.n = a.n;
+    Family::widths(a, p);
+    Family::visit(a, p, p, check_input<T>);
+    p.key_padding = token_mask(a.key_padding_mask, a.batch, a.n);
+    return p;
+}
+
+// The gradient buffers, through the visitor that checked the inputs (the same names and
+// shapes); every input but the biases must have one.
+template <typename Family, typename T>
+auto pooled_grads(const typename Family::Args& a, const typename Family::template Problem<T>& p,
+                  const py::dict& grads) {
+    typename Family::template Grads<T> g;
+    std::string required;
+    bool complete = true;
+    Family::visit(
+        a, p, g,
+        [&](T*& ptr, const py::object&, const char* name, std::vector<Index> shape, bool optional) {
+            ptr = grad_buffer<T>(grads, name, std::move(shape));
+            if (optional) return;
+            required += (required.empty() ? "" : ", ") + std::string(name);
+            complete = complete && ptr;
+        });
+    if (!complete) throw py::value_error("grads: expected buffers for " + required);
+    return g;
 }
 
 // Forward and backward of either family (Family: Additive or Separable, with its Args). state:
@@ -41,11 +63,11 @@ template <typename Family>
 void pooled_forward(const typename Family::Args& a, py::array out, py::object state) {
     dispatch(a.x, "x", [&](auto tag) {
         using T = decltype(tag);
-        auto p = Family::template problem<T>(a);
+        auto p = pooled_problem<Family, T>(a);
         p.out = contiguous<T>(out, "out", {a.batch * a.n, p.d_out}, true);
         Family::set_state(p, state);
         ReleaseGil release;
-        Family::forward(p);
+        (kernels_for<T>().*Family::template forward<T>)(p);
         return 0;
     });
 }
@@ -56,13 +78,13 @@ void pooled_backward(py::array grad_out, const typename Family::Args& a, py::dic
                      py::object state) {
     dispatch(a.x, "x", [&](auto tag) {
         using T = decltype(tag);
-        auto p = Family::template problem<T>(a);
+        auto p = pooled_problem<Family, T>(a);
         Family::set_state(p, state);
         p.state.filled = !state.is_none();
         const T* gout = contiguous<T>(grad_out, "grad_out", {a.batch * a.n, p.d_out});
-        const auto g = Family::grad_buffers(a, p, grads);
+        const auto g = pooled_grads<Family, T>(a, p, grads);
         ReleaseGil release;
-        Family::backward(p, gout, g);
+        (kernels_for<T>().*Family::template backward<T>)(p, gout, g);
         return 0;
     });
 }

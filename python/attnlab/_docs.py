@@ -122,6 +122,23 @@ FRAGMENTS = {
     "torch_examples": "Examples\n--------\n>>> import torch, attnlab.torch as at",
     # the opening of the examples of attnlab.init's initialisers
     "init_examples": "Examples\n--------\n>>> import numpy as np\n>>> from attnlab import init",
+    # attnlab.dask: the mask, the two options of its own and the opening of its examples
+    "dask_mask": (
+        "mask : dask array or array_like of bool or float, optional\n"
+        "    Broadcasts to ``(..., h, n_q, n_k)``, chunked with the queries and keys."
+    ),
+    "dask_options": (
+        "return_lse : bool\n"
+        "    Also return the log-sum-exp ``(..., h, n_q)`` (a dask array).\n"
+        "split_every : int\n"
+        "    How many partial results of key blocks one merge task combines (>= 2)."
+    ),
+    "dask_examples": (
+        "Examples\n"
+        "--------\n"
+        ">>> import numpy as np, dask.array as da, attnlab, attnlab.dask\n"
+        ">>> rng = np.random.default_rng(0)"
+    ),
     # what the torch adapter's query/key/value families return
     "torch_attention_returns": (
         "Returns\n"

@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from . import _memory
+from ._loader import core
+
 __all__: list[str] = []  # private module
 
 HALF_NAMES = frozenset({"float16", "bfloat16"})
@@ -54,9 +57,31 @@ def storage(args: Mapping[str, Any], skip: Iterable[str] = ()) -> np.dtype | Non
     return found
 
 
+def _code(dtype: np.dtype) -> int:
+    """The kernels' name of a half dtype: 1 float16, 2 bfloat16."""
+    return 1 if dtype == np.float16 else 2
+
+
+def widen(a: np.ndarray) -> np.ndarray:
+    """A float16 or bfloat16 array as float32 (exact), converted on attnlab's threads (NumPy's
+    ``astype`` converts one element at a time: as long as the kernel on a BERT-sized layer)."""
+    src = a if a.flags.c_contiguous else a.copy(order="C")
+    out = _memory.empty(src.shape, np.float32)
+    if out.size:
+        core.widen_half(src.view(np.uint16), out, _code(src.dtype))
+    return out
+
+
 def store(x: np.ndarray, half: np.dtype | None) -> np.ndarray:
-    """``x`` rounded to the storage dtype ``half`` (round to nearest even), or ``x`` itself."""
-    return x if half is None else x.astype(half)
+    """``x`` rounded to the storage dtype ``half`` (round to nearest even, as ``astype``), or
+    ``x`` itself."""
+    if half is None:
+        return x
+    if x.dtype != np.float32 or not x.flags.c_contiguous or not x.size:
+        return x.astype(half)
+    out = np.empty(x.shape, half)
+    core.narrow_half(x, out.view(np.uint16), _code(half))
+    return out
 
 
 def halves(args: Mapping[str, Any]) -> dict[str, np.dtype]:
@@ -74,4 +99,4 @@ def store_grads(grads: dict[str, np.ndarray], hs: Mapping[str, np.dtype]) -> dic
     """Each gradient in the dtype of its argument when that is a half dtype (``hs``: the
     call's :func:`halves`), as autograd gives a float16 parameter a float16 gradient; the
     others as computed."""
-    return {n: g.astype(hs[n]) if n in hs else g for n, g in grads.items()}
+    return {n: store(g, hs[n]) if n in hs else g for n, g in grads.items()}

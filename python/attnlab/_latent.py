@@ -869,6 +869,21 @@ def _backward(
     grads["x"][...] = dx
 
 
+def _core_backward(
+    a: _Latent,
+    st: _State,
+    g: np.ndarray,
+    qkv: tuple[np.ndarray, np.ndarray, np.ndarray],
+    mask: _args.CoreMask,
+    d_qkv: tuple[np.ndarray, np.ndarray, np.ndarray],
+    d_logit: tuple[np.ndarray | None, np.ndarray | None],
+) -> None:
+    """The attention core's backward in either form: ``d_qkv`` from the gradient ``g`` of its
+    output and its inputs ``qkv``, with the output and log-sum-exp the forward kept in ``st``;
+    ``d_logit``: the buffers of the mask's and the sinks' gradients (``None``: not wanted)."""
+    core.sdpa_backward(g, *qkv, mask, a.m.scale, st.core["out"], st.lse, *d_qkv, False, *d_logit)
+
+
 def _expanded_backward(
     a: _Latent,
     st: _State,
@@ -882,21 +897,14 @@ def _expanded_backward(
     dk = _memory.zeros((B, h, n_k, dn + dr), dtype)
     dvv = _memory.zeros((B, h, n_k, dv), dtype)
     if n_k:
-        core.sdpa_backward(
+        _core_backward(
+            a,
+            st,
             _memory.kernel_ready(_heads(g_ctx)),
-            _heads(st.q),
-            _heads(k),
-            _heads(kv[..., dn:]),
+            (_heads(st.q), _heads(k), _heads(kv[..., dn:])),
             a.m.core_mask(),
-            a.m.scale,
-            st.core["out"],
-            st.lse,
-            dq,
-            dk,
-            dvv,
-            False,
-            logit.get("mask"),
-            logit.get("sinks"),
+            (dq, dk, dvv),
+            (logit.get("mask"), logit.get("sinks")),
         )
     dkv = _memory.empty((B, n_k, h, dn + dv), dtype)
     dkv[..., :dn] = _heads(dk)[..., :dn]
@@ -937,21 +945,8 @@ def _absorbed_backward(
         dm = logit.get("mask")
         dm_view = None if dm is None else _memory.zeros((B, 1, h, n_k), dtype)
         if n_k:
-            core.sdpa_backward(
-                g_lat,
-                qq,
-                keys,
-                values,
-                _stacked_mask(a),
-                a.m.scale,
-                out,
-                st.lse,
-                dqq,
-                dk,
-                dvv,
-                False,
-                dm_view,
-                None,
+            _core_backward(
+                a, st, g_lat, (qq, keys, values), _stacked_mask(a), (dqq, dk, dvv), (dm_view, None)
             )
         if dm is not None and dm_view is not None:
             dm[...] = dm_view.reshape(dm.shape)
@@ -959,21 +954,14 @@ def _absorbed_backward(
     else:
         dqq = _memory.zeros((B, h, n, r + dr), dtype)
         if n_k:
-            core.sdpa_backward(
+            _core_backward(
+                a,
+                st,
                 _memory.copy(_heads(g_lat)),
-                _heads(qq),
-                keys,
-                values,
+                (_heads(qq), keys, values),
                 a.m.core_mask(),
-                a.m.scale,
-                out,
-                st.lse,
-                dqq,
-                dk,
-                dvv,
-                False,
-                logit.get("mask"),
-                logit.get("sinks"),
+                (dqq, dk, dvv),
+                (logit.get("mask"), logit.get("sinks")),
             )
         dqq_rows = _heads(dqq)
     dlat = dk[:, 0]

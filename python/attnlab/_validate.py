@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._half import is_half
+from ._half import is_half, widen
 from ._memory import _zero_strides_to_one, contiguous, copy, kernel_ready
 
 __all__: list[str] = []  # private module
@@ -38,7 +38,7 @@ def as_array(x: Any, name: str) -> np.ndarray:
         raise TypeError(f"{name}: could not be converted to an array ({exc})") from None
     kind = a.dtype.kind
     if is_half(a.dtype):
-        return a.astype(np.float32)
+        return widen(a)
     if kind == "b":
         raise TypeError(f"{name}: expected real floating-point data, got dtype bool")
     if kind not in "fiu":

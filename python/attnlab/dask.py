@@ -33,7 +33,8 @@ import numpy as np
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from . import _args, _memory, _mha, _rope
+from . import _args, _docs, _memory, _mha, _rope
+from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
 from ._merge import merge_attention
@@ -345,6 +346,7 @@ def _per_head(values: np.ndarray | None, batch: tuple[int, ...], h: int, name: s
 # --- scaled dot-product attention -------------------------------------------------------------
 
 
+@_docs.filled
 def scaled_dot_product_attention(
     q: Any,
     k: Any,
@@ -370,15 +372,11 @@ def scaled_dot_product_attention(
         Their chunks set the blocks: along the batch axes (from the first input not broadcast
         along an axis), along the queries (``q``'s) and along the keys (``k``'s; ``v`` is
         rechunked to them). Heads and features are never split. NumPy inputs are one chunk.
-    mask : dask array or array_like of bool or float, optional
-        Broadcasts to ``(..., h, n_q, n_k)``, chunked with the queries and keys.
+    {dask_mask}
     causal, window, softcap, alibi_slopes, sinks, scale
         As for :func:`attnlab.scaled_dot_product_attention`, relative to the whole call's
         positions. ``alibi_slopes`` and ``sinks`` are small: they are read on the client.
-    return_lse : bool
-        Also return the log-sum-exp ``(..., h, n_q)`` (a dask array).
-    split_every : int
-        How many partial results of key blocks one merge task combines (>= 2).
+    {dask_options}
 
     Returns
     -------
@@ -391,10 +389,7 @@ def scaled_dot_product_attention(
     that key blocks avoid. Rows that no key may attend give 0 (and ``lse`` ``-inf``) as in the
     one-machine call, which warns about them; these functions do not (see ``lse``).
 
-    Examples
-    --------
-    >>> import numpy as np, dask.array as da, attnlab, attnlab.dask
-    >>> rng = np.random.default_rng(0)
+    {dask_examples}
     >>> q, k, v = (rng.standard_normal((2, 4, 64, 8)) for _ in range(3))
     >>> out = attnlab.dask.scaled_dot_product_attention(
     ...     da.from_array(q, chunks=(1, 4, 64, 8)), da.from_array(k, chunks=(1, 4, 16, 8)), v,
@@ -405,6 +400,7 @@ def scaled_dot_product_attention(
     ...                                                                      causal=True)))
     True
     """
+    call = _sig.arguments(locals())
     qd, kd, vd = _dask(q, "q"), _dask(k, "k"), _dask(v, "v")
     s_every = _split_every(split_every)
     lse_wanted = V.check_flag(return_lse, "return_lse")
@@ -414,17 +410,12 @@ def scaled_dot_product_attention(
     mask_dt = None if md is None else (np.bool_ if md.dtype.kind == "b" else dtype)
     if md is not None and md.dtype.kind not in "bf":
         mask_dt = md.dtype  # refused by the check below, naming it
-    args = dict(
+    args = dict(  # the call's options, its arrays as stand-ins
+        call,
         q=_standin(qd, dtype),
         k=_standin(kd, dtype),
         v=_standin(vd, dtype),
         mask=None if md is None else _standin(md, mask_dt),
-        causal=causal,
-        window=window,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        scale=scale,
         precision=None,  # the blocks run in the input dtype: no bf16 option here
         warn_empty_rows=False,
     )
@@ -629,6 +620,7 @@ def _mha_direct(
     )
 
 
+@_docs.filled
 def multi_head_attention(
     query: Any,
     key: Any = None,
@@ -681,8 +673,7 @@ def multi_head_attention(
         is rechunked to them). Features are never split. NumPy inputs are one chunk.
     w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o : array_like
         NumPy weights: one value of the graph, sent to each worker once.
-    mask : dask array or array_like of bool or float, optional
-        Broadcasts to ``(..., h, n_q, n_k)``, chunked with the queries and keys.
+    {dask_mask}
     key_padding_mask : dask array or array_like of bool, optional
         ``(..., n_k)``, chunked with the keys.
     num_heads, num_kv_heads, causal, window, softcap, alibi_slopes, sinks, scale
@@ -690,10 +681,7 @@ def multi_head_attention(
     rope_theta, rope_dim, positions, rope_inv_freq, rope_scale, q_norm, k_norm, norm_eps
         As for :func:`attnlab.multi_head_attention`, relative to the whole call's positions.
         ``alibi_slopes``, ``sinks`` and ``positions`` are small: they are read on the client.
-    return_lse : bool
-        Also return the log-sum-exp ``(..., h, n_q)`` (a dask array).
-    split_every : int
-        How many partial results of key blocks one merge task combines (>= 2).
+    {dask_options}
 
     Returns
     -------
@@ -705,10 +693,7 @@ def multi_head_attention(
     Attention weights (``return_weights``) are not offered. Rows that no key may attend give
     ``b_o`` (and ``lse`` ``-inf``) as in the one-machine call, without its warning.
 
-    Examples
-    --------
-    >>> import numpy as np, dask.array as da, attnlab, attnlab.dask
-    >>> rng = np.random.default_rng(0)
+    {dask_examples}
     >>> x = rng.standard_normal((2, 64, 16))
     >>> w = dict(zip(("w_q", "w_k", "w_v", "w_o"),
     ...              (rng.standard_normal((16, 16)) * 0.25 for _ in range(4))))
@@ -718,6 +703,7 @@ def multi_head_attention(
     ...                  attnlab.multi_head_attention(x, num_heads=4, causal=True, **w)))
     True
     """
+    call = _sig.arguments(locals())
     s_every = _split_every(split_every)
     lse_wanted = V.check_flag(return_lse, "return_lse")
     xq = _dask(query, "query")
@@ -741,21 +727,16 @@ def multi_head_attention(
     )
     d_q, d_k, d_v = x.widths
     tiny = {n: np.zeros((1, d), dtype) for n, d in (("query", d_q), ("key", d_k), ("value", d_v))}
-    targs = dict(
+    targs = dict(  # the call's options, tiny inputs and no per-call arrays
+        call,
         query=tiny["query"],
         key=None if key is None else tiny["key"],
         value=None if value is None else tiny["value"],
         **ws,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
         mask=None,
         key_padding_mask=None,
-        causal=causal,
-        window=window,
-        softcap=softcap,
         alibi_slopes=None,
         sinks=None,
-        scale=scale,
         warn_empty_rows=False,
     )
     a = _mha._prepare_mha(targs)  # heads and weights, checked and prepared once
@@ -767,15 +748,10 @@ def multi_head_attention(
     if md is not None and md.dtype.kind not in "bf":
         mask_dt = md.dtype
     m = _args.masks(
-        dict(
+        dict(  # the call's options, its masks as stand-ins
+            call,
             mask=None if md is None else _standin(md, mask_dt),
             key_padding_mask=None if kd is None else _standin(kd),
-            causal=causal,
-            window=window,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            sinks=sinks,
-            scale=scale,
             warn_empty_rows=False,
         ),
         batch,

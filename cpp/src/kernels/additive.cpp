@@ -6,6 +6,7 @@
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "entry_points.hpp"
 #include "pooled.hpp"
 #include "products.hpp"
 #include "scratch.hpp"
@@ -372,11 +373,6 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     linear_weight_grad(rows, din, D, p.x, din, dZ, D, g.w_k, g.b_k);
 }
 
-template void additive_attention_forward<float>(const AdditiveProblem<float>&);
-template void additive_attention_forward<double>(const AdditiveProblem<double>&);
-template void additive_attention_backward<float>(const AdditiveProblem<float>&, const float*,
-                                                 const AdditiveGrads<float>&);
-template void additive_attention_backward<double>(const AdditiveProblem<double>&, const double*,
-                                                  const AdditiveGrads<double>&);
+ATTNLAB_INSTANTIATE_ENTRY_POINTS(additive_attention, AdditiveProblem, AdditiveGrads);
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

@@ -16,7 +16,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 
 #include "attention_bf16_avx512.hpp"
 #include "attnlab/attention.hpp"
@@ -102,18 +101,26 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
     for (Index j = 0; j < nk; ++j) finite &= !nonfinite_row(v + j * vs, dv);
     if (!finite) return false;
     pack_rows(0, L.n_pad, nk, d, k, ks, L.kp, kt);
-    // V^T row c: value column c of keys j0 .. j0 + 31, gathered 16 keys at a time
-    const __m512i rows =
-        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                           _mm512_set1_epi32(static_cast<int>(vs)));
-    auto keys16 = [&](Index j, Index c) {
-        const __mmask16 in = first_lanes(c < dv ? nk - j : 0);
-        return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, rows, v + j * vs + c, 4);
-    };
-    for (Index c = 0; c < L.vp; ++c)
-        for (Index j0 = 0; j0 < L.n_pad; j0 += 32) {
-            const __m512bh r = _mm512_cvtne2ps_pbh(keys16(j0 + 16, c), keys16(j0, c));
-            _mm512_storeu_si512(vt + c * L.n_pad + j0, reinterpret_cast<__m512i>(r));
+    // V^T row c: value column c of keys j0 .. j0 + 31, from two 16 x 16 transposes of V
+    // (zero beyond the keys and the value columns)
+    namespace ei = Eigen::internal;
+    for (Index j0 = 0; j0 < L.n_pad; j0 += 32)
+        for (Index c0 = 0; c0 < L.vp; c0 += 16) {
+            const __mmask16 cols = first_lanes(dv - c0);
+            ei::PacketBlock<__m512, 16> lo, hi;
+            for (Index r = 0; r < 16; ++r) {
+                lo.packet[r] = j0 + r < nk ? _mm512_maskz_loadu_ps(cols, v + (j0 + r) * vs + c0)
+                                           : _mm512_setzero_ps();
+                hi.packet[r] = j0 + 16 + r < nk
+                                   ? _mm512_maskz_loadu_ps(cols, v + (j0 + 16 + r) * vs + c0)
+                                   : _mm512_setzero_ps();
+            }
+            ei::ptranspose(lo);
+            ei::ptranspose(hi);
+            for (Index c = 0; c < 16; ++c) {
+                const __m512bh r = _mm512_cvtne2ps_pbh(hi.packet[c], lo.packet[c]);
+                _mm512_storeu_si512(vt + (c0 + c) * L.n_pad + j0, reinterpret_cast<__m512i>(r));
+            }
         }
     return true;
 }
@@ -162,23 +169,17 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     float* acc = scratch<float>(ScratchBuffer::kFlashAccumulator,
                                 static_cast<std::size_t>(vp * Q));  // O^T: value columns x queries
     pack_rows(0, Q, mq, d, p.q.at(b, h) + i0 * p.q.row_stride, p.q.row_stride, kp, qb);
-    {
-        const std::uint32_t* words = reinterpret_cast<const std::uint32_t*>(qb);
-        const __m512i column = _mm512_mullo_epi32(
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-            _mm512_set1_epi32(static_cast<int>(kp / 2)));
-        for (Index c = 0; c < kp / 32; ++c)
-            for (Index half = 0; half < G; ++half) {
-                std::uint32_t* tile = reinterpret_cast<std::uint32_t*>(qt + (c * G + half) * 512);
-                const __m512i at = _mm512_add_epi32(
-                    column, _mm512_set1_epi32(static_cast<int>(half * 16 * (kp / 2) + c * 16)));
-                for (Index r = 0; r < 16; ++r)
-                    _mm512_store_si512(
-                        tile + r * 16,
-                        _mm512_i32gather_epi32(_mm512_add_epi32(at, _mm512_set1_epi32(int(r))),
-                                               words, 4));
-            }
-    }
+    for (Index c = 0; c < kp / 32; ++c)  // 16 x 16 blocks of feature-pair words, transposed
+        for (Index half = 0; half < G; ++half) {
+            Eigen::internal::PacketBlock<__m512, 16> words;
+            for (Index n = 0; n < 16; ++n)
+                words.packet[n] = _mm512_loadu_ps(
+                    reinterpret_cast<const float*>(qb + (half * 16 + n) * kp + c * 32));
+            Eigen::internal::ptranspose(words);
+            for (Index r = 0; r < 16; ++r)
+                _mm512_store_ps(reinterpret_cast<float*>(qt + (c * G + half) * 512 + r * 32),
+                                words.packet[r]);
+        }
     std::fill(acc, acc + vp * Q, 0.0f);
     const float sink = p.mask.sinks ? p.mask.sink(b, h) : neg_inf<float>();
     AmxStats st;
@@ -318,37 +319,35 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
         _mm512_store_ps(m + g * 16, st.m[g]);
         _mm512_store_ps(l + g * 16, st.l[g]);
     }
-    // out = O / l (0 where l = 0), each query's row gathered from the columns of O^T
+    // out = O / l (0 where l = 0): 16 x 16 blocks of O^T transposed into the queries' rows
     for (Index c = 0; c < dv; ++c)
         for (int g = 0; g < G; ++g) {
             float* a = acc + c * Q + g * 16;
             const __mmask16 seen = _mm512_cmp_ps_mask(st.l[g], zero, _CMP_NEQ_UQ);
             _mm512_store_ps(a, _mm512_maskz_div_ps(seen, _mm512_load_ps(a), st.l[g]));
         }
-    const __m512i column =
-        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                           _mm512_set1_epi32(Q));
     float* obase = p.out.at(b, h) + i0 * p.out.row_stride;
-    for (Index i = 0; i < mq; ++i) {
-        float* orow = obase + i * p.out.row_stride;
-        for (Index c0 = 0; c0 < dv; c0 += 16) {
-            const __mmask16 in = first_lanes(dv - c0);
-            _mm512_mask_storeu_ps(orow + c0, in,
-                                  _mm512_mask_i32gather_ps(zero, in, column, acc + c0 * Q + i, 4));
+    for (Index c0 = 0; c0 < dv; c0 += 16) {
+        const __mmask16 in = first_lanes(dv - c0);
+        for (Index g = 0; g * 16 < mq; ++g) {
+            Eigen::internal::PacketBlock<__m512, 16> o;
+            for (Index r = 0; r < 16; ++r)
+                o.packet[r] = _mm512_load_ps(acc + (c0 + r) * Q + g * 16);
+            Eigen::internal::ptranspose(o);
+            for (Index n = 0; n < std::min<Index>(16, mq - g * 16); ++n)
+                _mm512_mask_storeu_ps(obase + (g * 16 + n) * p.out.row_stride + c0, in,
+                                      o.packet[n]);
         }
-        const float li = l[i];
-        if (p.lse)
-            p.lse[(b * p.heads + h) * p.n_q + i0 + i] =
-                li == 0.0f ? neg_inf<float>() : m[i] + std::log(li);
     }
+    if (p.lse)
+        for (Index i = 0; i < mq; ++i)
+            p.lse[(b * p.heads + h) * p.n_q + i0 + i] =
+                l[i] == 0.0f ? neg_inf<float>() : m[i] + std::log(l[i]);
 }
 
-// The AMX (or VDPBF16PS) forward; false (nothing written) when a value row holds NaN or Inf
-// or when V's rows are too far apart for its gathers.
+// The AMX (or VDPBF16PS) forward; false (nothing written) when a value row holds NaN or Inf.
 template <Bf16Products products = Bf16Products::amx>
 inline bool amx_forward(const AttentionProblem<float>& p) {
-    // V^T is gathered through 32-bit offsets of up to 15 value rows
-    if (p.v.row_stride > std::numeric_limits<std::int32_t>::max() / 16) return false;
     const AmxPacked L = amx_layout(p.n_k, p.d, p.d_v);
     const Index heads = p.batch * p.kv_heads;
     auto kt = make_buffer<std::uint16_t>(static_cast<Index>(L.k_size) * heads);

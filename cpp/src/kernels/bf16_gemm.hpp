@@ -36,21 +36,23 @@ ATTNLAB_BF16_TARGET inline void pack_weight_block(Index kb, Index in, Index out,
                                 vnni_row(w, out, in, out, kb * 32 + 2 * r, nb * 16));
 }
 
-// C (32 x 32 floats, row stride 32) += rows [32 mb, 32 mb + 32) of xp times columns
-// [32 nb, 32 nb + 32) of the packed weight, over the k-blocks [kb0, kb1) (C zero first if
-// kb0 = 0): the tiles sum the input features in order, so splitting them is exact.
+// C (32 x 32 floats) = c_in (row stride ldc_in; 0: one row for all, null: zero) + rows
+// [32 mb, 32 mb + 32) of xp times columns [32 nb, 32 nb + 32) of the packed weight over the
+// k-blocks [kb0, kb1), stored to c_out (row stride ldc_out): the tiles sum the input features in
+// order, so splitting them is exact.
 ATTNLAB_AMX_TARGET inline void tile_block(Index kp, Index np, const std::uint16_t* xp,
                                           const std::uint16_t* wp, Index mb, Index nb, Index kb0,
-                                          Index kb1, float* c) {
-    if (kb0 == 0)
-        zero_2x2();
+                                          Index kb1, const float* c_in, Index ldc_in, float* c_out,
+                                          Index ldc_out) {
+    if (c_in)
+        load_2x2(c_in, ldc_in);
     else
-        load_2x2(c, 32);
+        zero_2x2();
     for (Index kb = kb0; kb < kb1; ++kb) {
         const std::uint16_t* b = wp + (kb * (np / 16) + 2 * nb) * 512;
         dp_2x2(xp + mb * 32 * kp + kb * 32, kp, b, b + 512);
     }
-    store_2x2(c, 32);
+    store_2x2(c_out, ldc_out);
 }
 
 // The tile product: both operands packed to bf16 in parallel, then 32 x 32 blocks of y as tasks
@@ -68,38 +70,51 @@ inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, 
     });
     if (!amx_usable()) return linear_bf16_vdp(rows, out, kp, np, xp.get(), wp.get(), b, y, ldy);
     const Index mblocks = mp / 32, nblocks = np / 32;
+    // the sums start from the bias (a stride-0 tile load repeats its row), padded to np columns
+    auto bp = make_buffer<float>(b ? np : 0);
+    if (b) {
+        std::copy(b, b + out, bp.get());
+        std::fill(bp.get() + out, bp.get() + np, 0.0f);
+    }
     // a task: 32 rows by up to kGroup blocks of 32 columns, the tiles configured once and the
     // row panel of xp kept in L1 across its column blocks
     constexpr Index kGroup = 8, kSpan = 12;
-    const Index groups = (nblocks + kGroup - 1) / kGroup;
+    const Index groups = (nblocks + kGroup - 1) / kGroup, kblocks = kp / 32;
+    // column group outermost: a group's weight panel stays in L2 while the row panels stream
+    // (row-major tasks read the whole packed weight once per row block, from L3 when it
+    // exceeds L2)
     parallel_for(mblocks * groups, [&](Index t) {
-        const Index mb = t / groups, nb0 = (t % groups) * kGroup;
+        const Index mb = t % mblocks, nb0 = (t / mblocks) * kGroup;
         const Index m_rows = std::min<Index>(32, rows - mb * 32);
         const Index nb1 = std::min(nblocks, nb0 + kGroup);
         float* cs =
             scratch<float>(ScratchBuffer::kGemmTiles, static_cast<std::size_t>(kGroup * 1024));
+        // whole 32 x 32 blocks of y take the last span's tile stores; edge blocks go through cs
+        auto whole = [&](Index nb) { return m_rows == 32 && nb * 32 + 32 <= out; };
         tiles_on();
         // the input features in spans of kSpan k-blocks, so that the span of the row panel
         // stays in L1 across the group's column blocks
-        for (Index kb0 = 0; kb0 < kp / 32; kb0 += kSpan)
-            for (Index nb = nb0; nb < nb1; ++nb)
-                tile_block(kp, np, xp.get(), wp.get(), mb, nb, kb0, std::min(kp / 32, kb0 + kSpan),
-                           cs + (nb - nb0) * 1024);
+        for (Index kb0 = 0; kb0 < kblocks; kb0 += kSpan) {
+            const Index kb1 = std::min(kblocks, kb0 + kSpan);
+            for (Index nb = nb0; nb < nb1; ++nb) {
+                float* c = cs + (nb - nb0) * 1024;
+                const bool first = kb0 == 0, last = kb1 == kblocks;
+                const float* c_in = !first ? c : b ? bp.get() + nb * 32 : nullptr;
+                float* c_out = last && whole(nb) ? y + mb * 32 * ldy + nb * 32 : c;
+                tile_block(kp, np, xp.get(), wp.get(), mb, nb, kb0, kb1, c_in, first ? 0 : 32,
+                           c_out, c_out == c ? 32 : ldy);
+            }
+        }
         tiles_off();
         for (Index nb = nb0; nb < nb1; ++nb) {
+            if (whole(nb)) continue;
             const float* c = cs + (nb - nb0) * 1024;
             const Index cols = std::min<Index>(32, out - nb * 32);
-            for (Index half = 0; half < 2; ++half) {  // y = c + b, 16 columns at a time
-                const Index left = cols - half * 16;
-                if (left <= 0) break;
-                const __mmask16 in = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-                const Index j0 = nb * 32 + half * 16;
-                const __m512 bias = b ? _mm512_maskz_loadu_ps(in, b + j0) : _mm512_setzero_ps();
-                for (Index i = 0; i < m_rows; ++i)
-                    _mm512_mask_storeu_ps(
-                        y + (mb * 32 + i) * ldy + j0, in,
-                        _mm512_add_ps(_mm512_load_ps(c + i * 32 + half * 16), bias));
-            }
+            for (Index i = 0; i < m_rows; ++i)
+                for (Index half = 0; half * 16 < cols; ++half)
+                    _mm512_mask_storeu_ps(y + (mb * 32 + i) * ldy + nb * 32 + half * 16,
+                                          first_lanes(cols - half * 16),
+                                          _mm512_load_ps(c + i * 32 + half * 16));
         }
     });
 }

@@ -2,6 +2,7 @@
 #include "attnlab/gemm.hpp"
 #include "attnlab/kernels.hpp"
 #include "bf16_gemm.hpp"
+#include "half_convert.hpp"
 
 #ifndef ATTNLAB_ISA_NAME
 #error "ATTNLAB_ISA_NAME must name the instruction-set variant (set by CMakeLists.txt)"
@@ -59,6 +60,8 @@ constexpr KernelTable kernel_table = {ATTNLAB_ISA_NAME,
                                       kernel_set<double>(),
                                       &fma_peak,
                                       &linear_bf16,
-                                      &bf16_kernel};
+                                      &bf16_kernel,
+                                      &widen_half,
+                                      &narrow_half};
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

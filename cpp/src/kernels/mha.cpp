@@ -3,6 +3,7 @@
 // projection.
 #include "attnlab/attention.hpp"
 #include "attnlab/gemm.hpp"
+#include "entry_points.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -129,11 +130,6 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
                           g.query == g.key || g.query == g.value);
 }
 
-template void multi_head_attention_forward<float>(const MhaProblem<float>&);
-template void multi_head_attention_forward<double>(const MhaProblem<double>&);
-template void multi_head_attention_backward<float>(const MhaProblem<float>&, const float*,
-                                                   const MhaGrads<float>&);
-template void multi_head_attention_backward<double>(const MhaProblem<double>&, const double*,
-                                                    const MhaGrads<double>&);
+ATTNLAB_INSTANTIATE_ENTRY_POINTS(multi_head_attention, MhaProblem, MhaGrads);
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

@@ -5,6 +5,7 @@
 #include "attnlab/additive.hpp"
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "entry_points.hpp"
 #include "pooled.hpp"
 #include "products.hpp"
 #include "scratch.hpp"
@@ -271,11 +272,6 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
     linear_weight_grad(rows, d, ld, p.x, d, dP.get(), ld, g.w_qkv, g.b_qkv);
 }
 
-template void separable_attention_forward<float>(const SeparableProblem<float>&);
-template void separable_attention_forward<double>(const SeparableProblem<double>&);
-template void separable_attention_backward<float>(const SeparableProblem<float>&, const float*,
-                                                  const SeparableGrads<float>&);
-template void separable_attention_backward<double>(const SeparableProblem<double>&, const double*,
-                                                   const SeparableGrads<double>&);
+ATTNLAB_INSTANTIATE_ENTRY_POINTS(separable_attention, SeparableProblem, SeparableGrads);
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

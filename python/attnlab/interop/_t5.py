@@ -7,12 +7,14 @@ from typing import Any
 
 import numpy as np
 
+from .. import _docs
 from .. import _validate as V
 from ._common import _flag, _weight_array
 
 __all__ = ["t5_position_bias"]
 
 
+@_docs.filled
 def t5_position_bias(
     module: Any,
     n_q: int,
@@ -60,9 +62,7 @@ def t5_position_bias(
     The buckets are computed in float32, as transformers computes them, so that bucket
     boundaries fall where they fall for the module.
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
+    {interop_examples}
     >>> from attnlab.interop import t5_position_bias
     >>> from transformers import T5Config
     >>> from transformers.models.t5.modeling_t5 import T5Attention

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _mha
+from .. import _docs, _mha
 from .. import _signature as _sig
 from .. import _validate as V
 from ._common import _flag, _list, _mask_array, _t, _weight_array
@@ -544,6 +544,7 @@ def _vit(module: Any) -> dict[str, Any]:
     return out
 
 
+@_docs.filled
 def from_transformers(
     module: Any,
     *,
@@ -636,9 +637,7 @@ def from_transformers(
     a float64 module agrees with attnlab (float64 tables) to that rounding; its RMSNorms run
     in float32 too.
 
-    Examples
-    --------
-    >>> import numpy as np, attnlab
+    {interop_examples}
     >>> from attnlab.interop import from_transformers
     >>> from transformers import LlamaConfig
     >>> from transformers.models.llama.modeling_llama import LlamaAttention
