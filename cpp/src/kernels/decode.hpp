@@ -81,15 +81,16 @@ void decode_dots(const T* q, const T* k, Index ks, Index d, T* s, Index ss, Inde
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
-    const Index dv = d / L * L;
-    if (ahead > 0)  // the keys `ahead` rows on, requested as these are read
+    const Index dw = d / L * L;  // the whole packets of a row
+    // the keys `ahead` rows on, requested as these are read
+    if (ahead > 0)
         for (int u = 0; u < KB; ++u)
             for (Index b = 0; b < d * Index(sizeof(T)); b += 64)
                 __builtin_prefetch(reinterpret_cast<const char*>(k + (ahead + u) * ks) + b, 0, 3);
     Packet a[RB][KB];
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < KB; ++u) a[r][u] = ei::pset1<Packet>(T(0));
-    for (Index c = 0; c < dv; c += L) {
+    for (Index c = 0; c < dw; c += L) {
         Packet x[KB];
         for (int u = 0; u < KB; ++u) x[u] = ei::ploadu<Packet>(k + u * ks + c);
         for (int r = 0; r < RB; ++r) {
@@ -100,7 +101,7 @@ void decode_dots(const T* q, const T* k, Index ks, Index d, T* s, Index ss, Inde
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < KB; ++u) {
             T t = ei::predux(a[r][u]);
-            for (Index c = dv; c < d; ++c) t += q[r * d + c] * k[u * ks + c];
+            for (Index c = dw; c < d; ++c) t += q[r * d + c] * k[u * ks + c];
             s[r * ss + u] = t;
         }
 }
