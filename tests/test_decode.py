@@ -17,6 +17,7 @@ import pytest
 
 import attnlab
 from attnlab import reference
+from attnlab._bench.accuracy import FORWARD_C, UNIT_ROUNDOFF, error_bound, logit_scale
 from conftest import BF16, assert_close
 
 CASES = [
@@ -137,6 +138,25 @@ def test_decode_reads_half_precision_caches(n_k, dtype):
         ref, rlse = reference.scaled_dot_product_attention(*wide, return_lse=True, **kw)
         assert_close(out, ref, dtype, "half decode")
         assert_close(lse, rlse, np.float32, "half decode lse")  # kept in float32
+
+
+@pytest.mark.parametrize("n_k", SHORT_KEYS)
+def test_short_decode_bf16_products_within_bound(n_k):
+    """precision="bf16" with few query rows per kv head takes the decode path (the AMX tile ran
+    short caches before): within the normwise bound test_half holds every bf16 path to."""
+    rng = np.random.default_rng(7)
+    for opts in SHORT_OPTIONS[:3]:
+        B, h, h_kv, n_q, d, d_v, kw = opts
+        q, k, v, kw = _args((B, h, h_kv, n_q, n_k, d, d_v, kw), np.float32, rng)
+        out = attnlab.scaled_dot_product_attention(q, k, v, precision="bf16", **kw)
+        ref = reference.scaled_dot_product_attention(
+            *(x.astype(np.float64) for x in (q, k, v)), **kw
+        )
+        err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300)
+        bound = error_bound(
+            UNIT_ROUNDOFF["bfloat16"], logit_scale(q, k), max(n_k, d, d_v), FORWARD_C
+        )
+        assert out.dtype == np.float32 and err <= bound, (opts, err, bound)
 
 
 # Writes every output of the short cases (and a long one of one kv head, many splits) for the
