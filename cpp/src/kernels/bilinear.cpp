@@ -4,6 +4,7 @@
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "entry_points.hpp"
 #include "products.hpp"
 #include "scratch.hpp"
 
@@ -132,9 +133,6 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
     linear(rq, wc, p.w_o.out, ctx, wc, p.w_o.w, p.w_o.b, p.out, p.w_o.out);
 }
 
-template void bilinear_attention_forward<float>(const BilinearProblem<float>&);
-template void bilinear_attention_forward<double>(const BilinearProblem<double>&);
-
 template <typename T>
 void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
                                  const BilinearGrads<T>& g) {
@@ -243,9 +241,6 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     }
 }
 
-template void bilinear_attention_backward<float>(const BilinearProblem<float>&, const float*,
-                                                 const BilinearGrads<float>&);
-template void bilinear_attention_backward<double>(const BilinearProblem<double>&, const double*,
-                                                  const BilinearGrads<double>&);
+ATTNLAB_INSTANTIATE_ENTRY_POINTS(bilinear_attention, BilinearProblem, BilinearGrads);
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

@@ -1,0 +1,131 @@
+"""CPU time per call of the kernel cases docs/performance.md's A/Bs quote: bf16 products on AMX
+(the attention core on ViT-B's head views, the ViT-B layer, the fused-width GEMM) and float16
+against float32 inputs (BERT and ViT-B layers, SDPA with and without a causal mask, decode).
+One thread by default (ATTNLAB_NUM_THREADS overrides it): on a shared machine the CPU time of
+one thread is the steadiest measure.
+
+    python scripts/kernel_ab.py [CASE ...]
+        the attnlab on PYTHONPATH: per case the minimum CPU time of 25 calls, in ms
+    python scripts/kernel_ab.py --compare A/python B/python [--rounds 5] [CASE ...]
+        two trees, each case in its own process, A and B alternately; minima per tree
+
+Cases: sdpa-bf16, vitb-bf16, gemm-bf16 (1576 x 768 x 2304) and {bert,vitb,sdpa,causal,decode}-
+{float32,float16}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+CASES = (
+    "sdpa-bf16",
+    "vitb-bf16",
+    "gemm-bf16",
+    *(
+        f"{c}-{t}"
+        for c in ("bert", "vitb", "sdpa", "causal", "decode")
+        for t in ("float32", "float16")
+    ),
+)
+
+
+def _call(name: str) -> Callable[[], Any]:
+    import numpy as np
+
+    import attnlab
+    from attnlab._loader import core
+
+    rng = np.random.default_rng(0)
+    case, kind = name.split("-")
+    dt = np.float32 if kind == "bf16" else np.dtype(kind)
+    precision = "bf16" if kind == "bf16" else None
+
+    def layer(b: int, n: int) -> Callable[[], Any]:
+        x = rng.standard_normal((b, n, 768)).astype(dt)
+        w = {
+            k: (rng.standard_normal((768, 768)) / 28).astype(dt)
+            for k in ("w_q", "w_k", "w_v", "w_o")
+        }
+        return lambda: attnlab.multi_head_attention(x, num_heads=12, precision=precision, **w)
+
+    if case == "bert":
+        return layer(1, 128)
+    if case == "vitb":
+        return layer(8, 197)
+    if case == "gemm":
+        x = rng.standard_normal((1576, 768)).astype(np.float32)
+        w = (rng.standard_normal((768, 2304)) / 28).astype(np.float32)
+        b, y = np.ones(2304, np.float32), np.empty((1576, 2304), np.float32)
+        return lambda: core.linear_forward(x, w, b, y, True)
+    if case == "sdpa" and kind == "bf16":  # ViT-B's heads: strided views of (B, n, h, d)
+        q, k, v = (rng.standard_normal((8, 197, 12, 64)).astype(np.float32) for _ in range(3))
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+        return lambda: attnlab.scaled_dot_product_attention(q, k, v, precision="bf16")
+    if case == "decode":
+        q = rng.standard_normal((1, 32, 1, 128)).astype(dt)
+        k, v = (rng.standard_normal((1, 32, 8192, 128)).astype(dt) for _ in range(2))
+        return lambda: attnlab.scaled_dot_product_attention(q, k, v)
+    q, k, v = (rng.standard_normal((1, 8, 1024, 64)).astype(dt) for _ in range(3))
+    causal = case == "causal"
+    return lambda: attnlab.scaled_dot_product_attention(q, k, v, causal=causal)
+
+
+def time_case(name: str) -> float:
+    """Milliseconds of CPU time per call: the minimum over 25 calls."""
+    f = _call(name)
+    f()
+    best = float("inf")
+    for _ in range(25):
+        t = time.process_time()
+        f()
+        best = min(best, time.process_time() - t)
+    return best * 1e3
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("cases", nargs="*", metavar="CASE", help=", ".join(CASES))
+    p.add_argument("--compare", nargs=2, metavar="PYTHONPATH")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    args.cases = args.cases or list(CASES)
+    for name in args.cases:
+        if name not in CASES:
+            p.error(f"unknown case {name!r}: expected one of {', '.join(CASES)}")
+    if not args.compare:
+        for name in args.cases:
+            print(f"{name:16s} {time_case(name):10.2f} ms", flush=True)
+        return 0
+    best: dict[tuple[str, str], float] = {}
+    for _ in range(args.rounds):
+        for name in args.cases:
+            for tree in args.compare:
+                env = {"ATTNLAB_NUM_THREADS": "1", **os.environ, "PYTHONPATH": tree}
+                out = subprocess.run(
+                    [sys.executable, __file__, name],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if out.returncode:
+                    sys.stderr.write(out.stderr)
+                    return 1
+                t = float(out.stdout.split()[1])
+                best[name, tree] = min(t, best.get((name, tree), t))
+    a, b = args.compare
+    print(f"{'case':16s} {'A (ms)':>10s} {'B (ms)':>10s}  B/A   A = {a}, B = {b}")
+    for name in args.cases:
+        ta, tb = best[name, a], best[name, b]
+        print(f"{name:16s} {ta:10.2f} {tb:10.2f}  {tb / ta:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
