@@ -1,7 +1,8 @@
 """Per-call times of the latency-bound calls of issue 30 ("small calls"), float32, inputs as
 ``bench --peers`` builds them: the BERT-base layer (B=1, n=128, d=768, 12 heads), a tiny layer
 (B=1, n=4, d=8, 2 heads: the fixed cost of a call), single-token decode against 8192, 256 and
-16 cached keys (32 heads x 128; 16 keys: the fixed cost of a decode call).
+16 cached keys (32 heads x 128; 16 keys: the fixed cost of a decode call), and against 256 keys
+with grouped-query heads (32 query heads, 8 kv heads).
 
     python scripts/small_calls.py [CASE ...]
         times the attnlab on PYTHONPATH: per case the minimum over 7 repeats of timeit
@@ -23,8 +24,15 @@ import timeit
 from collections.abc import Callable
 from typing import Any
 
-CASES = ("bert", "tiny", "decode8192", "decode256", "decode16")
-NUMBER = {"bert": 100, "tiny": 4000, "decode8192": 20, "decode256": 500, "decode16": 2000}
+CASES = ("bert", "tiny", "decode8192", "decode256", "decode16", "decode256gqa")
+NUMBER = {
+    "bert": 100,
+    "tiny": 4000,
+    "decode8192": 20,
+    "decode256": 500,
+    "decode16": 2000,
+    "decode256gqa": 1000,
+}
 
 
 def _call(name: str) -> Callable[[], Any]:
@@ -38,6 +46,7 @@ def _call(name: str) -> Callable[[], Any]:
         "decode8192": PEERS["decode"],
         "decode256": Case("decode 256", 1, 256, 4096, 32, core_only=True, n_q=1),
         "decode16": Case("decode 16", 1, 16, 4096, 32, core_only=True, n_q=1),
+        "decode256gqa": Case("decode 256 GQA", 1, 256, 4096, 32, core_only=True, n_q=1, h_kv=8),
     }[name]
     a = inputs(case)
     if case.core_only:

@@ -1,6 +1,6 @@
 #pragma once
 // The decode path of the attention forward: few query rows per key/value head (decoding with a
-// cache, n_q * heads / kv_heads <= kDecodeRows) against many keys, split along the keys
+// cache, n_q * heads / kv_heads <= kDecodeRows) against any number of keys, split along the keys
 // (FlashDecoding): each task streams one split of K and V once for all the query heads of its
 // group, keeps a partial online softmax, and a last pass merges the splits by their maxima and
 // sums in a fixed order. The flash tile would put these few queries in vector lanes padded to a
@@ -22,14 +22,42 @@
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace detail {
 
-constexpr Index kDecodeRows = 16;       // query rows per kv head up to which the decode path runs
-constexpr Index kDecodeSplit = 512;     // keys per split: the task grid depends on n_k alone
-constexpr Index kDecodeBlock = 64;      // keys per block inside a split (scores of R rows in L1)
-constexpr Index kDecodeHalfBlock = 16;  // the same from half-precision K and V
-constexpr Index kDecodePrefetch = 32;   // rows ahead a streamed key or value row is requested
+constexpr Index kDecodeRows = 16;         // query rows per kv head up to which the decode path runs
+constexpr Index kDecodeSplit = 512;       // keys per split at most
+constexpr Index kDecodeTasks = 8;         // tasks a call is cut into at least, while keys allow
+constexpr Index kDecodeBlock = 64;        // keys per block inside a split (scores of R rows in L1)
+constexpr Index kDecodeHalfBlock = 16;    // the same from half-precision K and V
+constexpr Index kDecodePrefetch = 16384;  // bytes of rows ahead a streamed K or V row is
+                                          // requested: what L1 holds beside the block's work
+constexpr int kDecodeKeys = 4;            // keys a score pass takes at once
+#if defined(__AVX512F__)
+// rows a pass holds in registers: 4 rows x 4 keys (or value packets) of accumulators with their
+// operands fit the 32 vector registers, 16 of SSE2/AVX2 take 2 rows
+constexpr int kDecodeRowBlock = 4;
+constexpr int kDecodeAccumulators = 16;
+#else
+constexpr int kDecodeRowBlock = 2;
+constexpr int kDecodeAccumulators = 8;
+#endif
 
-inline bool use_decode(Index n_q, Index heads, Index kv_heads, Index n_k) {
-    return n_q * (heads / kv_heads) <= kDecodeRows && n_k >= 2 * kDecodeSplit;
+inline bool use_decode(Index n_q, Index heads, Index kv_heads) {
+    return n_q * (heads / kv_heads) <= kDecodeRows;
+}
+
+// Keys per split: kDecodeSplit, or fewer (whole blocks) when the call has few (batch, kv head)
+// pairs, so that both its long and its short caches give every core work; from the shapes
+// alone, so that any thread count splits (and rounds) alike.
+inline Index decode_split_keys(Index span, Index pairs) {
+    const Index want = (kDecodeTasks + pairs - 1) / pairs;  // splits per pair
+    const Index blocks = ((span + want - 1) / want + kDecodeBlock - 1) / kDecodeBlock;
+    return std::min(kDecodeSplit, std::max<Index>(blocks, 1) * kDecodeBlock);
+}
+
+// Rows ahead of the one read that a streamed row of `bytes` is requested: none where the rows'
+// queries or accumulators (`rows_bytes`) would leave L1 no room for the rows requested.
+inline Index decode_ahead(bool stream, Index bytes, Index rows_bytes) {
+    if (!stream || rows_bytes > kDecodePrefetch) return 0;
+    return std::max<Index>(kDecodePrefetch / std::max<Index>(bytes, 1), 1);
 }
 
 // Partial results of one split: unnormalised context, running max and sum per row.
@@ -40,43 +68,123 @@ struct DecodeParts {
     T* l = nullptr;
 };
 
-// s[j] = q . k_j for four keys at a time (four independent FMA chains over the head width).
-template <typename T>
-void decode_scores(const T* q, const T* k, Index ks, Index kb, Index d, T* s, bool prefetch) {
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"  // GCC 12's _mm512_undefined_pd in predux (105593)
+#endif
+
+// s[r * ss + u] = q_r . k_u for RB rows (q_r at q + r * d) and KB keys (k_u at k + u * ks):
+// RB x KB independent FMA chains over the head width; the sum of each is the same whatever
+// the block, so every row gets the same scores however the rows are grouped.
+template <typename T, int RB, int KB>
+void decode_dots(const T* q, const T* k, Index ks, Index d, T* s, Index ss, Index ahead) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
-    const Index dv = d / L * L;
-    Index j = 0;
-    for (; j + 4 <= kb; j += 4) {
-        const T* k0 = k + j * ks;
-        if (prefetch)  // the keys kDecodePrefetch rows on, requested as these are read
-            for (Index u = 0; u < 4; ++u)
-                for (Index b = 0; b < d * Index(sizeof(T)); b += 64)
-                    __builtin_prefetch(
-                        reinterpret_cast<const char*>(k0 + (kDecodePrefetch + u) * ks) + b, 0, 3);
-        Packet a0 = ei::pset1<Packet>(T(0)), a1 = a0, a2 = a0, a3 = a0;
-        for (Index c = 0; c < dv; c += L) {
-            const Packet x = ei::ploadu<Packet>(q + c);
-            a0 = ei::pmadd(x, ei::ploadu<Packet>(k0 + c), a0);
-            a1 = ei::pmadd(x, ei::ploadu<Packet>(k0 + ks + c), a1);
-            a2 = ei::pmadd(x, ei::ploadu<Packet>(k0 + 2 * ks + c), a2);
-            a3 = ei::pmadd(x, ei::ploadu<Packet>(k0 + 3 * ks + c), a3);
+    const Index dw = d / L * L;  // the whole packets of a row
+    // the keys `ahead` rows on, requested as these are read
+    if (ahead > 0)
+        for (int u = 0; u < KB; ++u)
+            for (Index b = 0; b < d * Index(sizeof(T)); b += 64)
+                __builtin_prefetch(reinterpret_cast<const char*>(k + (ahead + u) * ks) + b, 0, 3);
+    Packet a[RB][KB];
+    for (int r = 0; r < RB; ++r)
+        for (int u = 0; u < KB; ++u) a[r][u] = ei::pset1<Packet>(T(0));
+    for (Index c = 0; c < dw; c += L) {
+        Packet x[KB];
+        for (int u = 0; u < KB; ++u) x[u] = ei::ploadu<Packet>(k + u * ks + c);
+        for (int r = 0; r < RB; ++r) {
+            const Packet y = ei::ploadu<Packet>(q + r * d + c);
+            for (int u = 0; u < KB; ++u) a[r][u] = ei::pmadd(y, x[u], a[r][u]);
         }
-        T t[4] = {ei::predux(a0), ei::predux(a1), ei::predux(a2), ei::predux(a3)};
-        for (Index c = dv; c < d; ++c)
-            for (int u = 0; u < 4; ++u) t[u] += q[c] * k0[u * ks + c];
-        for (int u = 0; u < 4; ++u) s[j + u] = t[u];
     }
-    for (; j < kb; ++j) {
-        const T* kj = k + j * ks;
-        Packet a = ei::pset1<Packet>(T(0));
-        for (Index c = 0; c < dv; c += L)
-            a = ei::pmadd(ei::ploadu<Packet>(q + c), ei::ploadu<Packet>(kj + c), a);
-        T t = ei::predux(a);
-        for (Index c = dv; c < d; ++c) t += q[c] * kj[c];
-        s[j] = t;
+    for (int r = 0; r < RB; ++r)
+        for (int u = 0; u < KB; ++u) {
+            T t = ei::predux(a[r][u]);
+            for (Index c = dw; c < d; ++c) t += q[r * d + c] * k[u * ks + c];
+            s[r * ss + u] = t;
+        }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+// decode_dots for `rows` <= RB rows
+template <typename T, int RB, int KB>
+void decode_dots_rows(Index rows, const T* q, const T* k, Index ks, Index d, T* s, Index ss,
+                      Index ahead) {
+    if constexpr (RB > 1)
+        if (rows < RB) return decode_dots_rows<T, RB - 1, KB>(rows, q, k, ks, d, s, ss, ahead);
+    decode_dots<T, RB, KB>(q, k, ks, d, s, ss, ahead);
+}
+
+// acc_r[c0, c0 + NP L) += sum_{j < kb} p_rj v_j[c0, c0 + NP L) for RB rows (p_r at pr + r * ss,
+// acc_r at acc + r * as), the columns held in registers across the keys. With Skip, a key a row
+// may not see (score -inf) is skipped for it, so its value (even NaN) never reaches that row.
+template <typename T, int RB, int NP, bool Skip>
+void decode_values(const T* sc, const T* pr, Index ss, const T* v, Index vs, Index kb, T* acc,
+                   Index as, Index c0, Index ahead) {
+    namespace ei = Eigen::internal;
+    using Packet = PacketOf<T>;
+    constexpr Index L = packet_size<T>();
+    Packet a[RB][NP];
+    for (int r = 0; r < RB; ++r)
+        for (int u = 0; u < NP; ++u) a[r][u] = ei::pload<Packet>(acc + r * as + c0 + u * L);
+    for (Index j = 0; j < kb; ++j) {
+        const T* vj = v + j * vs + c0;
+        if (ahead > 0)
+            for (Index b = 0; b < NP * L * Index(sizeof(T)); b += 64)
+                __builtin_prefetch(reinterpret_cast<const char*>(vj + ahead * vs) + b, 0, 3);
+        Packet x[NP];
+        for (int u = 0; u < NP; ++u) x[u] = ei::ploadu<Packet>(vj + u * L);
+        for (int r = 0; r < RB; ++r) {
+            if (Skip && sc[r * ss + j] == neg_inf<T>()) continue;
+            const Packet w = ei::pset1<Packet>(pr[r * ss + j]);
+            for (int u = 0; u < NP; ++u) a[r][u] = ei::pmadd(w, x[u], a[r][u]);
+        }
     }
+    for (int r = 0; r < RB; ++r)
+        for (int u = 0; u < NP; ++u) ei::pstore(acc + r * as + c0 + u * L, a[r][u]);
+}
+
+// decode_values for `rows` <= RB rows
+template <typename T, int RB, int NP, bool Skip>
+void decode_values_rows(Index rows, const T* sc, const T* pr, Index ss, const T* v, Index vs,
+                        Index kb, T* acc, Index as, Index c0, Index ahead) {
+    if constexpr (RB > 1)
+        if (rows < RB)
+            return decode_values_rows<T, RB - 1, NP, Skip>(rows, sc, pr, ss, v, vs, kb, acc, as, c0,
+                                                           ahead);
+    decode_values<T, RB, NP, Skip>(sc, pr, ss, v, vs, kb, acc, as, c0, ahead);
+}
+
+// decode_values for the R rows over the whole packets of [c, dv), in chunks of NP, NP / 2, ...,
+// 1 packets, each chunk through every row block while its values are in L1 (the first block
+// streams them); returns the first column after them
+template <typename T, int NP, bool Skip>
+Index decode_values_cols(Index R, const T* sc, const T* pr, Index ss, const T* v, Index vs,
+                         Index kb, T* acc, Index as, Index c, Index dv, Index ahead) {
+    constexpr Index W = NP * packet_size<T>();
+    for (; c + W <= dv; c += W)
+        for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
+            decode_values_rows<T, kDecodeRowBlock, NP, Skip>(
+                std::min<Index>(kDecodeRowBlock, R - r0), sc + r0 * ss, pr + r0 * ss, ss, v, vs, kb,
+                acc + r0 * as, as, c, r0 == 0 ? ahead : 0);
+    if constexpr (NP > 1)
+        c = decode_values_cols<T, NP / 2, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, c, dv, ahead);
+    return c;
+}
+
+// acc += P V for the R rows over the whole packets of the value rows (see decode_values_cols):
+// value packets per row as many as leave the registers to the accumulators of a row block
+template <typename T, bool Skip>
+Index decode_values_all(Index R, const T* sc, const T* pr, Index ss, const T* v, Index vs, Index kb,
+                        T* acc, Index as, Index dv, Index ahead) {
+    constexpr int wide = kDecodeAccumulators / 2, narrow = kDecodeAccumulators / kDecodeRowBlock;
+    if (R <= 2)
+        return decode_values_cols<T, wide, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv, ahead);
+    return decode_values_cols<T, narrow, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv, ahead);
 }
 
 // One task: rows of (b, hk) against keys [j_lo, j_hi) of split sp.
@@ -110,6 +218,11 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     // half-precision keys and values are widened a block at a time: blocks small enough that the
     // widened copies stay in L1 with the scores
     const Index step = p.half != HalfFormat::none ? kDecodeHalfBlock : kbp;
+    // streamed rows are requested ahead; widened half-precision blocks are in L1 already
+    const bool stream = p.half == HalfFormat::none;
+    const Index rows_bytes = R * std::max(d, dvp) * Index(sizeof(T));
+    const Index k_ahead = decode_ahead(stream, d * Index(sizeof(T)), rows_bytes);
+    const Index v_ahead = decode_ahead(stream, dv * Index(sizeof(T)), rows_bytes);
     for (Index j0 = j_lo; j0 < j_hi; j0 += step) {
         const Index kb = std::min(step, j_hi - j0);
         const T* kblock = kbase + j0 * p.k.row_stride;
@@ -129,10 +242,19 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                 vs = dv;
             }
         }
-        // the first row streams the keys from memory (prefetching ahead); the others reread them
-        for (Index r = 0; r < R; ++r)
-            decode_scores(qs + r * d, kblock, ks, kb, d, sc + r * kbp,
-                          r == 0 && p.half == HalfFormat::none);
+        // scores a few keys at a time for every row while those keys are in L1; the first
+        // rows stream them from memory
+        Index j = 0;
+        for (; j + kDecodeKeys <= kb; j += kDecodeKeys)
+            for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
+                decode_dots_rows<T, kDecodeRowBlock, kDecodeKeys>(
+                    std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * ks, ks, d,
+                    sc + r0 * kbp + j, kbp, r0 == 0 ? k_ahead : 0);
+        for (; j < kb; ++j)
+            for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
+                decode_dots_rows<T, kDecodeRowBlock, 1>(std::min<Index>(kDecodeRowBlock, R - r0),
+                                                        qs + r0 * d, kblock + j * ks, ks, d,
+                                                        sc + r0 * kbp + j, kbp, 0);
         for (Index g = 0; g < group; ++g) {
             T* sg = sc + g * p.n_q * kbp;
             if (capped)
@@ -162,26 +284,21 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                     ei::pstore(ar + c, ei::pmul(a, ei::pload<Packet>(ar + c)));
             }
         }
-        // acc_r += sum_j p_rj v_j, each value row read once for the R rows; a key a row may
-        // not see (masked logit -inf) is skipped, so its value (even NaN) is never read for it
-        for (Index j = 0; j < kb; ++j) {
-            const T* vj = vblock + j * vs;
-            if (p.half == HalfFormat::none)
-                for (Index b = 0; b < dv * Index(sizeof(T)); b += 64)
-                    __builtin_prefetch(reinterpret_cast<const char*>(vj + kDecodePrefetch * vs) + b,
-                                       0, 3);
-            for (Index r = 0; r < R; ++r) {
-                if (sc[r * kbp + j] == neg_inf<T>()) continue;
-                const T w = pr[r * kbp + j];
-                const Packet pw = ei::pset1<Packet>(w);
-                T* ar = acc + r * dvp;
-                Index c = 0;
-                for (; c + L <= dv; c += L)
-                    ei::pstore(ar + c, ei::pmadd(pw, ei::ploadu<Packet>(vj + c),
-                                                 ei::pload<Packet>(ar + c)));
-                for (; c < dv; ++c) ar[c] += w * vj[c];
-            }
-        }
+        // acc += P V: each value row read once for the R rows, a few column packets of a few
+        // rows in registers across the block's keys; the skip test only where some row may
+        // not see some key
+        bool masked = false;
+        for (Index r = 0; r < R && !masked; ++r)
+            masked = std::find(sc + r * kbp, sc + r * kbp + kb, neg_inf<T>()) != sc + r * kbp + kb;
+        const Index c = masked ? decode_values_all<T, true>(R, sc, pr, kbp, vblock, vs, kb, acc,
+                                                            dvp, dv, v_ahead)
+                               : decode_values_all<T, false>(R, sc, pr, kbp, vblock, vs, kb, acc,
+                                                             dvp, dv, v_ahead);
+        for (Index j = 0; j < kb; ++j)  // the columns after the last whole packet
+            for (Index r = 0; r < R; ++r)
+                if (sc[r * kbp + j] != neg_inf<T>())
+                    for (Index cc = c; cc < dv; ++cc)
+                        acc[r * dvp + cc] += pr[r * kbp + j] * vblock[j * vs + cc];
     }
     for (Index g = 0; g < group; ++g)
         for (Index i = 0; i < p.n_q; ++i) {
@@ -234,21 +351,26 @@ template <typename T>
 void decode_forward(const AttentionProblem<T>& p) {
     const Interval keys = keys_seen(p.mask, p.n_q, p.n_k, Index(0), p.n_q);
     const Index span = std::max<Index>(keys.hi - keys.lo, 0);
-    const Index splits = std::max<Index>((span + kDecodeSplit - 1) / kDecodeSplit, 1);
+    const Index pairs = p.batch * p.kv_heads, group = p.heads / p.kv_heads;
+    const Index split = decode_split_keys(span, pairs);
+    const Index splits = std::max<Index>((span + split - 1) / split, 1);
     const Index rows = p.batch * p.heads * p.n_q;
     auto acc = make_buffer<T>(splits * rows * p.d_v);
     auto stats = make_buffer<T>(2 * splits * rows);
     const DecodeParts<T> parts{acc.get(), stats.get(), stats.get() + splits * rows};
-    const Index per = p.batch * p.kv_heads;
-    parallel_for(splits * per, [&](Index t) {
-        const Index sp = t / per, b = (t % per) / p.kv_heads, hk = t % p.kv_heads;
-        const Index lo = keys.lo + sp * kDecodeSplit;
-        decode_split(p, parts, sp, b, hk, lo, std::min(keys.hi, lo + kDecodeSplit));
+    parallel_for(splits * pairs, [&](Index t) {
+        const Index sp = t / pairs, b = (t % pairs) / p.kv_heads, hk = t % p.kv_heads;
+        const Index lo = keys.lo + sp * split;
+        decode_split(p, parts, sp, b, hk, lo, std::min(keys.hi, lo + split));
+        if (splits == 1)  // the task holds its rows whole: merged here, with no second pass
+            for (Index h = hk * group; h < (hk + 1) * group; ++h)
+                for (Index i = 0; i < p.n_q; ++i) decode_merge(p, parts, splits, b, h, i);
     });
-    parallel_for(p.batch * p.heads, [&](Index t) {
-        for (Index i = 0; i < p.n_q; ++i)
-            decode_merge(p, parts, splits, t / p.heads, t % p.heads, i);
-    });
+    if (splits > 1)
+        parallel_for(p.batch * p.heads, [&](Index t) {
+            for (Index i = 0; i < p.n_q; ++i)
+                decode_merge(p, parts, splits, t / p.heads, t % p.heads, i);
+        });
 }
 
 }  // namespace detail
