@@ -245,7 +245,7 @@ namespace detail {
 
 template <typename T>
 void forward_tiles(const AttentionProblem<T>& p) {
-    if (!p.weights && detail::use_decode(p.n_q, p.heads, p.kv_heads)) {
+    if (detail::use_decode(p)) {
         detail::decode_forward(p);  // few queries per kv head: split along the keys
         return;
     }
@@ -301,7 +301,7 @@ template <typename T>
 void attention_forward(const AttentionProblem<T>& p) {
     if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
     if (p.half != HalfFormat::none) {  // the decode path reads them itself
-        const bool decode = !p.weights && detail::use_decode(p.n_q, p.heads, p.kv_heads);
+        const bool decode = detail::use_decode(p);
         if (decode) {
             detail::decode_forward(p);
         } else {
@@ -315,8 +315,7 @@ void attention_forward(const AttentionProblem<T>& p) {
     }
 #if defined(ATTNLAB_AMX)
     if constexpr (std::is_same_v<T, float>) {
-        const bool tiles = p.bf16 == Bf16::probabilities && !p.weights &&
-                           !detail::use_decode(p.n_q, p.heads, p.kv_heads);
+        const bool tiles = p.bf16 == Bf16::probabilities && !p.weights && !detail::use_decode(p);
         if (tiles && detail::amx_usable() && detail::amx_forward(p)) return;
         if (tiles && !detail::amx_usable() && detail::avx512_bf16_usable() &&
             detail::amx_forward<detail::Bf16Products::vdp>(p))

@@ -40,8 +40,15 @@ constexpr int kDecodeRowBlock = 2;
 constexpr int kDecodeAccumulators = 8;
 #endif
 
-inline bool use_decode(Index n_q, Index heads, Index kv_heads) {
-    return n_q * (heads / kv_heads) <= kDecodeRows;
+// Whether p runs the decode path. Below two splits of keys, the query rows of one head that fill
+// a packet (no group to share K and V, e.g. latent attention's heads as rows) keep the flash
+// tile, which holds them in one vector across a key tile (docs/performance.md, "Decode against
+// short caches").
+template <typename T>
+bool use_decode(const AttentionProblem<T>& p) {
+    const Index group = p.heads / p.kv_heads;
+    if (p.weights || p.n_q * group > kDecodeRows) return false;
+    return group > 1 || p.n_q < packet_size<T>() || p.n_k >= 2 * kDecodeSplit;
 }
 
 // Keys per split: kDecodeSplit, or fewer (whole blocks) when the call has few (batch, kv head)
