@@ -41,13 +41,22 @@ def main() -> int:
     if len(sys.argv) > 1:
         so = Path(sys.argv[1])
     else:
-        found = sorted(glob.glob(str(Path(__file__).resolve().parent.parent / "python/attnlab/_core*.so")))
+        found = sorted(
+            glob.glob(str(Path(__file__).resolve().parent.parent / "python/attnlab/_core*.so"))
+        )
         if not found:
-            print("check-isa-isolation: no _core*.so given or found in python/attnlab", file=sys.stderr)
+            print(
+                "check-isa-isolation: no _core*.so given or found in python/attnlab",
+                file=sys.stderr,
+            )
             return 2
         so = Path(found[0])
-    out = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(so)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["objdump", "-d", "-C", "--no-show-raw-insn", str(so)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     bad: dict[str, set[str]] = {}
     seen_isas: set[str] = set()
     functions = 0
@@ -71,23 +80,32 @@ def main() -> int:
         if m and FORBIDDEN.match(m.group(1)):
             bad.setdefault(name, set()).add(m.group(1))
     syms = subprocess.run(["nm", "-C", str(so)], capture_output=True, text=True, check=True).stdout
-    eigen = sorted({ln.split(" ", 2)[-1] for ln in syms.splitlines() if re.search(r"\bEigen::", ln)})
+    eigen = sorted(
+        {ln.split(" ", 2)[-1] for ln in syms.splitlines() if re.search(r"\bEigen::", ln)}
+    )
     status = 0
     if bad:
         status = 1
-        print(f"check-isa-isolation: {len(bad)} function(s) outside the AVX namespaces use AVX/BMI "
-              "instructions (the generic path could run them):", file=sys.stderr)
+        print(
+            f"check-isa-isolation: {len(bad)} function(s) outside the AVX namespaces use AVX/BMI "
+            "instructions (the generic path could run them):",
+            file=sys.stderr,
+        )
         for n, ins in sorted(bad.items())[:40]:
             print(f"  {n[:160]}: {' '.join(sorted(ins)[:6])}", file=sys.stderr)
     if eigen:
         status = 1
-        print(f"check-isa-isolation: {len(eigen)} symbol(s) in the un-renamed Eigen namespace:",
-              file=sys.stderr)
+        print(
+            f"check-isa-isolation: {len(eigen)} symbol(s) in the un-renamed Eigen namespace:",
+            file=sys.stderr,
+        )
         for n in eigen[:20]:
             print(f"  {n[:160]}", file=sys.stderr)
-    print(f"check-isa-isolation: {so.name}: {functions} functions; variants with their own code: "
-          f"{', '.join(sorted(seen_isas)) or 'none'}; "
-          f"{'OK' if status == 0 else 'FAILED'}")
+    print(
+        f"check-isa-isolation: {so.name}: {functions} functions; variants with their own code: "
+        f"{', '.join(sorted(seen_isas)) or 'none'}; "
+        f"{'OK' if status == 0 else 'FAILED'}"
+    )
     return status
 
 

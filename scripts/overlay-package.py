@@ -15,5 +15,9 @@ dst = Path(sys.argv[1]) / "attnlab"
 dst.mkdir(parents=True, exist_ok=True)
 for p in dst.rglob("*.py"):
     p.unlink()
-shutil.copytree(src, dst, dirs_exist_ok=True,
-                ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__", "*.pyc"))
+shutil.copytree(
+    src,
+    dst,
+    dirs_exist_ok=True,
+    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__", "*.pyc"),
+)

@@ -393,9 +393,8 @@ def _stacked_mask(a: _Latent) -> _args.CoreMask:
 
 
 # Keys per part of a stacked call (one query, heads as rows): parts of fewer than twice the
-# kernel's decode split (kDecodeSplit in cpp/src/kernels/decode.hpp) run the flash tile, which
-# keeps the h query rows in registers across a key tile, where the decode path streams each
-# row's dot products over the whole head width separately (half the rate at width 576).
+# kernel's decode split (use_decode in cpp/src/kernels/decode.hpp) run the flash tile when the
+# heads fill a vector, which keeps the h query rows in registers across a key tile.
 _KEY_PART = 512
 
 
