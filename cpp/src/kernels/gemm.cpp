@@ -18,6 +18,7 @@ struct HalfB {
     const std::uint16_t* bits = nullptr;
     HalfFormat format = HalfFormat::none;
 };
+
 // Blocking: a task is 128 rows x 8 panels of output columns; the depth runs in chunks of 256 so
 // that the B panel chunk (256 x panel width) stays in L1 while the rows of the task pass (with
 // AVX2; AVX-512's 48 KiB chunk does not fit a 32 KiB L1, but shorter chunks were slower, the
