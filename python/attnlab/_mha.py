@@ -298,12 +298,14 @@ _FLOAT32 = np.empty(0, np.float32)  # what a half-precision weight computes in
 
 
 def _half_weights(args: dict[str, Any]) -> np.dtype | None:
-    """The half dtype all four weights are stored in, or None."""
-    ws = [args[n] for n in _WEIGHTS]
-    if not all(isinstance(w, np.ndarray) for w in ws):
+    """The half dtype all four weights are stored in when the call runs the fused forward (no
+    rotary embeddings, norms or bf16 products: the composed path widens them), or None."""
+    dt = getattr(args["w_q"], "dtype", None)
+    if not isinstance(dt, np.dtype) or not _half.is_half(dt):  # the common call stops here
         return None
-    dt = ws[0].dtype
-    return dt if _half.is_half(dt) and all(w.dtype == dt for w in ws) else None
+    if any(not isinstance(args[n], np.ndarray) or args[n].dtype != dt for n in _WEIGHTS):
+        return None
+    return None if any(args[n] is not None for n in _rope.COMPOSED_ARGS) else dt
 
 
 def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
@@ -311,7 +313,8 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     finds the root cause: head counts, the inputs' own shapes, each weight's rank, head counts
     against widths, each weight against the input it reads, then biases and masks.
     ``keep_half``: weights stored in one half dtype stay so when the call computes in float32
-    (the fused forward widens them as its GEMMs pack them: half the bytes read)."""
+    and runs the fused forward (which widens them as its GEMMs pack them: half the bytes
+    read)."""
     h, h_kv, kv_arg = _args.heads(args["num_heads"], args["num_kv_heads"])
     x = _args.qkv(args, min_features=True)
     n_q, n_k = x.n_q, x.n_k
@@ -329,7 +332,10 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     wq_, wk_, wv_, wo_ = ws["w_q"], ws["w_k"], ws["w_v"], ws["w_o"]
     d_head, d_vhead = wq_.shape[1] // h, wv_.shape[1] // h_kv
     if half is None:
-        wq, wk, wv, wo = (_memory.contiguous(w_, dtype) for w_ in (wq_, wk_, wv_, wo_))
+        wq = _memory.contiguous(wq_, dtype)
+        wk = _memory.contiguous(wk_, dtype)
+        wv = _memory.contiguous(wv_, dtype)
+        wo = _memory.contiguous(wo_, dtype)
     else:  # their bits, as the kernels take them
         wq, wk, wv, wo = (_memory.contiguous(w_).view(np.uint16) for w_ in (wq_, wk_, wv_, wo_))
     d_out = wo.shape[1]
@@ -509,10 +515,7 @@ def multi_head_attention(
     (2, 5, 16)
     """
     args = _sig.arguments(locals())
-    # the fused call reads half-precision weights as stored; the composed one (rotary
-    # embeddings, norms, bf16 products) and attnlab.vjp's widen them
-    fused = _keep is None and all(args[n] is None for n in _rope.COMPOSED_ARGS)
-    a = _prepare_mha(args, keep_half=fused)
+    a = _prepare_mha(args, keep_half=_keep is None)  # attnlab.vjp keeps widened weights
     composed = _rope.prepare_for(a, args)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
