@@ -15,13 +15,13 @@ Cases: sdpa-bf16, vitb-bf16, gemm-bf16 (1576 x 768 x 2304) and {bert,vitb,sdpa,c
 
 from __future__ import annotations
 
-import argparse
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+import ab_compare  # scripts/ab_compare.py (this folder is on sys.path when run)
 
 CASES = (
     "sdpa-bf16",
@@ -88,44 +88,6 @@ def time_case(name: str) -> float:
     return best * 1e3
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("cases", nargs="*", metavar="CASE", help=", ".join(CASES))
-    p.add_argument("--compare", nargs=2, metavar="PYTHONPATH")
-    p.add_argument("--rounds", type=int, default=5)
-    args = p.parse_args()
-    args.cases = args.cases or list(CASES)
-    for name in args.cases:
-        if name not in CASES:
-            p.error(f"unknown case {name!r}: expected one of {', '.join(CASES)}")
-    if not args.compare:
-        for name in args.cases:
-            print(f"{name:16s} {time_case(name):10.2f} ms", flush=True)
-        return 0
-    best: dict[tuple[str, str], float] = {}
-    for _ in range(args.rounds):
-        for name in args.cases:
-            for tree in args.compare:
-                env = {"ATTNLAB_NUM_THREADS": "1", **os.environ, "PYTHONPATH": tree}
-                out = subprocess.run(
-                    [sys.executable, __file__, name],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                )
-                if out.returncode:
-                    sys.stderr.write(out.stderr)
-                    return 1
-                t = float(out.stdout.split()[1])
-                best[name, tree] = min(t, best.get((name, tree), t))
-    a, b = args.compare
-    print(f"{'case':16s} {'A (ms)':>10s} {'B (ms)':>10s}  B/A   A = {a}, B = {b}")
-    for name in args.cases:
-        ta, tb = best[name, a], best[name, b]
-        print(f"{name:16s} {ta:10.2f} {tb:10.2f}  {tb / ta:.2f}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    os.environ.setdefault("ATTNLAB_NUM_THREADS", "1")  # before attnlab is imported
+    sys.exit(ab_compare.main(__doc__, __file__, CASES, time_case, "ms", rounds=5))

@@ -16,13 +16,12 @@ ATTNLAB_NUM_THREADS sets the threads (default: the machine's).
 
 from __future__ import annotations
 
-import argparse
-import os
-import subprocess
 import sys
 import timeit
 from collections.abc import Callable
 from typing import Any
+
+import ab_compare  # scripts/ab_compare.py (this folder is on sys.path when run)
 
 CASES = ("bert", "tiny", "decode8192", "decode256", "decode16", "decode256gqa")
 NUMBER = {
@@ -64,44 +63,5 @@ def time_case(name: str) -> float:
     return min(timeit.repeat(f, number=n, repeat=7)) / n * 1e6
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("cases", nargs="*", metavar="CASE", help=", ".join(CASES))
-    p.add_argument("--compare", nargs=2, metavar="PYTHONPATH")
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args()
-    args.cases = args.cases or list(CASES)
-    for name in args.cases:
-        if name not in CASES:
-            p.error(f"unknown case {name!r}: expected one of {', '.join(CASES)}")
-    if not args.compare:
-        for name in args.cases:
-            print(f"{name:12s} {time_case(name):10.1f} us", flush=True)
-        return 0
-    best: dict[tuple[str, str], float] = {}
-    for _ in range(args.rounds):
-        for name in args.cases:
-            for tree in args.compare:
-                env = {**os.environ, "PYTHONPATH": tree}
-                out = subprocess.run(
-                    [sys.executable, __file__, name],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                )
-                if out.returncode:
-                    sys.stderr.write(out.stderr)
-                    return 1
-                t = float(out.stdout.split()[1])
-                best[name, tree] = min(t, best.get((name, tree), t))
-    a, b = args.compare
-    print(f"{'case':12s} {'A (us)':>10s} {'B (us)':>10s}  B/A   A = {a}, B = {b}")
-    for name in args.cases:
-        ta, tb = best[name, a], best[name, b]
-        print(f"{name:12s} {ta:10.1f} {tb:10.1f}  {tb / ta:.2f}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ab_compare.main(__doc__, __file__, CASES, time_case, "us", rounds=3))
