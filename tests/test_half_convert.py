@@ -171,3 +171,7 @@ def test_mha_args_refuse_a_bad_weights_half():
     out = np.empty((14, 16), np.float32)
     with pytest.raises(ValueError, match=r"weights_half: expected 0, 1 .* got 3"):
         core.mha_forward(a._replace(weights_half=3).core_args(), out, None)
+    grads = {"w_q": np.empty_like(w["w_q"])}
+    half = a._replace(weights_half=1).core_args()
+    with pytest.raises(ValueError, match="weights_half: the backward takes the weights in the"):
+        core.mha_backward(np.ones((14, 16), np.float32), half, grads)

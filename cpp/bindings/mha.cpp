@@ -196,6 +196,12 @@ void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object
 // grads: dict of preallocated outputs keyed by argument name; only the keys present are
 // computed. state: only vjp passes it, after its forward filled it.
 void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::object state) {
+    // its products read W transposed, which the half-precision packing does not provide
+    if (a.weights_half != 0)
+        throw py::value_error(
+            "weights_half: the backward takes the weights in the inputs' dtype, "
+            "got " +
+            std::to_string(a.weights_half));
     dispatch(a.query, "query", [&](auto tag) {
         using T = decltype(tag);
         MhaProblem<T> p = mha_problem<T>(a, state);

@@ -64,7 +64,7 @@ def code(dtype: np.dtype) -> int:
 
 def widen(a: np.ndarray) -> np.ndarray:
     """A float16 or bfloat16 array as float32 (exact), converted on attnlab's threads (NumPy's
-    ``astype`` converts one element at a time: as long as the kernel on a BERT-sized layer)."""
+    ``astype`` converts one element at a time; docs/performance.md has the figures)."""
     src = a if a.flags.c_contiguous else a.copy(order="C")
     out = _memory.empty(src.shape, np.float32)
     if out.size:

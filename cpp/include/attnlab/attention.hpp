@@ -52,7 +52,7 @@ struct Linear {
     const T* w = nullptr;
     const T* b = nullptr;
     Index in = 0, out = 0;
-    const std::uint16_t* w_half = nullptr;  // or w's bits in half precision (then w is null)
+    const std::uint16_t* w_half = nullptr;  // or w's half bits (w null): the MHA forward only
     HalfFormat half = HalfFormat::none;
 };
 

@@ -50,31 +50,38 @@ void round_bf16_inplace(T* x, Index n) {
 
 constexpr Index kPrefetchRows = 32;
 
-// Rows of half-precision bits (row stride ld) to float rows (row stride cols): exact.
+// n half-precision bits to floats: exact.
+inline void half_to_float(const std::uint16_t* s, Index n, HalfFormat format, float* o) {
+    Index c = 0;
+#if defined(__AVX512F__)
+    for (; c + 16 <= n; c += 16) {
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + c));
+        const __m512 f =
+            format == HalfFormat::float16
+                ? _mm512_cvtph_ps(bits)
+                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+        _mm512_storeu_ps(o + c, f);
+    }
+#endif
+    for (; c < n; ++c) {
+        o[c] = format == HalfFormat::float16
+                   ? static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(s[c]))
+                   : static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(s[c]));
+    }
+}
+
+// Rows of half-precision bits (row stride ld) to float rows (row stride cols), each row
+// kPrefetchRows ahead requested as one is converted: the decode path streams a cache through
+// this.
 inline void half_rows_to_float(const std::uint16_t* src, Index ld, Index rows, Index cols,
                                HalfFormat format, float* dst) {
     for (Index i = 0; i < rows; ++i) {
         const std::uint16_t* s = src + i * ld;
-        float* o = dst + i * cols;
-        Index c = 0;
 #if defined(__AVX512F__)
-        // the row kPrefetchRows ahead requested now: the decode path streams a cache through this
         for (Index b = 0; b < cols * 2; b += 64)
             _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchRows * ld) + b, _MM_HINT_T0);
-        for (; c + 16 <= cols; c += 16) {
-            const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + c));
-            const __m512 f =
-                format == HalfFormat::float16
-                    ? _mm512_cvtph_ps(bits)
-                    : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-            _mm512_storeu_ps(o + c, f);
-        }
 #endif
-        for (; c < cols; ++c) {
-            o[c] = format == HalfFormat::float16
-                       ? static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(s[c]))
-                       : static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(s[c]));
-        }
+        half_to_float(s, cols, format, dst + i * cols);
     }
 }
 

@@ -57,8 +57,7 @@ inline void widen_half(const std::uint16_t* src, Index n, HalfFormat format, flo
     const Index tasks = (n + detail::kConvertBlock - 1) / detail::kConvertBlock;
     parallel_for(tasks, [&](Index t) {
         const Index i0 = t * detail::kConvertBlock;
-        detail::half_rows_to_float(src + i0, 0, 1, std::min(detail::kConvertBlock, n - i0), format,
-                                   dst + i0);
+        detail::half_to_float(src + i0, std::min(detail::kConvertBlock, n - i0), format, dst + i0);
     });
 }
 

@@ -4,7 +4,6 @@
 #include "attnlab/attention.hpp"
 #include "attnlab/gemm.hpp"
 #include "entry_points.hpp"
-#include "half_convert.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -69,28 +68,6 @@ void project(Index rows, const T* x, const Linear<T>& l, T* y) {
     linear(rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out);
 }
 
-// The problem with half-precision weights widened to float copies (the backward's products
-// read W transposed, which the half path does not pack), and the copies' storage
-template <typename T>
-struct FloatWeights {
-    MhaProblem<T> p;
-    Buffer<T> w[4];
-
-    explicit FloatWeights(const MhaProblem<T>& q) : p(q) {
-        Linear<T>* layers[4] = {&p.w_q, &p.w_k, &p.w_v, &p.w_o};
-        for (int i = 0; i < 4; ++i) {
-            Linear<T>& l = *layers[i];
-            if (!l.w_half) continue;
-            w[i] = make_buffer<T>(l.in * l.out);
-            if constexpr (std::is_same_v<T, float>)
-                widen_half(l.w_half, l.in * l.out, l.half, w[i].get());
-            l.w = w[i].get();
-            l.w_half = nullptr;
-            l.half = HalfFormat::none;
-        }
-    }
-};
-
 // Projections (one GEMM each over all rows; heads are then column blocks of q, k, v) and the
 // attention core, into b.
 template <typename T>
@@ -117,10 +94,8 @@ void multi_head_attention_forward(const MhaProblem<T>& p) {
 }
 
 template <typename T>
-void multi_head_attention_backward(const MhaProblem<T>& half_p, const T* grad_out,
+void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
                                    const MhaGrads<T>& g) {
-    const detail::FloatWeights<T> widened(half_p);
-    const MhaProblem<T>& p = widened.p;
     const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
     const Index wq = p.heads * p.d_head, wk = p.kv_heads * p.d_head;
     const Index wv = p.kv_heads * p.d_vhead, wc = p.heads * p.d_vhead;
