@@ -13,8 +13,8 @@ namespace attnlab {
 enum class Bf16 : int { none = 0, operands = 1, probabilities = 2 };
 
 // Q, K, V and the output may be stored in half precision (HalfFormat, common.hpp): read
-// converted to float (the decode path block by block, half the bytes of a float cache; the flash
-// tiles a kv head at a time), the output rounded as it is written
+// converted to float (the decode path as its kernels load them, half the bytes of a float cache;
+// the flash tiles a kv head's key blocks at a time), the output rounded as it is written
 
 template <typename T>
 struct AttentionProblem {
