@@ -228,10 +228,13 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
         per_task = (per_task + 1) / 2;
     const Index col_groups = (panels + per_task - 1) / per_task;
     // The whole panels of B packed first (Blocking::pack_once), in parallel by blocks of its
-    // rows, each row read whole and in order: once per call instead of once per row chunk.
+    // rows, each row read whole and in order: once per call instead of once per row chunk; up
+    // to kPackOnceBytes, so that a very large B does not double the call's memory.
+    constexpr Index kPackOnceBytes = Index(64) << 20;
     const Index whole = cols / W;
     const bool pack_once = blocking().pack_once && row_chunks > 2 && !b_transposed && !bh.bits &&
-                           whole > 0 && depth > 0;
+                           whole > 0 && depth > 0 &&
+                           whole * depth * W * Index(sizeof(T)) <= kPackOnceBytes;
     Buffer<T> packed;
     if (pack_once) {
         packed = make_buffer<T>(whole * depth * W);
