@@ -232,9 +232,8 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
     // to kPackOnceBytes, so that a very large B does not double the call's memory.
     constexpr Index kPackOnceBytes = Index(64) << 20;
     const Index whole = cols / W;
-    const bool pack_once = blocking().pack_once && row_chunks > 2 && !b_transposed && !bh.bits &&
-                           whole > 0 && depth > 0 &&
-                           whole * depth * W * Index(sizeof(T)) <= kPackOnceBytes;
+    const bool pack_once = blocking().pack_once && row_chunks > 2 && !b_transposed && whole > 0 &&
+                           depth > 0 && whole * depth * W * Index(sizeof(T)) <= kPackOnceBytes;
     Buffer<T> packed;
     if (pack_once) {
         packed = make_buffer<T>(whole * depth * W);
@@ -243,9 +242,17 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
         parallel_for((depth + kPackRows - 1) / kPackRows, [&](Index i) {
             const Index t1 = std::min(depth, (i + 1) * kPackRows);
             for (Index t = i * kPackRows; t < t1; ++t)
-                for (Index p = 0; p < whole; ++p)
+                for (Index p = 0; p < whole; ++p) {
+                    if constexpr (std::is_same_v<T, float>) {
+                        if (bh.bits) {  // half-precision weights widened as they are packed
+                            detail::half_to_float(bh.bits + t * ldb + p * W, W, bh.format,
+                                                  dst + (p * depth + t) * W);
+                            continue;
+                        }
+                    }
                     std::copy(b + t * ldb + p * W, b + t * ldb + p * W + W,
                               dst + (p * depth + t) * W);
+                }
         });
     }
     const T* bpk = packed.get();
