@@ -19,8 +19,8 @@ void check_heads(Index heads, Index kv_heads) {
                               std::to_string(heads) + " and " + std::to_string(kv_heads));
 }
 
-// The sizes of (batch, heads, n, d) arrays q, k, v, the scale and the view of q (k and v are
-// viewed by the caller, in the dtype they are stored in).
+// The sizes of (batch, heads, n, d) arrays q, k, v and the scale (the arrays are viewed by the
+// caller, in the dtype they are stored in).
 template <typename T>
 AttentionProblem<T> sdpa_sizes(const py::array& q, const py::array& k, const py::array& v,
                                double scale) {
@@ -38,7 +38,6 @@ AttentionProblem<T> sdpa_sizes(const py::array& q, const py::array& k, const py:
     p.d = d;
     p.d_v = dv;
     p.scale = static_cast<T>(scale);
-    p.q = const_stack<T>(check<T>(q, "q", {B, H, nq, d}), q);
     return p;
 }
 
@@ -49,6 +48,7 @@ AttentionProblem<T> sdpa_problem(const py::array& q, const py::array& k, const p
     if (bf16 && !std::is_same_v<T, float>)
         throw py::type_error("bf16: bf16 products take float32 operands, got float64 q");
     AttentionProblem<T> p = sdpa_sizes<T>(q, k, v, scale);
+    p.q = const_stack<T>(check<T>(q, "q", {p.batch, p.heads, p.n_q, p.d}), q);
     p.k = const_stack<T>(check<T>(k, "k", {p.batch, p.kv_heads, p.n_k, p.d}), k);
     p.v = const_stack<T>(check<T>(v, "v", {p.batch, p.kv_heads, p.n_k, p.d_v}), v);
     p.bf16 = bf16 ? Bf16::probabilities : Bf16::none;
@@ -73,19 +73,21 @@ void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const Ma
     });
 }
 
-// The forward with k and v in half precision (their bits as uint16 arrays; half 1: float16, 2:
-// bfloat16), q and out float32.
+// The forward with q, k, v and out in half precision (their bits as uint16 arrays; half 1:
+// float16, 2: bfloat16), computed in float32; lse float32.
 void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::array out,
                        const MaskArgs& mask, double scale, py::object lse) {
     if (half != 1 && half != 2) throw py::value_error("half: expected 1 (float16) or 2 (bfloat16)");
     AttentionProblem<float> p = sdpa_sizes<float>(q, k, v, scale);
     const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
     const Index d = p.d, dv = p.d_v;
+    using Bits = std::uint16_t;
     p.half = half == 1 ? HalfFormat::float16 : HalfFormat::bfloat16;
-    p.k_half = const_stack<std::uint16_t>(check<std::uint16_t>(k, "k", {B, Hk, nk, d}), k);
-    p.v_half = const_stack<std::uint16_t>(check<std::uint16_t>(v, "v", {B, Hk, nk, dv}), v);
-    auto so = check<float>(out, "out", {B, H, nq, dv}, true);
-    p.out = {static_cast<float*>(out.mutable_data()), so[0], so[1], so[2]};
+    p.q_half = const_stack<Bits>(check<Bits>(q, "q", {B, H, nq, d}), q);
+    p.k_half = const_stack<Bits>(check<Bits>(k, "k", {B, Hk, nk, d}), k);
+    p.v_half = const_stack<Bits>(check<Bits>(v, "v", {B, Hk, nk, dv}), v);
+    auto so = check<Bits>(out, "out", {B, H, nq, dv}, true);
+    p.out_half = {static_cast<Bits*>(out.mutable_data()), so[0], so[1], so[2]};
     p.mask = mask_spec<float>(mask, B, H, nq, nk);
     if (!lse.is_none()) p.lse = contiguous<float>(lse.cast<py::array>(), "lse", {B, H, nq}, true);
     ReleaseGil release;

@@ -74,8 +74,8 @@ def widen(a: np.ndarray) -> np.ndarray:
 
 def store(x: np.ndarray, half: np.dtype | None) -> np.ndarray:
     """``x`` rounded to the storage dtype ``half`` (round to nearest even, as ``astype``), or
-    ``x`` itself."""
-    if half is None:
+    ``x`` itself (also when it is stored so already)."""
+    if half is None or x.dtype == half:
         return x
     if x.dtype != np.float32 or not x.flags.c_contiguous or not x.size:
         return x.astype(half)

@@ -42,13 +42,13 @@ class _Sdpa(NamedTuple):
 
 
 def _prepare_sdpa(args: dict[str, Any], half_kv: bool = False) -> _Sdpa:
-    """The validated arguments of an SDPA call (forward and backward). ``half_kv``: ``k`` and
-    ``v`` (float16 or bfloat16, as :func:`_half.storage` found) stay in their dtype, for the
-    kernel that reads them so (``sdpa_forward_half``)."""
-    q = V.as_array(args["q"], "q")
+    """The validated arguments of an SDPA call (forward and backward). ``half_kv``: ``q``,
+    ``k`` and ``v`` (float16 or bfloat16, as :func:`_half.storage` found) stay in their dtype,
+    for the kernel that reads them so (``sdpa_forward_half``)."""
     if half_kv:
-        k, v = np.asarray(args["k"]), np.asarray(args["v"])
+        q, k, v = np.asarray(args["q"]), np.asarray(args["k"]), np.asarray(args["v"])
     else:
+        q = V.as_array(args["q"], "q")
         k = V.as_array(args["k"], "k")
         v = V.as_array(args["v"], "v")
     V.check_ndim(q, "q", 3, "(..., h, n_q, d)")
@@ -77,13 +77,13 @@ def _prepare_sdpa(args: dict[str, Any], half_kv: bool = False) -> _Sdpa:
             f"k: the number of kv heads ({h_kv}) must divide the number of query heads ({h})"
         )
     batch = V.batch_shape([("q", q.shape[:-3]), ("k", k.shape[:-3]), ("v", v.shape[:-3])])
-    dtype = V.result_dtype(q, k, v)
+    dtype = np.dtype(np.float32) if half_kv else V.result_dtype(q, k, v)  # computed in float32
     m = _args.masks(args, batch, h, n_q, n_k, dtype, 1.0 / math.sqrt(d))
     return _Sdpa(
         q,
         k,
         v,
-        V.stack(q, batch, dtype, 3),
+        V.stack(q, batch, q.dtype if half_kv else dtype, 3),
         V.stack(k, batch, k.dtype if half_kv else dtype, 3),
         V.stack(v, batch, v.dtype if half_kv else dtype, 3),
         batch,
@@ -179,7 +179,7 @@ def scaled_dot_product_attention(
     lse_wanted = V.check_flag(return_lse, "return_lse")
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
-    out = _memory.empty((B, h, n_q, d_v), dtype)
+    out = _memory.empty((B, h, n_q, d_v), a.q4.dtype if half_kv else dtype)  # rounded in C++
     weights = _memory.empty((B, h, n_q, n_k), dtype) if mode else None
     lse = None
     if _keep is not None:  # attnlab.vjp: the pullback reuses the output and log-sum-exp
@@ -187,9 +187,10 @@ def scaled_dot_product_attention(
     if _keep is not None or lse_wanted:
         lse = a.m.empty_lse(B, h, n_q, dtype)  # what a call with no key leaves
     if half_kv and (out.size or (lse is not None and lse.size)):
-        code = 1 if a.k4.dtype == np.float16 else 2
-        k16, v16 = a.k4.view(np.uint16), a.v4.view(np.uint16)  # the bits, as the kernel takes
-        core.sdpa_forward_half(a.q4, k16, v16, code, out, a.m.core_mask(), a.m.scale, lse)
+        q16, k16, v16, out16 = (x.view(np.uint16) for x in (a.q4, a.k4, a.v4, out))  # the bits
+        core.sdpa_forward_half(
+            q16, k16, v16, _half.code(a.q4.dtype), out16, a.m.core_mask(), a.m.scale, lse
+        )
     elif out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse, a.bf16)
     if _keep is not None:

@@ -12,9 +12,9 @@ namespace attnlab {
 // the probabilities too before their product with V (cpp/src/kernels/attention_bf16.hpp)
 enum class Bf16 : int { none = 0, operands = 1, probabilities = 2 };
 
-// K and V may be stored in half precision (HalfFormat, common.hpp): read converted to float, by
-// the decode path block by block (half the bytes of a float cache) and by the others through
-// float copies
+// Q, K, V and the output may be stored in half precision (HalfFormat, common.hpp): read
+// converted to float (the decode path as its kernels load them, half the bytes of a float cache;
+// the flash tiles a kv head's key blocks at a time), the output rounded as it is written
 
 template <typename T>
 struct AttentionProblem {
@@ -27,8 +27,9 @@ struct AttentionProblem {
     T* weights = nullptr;  // optional (batch, heads, n_q, n_k) contiguous: the attention weights
     T* lse = nullptr;      // optional (batch, heads, n_q) contiguous: log-sum-exp of the logits
     Bf16 bf16 = Bf16::none;
-    HalfFormat half = HalfFormat::none;  // float only; then k_half, v_half replace k, v
-    MatrixStack<const std::uint16_t> k_half, v_half;
+    HalfFormat half = HalfFormat::none;  // float only; then the *_half views replace q, k, v, out
+    MatrixStack<const std::uint16_t> q_half, k_half, v_half;
+    MatrixStack<std::uint16_t> out_half;
 };
 
 // Gradients of attention_forward. Needs p.out and p.lse as attention_forward left them (the

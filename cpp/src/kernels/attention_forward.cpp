@@ -1,6 +1,7 @@
 // The attention forward: flash tiles (online softmax over key tiles), weights tiles (the
 // rows of P materialised), and the decode path (decode.hpp) for few query rows per kv head.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -9,6 +10,7 @@
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
 #include "decode.hpp"
+#include "half_convert.hpp"
 #include "microkernel.hpp"
 #include "nonfinite.hpp"
 #include "products.hpp"
@@ -41,20 +43,47 @@ constexpr Index kScanInTilesMax = 8;
 // vertical max/exp/add over the keys without horizontal reductions, and both products run in
 // lanes_product without packing K or V (their entries are broadcast through their strides).
 template <typename T>
+struct TileOperands {  // where a flash tile reads Q (from its first query), K and V, and writes O
+    const T* q;
+    Index qs;
+    const T* k;
+    Index ks;
+    const T* v;
+    Index vs;
+    T* out;
+    Index os;
+};
+
+template <typename T>
+TileOperands<T> tile_operands(const AttentionProblem<T>& p, Index b, Index h, Index i0) {
+    const Index hk = h / (p.heads / p.kv_heads);
+    return {p.q.at(b, h) + i0 * p.q.row_stride,
+            p.q.row_stride,
+            p.k.at(b, hk),
+            p.k.row_stride,
+            p.v.at(b, hk),
+            p.v.row_stride,
+            p.out.at(b, h) + i0 * p.out.row_stride,
+            p.out.row_stride};
+}
+
+// ready(j0, j1): called before key rows [j0, j1) of x.k and x.v are read (the half-precision
+// path widens them there); nullptr: they are ready.
+template <typename T, typename Ready = std::nullptr_t>
 void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index mq,
-                const std::uint8_t* v_flags, bool scan_values) {
+                const std::uint8_t* v_flags, bool scan_values, const TileOperands<T>& x,
+                Ready&& ready = nullptr) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
-    const Index hk = h / (p.heads / p.kv_heads);
     const Index d = p.d, dv = p.d_v;
     // Queries padded to whole packets, not panels: the last tile of n = 197 (5 queries) is then
     // one 16-lane packet with AVX-512, not a 48-lane panel (240 lanes for 197 queries, now 208).
     const Index mp = (mq + L - 1) / L * L;
-    const T* qbase = p.q.at(b, h) + i0 * p.q.row_stride;
-    const T* kbase = p.k.at(b, hk);
-    const T* vbase = p.v.at(b, hk);
-    const Index ks = p.k.row_stride, vs = p.v.row_stride;
+    const T* qbase = x.q;
+    const T* kbase = x.k;
+    const T* vbase = x.v;
+    const Index ks = x.ks, vs = x.vs;
 
     T* qt = scratch<T>(ScratchBuffer::kFlashQueries, static_cast<std::size_t>(d * mp));
     T* st = scratch<T>(ScratchBuffer::kFlashScores, static_cast<std::size_t>(kTileK * mp));
@@ -64,7 +93,7 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     T* row_l = stats + mp;
     // Q^T by packet transposes, then scaled in place (the same products as scale * Q; the
     // scalar transpose with scaling was an eighth of this function's time in a ViT-S layer)
-    transpose(mq, d, qbase, p.q.row_stride, qt, mp);
+    transpose(mq, d, qbase, x.qs, qt, mp);
     {
         const Packet sc = ei::pset1<Packet>(p.scale);
         for (Index c = 0; c < d; ++c) {
@@ -87,6 +116,7 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     const Interval keys = keys_seen(p.mask, p.n_q, p.n_k, i0, i0 + mq);
     for (Index j0 = keys.lo; j0 < keys.hi; j0 += kTileK) {
         const Index kb = std::min(kTileK, keys.hi - j0);
+        if constexpr (!std::is_same_v<std::decay_t<Ready>, std::nullptr_t>) ready(j0, j0 + kb);
         // S^T[j, i] = sum_c K[j0 + j, c] * qt[c, i], over head widths in chunks of kDepth so
         // that a chunk of the Q^T panel stays in L1 while the key rows pass (wide heads)
         for (Index c0 = 0; c0 < d; c0 += kDepth) {
@@ -163,12 +193,11 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
             T* ac = acc + c * mp + io;
             ei::pstore(ac, ei::pdiv(ei::pload<Packet>(ac), ei::pload<Packet>(row_l + io)));
         }
-    T* obase = p.out.at(b, h) + i0 * p.out.row_stride;
-    transpose(dv, mq, acc, mp, obase, p.out.row_stride);
+    transpose(dv, mq, acc, mp, x.out, x.os);
     for (Index i = 0; i < mq; ++i) {
         const T l = row_l[i];
         if (l == T(0)) {  // fully masked row: zeros, not 0 / 0
-            T* orow = obase + i * p.out.row_stride;
+            T* orow = x.out + i * x.os;
             std::fill(orow, orow + dv, T(0));
         }
         if (p.lse) {
@@ -268,31 +297,122 @@ void forward_tiles(const AttentionProblem<T>& p) {
         if (p.weights) {
             detail::dense_tile(p, b, h, i0, mq, flags);
         } else {
-            detail::flash_tile(p, b, h, i0, mq, flags, scan_in_tiles);
+            detail::flash_tile(p, b, h, i0, mq, flags, scan_in_tiles,
+                               detail::tile_operands(p, b, h, i0));
         }
     });
 }
 
-// K and V of half precision as float copies (the tiles read them several times each)
-template <typename T>
-void forward_from_half(const AttentionProblem<T>& p) {
-    auto widen = [&](const MatrixStack<const std::uint16_t>& src, Index cols, Buffer<T>& buf,
-                     MatrixStack<const T>& dst) {
-        const Index rows = p.n_k, heads = p.batch * p.kv_heads;
-        buf = make_buffer<T>(heads * rows * cols);
-        if constexpr (std::is_same_v<T, float>)
-            parallel_for(heads, [&](Index t) {
-                half_rows_to_float(src.at(t / p.kv_heads, t % p.kv_heads), src.row_stride, rows,
-                                   cols, p.half, buf.get() + t * rows * cols);
-            });
-        dst = {buf.get(), p.kv_heads * rows * cols, rows * cols, cols};
-    };
-    AttentionProblem<T> r = p;
-    Buffer<T> k, v;
-    widen(p.k_half, p.d, k, r.k);
-    widen(p.v_half, p.d_v, v, r.v);
-    r.half = HalfFormat::none;
-    forward_tiles(r);
+// Half-precision Q, K, V and output. A thread widens the key blocks of a kv head as its tiles
+// first read them, with the flags of nonfinite value rows, into its scratch, and keeps them while
+// its tasks stay on that head (tasks run head by head): the tiles read K and V from L2, and the
+// widening overlaps the products instead of being a pass before them. Q is widened per tile, O
+// rounded as it is written. Heads too large to keep (the thread scratch never shrinks) are
+// widened once for the call instead.
+constexpr Index kHalfHeadFloats = Index(1) << 18;  // K + V floats of a head kept per thread
+
+struct WidenedHead {  // which kv head of which call this thread's scratch holds, and which rows
+    std::uint64_t call = 0;
+    Index head = -1;
+    Index lo = 0, hi = 0;
+};
+
+inline std::atomic<std::uint64_t> g_half_calls{0};
+
+// Rows [j0, j1) of a head's K and V widened (rows at their own index), with V's nonfinite flags.
+inline void widen_key_rows(const AttentionProblem<float>& p, Index b, Index hk, Index j0, Index j1,
+                           float* kf, float* vf, std::uint8_t* flags) {
+    const Index d = p.d, dv = p.d_v;
+    half_rows_to_float(p.k_half.at(b, hk) + j0 * p.k_half.row_stride, p.k_half.row_stride, j1 - j0,
+                       d, p.half, kf + j0 * d);
+    const std::uint16_t* v16 = p.v_half.at(b, hk);
+    for (Index j = j0; j < j1; ++j) {
+        half_to_float(v16 + j * p.v_half.row_stride, dv, p.half, vf + j * dv);
+        flags[j] = nonfinite_row(vf + j * dv, dv);
+    }
+}
+
+inline void forward_half_tiles(const AttentionProblem<float>& p) {
+    const Index nk = p.n_k, d = p.d, dv = p.d_v, heads_kv = p.batch * p.kv_heads;
+    const bool per_thread = nk * (d + dv) <= kHalfHeadFloats;
+    Buffer<float> kw, vw;  // the call-wide copies (large heads)
+    Buffer<std::uint8_t> flags_all;
+    if (!per_thread) {
+        kw = make_buffer<float>(heads_kv * nk * d);
+        vw = make_buffer<float>(heads_kv * nk * dv);
+        flags_all = make_buffer<std::uint8_t>(heads_kv * nk);
+        parallel_for(heads_kv, [&](Index t) {
+            widen_key_rows(p, t / p.kv_heads, t % p.kv_heads, 0, nk, kw.get() + t * nk * d,
+                           vw.get() + t * nk * dv, flags_all.get() + t * nk);
+        });
+    }
+    const std::uint64_t call = ++g_half_calls;
+    const Index q_tiles = tile_count(p.n_q, kTileQ);
+    parallel_for(p.batch * p.heads * q_tiles, [&](Index t) {
+        const Index qt = t % q_tiles;
+        const Index h = (t / q_tiles) % p.heads;
+        const Index b = t / (q_tiles * p.heads);
+        const Index i0 = qt * kTileQ;
+        const Index mq = tile_rows(p.n_q, kTileQ, q_tiles, qt);
+        const Index hk = h / (p.heads / p.kv_heads);
+        const Index head = b * p.kv_heads + hk;
+        float* qf = scratch<float>(ScratchBuffer::kHalfQueries, static_cast<std::size_t>(mq * d));
+        float* of = scratch<float>(ScratchBuffer::kHalfOutput, static_cast<std::size_t>(mq * dv));
+        half_rows_to_float(p.q_half.at(b, h) + i0 * p.q_half.row_stride, p.q_half.row_stride, mq, d,
+                           p.half, qf);
+        // the flags are read only for rows widened: per row, not a call's "none" (null)
+        TileOperands<float> x{qf, d, nullptr, d, nullptr, dv, of, dv};
+        if (per_thread) {
+            thread_local WidenedHead held;
+            float* kf = scratch<float>(ScratchBuffer::kHalfKeys, static_cast<std::size_t>(nk * d));
+            float* vf =
+                scratch<float>(ScratchBuffer::kHalfValues, static_cast<std::size_t>(nk * dv));
+            std::uint8_t* fl =
+                scratch<std::uint8_t>(ScratchBuffer::kHalfFlags, static_cast<std::size_t>(nk));
+            if (held.call != call || held.head != head) held = {call, head, 0, 0};
+            x.k = kf;
+            x.v = vf;
+            const auto ready = [&](Index j0, Index j1) {
+                if (j0 >= held.lo && j1 <= held.hi) return;
+                if (j0 >= held.lo && j0 <= held.hi) {  // the next blocks: the range grows
+                    widen_key_rows(p, b, hk, held.hi, j1, kf, vf, fl);
+                    held.hi = j1;
+                } else {
+                    widen_key_rows(p, b, hk, j0, j1, kf, vf, fl);
+                    held.lo = j0;
+                    held.hi = j1;
+                }
+            };
+            flash_tile(p, b, h, i0, mq, fl, false, x, ready);
+        } else {
+            x.k = kw.get() + head * nk * d;
+            x.v = vw.get() + head * nk * dv;
+            flash_tile(p, b, h, i0, mq, flags_all.get() + head * nk, false, x);
+        }
+        std::uint16_t* ob = p.out_half.at(b, h) + i0 * p.out_half.row_stride;
+        for (Index i = 0; i < mq; ++i)
+            narrow_block(of + i * dv, dv, p.half, ob + i * p.out_half.row_stride);
+    });
+}
+
+// The decode path with half-precision queries and output: it reads K and V as stored; the few
+// query rows are widened and the output rows rounded around it.
+inline void decode_half(const AttentionProblem<float>& p) {
+    const Index rows = p.batch * p.heads * p.n_q;
+    Buffer<float> q = make_buffer<float>(rows * p.d), out = make_buffer<float>(rows * p.d_v);
+    for (Index b = 0; b < p.batch; ++b)
+        for (Index h = 0; h < p.heads; ++h)
+            half_rows_to_float(p.q_half.at(b, h), p.q_half.row_stride, p.n_q, p.d, p.half,
+                               q.get() + (b * p.heads + h) * p.n_q * p.d);
+    AttentionProblem<float> r = p;
+    r.q = {q.get(), p.heads * p.n_q * p.d, p.n_q * p.d, p.d};
+    r.out = {out.get(), p.heads * p.n_q * p.d_v, p.n_q * p.d_v, p.d_v};
+    decode_forward(r);
+    for (Index b = 0; b < p.batch; ++b)
+        for (Index h = 0; h < p.heads; ++h)
+            for (Index i = 0; i < p.n_q; ++i)
+                narrow_block(r.out.at(b, h) + i * p.d_v, p.d_v, p.half,
+                             p.out_half.at(b, h) + i * p.out_half.row_stride);
 }
 
 }  // namespace detail
@@ -300,14 +420,15 @@ void forward_from_half(const AttentionProblem<T>& p) {
 template <typename T>
 void attention_forward(const AttentionProblem<T>& p) {
     if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
-    if (p.half != HalfFormat::none) {  // the decode path reads them itself
-        const bool decode = detail::use_decode(p);
-        if (decode) {
-            detail::decode_forward(p);
-        } else {
-            detail::forward_from_half(p);
+    if constexpr (std::is_same_v<T, float>) {
+        if (p.half != HalfFormat::none) {
+            if (detail::use_decode(p)) {
+                detail::decode_half(p);
+            } else {
+                detail::forward_half_tiles(p);
+            }
+            return;
         }
-        return;
     }
     if (p.bf16 == Bf16::none) {
         detail::forward_tiles(p);

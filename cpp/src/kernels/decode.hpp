@@ -26,7 +26,6 @@ constexpr Index kDecodeRows = 16;         // query rows per kv head up to which 
 constexpr Index kDecodeSplit = 512;       // keys per split at most
 constexpr Index kDecodeTasks = 8;         // tasks a call is cut into at least, while keys allow
 constexpr Index kDecodeBlock = 64;        // keys per block inside a split (scores of R rows in L1)
-constexpr Index kDecodeHalfBlock = 16;    // the same from half-precision K and V
 constexpr Index kDecodePrefetch = 16384;  // bytes of rows ahead a streamed K or V row is
                                           // requested: what L1 holds beside the block's work
 constexpr int kDecodeKeys = 4;            // keys a score pass takes at once
@@ -62,8 +61,8 @@ inline Index decode_split_keys(Index span, Index pairs) {
 
 // Rows ahead of the one read that a streamed row of `bytes` is requested: none where the rows'
 // queries or accumulators (`rows_bytes`) would leave L1 no room for the rows requested.
-inline Index decode_ahead(bool stream, Index bytes, Index rows_bytes) {
-    if (!stream || rows_bytes > kDecodePrefetch) return 0;
+inline Index decode_ahead(Index bytes, Index rows_bytes) {
+    if (rows_bytes > kDecodePrefetch) return 0;
     return std::max<Index>(kDecodePrefetch / std::max<Index>(bytes, 1), 1);
 }
 
@@ -80,11 +79,56 @@ struct DecodeParts {
 #pragma GCC diagnostic ignored "-Wuninitialized"  // GCC 12's _mm512_undefined_pd in predux (105593)
 #endif
 
+// K and V elements as stored: T, or the bits of a half format F (converted as they are loaded,
+// exactly: the kernels then do the same FMAs as on the widened rows, half the bytes read)
+template <typename T, HalfFormat F>
+using KvElem = std::conditional_t<F == HalfFormat::none, T, std::uint16_t>;
+
+template <typename T, HalfFormat F>
+T load_kv(const KvElem<T, F>* x) {
+    if constexpr (F == HalfFormat::none) {
+        return *x;
+    } else if constexpr (F == HalfFormat::float16) {
+        return static_cast<T>(Eigen::numext::bit_cast<Eigen::half>(*x));
+    } else {
+        return static_cast<T>(Eigen::numext::bit_cast<Eigen::bfloat16>(*x));
+    }
+}
+
+template <typename T, HalfFormat F>
+PacketOf<T> load_kv_packet(const KvElem<T, F>* x) {
+    namespace ei = Eigen::internal;
+    using Packet = PacketOf<T>;
+    if constexpr (F == HalfFormat::none) {
+        return ei::ploadu<Packet>(x);
+    } else {
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, float> && packet_size<T>() == 16) {
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+            if constexpr (F == HalfFormat::float16) return _mm512_cvtph_ps(b);
+            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+        }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+        if constexpr (std::is_same_v<T, float> && packet_size<T>() == 8) {
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+            if constexpr (F == HalfFormat::float16) return _mm256_cvtph_ps(b);
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+        }
+#endif
+        constexpr Index L = packet_size<T>();
+        alignas(64) T lanes[L];
+        for (Index i = 0; i < L; ++i) lanes[i] = load_kv<T, F>(x + i);
+        return ei::pload<Packet>(lanes);
+    }
+}
+
 // s[r * ss + u] = q_r . k_u for RB rows (q_r at q + r * d) and KB keys (k_u at k + u * ks):
 // RB x KB independent FMA chains over the head width; the sum of each is the same whatever
 // the block, so every row gets the same scores however the rows are grouped.
-template <typename T, int RB, int KB>
-void decode_dots(const T* q, const T* k, Index ks, Index d, T* s, Index ss, Index ahead) {
+template <typename T, HalfFormat F, int RB, int KB>
+void decode_dots(const T* q, const KvElem<T, F>* k, Index ks, Index d, T* s, Index ss,
+                 Index ahead) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -92,14 +136,14 @@ void decode_dots(const T* q, const T* k, Index ks, Index d, T* s, Index ss, Inde
     // the keys `ahead` rows on, requested as these are read
     if (ahead > 0)
         for (int u = 0; u < KB; ++u)
-            for (Index b = 0; b < d * Index(sizeof(T)); b += 64)
+            for (Index b = 0; b < d * Index(sizeof(KvElem<T, F>)); b += 64)
                 __builtin_prefetch(reinterpret_cast<const char*>(k + (ahead + u) * ks) + b, 0, 3);
     Packet a[RB][KB];
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < KB; ++u) a[r][u] = ei::pset1<Packet>(T(0));
     for (Index c = 0; c < dw; c += L) {
         Packet x[KB];
-        for (int u = 0; u < KB; ++u) x[u] = ei::ploadu<Packet>(k + u * ks + c);
+        for (int u = 0; u < KB; ++u) x[u] = load_kv_packet<T, F>(k + u * ks + c);
         for (int r = 0; r < RB; ++r) {
             const Packet y = ei::ploadu<Packet>(q + r * d + c);
             for (int u = 0; u < KB; ++u) a[r][u] = ei::pmadd(y, x[u], a[r][u]);
@@ -108,7 +152,7 @@ void decode_dots(const T* q, const T* k, Index ks, Index d, T* s, Index ss, Inde
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < KB; ++u) {
             T t = ei::predux(a[r][u]);
-            for (Index c = dw; c < d; ++c) t += q[r * d + c] * k[u * ks + c];
+            for (Index c = dw; c < d; ++c) t += q[r * d + c] * load_kv<T, F>(k + u * ks + c);
             s[r * ss + u] = t;
         }
 }
@@ -118,20 +162,20 @@ void decode_dots(const T* q, const T* k, Index ks, Index d, T* s, Index ss, Inde
 #endif
 
 // decode_dots for `rows` <= RB rows
-template <typename T, int RB, int KB>
-void decode_dots_rows(Index rows, const T* q, const T* k, Index ks, Index d, T* s, Index ss,
-                      Index ahead) {
+template <typename T, HalfFormat F, int RB, int KB>
+void decode_dots_rows(Index rows, const T* q, const KvElem<T, F>* k, Index ks, Index d, T* s,
+                      Index ss, Index ahead) {
     if constexpr (RB > 1)
-        if (rows < RB) return decode_dots_rows<T, RB - 1, KB>(rows, q, k, ks, d, s, ss, ahead);
-    decode_dots<T, RB, KB>(q, k, ks, d, s, ss, ahead);
+        if (rows < RB) return decode_dots_rows<T, F, RB - 1, KB>(rows, q, k, ks, d, s, ss, ahead);
+    decode_dots<T, F, RB, KB>(q, k, ks, d, s, ss, ahead);
 }
 
 // acc_r[c0, c0 + NP L) += sum_{j < kb} p_rj v_j[c0, c0 + NP L) for RB rows (p_r at pr + r * ss,
 // acc_r at acc + r * as), the columns held in registers across the keys. With Skip, a key a row
 // may not see (score -inf) is skipped for it, so its value (even NaN) never reaches that row.
-template <typename T, int RB, int NP, bool Skip>
-void decode_values(const T* sc, const T* pr, Index ss, const T* v, Index vs, Index kb, T* acc,
-                   Index as, Index c0, Index ahead) {
+template <typename T, HalfFormat F, int RB, int NP, bool Skip>
+void decode_values(const T* sc, const T* pr, Index ss, const KvElem<T, F>* v, Index vs, Index kb,
+                   T* acc, Index as, Index c0, Index ahead) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -139,12 +183,12 @@ void decode_values(const T* sc, const T* pr, Index ss, const T* v, Index vs, Ind
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < NP; ++u) a[r][u] = ei::pload<Packet>(acc + r * as + c0 + u * L);
     for (Index j = 0; j < kb; ++j) {
-        const T* vj = v + j * vs + c0;
+        const KvElem<T, F>* vj = v + j * vs + c0;
         if (ahead > 0)
-            for (Index b = 0; b < NP * L * Index(sizeof(T)); b += 64)
+            for (Index b = 0; b < NP * L * Index(sizeof(KvElem<T, F>)); b += 64)
                 __builtin_prefetch(reinterpret_cast<const char*>(vj + ahead * vs) + b, 0, 3);
         Packet x[NP];
-        for (int u = 0; u < NP; ++u) x[u] = ei::ploadu<Packet>(vj + u * L);
+        for (int u = 0; u < NP; ++u) x[u] = load_kv_packet<T, F>(vj + u * L);
         for (int r = 0; r < RB; ++r) {
             if (Skip && sc[r * ss + j] == neg_inf<T>()) continue;
             const Packet w = ei::pset1<Packet>(pr[r * ss + j]);
@@ -156,46 +200,47 @@ void decode_values(const T* sc, const T* pr, Index ss, const T* v, Index vs, Ind
 }
 
 // decode_values for `rows` <= RB rows
-template <typename T, int RB, int NP, bool Skip>
-void decode_values_rows(Index rows, const T* sc, const T* pr, Index ss, const T* v, Index vs,
-                        Index kb, T* acc, Index as, Index c0, Index ahead) {
+template <typename T, HalfFormat F, int RB, int NP, bool Skip>
+void decode_values_rows(Index rows, const T* sc, const T* pr, Index ss, const KvElem<T, F>* v,
+                        Index vs, Index kb, T* acc, Index as, Index c0, Index ahead) {
     if constexpr (RB > 1)
         if (rows < RB)
-            return decode_values_rows<T, RB - 1, NP, Skip>(rows, sc, pr, ss, v, vs, kb, acc, as, c0,
-                                                           ahead);
-    decode_values<T, RB, NP, Skip>(sc, pr, ss, v, vs, kb, acc, as, c0, ahead);
+            return decode_values_rows<T, F, RB - 1, NP, Skip>(rows, sc, pr, ss, v, vs, kb, acc, as,
+                                                              c0, ahead);
+    decode_values<T, F, RB, NP, Skip>(sc, pr, ss, v, vs, kb, acc, as, c0, ahead);
 }
 
 // decode_values for the R rows over the whole packets of [c, dv), in chunks of NP, NP / 2, ...,
 // 1 packets, each chunk through every row block while its values are in L1 (the first block
 // streams them); returns the first column after them
-template <typename T, int NP, bool Skip>
-Index decode_values_cols(Index R, const T* sc, const T* pr, Index ss, const T* v, Index vs,
-                         Index kb, T* acc, Index as, Index c, Index dv, Index ahead) {
+template <typename T, HalfFormat F, int NP, bool Skip>
+Index decode_values_cols(Index R, const T* sc, const T* pr, Index ss, const KvElem<T, F>* v,
+                         Index vs, Index kb, T* acc, Index as, Index c, Index dv, Index ahead) {
     constexpr Index W = NP * packet_size<T>();
     for (; c + W <= dv; c += W)
         for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
-            decode_values_rows<T, kDecodeRowBlock, NP, Skip>(
+            decode_values_rows<T, F, kDecodeRowBlock, NP, Skip>(
                 std::min<Index>(kDecodeRowBlock, R - r0), sc + r0 * ss, pr + r0 * ss, ss, v, vs, kb,
                 acc + r0 * as, as, c, r0 == 0 ? ahead : 0);
     if constexpr (NP > 1)
-        c = decode_values_cols<T, NP / 2, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, c, dv, ahead);
+        c = decode_values_cols<T, F, NP / 2, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, c, dv, ahead);
     return c;
 }
 
 // acc += P V for the R rows over the whole packets of the value rows (see decode_values_cols):
 // value packets per row as many as leave the registers to the accumulators of a row block
-template <typename T, bool Skip>
-Index decode_values_all(Index R, const T* sc, const T* pr, Index ss, const T* v, Index vs, Index kb,
-                        T* acc, Index as, Index dv, Index ahead) {
+template <typename T, HalfFormat F, bool Skip>
+Index decode_values_all(Index R, const T* sc, const T* pr, Index ss, const KvElem<T, F>* v,
+                        Index vs, Index kb, T* acc, Index as, Index dv, Index ahead) {
     constexpr int wide = kDecodeAccumulators / 2, narrow = kDecodeAccumulators / kDecodeRowBlock;
     if (R <= 2)
-        return decode_values_cols<T, wide, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv, ahead);
-    return decode_values_cols<T, narrow, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv, ahead);
+        return decode_values_cols<T, F, wide, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv,
+                                                    ahead);
+    return decode_values_cols<T, F, narrow, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv, ahead);
 }
 
-// One task: rows of (b, hk) against keys [j_lo, j_hi) of split sp.
-template <typename T>
+// One task: rows of (b, hk) against keys [j_lo, j_hi) of split sp; K and V stored as F says.
+template <typename T, HalfFormat F>
 void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Index sp, Index b,
                   Index hk, Index j_lo, Index j_hi) {
     namespace ei = Eigen::internal;
@@ -217,51 +262,42 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     std::fill(acc, acc + R * dvp, T(0));
     std::fill(m, m + R, neg_inf<T>());
     std::fill(l, l + R, T(0));
-    const T* kbase = p.k.at(b, hk);
-    const T* vbase = p.v.at(b, hk);
-    const std::uint16_t* kbase16 = p.half != HalfFormat::none ? p.k_half.at(b, hk) : nullptr;
-    const std::uint16_t* vbase16 = p.half != HalfFormat::none ? p.v_half.at(b, hk) : nullptr;
+    using E = KvElem<T, F>;
+    const E *kbase, *vbase;
+    Index ks, vs;
+    if constexpr (F == HalfFormat::none) {
+        kbase = p.k.at(b, hk);
+        vbase = p.v.at(b, hk);
+        ks = p.k.row_stride;
+        vs = p.v.row_stride;
+    } else {
+        kbase = p.k_half.at(b, hk);
+        vbase = p.v_half.at(b, hk);
+        ks = p.k_half.row_stride;
+        vs = p.v_half.row_stride;
+    }
     const bool capped = p.mask.options.softcap > 0;
-    // half-precision keys and values are widened a block at a time: blocks small enough that the
-    // widened copies stay in L1 with the scores
-    const Index step = p.half != HalfFormat::none ? kDecodeHalfBlock : kbp;
-    // streamed rows are requested ahead; widened half-precision blocks are in L1 already
-    const bool stream = p.half == HalfFormat::none;
+    // streamed rows (half the bytes when stored in half precision) are requested ahead
     const Index rows_bytes = R * std::max(d, dvp) * Index(sizeof(T));
-    const Index k_ahead = decode_ahead(stream, d * Index(sizeof(T)), rows_bytes);
-    const Index v_ahead = decode_ahead(stream, dv * Index(sizeof(T)), rows_bytes);
-    for (Index j0 = j_lo; j0 < j_hi; j0 += step) {
-        const Index kb = std::min(step, j_hi - j0);
-        const T* kblock = kbase + j0 * p.k.row_stride;
-        const T* vblock = vbase + j0 * p.v.row_stride;
-        Index ks = p.k.row_stride, vs = p.v.row_stride;
-        if constexpr (std::is_same_v<T, float>) {
-            if (p.half != HalfFormat::none) {  // the block's keys and values, read once, as floats
-                float* kf = scratch<float>(ScratchBuffer::kDecodeKeys, std::size_t(kbp * d));
-                float* vf = scratch<float>(ScratchBuffer::kDecodeValues, std::size_t(kbp * dv));
-                half_rows_to_float(kbase16 + j0 * p.k_half.row_stride, p.k_half.row_stride, kb, d,
-                                   p.half, kf);
-                half_rows_to_float(vbase16 + j0 * p.v_half.row_stride, p.v_half.row_stride, kb, dv,
-                                   p.half, vf);
-                kblock = kf;
-                vblock = vf;
-                ks = d;
-                vs = dv;
-            }
-        }
+    const Index k_ahead = decode_ahead(d * Index(sizeof(E)), rows_bytes);
+    const Index v_ahead = decode_ahead(dv * Index(sizeof(E)), rows_bytes);
+    for (Index j0 = j_lo; j0 < j_hi; j0 += kbp) {
+        const Index kb = std::min(kbp, j_hi - j0);
+        const E* kblock = kbase + j0 * ks;
+        const E* vblock = vbase + j0 * vs;
         // scores a few keys at a time for every row while those keys are in L1; the first
         // rows stream them from memory
         Index j = 0;
         for (; j + kDecodeKeys <= kb; j += kDecodeKeys)
             for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
-                decode_dots_rows<T, kDecodeRowBlock, kDecodeKeys>(
+                decode_dots_rows<T, F, kDecodeRowBlock, kDecodeKeys>(
                     std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * ks, ks, d,
                     sc + r0 * kbp + j, kbp, r0 == 0 ? k_ahead : 0);
         for (; j < kb; ++j)
             for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
-                decode_dots_rows<T, kDecodeRowBlock, 1>(std::min<Index>(kDecodeRowBlock, R - r0),
-                                                        qs + r0 * d, kblock + j * ks, ks, d,
-                                                        sc + r0 * kbp + j, kbp, 0);
+                decode_dots_rows<T, F, kDecodeRowBlock, 1>(std::min<Index>(kDecodeRowBlock, R - r0),
+                                                           qs + r0 * d, kblock + j * ks, ks, d,
+                                                           sc + r0 * kbp + j, kbp, 0);
         for (Index g = 0; g < group; ++g) {
             T* sg = sc + g * p.n_q * kbp;
             if (capped)
@@ -297,15 +333,15 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         bool masked = false;
         for (Index r = 0; r < R && !masked; ++r)
             masked = std::find(sc + r * kbp, sc + r * kbp + kb, neg_inf<T>()) != sc + r * kbp + kb;
-        const Index c = masked ? decode_values_all<T, true>(R, sc, pr, kbp, vblock, vs, kb, acc,
-                                                            dvp, dv, v_ahead)
-                               : decode_values_all<T, false>(R, sc, pr, kbp, vblock, vs, kb, acc,
-                                                             dvp, dv, v_ahead);
+        const Index c = masked ? decode_values_all<T, F, true>(R, sc, pr, kbp, vblock, vs, kb, acc,
+                                                               dvp, dv, v_ahead)
+                               : decode_values_all<T, F, false>(R, sc, pr, kbp, vblock, vs, kb, acc,
+                                                                dvp, dv, v_ahead);
         for (Index j = 0; j < kb; ++j)  // the columns after the last whole packet
             for (Index r = 0; r < R; ++r)
                 if (sc[r * kbp + j] != neg_inf<T>())
                     for (Index cc = c; cc < dv; ++cc)
-                        acc[r * dvp + cc] += pr[r * kbp + j] * vblock[j * vs + cc];
+                        acc[r * dvp + cc] += pr[r * kbp + j] * load_kv<T, F>(vblock + j * vs + cc);
     }
     for (Index g = 0; g < group; ++g)
         for (Index i = 0; i < p.n_q; ++i) {
@@ -368,7 +404,18 @@ void decode_forward(const AttentionProblem<T>& p) {
     parallel_for(splits * pairs, [&](Index t) {
         const Index sp = t / pairs, b = (t % pairs) / p.kv_heads, hk = t % p.kv_heads;
         const Index lo = keys.lo + sp * split;
-        decode_split(p, parts, sp, b, hk, lo, std::min(keys.hi, lo + split));
+        const Index hi = std::min(keys.hi, lo + split);
+        if constexpr (std::is_same_v<T, float>) {
+            if (p.half == HalfFormat::float16) {
+                decode_split<T, HalfFormat::float16>(p, parts, sp, b, hk, lo, hi);
+            } else if (p.half == HalfFormat::bfloat16) {
+                decode_split<T, HalfFormat::bfloat16>(p, parts, sp, b, hk, lo, hi);
+            } else {
+                decode_split<T, HalfFormat::none>(p, parts, sp, b, hk, lo, hi);
+            }
+        } else {
+            decode_split<T, HalfFormat::none>(p, parts, sp, b, hk, lo, hi);
+        }
         if (splits == 1)  // the task holds its rows whole: merged here, with no second pass
             for (Index h = hk * group; h < (hk + 1) * group; ++h)
                 for (Index i = 0; i < p.n_q; ++i) decode_merge(p, parts, splits, b, h, i);
