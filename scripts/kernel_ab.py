@@ -9,8 +9,9 @@ one thread is the steadiest measure.
     python scripts/kernel_ab.py --compare A/python B/python [--rounds 5] [CASE ...]
         two trees, each case in its own process, A and B alternately; minima per tree
 
-Cases: sdpa-bf16, vitb-bf16, gemm-bf16 (1576 x 768 x 2304) and {bert,vitb,sdpa,causal,decode}-
-{float32,float16}.
+Cases: sdpa-bf16, vitb-bf16, gemm-bf16 and gemm-float32 (1576 x 768 x 2304), gemmbert-float32
+(128 x 768 x 2304), vitbgrad-float32 (the ViT-B layer's pullback: its linear_input_grad and
+linear_weight_grad) and {bert,vitb,sdpa,causal,decode}-{float32,float16}.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ CASES = (
     "sdpa-bf16",
     "vitb-bf16",
     "gemm-bf16",
+    "gemm-float32",
+    "gemmbert-float32",
+    "vitbgrad-float32",
     *(
         f"{c}-{t}"
         for c in ("bert", "vitb", "sdpa", "causal", "decode")
@@ -58,11 +62,21 @@ def _call(name: str) -> Callable[[], Any]:
         return layer(1, 128)
     if case == "vitb":
         return layer(8, 197)
-    if case == "gemm":
-        x = rng.standard_normal((1576, 768)).astype(np.float32)
+    if case in ("gemm", "gemmbert"):  # the fused q, k, v projection of ViT-B or of BERT
+        rows = 1576 if case == "gemm" else 128
+        x = rng.standard_normal((rows, 768)).astype(np.float32)
         w = (rng.standard_normal((768, 2304)) / 28).astype(np.float32)
-        b, y = np.ones(2304, np.float32), np.empty((1576, 2304), np.float32)
-        return lambda: core.linear_forward(x, w, b, y, True)
+        b, y = np.ones(2304, np.float32), np.empty((rows, 2304), np.float32)
+        return lambda: core.linear_forward(x, w, b, y, kind == "bf16")
+    if case == "vitbgrad":
+        x = rng.standard_normal((8, 197, 768)).astype(dt)
+        w = {
+            k: (rng.standard_normal((768, 768)) / 28).astype(dt)
+            for k in ("w_q", "w_k", "w_v", "w_o")
+        }
+        out, pullback = attnlab.vjp(attnlab.multi_head_attention, x, num_heads=12, **w)
+        g = rng.standard_normal(out.shape).astype(dt)
+        return lambda: pullback(g)
     if case == "sdpa" and kind == "bf16":  # ViT-B's heads: strided views of (B, n, h, d)
         q, k, v = (rng.standard_normal((8, 197, 12, 64)).astype(np.float32) for _ in range(3))
         q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))

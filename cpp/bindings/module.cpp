@@ -150,6 +150,7 @@ PYBIND11_MODULE(_core, m) {
         while (!simd.empty() && simd.back() == ' ') simd.pop_back();
         d["compiled_for"] = simd;
         d["bf16_kernel"] = std::string(t.bf16_kernel());
+        d["gemm_blocking"] = std::string(t.gemm_blocking());
         d["num_threads"] = attnlab::get_num_threads();
         d["num_threads_source"] = attnlab::num_threads_source();
         return d;

@@ -133,7 +133,10 @@ def build_info() -> dict[str, Any]:
         ``bf16_kernel``, what ``precision="bf16"`` runs on: ``"amx"`` (TDPBF16PS tiles),
         ``"avx512_bf16"`` (VDPBF16PS, without usable AMX: by default on AMD CPUs only;
         ``ATTNLAB_AVX512_BF16=1`` or ``0`` forces it on or off) or ``"emulated"`` (the same
-        roundings on the float32 kernels); ``ATTNLAB_AMX=0`` turns AMX off.
+        roundings on the float32 kernels); ``ATTNLAB_AMX=0`` turns AMX off;
+        ``gemm_blocking``, the blocking of the float32/float64 GEMM (projections and their
+        gradients) chosen for this CPU: ``"intel-avx512: ..."`` on Intel CPUs running the
+        AVX-512 variant, else ``"default: ..."`` (results are bitwise the same either way).
 
     Examples
     --------

@@ -7,6 +7,9 @@
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
+// The float32/float64 GEMM's blocking chosen for this CPU at run time (build_info()).
+const char* gemm_blocking();
+
 // X (rows x in, row stride ldx), W (in x out, contiguous), b (out) or null,
 // Y (rows x out, row stride ldy). accumulate: Y += X W instead of Y = X W (+ b).
 template <typename T>

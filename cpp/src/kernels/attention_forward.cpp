@@ -35,13 +35,6 @@ constexpr Index kDepth = 256;  // head-width chunk of the score product
 // many tiles. 8 is chosen by that count, not measured.
 constexpr Index kScanInTilesMax = 8;
 
-// One (batch, head, query tile) with an online softmax over key tiles.
-//
-// Layout: queries run along the vector lanes. The tile keeps Q^T (scaled), S^T = K Q^T (keys x
-// queries) and the accumulator (P V)^T (d_v x queries), the query count padded to whole packets.
-// Then the softmax statistics (running max m, running sum l) are whole packets, updated by
-// vertical max/exp/add over the keys without horizontal reductions, and both products run in
-// lanes_product without packing K or V (their entries are broadcast through their strides).
 template <typename T>
 struct TileOperands {  // where a flash tile reads Q (from its first query), K and V, and writes O
     const T* q;
@@ -67,6 +60,14 @@ TileOperands<T> tile_operands(const AttentionProblem<T>& p, Index b, Index h, In
             p.out.row_stride};
 }
 
+// One (batch, head, query tile) with an online softmax over key tiles.
+//
+// Layout: queries run along the vector lanes. The tile keeps Q^T (scaled), S^T = K Q^T (keys x
+// queries) and the accumulator (P V)^T (d_v x queries), the query count padded to whole packets.
+// Then the softmax statistics (running max m, running sum l) are whole packets, updated by
+// vertical max/exp/add over the keys without horizontal reductions, and both products run in
+// lanes_product without packing K or V (their entries are broadcast through their strides).
+//
 // ready(j0, j1): called before key rows [j0, j1) of x.k and x.v are read (the half-precision
 // path widens them there); nullptr: they are ready.
 template <typename T, typename Ready = std::nullptr_t>
@@ -360,7 +361,7 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
         float* of = scratch<float>(ScratchBuffer::kHalfOutput, static_cast<std::size_t>(mq * dv));
         half_rows_to_float(p.q_half.at(b, h) + i0 * p.q_half.row_stride, p.q_half.row_stride, mq, d,
                            p.half, qf);
-        // the flags are read only for rows widened: per row, not a call's "none" (null)
+        // per-row flags, never null: whether V holds NaN/Inf is known only as rows are widened
         TileOperands<float> x{qf, d, nullptr, d, nullptr, dv, of, dv};
         if (per_thread) {
             thread_local WidenedHead held;

@@ -1,7 +1,12 @@
 #include "attnlab/gemm.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
+#if defined(__AVX512F__) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ATTNLAB_GEMM_VENDOR 1
+#include <cpuid.h>
+#endif
 
 #include "attnlab/threading.hpp"
 #include "bf16.hpp"
@@ -19,14 +24,47 @@ struct HalfB {
     HalfFormat format = HalfFormat::none;
 };
 
-// Blocking: a task is 128 rows x 8 panels of output columns; the depth runs in chunks of 256 so
-// that the B panel chunk (256 x panel width) stays in L1 while the rows of the task pass (with
-// AVX2; AVX-512's 48 KiB chunk does not fit a 32 KiB L1, but shorter chunks were slower, the
-// accumulators stored and reloaded twice as often). Fixed sizes: the summation order never
-// depends on the thread count.
+// Blocking: a task is 128 rows x 8 panels of output columns, the depth runs in chunks (see
+// Blocking below). Fixed sizes: the summation order never depends on the thread count, nor on
+// the depth chunks (an element's accumulator is stored and reloaded exactly between them).
 constexpr Index kRowChunk = 128;
 constexpr Index kPanelsPerTask = 8;
-constexpr Index kGemmDepth = 256;
+
+// Chosen once per process by the CPU (gemm_blocking() names it in build_info()).
+struct Blocking {
+    Index depth;          // depth chunk of a B panel (the last one shorter), A's rows contiguous
+    Index depth_strided;  // the same, A read across its rows (X^T of a weight gradient)
+    bool pack_once;       // whole B panels packed before the products when more than 2 row chunks
+    const char* name;
+};
+
+// Default (tuned on AMD Zen 4 and AVX2 EPYC): chunks of 256 keep the B panel chunk in L1 with
+// AVX2 (AVX-512's 48 KiB chunk does not fit a 32 KiB L1, but shorter chunks were slower, the
+// accumulators stored and reloaded more often), each row chunk's task packing its own copy.
+// Intel with AVX-512 (two 512-bit FMA ports, 2 MiB L2): the kernel streams B panels from L2 at
+// nearly full rate, so long chunks save the stores and reloads of Y, and packing B once, by
+// rows read in order, replaces a strided copy per row chunk; but an A read across its rows takes
+// a cache line per step of the depth, which long chunks evict before the next row block
+// reuses them (docs/performance.md, issue 30).
+const Blocking& blocking() {
+    static const Blocking chosen = [] {
+        Blocking b{256, 256, false, "default: depth chunks of 256, B packed by each row chunk"};
+#if defined(ATTNLAB_GEMM_VENDOR)
+        unsigned eax, ebx, ecx, edx;
+        char vendor[12];
+        if (__get_cpuid(0, &eax, &ebx, &ecx, &edx)) {
+            std::memcpy(vendor, &ebx, 4);
+            std::memcpy(vendor + 4, &edx, 4);
+            std::memcpy(vendor + 8, &ecx, 4);
+            if (std::memcmp(vendor, "GenuineIntel", 12) == 0)
+                b = {2048, 256, true,
+                     "intel-avx512: depth chunks of 2048 (256 for A^T), B packed once per call"};
+        }
+#endif
+        return b;
+    }();
+    return chosen;
+}
 
 // Y[0:m, 0:W) += A[0:m, :] B[:, j0:j0+nw) (nw <= W), A(r, t) = a[r * a_rs + t * a_ts],
 // B(t, j) = b[t * ldb + j], or b[j * ldb + t] when b_transposed; Y initialised by the caller,
@@ -37,21 +75,30 @@ constexpr Index kGemmDepth = 256;
 // products mostly waited for the weights). The same FMAs in the same order either way: the result
 // does not depend on which rows packed.
 //
+// packed: the whole panel, packed by gemm before the products (Blocking::pack_once), else null.
 // NP: the panel's width in packets, W = NP packets; 3 but for the last panel of a width that is
 // not a whole number of 3-packet panels (64 columns with AVX-512: 48 + 16, not 48 + 48).
 template <typename T, int NP>
 void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const HalfB& bh,
                 const T* b, Index ldb, bool b_transposed, Index j0, Index nw, T* y, Index ldy,
-                bool zero_start, bool next_panel) {
+                bool zero_start, bool next_panel, const T* packed) {
     constexpr Index W = NP * detail::packet_size<T>();
     constexpr int MR = detail::rows_for_packets<NP>();
-    T* bp = scratch<T>(ScratchBuffer::kGemmPanel, static_cast<std::size_t>(kGemmDepth * W));
-    for (Index k0 = 0; k0 < depth; k0 += kGemmDepth) {
-        const Index kc = std::min(kGemmDepth, depth - k0);
+    const Index chunk = a_ts == 1 ? blocking().depth : blocking().depth_strided;
+    T* bp = packed ? nullptr
+                   : scratch<T>(ScratchBuffer::kGemmPanel,
+                                static_cast<std::size_t>(std::min(chunk, depth) * W));
+    for (Index k0 = 0; k0 < depth; k0 += chunk) {
+        const Index kc = std::min(chunk, depth - k0);
         const T* ak = a + k0 * a_ts;
         // The first depth chunk of a Y that holds nothing yet starts from zero accumulators.
         const auto product = [&](auto accumulate) {
             constexpr bool Acc = decltype(accumulate)::value;
+            if (packed) {  // the whole panel, packed before the products (gemm)
+                detail::panel_rows<T, NP, MR, Acc>(m, kc, ak, a_rs, a_ts, packed + k0 * W, W, y,
+                                                   ldy);
+                return;
+            }
             if constexpr (NP == detail::kPanelPackets) {  // whole panels only: compile time
                 if (!b_transposed && !bh.bits && nw == W && m >= MR) {
                     // the first row block packs B as it goes, the others read the packed copy
@@ -65,8 +112,8 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                     const T* next = more_depth   ? b + (k0 + kc) * ldb + j0
                                     : next_panel ? b + j0 + W
                                                  : nullptr;
-                    const Index next_rows = more_depth ? std::min(kGemmDepth, depth - k0 - kc)
-                                                       : std::min(kGemmDepth, depth);
+                    const Index next_rows =
+                        more_depth ? std::min(chunk, depth - k0 - kc) : std::min(chunk, depth);
                     constexpr Index kSlice = 2 * MR;
                     const Index slices = (m - MR + kSlice - 1) / kSlice;
                     const Index per_slice = slices > 0 ? (next_rows + slices - 1) / slices : 0;
@@ -120,7 +167,7 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
 template <typename T>
 void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index a_ts,
                 const HalfB& bh, const T* b, Index ldb, bool b_transposed, const T* bias, T* y,
-                Index ldy, bool accumulate, Index p, bool then_next) {
+                Index ldy, bool accumulate, Index p, bool then_next, const T* packed = nullptr) {
     constexpr Index W = detail::panel_width<T>(), L = detail::packet_size<T>();
     const Index j0 = p * W, nw = std::min(W, cols - j0);
     // the last panel as narrow as whole packets allow; if still wider than the columns left,
@@ -142,13 +189,13 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
     const bool next_panel = then_next && j0 + 2 * W <= cols;  // a whole panel follows
     if (np == 3) {
         panel_gemm<T, 3>(m, depth, a, a_rs, a_ts, bh, b, ldb, b_transposed, j0, nw, yb, ldb_y,
-                         zero_start, next_panel);
+                         zero_start, next_panel, packed);
     } else if (np == 2) {
         panel_gemm<T, 2>(m, depth, a, a_rs, a_ts, bh, b, ldb, b_transposed, j0, nw, yb, ldb_y,
-                         zero_start, next_panel);
+                         zero_start, next_panel, nullptr);
     } else {
         panel_gemm<T, 1>(m, depth, a, a_rs, a_ts, bh, b, ldb, b_transposed, j0, nw, yb, ldb_y,
-                         zero_start, next_panel);
+                         zero_start, next_panel, nullptr);
     }
     // The bias is added after the products, not used as the accumulator's start: a bias larger
     // than the products would make every FMA round at its scale (measured on the output
@@ -180,6 +227,28 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
     while (per_task > 1 && row_chunks * ((panels + per_task - 1) / per_task) < enough)
         per_task = (per_task + 1) / 2;
     const Index col_groups = (panels + per_task - 1) / per_task;
+    // The whole panels of B packed first (Blocking::pack_once), in parallel by blocks of its
+    // rows, each row read whole and in order: once per call instead of once per row chunk; up
+    // to kPackOnceBytes, so that a very large B does not double the call's memory.
+    constexpr Index kPackOnceBytes = Index(64) << 20;
+    const Index whole = cols / W;
+    const bool pack_once = blocking().pack_once && row_chunks > 2 && !b_transposed && !bh.bits &&
+                           whole > 0 && depth > 0 &&
+                           whole * depth * W * Index(sizeof(T)) <= kPackOnceBytes;
+    Buffer<T> packed;
+    if (pack_once) {
+        packed = make_buffer<T>(whole * depth * W);
+        T* dst = packed.get();
+        constexpr Index kPackRows = 16;
+        parallel_for((depth + kPackRows - 1) / kPackRows, [&](Index i) {
+            const Index t1 = std::min(depth, (i + 1) * kPackRows);
+            for (Index t = i * kPackRows; t < t1; ++t)
+                for (Index p = 0; p < whole; ++p)
+                    std::copy(b + t * ldb + p * W, b + t * ldb + p * W + W,
+                              dst + (p * depth + t) * W);
+        });
+    }
+    const T* bpk = packed.get();
     parallel_for(row_chunks * col_groups, [&](Index t) {
         const Index r0 = (t / col_groups) * kRowChunk;
         const Index m = std::min(kRowChunk, rows - r0);
@@ -187,10 +256,13 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
         const Index p1 = std::min(panels, p0 + per_task);
         for (Index p = p0; p < p1; ++p)
             gemm_panel(m, depth, cols, a + r0 * a_rs, a_rs, a_ts, bh, b, ldb, b_transposed, bias,
-                       y + r0 * ldy, ldy, accumulate, p, p + 1 < p1);
+                       y + r0 * ldy, ldy, accumulate, p, p + 1 < p1,
+                       pack_once && p < whole ? bpk + p * depth * W : nullptr);
     });
 }
 }  // namespace
+
+const char* gemm_blocking() { return blocking().name; }
 
 // All three run on the panel kernel of the attention tiles (see gemm above).
 template <typename T>

@@ -61,6 +61,7 @@ constexpr KernelTable kernel_table = {ATTNLAB_ISA_NAME,
                                       &fma_peak,
                                       &linear_bf16,
                                       &bf16_kernel,
+                                      &gemm_blocking,
                                       &widen_half,
                                       &narrow_half};
 

@@ -1,0 +1,83 @@
+"""The float GEMM's per-CPU blocking (issue 30): B packed once per call for tall inputs, long
+depth chunks on Intel AVX-512. Whatever the blocking, every output element is the same chain
+of FMAs in depth order, so the results must not depend on the row count of the call, on the
+thread count, nor on which blocking this CPU chose."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnlab
+from attnlab._loader import core
+
+DTYPES = [np.float32, np.float64]
+
+
+@pytest.fixture
+def restore_threads():
+    before = attnlab.get_num_threads()
+    yield
+    attnlab.set_num_threads(before)
+
+
+def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    y = np.empty((x.shape[0], w.shape[1]), x.dtype)
+    core.linear_forward(x, w, b, y, False)
+    return y
+
+
+def test_build_info_names_the_blocking():
+    name = attnlab.build_info()["gemm_blocking"]
+    assert name.startswith(("intel-avx512:", "default:")), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+# 700 columns: whole 3-packet panels and a narrower last one for every packet size
+@pytest.mark.parametrize("cols", [768, 700])
+def test_tall_rows_equal_short_calls_bitwise(dtype, cols):
+    """A call of many row chunks (B packed once, where chosen) gives the rows of short calls
+    (B packed by the row chunk's own task), bit for bit."""
+    rng = np.random.default_rng(30)
+    x = rng.standard_normal((1000, 300)).astype(dtype)
+    w = (rng.standard_normal((300, cols)) / 17).astype(dtype)
+    b = rng.standard_normal(cols).astype(dtype)
+    tall = _linear(x, w, b)
+    for r0, r1 in ((0, 128), (128, 384), (900, 1000), (5, 13)):
+        np.testing.assert_array_equal(_linear(x[r0:r1], w, b), tall[r0:r1])
+    exact = x.astype(np.float64) @ w.astype(np.float64) + b
+    eps = np.finfo(dtype).eps
+    bound = 300 * eps * (np.abs(x) @ np.abs(w) + np.abs(b)).astype(np.float64)
+    assert np.all(np.abs(tall - exact) <= bound)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.usefixtures("restore_threads")
+def test_tall_linear_bitwise_for_any_thread_count(dtype):
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((700, 2100)).astype(dtype)  # depth above one chunk of 2048
+    w = (rng.standard_normal((2100, 200)) / 45).astype(dtype)
+    results = []
+    for t in (1, 2, 3, 1):
+        attnlab.set_num_threads(t)
+        results.append(_linear(x, w, None))
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+
+
+@pytest.mark.usefixtures("restore_threads")
+def test_tall_backward_bitwise_for_any_thread_count():
+    """The input and weight gradients of a layer of 2 x 200 tokens (more than two row chunks)."""
+    rng = np.random.default_rng(32)
+    x = rng.standard_normal((2, 200, 96)).astype(np.float32)
+    w = {
+        n: (rng.standard_normal((96, 96)) / 10).astype(np.float32)
+        for n in ("w_q", "w_k", "w_v", "w_o")
+    }
+    g = rng.standard_normal((2, 200, 96)).astype(np.float32)
+    grads = []
+    for t in (1, 2):
+        attnlab.set_num_threads(t)
+        grads.append(attnlab.multi_head_attention_backward(g, x, num_heads=4, **w))
+    for name in grads[0]:
+        np.testing.assert_array_equal(grads[1][name], grads[0][name], err_msg=name)
