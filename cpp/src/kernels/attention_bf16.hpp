@@ -4,13 +4,14 @@
 // bfloat16 for the value product (their sum stays float32), the context summed in float32.
 //
 // With AMX (amx_forward): per (batch, kv head) K and V are packed once into bf16; each task
-// (batch, head, 64 queries) runs an online softmax over blocks of 128 keys with both products on
-// TDPBF16PS tiles, transposed (S^T = K Q^T, O^T = V^T P^T) so that the queries sit in vector lanes
-// as in the float tiles. Elsewhere, or when a value row holds NaN/Inf (the float tiles' careful
-// path), bf16_operands gives the float32 kernels the rounded operands and they round P themselves
-// (AttentionProblem::bf16): the same numbers but for the order of the float32 sums, the keys where
-// the running maximum moves and the AMX exponential's polynomial (exp2_for_bf16): a probability
-// may round to the neighbouring bf16, within 2**-8 max|v| of the output (tested).
+// (batch, head, 64 queries; a last block of at most 32 on half the tiles) runs an online softmax
+// over blocks of 128 keys with both products on TDPBF16PS tiles, transposed (S^T = K Q^T, O^T = V^T
+// P^T) so that the queries sit in vector lanes as in the float tiles. Elsewhere, or when a value
+// row holds NaN/Inf (the float tiles' careful path), bf16_operands gives the float32 kernels the
+// rounded operands and they round P themselves (AttentionProblem::bf16): the same numbers but for
+// the order of the float32 sums, the keys where the running maximum moves and the AMX exponential's
+// polynomial (exp2_for_bf16): a probability may round to the neighbouring bf16, within 2**-8 max|v|
+// of the output (tested).
 
 #include <algorithm>
 #include <atomic>
@@ -97,12 +98,14 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
     const float* k = p.k.at(b, hk);
     const float* v = p.v.at(b, hk);
     const Index ks = p.k.row_stride, vs = p.v.row_stride, d = p.d, dv = p.d_v, nk = p.n_k;
-    bool finite = true;
-    for (Index j = 0; j < nk; ++j) finite &= !nonfinite_row(v + j * vs, dv);
-    if (!finite) return false;
-    pack_rows(0, L.n_pad, nk, d, k, ks, L.kp, kt);
     // V^T row c: value column c of keys j0 .. j0 + 31, from two 16 x 16 transposes of V
-    // (zero beyond the keys and the value columns)
+    // (zero beyond the keys and the value columns); NaN and Inf are looked for in the same read
+    const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+    __mmask16 nonfinite = 0;
+    auto check = [&](__m512 x) ATTNLAB_AMX_TARGET {
+        const __m512i e = _mm512_and_si512(_mm512_castps_si512(x), exponent);
+        nonfinite |= _mm512_cmpeq_epi32_mask(e, exponent);
+    };
     for (Index j0 = 0; j0 < L.n_pad; j0 += 32)
         for (Index c0 = 0; c0 < L.vp; c0 += 16) {
             const __mmask16 cols = first_lanes(dv - c0);
@@ -113,6 +116,10 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
                 hi[r] = j0 + 16 + r < nk ? _mm512_maskz_loadu_ps(cols, v + (j0 + 16 + r) * vs + c0)
                                          : _mm512_setzero_ps();
             }
+            for (Index r = 0; r < 16; ++r) {
+                check(lo[r]);
+                check(hi[r]);
+            }
             transpose_16x16(lo);
             transpose_16x16(hi);
             for (Index c = 0; c < 16; ++c) {
@@ -120,6 +127,8 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
                 _mm512_storeu_si512(vt + (c0 + c) * L.n_pad + j0, reinterpret_cast<__m512i>(r));
             }
         }
+    if (nonfinite) return false;
+    pack_rows(0, L.n_pad, nk, d, k, ks, L.kp, kt);
     return true;
 }
 
@@ -146,11 +155,11 @@ struct AmxStats {
 
 // One (batch, head, block of up to kAmxQ queries) from the packed operands. The vdp instance runs
 // no tile instruction (AVX512-BF16 without AMX): its AMX target only lets the helpers inline.
-template <Bf16Products products>
+template <Bf16Products products, Index G = kAmxQ / 16>
 ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const AmxPacked& L,
                                         const std::uint16_t* kt, const std::uint16_t* vt, Index b,
                                         Index h, Index i0, Index mq) {
-    constexpr Index Q = kAmxQ, G = Q / 16;
+    constexpr Index Q = 16 * G;
     const Index d = p.d, dv = p.d_v, kp = L.kp, vp = L.vp, np = L.n_pad;
     // the queries in bf16, row-major (qb), then as B tiles of the score product (qt: feature pair r
     // of query n at [(chunk * 2 + n / 16) * 512 + r * 32 + 2 (n % 16) + parity])
@@ -360,8 +369,12 @@ inline bool amx_forward(const AttentionProblem<float>& p) {
     parallel_for(p.batch * p.heads * q_tiles, [&](Index t) {
         const Index qt = t % q_tiles, h = (t / q_tiles) % p.heads, b = t / (q_tiles * p.heads);
         const Index slot = b * p.kv_heads + h / group;
-        amx_tile<products>(p, L, kt.get() + slot * L.k_size, vt.get() + slot * L.v_size, b, h,
-                           qt * kAmxQ, std::min(kAmxQ, p.n_q - qt * kAmxQ));
+        const Index i0 = qt * kAmxQ, mq = std::min(kAmxQ, p.n_q - i0);
+        const std::uint16_t *k = kt.get() + slot * L.k_size, *v = vt.get() + slot * L.v_size;
+        if (mq <= kAmxQ / 2)  // a last block of few queries: half the tiles, the same sums
+            amx_tile<products, kAmxQ / 32>(p, L, k, v, b, h, i0, mq);
+        else
+            amx_tile<products>(p, L, k, v, b, h, i0, mq);
     });
     return true;
 }

@@ -158,12 +158,14 @@ ATTNLAB_AMX_TARGET inline void tiles_off() { _tile_release(); }
 // (the two 16-column halves, 64-byte rows), through tiles 4-7.
 ATTNLAB_AMX_TARGET inline void dp_2x2(const std::uint16_t* a, Index lda, const std::uint16_t* b0,
                                       const std::uint16_t* b1) {
+    // each load just before the first product that reads it: tiles are not renamed, so a
+    // step's loads wait for the previous step's products reading their tile
     _tile_loadd(4, a, lda * 2);
-    _tile_loadd(5, a + 16 * lda, lda * 2);
     _tile_loadd(6, b0, 64);
-    _tile_loadd(7, b1, 64);
     _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b1, 64);
     _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + 16 * lda, lda * 2);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
 }

@@ -55,6 +55,11 @@ ATTNLAB_AMX_TARGET inline void tile_block(Index kp, Index np, const std::uint16_
     store_2x2(c_out, ldc_out);
 }
 
+// The task shape of the tile product: input features per span of one accumulation in the tiles
+// (the span of a 32-row panel, 48 KB, about L1), blocks of 32 columns per task (wide when at
+// least kWideRows row blocks keep the threads busy).
+constexpr Index kSpan = 24, kWideGroup = 24, kNarrowGroup = 8, kWideRows = 16;
+
 // The tile product: both operands packed to bf16 in parallel, then 32 x 32 blocks of y as tasks
 // (the grid depends on the shapes alone; each element is one chain of tile sums over the
 // input features, so the result does not depend on the thread count). Without AMX, the
@@ -76,24 +81,25 @@ inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, 
         std::copy(b, b + out, bp.get());
         std::fill(bp.get() + out, bp.get() + np, 0.0f);
     }
-    // a task: 32 rows by up to kGroup blocks of 32 columns, the tiles configured once and the
-    // row panel of xp kept in L1 across its column blocks
-    constexpr Index kGroup = 8, kSpan = 12;
-    const Index groups = (nblocks + kGroup - 1) / kGroup, kblocks = kp / 32;
+    // a task: 32 rows by up to `group` blocks of 32 columns, the tiles configured once and the
+    // row panel of xp kept in L1 across its column blocks; wide groups (fewer reloads of the
+    // panel) when there are row blocks enough to share among the threads
+    const Index group = mblocks >= kWideRows ? kWideGroup : kNarrowGroup;
+    const Index groups = (nblocks + group - 1) / group, kblocks = kp / 32;
     // column group outermost: a group's weight panel stays in L2 while the row panels stream
     // (row-major tasks read the whole packed weight once per row block, from L3 when it
     // exceeds L2)
     parallel_for(mblocks * groups, [&](Index t) {
-        const Index mb = t % mblocks, nb0 = (t / mblocks) * kGroup;
+        const Index mb = t % mblocks, nb0 = (t / mblocks) * group;
         const Index m_rows = std::min<Index>(32, rows - mb * 32);
-        const Index nb1 = std::min(nblocks, nb0 + kGroup);
+        const Index nb1 = std::min(nblocks, nb0 + group);
         float* cs =
-            scratch<float>(ScratchBuffer::kGemmTiles, static_cast<std::size_t>(kGroup * 1024));
+            scratch<float>(ScratchBuffer::kGemmTiles, static_cast<std::size_t>(group * 1024));
         // whole 32 x 32 blocks of y take the last span's tile stores; edge blocks go through cs
         auto whole = [&](Index nb) { return m_rows == 32 && nb * 32 + 32 <= out; };
         tiles_on();
-        // the input features in spans of kSpan k-blocks, so that the span of the row panel
-        // stays in L1 across the group's column blocks
+        // the input features in spans of kSpan k-blocks: the sums stay in the tiles over a
+        // span, the span of the row panel in cache across the group's column blocks
         for (Index kb0 = 0; kb0 < kblocks; kb0 += kSpan) {
             const Index kb1 = std::min(kblocks, kb0 + kSpan);
             for (Index nb = nb0; nb < nb1; ++nb) {
