@@ -660,3 +660,15 @@ def test_bf16_rows_have_no_share_of_the_float32_peak():
     share = {ln.split()[2]: ln.split()[5] for ln in lines if ln.startswith("sdpa ")}
     assert share == dict(zip(impls, ("50%", "-", "-", "-"), strict=True))
     assert any("%peak: float32 rows only" in ln for ln in lines)
+
+
+def test_decode_traffic_counts_the_cache_dtype():
+    """A decode row's GB/s divides the bytes that runtime's cache holds: float32, or bfloat16
+    for the runtimes given a bfloat16 cache (half the bytes)."""
+    from attnlab._bench.peers_worker import CASES, HALF_CACHE_RUNTIMES
+
+    case = CASES["decode"]
+    f32 = 2 * 4 * case.B * case.kv_heads * case.n * (case.d // case.h)
+    assert case.kv_bytes("attnlab") == f32
+    for rt in HALF_CACHE_RUNTIMES:
+        assert case.kv_bytes(rt) == f32 // 2

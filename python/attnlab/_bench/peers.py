@@ -277,7 +277,7 @@ def run_case(
                     "version": head.get("version", ""),
                     # decode reads every key and value once: its rate is bytes per second
                     **(
-                        {"gbs": case.kv_bytes / (float(np.median(ms)) * 1e-3) / 1e9}
+                        {"gbs": case.kv_bytes(rt) / (float(np.median(ms)) * 1e-3) / 1e9}
                         if case.n_q is not None
                         else {}
                     ),

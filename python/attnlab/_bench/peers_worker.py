@@ -75,10 +75,11 @@ class Case:
     def kv_heads(self) -> int:
         return self.h if self.h_kv is None else self.h_kv
 
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes of keys and values a core call reads (float32): a decode call's traffic."""
-        return 2 * 4 * self.B * self.kv_heads * self.n * (self.d // self.h)
+    def kv_bytes(self, runtime: str) -> int:
+        """Bytes of keys and values a core call of ``runtime`` reads (float32, or bfloat16 for
+        ``HALF_CACHE_RUNTIMES``): a decode call's traffic."""
+        itemsize = 2 if runtime in HALF_CACHE_RUNTIMES else 4
+        return 2 * itemsize * self.B * self.kv_heads * self.n * (self.d // self.h)
 
     @property
     def shape(self) -> str:
@@ -132,6 +133,8 @@ RUNTIMES = ("attnlab", "torch-sdpa", "torch-mha", "onnxruntime", "openvino", "ja
 # OpenVINO at its default inference precision (bf16 on AMX and AVX512-BF16 CPUs); measured by
 # bench --accuracy, not in bench --peers' float32 check
 LOW_PRECISION_RUNTIMES = ("attnlab-bf16", "torch-bf16", "openvino-default")
+# the runtimes whose attention-core cases take bfloat16 q, k, v (a decode reads half the bytes)
+HALF_CACHE_RUNTIMES = ("attnlab-bf16", "torch-bf16")
 
 
 def inputs(case: Case) -> dict[str, np.ndarray]:
