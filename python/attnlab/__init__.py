@@ -136,7 +136,8 @@ def build_info() -> dict[str, Any]:
         roundings on the float32 kernels); ``ATTNLAB_AMX=0`` turns AMX off;
         ``gemm_blocking``, the blocking of the float32/float64 GEMM (projections and their
         gradients) chosen for this CPU: ``"intel-avx512: ..."`` on Intel CPUs running the
-        AVX-512 variant, else ``"default: ..."`` (results are bitwise the same either way).
+        AVX-512 variant (Linux), else ``"default: ..."`` (results are bitwise the same either
+        way).
 
     Examples
     --------

@@ -110,6 +110,17 @@ inline bool amx_usable() {
     return usable;
 }
 
+// Whether cpuid's vendor string is `name` (12 characters: "GenuineIntel", "AuthenticAMD").
+inline bool cpu_vendor_is(const char* name) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    char vendor[12];
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    return std::memcmp(vendor, name, 12) == 0;
+}
+
 // AVX512-BF16 (VDPBF16PS) usable here, in the AVX-512 build (whose dispatch checked the ZMM state),
 // for precision="bf16" when AMX is not: by default on AMD only, as on the Intel cores measured
 // VDPBF16PS gives fewer products per cycle than float32 FMA (the emulation is faster there).
@@ -122,12 +133,7 @@ inline bool avx512_bf16_usable() {
         unsigned a, b, c, d;
         if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1u)) return false;
         if (env && std::strcmp(env, "1") == 0) return true;
-        char vendor[12];
-        if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-        std::memcpy(vendor, &b, 4);
-        std::memcpy(vendor + 4, &d, 4);
-        std::memcpy(vendor + 8, &c, 4);
-        return std::memcmp(vendor, "AuthenticAMD", 12) == 0;
+        return cpu_vendor_is("AuthenticAMD");
     }();
     return usable;
 }

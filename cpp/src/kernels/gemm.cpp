@@ -1,12 +1,7 @@
 #include "attnlab/gemm.hpp"
 
 #include <algorithm>
-#include <cstring>
 #include <type_traits>
-#if defined(__AVX512F__) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define ATTNLAB_GEMM_VENDOR 1
-#include <cpuid.h>
-#endif
 
 #include "attnlab/threading.hpp"
 #include "bf16.hpp"
@@ -49,17 +44,10 @@ struct Blocking {
 const Blocking& blocking() {
     static const Blocking chosen = [] {
         Blocking b{256, 256, false, "default: depth chunks of 256, B packed by each row chunk"};
-#if defined(ATTNLAB_GEMM_VENDOR)
-        unsigned eax, ebx, ecx, edx;
-        char vendor[12];
-        if (__get_cpuid(0, &eax, &ebx, &ecx, &edx)) {
-            std::memcpy(vendor, &ebx, 4);
-            std::memcpy(vendor + 4, &edx, 4);
-            std::memcpy(vendor + 8, &ecx, 4);
-            if (std::memcmp(vendor, "GenuineIntel", 12) == 0)
-                b = {2048, 256, true,
-                     "intel-avx512: depth chunks of 2048 (256 for A^T), B packed once per call"};
-        }
+#if defined(ATTNLAB_AMX)  // the AVX-512 build on x86-64 Linux (bf16.hpp)
+        if (detail::cpu_vendor_is("GenuineIntel"))
+            b = {2048, 256, true,
+                 "intel-avx512: depth chunks of 2048 (256 for A^T), B packed once per call"};
 #endif
         return b;
     }();
