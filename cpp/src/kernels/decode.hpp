@@ -330,9 +330,11 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         // acc += P V: each value row read once for the R rows, a few column packets of a few
         // rows in registers across the block's keys; the skip test only where some row may
         // not see some key
+        // (a loop, not std::find: a std:: template instantiated out of line in an AVX variant
+        // is a weak symbol the generic variant's callers may link to)
         bool masked = false;
         for (Index r = 0; r < R && !masked; ++r)
-            masked = std::find(sc + r * kbp, sc + r * kbp + kb, neg_inf<T>()) != sc + r * kbp + kb;
+            for (Index j = 0; j < kb && !masked; ++j) masked = sc[r * kbp + j] == neg_inf<T>();
         const Index c = masked ? decode_values_all<T, F, true>(R, sc, pr, kbp, vblock, vs, kb, acc,
                                                                dvp, dv, v_ahead)
                                : decode_values_all<T, F, false>(R, sc, pr, kbp, vblock, vs, kb, acc,
