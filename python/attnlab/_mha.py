@@ -41,11 +41,11 @@ class _Sdpa(NamedTuple):
     bf16: bool  # precision="bf16"
 
 
-def _prepare_sdpa(args: dict[str, Any], half_kv: bool = False) -> _Sdpa:
-    """The validated arguments of an SDPA call (forward and backward). ``half_kv``: ``q``,
+def _prepare_sdpa(args: dict[str, Any], half_qkv: bool = False) -> _Sdpa:
+    """The validated arguments of an SDPA call (forward and backward). ``half_qkv``: ``q``,
     ``k`` and ``v`` (float16 or bfloat16, as :func:`_half.storage` found) stay in their dtype,
     for the kernel that reads them so (``sdpa_forward_half``)."""
-    if half_kv:
+    if half_qkv:
         q, k, v = np.asarray(args["q"]), np.asarray(args["k"]), np.asarray(args["v"])
     else:
         q = V.as_array(args["q"], "q")
@@ -77,15 +77,15 @@ def _prepare_sdpa(args: dict[str, Any], half_kv: bool = False) -> _Sdpa:
             f"k: the number of kv heads ({h_kv}) must divide the number of query heads ({h})"
         )
     batch = V.batch_shape([("q", q.shape[:-3]), ("k", k.shape[:-3]), ("v", v.shape[:-3])])
-    dtype = np.dtype(np.float32) if half_kv else V.result_dtype(q, k, v)  # computed in float32
+    dtype = np.dtype(np.float32) if half_qkv else V.result_dtype(q, k, v)  # computed in float32
     m = _args.masks(args, batch, h, n_q, n_k, dtype, 1.0 / math.sqrt(d))
     return _Sdpa(
         q,
         k,
         v,
-        V.stack(q, batch, q.dtype if half_kv else dtype, 3),
-        V.stack(k, batch, k.dtype if half_kv else dtype, 3),
-        V.stack(v, batch, v.dtype if half_kv else dtype, 3),
+        V.stack(q, batch, q.dtype if half_qkv else dtype, 3),
+        V.stack(k, batch, k.dtype if half_qkv else dtype, 3),
+        V.stack(v, batch, v.dtype if half_qkv else dtype, 3),
         batch,
         dtype,
         h,
@@ -173,20 +173,20 @@ def scaled_dot_product_attention(
     args = _sig.arguments(locals())
     half = _half.storage(args)
     mode = V.weights_mode(return_weights)
-    # a half-precision cache is read as it is stored (half the bytes of a float32 copy)
-    half_kv = half is not None and mode is None and precision is None and _keep is None
-    a = _prepare_sdpa(args, half_kv)
+    # half-precision q, k, v are read and the output written as stored (no float32 copies)
+    half_qkv = half is not None and mode is None and precision is None and _keep is None
+    a = _prepare_sdpa(args, half_qkv)
     lse_wanted = V.check_flag(return_lse, "return_lse")
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
-    out = _memory.empty((B, h, n_q, d_v), a.q4.dtype if half_kv else dtype)  # rounded in C++
+    out = _memory.empty((B, h, n_q, d_v), a.q4.dtype if half_qkv else dtype)  # rounded in C++
     weights = _memory.empty((B, h, n_q, n_k), dtype) if mode else None
     lse = None
     if _keep is not None:  # attnlab.vjp: the pullback reuses the output and log-sum-exp
         a = _memory.owned(a)
     if _keep is not None or lse_wanted:
         lse = a.m.empty_lse(B, h, n_q, dtype)  # what a call with no key leaves
-    if half_kv and (out.size or (lse is not None and lse.size)):
+    if half_qkv and (out.size or (lse is not None and lse.size)):
         q16, k16, v16, out16 = (x.view(np.uint16) for x in (a.q4, a.k4, a.v4, out))  # the bits
         core.sdpa_forward_half(
             q16, k16, v16, _half.code(a.q4.dtype), out16, a.m.core_mask(), a.m.scale, lse
