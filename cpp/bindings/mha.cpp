@@ -184,10 +184,16 @@ MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
     return p;
 }
 
-void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object state) {
+void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object state, bool bf16) {
     dispatch(a.query, "query", [&](auto tag) {
         using T = decltype(tag);
+        if (bf16 && !std::is_same_v<T, float>)
+            throw py::type_error("bf16: bf16 products take float32 operands, got float64 query");
+        if (bf16 && a.weights_half != 0)  // the bf16 products round float32 weights
+            throw py::value_error("bf16: the weights as float32, got weights_half=" +
+                                  std::to_string(a.weights_half));
         MhaProblem<T> p = mha_problem<T>(a, state);
+        p.bf16 = bf16;
         projected_outputs<T>(p, out, weights);
         ReleaseGil release;
         kernels_for<T>().multi_head_attention_forward(p);
@@ -256,8 +262,9 @@ void bind_mha(py::module_& m) {
           py::arg("d_q"), py::arg("d_k"), py::arg("d_v"), py::arg("recompute") = true,
           py::arg("d_mask") = py::none(), py::arg("d_sinks") = py::none(), py::arg("bf16") = false);
     bind_args<MhaArgs>(m, "MhaArgs");
+    m.def("_mha_bf16_fused_calls", [] { return mha_bf16_fused_calls.load(); });
     m.def("mha_forward", &mha_forward, py::arg("args"), py::arg("out"), py::arg("weights"),
-          py::arg("state") = py::none());
+          py::arg("state") = py::none(), py::arg("bf16") = false);
     m.def("mha_backward", &mha_backward, py::arg("grad_out"), py::arg("args"), py::arg("grads"),
           py::arg("state") = py::none());
     m.def("linear_forward", &linear_forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("y"),

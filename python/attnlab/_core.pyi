@@ -67,8 +67,13 @@ def sdpa_forward_half(
     scale: _Float,
     lse: _Optional,
 ) -> None: ...
+def _mha_bf16_fused_calls() -> int: ...
 def mha_forward(
-    args: MhaArgs, out: _Array, weights: _Optional, state: dict[str, _Array] | None = ...
+    args: MhaArgs,
+    out: _Array,
+    weights: _Optional,
+    state: dict[str, _Array] | None = ...,
+    bf16: bool = ...,
 ) -> None: ...
 def sdpa_backward(
     grad_out: _Array,

@@ -63,6 +63,10 @@ class Composed(NamedTuple):
     eps: float
     bf16: bool = False
 
+    def bf16_only(self) -> bool:
+        """Only bf16 products (no rotation, no norms): the one C++ forward runs them."""
+        return self.bf16 and self.rope is None and self.q_norm is None and self.k_norm is None
+
 
 # The keyword arguments that send a multi-head call down the composed path (attnlab.vjp reads
 # them without binding the signature).

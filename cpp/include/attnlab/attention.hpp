@@ -2,9 +2,16 @@
 // Scaled dot-product attention over strided head views, and multi-head attention with per-head
 // projections. Pure C++: no Python here.
 
+#include <atomic>
+#include <cstdint>
+
 #include "attnlab/common.hpp"
 
 namespace attnlab {
+
+// Calls of the fused precision="bf16" multi-head forward (cpp/src/kernels/mha_bf16.hpp) in this
+// process: how the tests know that it ran, not the composed path it falls back to.
+inline std::atomic<std::uint64_t> mha_bf16_fused_calls{0};
 
 // softmax(scale * q k^T + mask) v for every (batch, head); query head j reads kv head
 // j / (heads / kv_heads). Fully masked rows give a zero output row, zero weights and lse = -inf.
@@ -97,6 +104,7 @@ struct MhaProblem : ProjectedAttention<T> {
     Index d_head = 0;
     Linear<T> w_q, w_k;  // (d_q, heads * d_head), (d_k, kv_heads * d_head)
     MhaState<T> state;   // optional: all five buffers or none
+    bool bf16 = false;   // precision="bf16" (float only): the forward's products in bf16
 };
 
 // Gradient of a dense projection: weight and bias gradients, input gradient (any may be null).

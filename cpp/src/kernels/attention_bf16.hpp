@@ -148,6 +148,15 @@ ATTNLAB_AMX_TARGET inline __m512 exp2_for_bf16(__m512 t) {
     return _mm512_maskz_scalef_ps(keep, y, n);
 }
 
+// The queries and the output in bf16 already, as the fused multi-head forward (mha_bf16.hpp) keeps
+// them: then amx_tile neither packs q nor writes float rows.
+struct AmxBf16Io {
+    const std::uint16_t* q = nullptr;  // per (batch, head): q_rows rows of kp bf16
+    Index q_rows = 0;                  // n_q rounded up to whole tasks (the rows past n_q zero)
+    std::uint16_t* out = nullptr;      // rows (batch * n_q) of ld_out bf16, head h from h * d_v
+    Index ld_out = 0;
+};
+
 // The running softmax statistics of a task's queries (16 to a vector).
 struct AmxStats {
     __m512 m[kAmxQ / 16], l[kAmxQ / 16];
@@ -157,8 +166,8 @@ struct AmxStats {
 // no tile instruction (AVX512-BF16 without AMX): its AMX target only lets the helpers inline.
 template <Bf16Products products, Index G = kAmxQ / 16>
 ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const AmxPacked& L,
-                                        const std::uint16_t* kt, const std::uint16_t* vt, Index b,
-                                        Index h, Index i0, Index mq) {
+                                        const std::uint16_t* kt, const std::uint16_t* vt,
+                                        const AmxBf16Io& io, Index b, Index h, Index i0, Index mq) {
     constexpr Index Q = 16 * G;
     const Index d = p.d, dv = p.d_v, kp = L.kp, vp = L.vp, np = L.n_pad;
     // the queries in bf16, row-major (qb), then as B tiles of the score product (qt: feature pair r
@@ -175,13 +184,17 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
         scratch<float>(ScratchBuffer::kFlashScores, static_cast<std::size_t>(2 * kAmxK * Q));
     float* acc = scratch<float>(ScratchBuffer::kFlashAccumulator,
                                 static_cast<std::size_t>(vp * Q));  // O^T: value columns x queries
-    pack_rows(0, Q, mq, d, p.q.at(b, h) + i0 * p.q.row_stride, p.q.row_stride, kp, qb);
+    const std::uint16_t* qrows = qb;
+    if (io.q)
+        qrows = io.q + ((b * p.heads + h) * io.q_rows + i0) * kp;
+    else
+        pack_rows(0, Q, mq, d, p.q.at(b, h) + i0 * p.q.row_stride, p.q.row_stride, kp, qb);
     for (Index c = 0; c < kp / 32; ++c)  // 16 x 16 blocks of feature-pair words, transposed
         for (Index half = 0; half < G; ++half) {
             __m512 words[16];
             for (Index n = 0; n < 16; ++n)
                 words[n] = _mm512_loadu_ps(
-                    reinterpret_cast<const float*>(qb + (half * 16 + n) * kp + c * 32));
+                    reinterpret_cast<const float*>(qrows + (half * 16 + n) * kp + c * 32));
             transpose_16x16(words);
             for (Index r = 0; r < 16; ++r)
                 _mm512_store_ps(reinterpret_cast<float*>(qt + (c * G + half) * 512 + r * 32),
@@ -333,21 +346,45 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
             const __mmask16 seen = _mm512_cmp_ps_mask(st.l[g], zero, _CMP_NEQ_UQ);
             _mm512_store_ps(a, _mm512_maskz_div_ps(seen, _mm512_load_ps(a), st.l[g]));
         }
-    float* obase = p.out.at(b, h) + i0 * p.out.row_stride;
     for (Index c0 = 0; c0 < dv; c0 += 16) {
         const __mmask16 in = first_lanes(dv - c0);
         for (Index g = 0; g * 16 < mq; ++g) {
             __m512 o[16];
             for (Index r = 0; r < 16; ++r) o[r] = _mm512_load_ps(acc + (c0 + r) * Q + g * 16);
             transpose_16x16(o);
-            for (Index n = 0; n < std::min<Index>(16, mq - g * 16); ++n)
-                _mm512_mask_storeu_ps(obase + (g * 16 + n) * p.out.row_stride + c0, in, o[n]);
+            for (Index n = 0; n < std::min<Index>(16, mq - g * 16); ++n) {
+                const Index i = i0 + g * 16 + n;
+                if (io.out)
+                    _mm256_mask_storeu_epi16(io.out + (b * p.n_q + i) * io.ld_out + h * dv + c0, in,
+                                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(o[n])));
+                else
+                    _mm512_mask_storeu_ps(p.out.at(b, h) + i * p.out.row_stride + c0, in, o[n]);
+            }
         }
     }
     if (p.lse)
         for (Index i = 0; i < mq; ++i)
             p.lse[(b * p.heads + h) * p.n_q + i0 + i] =
                 l[i] == 0.0f ? neg_inf<float>() : m[i] + std::log(l[i]);
+}
+
+// The tasks of the AMX (or VDPBF16PS) forward over K and V packed per (batch, kv head) at kt + slot
+// L.k_size and vt + slot L.v_size.
+template <Bf16Products products>
+inline void amx_run(const AttentionProblem<float>& p, const AmxPacked& L, const std::uint16_t* kt,
+                    const std::uint16_t* vt, const AmxBf16Io& io) {
+    const Index q_tiles = (p.n_q + kAmxQ - 1) / kAmxQ;
+    const Index group = p.heads / p.kv_heads;
+    parallel_for(p.batch * p.heads * q_tiles, [&](Index t) {
+        const Index qt = t % q_tiles, h = (t / q_tiles) % p.heads, b = t / (q_tiles * p.heads);
+        const Index slot = b * p.kv_heads + h / group;
+        const Index i0 = qt * kAmxQ, mq = std::min(kAmxQ, p.n_q - i0);
+        const std::uint16_t *k = kt + slot * L.k_size, *v = vt + slot * L.v_size;
+        if (mq <= kAmxQ / 2)  // a last block of few queries: half the tiles, the same sums
+            amx_tile<products, kAmxQ / 32>(p, L, k, v, io, b, h, i0, mq);
+        else
+            amx_tile<products>(p, L, k, v, io, b, h, i0, mq);
+    });
 }
 
 // The AMX (or VDPBF16PS) forward; false (nothing written) when a value row holds NaN or Inf.
@@ -364,18 +401,7 @@ inline bool amx_forward(const AttentionProblem<float>& p) {
             finite.store(false, std::memory_order_relaxed);
     });
     if (!finite.load()) return false;
-    const Index q_tiles = (p.n_q + kAmxQ - 1) / kAmxQ;
-    const Index group = p.heads / p.kv_heads;
-    parallel_for(p.batch * p.heads * q_tiles, [&](Index t) {
-        const Index qt = t % q_tiles, h = (t / q_tiles) % p.heads, b = t / (q_tiles * p.heads);
-        const Index slot = b * p.kv_heads + h / group;
-        const Index i0 = qt * kAmxQ, mq = std::min(kAmxQ, p.n_q - i0);
-        const std::uint16_t *k = kt.get() + slot * L.k_size, *v = vt.get() + slot * L.v_size;
-        if (mq <= kAmxQ / 2)  // a last block of few queries: half the tiles, the same sums
-            amx_tile<products, kAmxQ / 32>(p, L, k, v, b, h, i0, mq);
-        else
-            amx_tile<products>(p, L, k, v, b, h, i0, mq);
-    });
+    amx_run<products>(p, L, kt.get(), vt.get(), AmxBf16Io{});
     return true;
 }
 #endif

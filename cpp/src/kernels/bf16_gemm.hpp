@@ -25,15 +25,17 @@ namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace detail {
 
 #if defined(ATTNLAB_AMX)
-// The k-block kb (32 input features) of w as its B tiles, one per 16 output columns: pair r
-// (features 2r, 2r + 1) of column n at [(nb * 16 + r) * 32 + 2n + parity] (the VNNI layout).
-ATTNLAB_BF16_TARGET inline void pack_weight_block(Index kb, Index in, Index out, const float* w,
-                                                  Index np, std::uint16_t* wp) {
+// The k-block kb (32 input features) of w (in x cols, row stride ldw) as the B tiles [t0, t0 +
+// tiles) of a packed weight of np columns, one per 16 columns (zero beyond w's): pair r (features
+// 2r, 2r + 1) of column n at [(t * 16 + r) * 32 + 2n + parity] (the VNNI layout).
+ATTNLAB_BF16_TARGET inline void pack_weight_block(Index kb, Index in, Index cols, const float* w,
+                                                  Index ldw, Index np, Index t0, Index tiles,
+                                                  std::uint16_t* wp) {
     std::uint16_t* block = wp + kb * (np / 16) * 512;
-    for (Index nb = 0; nb < np / 16; ++nb)
+    for (Index t = 0; t < tiles; ++t)
         for (Index r = 0; r < 16; ++r)
-            _mm512_storeu_si512(block + (nb * 16 + r) * 32,
-                                vnni_row(w, out, in, out, kb * 32 + 2 * r, nb * 16));
+            _mm512_storeu_si512(block + ((t0 + t) * 16 + r) * 32,
+                                vnni_row(w, ldw, in, cols, kb * 32 + 2 * r, t * 16));
 }
 
 // C (32 x 32 floats) = c_in (row stride ldc_in; 0: one row for all, null: zero) + rows
@@ -60,27 +62,38 @@ ATTNLAB_AMX_TARGET inline void tile_block(Index kp, Index np, const std::uint16_
 // least kWideRows row blocks keep the threads busy).
 constexpr Index kSpan = 24, kWideGroup = 24, kNarrowGroup = 8, kWideRows = 16;
 
-// The tile product: both operands packed to bf16 in parallel, then 32 x 32 blocks of y as tasks
-// (the grid depends on the shapes alone; each element is one chain of tile sums over the
-// input features, so the result does not depend on the thread count). Without AMX, the
-// VDPBF16PS product of the same packed operands.
-inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, Index ldx,
-                               const float* w, const float* b, float* y, Index ldy) {
-    const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32, np = (out + 31) / 32 * 32;
-    auto xp = make_buffer<std::uint16_t>(mp * kp);
-    auto wp = make_buffer<std::uint16_t>(kp * np);
-    parallel_for(kp / 32, [&](Index kb) { pack_weight_block(kb, in, out, w, np, wp.get()); });
-    parallel_for(mp / 32, [&](Index mb) {
-        pack_rows(mb * 32, mb * 32 + 32, rows, in, x, ldx, kp, xp.get());
-    });
-    if (!amx_usable()) return linear_bf16_vdp(rows, out, kp, np, xp.get(), wp.get(), b, y, ldy);
-    const Index mblocks = mp / 32, nblocks = np / 32;
-    // the sums start from the bias (a stride-0 tile load repeats its row), padded to np columns
-    auto bp = make_buffer<float>(b ? np : 0);
-    if (b) {
-        std::copy(b, b + out, bp.get());
-        std::fill(bp.get() + out, bp.get() + np, 0.0f);
+// Where tile_product puts y = x w + b of a linear layer (rows x out, row stride ldy): whole
+// 32 x 32 blocks straight from the tiles, edge blocks copied from the task's sums.
+struct LinearBlocks {
+    Index rows, out;
+    float* y;
+    Index ldy;
+
+    float* direct(Index mb, Index nb) const {
+        return mb * 32 + 32 <= rows && nb * 32 + 32 <= out ? y + mb * 32 * ldy + nb * 32 : nullptr;
     }
+    ATTNLAB_BF16_TARGET void finish(Index mb, Index nb, const float* c) const {
+        const Index m_rows = std::min<Index>(32, rows - mb * 32);
+        const Index cols = std::min<Index>(32, out - nb * 32);
+        for (Index i = 0; i < m_rows; ++i)
+            for (Index half = 0; half * 16 < cols; ++half)
+                _mm512_mask_storeu_ps(y + (mb * 32 + i) * ldy + nb * 32 + half * 16,
+                                      first_lanes(cols - half * 16),
+                                      _mm512_load_ps(c + i * 32 + half * 16));
+    }
+};
+
+// The tile product of packed operands, xp (mp rows of kp bf16, zero padded to whole 32-row
+// blocks) times wp (kp x np, pack_weight_block), the sums starting from bp (np floats) or zero:
+// 32 x 32 blocks of the result as tasks (the grid depends on the shapes alone; each element is
+// one chain of tile sums over the input features, so the result does not depend on the thread
+// count). A finished block goes to blocks.direct(mb, nb) (row stride ld) when that is not null,
+// else to blocks.finish(mb, nb, c) from the task's sums (32 x 32, row stride 32) after the
+// task's tiles.
+template <typename Blocks>
+void tile_product(Index mp, Index kp, Index np, const std::uint16_t* xp, const std::uint16_t* wp,
+                  const float* bp, Index ld, const Blocks& blocks) {
+    const Index mblocks = mp / 32, nblocks = np / 32;
     // a task: 32 rows by up to `group` blocks of 32 columns, the tiles configured once and the
     // row panel of xp kept in L1 across its column blocks; wide groups (fewer reloads of the
     // panel) when there are row blocks enough to share among the threads
@@ -91,12 +104,9 @@ inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, 
     // exceeds L2)
     parallel_for(mblocks * groups, [&](Index t) {
         const Index mb = t % mblocks, nb0 = (t / mblocks) * group;
-        const Index m_rows = std::min<Index>(32, rows - mb * 32);
         const Index nb1 = std::min(nblocks, nb0 + group);
         float* cs =
             scratch<float>(ScratchBuffer::kGemmTiles, static_cast<std::size_t>(group * 1024));
-        // whole 32 x 32 blocks of y take the last span's tile stores; edge blocks go through cs
-        auto whole = [&](Index nb) { return m_rows == 32 && nb * 32 + 32 <= out; };
         tiles_on();
         // the input features in spans of kSpan k-blocks: the sums stay in the tiles over a
         // span, the span of the row panel in cache across the group's column blocks
@@ -105,24 +115,54 @@ inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, 
             for (Index nb = nb0; nb < nb1; ++nb) {
                 float* c = cs + (nb - nb0) * 1024;
                 const bool first = kb0 == 0, last = kb1 == kblocks;
-                const float* c_in = !first ? c : b ? bp.get() + nb * 32 : nullptr;
-                float* c_out = last && whole(nb) ? y + mb * 32 * ldy + nb * 32 : c;
-                tile_block(kp, np, xp.get(), wp.get(), mb, nb, kb0, kb1, c_in, first ? 0 : 32,
-                           c_out, c_out == c ? 32 : ldy);
+                const float* c_in = !first ? c : bp ? bp + nb * 32 : nullptr;
+                float* direct = last ? blocks.direct(mb, nb) : nullptr;
+                float* c_out = direct ? direct : c;
+                tile_block(kp, np, xp, wp, mb, nb, kb0, kb1, c_in, first ? 0 : 32, c_out,
+                           direct ? ld : 32);
             }
         }
         tiles_off();
-        for (Index nb = nb0; nb < nb1; ++nb) {
-            if (whole(nb)) continue;
-            const float* c = cs + (nb - nb0) * 1024;
-            const Index cols = std::min<Index>(32, out - nb * 32);
-            for (Index i = 0; i < m_rows; ++i)
-                for (Index half = 0; half * 16 < cols; ++half)
-                    _mm512_mask_storeu_ps(y + (mb * 32 + i) * ldy + nb * 32 + half * 16,
-                                          first_lanes(cols - half * 16),
-                                          _mm512_load_ps(c + i * 32 + half * 16));
-        }
+        for (Index nb = nb0; nb < nb1; ++nb)
+            if (!blocks.direct(mb, nb)) blocks.finish(mb, nb, cs + (nb - nb0) * 1024);
     });
+}
+
+// b padded to np columns (zero beyond out), where the tile sums start; no elements without b.
+inline Buffer<float> padded_bias(const float* b, Index out, Index np) {
+    auto bp = make_buffer<float>(b ? np : 0);
+    if (b) {
+        std::copy(b, b + out, bp.get());
+        std::fill(bp.get() + out, bp.get() + np, 0.0f);
+    }
+    return bp;
+}
+
+// y = x w + b from x already packed (xp: rows of kp bf16, zero padded to whole 32-row blocks):
+// w packed to bf16 in parallel, then the tile product (or without AMX, VDPBF16PS).
+inline void linear_bf16_rows(Index rows, Index in, Index out, const std::uint16_t* xp, Index kp,
+                             const float* w, const float* b, float* y, Index ldy) {
+    const Index mp = (rows + 31) / 32 * 32, np = (out + 31) / 32 * 32;
+    auto wp = make_buffer<std::uint16_t>(kp * np);
+    parallel_for(kp / 32, [&](Index kb) {
+        pack_weight_block(kb, in, out, w, out, np, 0, np / 16, wp.get());
+    });
+    if (!amx_usable()) return linear_bf16_vdp(rows, out, kp, np, xp, wp.get(), b, y, ldy);
+    // the sums start from the bias (a stride-0 tile load repeats its row), padded to np columns
+    const Buffer<float> bp = padded_bias(b, out, np);
+    tile_product(mp, kp, np, xp, wp.get(), b ? bp.get() : nullptr, ldy,
+                 LinearBlocks{rows, out, y, ldy});
+}
+
+// The tile product with both operands packed to bf16 in parallel.
+inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, Index ldx,
+                               const float* w, const float* b, float* y, Index ldy) {
+    const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32;
+    auto xp = make_buffer<std::uint16_t>(mp * kp);
+    parallel_for(mp / 32, [&](Index mb) {
+        pack_rows(mb * 32, mb * 32 + 32, rows, in, x, ldx, kp, xp.get());
+    });
+    linear_bf16_rows(rows, in, out, xp.get(), kp, w, b, y, ldy);
 }
 #endif
 

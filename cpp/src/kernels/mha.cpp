@@ -3,7 +3,9 @@
 // projection.
 #include "attnlab/attention.hpp"
 #include "attnlab/gemm.hpp"
+#include "bf16_gemm.hpp"
 #include "entry_points.hpp"
+#include "mha_bf16.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -56,10 +58,14 @@ struct MhaBuffers {
     }
 };
 
-// y = x W + b for a layer whose W is float or half-precision bits
+// y = x W + b for a layer whose W is float or half-precision bits; with bf16 products
 template <typename T>
-void project(Index rows, const T* x, const Linear<T>& l, T* y) {
+void project(Index rows, const T* x, const Linear<T>& l, T* y, bool bf16) {
     if constexpr (std::is_same_v<T, float>) {
+        if (bf16) {
+            linear_bf16(rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out);
+            return;
+        }
         if (l.w_half) {
             linear_half_weights(rows, l.in, l.out, x, l.in, l.w_half, l.half, l.b, y, l.out);
             return;
@@ -73,11 +79,12 @@ void project(Index rows, const T* x, const Linear<T>& l, T* y) {
 template <typename T>
 AttentionProblem<T> mha_core_forward(const MhaProblem<T>& p, const MhaBuffers<T>& b) {
     const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
-    project(rq, p.query, p.w_q, b.q);
-    project(rk, p.key, p.w_k, b.k);
-    project(rk, p.value, p.w_v, b.v);
+    project(rq, p.query, p.w_q, b.q, p.bf16);
+    project(rk, p.key, p.w_k, b.k, p.bf16);
+    project(rk, p.value, p.w_v, b.v, p.bf16);
     AttentionProblem<T> a = head_problem(p, b.q, b.k, b.v, b.ctx);
     a.lse = b.lse;
+    if (p.bf16) a.bf16 = Bf16::probabilities;
     return a;
 }
 
@@ -86,11 +93,20 @@ AttentionProblem<T> mha_core_forward(const MhaProblem<T>& p, const MhaBuffers<T>
 template <typename T>
 void multi_head_attention_forward(const MhaProblem<T>& p) {
     const Index rq = p.batch * p.n_q;
+#if defined(ATTNLAB_AMX)
+    if constexpr (std::is_same_v<T, float>) {
+        if (p.bf16) {
+            AttentionProblem<T> a = detail::head_problem<T>(p, nullptr, nullptr, nullptr, nullptr);
+            a.bf16 = Bf16::probabilities;
+            if (detail::mha_bf16_fused(p, a)) return;
+        }
+    }
+#endif
     detail::MhaBuffers<T> b(p, false);
     AttentionProblem<T> a = detail::mha_core_forward(p, b);
     a.weights = p.weights;
     attention_forward(a);
-    detail::project(rq, b.ctx, p.w_o, p.out);
+    detail::project(rq, b.ctx, p.w_o, p.out, p.bf16);
 }
 
 template <typename T>

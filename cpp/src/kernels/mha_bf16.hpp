@@ -1,0 +1,176 @@
+#pragma once
+// Multi-head self-attention with precision="bf16" on AMX in one pass over memory: x packed to bf16
+// once for the three projections, which run as one tile product whose blocks are rounded to bf16
+// straight into the layouts the attention tiles read (Q row-major per head, K row-major and V
+// transposed per kv head, attention_bf16.hpp); the attention writes its output as the bf16 rows
+// of the output projection. The same roundings of the same float32 sums as the composed path
+// (linear_bf16, then the attention's packing): bitwise the same result, without the float32
+// projections and context going through memory.
+//
+// Shapes: x (batch * n, d_in); [w_q | w_k | w_v] (d_in, heads * d_head + 2 * kv_heads * d_head)
+// as one packed weight; Q (batch, heads, q_rows, d_head), K (batch, kv_heads, n_pad, d_head), V^T
+// (batch, kv_heads, d_vhead, n_pad), the context rows (round_up(batch * n, 32), heads * d_vhead).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#include "attention_bf16.hpp"
+#include "attnlab/attention.hpp"
+#include "attnlab/threading.hpp"
+#include "bf16_gemm.hpp"
+#include "decode.hpp"
+#include "scratch.hpp"
+
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
+namespace detail {
+
+#if defined(ATTNLAB_AMX)
+
+// Where tile_product puts the blocks of [Q | K | V] = x [w_q | w_k | w_v] + b: each 32 x 32 block
+// lies in one head (d_head and d_vhead are multiples of 32), its rows are tokens.
+struct QkvBlocks {
+    Index rows, n, heads, kv_heads, d, dv, q_rows;
+    AmxPacked L;
+    std::uint16_t *q, *kt, *vt;
+    std::atomic<bool>* finite;
+
+    float* direct(Index, Index) const { return nullptr; }
+
+    ATTNLAB_AMX_TARGET void finish(Index mb, Index nb, const float* c) const {
+        const Index m_rows = std::min<Index>(32, rows - mb * 32), r0 = mb * 32;
+        Index col = nb * 32;
+        const Index wq = heads * d, wk = kv_heads * d;
+        if (col < wq + wk) {  // Q or K: rows of bf16
+            const bool is_q = col < wq;
+            if (!is_q) col -= wq;
+            const Index head = col / d, f = col % d;
+            for (Index i = 0, b = r0 / n, t = r0 % n; i < m_rows; ++i, ++t) {
+                if (t == n) t = 0, ++b;
+                std::uint16_t* dst = is_q ? q + ((b * heads + head) * q_rows + t) * d + f
+                                          : kt + (b * kv_heads + head) * L.k_size + t * d + f;
+                to_bf16(c + i * 32, dst);
+            }
+            return;
+        }
+        col -= wq + wk;  // V: transposed, 16 tokens by 16 columns at a time
+        const Index head = col / dv, f = col % dv;
+        const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+        __mmask16 nonfinite = 0;
+        for (Index i0 = 0; i0 < m_rows; i0 += 16) {
+            const Index m = std::min<Index>(16, m_rows - i0);
+            const Index b = (r0 + i0) / n, t = (r0 + i0) % n;
+            const bool one_run = t + m <= n;  // the 16 tokens in one batch item
+            for (Index c0 = 0; c0 < 32; c0 += 16) {
+                __m512 o[16];
+                for (Index r = 0; r < 16; ++r) {
+                    o[r] = r < m ? _mm512_load_ps(c + (i0 + r) * 32 + c0) : _mm512_setzero_ps();
+                    const __m512i e = _mm512_and_si512(_mm512_castps_si512(o[r]), exponent);
+                    nonfinite |= _mm512_cmpeq_epi32_mask(e, exponent);
+                }
+                transpose_16x16(o);
+                for (Index cc = 0; cc < 16; ++cc) {
+                    const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(o[cc]));
+                    const Index row = f + c0 + cc;
+                    if (one_run) {
+                        _mm256_mask_storeu_epi16(
+                            vt + (b * kv_heads + head) * L.v_size + row * L.n_pad + t,
+                            static_cast<__mmask16>(first_lanes(m)), bits);
+                        continue;
+                    }
+                    alignas(32) std::uint16_t lanes[16];  // a run that crosses into the next item
+                    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), bits);
+                    for (Index r = 0; r < m; ++r) {
+                        const Index br = (r0 + i0 + r) / n, tr = (r0 + i0 + r) % n;
+                        vt[(br * kv_heads + head) * L.v_size + row * L.n_pad + tr] = lanes[r];
+                    }
+                }
+            }
+        }
+        if (nonfinite) finite->store(false, std::memory_order_relaxed);
+    }
+};
+
+// The fused forward when it applies (AMX usable, self-attention, head widths multiples of 32, no
+// weights or kept state asked for, not the decode path); false (nothing written) otherwise or
+// when a value holds NaN or Inf (the attention's careful path then runs on the composed path).
+inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<float>& a) {
+    const Index in = p.w_q.in, d = p.d_head, dv = p.d_vhead;
+    const bool self =
+        p.query == p.key && p.key == p.value && p.n_q == p.n_k && p.w_k.in == in && p.w_v.in == in;
+    if (!amx_usable() || !self || d % 32 != 0 || dv % 32 != 0 || p.weights || p.state.q ||
+        p.state.lse || p.w_q.w_half || use_decode(a) || in <= 0)
+        return false;
+    const Index n = p.n_q, rows = p.batch * n, h = p.heads, hk = p.kv_heads;
+    const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32;
+    const Index wq = h * d, wk = hk * d, wv = hk * dv, np = wq + wk + wv;
+
+    auto xp = make_buffer<std::uint16_t>(mp * kp);  // x, once for the three projections
+    parallel_for(mp / 32, [&](Index mb) {
+        pack_rows(mb * 32, mb * 32 + 32, rows, in, p.query, in, kp, xp.get());
+    });
+    auto wp = make_buffer<std::uint16_t>(kp * np);
+    parallel_for(kp / 32, [&](Index kb) {
+        pack_weight_block(kb, in, wq, p.w_q.w, wq, np, 0, wq / 16, wp.get());
+        pack_weight_block(kb, in, wk, p.w_k.w, wk, np, wq / 16, wk / 16, wp.get());
+        pack_weight_block(kb, in, wv, p.w_v.w, wv, np, (wq + wk) / 16, wv / 16, wp.get());
+    });
+    const bool biased = p.w_q.b || p.w_k.b || p.w_v.b;
+    auto bp = make_buffer<float>(biased ? np : 0);
+    if (biased) {
+        const auto put = [&](const float* b, Index from, Index count) {
+            if (b)
+                std::copy(b, b + count, bp.get() + from);
+            else
+                std::fill(bp.get() + from, bp.get() + from + count, 0.0f);
+        };
+        put(p.w_q.b, 0, wq);
+        put(p.w_k.b, wq, wk);
+        put(p.w_v.b, wq + wk, wv);
+    }
+
+    const AmxPacked L = amx_layout(n, d, dv);
+    const Index q_rows = (n + kAmxQ - 1) / kAmxQ * kAmxQ, slots = p.batch * hk;
+    auto q = make_buffer<std::uint16_t>(p.batch * h * q_rows * d);
+    auto kt = make_buffer<std::uint16_t>(static_cast<Index>(L.k_size) * slots);
+    auto vt = make_buffer<std::uint16_t>(static_cast<Index>(L.v_size) * slots);
+    // the padding the products read: queries past n, keys past n (K's rows, V^T's columns)
+    parallel_for(p.batch * std::max(h, hk), [&](Index t) {
+        const Index b = t / std::max(h, hk), head = t % std::max(h, hk);
+        if (head < h) {
+            std::uint16_t* qs = q.get() + (b * h + head) * q_rows * d;
+            std::fill(qs + n * d, qs + q_rows * d, std::uint16_t{0});
+        }
+        if (head < hk) {
+            const Index slot = b * hk + head;
+            std::uint16_t* ks = kt.get() + slot * L.k_size;
+            std::fill(ks + n * d, ks + L.n_pad * d, std::uint16_t{0});
+            for (Index c = 0; c < dv; ++c) {
+                std::uint16_t* vs = vt.get() + slot * L.v_size + c * L.n_pad;
+                std::fill(vs + n, vs + L.n_pad, std::uint16_t{0});
+            }
+        }
+    });
+    std::atomic<bool> finite{true};
+    tile_product(mp, kp, np, xp.get(), wp.get(), biased ? bp.get() : nullptr, 0,
+                 QkvBlocks{rows, n, h, hk, d, dv, q_rows, L, q.get(), kt.get(), vt.get(), &finite});
+    if (!finite.load()) return false;
+
+    const Index wc = h * dv;  // a multiple of 32: the context rows need no column padding
+    auto ctx = make_buffer<std::uint16_t>(mp * wc);
+    std::fill(ctx.get() + rows * wc, ctx.get() + mp * wc, std::uint16_t{0});
+    AmxBf16Io io;
+    io.q = q.get();
+    io.q_rows = q_rows;
+    io.out = ctx.get();
+    io.ld_out = wc;
+    amx_run<Bf16Products::amx>(a, L, kt.get(), vt.get(), io);
+    linear_bf16_rows(rows, wc, p.w_o.out, ctx.get(), wc, p.w_o.w, p.w_o.b, p.out, p.w_o.out);
+    mha_bf16_fused_calls.fetch_add(1, std::memory_order_relaxed);
+    return true;
+}
+
+#endif
+
+}  // namespace detail
+}  // namespace attnlab::ATTNLAB_ISA_NS

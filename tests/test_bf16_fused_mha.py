@@ -1,0 +1,201 @@
+"""multi_head_attention(precision="bf16") runs as one C++ call. On AMX, self-attention with head
+widths that are multiples of 32 takes the fused forward (x packed once, Q, K, V rounded to bf16
+from the GEMM's tiles into the attention's layouts, the context written as the output GEMM's bf16
+rows); every other call composes the same kernels. Either way the result is bitwise that of the
+composition of the public kernels: three bf16 projections, the bf16 attention core, the bf16
+output projection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import attnlab
+from attnlab._loader import core
+
+AMX = attnlab.build_info()["bf16_kernel"] == "amx"
+
+
+def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    y = np.empty((x.shape[0], w.shape[1]), np.float32)
+    core.linear_forward(x, w, b, y, True)
+    return y
+
+
+def _composed(
+    x: np.ndarray, w: dict[str, Any], h: int, hk: int, kv: np.ndarray | None = None, **opts: Any
+) -> np.ndarray:
+    """The layer from its parts: the bf16 projections and the bf16 attention core."""
+    kv = x if kv is None else kv
+    B, n, d = x.shape
+    m = kv.shape[1]
+
+    def heads(y: np.ndarray, rows: int, count: int) -> np.ndarray:
+        return y.reshape(B, rows, count, -1).transpose(0, 2, 1, 3)
+
+    q = heads(_linear(x.reshape(-1, d), w["w_q"], w.get("b_q")), n, h)
+    k = heads(_linear(kv.reshape(B * m, -1), w["w_k"], w.get("b_k")), m, hk)
+    v = heads(_linear(kv.reshape(B * m, -1), w["w_v"], w.get("b_v")), m, hk)
+    ctx = attnlab.scaled_dot_product_attention(q, k, v, precision="bf16", **opts)
+    if isinstance(ctx, tuple):  # with the weights or the log-sum-exp
+        ctx = ctx[0]
+    rows = np.ascontiguousarray(ctx.transpose(0, 2, 1, 3)).reshape(B * n, -1)
+    return _linear(rows, w["w_o"], w.get("b_o")).reshape(B, n, -1)
+
+
+def _layer(
+    rng: np.random.Generator,
+    d: int,
+    h: int,
+    hk: int,
+    dh: int,
+    dv: int,
+    biases: tuple[str, ...] = (),
+) -> dict[str, np.ndarray]:
+    shapes = {
+        "w_q": (d, h * dh),
+        "w_k": (d, hk * dh),
+        "w_v": (d, hk * dv),
+        "w_o": (h * dv, d),
+    }
+    w = {k: (rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for k, s in shapes.items()}
+    for b in biases:
+        w[b] = rng.standard_normal(shapes["w_" + b[2:]][1]).astype(np.float32)
+    return w
+
+
+def _check(x, w, h, hk, fused, kv=None, **opts):
+    """The call against the composition, bitwise; on AMX, whether the fused forward ran."""
+    before = core._mha_bf16_fused_calls()
+    keys = {} if kv is None else {"key": kv, "value": kv}
+    got = attnlab.multi_head_attention(
+        x, **keys, **w, num_heads=h, num_kv_heads=hk, precision="bf16", **opts
+    )
+    ran = core._mha_bf16_fused_calls() - before
+    assert ran == (1 if fused and AMX else 0)
+    sdpa = {k: v for k, v in opts.items() if k != "key_padding_mask"}  # as a mask here
+    if "key_padding_mask" in opts:
+        sdpa["mask"] = opts["key_padding_mask"][:, None, None, :]
+    ref = _composed(x, w, h, hk, kv, **sdpa)
+    np.testing.assert_array_equal(got, ref)
+    assert got.dtype == np.float32
+    return got
+
+
+# (batch, tokens, features, heads, kv heads, d_head, d_vhead, biases): tokens that are not a
+# multiple of 16 put batch boundaries inside the 16-row groups V is transposed in
+SHAPES = [
+    (4, 197, 192, 3, 3, 64, 64, ("b_q", "b_k", "b_v", "b_o")),
+    (2, 50, 96, 2, 1, 32, 64, ()),
+    (3, 17, 40, 2, 2, 32, 32, ("b_v",)),
+    (1, 130, 64, 1, 1, 64, 32, ("b_o",)),
+    (2, 70, 100, 4, 2, 32, 32, ("b_k",)),
+    (1, 1, 32, 1, 1, 32, 32, ()),
+    (1, 64, 1000, 2, 2, 128, 96, ("b_q",)),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:7])))
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_equals_the_composition(shape, causal):
+    B, n, d, h, hk, dh, dv, biases = shape
+    rng = np.random.default_rng(n * d + h)
+    x = rng.standard_normal((B, n, d)).astype(np.float32)
+    w = _layer(rng, d, h, hk, dh, dv, biases)
+    # a single query is the decode path's, which the fused forward leaves to the composition
+    _check(x, w, h, hk, fused=n > 1, causal=causal)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"softcap": 5.0},
+        {"window": (8, 3)},
+        {"scale": 0.3},
+        {"sinks": np.array([0.5, -1.0, 2.0], np.float32)},
+        {"alibi_slopes": np.array([0.5, 0.25, 0.125], np.float32)},
+        "key_padding_mask",
+    ],
+    ids=["softcap", "window", "scale", "sinks", "alibi", "key_padding_mask"],
+)
+def test_fused_with_masks_and_options(opts):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 45, 96)).astype(np.float32)
+    w = _layer(rng, 96, 3, 3, 32, 32, ("b_q", "b_o"))
+    if opts == "key_padding_mask":
+        keep = rng.random((3, 45)) > 0.3
+        keep[1] = False  # a batch item with every key masked: zero context, output b_o
+        opts = {"key_padding_mask": keep, "warn_empty_rows": False}
+    _check(x, w, 3, 3, fused=True, **opts)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_bitwise_for_any_thread_count(threads):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((5, 77, 128)).astype(np.float32)
+    w = _layer(rng, 128, 4, 2, 32, 64, ("b_v",))
+    before = attnlab.get_num_threads()
+    try:
+        attnlab.set_num_threads(threads)
+        _check(x, w, 4, 2, fused=True)
+    finally:
+        attnlab.set_num_threads(before)
+
+
+def test_other_calls_compose_the_same_kernels():
+    """Head widths not multiples of 32, cross-attention, weights or the log-sum-exp asked for:
+    the composition in C++, the same bits."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 40, 96)).astype(np.float32)
+    _check(x, _layer(rng, 96, 2, 2, 48, 48), 2, 2, fused=False)
+    _check(x, _layer(rng, 96, 2, 2, 32, 40), 2, 2, fused=False)
+    kv = rng.standard_normal((2, 30, 96)).astype(np.float32)
+    _check(x, _layer(rng, 96, 2, 2, 32, 32), 2, 2, fused=False, kv=kv)
+    w = _layer(rng, 96, 2, 2, 32, 32, ("b_o",))
+    before = core._mha_bf16_fused_calls()
+    out, weights = attnlab.multi_head_attention(
+        x, **w, num_heads=2, precision="bf16", return_weights=True
+    )
+    out2, lse = attnlab.multi_head_attention(x, **w, num_heads=2, precision="bf16", return_lse=True)
+    assert core._mha_bf16_fused_calls() == before
+    # with the weights the core takes the emulation (the weights' own rounding), as SDPA does
+    np.testing.assert_array_equal(out, _composed(x, w, 2, 2, return_weights=True))
+    np.testing.assert_array_equal(out2, _composed(x, w, 2, 2))
+    assert weights.shape == (2, 2, 40, 40) and lse.shape == (2, 2, 40)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_values_take_the_careful_path(bad):
+    """A NaN or Inf in V (here from x): the fused forward gives up before writing anything and
+    the composition runs the attention's careful path; the same bits either way."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 33, 64)).astype(np.float32)
+    x[1, 7, :] = bad
+    w = _layer(rng, 64, 2, 2, 32, 32)
+    before = core._mha_bf16_fused_calls()
+    got = attnlab.multi_head_attention(x, **w, num_heads=2, precision="bf16")
+    assert core._mha_bf16_fused_calls() == before
+    np.testing.assert_array_equal(got, _composed(x, w, 2, 2))
+    assert np.isfinite(got[0]).all()
+
+
+def test_core_refuses_bf16_with_float64_or_half_weights():
+    """The binding's own checks (the Python layer never sends these)."""
+    x = np.ones((4, 8))
+    w = {n: np.eye(8) for n in ("w_q", "w_k", "w_v", "w_o")}
+    mask = (None, None, 0, -1, -1, 0.0, None, None)
+    kw = dict(
+        query=x, key=x, value=x, w_q=w["w_q"], b_q=None, w_k=w["w_k"], b_k=None,
+        w_v=w["w_v"], b_v=None, w_o=w["w_o"], b_o=None,
+        batch=1, n_q=4, n_k=4, heads=2, kv_heads=2, mask=mask, scale=0.5, weights_half=0,
+    )  # fmt: skip
+    with pytest.raises(TypeError, match=r"^bf16: bf16 products take float32 operands, got float64"):
+        core.mha_forward(core.MhaArgs(**kw), np.empty((4, 8)), None, None, True)
+    x32 = x.astype(np.float32)
+    bits = {n: np.eye(8, dtype=np.float16).view(np.uint16) for n in w}
+    kw.update(query=x32, key=x32, value=x32, weights_half=1, **bits)
+    with pytest.raises(ValueError, match=r"^bf16: the weights as float32, got weights_half=1"):
+        core.mha_forward(core.MhaArgs(**kw), np.empty((4, 8), np.float32), None, None, True)
