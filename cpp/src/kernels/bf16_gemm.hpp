@@ -62,34 +62,13 @@ ATTNLAB_AMX_TARGET inline void tile_block(Index kp, Index np, const std::uint16_
 // least kWideRows row blocks keep the threads busy).
 constexpr Index kSpan = 24, kWideGroup = 24, kNarrowGroup = 8, kWideRows = 16;
 
-// Where tile_product puts y = x w + b of a linear layer (rows x out, row stride ldy): whole
-// 32 x 32 blocks straight from the tiles, edge blocks copied from the task's sums.
-struct LinearBlocks {
-    Index rows, out;
-    float* y;
-    Index ldy;
-
-    float* direct(Index mb, Index nb) const {
-        return mb * 32 + 32 <= rows && nb * 32 + 32 <= out ? y + mb * 32 * ldy + nb * 32 : nullptr;
-    }
-    ATTNLAB_BF16_TARGET void finish(Index mb, Index nb, const float* c) const {
-        const Index m_rows = std::min<Index>(32, rows - mb * 32);
-        const Index cols = std::min<Index>(32, out - nb * 32);
-        for (Index i = 0; i < m_rows; ++i)
-            for (Index half = 0; half * 16 < cols; ++half)
-                _mm512_mask_storeu_ps(y + (mb * 32 + i) * ldy + nb * 32 + half * 16,
-                                      first_lanes(cols - half * 16),
-                                      _mm512_load_ps(c + i * 32 + half * 16));
-    }
-};
-
 // The tile product of packed operands, xp (mp rows of kp bf16, zero padded to whole 32-row
 // blocks) times wp (kp x np, pack_weight_block), the sums starting from bp (np floats) or zero:
 // 32 x 32 blocks of the result as tasks (the grid depends on the shapes alone; each element is
 // one chain of tile sums over the input features, so the result does not depend on the thread
 // count). A finished block goes to blocks.direct(mb, nb) (row stride ld) when that is not null,
-// else to blocks.finish(mb, nb, c) from the task's sums (32 x 32, row stride 32) after the
-// task's tiles.
+// else to blocks.finish(mb, nb, c, 32, nullptr) from the task's sums (32 x 32, the bias in them)
+// after the task's tiles.
 template <typename Blocks>
 void tile_product(Index mp, Index kp, Index np, const std::uint16_t* xp, const std::uint16_t* wp,
                   const float* bp, Index ld, const Blocks& blocks) {
@@ -124,7 +103,7 @@ void tile_product(Index mp, Index kp, Index np, const std::uint16_t* xp, const s
         }
         tiles_off();
         for (Index nb = nb0; nb < nb1; ++nb)
-            if (!blocks.direct(mb, nb)) blocks.finish(mb, nb, cs + (nb - nb0) * 1024);
+            if (!blocks.direct(mb, nb)) blocks.finish(mb, nb, cs + (nb - nb0) * 1024, 32, nullptr);
     });
 }
 
@@ -139,7 +118,7 @@ inline Buffer<float> padded_bias(const float* b, Index out, Index np) {
 }
 
 // y = x w + b from x already packed (xp: rows of kp bf16, zero padded to whole 32-row blocks):
-// w packed to bf16 in parallel, then the tile product (or without AMX, VDPBF16PS).
+// w packed to bf16 in parallel, then the tile product, or without AMX the VDPBF16PS one.
 inline void linear_bf16_rows(Index rows, Index in, Index out, const std::uint16_t* xp, Index kp,
                              const float* w, const float* b, float* y, Index ldy) {
     const Index mp = (rows + 31) / 32 * 32, np = (out + 31) / 32 * 32;
@@ -147,11 +126,15 @@ inline void linear_bf16_rows(Index rows, Index in, Index out, const std::uint16_
     parallel_for(kp / 32, [&](Index kb) {
         pack_weight_block(kb, in, out, w, out, np, 0, np / 16, wp.get());
     });
-    if (!amx_usable()) return linear_bf16_vdp(rows, out, kp, np, xp, wp.get(), b, y, ldy);
-    // the sums start from the bias (a stride-0 tile load repeats its row), padded to np columns
+    // the bias padded to np columns: with AMX the sums start from it (a stride-0 tile load
+    // repeats its row), with VDPBF16PS it is added after them
     const Buffer<float> bp = padded_bias(b, out, np);
-    tile_product(mp, kp, np, xp, wp.get(), b ? bp.get() : nullptr, ldy,
-                 LinearBlocks{rows, out, y, ldy});
+    const float* bias = b ? bp.get() : nullptr;
+    const LinearBlocks blocks{rows, out, y, ldy};
+    if (amx_usable())
+        tile_product(mp, kp, np, xp, wp.get(), bias, ldy, blocks);
+    else
+        vdp_product(rows, kp, np, xp, wp.get(), bias, blocks);
 }
 
 // The tile product with both operands packed to bf16 in parallel.

@@ -1,11 +1,11 @@
 #pragma once
-// Multi-head self-attention with precision="bf16" on AMX in one pass over memory: x packed to bf16
-// once for the three projections, which run as one tile product whose blocks are rounded to bf16
-// straight into the layouts the attention tiles read (Q row-major per head, K row-major and V
-// transposed per kv head, attention_bf16.hpp); the attention writes its output as the bf16 rows
-// of the output projection. The same roundings of the same float32 sums as the composed path
-// (linear_bf16, then the attention's packing): bitwise the same result, without the float32
-// projections and context going through memory.
+// Multi-head self-attention with precision="bf16" on AMX (or VDPBF16PS) in one pass over memory: x
+// packed to bf16 once for the three projections, which run as one tile product whose blocks are
+// rounded to bf16 straight into the layouts the attention tiles read (Q row-major per head, K
+// row-major and V transposed per kv head, attention_bf16.hpp); the attention writes its output as
+// the bf16 rows of the output projection. The same roundings of the same float32 sums as the
+// composed path (linear_bf16, then the attention's packing): bitwise the same result, without the
+// float32 projections and context going through memory.
 //
 // Shapes: x (batch * n, d_in); [w_q | w_k | w_v] (d_in, heads * d_head + 2 * kv_heads * d_head)
 // as one packed weight; Q (batch, heads, q_rows, d_head), K (batch, kv_heads, n_pad, d_head), V^T
@@ -37,7 +37,9 @@ struct QkvBlocks {
 
     float* direct(Index, Index) const { return nullptr; }
 
-    ATTNLAB_AMX_TARGET void finish(Index mb, Index nb, const float* c) const {
+    // c: the block's sums (row stride ldc); bias: its 32 columns to add first, or null
+    ATTNLAB_AMX_TARGET void finish(Index mb, Index nb, const float* c, Index ldc,
+                                   const float* bias) const {
         const Index m_rows = std::min<Index>(32, rows - mb * 32), r0 = mb * 32;
         Index col = nb * 32;
         const Index wq = heads * d, wk = kv_heads * d;
@@ -49,7 +51,12 @@ struct QkvBlocks {
                 if (t == n) t = 0, ++b;
                 std::uint16_t* dst = is_q ? q + ((b * heads + head) * q_rows + t) * d + f
                                           : kt + (b * kv_heads + head) * L.k_size + t * d + f;
-                to_bf16(c + i * 32, dst);
+                __m512 lo = _mm512_loadu_ps(c + i * ldc), hi = _mm512_loadu_ps(c + i * ldc + 16);
+                if (bias) {
+                    lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias));
+                    hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias + 16));
+                }
+                _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
             }
             return;
         }
@@ -63,8 +70,10 @@ struct QkvBlocks {
             const bool one_run = t + m <= n;  // the 16 tokens in one batch item
             for (Index c0 = 0; c0 < 32; c0 += 16) {
                 __m512 o[16];
+                const __m512 bv = bias ? _mm512_loadu_ps(bias + c0) : _mm512_setzero_ps();
                 for (Index r = 0; r < 16; ++r) {
-                    o[r] = r < m ? _mm512_load_ps(c + (i0 + r) * 32 + c0) : _mm512_setzero_ps();
+                    o[r] = r < m ? _mm512_loadu_ps(c + (i0 + r) * ldc + c0) : _mm512_setzero_ps();
+                    if (bias && r < m) o[r] = _mm512_add_ps(o[r], bv);
                     const __m512i e = _mm512_and_si512(_mm512_castps_si512(o[r]), exponent);
                     nonfinite |= _mm512_cmpeq_epi32_mask(e, exponent);
                 }
@@ -91,15 +100,17 @@ struct QkvBlocks {
     }
 };
 
-// The fused forward when it applies (AMX usable, self-attention, head widths multiples of 32, no
-// weights or kept state asked for, not the decode path); false (nothing written) otherwise or
-// when a value holds NaN or Inf (the attention's careful path then runs on the composed path).
+// The fused forward when it applies (AMX or else AVX512-BF16 usable, as the composed kernels
+// choose; self-attention, head widths multiples of 32, no weights or kept state asked for, not
+// the decode path); false (nothing written) otherwise or when a value holds NaN or Inf (the
+// attention's careful path then runs on the composed path).
 inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<float>& a) {
     const Index in = p.w_q.in, d = p.d_head, dv = p.d_vhead;
     const bool self =
         p.query == p.key && p.key == p.value && p.n_q == p.n_k && p.w_k.in == in && p.w_v.in == in;
-    if (!amx_usable() || !self || d % 32 != 0 || dv % 32 != 0 || p.weights || p.state.q ||
-        p.state.lse || p.w_q.w_half || use_decode(a) || in <= 0)
+    const bool amx = amx_usable();
+    if (!(amx || avx512_bf16_usable()) || !self || d % 32 != 0 || dv % 32 != 0 || p.weights ||
+        p.state.q || p.state.lse || p.w_q.w_half || use_decode(a) || in <= 0)
         return false;
     const Index n = p.n_q, rows = p.batch * n, h = p.heads, hk = p.kv_heads;
     const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32;
@@ -152,8 +163,11 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
         }
     });
     std::atomic<bool> finite{true};
-    tile_product(mp, kp, np, xp.get(), wp.get(), biased ? bp.get() : nullptr, 0,
-                 QkvBlocks{rows, n, h, hk, d, dv, q_rows, L, q.get(), kt.get(), vt.get(), &finite});
+    const QkvBlocks blocks{rows, n, h, hk, d, dv, q_rows, L, q.get(), kt.get(), vt.get(), &finite};
+    if (amx)
+        tile_product(mp, kp, np, xp.get(), wp.get(), biased ? bp.get() : nullptr, 0, blocks);
+    else
+        vdp_product(rows, kp, np, xp.get(), wp.get(), biased ? bp.get() : nullptr, blocks);
     if (!finite.load()) return false;
 
     const Index wc = h * dv;  // a multiple of 32: the context rows need no column padding
@@ -164,7 +178,10 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
     io.q_rows = q_rows;
     io.out = ctx.get();
     io.ld_out = wc;
-    amx_run<Bf16Products::amx>(a, L, kt.get(), vt.get(), io);
+    if (amx)
+        amx_run<Bf16Products::amx>(a, L, kt.get(), vt.get(), io);
+    else
+        amx_run<Bf16Products::vdp>(a, L, kt.get(), vt.get(), io);
     linear_bf16_rows(rows, wc, p.w_o.out, ctx.get(), wc, p.w_o.w, p.w_o.b, p.out, p.w_o.out);
     mha_bf16_fused_calls.fetch_add(1, std::memory_order_relaxed);
     return true;
