@@ -7,6 +7,10 @@ attention core, the bf16 output projection."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -200,3 +204,23 @@ def test_core_refuses_bf16_with_float64_or_half_weights():
     kw.update(query=x32, key=x32, value=x32, weights_half=1, **bits)
     with pytest.raises(ValueError, match=r"^bf16: the weights as float32, got weights_half=1"):
         core.mha_forward(core.MhaArgs(**kw), np.empty((4, 8), np.float32), None, None, True)
+
+
+def test_fused_on_vdpbf16ps_without_amx():
+    """This file's tests again with AMX off and the VDPBF16PS kernel on (the switches are read
+    once per process: a subprocess), where the CPU has AVX512-BF16."""
+    env = dict(os.environ, ATTNLAB_AMX="0", ATTNLAB_AVX512_BF16="1")
+    probe = "import attnlab; print(attnlab.build_info()['bf16_kernel'])"
+    kernel = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if kernel != "avx512_bf16":
+        pytest.skip(f"no AVX512-BF16 kernel here (bf16_kernel={kernel!r})")
+    here = Path(__file__)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", here.name, "-k",
+         "not without_amx"],
+        check=False, env=env, cwd=here.parent, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-500:]
