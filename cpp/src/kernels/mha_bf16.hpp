@@ -1,11 +1,11 @@
 #pragma once
-// Multi-head self-attention with precision="bf16" on AMX (or VDPBF16PS) in one pass over memory: x
+// Multi-head self-attention with precision="bf16" on AMX (or VDPBF16PS) without float32 copies: x
 // packed to bf16 once for the three projections, which run as one tile product whose blocks are
 // rounded to bf16 straight into the layouts the attention tiles read (Q row-major per head, K
-// row-major and V transposed per kv head, attention_bf16.hpp); the attention writes its output as
-// the bf16 rows of the output projection. The same roundings of the same float32 sums as the
-// composed path (linear_bf16, then the attention's packing): bitwise the same result, without the
-// float32 projections and context going through memory.
+// row-major and V transposed per kv head, attention_bf16.hpp, V^T by a pass of its own); the
+// attention writes its output as the bf16 rows of the output projection. The same roundings of the
+// same float32 sums as the composed path (linear_bf16, then the attention's packing): bitwise the
+// same result, without the float32 projections and context going through memory.
 //
 // Shapes: x (batch * n, d_in); [w_q | w_k | w_v] (d_in, heads * d_head + 2 * kv_heads * d_head)
 // as one packed weight; Q (batch, heads, q_rows, d_head), K (batch, kv_heads, n_pad, d_head), V^T
@@ -27,12 +27,14 @@ namespace detail {
 
 #if defined(ATTNLAB_AMX)
 
-// Where tile_product puts the blocks of [Q | K | V] = x [w_q | w_k | w_v] + b: each 32 x 32 block
-// lies in one head (d_head and d_vhead are multiples of 32), its rows are tokens.
+// Where the products put the blocks of [Q | K | V] = x [w_q | w_k | w_v] + b: each 32 x 32 block
+// lies in one head (d_head and d_vhead are multiples of 32), its rows are tokens, each written as
+// bf16 rows (whole cache lines: a block's neighbours may be another thread's) of Q, K or V's
+// staging rows (V^T is formed per kv head afterwards, transpose_values).
 struct QkvBlocks {
     Index rows, n, heads, kv_heads, d, dv, q_rows;
     AmxPacked L;
-    std::uint16_t *q, *kt, *vt;
+    std::uint16_t *q, *kt, *vs;  // vs: V as rows (batch, kv_heads, n, dv)
     std::atomic<bool>* finite;
 
     float* direct(Index, Index) const { return nullptr; }
@@ -41,64 +43,55 @@ struct QkvBlocks {
     ATTNLAB_AMX_TARGET void finish(Index mb, Index nb, const float* c, Index ldc,
                                    const float* bias) const {
         const Index m_rows = std::min<Index>(32, rows - mb * 32), r0 = mb * 32;
-        Index col = nb * 32;
         const Index wq = heads * d, wk = kv_heads * d;
-        if (col < wq + wk) {  // Q or K: rows of bf16
-            const bool is_q = col < wq;
-            if (!is_q) col -= wq;
-            const Index head = col / d, f = col % d;
-            for (Index i = 0, b = r0 / n, t = r0 % n; i < m_rows; ++i, ++t) {
-                if (t == n) t = 0, ++b;
-                std::uint16_t* dst = is_q ? q + ((b * heads + head) * q_rows + t) * d + f
-                                          : kt + (b * kv_heads + head) * L.k_size + t * d + f;
-                __m512 lo = _mm512_loadu_ps(c + i * ldc), hi = _mm512_loadu_ps(c + i * ldc + 16);
-                if (bias) {
-                    lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias));
-                    hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias + 16));
-                }
-                _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
-            }
-            return;
-        }
-        col -= wq + wk;  // V: transposed, 16 tokens by 16 columns at a time
-        const Index head = col / dv, f = col % dv;
+        const Index col = nb * 32;
+        const int part = col < wq ? 0 : col < wq + wk ? 1 : 2;  // Q, K or V
+        const Index c_part = col - (part == 0 ? 0 : part == 1 ? wq : wq + wk);
+        const Index width = part == 2 ? dv : d, head = c_part / width, f = c_part % width;
         const __m512i exponent = _mm512_set1_epi32(0x7f800000);
-        __mmask16 nonfinite = 0;
-        for (Index i0 = 0; i0 < m_rows; i0 += 16) {
-            const Index m = std::min<Index>(16, m_rows - i0);
-            const Index b = (r0 + i0) / n, t = (r0 + i0) % n;
-            const bool one_run = t + m <= n;  // the 16 tokens in one batch item
-            for (Index c0 = 0; c0 < 32; c0 += 16) {
-                __m512 o[16];
-                const __m512 bv = bias ? _mm512_loadu_ps(bias + c0) : _mm512_setzero_ps();
-                for (Index r = 0; r < 16; ++r) {
-                    o[r] = r < m ? _mm512_loadu_ps(c + (i0 + r) * ldc + c0) : _mm512_setzero_ps();
-                    if (bias && r < m) o[r] = _mm512_add_ps(o[r], bv);
-                    const __m512i e = _mm512_and_si512(_mm512_castps_si512(o[r]), exponent);
-                    nonfinite |= _mm512_cmpeq_epi32_mask(e, exponent);
-                }
-                transpose_16x16(o);
-                for (Index cc = 0; cc < 16; ++cc) {
-                    const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(o[cc]));
-                    const Index row = f + c0 + cc;
-                    if (one_run) {
-                        _mm256_mask_storeu_epi16(
-                            vt + (b * kv_heads + head) * L.v_size + row * L.n_pad + t,
-                            static_cast<__mmask16>(first_lanes(m)), bits);
-                        continue;
-                    }
-                    alignas(32) std::uint16_t lanes[16];  // a run that crosses into the next item
-                    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), bits);
-                    for (Index r = 0; r < m; ++r) {
-                        const Index br = (r0 + i0 + r) / n, tr = (r0 + i0 + r) % n;
-                        vt[(br * kv_heads + head) * L.v_size + row * L.n_pad + tr] = lanes[r];
-                    }
-                }
+        __mmask16 nonfinite = 0;  // V's values, as the attention's packing checks them
+        for (Index i = 0, b = r0 / n, t = r0 % n; i < m_rows; ++i, ++t) {
+            if (t == n) t = 0, ++b;
+            std::uint16_t* dst = part == 0   ? q + ((b * heads + head) * q_rows + t) * d + f
+                                 : part == 1 ? kt + (b * kv_heads + head) * L.k_size + t * d + f
+                                             : vs + ((b * kv_heads + head) * n + t) * dv + f;
+            __m512 lo = _mm512_loadu_ps(c + i * ldc), hi = _mm512_loadu_ps(c + i * ldc + 16);
+            if (bias) {
+                lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias));
+                hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias + 16));
             }
+            if (part == 2) {
+                nonfinite |= _mm512_cmpeq_epi32_mask(
+                    _mm512_and_si512(_mm512_castps_si512(lo), exponent), exponent);
+                nonfinite |= _mm512_cmpeq_epi32_mask(
+                    _mm512_and_si512(_mm512_castps_si512(hi), exponent), exponent);
+            }
+            _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
         }
         if (nonfinite) finite->store(false, std::memory_order_relaxed);
     }
 };
+
+// V^T of one (batch, kv head) from its bf16 rows vs (n x dv): 16 x 16 transposes (of the values
+// widened to float, exactly, and rounded back, exactly), zero past the n keys up to L.n_pad.
+ATTNLAB_AMX_TARGET inline void transpose_values(const std::uint16_t* vs, Index n, Index dv,
+                                                const AmxPacked& L, std::uint16_t* vt) {
+    for (Index j0 = 0; j0 < L.n_pad; j0 += 16)
+        for (Index c0 = 0; c0 < dv; c0 += 16) {
+            __m512 o[16];
+            for (Index r = 0; r < 16; ++r) {
+                const __m256i bits =
+                    j0 + r < n ? _mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(vs + (j0 + r) * dv + c0))
+                               : _mm256_setzero_si256();
+                o[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+            }
+            transpose_16x16(o);
+            for (Index c = 0; c < 16; ++c)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(vt + (c0 + c) * L.n_pad + j0),
+                                    reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(o[c])));
+        }
+}
 
 // The fused forward when it applies (AMX or else AVX512-BF16 usable, as the composed kernels
 // choose; self-attention, head widths multiples of 32, no weights or kept state asked for, not
@@ -145,7 +138,8 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
     auto q = make_buffer<std::uint16_t>(p.batch * h * q_rows * d);
     auto kt = make_buffer<std::uint16_t>(static_cast<Index>(L.k_size) * slots);
     auto vt = make_buffer<std::uint16_t>(static_cast<Index>(L.v_size) * slots);
-    // the padding the products read: queries past n, keys past n (K's rows, V^T's columns)
+    auto vs = make_buffer<std::uint16_t>(p.batch * hk * n * dv);
+    // the padding the products read: queries past n, keys past n (K's rows; V^T is written whole)
     parallel_for(p.batch * std::max(h, hk), [&](Index t) {
         const Index b = t / std::max(h, hk), head = t % std::max(h, hk);
         if (head < h) {
@@ -156,19 +150,18 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
             const Index slot = b * hk + head;
             std::uint16_t* ks = kt.get() + slot * L.k_size;
             std::fill(ks + n * d, ks + L.n_pad * d, std::uint16_t{0});
-            for (Index c = 0; c < dv; ++c) {
-                std::uint16_t* vs = vt.get() + slot * L.v_size + c * L.n_pad;
-                std::fill(vs + n, vs + L.n_pad, std::uint16_t{0});
-            }
         }
     });
     std::atomic<bool> finite{true};
-    const QkvBlocks blocks{rows, n, h, hk, d, dv, q_rows, L, q.get(), kt.get(), vt.get(), &finite};
+    const QkvBlocks blocks{rows, n, h, hk, d, dv, q_rows, L, q.get(), kt.get(), vs.get(), &finite};
     if (amx)
         tile_product(mp, kp, np, xp.get(), wp.get(), biased ? bp.get() : nullptr, 0, blocks);
     else
         vdp_product(rows, kp, np, xp.get(), wp.get(), biased ? bp.get() : nullptr, blocks);
     if (!finite.load()) return false;
+    parallel_for(slots, [&](Index t) {
+        transpose_values(vs.get() + t * n * dv, n, dv, L, vt.get() + t * L.v_size);
+    });
 
     const Index wc = h * dv;  // a multiple of 32: the context rows need no column padding
     auto ctx = make_buffer<std::uint16_t>(mp * wc);
