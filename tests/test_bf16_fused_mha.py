@@ -73,12 +73,12 @@ def _layer(
 
 def _check(x, w, h, hk, fused, kv=None, **opts):
     """The call against the composition, bitwise; whether the fused forward ran."""
-    before = core._mha_bf16_fused_calls()
+    before = core.mha_bf16_fused_calls()
     keys = {} if kv is None else {"key": kv, "value": kv}
     got = attnlab.multi_head_attention(
         x, **keys, **w, num_heads=h, num_kv_heads=hk, precision="bf16", **opts
     )
-    ran = core._mha_bf16_fused_calls() - before
+    ran = core.mha_bf16_fused_calls() - before
     assert ran == (1 if fused and FUSES else 0)
     sdpa = {k: v for k, v in opts.items() if k != "key_padding_mask"}  # as a mask here
     if "key_padding_mask" in opts:
@@ -159,12 +159,12 @@ def test_other_calls_compose_the_same_kernels():
     kv = rng.standard_normal((2, 30, 96)).astype(np.float32)
     _check(x, _layer(rng, 96, 2, 2, 32, 32), 2, 2, fused=False, kv=kv)
     w = _layer(rng, 96, 2, 2, 32, 32, ("b_o",))
-    before = core._mha_bf16_fused_calls()
+    before = core.mha_bf16_fused_calls()
     out, weights = attnlab.multi_head_attention(
         x, **w, num_heads=2, precision="bf16", return_weights=True
     )
     out2, lse = attnlab.multi_head_attention(x, **w, num_heads=2, precision="bf16", return_lse=True)
-    assert core._mha_bf16_fused_calls() == before
+    assert core.mha_bf16_fused_calls() == before
     # with the weights the core takes the emulation (the weights' own rounding), as SDPA does
     np.testing.assert_array_equal(out, _composed(x, w, 2, 2, return_weights=True))
     np.testing.assert_array_equal(out2, _composed(x, w, 2, 2))
@@ -180,9 +180,9 @@ def test_nonfinite_values_take_the_careful_path(bad):
     x = rng.standard_normal((2, 33, 64)).astype(np.float32)
     x[1, 7, :] = bad
     w = _layer(rng, 64, 2, 2, 32, 32)
-    before = core._mha_bf16_fused_calls()
+    before = core.mha_bf16_fused_calls()
     got = attnlab.multi_head_attention(x, **w, num_heads=2, precision="bf16")
-    assert core._mha_bf16_fused_calls() == before
+    assert core.mha_bf16_fused_calls() == before
     np.testing.assert_array_equal(got, _composed(x, w, 2, 2))
     assert np.isfinite(got[0]).all()
 

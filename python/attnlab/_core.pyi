@@ -67,7 +67,7 @@ def sdpa_forward_half(
     scale: _Float,
     lse: _Optional,
 ) -> None: ...
-def _mha_bf16_fused_calls() -> int: ...
+def mha_bf16_fused_calls() -> int: ...  # calls of the fused bf16 MHA forward (for the tests)
 def mha_forward(
     args: MhaArgs,
     out: _Array,

@@ -530,17 +530,16 @@ def multi_head_attention(
         state = _mha_state(a)
         _keep.update(prepared=a, state=state, halves=_half.halves(args))
     lse = a.m.empty_lse(B, h, n_q, dtype) if lse_wanted else None
-    bf16 = composed is not None and composed.bf16_only()
-    fused = composed is None or bf16
-    if lse_wanted and fused and state is None:
+    bf16 = composed is not None and composed.bf16_only()  # the C++ call runs bf16 products
+    if lse_wanted and (composed is None or bf16) and state is None:
         state = _mha_state(a)
     if B * n_q > 0:
-        if fused:
+        if composed is not None and not bf16:
+            _rope.forward(a, composed, out, weights, lse)
+        else:
             core.mha_forward(a.core_args(), out, weights, state, bf16)
             if lse is not None and state is not None:
                 lse = state["lse"]
-        else:
-            _rope.forward(a, composed, out, weights, lse)
     half = _half.storage(args)
     return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse, half)
 
