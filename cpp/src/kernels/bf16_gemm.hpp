@@ -117,35 +117,34 @@ inline Buffer<float> padded_bias(const float* b, Index out, Index np) {
     return bp;
 }
 
-// y = x w + b from x already packed (xp: rows of kp bf16, zero padded to whole 32-row blocks):
-// w packed to bf16 in parallel, then the tile product, or without AMX the VDPBF16PS one.
-inline void linear_bf16_rows(Index rows, Index in, Index out, const std::uint16_t* xp, Index kp,
-                             const float* w, const float* b, float* y, Index ldy) {
-    const Index mp = (rows + 31) / 32 * 32, np = (out + 31) / 32 * 32;
-    auto wp = make_buffer<std::uint16_t>(kp * np);
-    parallel_for(kp / 32, [&](Index kb) {
-        pack_weight_block(kb, in, out, w, out, np, 0, np / 16, wp.get());
-    });
+// y = x w + b from both operands packed (xp: rows of kp bf16, zero padded to whole 32-row
+// blocks; wp: np columns, pack_weight_block): the tile product, or without AMX the VDPBF16PS one.
+inline void linear_bf16_product(Index rows, Index out, Index kp, Index np, const std::uint16_t* xp,
+                                const std::uint16_t* wp, const float* b, float* y, Index ldy) {
     // the bias padded to np columns: with AMX the sums start from it (a stride-0 tile load
     // repeats its row), with VDPBF16PS it is added after them
     const Buffer<float> bp = padded_bias(b, out, np);
     const float* bias = b ? bp.get() : nullptr;
     const LinearBlocks blocks{rows, out, y, ldy};
     if (amx_usable())
-        tile_product(mp, kp, np, xp, wp.get(), bias, ldy, blocks);
+        tile_product((rows + 31) / 32 * 32, kp, np, xp, wp, bias, ldy, blocks);
     else
-        vdp_product(rows, kp, np, xp, wp.get(), bias, blocks);
+        vdp_product(rows, kp, np, xp, wp, bias, blocks);
 }
 
-// The tile product with both operands packed to bf16 in parallel.
+// The product with both operands packed to bf16 first, in one parallel pass.
 inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, Index ldx,
                                const float* w, const float* b, float* y, Index ldy) {
-    const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32;
+    const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32, np = (out + 31) / 32 * 32;
     auto xp = make_buffer<std::uint16_t>(mp * kp);
-    parallel_for(mp / 32, [&](Index mb) {
-        pack_rows(mb * 32, mb * 32 + 32, rows, in, x, ldx, kp, xp.get());
+    auto wp = make_buffer<std::uint16_t>(kp * np);
+    parallel_for(mp / 32 + kp / 32, [&](Index t) {
+        if (t < mp / 32)
+            pack_rows(t * 32, t * 32 + 32, rows, in, x, ldx, kp, xp.get());
+        else
+            pack_weight_block(t - mp / 32, in, out, w, out, np, 0, np / 16, wp.get());
     });
-    linear_bf16_rows(rows, in, out, xp.get(), kp, w, b, y, ldy);
+    linear_bf16_product(rows, out, kp, np, xp.get(), wp.get(), b, y, ldy);
 }
 #endif
 

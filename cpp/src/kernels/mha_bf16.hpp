@@ -109,16 +109,8 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
     const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32;
     const Index wq = h * d, wk = hk * d, wv = hk * dv, np = wq + wk + wv;
 
-    auto xp = make_buffer<std::uint16_t>(mp * kp);  // x, once for the three projections
-    parallel_for(mp / 32, [&](Index mb) {
-        pack_rows(mb * 32, mb * 32 + 32, rows, in, p.query, in, kp, xp.get());
-    });
-    auto wp = make_buffer<std::uint16_t>(kp * np);
-    parallel_for(kp / 32, [&](Index kb) {
-        pack_weight_block(kb, in, wq, p.w_q.w, wq, np, 0, wq / 16, wp.get());
-        pack_weight_block(kb, in, wk, p.w_k.w, wk, np, wq / 16, wk / 16, wp.get());
-        pack_weight_block(kb, in, wv, p.w_v.w, wv, np, (wq + wk) / 16, wv / 16, wp.get());
-    });
+    const Index wc = h * dv, d_out = p.w_o.out;  // wc a multiple of 32: no column padding
+    const Index npo = (d_out + 31) / 32 * 32;
     const bool biased = p.w_q.b || p.w_k.b || p.w_v.b;
     auto bp = make_buffer<float>(biased ? np : 0);
     if (biased) {
@@ -139,17 +131,35 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
     auto kt = make_buffer<std::uint16_t>(static_cast<Index>(L.k_size) * slots);
     auto vt = make_buffer<std::uint16_t>(static_cast<Index>(L.v_size) * slots);
     auto vs = make_buffer<std::uint16_t>(p.batch * hk * n * dv);
-    // the padding the products read: queries past n, keys past n (K's rows; V^T is written whole)
-    parallel_for(p.batch * std::max(h, hk), [&](Index t) {
-        const Index b = t / std::max(h, hk), head = t % std::max(h, hk);
-        if (head < h) {
-            std::uint16_t* qs = q.get() + (b * h + head) * q_rows * d;
-            std::fill(qs + n * d, qs + q_rows * d, std::uint16_t{0});
-        }
-        if (head < hk) {
-            const Index slot = b * hk + head;
-            std::uint16_t* ks = kt.get() + slot * L.k_size;
-            std::fill(ks + n * d, ks + L.n_pad * d, std::uint16_t{0});
+    auto ctx = make_buffer<std::uint16_t>(mp * wc);
+    auto xp = make_buffer<std::uint16_t>(mp * kp);  // x, once for the three projections
+    auto wp = make_buffer<std::uint16_t>(kp * np), wpo = make_buffer<std::uint16_t>(wc * npo);
+    // one pass (one wait for the threads) packs x and both weights and zeroes the padding the
+    // products read: queries past n, keys past n (K's rows; V^T is written whole), the context
+    // rows past the last
+    const Index heads = std::max(h, hk), t_x = mp / 32, t_w = t_x + kp / 32, t_o = t_w + wc / 32;
+    parallel_for(t_o + p.batch * heads + 1, [&](Index t) {
+        if (t < t_x) {
+            pack_rows(t * 32, t * 32 + 32, rows, in, p.query, in, kp, xp.get());
+        } else if (t < t_w) {
+            const Index kb = t - t_x;
+            pack_weight_block(kb, in, wq, p.w_q.w, wq, np, 0, wq / 16, wp.get());
+            pack_weight_block(kb, in, wk, p.w_k.w, wk, np, wq / 16, wk / 16, wp.get());
+            pack_weight_block(kb, in, wv, p.w_v.w, wv, np, (wq + wk) / 16, wv / 16, wp.get());
+        } else if (t < t_o) {
+            pack_weight_block(t - t_w, wc, d_out, p.w_o.w, d_out, npo, 0, npo / 16, wpo.get());
+        } else if (t < t_o + p.batch * heads) {
+            const Index b = (t - t_o) / heads, head = (t - t_o) % heads;
+            if (head < h) {
+                std::uint16_t* qs = q.get() + (b * h + head) * q_rows * d;
+                std::fill(qs + n * d, qs + q_rows * d, std::uint16_t{0});
+            }
+            if (head < hk) {
+                std::uint16_t* ks = kt.get() + (b * hk + head) * L.k_size;
+                std::fill(ks + n * d, ks + L.n_pad * d, std::uint16_t{0});
+            }
+        } else {
+            std::fill(ctx.get() + rows * wc, ctx.get() + mp * wc, std::uint16_t{0});
         }
     });
     std::atomic<bool> finite{true};
@@ -163,9 +173,6 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
         transpose_values(vs.get() + t * n * dv, n, dv, L, vt.get() + t * L.v_size);
     });
 
-    const Index wc = h * dv;  // a multiple of 32: the context rows need no column padding
-    auto ctx = make_buffer<std::uint16_t>(mp * wc);
-    std::fill(ctx.get() + rows * wc, ctx.get() + mp * wc, std::uint16_t{0});
     AmxBf16Io io;
     io.q = q.get();
     io.q_rows = q_rows;
@@ -175,7 +182,7 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
         amx_run<Bf16Products::amx>(a, L, kt.get(), vt.get(), io);
     else
         amx_run<Bf16Products::vdp>(a, L, kt.get(), vt.get(), io);
-    linear_bf16_rows(rows, wc, p.w_o.out, ctx.get(), wc, p.w_o.w, p.w_o.b, p.out, p.w_o.out);
+    linear_bf16_product(rows, d_out, wc, npo, ctx.get(), wpo.get(), p.w_o.b, p.out, d_out);
     mha_bf16_fused_calls.fetch_add(1, std::memory_order_relaxed);
     return true;
 }
