@@ -1,6 +1,6 @@
 #pragma once
 // Multi-head self-attention with precision="bf16" on AMX (or VDPBF16PS) without float32 copies: x
-// packed to bf16 once for the three projections, which run as one tile product whose blocks are
+// packed to bf16 once for the three projections, which run as one product whose blocks are
 // rounded to bf16 straight into the layouts the attention tiles read (Q row-major per head, K
 // row-major and V transposed per kv head, attention_bf16.hpp, V^T by a pass of its own); the
 // attention writes its output as the bf16 rows of the output projection. The same roundings of the
