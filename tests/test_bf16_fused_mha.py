@@ -7,6 +7,7 @@ attention core, the bf16 output projection."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -187,7 +188,7 @@ def test_nonfinite_values_take_the_careful_path(bad):
     assert np.isfinite(got[0]).all()
 
 
-def test_core_refuses_bf16_with_float64_or_half_weights():
+def test_core_refuses_bf16_with_float64():
     """The binding's own checks (the Python layer never sends these)."""
     x = np.ones((4, 8))
     w = {n: np.eye(8) for n in ("w_q", "w_k", "w_v", "w_o")}
@@ -199,11 +200,6 @@ def test_core_refuses_bf16_with_float64_or_half_weights():
     )  # fmt: skip
     with pytest.raises(TypeError, match=r"^bf16: bf16 products take float32 operands, got float64"):
         core.mha_forward(core.MhaArgs(**kw), np.empty((4, 8)), None, None, True)
-    x32 = x.astype(np.float32)
-    bits = {n: np.eye(8, dtype=np.float16).view(np.uint16) for n in w}
-    kw.update(query=x32, key=x32, value=x32, weights_half=1, **bits)
-    with pytest.raises(ValueError, match=r"^bf16: the weights as float32, got weights_half=1"):
-        core.mha_forward(core.MhaArgs(**kw), np.empty((4, 8), np.float32), None, None, True)
 
 
 def test_fused_on_vdpbf16ps_without_amx():
@@ -220,6 +216,85 @@ def test_fused_on_vdpbf16ps_without_amx():
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", here.name, "-k",
          "not without_amx"],
+        check=False, env=env, cwd=here.parent, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-500:]
+
+
+try:
+    import ml_dtypes
+
+    HALVES = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+except ImportError:  # bfloat16 has no NumPy name without it
+    HALVES = [np.dtype(np.float16)]
+
+# (label, batch, tokens, features, heads, kv heads, d_head, d_vhead, cross, return_weights):
+# the fused forward, then the composed bf16 kernels (cross-attention, a head width that is not
+# a multiple of 32, one token: the decode path, the attention weights asked for)
+HALF_CASES = [
+    ("fused", 2, 37, 96, 3, 3, 32, 32, False, False),
+    ("cross", 2, 19, 64, 2, 1, 32, 64, True, False),
+    ("d_head-24", 1, 21, 48, 2, 2, 24, 24, False, False),
+    ("one-token", 3, 1, 64, 2, 2, 32, 32, False, False),
+    ("weights", 1, 9, 64, 2, 2, 32, 32, False, True),
+]
+
+
+@pytest.mark.parametrize("case", HALF_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("half", HALVES, ids=str)
+def test_half_weights_read_as_stored(case, half):
+    """precision="bf16" with the four weights stored in float16 or bfloat16: the C++ call reads
+    their bits as stored and rounds them to bf16 as it packs them, bit for bit the call on the
+    same weights widened to float32 first (which the Python layer used to do)."""
+    from attnlab import _mha
+
+    label, B, n, d, h, hk, dh, dv, cross, ret = case
+    rng = np.random.default_rng(n * d)
+    x = rng.standard_normal((B, n, d)).astype(np.float32)
+    w = {k: v.astype(half) for k, v in _layer(rng, d, h, hk, dh, dv, ("b_q", "b_o")).items()}
+    w["b_q"], w["b_o"] = w["b_q"].astype(np.float32), w["b_o"].astype(np.float32)
+    wide = {k: v.astype(np.float32) for k, v in w.items()}
+    kv = {"key": rng.standard_normal((B, n + 3, d)).astype(np.float32)} if cross else {}
+    kw = dict(**kv, num_heads=h, num_kv_heads=hk, precision="bf16", return_weights=ret)
+    before = core.mha_bf16_fused_calls()
+    got = attnlab.multi_head_attention(x, **w, **kw)
+    assert core.mha_bf16_fused_calls() - before == (1 if label == "fused" and FUSES else 0)
+    ref = attnlab.multi_head_attention(x, **wide, **kw)
+    for g, r in zip(got, ref, strict=True) if ret else [(got, ref)]:
+        assert g.dtype == np.float32
+        np.testing.assert_array_equal(g, r)
+    # the weights reached the kernel as their bits, not as float32 copies
+    bound = inspect.signature(attnlab.multi_head_attention).bind(x, **w, **kw)
+    bound.apply_defaults()
+    prepared = _mha._prepare_mha(dict(bound.arguments), keep_half=True)
+    assert prepared.weights_half == (1 if half == np.float16 else 2)
+
+
+@pytest.mark.parametrize("half", HALVES, ids=str)
+def test_half_inputs_and_weights(half):
+    """Every input and weight in the half dtype with precision="bf16": the result in that dtype,
+    bit for bit the float32 call on the widened arrays, rounded once."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 40, 64)).astype(half)
+    w = {k: v.astype(half) for k, v in _layer(rng, 64, 2, 2, 32, 32, ("b_k",)).items()}
+    got = attnlab.multi_head_attention(x, **w, num_heads=2, precision="bf16")
+    wide = {k: v.astype(np.float32) for k, v in w.items()}
+    ref = attnlab.multi_head_attention(x.astype(np.float32), **wide, num_heads=2, precision="bf16")
+    assert got.dtype == half
+    np.testing.assert_array_equal(got.astype(np.float32), ref.astype(half).astype(np.float32))
+
+
+def test_half_weights_on_the_emulation():
+    """The half-weight tests again where no bf16 hardware kernel runs (the emulated rounding on
+    the float32 GEMM): the AVX2 build, in a subprocess (the build is chosen once per process)."""
+    if "avx2" not in attnlab.build_info()["available_isas"]:
+        pytest.skip("no AVX2 build in this module (another CPU family)")
+    env = dict(os.environ, ATTNLAB_ISA="avx2")
+    here = Path(__file__)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", here.name, "-k",
+         "half_weights_read_as_stored or half_inputs_and_weights"],
         check=False, env=env, cwd=here.parent, capture_output=True, text=True,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

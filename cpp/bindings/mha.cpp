@@ -189,9 +189,6 @@ void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object
         using T = decltype(tag);
         if (bf16 && !std::is_same_v<T, float>)
             throw py::type_error("bf16: bf16 products take float32 operands, got float64 query");
-        if (bf16 && a.weights_half != 0)  // the bf16 products round float32 weights
-            throw py::value_error("bf16: the weights as float32, got weights_half=" +
-                                  std::to_string(a.weights_half));
         MhaProblem<T> p = mha_problem<T>(a, state);
         p.bf16 = bf16;
         projected_outputs<T>(p, out, weights);

@@ -299,14 +299,16 @@ _FLOAT32 = np.empty(0, np.float32)  # what a half-precision weight computes in
 
 
 def _half_weights(args: dict[str, Any]) -> np.dtype | None:
-    """The half dtype all four weights are stored in when the call runs the fused forward (no
-    rotary embeddings, norms or bf16 products: the composed path widens them), or None."""
+    """The half dtype all four weights are stored in when the call runs the one C++ forward,
+    float32 or bf16 products (no rotary embeddings or norms: the composed path widens them),
+    or None."""
     dt = getattr(args["w_q"], "dtype", None)
     if not isinstance(dt, np.dtype) or not _half.is_half(dt):  # the common call stops here
         return None
     if any(not isinstance(args[n], np.ndarray) or args[n].dtype != dt for n in _WEIGHTS):
         return None
-    return None if any(args[n] is not None for n in _rope.COMPOSED_ARGS) else dt
+    composed = (n for n in _rope.COMPOSED_ARGS if n != "precision")
+    return None if any(args[n] is not None for n in composed) else dt
 
 
 def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
@@ -314,8 +316,8 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     finds the root cause: head counts, the inputs' own shapes, each weight's rank, head counts
     against widths, each weight against the input it reads, then biases and masks.
     ``keep_half``: weights stored in one half dtype stay so when the call computes in float32
-    and runs the fused forward (which widens them as its GEMMs pack them: half the bytes
-    read)."""
+    and runs the one C++ forward, with float32 or bf16 products (its GEMMs widen them, or round
+    them to bf16, as they pack them: half the bytes read, no float32 copies)."""
     h, h_kv, kv_arg = _args.heads(args["num_heads"], args["num_kv_heads"])
     x = _args.qkv(args, min_features=True)
     n_q, n_k = x.n_q, x.n_k
@@ -491,7 +493,8 @@ def multi_head_attention(
         ``precision="bf16"``. :func:`attnlab.reference.multi_head_attention` computes the same
         rounding of the operands in float64. The error against the exact result grows to the
         order of bfloat16's unit roundoff, ``2**-8``, relative. Gradients (``*_backward``,
-        ``vjp``) take float32 products over the bf16 forward's projections.
+        ``vjp``) take float32 products over the bf16 forward's projections. Weights stored
+        in float16 or bfloat16 are read as stored (no float32 copies).
     warn_empty_rows : bool
         Warn (a ``UserWarning``, once per call, with the count) when the boolean masks leave a
         query row with no key at all: the usual sign of a mask in PyTorch's polarity. Pass

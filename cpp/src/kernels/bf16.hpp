@@ -221,15 +221,29 @@ ATTNLAB_BF16_TARGET inline __m512i interleave_bf16(__m512 lo, __m512 hi) {
     return _mm512_permutexvar_epi16(pairs, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
 }
 
-// Row r of a B tile (VNNI layout) from a row-major float matrix m (rows x cols, row stride ld):
-// rows k0 and k0 + 1, columns [c0, c0 + 16), rounded to bf16 and interleaved in pairs; zero
-// outside the matrix.
-ATTNLAB_BF16_TARGET inline __m512i vnni_row(const float* m, Index ld, Index rows, Index cols,
-                                            Index k0, Index c0) {
+// 16 lanes of a row as floats, the lanes off the mask zero and not read: float32 as it is,
+// half-precision bits (`format`) widened exactly, as half_to_float does.
+ATTNLAB_BF16_TARGET inline __m512 load_lanes(const float* p, __mmask16 m, HalfFormat) {
+    return _mm512_maskz_loadu_ps(m, p);
+}
+ATTNLAB_BF16_TARGET inline __m512 load_lanes(const std::uint16_t* p, __mmask16 m,
+                                             HalfFormat format) {
+    const __m256i bits = _mm256_maskz_loadu_epi16(m, p);
+    return format == HalfFormat::float16
+               ? _mm512_cvtph_ps(bits)
+               : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Row r of a B tile (VNNI layout) from a row-major matrix m (rows x cols, row stride ld; float32,
+// or half-precision bits of `format`): rows k0 and k0 + 1, columns [c0, c0 + 16), rounded to
+// bf16 and interleaved in pairs; zero outside the matrix.
+template <typename S>
+ATTNLAB_BF16_TARGET inline __m512i vnni_row(const S* m, Index ld, Index rows, Index cols, Index k0,
+                                            Index c0, HalfFormat format) {
     const __mmask16 in = first_lanes(cols - c0);
-    const __m512 lo = k0 < rows ? _mm512_maskz_loadu_ps(in, m + k0 * ld + c0) : _mm512_setzero_ps();
+    const __m512 lo = k0 < rows ? load_lanes(m + k0 * ld + c0, in, format) : _mm512_setzero_ps();
     const __m512 hi =
-        k0 + 1 < rows ? _mm512_maskz_loadu_ps(in, m + (k0 + 1) * ld + c0) : _mm512_setzero_ps();
+        k0 + 1 < rows ? load_lanes(m + (k0 + 1) * ld + c0, in, format) : _mm512_setzero_ps();
     return interleave_bf16(lo, hi);
 }
 
@@ -239,16 +253,19 @@ ATTNLAB_BF16_TARGET inline void to_bf16(const float* src, std::uint16_t* dst) {
     _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(r));
 }
 
-// Rows [i0, i1) of x (rows x in, row stride ldx) as bf16 rows of kp (>= in, a multiple of 32)
-// columns at xp + i kp, zero padded (rows from `rows` on all zero).
-ATTNLAB_BF16_TARGET inline void pack_rows(Index i0, Index i1, Index rows, Index in, const float* x,
-                                          Index ldx, Index kp, std::uint16_t* xp) {
+// Rows [i0, i1) of x (rows x in, row stride ldx; float32, or half-precision bits of `format`) as
+// bf16 rows of kp (>= in, a multiple of 32) columns at xp + i kp, zero padded (rows from `rows`
+// on all zero).
+template <typename S>
+ATTNLAB_BF16_TARGET inline void pack_rows(Index i0, Index i1, Index rows, Index in, const S* x,
+                                          Index ldx, Index kp, std::uint16_t* xp,
+                                          HalfFormat format = HalfFormat::none) {
     for (Index i = i0; i < i1; ++i) {
-        const float* src = i < rows ? x + i * ldx : x;  // masked loads: nothing read past a row
+        const S* src = i < rows ? x + i * ldx : x;  // masked loads: nothing read past a row
         const Index cols = i < rows ? in : 0;
         for (Index k = 0; k < kp; k += 32) {
-            const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(cols - k), src + k);
-            const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(cols - k - 16), src + k + 16);
+            const __m512 lo = load_lanes(src + k, first_lanes(cols - k), format);
+            const __m512 hi = load_lanes(src + k + 16, first_lanes(cols - k - 16), format);
             _mm512_storeu_si512(xp + i * kp + k,
                                 reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
         }

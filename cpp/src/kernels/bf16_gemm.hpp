@@ -6,7 +6,9 @@
 // AVX512-BF16 (bf16_gemm_avx512.hpp); elsewhere the same rounding emulated on the float32 GEMM,
 // so the answers agree across CPUs to the order of the float32 sums.
 //
-// Shapes: x (rows x in, row stride ldx), w (in x out), b (out) or null, y (rows x out).
+// Shapes: x (rows x in, row stride ldx), w (in x out), b (out) or null, y (rows x out). A layer's
+// w may be stored as half-precision bits (Linear::w_half): read as stored, widened exactly and
+// rounded to bf16 as the float32 copy of it would be (a bfloat16 w is taken as it is).
 
 #include <algorithm>
 #include <cmath>
@@ -15,6 +17,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "attnlab/attention.hpp"
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
 #include "bf16.hpp"
@@ -25,17 +28,28 @@ namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace detail {
 
 #if defined(ATTNLAB_AMX)
-// The k-block kb (32 input features) of w (in x cols, row stride ldw) as the B tiles [t0, t0 +
-// tiles) of a packed weight of np columns, one per 16 columns (zero beyond w's): pair r (features
-// 2r, 2r + 1) of column n at [(t * 16 + r) * 32 + 2n + parity] (the VNNI layout).
-ATTNLAB_BF16_TARGET inline void pack_weight_block(Index kb, Index in, Index cols, const float* w,
-                                                  Index ldw, Index np, Index t0, Index tiles,
-                                                  std::uint16_t* wp) {
+// The k-block kb (32 input features) of w (in x cols, row stride ldw; float32, or half-precision
+// bits of `format`) as the B tiles [t0, t0 + tiles) of a packed weight of np columns, one per 16
+// columns (zero beyond w's): pair r (features 2r, 2r + 1) of column n at [(t * 16 + r) * 32 + 2n
+// + parity] (the VNNI layout).
+template <typename S>
+ATTNLAB_BF16_TARGET inline void pack_weight_block(Index kb, Index in, Index cols, const S* w,
+                                                  Index ldw, HalfFormat format, Index np, Index t0,
+                                                  Index tiles, std::uint16_t* wp) {
     std::uint16_t* block = wp + kb * (np / 16) * 512;
     for (Index t = 0; t < tiles; ++t)
         for (Index r = 0; r < 16; ++r)
             _mm512_storeu_si512(block + ((t0 + t) * 16 + r) * 32,
-                                vnni_row(w, ldw, in, cols, kb * 32 + 2 * r, t * 16));
+                                vnni_row(w, ldw, in, cols, kb * 32 + 2 * r, t * 16, format));
+}
+
+// The same for a layer's weight (l.in x l.out), as it is stored.
+inline void pack_weight_block(Index kb, const Linear<float>& l, Index np, Index t0, Index tiles,
+                              std::uint16_t* wp) {
+    if (l.w_half)
+        pack_weight_block(kb, l.in, l.out, l.w_half, l.out, l.half, np, t0, tiles, wp);
+    else
+        pack_weight_block(kb, l.in, l.out, l.w, l.out, HalfFormat::none, np, t0, tiles, wp);
 }
 
 // C (32 x 32 floats) = c_in (row stride ldc_in; 0: one row for all, null: zero) + rows
@@ -133,8 +147,9 @@ inline void linear_bf16_product(Index rows, Index out, Index kp, Index np, const
 }
 
 // The product with both operands packed to bf16 first, in one parallel pass.
-inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, Index ldx,
-                               const float* w, const float* b, float* y, Index ldy) {
+inline void linear_bf16_packed(Index rows, const float* x, Index ldx, const Linear<float>& l,
+                               float* y, Index ldy) {
+    const Index in = l.in, out = l.out;
     const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32, np = (out + 31) / 32 * 32;
     auto xp = make_buffer<std::uint16_t>(mp * kp);
     auto wp = make_buffer<std::uint16_t>(kp * np);
@@ -142,9 +157,9 @@ inline void linear_bf16_packed(Index rows, Index in, Index out, const float* x, 
         if (t < mp / 32)
             pack_rows(t * 32, t * 32 + 32, rows, in, x, ldx, kp, xp.get());
         else
-            pack_weight_block(t - mp / 32, in, out, w, out, np, 0, np / 16, wp.get());
+            pack_weight_block(t - mp / 32, l, np, 0, np / 16, wp.get());
     });
-    linear_bf16_product(rows, out, kp, np, xp.get(), wp.get(), b, y, ldy);
+    linear_bf16_product(rows, out, kp, np, xp.get(), wp.get(), l.b, y, ldy);
 }
 #endif
 
@@ -159,13 +174,15 @@ inline const char* bf16_kernel() {
     return "emulated";
 }
 
-inline void linear_bf16(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,
-                        const float* b, float* y, Index ldy) {
+// y = x l.w + l.b, l.w float32 or stored as half-precision bits.
+inline void linear_bf16(Index rows, const float* x, Index ldx, const Linear<float>& l, float* y,
+                        Index ldy) {
+    const Index in = l.in, out = l.out;
     if (rows <= 0 || out <= 0) return;
 #if defined(ATTNLAB_AMX)
     // no features: the float32 path below writes y = b
     if (in > 0 && (detail::amx_usable() || detail::avx512_bf16_usable())) {
-        detail::linear_bf16_packed(rows, in, out, x, ldx, w, b, y, ldy);
+        detail::linear_bf16_packed(rows, x, ldx, l, y, ldy);
         return;
     }
 #endif
@@ -175,9 +192,24 @@ inline void linear_bf16(Index rows, Index in, Index out, const float* x, Index l
         for (Index k = 0; k < in; ++k) xr[i * in + k] = detail::round_bf16(x[i * ldx + k]);
     });
     parallel_for(in, [&](Index k) {
-        for (Index j = 0; j < out; ++j) wr[k * out + j] = detail::round_bf16(w[k * out + j]);
+        float* row = wr.get() + k * out;
+        if (l.w_half)
+            detail::half_to_float(l.w_half + k * out, out, l.half, row);
+        else
+            std::copy(l.w + k * out, l.w + (k + 1) * out, row);
+        for (Index j = 0; j < out; ++j) row[j] = detail::round_bf16(row[j]);
     });
-    linear<float>(rows, in, out, xr.get(), in, wr.get(), b, y, ldy, false);
+    linear<float>(rows, in, out, xr.get(), in, wr.get(), l.b, y, ldy, false);
+}
+
+inline void linear_bf16(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,
+                        const float* b, float* y, Index ldy) {
+    Linear<float> l;
+    l.w = w;
+    l.b = b;
+    l.in = in;
+    l.out = out;
+    linear_bf16(rows, x, ldx, l, y, ldy);
 }
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

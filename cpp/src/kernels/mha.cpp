@@ -62,8 +62,8 @@ struct MhaBuffers {
 template <typename T>
 void project(Index rows, const T* x, const Linear<T>& l, T* y, bool bf16) {
     if constexpr (std::is_same_v<T, float>) {
-        if (bf16) {
-            linear_bf16(rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out);
+        if (bf16) {  // the weight as it is stored
+            linear_bf16(rows, x, l.in, l, y, l.out);
             return;
         }
         if (l.w_half) {

@@ -103,7 +103,7 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
         p.query == p.key && p.key == p.value && p.n_q == p.n_k && p.w_k.in == in && p.w_v.in == in;
     const bool amx = amx_usable();
     if (!(amx || avx512_bf16_usable()) || !self || d % 32 != 0 || dv % 32 != 0 || p.weights ||
-        p.state.q || p.state.lse || p.w_q.w_half || use_decode(a) || in <= 0)
+        p.state.q || p.state.lse || use_decode(a) || in <= 0)
         return false;
     const Index n = p.n_q, rows = p.batch * n, h = p.heads, hk = p.kv_heads;
     const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32;
@@ -143,11 +143,11 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
             pack_rows(t * 32, t * 32 + 32, rows, in, p.query, in, kp, xp.get());
         } else if (t < t_w) {
             const Index kb = t - t_x;
-            pack_weight_block(kb, in, wq, p.w_q.w, wq, np, 0, wq / 16, wp.get());
-            pack_weight_block(kb, in, wk, p.w_k.w, wk, np, wq / 16, wk / 16, wp.get());
-            pack_weight_block(kb, in, wv, p.w_v.w, wv, np, (wq + wk) / 16, wv / 16, wp.get());
+            pack_weight_block(kb, p.w_q, np, 0, wq / 16, wp.get());
+            pack_weight_block(kb, p.w_k, np, wq / 16, wk / 16, wp.get());
+            pack_weight_block(kb, p.w_v, np, (wq + wk) / 16, wv / 16, wp.get());
         } else if (t < t_o) {
-            pack_weight_block(t - t_w, wc, d_out, p.w_o.w, d_out, npo, 0, npo / 16, wpo.get());
+            pack_weight_block(t - t_w, p.w_o, npo, 0, npo / 16, wpo.get());
         } else if (t < t_o + p.batch * heads) {
             const Index b = (t - t_o) / heads, head = (t - t_o) % heads;
             if (head < h) {
