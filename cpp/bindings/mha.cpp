@@ -260,6 +260,7 @@ void bind_mha(py::module_& m) {
           py::arg("d_mask") = py::none(), py::arg("d_sinks") = py::none(), py::arg("bf16") = false);
     bind_args<MhaArgs>(m, "MhaArgs");
     m.def("mha_bf16_fused_calls", [] { return mha_bf16_fused_calls.load(); });
+    m.def("attention_copied_calls", [] { return attention_copied_calls.load(); });
     m.def("mha_forward", &mha_forward, py::arg("args"), py::arg("out"), py::arg("weights"),
           py::arg("state") = py::none(), py::arg("bf16") = false);
     m.def("mha_backward", &mha_backward, py::arg("grad_out"), py::arg("args"), py::arg("grads"),

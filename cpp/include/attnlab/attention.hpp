@@ -12,6 +12,9 @@ namespace attnlab {
 // Calls of the fused precision="bf16" multi-head forward (cpp/src/kernels/mha_bf16.hpp) in this
 // process: how the tests know that it ran, not the composed path it falls back to.
 inline std::atomic<std::uint64_t> mha_bf16_fused_calls{0};
+// Calls of the attention forward that copied K and V to contiguous rows first (strided heads,
+// attention_forward.cpp): the same check for that path.
+inline std::atomic<std::uint64_t> attention_copied_calls{0};
 
 // softmax(scale * q k^T + mask) v for every (batch, head); query head j reads kv head
 // j / (heads / kv_heads). Fully masked rows give a zero output row, zero weights and lse = -inf.

@@ -34,6 +34,14 @@ constexpr Index kDepth = 256;  // head-width chunk of the score product
 // 1/mp of the value product per tile, so a call's single scan of V costs less once a head has
 // many tiles. 8 is chosen by that count, not measured.
 constexpr Index kScanInTilesMax = 8;
+// K and V whose rows lie apart (heads as column blocks of (batch * n, heads * d) projections, or
+// transposed views of (B, n, h, d) arrays) are copied to contiguous rows before the tiles when at
+// least this many query tiles read each head: rows a power-of-two multiple of 512 bytes apart
+// share a few L1 sets, so a key block's rows evict one another between the products' passes
+// over them (docs/performance.md, "Strided heads"). The copies in groups of kv heads of up to
+// kCopyGroupBytes.
+constexpr Index kCopyMinTiles = 8;
+constexpr Index kCopyGroupBytes = Index(64) << 20;
 
 template <typename T>
 struct TileOperands {  // where a flash tile reads Q (from its first query), K and V, and writes O
@@ -280,28 +288,57 @@ void forward_tiles(const AttentionProblem<T>& p) {
         return;
     }
     const Index q_tiles = detail::tile_count(p.n_q, detail::kTileQ);
-    const Index tasks = p.batch * p.heads * q_tiles;
     // Value rows holding NaN/Inf: scanned per key block in the flash tiles when each head has few
     // query tiles (value_flags), else once for the call (each block would be scanned too often).
     const bool scan_in_tiles = !p.weights && q_tiles <= detail::kScanInTilesMax;
     const Buffer<std::uint8_t> v_flags =
         scan_in_tiles ? Buffer<std::uint8_t>() : detail::nonfinite_rows(p);
-    parallel_for(tasks, [&](Index t) {
-        const Index qt = t % q_tiles;
-        const Index h = (t / q_tiles) % p.heads;
-        const Index b = t / (q_tiles * p.heads);
-        const Index i0 = qt * detail::kTileQ;
-        const Index mq = detail::tile_rows(p.n_q, detail::kTileQ, q_tiles, qt);
-        const Index hk = h / (p.heads / p.kv_heads);
-        const std::uint8_t* flags =
-            v_flags ? v_flags.get() + (b * p.kv_heads + hk) * p.n_k : nullptr;
-        if (p.weights) {
-            detail::dense_tile(p, b, h, i0, mq, flags);
-        } else {
-            detail::flash_tile(p, b, h, i0, mq, flags, scan_in_tiles,
-                               detail::tile_operands(p, b, h, i0));
-        }
-    });
+    const Index nk = p.n_k, d = p.d, dv = p.d_v, group = p.heads / p.kv_heads;
+    const Index kv_all = p.batch * p.kv_heads, per_head = nk * (d + dv);
+    const bool copy = !p.weights && q_tiles >= detail::kCopyMinTiles && per_head > 0 &&
+                      (p.k.row_stride != d || p.v.row_stride != dv);
+    const Index span =
+        copy ? std::clamp<Index>(detail::kCopyGroupBytes / Index(sizeof(T)) / per_head, 1, kv_all)
+             : kv_all;
+    Buffer<T> kv = copy ? make_buffer<T>(span * per_head) : Buffer<T>();
+    if (copy) attention_copied_calls.fetch_add(1, std::memory_order_relaxed);
+    for (Index g0 = 0; g0 < kv_all; g0 += span) {  // kv heads [g0, g1), b * kv_heads + hk
+        const Index g1 = std::min(kv_all, g0 + span);
+        if (copy)
+            parallel_for(g1 - g0, [&](Index i) {
+                const Index b = (g0 + i) / p.kv_heads, hk = (g0 + i) % p.kv_heads;
+                T* kc = kv.get() + i * per_head;
+                T* vc = kc + nk * d;
+                for (Index j = 0; j < nk; ++j) {
+                    const T* kr = p.k.at(b, hk) + j * p.k.row_stride;
+                    const T* vr = p.v.at(b, hk) + j * p.v.row_stride;
+                    std::copy(kr, kr + d, kc + j * d);
+                    std::copy(vr, vr + dv, vc + j * dv);
+                }
+            });
+        // tasks by kv head, then its query heads, then query tiles: (batch, head, tile) order
+        parallel_for((g1 - g0) * group * q_tiles, [&](Index t) {
+            const Index kvh = g0 + t / (group * q_tiles);
+            const Index b = kvh / p.kv_heads, hk = kvh % p.kv_heads;
+            const Index h = hk * group + (t / q_tiles) % group;
+            const Index qt = t % q_tiles;
+            const Index i0 = qt * detail::kTileQ;
+            const Index mq = detail::tile_rows(p.n_q, detail::kTileQ, q_tiles, qt);
+            const std::uint8_t* flags = v_flags ? v_flags.get() + kvh * nk : nullptr;
+            if (p.weights) {
+                detail::dense_tile(p, b, h, i0, mq, flags);
+                return;
+            }
+            detail::TileOperands<T> x = detail::tile_operands(p, b, h, i0);
+            if (copy) {  // the same values, as contiguous rows
+                x.k = kv.get() + (kvh - g0) * per_head;
+                x.ks = d;
+                x.v = x.k + nk * d;
+                x.vs = dv;
+            }
+            detail::flash_tile(p, b, h, i0, mq, flags, scan_in_tiles, x);
+        });
+    }
 }
 
 // Half-precision Q, K, V and output. A thread widens the key blocks of a kv head as its tiles
