@@ -132,3 +132,13 @@ def test_multi_head_attention_long_rows_copy():
     q, k, v = (heads_of(name) for name in ("w_q", "w_k", "w_v"))
     ctx = attnlab.scaled_dot_product_attention(q, k, v)
     np.testing.assert_array_equal(got[0], ctx.transpose(1, 0, 2).reshape(n, d))
+
+
+def test_a_head_larger_than_a_copy_group_is_read_in_place():
+    """A kv head whose K and V exceed the copy group (64 MiB) is not copied (no copy of that
+    size): read where it is, with the same result."""
+    rng = np.random.default_rng(10)
+    q = _heads(rng, 1, N_COPY, 2, 256, np.float64)
+    k = _heads(rng, 1, 16400, 2, 256, np.float64)  # 16400 x 512 doubles: 64.06 MiB per head
+    v = _heads(rng, 1, 16400, 2, 256, np.float64)
+    _both(q, k, v, 0)

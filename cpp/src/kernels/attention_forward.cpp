@@ -39,7 +39,7 @@ constexpr Index kScanInTilesMax = 8;
 // least this many query tiles read each head: rows a power-of-two multiple of 512 bytes apart
 // share a few L1 sets, so a key block's rows evict one another between the products' passes
 // over them (docs/performance.md, "Strided heads"). The copies in groups of kv heads of up to
-// kCopyGroupBytes.
+// kCopyGroupBytes (a larger head is read where it is: no copy that size).
 constexpr Index kCopyMinTiles = 8;
 constexpr Index kCopyGroupBytes = Index(64) << 20;
 
@@ -296,6 +296,7 @@ void forward_tiles(const AttentionProblem<T>& p) {
     const Index nk = p.n_k, d = p.d, dv = p.d_v, group = p.heads / p.kv_heads;
     const Index kv_all = p.batch * p.kv_heads, per_head = nk * (d + dv);
     const bool copy = !p.weights && q_tiles >= detail::kCopyMinTiles && per_head > 0 &&
+                      per_head <= detail::kCopyGroupBytes / Index(sizeof(T)) &&
                       (p.k.row_stride != d || p.v.row_stride != dv);
     const Index span =
         copy ? std::clamp<Index>(detail::kCopyGroupBytes / Index(sizeof(T)) / per_head, 1, kv_all)
