@@ -122,6 +122,13 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                     return;
                 }
             }
+            // fewer rows than a row block: B is read once, so in place (packing it would copy
+            // each of its rows, a strided walk, for a single use)
+            if (!b_transposed && !bh.bits && nw == W && m < MR) {
+                detail::panel_rows<T, NP, MR, Acc>(m, kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y,
+                                                   ldy);
+                return;
+            }
             // B^T blocks by packet transposes (a scalar gather dominated this function in the
             // attention backward)
             if (b_transposed) {
