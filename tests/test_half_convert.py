@@ -196,3 +196,27 @@ def test_half_weights_of_tall_calls_are_the_widened_call(dtype, rows):
     )
     assert got.dtype == dtype
     np.testing.assert_array_equal(got.view(np.uint16), want.astype(dtype).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", [d for _, d in FORMATS])
+@pytest.mark.parametrize("n", [1, 3, 7])
+@pytest.mark.parametrize("h_kv", [None, 1])
+def test_half_weights_of_few_rows_are_the_widened_call(dtype, n, h_kv):
+    """Fewer rows than the GEMM's row block (decode-sized calls) read half-precision weights in
+    place, widening them as they load them, instead of widening a copy of each panel: still bit
+    for bit the call on float32 copies, rounded (a partial last panel too: w_o has 100 columns)."""
+    import attnlab
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((1, n, 96)).astype(dtype)
+    w = {n_: (rng.standard_normal((96, 96)) / 10).astype(dtype) for n_ in ("w_q", "w_k", "w_v")}
+    w["w_o"] = (rng.standard_normal((96, 100)) / 10).astype(dtype)
+    if h_kv:
+        w["w_k"], w["w_v"] = w["w_k"][:, :48], w["w_v"][:, :48]
+    kw = {"num_heads": 2, "num_kv_heads": h_kv}
+    got = attnlab.multi_head_attention(x, **w, **kw)
+    want = attnlab.multi_head_attention(
+        x.astype(np.float32), **{n_: a.astype(np.float32) for n_, a in w.items()}, **kw
+    )
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got.view(np.uint16), want.astype(dtype).view(np.uint16))
