@@ -10,7 +10,7 @@
 
 #include "attnlab/attention.hpp"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
@@ -61,6 +61,15 @@ inline void half_to_float(const std::uint16_t* s, Index n, HalfFormat format, fl
                 ? _mm512_cvtph_ps(bits)
                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
         _mm512_storeu_ps(o + c, f);
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+    for (; c + 8 <= n; c += 8) {
+        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c));
+        const __m256 f =
+            format == HalfFormat::float16
+                ? _mm256_cvtph_ps(bits)
+                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+        _mm256_storeu_ps(o + c, f);
     }
 #endif
     for (; c < n; ++c) {
