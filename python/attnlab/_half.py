@@ -31,8 +31,8 @@ _OPTIONS = frozenset(
 _SCALARS = frozenset({bool, int, float, str})
 
 
-# the verdicts of is_half on 2-byte dtypes: ``dtype.name`` is computed in Python on every read
-# (4.5 us; a float16 call asks for each of its arrays). Bounded; cleared when full.
+# the verdicts of is_half on 2-byte dtypes: ``dtype.name`` is computed in Python on every read,
+# and a float16 call asks for each of its arrays (docs/performance.md). Bounded; cleared when full.
 _HALF_DTYPES: dict[np.dtype, bool] = {}
 
 

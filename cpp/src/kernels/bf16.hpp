@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "attnlab/attention.hpp"
+#include "microkernel.hpp"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -52,31 +53,18 @@ constexpr Index kPrefetchRows = 32;
 
 // n half-precision bits to floats: exact.
 inline void half_to_float(const std::uint16_t* s, Index n, HalfFormat format, float* o) {
-    Index c = 0;
-#if defined(__AVX512F__)
-    for (; c + 16 <= n; c += 16) {
-        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + c));
-        const __m512 f =
-            format == HalfFormat::float16
-                ? _mm512_cvtph_ps(bits)
-                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-        _mm512_storeu_ps(o + c, f);
-    }
-#elif defined(__AVX2__) && defined(__F16C__)
-    for (; c + 8 <= n; c += 8) {
-        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c));
-        const __m256 f =
-            format == HalfFormat::float16
-                ? _mm256_cvtph_ps(bits)
-                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-        _mm256_storeu_ps(o + c, f);
-    }
-#endif
-    for (; c < n; ++c) {
-        o[c] = format == HalfFormat::float16
-                   ? static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(s[c]))
-                   : static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(s[c]));
-    }
+    const auto widen = [&](auto f) {
+        constexpr HalfFormat F = decltype(f)::value;
+        constexpr Index L = packet_size<float>();
+        const Index whole = n / L * L;
+        for (Index c = 0; c < whole; c += L)
+            Eigen::internal::pstoreu(o + c, load_stored_packet<float, F>(s + c));
+        for (Index c = whole; c < n; ++c) o[c] = load_stored<float, F>(s + c);
+    };
+    if (format == HalfFormat::float16)
+        widen(std::integral_constant<HalfFormat, HalfFormat::float16>{});
+    else
+        widen(std::integral_constant<HalfFormat, HalfFormat::bfloat16>{});
 }
 
 // Rows of half-precision bits (row stride ld) to float rows (row stride cols), each row

@@ -79,55 +79,11 @@ struct DecodeParts {
 #pragma GCC diagnostic ignored "-Wuninitialized"  // GCC 12's _mm512_undefined_pd in predux (105593)
 #endif
 
-// K and V elements as stored: T, or the bits of a half format F (converted as they are loaded,
-// exactly: the kernels then do the same FMAs as on the widened rows, half the bytes read)
-template <typename T, HalfFormat F>
-using KvElem = std::conditional_t<F == HalfFormat::none, T, std::uint16_t>;
-
-template <typename T, HalfFormat F>
-T load_kv(const KvElem<T, F>* x) {
-    if constexpr (F == HalfFormat::none) {
-        return *x;
-    } else if constexpr (F == HalfFormat::float16) {
-        return static_cast<T>(Eigen::numext::bit_cast<Eigen::half>(*x));
-    } else {
-        return static_cast<T>(Eigen::numext::bit_cast<Eigen::bfloat16>(*x));
-    }
-}
-
-template <typename T, HalfFormat F>
-PacketOf<T> load_kv_packet(const KvElem<T, F>* x) {
-    namespace ei = Eigen::internal;
-    using Packet = PacketOf<T>;
-    if constexpr (F == HalfFormat::none) {
-        return ei::ploadu<Packet>(x);
-    } else {
-#if defined(__AVX512F__)
-        if constexpr (std::is_same_v<T, float> && packet_size<T>() == 16) {
-            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-            if constexpr (F == HalfFormat::float16) return _mm512_cvtph_ps(b);
-            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-        }
-#endif
-#if defined(__AVX2__) && defined(__F16C__)
-        if constexpr (std::is_same_v<T, float> && packet_size<T>() == 8) {
-            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-            if constexpr (F == HalfFormat::float16) return _mm256_cvtph_ps(b);
-            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
-        }
-#endif
-        constexpr Index L = packet_size<T>();
-        alignas(64) T lanes[L];
-        for (Index i = 0; i < L; ++i) lanes[i] = load_kv<T, F>(x + i);
-        return ei::pload<Packet>(lanes);
-    }
-}
-
 // s[r * ss + u] = q_r . k_u for RB rows (q_r at q + r * d) and KB keys (k_u at k + u * ks):
 // RB x KB independent FMA chains over the head width; the sum of each is the same whatever
 // the block, so every row gets the same scores however the rows are grouped.
 template <typename T, HalfFormat F, int RB, int KB>
-void decode_dots(const T* q, const KvElem<T, F>* k, Index ks, Index d, T* s, Index ss,
+void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s, Index ss,
                  Index ahead) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
@@ -136,14 +92,14 @@ void decode_dots(const T* q, const KvElem<T, F>* k, Index ks, Index d, T* s, Ind
     // the keys `ahead` rows on, requested as these are read
     if (ahead > 0)
         for (int u = 0; u < KB; ++u)
-            for (Index b = 0; b < d * Index(sizeof(KvElem<T, F>)); b += 64)
+            for (Index b = 0; b < d * Index(sizeof(StoredElem<T, F>)); b += 64)
                 __builtin_prefetch(reinterpret_cast<const char*>(k + (ahead + u) * ks) + b, 0, 3);
     Packet a[RB][KB];
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < KB; ++u) a[r][u] = ei::pset1<Packet>(T(0));
     for (Index c = 0; c < dw; c += L) {
         Packet x[KB];
-        for (int u = 0; u < KB; ++u) x[u] = load_kv_packet<T, F>(k + u * ks + c);
+        for (int u = 0; u < KB; ++u) x[u] = load_stored_packet<T, F>(k + u * ks + c);
         for (int r = 0; r < RB; ++r) {
             const Packet y = ei::ploadu<Packet>(q + r * d + c);
             for (int u = 0; u < KB; ++u) a[r][u] = ei::pmadd(y, x[u], a[r][u]);
@@ -152,7 +108,7 @@ void decode_dots(const T* q, const KvElem<T, F>* k, Index ks, Index d, T* s, Ind
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < KB; ++u) {
             T t = ei::predux(a[r][u]);
-            for (Index c = dw; c < d; ++c) t += q[r * d + c] * load_kv<T, F>(k + u * ks + c);
+            for (Index c = dw; c < d; ++c) t += q[r * d + c] * load_stored<T, F>(k + u * ks + c);
             s[r * ss + u] = t;
         }
 }
@@ -163,7 +119,7 @@ void decode_dots(const T* q, const KvElem<T, F>* k, Index ks, Index d, T* s, Ind
 
 // decode_dots for `rows` <= RB rows
 template <typename T, HalfFormat F, int RB, int KB>
-void decode_dots_rows(Index rows, const T* q, const KvElem<T, F>* k, Index ks, Index d, T* s,
+void decode_dots_rows(Index rows, const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
                       Index ss, Index ahead) {
     if constexpr (RB > 1)
         if (rows < RB) return decode_dots_rows<T, F, RB - 1, KB>(rows, q, k, ks, d, s, ss, ahead);
@@ -174,8 +130,8 @@ void decode_dots_rows(Index rows, const T* q, const KvElem<T, F>* k, Index ks, I
 // acc_r at acc + r * as), the columns held in registers across the keys. With Skip, a key a row
 // may not see (score -inf) is skipped for it, so its value (even NaN) never reaches that row.
 template <typename T, HalfFormat F, int RB, int NP, bool Skip>
-void decode_values(const T* sc, const T* pr, Index ss, const KvElem<T, F>* v, Index vs, Index kb,
-                   T* acc, Index as, Index c0, Index ahead) {
+void decode_values(const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v, Index vs,
+                   Index kb, T* acc, Index as, Index c0, Index ahead) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -183,12 +139,12 @@ void decode_values(const T* sc, const T* pr, Index ss, const KvElem<T, F>* v, In
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < NP; ++u) a[r][u] = ei::pload<Packet>(acc + r * as + c0 + u * L);
     for (Index j = 0; j < kb; ++j) {
-        const KvElem<T, F>* vj = v + j * vs + c0;
+        const StoredElem<T, F>* vj = v + j * vs + c0;
         if (ahead > 0)
-            for (Index b = 0; b < NP * L * Index(sizeof(KvElem<T, F>)); b += 64)
+            for (Index b = 0; b < NP * L * Index(sizeof(StoredElem<T, F>)); b += 64)
                 __builtin_prefetch(reinterpret_cast<const char*>(vj + ahead * vs) + b, 0, 3);
         Packet x[NP];
-        for (int u = 0; u < NP; ++u) x[u] = load_kv_packet<T, F>(vj + u * L);
+        for (int u = 0; u < NP; ++u) x[u] = load_stored_packet<T, F>(vj + u * L);
         for (int r = 0; r < RB; ++r) {
             if (Skip && sc[r * ss + j] == neg_inf<T>()) continue;
             const Packet w = ei::pset1<Packet>(pr[r * ss + j]);
@@ -201,7 +157,7 @@ void decode_values(const T* sc, const T* pr, Index ss, const KvElem<T, F>* v, In
 
 // decode_values for `rows` <= RB rows
 template <typename T, HalfFormat F, int RB, int NP, bool Skip>
-void decode_values_rows(Index rows, const T* sc, const T* pr, Index ss, const KvElem<T, F>* v,
+void decode_values_rows(Index rows, const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v,
                         Index vs, Index kb, T* acc, Index as, Index c0, Index ahead) {
     if constexpr (RB > 1)
         if (rows < RB)
@@ -214,7 +170,7 @@ void decode_values_rows(Index rows, const T* sc, const T* pr, Index ss, const Kv
 // 1 packets, each chunk through every row block while its values are in L1 (the first block
 // streams them); returns the first column after them
 template <typename T, HalfFormat F, int NP, bool Skip>
-Index decode_values_cols(Index R, const T* sc, const T* pr, Index ss, const KvElem<T, F>* v,
+Index decode_values_cols(Index R, const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v,
                          Index vs, Index kb, T* acc, Index as, Index c, Index dv, Index ahead) {
     constexpr Index W = NP * packet_size<T>();
     for (; c + W <= dv; c += W)
@@ -230,7 +186,7 @@ Index decode_values_cols(Index R, const T* sc, const T* pr, Index ss, const KvEl
 // acc += P V for the R rows over the whole packets of the value rows (see decode_values_cols):
 // value packets per row as many as leave the registers to the accumulators of a row block
 template <typename T, HalfFormat F, bool Skip>
-Index decode_values_all(Index R, const T* sc, const T* pr, Index ss, const KvElem<T, F>* v,
+Index decode_values_all(Index R, const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v,
                         Index vs, Index kb, T* acc, Index as, Index dv, Index ahead) {
     constexpr int wide = kDecodeAccumulators / 2, narrow = kDecodeAccumulators / kDecodeRowBlock;
     if (R <= 2)
@@ -262,7 +218,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     std::fill(acc, acc + R * dvp, T(0));
     std::fill(m, m + R, neg_inf<T>());
     std::fill(l, l + R, T(0));
-    using E = KvElem<T, F>;
+    using E = StoredElem<T, F>;
     const E *kbase, *vbase;
     Index ks, vs;
     if constexpr (F == HalfFormat::none) {
@@ -343,7 +299,8 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
             for (Index r = 0; r < R; ++r)
                 if (sc[r * kbp + j] != neg_inf<T>())
                     for (Index cc = c; cc < dv; ++cc)
-                        acc[r * dvp + cc] += pr[r * kbp + j] * load_kv<T, F>(vblock + j * vs + cc);
+                        acc[r * dvp + cc] +=
+                            pr[r * kbp + j] * load_stored<T, F>(vblock + j * vs + cc);
     }
     for (Index g = 0; g < group; ++g)
         for (Index i = 0; i < p.n_q; ++i) {

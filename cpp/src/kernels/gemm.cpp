@@ -19,83 +19,6 @@ struct HalfB {
     HalfFormat format = HalfFormat::none;
 };
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
-// A packet of floats from half-precision bits, exactly (as half_to_float widens them).
-template <HalfFormat F>
-EIGEN_ALWAYS_INLINE detail::PacketOf<float> half_packet(const std::uint16_t* p) {
-#if defined(__AVX512F__)
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    if constexpr (F == HalfFormat::float16) return _mm512_cvtph_ps(bits);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-#else
-    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (F == HalfFormat::float16) return _mm256_cvtph_ps(bits);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-#endif
-}
-
-// R (fewer than a row block) rows of C (+)= A B for a panel of NP packets whose B is
-// half-precision bits read in place and widened as loaded (so few rows read B once: the copy a
-// row block reuses would be a pass over it for nothing). panel_kernel's FMAs in its order on the
-// same widened values: the same bits.
-template <HalfFormat F, int R, int NP, bool Accumulate>
-void half_b_kernel(Index depth, const float* a, Index a_rs, Index a_ts, const std::uint16_t* b,
-                   Index ldb, float* c, Index ldc) {
-    namespace ei = Eigen::internal;
-    using Packet = detail::PacketOf<float>;
-    constexpr Index L = detail::packet_size<float>();
-    Packet acc[R][NP];
-    for (int r = 0; r < R; ++r)
-        for (int q = 0; q < NP; ++q)
-            acc[r][q] =
-                Accumulate ? ei::ploadu<Packet>(c + r * ldc + q * L) : ei::pset1<Packet>(0.f);
-    for (Index t = 0; t < depth; ++t) {
-        Packet bt[NP];
-        for (int q = 0; q < NP; ++q) bt[q] = half_packet<F>(b + t * ldb + q * L);
-        const float* at = a + t * a_ts;
-        for (int r = 0; r < R; ++r) {
-            const Packet ar = ei::pset1<Packet>(at[r * a_rs]);
-            for (int q = 0; q < NP; ++q) acc[r][q] = ei::pmadd(ar, bt[q], acc[r][q]);
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int q = 0; q < NP; ++q) ei::pstoreu(c + r * ldc + q * L, acc[r][q]);
-}
-
-template <HalfFormat F, int NP, bool Accumulate>
-void half_b_rows(Index m, Index depth, const float* a, Index a_rs, Index a_ts,
-                 const std::uint16_t* b, Index ldb, float* c, Index ldc) {
-    const auto run = [&](auto rows) {
-        half_b_kernel<F, decltype(rows)::value, NP, Accumulate>(depth, a, a_rs, a_ts, b, ldb, c,
-                                                                ldc);
-    };
-    switch (m) {  // fewer than a row block: at most 7
-        case 1:
-            run(std::integral_constant<int, 1>{});
-            break;
-        case 2:
-            run(std::integral_constant<int, 2>{});
-            break;
-        case 3:
-            run(std::integral_constant<int, 3>{});
-            break;
-        case 4:
-            run(std::integral_constant<int, 4>{});
-            break;
-        case 5:
-            run(std::integral_constant<int, 5>{});
-            break;
-        case 6:
-            run(std::integral_constant<int, 6>{});
-            break;
-        default:
-            run(std::integral_constant<int, 7>{});
-            break;
-    }
-}
-#define ATTNLAB_HALF_B_IN_PLACE 1
-#endif
-
 // Blocking: a task is 128 rows x 8 panels of output columns, the depth runs in chunks (see
 // Blocking below). Fixed sizes: the summation order never depends on the thread count, nor on
 // the depth chunks (an element's accumulator is stored and reloaded exactly between them).
@@ -206,20 +129,18 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                                                    ldy);
                 return;
             }
-#if defined(ATTNLAB_HALF_B_IN_PLACE)
-            if constexpr (std::is_same_v<T, float>) {  // the same for half-precision weights
-                if (bh.bits && nw == W && m < MR) {
+            if constexpr (std::is_same_v<T, float>) {  // so for half-precision weights too,
+                if (bh.bits && nw == W && m < MR) {    // widened as the kernel loads them
                     const std::uint16_t* bb = bh.bits + k0 * ldb + j0;
                     if (bh.format == HalfFormat::float16)
-                        half_b_rows<HalfFormat::float16, NP, Acc>(m, kc, ak, a_rs, a_ts, bb, ldb, y,
-                                                                  ldy);
+                        detail::panel_rows<T, NP, MR, Acc, HalfFormat::float16>(
+                            m, kc, ak, a_rs, a_ts, bb, ldb, y, ldy);
                     else
-                        half_b_rows<HalfFormat::bfloat16, NP, Acc>(m, kc, ak, a_rs, a_ts, bb, ldb,
-                                                                   y, ldy);
+                        detail::panel_rows<T, NP, MR, Acc, HalfFormat::bfloat16>(
+                            m, kc, ak, a_rs, a_ts, bb, ldb, y, ldy);
                     return;
                 }
             }
-#endif
             // B^T blocks by packet transposes (a scalar gather dominated this function in the
             // attention backward)
             if (b_transposed) {

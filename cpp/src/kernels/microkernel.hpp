@@ -29,6 +29,51 @@ constexpr Index packet_size() {
 // accumulators, 3 B packets and a broadcast fill the 16 vector registers of SSE2/AVX2 and need
 // 7 loads per 12 FMAs (6 rows x 2 packets would need 8). 4 divides the usual head widths and
 // key tiles; 3 packets divide a 96-query tile for every packet size (4, 8, 16 lanes).
+// Elements as stored: T, or the bits of a half format F, converted as they are loaded, exactly
+// (a kernel then does the same FMAs as on the widened values, reading half the bytes: the decode
+// path's K and V, the GEMM's half-precision weights)
+template <typename T, HalfFormat F>
+using StoredElem = std::conditional_t<F == HalfFormat::none, T, std::uint16_t>;
+
+template <typename T, HalfFormat F>
+T load_stored(const StoredElem<T, F>* x) {
+    if constexpr (F == HalfFormat::none) {
+        return *x;
+    } else if constexpr (F == HalfFormat::float16) {
+        return static_cast<T>(Eigen::numext::bit_cast<Eigen::half>(*x));
+    } else {
+        return static_cast<T>(Eigen::numext::bit_cast<Eigen::bfloat16>(*x));
+    }
+}
+
+template <typename T, HalfFormat F>
+PacketOf<T> load_stored_packet(const StoredElem<T, F>* x) {
+    namespace ei = Eigen::internal;
+    using Packet = PacketOf<T>;
+    if constexpr (F == HalfFormat::none) {
+        return ei::ploadu<Packet>(x);
+    } else {
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, float> && packet_size<T>() == 16) {
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+            if constexpr (F == HalfFormat::float16) return _mm512_cvtph_ps(b);
+            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+        }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+        if constexpr (std::is_same_v<T, float> && packet_size<T>() == 8) {
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+            if constexpr (F == HalfFormat::float16) return _mm256_cvtph_ps(b);
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+        }
+#endif
+        constexpr Index L = packet_size<T>();
+        alignas(64) T lanes[L];
+        for (Index i = 0; i < L; ++i) lanes[i] = load_stored<T, F>(x + i);
+        return ei::pload<Packet>(lanes);
+    }
+}
+
 constexpr int kPanelPackets = 3;
 #if defined(__AVX512F__)
 constexpr int kPanelRows = 8;  // 32 registers: 24 accumulators, 11 loads per 24 FMAs
@@ -72,10 +117,12 @@ EIGEN_ALWAYS_INLINE void prefetch_read(const void* p) {
 #endif
 }
 
-template <typename T, int MR, int NP, bool Accumulate, bool PackB = false>
-EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts, const T* b,
-                                      Index ldb, T* c, Index ldc, T* packed = nullptr,
-                                      Index ldp = 0) {
+template <typename T, int MR, int NP, bool Accumulate, bool PackB = false,
+          HalfFormat F = HalfFormat::none>
+EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts,
+                                      const StoredElem<T, F>* b, Index ldb, T* c, Index ldc,
+                                      T* packed = nullptr, Index ldp = 0) {
+    static_assert(!PackB || F == HalfFormat::none, "the packed copy is of float B");
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -86,7 +133,7 @@ EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index
                 Accumulate ? ei::ploadu<Packet>(c + r * ldc + q * L) : ei::pset1<Packet>(T(0));
     for (Index t = 0; t < depth; ++t) {
         Packet bt[NP];
-        for (int q = 0; q < NP; ++q) bt[q] = ei::ploadu<Packet>(b + t * ldb + q * L);
+        for (int q = 0; q < NP; ++q) bt[q] = load_stored_packet<T, F>(b + t * ldb + q * L);
         if constexpr (PackB) {
             for (int q = 0; q < NP; ++q) ei::pstoreu(packed + t * ldp + q * L, bt[q]);
             const T* ahead = b + (t + kPrefetchAhead) * ldb;  // past the end: a hint, no access
@@ -103,10 +150,11 @@ EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index
         for (int q = 0; q < NP; ++q) ei::pstoreu(c + r * ldc + q * L, acc[r][q]);
 }
 
-// Rows [0, rows) of C for one panel of NP packets, MR rows at a time, the rest with fewer.
-template <typename T, int NP, int MR, bool Accumulate>
-void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, const T* b, Index ldb,
-                T* c, Index ldc) {
+// Rows [0, rows) of C for one panel of NP packets, MR rows at a time, the rest with fewer; B as
+// stored (F: half-precision bits, widened as loaded).
+template <typename T, int NP, int MR, bool Accumulate, HalfFormat F = HalfFormat::none>
+void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts,
+                const StoredElem<T, F>* b, Index ldb, T* c, Index ldc) {
     Index r = 0;
     // A's rows read along the depth (a_ts = 1), short and far apart (the keys of packed
     // projections: d_head of every h d_head): the next row block's rows are fetched while this
@@ -119,13 +167,13 @@ void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, con
                 const T* next = a + (r + MR + i) * a_rs;
                 for (Index t = 0; t < depth; t += 64 / Index(sizeof(T))) prefetch_read(next + t);
             }
-        panel_kernel<T, MR, NP, Accumulate>(depth, a + r * a_rs, a_rs, a_ts, b, ldb, c + r * ldc,
-                                            ldc);
+        panel_kernel<T, MR, NP, Accumulate, false, F>(depth, a + r * a_rs, a_rs, a_ts, b, ldb,
+                                                      c + r * ldc, ldc);
     }
     if constexpr (MR > 1) {
         if (r < rows)
-            panel_rows<T, NP, MR - 1, Accumulate>(rows - r, depth, a + r * a_rs, a_rs, a_ts, b, ldb,
-                                                  c + r * ldc, ldc);
+            panel_rows<T, NP, MR - 1, Accumulate, F>(rows - r, depth, a + r * a_rs, a_rs, a_ts, b,
+                                                     ldb, c + r * ldc, ldc);
     }
 }
 
