@@ -220,3 +220,81 @@ def test_half_weights_of_few_rows_are_the_widened_call(dtype, n, h_kv):
     )
     assert got.dtype == dtype
     np.testing.assert_array_equal(got.view(np.uint16), want.astype(dtype).view(np.uint16))
+
+
+def _prepared(x, kv=None, **kw):
+    """The prepared multi-head call (_mha._Mha) of these arguments, as the forward sees it."""
+    import inspect
+
+    import attnlab
+    from attnlab import _mha
+
+    bound = inspect.signature(attnlab.multi_head_attention).bind(x, kv, kv, **kw)
+    bound.apply_defaults()
+    return _mha._prepare_mha(dict(bound.arguments), keep_half=True)
+
+
+@pytest.mark.parametrize("code, dtype", FORMATS)
+def test_half_inputs_reach_the_kernel_as_bits(code, dtype):
+    """Inputs stored as the weights are (float32 products) go to the kernel as their bits, the
+    output comes back as bits: no float32 copy of either. Not so with bf16 products, with an
+    input of another dtype, or with float64 biases (the call then computes in float64)."""
+    rng = np.random.default_rng(11)
+    x, kv, w, kw = _mha_case(rng, dtype, True, 2)
+    a = _prepared(x, kv, **w, **kw)
+    assert (a.weights_half, a.inputs_half) == (code, True)
+    assert a.rq.dtype == a.rk.dtype == np.uint16 and a.dtype == np.float32
+    assert not _prepared(x, kv, **w, **kw, precision="bf16").inputs_half
+    assert not _prepared(x, kv.astype(np.float32), **w, **kw).inputs_half
+    assert not _prepared(x.tolist(), kv, **w, **kw).inputs_half  # not an array: widened
+    wide = _prepared(x, kv, **w, **kw, b_o=np.zeros(16))
+    assert (wide.weights_half, wide.inputs_half, wide.dtype) == (0, False, np.float64)
+
+
+@pytest.mark.parametrize("dtype", [d for _, d in FORMATS])
+def test_half_inputs_strided_and_broadcast_are_the_widened_call(dtype):
+    """Half-precision inputs that are not C-contiguous, or broadcast over the batch, are
+    copied in their dtype and read as bits: bit for bit the call on float32 copies, rounded;
+    300 query rows (three row chunks of the GEMM, a partial one) and a 100-column output."""
+    import attnlab
+
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 48, 300)).astype(dtype).transpose(0, 2, 1)  # (2, 300, 48)
+    kv = rng.standard_normal((1, 9, 40)).astype(dtype)  # broadcast over the batch
+    w = {
+        "w_q": rng.standard_normal((48, 64)) / 7,
+        "w_k": rng.standard_normal((40, 64)) / 7,
+        "w_v": rng.standard_normal((40, 64)) / 7,
+        "w_o": rng.standard_normal((64, 100)) / 7,
+    }
+    w = {n: a.astype(dtype) for n, a in w.items()}
+    assert _prepared(x, kv, **w, num_heads=4).inputs_half
+    got = attnlab.multi_head_attention(x, kv, kv, **w, num_heads=4)
+    want = attnlab.multi_head_attention(
+        x.astype(np.float32),
+        kv.astype(np.float32),
+        kv.astype(np.float32),
+        **{n: a.astype(np.float32) for n, a in w.items()},
+        num_heads=4,
+    )
+    assert got.dtype == dtype and got.shape == (2, 300, 100)
+    np.testing.assert_array_equal(got.view(np.uint16), want.astype(dtype).view(np.uint16))
+
+
+def test_mha_args_refuse_a_bad_inputs_half():
+    """The binding's own checks of inputs_half (the Python layer never sends these)."""
+    rng = np.random.default_rng(0)
+    x, _, w, kw = _mha_case(rng, np.float16, False, None)
+    a = _prepared(x, **w, **kw)
+    out = np.empty((14, 16), np.float16).view(np.uint16)
+    with pytest.raises(ValueError, match=r"inputs_half: expected 0, or 1 .* got 2 with"):
+        core.mha_forward(a._replace(inputs_half=2).core_args(), out, None)
+    with pytest.raises(ValueError, match=r"inputs_half: .* got 1 with weights_half 0"):
+        core.mha_forward(a._replace(weights_half=0).core_args(), out, None)
+    with pytest.raises(ValueError, match="inputs_half: bf16 products take float32 inputs"):
+        core.mha_forward(a.core_args(), out, None, None, True)
+    with pytest.raises(TypeError, match="out: unexpected dtype float32"):
+        core.mha_forward(a.core_args(), np.empty((14, 16), np.float32), None)
+    with pytest.raises(ValueError, match="inputs_half: the backward takes float32 or float64"):
+        core.mha_backward(out, a._replace(weights_half=0).core_args(), {})
+    core.mha_forward(a.core_args(), out, None)  # the call itself runs

@@ -365,15 +365,21 @@ struct SharedArgs {
 // The fields of MhaProblem and BilinearProblem filled from their common arguments, checked in
 // argument order by both builders (Problem: MhaProblem or BilinearProblem).
 
-// Sizes and the three inputs (Args: MhaArgs or BilinearArgs), rows of widths d_q, d_k, d_v.
-template <typename T, typename Problem, typename Args>
-void projected_inputs(Problem& p, const Args& a, Index d_q, Index d_k, Index d_v) {
-    const SharedArgs& s = a;
+// The sizes.
+template <typename Problem>
+void projected_sizes(Problem& p, const SharedArgs& s) {
     p.batch = s.batch;
     p.n_q = s.n_q;
     p.n_k = s.n_k;
     p.heads = s.heads;
     p.kv_heads = s.kv_heads;
+}
+
+// Sizes and the three inputs (Args: MhaArgs or BilinearArgs), rows of widths d_q, d_k, d_v.
+template <typename T, typename Problem, typename Args>
+void projected_inputs(Problem& p, const Args& a, Index d_q, Index d_k, Index d_v) {
+    const SharedArgs& s = a;
+    projected_sizes(p, s);
     p.query = contiguous<T>(a.query, "query", {s.batch * s.n_q, d_q});
     p.key = contiguous<T>(a.key, "key", {s.batch * s.n_k, d_k});
     p.value = contiguous<T>(a.value, "value", {s.batch * s.n_k, d_v});
@@ -394,10 +400,16 @@ void projected_values(Problem& p, const SharedArgs& s, Index d_vhead, const py::
     p.state.lse = state_array<T>(state, "lse", {s.batch, s.heads, s.n_q});
 }
 
-// The forward's outputs: out (batch * n_q, d_out) and, when given, the weights.
-template <typename T, typename Problem>
+// The forward's outputs: out (batch * n_q, d_out) and, when given, the weights; out as the
+// bits of a half format instead when U is std::uint16_t (the MHA forward of half arrays).
+template <typename T, typename Problem, typename U = T>
 void projected_outputs(Problem& p, const py::array& out, const py::object& weights) {
-    p.out = contiguous<T>(out, "out", {p.batch * p.n_q, p.w_o.out}, true);
+    U* o = contiguous<U>(out, "out", {p.batch * p.n_q, p.w_o.out}, true);
+    if constexpr (std::is_same_v<U, T>) {
+        p.out = o;
+    } else {
+        p.out_half = o;
+    }
     if (!weights.is_none())
         p.weights = contiguous<T>(weights.cast<py::array>(), "weights",
                                   {p.batch, p.heads, p.n_q, p.n_k}, true);

@@ -141,6 +141,7 @@ struct MhaArgs : SharedArgs {
     Array w_k;
     py::object b_k;
     int weights_half;  // 0: the weights in the inputs' dtype; 1, 2: float16, bfloat16 bits
+    int inputs_half;   // 1: query, key, value (and the forward's out) as bits of weights_half
 
     static constexpr auto fields() {
         return std::tuple_cat(
@@ -148,7 +149,8 @@ struct MhaArgs : SharedArgs {
                             field("value", &MhaArgs::value), field("w_q", &MhaArgs::w_q),
                             field("b_q", &MhaArgs::b_q), field("w_k", &MhaArgs::w_k),
                             field("b_k", &MhaArgs::b_k),
-                            field("weights_half", &MhaArgs::weights_half)),
+                            field("weights_half", &MhaArgs::weights_half),
+                            field("inputs_half", &MhaArgs::inputs_half)),
             SharedArgs::fields());
     }
 };
@@ -170,11 +172,24 @@ MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
     const Index d_head = a.w_q.shape(1) / heads, d_vhead = s.w_v.shape(1) / kv_heads;
     const Index wq = heads * d_head, wk = kv_heads * d_head;
     MhaProblem<T> p;
-    projected_inputs<T>(p, a, d_q, d_k, d_v);
-    p.d_head = d_head;
     if (a.weights_half < 0 || a.weights_half > 2)
         throw py::value_error("weights_half: expected 0, 1 (float16) or 2 (bfloat16), got " +
                               std::to_string(a.weights_half));
+    if (a.inputs_half != 0 && (a.inputs_half != 1 || a.weights_half == 0))
+        throw py::value_error(
+            "inputs_half: expected 0, or 1 with the weights in half precision (weights_half 1 "
+            "or 2), got " +
+            std::to_string(a.inputs_half) + " with weights_half " + std::to_string(a.weights_half));
+    if (a.inputs_half) {  // their bits: the float pointers stay null
+        using Bits = std::uint16_t;
+        projected_sizes(p, s);
+        p.query_half = contiguous<Bits>(a.query, "query", {batch * n_q, d_q});
+        p.key_half = contiguous<Bits>(a.key, "key", {batch * n_k, d_k});
+        p.value_half = contiguous<Bits>(a.value, "value", {batch * n_k, d_v});
+    } else {
+        projected_inputs<T>(p, a, d_q, d_k, d_v);
+    }
+    p.d_head = d_head;
     const auto half = static_cast<HalfFormat>(a.weights_half);
     p.w_q = linear_arg<T>(a.w_q, a.b_q, "w_q", "b_q", d_q, wq, half);
     p.w_k = linear_arg<T>(a.w_k, a.b_k, "w_k", "b_k", d_k, wk, half);
@@ -185,6 +200,14 @@ MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
 }
 
 void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object state, bool bf16) {
+    if (a.inputs_half) {  // computed in float32, out written as bits
+        if (bf16) throw py::value_error("inputs_half: bf16 products take float32 inputs");
+        MhaProblem<float> p = mha_problem<float>(a, state);
+        projected_outputs<float, MhaProblem<float>, std::uint16_t>(p, out, weights);
+        ReleaseGil release;
+        kernels_for<float>().multi_head_attention_forward(p);
+        return;
+    }
     dispatch(a.query, "query", [&](auto tag) {
         using T = decltype(tag);
         if (bf16 && !std::is_same_v<T, float>)
@@ -207,6 +230,9 @@ void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::obje
             "weights_half: the backward takes the weights in the inputs' dtype, "
             "got " +
             std::to_string(a.weights_half));
+    if (a.inputs_half != 0)
+        throw py::value_error("inputs_half: the backward takes float32 or float64 inputs, got " +
+                              std::to_string(a.inputs_half));
     dispatch(a.query, "query", [&](auto tag) {
         using T = decltype(tag);
         MhaProblem<T> p = mha_problem<T>(a, state);

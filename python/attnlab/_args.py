@@ -97,13 +97,26 @@ class Qkv(NamedTuple):
         return rq, rk, rv
 
 
-def qkv(args: Mapping[str, Any], *, min_features: bool = False) -> Qkv:
+def qkv(
+    args: Mapping[str, Any], *, min_features: bool = False, keep: np.dtype | None = None
+) -> Qkv:
     """``query``, ``key``, ``value`` of a call checked in order: each as an array, each at
-    least 2-D, (with ``min_features``) each with features, then value's tokens against key's."""
-    key, value = args["key"], args["value"]
-    xq = V.as_array(args["query"], "query")
-    xk = xq if key is None else V.as_array(key, "key")
-    xv = xk if value is None else V.as_array(value, "value")
+    least 2-D, (with ``min_features``) each with features, then value's tokens against key's.
+    ``keep``: a half dtype the three stay in when each is an ndarray of it (else each is
+    widened, as :func:`V.as_array` does)."""
+    query, key, value = args["query"], args["key"], args["value"]
+    if keep is not None and all(
+        type(x) is np.ndarray and x.dtype == keep
+        for x in (query, key, value)
+        if x is not None or x is query
+    ):
+        xq: np.ndarray = query
+        xk = xq if key is None else key
+        xv = xk if value is None else value
+    else:
+        xq = V.as_array(query, "query")
+        xk = xq if key is None else V.as_array(key, "key")
+        xv = xk if value is None else V.as_array(value, "value")
     V.check_ndim(xq, "query", 2, "(..., n_q, d_q)")
     V.check_ndim(xk, "key", 2, "(..., n_k, d_k)")
     V.check_ndim(xv, "value", 2, "(..., n_k, d_v)")

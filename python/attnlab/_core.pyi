@@ -170,6 +170,7 @@ class MhaArgs(_SharedArgs):
     w_k: _Array
     b_k: _Optional
     weights_half: _Int  # 0; 1 or 2: the four weights as float16 or bfloat16 bits (uint16)
+    inputs_half: _Int  # 0; 1: query, key, value and mha_forward's out as bits of weights_half
 
 @dataclass(frozen=True, kw_only=True)
 class BilinearArgs(_SharedArgs):

@@ -217,6 +217,7 @@ class _Mha(NamedTuple):
     d_out: int
     m: _args.Masks
     weights_half: int = 0  # w_q, w_k, w_v, w_o as float16 (1) / bfloat16 (2) bits, or 0
+    inputs_half: bool = False  # rq, rk, rv (and the forward's out) as bits of that half too
 
     @property
     def B(self) -> int:
@@ -228,7 +229,7 @@ class _Mha(NamedTuple):
         return _args.projected_args(
             core.MhaArgs, self, w, query=self.rq, key=self.rk, value=self.rv,
             w_q=w["w_q"], b_q=w["b_q"], w_k=w["w_k"], b_k=w["b_k"],
-            weights_half=self.weights_half,
+            weights_half=self.weights_half, inputs_half=int(self.inputs_half),
         )  # fmt: skip
 
 
@@ -319,18 +320,24 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     and runs the one C++ forward, with float32 or bf16 products (its GEMMs widen them, or round
     them to bf16, as they pack them: half the bytes read, no float32 copies)."""
     h, h_kv, kv_arg = _args.heads(args["num_heads"], args["num_kv_heads"])
-    x = _args.qkv(args, min_features=True)
-    n_q, n_k = x.n_q, x.n_k
     half = _half_weights(args) if keep_half else None
+    # inputs stored as the weights are, with float32 products, stay so: the projections read
+    # their bits and the output projection writes them (no float32 copies of either)
+    keep = half if args.get("precision") is None else None
+    x = _args.qkv(args, min_features=True, keep=keep)
+    n_q, n_k = x.n_q, x.n_k
+    inputs_half = keep is not None and x.xq.dtype == keep
     if half is None:
         ws = {n: V.as_array(args[n], n) for n in _WEIGHTS}
     else:
         ws = {n: args[n] for n in _WEIGHTS}
     bs = {n: V.optional_array(args[n], n) for n in ("b_q", "b_k", "b_v", "b_o")}
     as_float = (_FLOAT32,) if half is not None else ws.values()
-    dtype = V.result_dtype(x.xq, x.xk, x.xv, *as_float, *bs.values())
+    xs = (_FLOAT32,) if inputs_half else (x.xq, x.xk, x.xv)
+    dtype = V.result_dtype(*xs, *as_float, *bs.values())
     if half is not None and dtype != np.float32:  # float64 inputs: the weights widen with them
         half, ws = None, {n: V.as_array(args[n], n) for n in _WEIGHTS}
+        inputs_half = False  # (and the inputs: x.rows below)
     _check_weights(h, h_kv, kv_arg, x, ws)
     wq_, wk_, wv_, wo_ = ws["w_q"], ws["w_k"], ws["w_v"], ws["w_o"]
     d_head, d_vhead = wq_.shape[1] // h, wv_.shape[1] // h_kv
@@ -350,10 +357,16 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     batch = x.batch()
     m = _args.masks(args, batch, h, n_q, n_k, dtype, 1.0 / math.sqrt(d_head))
     w = {"w_q": wq, "b_q": bq, "w_k": wk, "b_k": bk, "w_v": wv, "b_v": bv, "w_o": wo, "b_o": bo}
+    if inputs_half and half is not None:  # their bits, as the kernels take them
+        rq, rk, rv = (r.view(np.uint16) for r in x.rows(batch, half))
+    else:
+        rq, rk, rv = x.rows(batch, dtype)
     # Gradient keys follow the arguments given, not object identity (the rows may be shared
     # either way: same data, one copy).
     return _Mha(
-        *x.rows(batch, dtype),
+        rq,
+        rk,
+        rv,
         x.key_omitted,
         x.value_omitted,
         x.shapes,
@@ -367,6 +380,7 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
         d_out,
         m,
         0 if half is None else _half.code(half),
+        inputs_half,
     )
 
 
@@ -524,7 +538,11 @@ def multi_head_attention(
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
     B = V.count(batch)
-    out = _memory.empty((B * n_q, d_out), dtype)
+    half = _half.storage(args)
+    if a.inputs_half:  # written by the kernel in that dtype
+        out = _memory.empty((B * n_q, d_out), half)
+    else:
+        out = _memory.empty((B * n_q, d_out), dtype)
     weights = _memory.empty((B, h, n_q, n_k), dtype) if mode else None
     lse_wanted = V.check_flag(return_lse, "return_lse")
     state = None
@@ -540,10 +558,10 @@ def multi_head_attention(
         if composed is not None and not bf16:
             _rope.forward(a, composed, out, weights, lse)
         else:
-            core.mha_forward(a.core_args(), out, weights, state, bf16)
+            out_arg = out.view(np.uint16) if a.inputs_half else out
+            core.mha_forward(a.core_args(), out_arg, weights, state, bf16)
             if lse is not None and state is not None:
                 lse = state["lse"]
-    half = _half.storage(args)
     return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse, half)
 
 

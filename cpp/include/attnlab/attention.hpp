@@ -108,6 +108,10 @@ struct MhaProblem : ProjectedAttention<T> {
     Linear<T> w_q, w_k;  // (d_q, heads * d_head), (d_k, kv_heads * d_head)
     MhaState<T> state;   // optional: all five buffers or none
     bool bf16 = false;   // precision="bf16" (float only): the forward's products in bf16
+    // The forward of half-precision arrays (float only, float32 products, the weights' half
+    // format): query, key, value and out as bits, instead of their float pointers (null)
+    const std::uint16_t *query_half = nullptr, *key_half = nullptr, *value_half = nullptr;
+    std::uint16_t* out_half = nullptr;
 };
 
 // Gradient of a dense projection: weight and bias gradients, input gradient (any may be null).

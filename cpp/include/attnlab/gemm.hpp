@@ -16,12 +16,21 @@ template <typename T>
 void linear(Index rows, Index in, Index out, const T* x, Index ldx, const T* w, const T* b, T* y,
             Index ldy, bool accumulate = false);
 
-// linear() with W given as its bits in half precision (format): each depth chunk of a panel of W
-// is widened into the packed copy the float kernel reads anyway, so the result is linear()'s on
-// the widened W, bit for bit, with W read at half the bytes.
-template <typename T>
-void linear_half_weights(Index rows, Index in, Index out, const T* x, Index ldx,
-                         const std::uint16_t* w, HalfFormat format, const T* b, T* y, Index ldy);
+// The operands of linear() that are stored as half-precision bits (`format`), each in place
+// of its float pointer (null when that operand is float32): a task widens its rows of X as it
+// starts, W is widened into the packed copy the kernel reads anyway, and a task rounds its block
+// of Y when it has computed it. So the result is linear()'s on the widened operands (then
+// rounded), bit for bit, with X and W read at half the bytes and no float32 copy of X or Y.
+struct HalfOperands {
+    const std::uint16_t* x = nullptr;
+    const std::uint16_t* w = nullptr;
+    std::uint16_t* y = nullptr;
+    HalfFormat format = HalfFormat::none;
+};
+
+// linear() (float32 products, Y = X W + b) with the operands h names in half precision.
+void linear_half(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,
+                 const float* b, float* y, Index ldy, const HalfOperands& h);
 
 // Backward of linear(): dX = dY W^T (rows x in, row stride lddx), or dX += dY W^T.
 template <typename T>

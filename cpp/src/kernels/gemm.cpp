@@ -5,6 +5,7 @@
 
 #include "attnlab/threading.hpp"
 #include "bf16.hpp"
+#include "half_convert.hpp"
 #include "microkernel.hpp"
 #include "products.hpp"
 #include "scratch.hpp"
@@ -13,7 +14,7 @@ namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
 namespace {
 
-// B given as half-precision bits instead (linear_half_weights): widened as its chunks are packed
+// B given as half-precision bits instead (linear_half): widened as its chunks are packed
 struct HalfB {
     const std::uint16_t* bits = nullptr;
     HalfFormat format = HalfFormat::none;
@@ -221,11 +222,15 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
 // weight gradient of 384 x 384 is 3 tasks: one of 2 threads would wait for the third). What
 // an element sums, and in which order, depends only on the depth chunks, never on the grid:
 // the result does not depend on the thread count.
+// h: operands stored in half precision instead (linear_half; float only, A read along its rows
+// and Y not accumulated): the rows of A a task reads are widened first, and the block of Y it
+// writes is computed in float32 and rounded last.
 template <typename T>
 void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_ts, const T* b,
           Index ldb, bool b_transposed, const T* bias, T* y, Index ldy, bool accumulate,
-          const HalfB& bh = {}) {
+          const HalfOperands& h = {}) {
     if (rows <= 0 || cols <= 0) return;
+    const HalfB bh{h.w, h.format};
     constexpr Index W = detail::panel_width<T>();
     const Index panels = (cols + W - 1) / W;
     const Index row_chunks = (rows + kRowChunk - 1) / kRowChunk;
@@ -268,10 +273,38 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
         const Index m = std::min(kRowChunk, rows - r0);
         const Index p0 = (t % col_groups) * per_task;
         const Index p1 = std::min(panels, p0 + per_task);
+        const T* at = a ? a + r0 * a_rs : nullptr;  // null when given as half bits
+        Index at_rs = a_rs;
+        T* yt = y ? y + r0 * ldy : nullptr;
+        Index yt_ld = ldy;
+        if constexpr (std::is_same_v<T, float>) {
+            // widened per task (a few times per row chunk): measured faster than one widening
+            // pass before the GEMM, whose float32 copy it then reads from memory
+            if (h.x) {
+                T* w =
+                    scratch<T>(ScratchBuffer::kGemmHalfRows, static_cast<std::size_t>(m * depth));
+                for (Index r = 0; r < m; ++r)
+                    detail::half_to_float(h.x + (r0 + r) * a_rs, depth, h.format, w + r * depth);
+                at = w;
+                at_rs = depth;
+            }
+            if (h.y) {
+                yt = scratch<T>(ScratchBuffer::kGemmHalfOut, static_cast<std::size_t>(m * cols));
+                yt_ld = cols;
+            }
+        }
         for (Index p = p0; p < p1; ++p)
-            gemm_panel(m, depth, cols, a + r0 * a_rs, a_rs, a_ts, bh, b, ldb, b_transposed, bias,
-                       y + r0 * ldy, ldy, accumulate, p, p + 1 < p1,
+            gemm_panel(m, depth, cols, at, at_rs, a_ts, bh, b, ldb, b_transposed, bias, yt, yt_ld,
+                       accumulate, p, p + 1 < p1,
                        pack_once && p < whole ? bpk + p * depth * W : nullptr);
+        if constexpr (std::is_same_v<T, float>) {
+            if (h.y) {
+                const Index c0 = p0 * W, c1 = std::min(cols, p1 * W);
+                for (Index r = 0; r < m; ++r)
+                    detail::narrow_block(yt + r * cols + c0, c1 - c0, h.format,
+                                         h.y + (r0 + r) * ldy + c0);
+            }
+        }
     });
 }
 }  // namespace
@@ -285,10 +318,10 @@ void linear(Index rows, Index in, Index out, const T* x, Index ldx, const T* w, 
     gemm(rows, in, out, x, ldx, Index(1), w, out, false, b, y, ldy, accumulate);
 }
 
-template <typename T>
-void linear_half_weights(Index rows, Index in, Index out, const T* x, Index ldx,
-                         const std::uint16_t* w, HalfFormat format, const T* b, T* y, Index ldy) {
-    gemm<T>(rows, in, out, x, ldx, Index(1), nullptr, out, false, b, y, ldy, false, {w, format});
+void linear_half(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,
+                 const float* b, float* y, Index ldy, const HalfOperands& h) {
+    gemm<float>(rows, in, out, h.x ? nullptr : x, ldx, Index(1), h.w ? nullptr : w, out, false, b,
+                h.y ? nullptr : y, ldy, false, h);
 }
 
 template <typename T>
@@ -347,9 +380,6 @@ template void linear<float>(Index, Index, Index, const float*, Index, const floa
                             float*, Index, bool);
 template void linear<double>(Index, Index, Index, const double*, Index, const double*,
                              const double*, double*, Index, bool);
-template void linear_half_weights<float>(Index, Index, Index, const float*, Index,
-                                         const std::uint16_t*, HalfFormat, const float*, float*,
-                                         Index);
 
 namespace detail {
 

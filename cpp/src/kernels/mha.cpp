@@ -58,16 +58,19 @@ struct MhaBuffers {
     }
 };
 
-// y = x W + b for a layer whose W is float or half-precision bits; with bf16 products
+// y = x W + b for a layer whose W is float or half-precision bits, and so may x and y be (x_half,
+// y_half: in W's format, given instead of x, y); with bf16 products
 template <typename T>
-void project(Index rows, const T* x, const Linear<T>& l, T* y, bool bf16) {
+void project(Index rows, const T* x, const Linear<T>& l, T* y, bool bf16,
+             const std::uint16_t* x_half = nullptr, std::uint16_t* y_half = nullptr) {
     if constexpr (std::is_same_v<T, float>) {
         if (bf16) {  // the weight as it is stored
             linear_bf16(rows, x, l.in, l, y, l.out);
             return;
         }
-        if (l.w_half) {
-            linear_half_weights(rows, l.in, l.out, x, l.in, l.w_half, l.half, l.b, y, l.out);
+        if (l.w_half || x_half || y_half) {
+            linear_half(rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out,
+                        {x_half, l.w_half, y_half, l.half});
             return;
         }
     }
@@ -79,9 +82,9 @@ void project(Index rows, const T* x, const Linear<T>& l, T* y, bool bf16) {
 template <typename T>
 AttentionProblem<T> mha_core_forward(const MhaProblem<T>& p, const MhaBuffers<T>& b) {
     const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
-    project(rq, p.query, p.w_q, b.q, p.bf16);
-    project(rk, p.key, p.w_k, b.k, p.bf16);
-    project(rk, p.value, p.w_v, b.v, p.bf16);
+    project(rq, p.query, p.w_q, b.q, p.bf16, p.query_half);
+    project(rk, p.key, p.w_k, b.k, p.bf16, p.key_half);
+    project(rk, p.value, p.w_v, b.v, p.bf16, p.value_half);
     AttentionProblem<T> a = head_problem(p, b.q, b.k, b.v, b.ctx);
     a.lse = b.lse;
     if (p.bf16) a.bf16 = Bf16::probabilities;
@@ -106,7 +109,7 @@ void multi_head_attention_forward(const MhaProblem<T>& p) {
     AttentionProblem<T> a = detail::mha_core_forward(p, b);
     a.weights = p.weights;
     attention_forward(a);
-    detail::project(rq, b.ctx, p.w_o, p.out, p.bf16);
+    detail::project(rq, b.ctx, p.w_o, p.out, p.bf16, nullptr, p.out_half);
 }
 
 template <typename T>
