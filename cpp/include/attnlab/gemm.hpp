@@ -38,8 +38,14 @@ void linear_input_grad(Index rows, Index in, Index out, const T* dy, Index lddy,
                        Index lddx, bool accumulate = false);
 
 // Backward of linear(): dW = X^T dY (in x out) and db = column sums of dY (either may be null).
+// xt: X^T (in x rows, contiguous, from transpose_rows) when the caller has it for several weight
+// gradients of one X; else null (it is then made here when X is tall).
 template <typename T>
 void linear_weight_grad(Index rows, Index in, Index out, const T* x, Index ldx, const T* dy,
-                        Index lddy, T* dw, T* db);
+                        Index lddy, T* dw, T* db, const T* xt = nullptr);
+
+// xt (in x rows) = X^T of X (rows x in, row stride ldx), in parallel.
+template <typename T>
+void transpose_rows(Index rows, Index in, const T* x, Index ldx, T* xt);
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

@@ -369,8 +369,13 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     // The input projections.
     linear_input_grad(rows, din, D, dH.get(), D, p.w_q, g.x, din);
     linear_input_grad(rows, din, D, dZ, D, p.w_k, g.x, din, true);
-    linear_weight_grad(rows, din, D, p.x, din, dH.get(), D, g.w_q, g.b_q);
-    linear_weight_grad(rows, din, D, p.x, din, dZ, D, g.w_k, g.b_k);
+    Buffer<T> xt;  // X^T once for both weight gradients
+    if (g.w_q && g.w_k && din > 0) {
+        xt = make_buffer<T>(din * rows);
+        transpose_rows(rows, din, p.x, din, xt.get());
+    }
+    linear_weight_grad(rows, din, D, p.x, din, dH.get(), D, g.w_q, g.b_q, xt.get());
+    linear_weight_grad(rows, din, D, p.x, din, dZ, D, g.w_k, g.b_k, xt.get());
 }
 
 ATTNLAB_INSTANTIATE_ENTRY_POINTS(additive_attention, AdditiveProblem, AdditiveGrads);

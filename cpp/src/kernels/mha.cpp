@@ -145,9 +145,17 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
     ag.d_sinks = g.sinks;
     attention_backward(a, ag);
 
-    linear_weight_grad(rq, p.w_q.in, wq, p.query, p.w_q.in, dq.get(), wq, g.w_q.w, g.w_q.b);
-    linear_weight_grad(rk, p.w_k.in, wk, p.key, p.w_k.in, dk.get(), wk, g.w_k.w, g.w_k.b);
-    linear_weight_grad(rk, p.w_v.in, wv, p.value, p.w_v.in, dv.get(), wv, g.w_v.w, g.w_v.b);
+    // self-attention: X^T once for the three weight gradients
+    Buffer<T> xt;
+    const bool shared = p.query == p.key && p.key == p.value;
+    if (shared && (g.w_q.w ? 1 : 0) + (g.w_k.w ? 1 : 0) + (g.w_v.w ? 1 : 0) > 1 && p.w_q.in > 0) {
+        xt = make_buffer<T>(p.w_q.in * rq);
+        transpose_rows(rq, p.w_q.in, p.query, p.w_q.in, xt.get());
+    }
+    const T* x_t = xt.get();
+    linear_weight_grad(rq, p.w_q.in, wq, p.query, p.w_q.in, dq.get(), wq, g.w_q.w, g.w_q.b, x_t);
+    linear_weight_grad(rk, p.w_k.in, wk, p.key, p.w_k.in, dk.get(), wk, g.w_k.w, g.w_k.b, x_t);
+    linear_weight_grad(rk, p.w_v.in, wv, p.value, p.w_v.in, dv.get(), wv, g.w_v.w, g.w_v.b, x_t);
     // An input that is another one (self-attention: key = value = query) may share its
     // gradient buffer: the later products add into it, in the order value, key, query.
     if (g.value) linear_input_grad(rk, p.w_v.in, wv, dv.get(), wv, p.w_v.w, g.value, p.w_v.in);
