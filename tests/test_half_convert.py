@@ -249,6 +249,31 @@ def test_half_inputs_reach_the_kernel_as_bits(code, dtype):
     assert not _prepared(x.tolist(), kv, **w, **kw).inputs_half  # not an array: widened
     wide = _prepared(x, kv, **w, **kw, b_o=np.zeros(16))
     assert (wide.weights_half, wide.inputs_half, wide.dtype) == (0, False, np.float64)
+    # a float32 bias: computed as before, the output float32 (inputs widened, weights as bits)
+    f32_bias = _prepared(x, kv, **w, **kw, b_o=np.zeros(16, np.float32))
+    assert (f32_bias.weights_half, f32_bias.inputs_half) == (code, False)
+    assert f32_bias.rq.dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype", [d for _, d in FORMATS])
+def test_half_inputs_with_a_float32_bias_or_a_float_mask(dtype):
+    """A float32 bias makes the result float32 (as before): the inputs are then widened and the
+    output not rounded. A float mask does not set the result's dtype: the inputs stay as
+    stored. Both bit for bit the call on float32 copies (rounded when stored in half)."""
+    import attnlab
+
+    rng = np.random.default_rng(13)
+    x, kv, w, kw = _mha_case(rng, dtype, True, None)
+    f32 = {n: a.astype(np.float32) for n, a in w.items()}
+    kv32 = kv.astype(np.float32)
+    b_o = rng.standard_normal(16).astype(np.float32)
+    mask = rng.standard_normal((7, 11)).astype(np.float32)
+    for extra, stored in (({"b_o": b_o}, np.float32), ({"mask": mask}, dtype)):
+        assert _prepared(x, kv, **w, **kw, **extra).inputs_half == (stored == dtype)
+        got = attnlab.multi_head_attention(x, kv, kv, **w, **kw, **extra)
+        want = attnlab.multi_head_attention(x.astype(np.float32), kv32, kv32, **f32, **kw, **extra)
+        assert got.dtype == stored
+        np.testing.assert_array_equal(got.view(np.uint8), want.astype(stored).view(np.uint8))
 
 
 @pytest.mark.parametrize("dtype", [d for _, d in FORMATS])

@@ -326,7 +326,8 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     keep = half if args.get("precision") is None else None
     x = _args.qkv(args, min_features=True, keep=keep)
     n_q, n_k = x.n_q, x.n_k
-    inputs_half = keep is not None and x.xq.dtype == keep
+    # (and only when the output is stored so too: a float32 bias or mask makes it float32)
+    inputs_half = keep is not None and x.xq.dtype == keep and _half.storage(args) == keep
     if half is None:
         ws = {n: V.as_array(args[n], n) for n in _WEIGHTS}
     else:

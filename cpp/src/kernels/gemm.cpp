@@ -278,8 +278,9 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
         T* yt = y ? y + r0 * ldy : nullptr;
         Index yt_ld = ldy;
         if constexpr (std::is_same_v<T, float>) {
-            // widened per task (a few times per row chunk): measured faster than one widening
-            // pass before the GEMM, whose float32 copy it then reads from memory
+            // widened per task (a few times per row chunk), not by one pass before the GEMM:
+            // the products then read X from cache, not a float32 copy from memory
+            // (docs/performance.md, "Half-precision MHA inputs")
             if (h.x) {
                 T* w =
                     scratch<T>(ScratchBuffer::kGemmHalfRows, static_cast<std::size_t>(m * depth));
@@ -356,9 +357,9 @@ void linear_weight_grad(Index rows, Index in, Index out, const T* x, Index ldx, 
                         Index lddy, T* dw, T* db, const T* xt) {
     if (out <= 0) return;
     // dW = X^T dY: A(r, t) = X^T[r, t], read along its rows. More than one row chunk of X:
-    // X^T first (read across the rows of X, A takes a cache line per step of the depth, and a
-    // ViT-S weight gradient ran at about half the speed of its input gradient). The same
-    // products in the same order either way: bitwise the same.
+    // X^T first (read across the rows of X, A takes a cache line per step of the depth;
+    // docs/performance.md, "Weight gradients on X^T"). The same products in the same order
+    // either way: bitwise the same.
     Buffer<T> own;
     if (dw && in > 0 && !xt && rows > kRowChunk) {
         own = make_buffer<T>(in * rows);
