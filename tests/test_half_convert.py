@@ -323,3 +323,25 @@ def test_mha_args_refuse_a_bad_inputs_half():
     with pytest.raises(ValueError, match="inputs_half: the backward takes float32 or float64"):
         core.mha_backward(out, a._replace(weights_half=0).core_args(), {})
     core.mha_forward(a.core_args(), out, None)  # the call itself runs
+
+
+@pytest.mark.parametrize("dtype", [d for _, d in FORMATS])
+def test_half_inputs_bitwise_for_any_thread_count(dtype):
+    """The tasks that widen rows of X and round blocks of Y are a fixed grid: the same bits at
+    1, 2 and 3 threads (300 rows: three row chunks, a partial one)."""
+    import attnlab
+
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((3, 100, 96)).astype(dtype)
+    w = {n: (rng.standard_normal((96, 96)) / 10).astype(dtype) for n in ("w_q", "w_k", "w_v")}
+    w["w_o"] = (rng.standard_normal((96, 100)) / 10).astype(dtype)
+    before = attnlab.get_num_threads()
+    try:
+        got = []
+        for t in (1, 2, 3):
+            attnlab.set_num_threads(t)
+            got.append(attnlab.multi_head_attention(x, **w, num_heads=3).view(np.uint16))
+    finally:
+        attnlab.set_num_threads(before)
+    for g in got[1:]:
+        np.testing.assert_array_equal(g, got[0])
