@@ -241,6 +241,7 @@ except ImportError:  # bfloat16 has no NumPy name without it
 # a multiple of 32, one token: the decode path, the attention weights asked for)
 HALF_CASES = [
     ("fused", 2, 37, 96, 3, 3, 32, 32, False, False),
+    ("fused-100", 1, 33, 100, 2, 2, 32, 32, False, False),
     ("cross", 2, 19, 64, 2, 1, 32, 64, True, False),
     ("d_head-24", 1, 21, 48, 2, 2, 24, 24, False, False),
     ("one-token", 3, 1, 64, 2, 2, 32, 32, False, False),
@@ -266,7 +267,7 @@ def test_half_weights_read_as_stored(case, half):
     kw = dict(**kv, num_heads=h, num_kv_heads=hk, precision="bf16", return_weights=ret)
     before = core.mha_bf16_fused_calls()
     got = attnlab.multi_head_attention(x, **w, **kw)
-    assert core.mha_bf16_fused_calls() - before == (1 if label == "fused" and FUSES else 0)
+    assert core.mha_bf16_fused_calls() - before == (1 if label.startswith("fused") and FUSES else 0)
     ref = attnlab.multi_head_attention(x, **wide, **kw)
     for g, r in zip(got, ref, strict=True) if ret else [(got, ref)]:
         assert g.dtype == np.float32
@@ -276,6 +277,35 @@ def test_half_weights_read_as_stored(case, half):
     bound.apply_defaults()
     prepared = _mha._prepare_mha(dict(bound.arguments), keep_half=True)
     assert prepared.weights_half == (1 if half == np.float16 else 2)
+
+
+@pytest.mark.parametrize("case", HALF_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("half", HALVES, ids=str)
+def test_half_inputs_read_as_stored(case, half):
+    """precision="bf16" with the inputs stored as the weights are: the C++ call packs their bits
+    and writes the result as bits of that dtype (no float32 copy of either), bit for bit the call
+    on float32 inputs (which the Python layer used to make), rounded once: fused or composed,
+    with a partial last block of 32 output columns (fused-100)."""
+    from attnlab import _mha
+
+    label, B, n, d, h, hk, dh, dv, cross, ret = case
+    rng = np.random.default_rng(n * d + 1)
+    x = rng.standard_normal((B, n, d)).astype(half)
+    w = {k: v.astype(half) for k, v in _layer(rng, d, h, hk, dh, dv, ("b_q", "b_o")).items()}
+    kv = rng.standard_normal((B, n + 3, d)).astype(half) if cross else None
+    keys = {} if kv is None else {"key": kv, "value": kv}
+    kw = dict(num_heads=h, num_kv_heads=hk, precision="bf16", return_weights=ret)
+    bound = inspect.signature(attnlab.multi_head_attention).bind(x, **keys, **w, **kw)
+    bound.apply_defaults()
+    assert _mha._prepare_mha(dict(bound.arguments), keep_half=True).inputs_half
+    before = core.mha_bf16_fused_calls()
+    got = attnlab.multi_head_attention(x, **keys, **w, **kw)
+    assert core.mha_bf16_fused_calls() - before == (1 if label.startswith("fused") and FUSES else 0)
+    wide = {k: v.astype(np.float32) for k, v in keys.items()}
+    ref = attnlab.multi_head_attention(x.astype(np.float32), **wide, **w, **kw)
+    for g, r in zip(got, ref, strict=True) if ret else [(got, ref)]:
+        assert g.dtype == half
+        np.testing.assert_array_equal(g.view(np.uint16), r.astype(half).view(np.uint16))
 
 
 @pytest.mark.parametrize("half", HALVES, ids=str)
@@ -299,5 +329,5 @@ def test_half_weights_on_the_emulation():
         pytest.skip("no AVX2 build in this module (another CPU family)")
     _rerun(
         dict(os.environ, ATTNLAB_ISA="avx2"),
-        "half_weights_read_as_stored or half_inputs_and_weights",
+        "half_weights_read_as_stored or half_inputs_read_as_stored or half_inputs_and_weights",
     )

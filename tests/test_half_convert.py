@@ -236,15 +236,15 @@ def _prepared(x, kv=None, **kw):
 
 @pytest.mark.parametrize("code, dtype", FORMATS)
 def test_half_inputs_reach_the_kernel_as_bits(code, dtype):
-    """Inputs stored as the weights are (float32 products) go to the kernel as their bits, the
-    output comes back as bits: no float32 copy of either. Not so with bf16 products, with an
-    input of another dtype, or with float64 biases (the call then computes in float64)."""
+    """Inputs stored as the weights are (float32 or bf16 products) go to the kernel as their
+    bits, the output comes back as bits: no float32 copy of either. Not so with an input of
+    another dtype, or with float64 biases (the call then computes in float64)."""
     rng = np.random.default_rng(11)
     x, kv, w, kw = _mha_case(rng, dtype, True, 2)
     a = _prepared(x, kv, **w, **kw)
     assert (a.weights_half, a.inputs_half) == (code, True)
     assert a.rq.dtype == a.rk.dtype == np.uint16 and a.dtype == np.float32
-    assert not _prepared(x, kv, **w, **kw, precision="bf16").inputs_half
+    assert _prepared(x, kv, **w, **kw, precision="bf16").inputs_half
     assert not _prepared(x, kv.astype(np.float32), **w, **kw).inputs_half
     assert not _prepared(x.tolist(), kv, **w, **kw).inputs_half  # not an array: widened
     wide = _prepared(x, kv, **w, **kw, b_o=np.zeros(16))
@@ -316,13 +316,12 @@ def test_mha_args_refuse_a_bad_inputs_half():
         core.mha_forward(a._replace(inputs_half=2).core_args(), out, None)
     with pytest.raises(ValueError, match=r"inputs_half: .* got 1 with weights_half 0"):
         core.mha_forward(a._replace(weights_half=0).core_args(), out, None)
-    with pytest.raises(ValueError, match="inputs_half: bf16 products take float32 inputs"):
-        core.mha_forward(a.core_args(), out, None, None, True)
     with pytest.raises(TypeError, match="out: unexpected dtype float32"):
         core.mha_forward(a.core_args(), np.empty((14, 16), np.float32), None)
     with pytest.raises(ValueError, match="inputs_half: the backward takes float32 or float64"):
         core.mha_backward(out, a._replace(weights_half=0).core_args(), {})
-    core.mha_forward(a.core_args(), out, None)  # the call itself runs
+    core.mha_forward(a.core_args(), out, None)  # the call itself runs, with bf16 products too
+    core.mha_forward(a.core_args(), out, None, None, True)
 
 
 @pytest.mark.parametrize("dtype", [d for _, d in FORMATS])

@@ -200,9 +200,9 @@ MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
 }
 
 void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object state, bool bf16) {
-    if (a.inputs_half) {  // computed in float32, out written as bits
-        if (bf16) throw py::value_error("inputs_half: bf16 products take float32 inputs");
+    if (a.inputs_half) {  // computed in float32 (bf16 products), out written as bits
         MhaProblem<float> p = mha_problem<float>(a, state);
+        p.bf16 = bf16;
         projected_outputs<float, MhaProblem<float>, std::uint16_t>(p, out, weights);
         ReleaseGil release;
         kernels_for<float>().multi_head_attention_forward(p);

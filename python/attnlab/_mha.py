@@ -321,9 +321,9 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     them to bf16, as they pack them: half the bytes read, no float32 copies)."""
     h, h_kv, kv_arg = _args.heads(args["num_heads"], args["num_kv_heads"])
     half = _half_weights(args) if keep_half else None
-    # inputs stored as the weights are, with float32 products, stay so: the projections read
+    # inputs stored as the weights are stay so (float32 or bf16 products): the projections read
     # their bits and the output projection writes them (no float32 copies of either)
-    keep = half if args.get("precision") is None else None
+    keep = half
     x = _args.qkv(args, min_features=True, keep=keep)
     n_q, n_k = x.n_q, x.n_k
     # (and only when the output is stored so too: a float32 bias or mask makes it float32)

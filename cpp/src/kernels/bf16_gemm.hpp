@@ -22,6 +22,7 @@
 #include "attnlab/threading.hpp"
 #include "bf16.hpp"
 #include "bf16_gemm_avx512.hpp"
+#include "half_convert.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -133,33 +134,39 @@ inline Buffer<float> padded_bias(const float* b, Index out, Index np) {
 
 // y = x w + b from both operands packed (xp: rows of kp bf16, zero padded to whole 32-row
 // blocks; wp: np columns, pack_weight_block): the tile product, or without AMX the VDPBF16PS one.
+// y_half (not null): y written there as bits of `format` instead (LinearBlocks).
 inline void linear_bf16_product(Index rows, Index out, Index kp, Index np, const std::uint16_t* xp,
-                                const std::uint16_t* wp, const float* b, float* y, Index ldy) {
+                                const std::uint16_t* wp, const float* b, float* y, Index ldy,
+                                std::uint16_t* y_half = nullptr,
+                                HalfFormat format = HalfFormat::none) {
     // the bias padded to np columns: with AMX the sums start from it (a stride-0 tile load
     // repeats its row), with VDPBF16PS it is added after them
     const Buffer<float> bp = padded_bias(b, out, np);
     const float* bias = b ? bp.get() : nullptr;
-    const LinearBlocks blocks{rows, out, y, ldy};
+    const LinearBlocks blocks{rows, out, y, ldy, y_half, format};
     if (amx_usable())
         tile_product((rows + 31) / 32 * 32, kp, np, xp, wp, bias, ldy, blocks);
     else
         vdp_product(rows, kp, np, xp, wp, bias, blocks);
 }
 
-// The product with both operands packed to bf16 first, in one parallel pass.
+// The product with both operands packed to bf16 first, in one parallel pass (h.x, h.y: x and y
+// as half-precision bits, as in linear_bf16).
 inline void linear_bf16_packed(Index rows, const float* x, Index ldx, const Linear<float>& l,
-                               float* y, Index ldy) {
+                               float* y, Index ldy, const HalfOperands& h) {
     const Index in = l.in, out = l.out;
     const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32, np = (out + 31) / 32 * 32;
     auto xp = make_buffer<std::uint16_t>(mp * kp);
     auto wp = make_buffer<std::uint16_t>(kp * np);
     parallel_for(mp / 32 + kp / 32, [&](Index t) {
-        if (t < mp / 32)
-            pack_rows(t * 32, t * 32 + 32, rows, in, x, ldx, kp, xp.get());
-        else
+        if (t >= mp / 32)
             pack_weight_block(t - mp / 32, l, np, 0, np / 16, wp.get());
+        else if (h.x)
+            pack_rows(t * 32, t * 32 + 32, rows, in, h.x, ldx, kp, xp.get(), h.format);
+        else
+            pack_rows(t * 32, t * 32 + 32, rows, in, x, ldx, kp, xp.get());
     });
-    linear_bf16_product(rows, out, kp, np, xp.get(), wp.get(), l.b, y, ldy);
+    linear_bf16_product(rows, out, kp, np, xp.get(), wp.get(), l.b, y, ldy, h.y, h.format);
 }
 #endif
 
@@ -174,22 +181,29 @@ inline const char* bf16_kernel() {
     return "emulated";
 }
 
-// y = x l.w + l.b, l.w float32 or stored as half-precision bits.
+// y = x l.w + l.b, l.w float32 or stored as half-precision bits. h.x, h.y (not null): x and y
+// stored as bits of h.format instead (x then null, y unused): x widened exactly as it is packed,
+// y rounded from the float32 result as NumPy and ml_dtypes cast it (h.w unused: l has w).
 inline void linear_bf16(Index rows, const float* x, Index ldx, const Linear<float>& l, float* y,
-                        Index ldy) {
+                        Index ldy, const HalfOperands& h = {}) {
     const Index in = l.in, out = l.out;
     if (rows <= 0 || out <= 0) return;
 #if defined(ATTNLAB_AMX)
     // no features: the float32 path below writes y = b
     if (in > 0 && (detail::amx_usable() || detail::avx512_bf16_usable())) {
-        detail::linear_bf16_packed(rows, x, ldx, l, y, ldy);
+        detail::linear_bf16_packed(rows, x, ldx, l, y, ldy, h);
         return;
     }
 #endif
     // the same rounding on the float32 GEMM: the products of bf16 values are exact in float32
     auto xr = make_buffer<float>(rows * in), wr = make_buffer<float>(in * out);
     parallel_for(rows, [&](Index i) {
-        for (Index k = 0; k < in; ++k) xr[i * in + k] = detail::round_bf16(x[i * ldx + k]);
+        float* row = xr.get() + i * in;
+        if (h.x)
+            detail::half_to_float(h.x + i * ldx, in, h.format, row);
+        else
+            std::copy(x + i * ldx, x + i * ldx + in, row);
+        for (Index k = 0; k < in; ++k) row[k] = detail::round_bf16(row[k]);
     });
     parallel_for(in, [&](Index k) {
         float* row = wr.get() + k * out;
@@ -199,7 +213,15 @@ inline void linear_bf16(Index rows, const float* x, Index ldx, const Linear<floa
             std::copy(l.w + k * out, l.w + (k + 1) * out, row);
         for (Index j = 0; j < out; ++j) row[j] = detail::round_bf16(row[j]);
     });
-    linear<float>(rows, in, out, xr.get(), in, wr.get(), l.b, y, ldy, false);
+    if (!h.y) {
+        linear<float>(rows, in, out, xr.get(), in, wr.get(), l.b, y, ldy, false);
+        return;
+    }
+    auto yf = make_buffer<float>(rows * out);
+    linear<float>(rows, in, out, xr.get(), in, wr.get(), l.b, yf.get(), out, false);
+    parallel_for(rows, [&](Index i) {
+        detail::narrow_block(yf.get() + i * out, out, h.format, h.y + i * ldy);
+    });
 }
 
 inline void linear_bf16(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,

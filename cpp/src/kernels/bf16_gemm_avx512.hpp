@@ -9,6 +9,7 @@
 #include "attnlab/threading.hpp"
 #include "bf16.hpp"
 #include "bf16_vdp.hpp"
+#include "half_convert.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -20,28 +21,34 @@ constexpr Index kVdpChunk = 256;  // input features per pass: the A and B panels
 
 // Where both bf16 products put y = x w + b of a linear layer (rows x out, row stride ldy): whole
 // 32 x 32 blocks straight from the AMX tiles (direct), other blocks from the sums c (row stride
-// ldc) plus the bias's 32 columns at bias (null: the sums include it, nothing is added).
+// ldc) plus the bias's 32 columns at bias (null: the sums include it, nothing is added). y_half
+// (not null): y is written there instead, as bits of `format`, each float32 result rounded as
+// NumPy and ml_dtypes cast it (every block then goes through finish).
 struct LinearBlocks {
     Index rows, out;
     float* y;
     Index ldy;
+    std::uint16_t* y_half = nullptr;
+    HalfFormat format = HalfFormat::none;
 
     float* direct(Index mb, Index nb) const {
-        return mb * 32 + 32 <= rows && nb * 32 + 32 <= out ? y + mb * 32 * ldy + nb * 32 : nullptr;
+        return !y_half && mb * 32 + 32 <= rows && nb * 32 + 32 <= out ? y + mb * 32 * ldy + nb * 32
+                                                                      : nullptr;
     }
     ATTNLAB_BF16_TARGET void finish(Index mb, Index nb, const float* c, Index ldc,
                                     const float* bias) const {
         const Index m_rows = std::min<Index>(32, rows - mb * 32);
         const Index cols = std::min<Index>(32, out - nb * 32);
-        for (Index half = 0; half * 16 < cols; ++half) {
-            const __mmask16 in = first_lanes(cols - half * 16);
-            const __m512 b =
-                bias ? _mm512_maskz_loadu_ps(in, bias + half * 16) : _mm512_setzero_ps();
-            for (Index i = 0; i < m_rows; ++i) {
+        alignas(64) float row[32];  // one result row, rounded to y_half from here
+        for (Index i = 0; i < m_rows; ++i) {
+            const Index at = (mb * 32 + i) * ldy + nb * 32;
+            for (Index half = 0; half * 16 < cols; ++half) {
+                const __mmask16 in = first_lanes(cols - half * 16);
                 __m512 v = _mm512_loadu_ps(c + i * ldc + half * 16);
-                if (bias) v = _mm512_add_ps(v, b);
-                _mm512_mask_storeu_ps(y + (mb * 32 + i) * ldy + nb * 32 + half * 16, in, v);
+                if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(in, bias + half * 16));
+                _mm512_mask_storeu_ps(y_half ? row + half * 16 : y + at + half * 16, in, v);
             }
+            if (y_half) narrow_block(row, cols, format, y_half + at);
         }
     }
 };

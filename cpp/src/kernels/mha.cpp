@@ -64,13 +64,13 @@ template <typename T>
 void project(Index rows, const T* x, const Linear<T>& l, T* y, bool bf16,
              const std::uint16_t* x_half = nullptr, std::uint16_t* y_half = nullptr) {
     if constexpr (std::is_same_v<T, float>) {
+        const HalfOperands h{x_half, l.w_half, y_half, l.half};
         if (bf16) {  // the weight as it is stored
-            linear_bf16(rows, x, l.in, l, y, l.out);
+            linear_bf16(rows, x, l.in, l, y, l.out, h);
             return;
         }
         if (l.w_half || x_half || y_half) {
-            linear_half(rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out,
-                        {x_half, l.w_half, y_half, l.half});
+            linear_half(rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out, h);
             return;
         }
     }

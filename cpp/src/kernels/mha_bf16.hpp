@@ -1,11 +1,13 @@
 #pragma once
 // Multi-head self-attention with precision="bf16" on AMX (or VDPBF16PS) without float32 copies: x
-// packed to bf16 once for the three projections, which run as one product whose blocks are
-// rounded to bf16 straight into the layouts the attention tiles read (Q row-major per head, K
-// row-major and V transposed per kv head, attention_bf16.hpp, V^T by a pass of its own); the
-// attention writes its output as the bf16 rows of the output projection. The same roundings of the
-// same float32 sums as the composed path (linear_bf16, then the attention's packing): bitwise the
-// same result, without the float32 projections and context going through memory.
+// (float32, or the half-precision bits of the weights' format) packed to bf16 once for the three
+// projections, which run as one product whose blocks are rounded to bf16 straight into the
+// layouts the attention tiles read (Q row-major per head, K row-major and V transposed per kv
+// head, attention_bf16.hpp, V^T by a pass of its own); the attention writes its output as the
+// bf16 rows of the output projection, whose result is float32 or rounded to x's half format. The
+// same roundings of the same float32 sums as the composed path (linear_bf16, then the attention's
+// packing): bitwise the same result, without the float32 projections and context going through
+// memory.
 //
 // Shapes: x (batch * n, d_in); [w_q | w_k | w_v] (d_in, heads * d_head + 2 * kv_heads * d_head)
 // as one packed weight; Q (batch, heads, q_rows, d_head), K (batch, kv_heads, n_pad, d_head), V^T
@@ -99,8 +101,9 @@ ATTNLAB_AMX_TARGET inline void transpose_values(const std::uint16_t* vs, Index n
 // attention's careful path then runs on the composed path).
 inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<float>& a) {
     const Index in = p.w_q.in, d = p.d_head, dv = p.d_vhead;
-    const bool self =
-        p.query == p.key && p.key == p.value && p.n_q == p.n_k && p.w_k.in == in && p.w_v.in == in;
+    const bool self = p.query == p.key && p.key == p.value && p.query_half == p.key_half &&
+                      p.key_half == p.value_half && p.n_q == p.n_k && p.w_k.in == in &&
+                      p.w_v.in == in;
     const bool amx = amx_usable();
     if (!(amx || avx512_bf16_usable()) || !self || d % 32 != 0 || dv % 32 != 0 || p.weights ||
         p.state.q || p.state.lse || use_decode(a) || in <= 0)
@@ -140,7 +143,11 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
     const Index heads = std::max(h, hk), t_x = mp / 32, t_w = t_x + kp / 32, t_o = t_w + wc / 32;
     parallel_for(t_o + p.batch * heads + 1, [&](Index t) {
         if (t < t_x) {
-            pack_rows(t * 32, t * 32 + 32, rows, in, p.query, in, kp, xp.get());
+            if (p.query_half)  // the half-precision bits of the weights' format
+                pack_rows(t * 32, t * 32 + 32, rows, in, p.query_half, in, kp, xp.get(),
+                          p.w_q.half);
+            else
+                pack_rows(t * 32, t * 32 + 32, rows, in, p.query, in, kp, xp.get());
         } else if (t < t_w) {
             const Index kb = t - t_x;
             pack_weight_block(kb, p.w_q, np, 0, wq / 16, wp.get());
@@ -182,7 +189,8 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
         amx_run<Bf16Products::amx>(a, L, kt.get(), vt.get(), io);
     else
         amx_run<Bf16Products::vdp>(a, L, kt.get(), vt.get(), io);
-    linear_bf16_product(rows, d_out, wc, npo, ctx.get(), wpo.get(), p.w_o.b, p.out, d_out);
+    linear_bf16_product(rows, d_out, wc, npo, ctx.get(), wpo.get(), p.w_o.b, p.out, d_out,
+                        p.out_half, p.w_o.half);
     mha_bf16_fused_calls.fetch_add(1, std::memory_order_relaxed);
     return true;
 }
