@@ -87,6 +87,34 @@ def test_sdpa_backward_long_slice():
         assert abs(num - g[name][idx]) <= 1e-6 * max(1.0, abs(num))
 
 
+@pytest.mark.parametrize("n_q", [30, 70, 80, 197])  # (few queries take the decode forward)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sdpa_backward_independent_of_the_query_tiles(n_q, causal, dtype):
+    """The backward's query tiles (64 rows; a last one under 16 rows joins the one before: 30 or
+    70 rows as one tile, 80 as two, 197 as 64, 64, 69) do not change a bit of the gradients: the
+    same call with zero-gradient query rows appended (other tiles: 256 rows, four full ones)
+    gives the same dQ rows, dK and dV, since each entry is one chain of sums in row order, to
+    which the appended rows add exact zeros."""
+    rng = np.random.default_rng(n_q)
+    q, extra = rng.standard_normal((2, 2, n_q, 16)), rng.standard_normal((2, 2, 256 - n_q, 16))
+    k, v = rng.standard_normal((2, 1, 150, 16)), rng.standard_normal((2, 1, 150, 8))
+    G = rng.standard_normal((2, 2, n_q, 8))
+    q, extra, k, v, G = (a.astype(dtype) for a in (q, extra, k, v, G))
+    got = attnlab.scaled_dot_product_attention_backward(G, q, k, v, causal=causal)
+    q2 = np.concatenate([q, extra], axis=2)
+    G2 = np.concatenate([G, np.zeros((2, 2, 256 - n_q, 8), dtype)], axis=2)
+    padded = attnlab.scaled_dot_product_attention_backward(G2, q2, k, v, causal=causal)
+    np.testing.assert_array_equal(got["q"], padded["q"][:, :, :n_q])
+    np.testing.assert_array_equal(got["k"], padded["k"])
+    np.testing.assert_array_equal(got["v"], padded["v"])
+    if dtype == np.float32:  # and near the float64 gradients (finite differences above)
+        wide = (a.astype(np.float64) for a in (G, q, k, v))
+        ref = attnlab.scaled_dot_product_attention_backward(*wide, causal=causal)
+        for name in ("q", "k", "v"):
+            assert rel_err(got[name], ref[name]) < 1e-5, name
+
+
 MHA_CASES = [
     # (self, h, h_kv, biases, causal, key padding, batch shape)
     (True, 2, 2, True, False, False, (2,)),

@@ -32,6 +32,11 @@ namespace detail {
 // the size of dQ (the alternative, a dQ pass and a dK/dV pass each recomputing P, costs two more
 // products).
 constexpr Index kBwdTileQ = 64;
+// the longest query tile: a last one shorter than a quarter joins the one before (tile_count;
+// n = 197: 64, 64, 69, not 64, 64, 64, 5, whose products summing over 5 queries load and store
+// the tile's whole dK^T and dV^T accumulators for 5 FMAs each)
+constexpr Index kBwdTileQMax = 80;
+static_assert(kBwdTileQ + kBwdTileQ / 4 <= kBwdTileQMax);
 constexpr Index kBwdTileK = 96;  // a whole number of panels for 4, 8 and 16 lanes
 // the longest key tile (a short last one joins the one before: tile_count), padded to packets
 constexpr Index kBwdTileKMax = 128;
@@ -49,6 +54,8 @@ struct BackwardPlan {
     T* dsum = nullptr;                  // (batch, heads, n_q): D = rowsum(dO * O)
     T* sink_part = nullptr;             // (batch, heads, q_tiles): each tile's share of d sink
 
+    // rows of query tile qt (of tile_count(n_q, kBwdTileQ) = q_tiles)
+    Index q_rows(Index n_q, Index qt) const { return tile_rows(n_q, kBwdTileQ, q_tiles, qt); }
     Index head(const AttentionProblem<T>& p, Index b, Index h) const {
         return (b * p.heads + h) * p.n_q;
     }
@@ -74,7 +81,7 @@ template <typename T>
 BackwardPlan<T> backward_plan(const AttentionProblem<T>& p) {
     constexpr Index L = packet_size<T>();
     BackwardPlan<T> plan;
-    plan.q_tiles = (p.n_q + kBwdTileQ - 1) / kBwdTileQ;
+    plan.q_tiles = tile_count(p.n_q, kBwdTileQ);
     plan.k_tiles = tile_count(p.n_k, kBwdTileK);
     plan.dp = (p.d + L - 1) / L * L;
     if (plan.k_tiles == 0) return plan;
@@ -82,9 +89,11 @@ BackwardPlan<T> backward_plan(const AttentionProblem<T>& p) {
     for (Index kt = 0; kt < plan.k_tiles; ++kt) {
         const Index j0 = kt * kBwdTileK, kb = tile_rows(p.n_k, kBwdTileK, plan.k_tiles, kt);
         const Interval q = queries_seeing(p.mask, p.n_q, p.n_k, j0, j0 + kb);
-        plan.query_tiles[kt] = q.lo < q.hi
-                                   ? Interval{q.lo / kBwdTileQ, (q.hi + kBwdTileQ - 1) / kBwdTileQ}
-                                   : Interval{};
+        // the tiles of rows q.lo and q.hi - 1 (the last tile holds every row from its start)
+        plan.query_tiles[kt] =
+            q.lo < q.hi ? Interval{std::min(q.lo / kBwdTileQ, plan.q_tiles - 1),
+                                   std::min((q.hi + kBwdTileQ - 1) / kBwdTileQ, plan.q_tiles)}
+                        : Interval{};
     }
     const Index heads = p.batch * p.kv_heads;
     const Index want = std::clamp<Index>((kBwdTasks + heads - 1) / heads, 1,
@@ -100,7 +109,7 @@ struct BackwardScratch {
     T *kt, *vt, *kp, *dkt, *dvt, *s, *dp, *th;
 
     BackwardScratch(Index d, Index dv, Index dp_width) {
-        constexpr Index tk = kBwdTileKMax, tq = kBwdTileQ;
+        constexpr Index tk = kBwdTileKMax, tq = kBwdTileQMax;
         const Index sizes[] = {d * tk,  dv * tk, tk * dp_width, d * tk,
                                dv * tk, tq * tk, tq * tk,       tq * tk};
         T** slots[] = {&kt, &vt, &kp, &dkt, &dvt, &s, &dp, &th};
@@ -217,7 +226,7 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
             const Index h = hk * group + gi;
             T* part = plan.part(p, s, b, h);
             for (Index qt = plan.query_tiles[kt].lo; qt < plan.query_tiles[kt].hi; ++qt) {
-                const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
+                const Index i0 = qt * kBwdTileQ, mq = plan.q_rows(p.n_q, qt);
                 const bool added = kt != t0 && plan.sees(kt - 1, qt);  // a share is there
                 backward_pair(p, g, plan, w, b, h, i0, mq, j0, kb, kbp, part + i0 * dp, added);
             }
@@ -231,7 +240,7 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
 template <typename T>
 void backward_prepare(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
                       const BackwardPlan<T>& plan, Index b, Index h, Index qt) {
-    const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
+    const Index i0 = qt * kBwdTileQ, mq = plan.q_rows(p.n_q, qt);
     const T* q = p.q.at(b, h);
     const T* o = p.out.at(b, h);
     const T* dout = g.d_out.at(b, h);
@@ -259,7 +268,7 @@ void backward_prepare(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
 template <typename T>
 void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
                  const BackwardPlan<T>& plan, Index b, Index h, Index qt) {
-    const Index i0 = qt * kBwdTileQ, mq = std::min(kBwdTileQ, p.n_q - i0);
+    const Index i0 = qt * kBwdTileQ, mq = plan.q_rows(p.n_q, qt);
     T* dq = g.d_q.at(b, h) + i0 * g.d_q.row_stride;
     for (Index i = 0; i < mq; ++i)
         std::fill(dq + i * g.d_q.row_stride, dq + i * g.d_q.row_stride + p.d, T(0));
