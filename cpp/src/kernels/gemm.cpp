@@ -403,6 +403,7 @@ template void linear<double>(Index, Index, Index, const double*, Index, const do
 namespace detail {
 
 ATTNLAB_PANEL_ROWS_ALL()  // the definitions the other sources link to (see microkernel.hpp)
+ATTNLAB_PANEL_ROWS_WIDE()
 
 template <typename T>
 void block_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,

@@ -87,10 +87,10 @@ constexpr Index panel_width() {
 }
 
 // Rows at a time for a panel of NP packets: narrower panels take more rows, so that the
-// accumulators still fill the registers (4 x 3, 6 x 2, 8 x 1).
+// accumulators still fill the registers (4 x 3 or 8 x 3, 6 x 2, 8 x 1; 6 x 4 with AVX-512).
 template <int NP>
 constexpr int rows_for_packets() {
-    return NP >= kPanelPackets ? kPanelRows : NP == 2 ? 6 : 8;
+    return NP == 4 ? 6 : NP >= kPanelPackets ? kPanelRows : NP == 2 ? 6 : 8;
 }
 
 // C[r, 0:NP L) (+)= sum_{t < depth} A(r, t) * B[t, 0:NP L) for r < MR, L = packet_size<T>().
@@ -197,7 +197,21 @@ void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts,
     ATTNLAB_PANEL_ROWS(prefix, double, 2, false) \
     ATTNLAB_PANEL_ROWS(prefix, double, 1, true)  \
     ATTNLAB_PANEL_ROWS(prefix, double, 1, false)
+#if defined(__AVX512F__)
+// A panel of 4 packets, 6 rows at a time: 24 accumulators of AVX-512's 32 registers (AVX2's 16
+// hold no such block: 4 packets run as 2 + 2 there)
+constexpr bool kWidePanel = true;
+#define ATTNLAB_PANEL_ROWS_WIDE(prefix)         \
+    ATTNLAB_PANEL_ROWS(prefix, float, 4, true)  \
+    ATTNLAB_PANEL_ROWS(prefix, float, 4, false) \
+    ATTNLAB_PANEL_ROWS(prefix, double, 4, true) \
+    ATTNLAB_PANEL_ROWS(prefix, double, 4, false)
+#else
+constexpr bool kWidePanel = false;
+#define ATTNLAB_PANEL_ROWS_WIDE(prefix)
+#endif
 ATTNLAB_PANEL_ROWS_ALL(extern)
+ATTNLAB_PANEL_ROWS_WIDE(extern)
 
 // Rows [0, rows) of C for one panel (W = panel_width<T>() lanes), kPanelRows at a time.
 template <typename T, bool Accumulate>
@@ -210,13 +224,21 @@ void panel_product(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, 
 // C[0:rows, 0:cols) (+)= A B with cols a whole number of packets (callers pad): three-packet
 // panels, then two-packet ones for the rest (a last single packet only when cols is one
 // packet). Narrower panels take more rows at a time (6 x 2, 8 x 1), so that the accumulators
-// still fill the registers. 4 packets as 2 + 2 rather than 3 + 1: faster in L1 on AVX-512, the
-// same on AVX2 (docs/performance.md, lanes_product).
+// still fill the registers. 4 packets: one panel of 4 (6 rows at a time) with AVX-512 (the
+// backward's dQ at d_head = 64: docs/performance.md), else 2 + 2 rather than 3 + 1 (faster in L1
+// on AVX-512, the same on AVX2: docs/performance.md, lanes_product).
 template <typename T, bool Accumulate>
 void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, Index a_ts,
                    const T* b, Index ldb, T* c, Index ldc) {
     constexpr Index L = packet_size<T>();
     const Index packets = cols / L;
+    if constexpr (kWidePanel) {
+        if (packets == 4) {
+            panel_rows<T, 4, rows_for_packets<4>(), Accumulate>(rows, depth, a, a_rs, a_ts, b, ldb,
+                                                                c, ldc);
+            return;
+        }
+    }
     const Index wide = packets % 3 == 1 && packets > 1 ? packets / 3 - 1 : packets / 3;
     Index j = 0;
     for (Index i = 0; i < wide; ++i, j += kPanelPackets * L)
