@@ -224,18 +224,27 @@ void panel_product(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, 
 // C[0:rows, 0:cols) (+)= A B with cols a whole number of packets (callers pad): three-packet
 // panels, then two-packet ones for the rest (a last single packet only when cols is one
 // packet). Narrower panels take more rows at a time (6 x 2, 8 x 1), so that the accumulators
-// still fill the registers. 4 packets: one panel of 4 (6 rows at a time) with AVX-512 (the
-// backward's dQ at d_head = 64: docs/performance.md), else 2 + 2 rather than 3 + 1 (faster in L1
-// on AVX-512, the same on AVX2: docs/performance.md, lanes_product).
+// still fill the registers. With AVX-512, panels of 4 packets (6 rows at a time) instead of
+// those of 2 where the count allows (4 = 4, 7 = 3 + 4, 8 = 4 + 4; docs/performance.md, "A 6 x
+// 4 panel"); else 4 packets as 2 + 2 rather than 3 + 1 (faster in L1 on AVX-512, the same on
+// AVX2: docs/performance.md, lanes_product).
 template <typename T, bool Accumulate>
 void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, Index a_ts,
                    const T* b, Index ldb, T* c, Index ldc) {
     constexpr Index L = packet_size<T>();
     const Index packets = cols / L;
     if constexpr (kWidePanel) {
-        if (packets == 4) {
-            panel_rows<T, 4, rows_for_packets<4>(), Accumulate>(rows, depth, a, a_rs, a_ts, b, ldb,
-                                                                c, ldc);
+        // panels of 3 and 4 packets, none of 2 (but for 2 and 5 packets)
+        const Index fours = packets % 3 == 1 && packets > 1   ? 1
+                            : packets % 3 == 2 && packets > 5 ? 2
+                                                              : 0;
+        if (fours > 0) {
+            Index j = 0;
+            for (; j + 4 * fours * L < cols; j += kPanelPackets * L)
+                panel_product<T, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
+            for (; j < cols; j += 4 * L)
+                panel_rows<T, 4, rows_for_packets<4>(), Accumulate>(rows, depth, a, a_rs, a_ts,
+                                                                    b + j, ldb, c + j, ldc);
             return;
         }
     }
