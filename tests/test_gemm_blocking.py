@@ -66,6 +66,26 @@ def test_tall_linear_bitwise_for_any_thread_count(dtype):
         np.testing.assert_array_equal(r, results[0])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("rows", [128, 300])
+@pytest.mark.usefixtures("restore_threads")
+def test_short_linear_bitwise_for_any_thread_count(dtype, rows):
+    """Calls of few row chunks split their columns into more tasks the more threads there are
+    (at least 8 per thread: one panel each at 2 threads and more): the same bits at 1 to 4
+    threads, with a bias and a narrower last panel (700 columns)."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 768)).astype(dtype)
+    w = (rng.standard_normal((768, 700)) / 28).astype(dtype)
+    b = rng.standard_normal(700).astype(dtype)
+    results = []
+    for t in (1, 2, 3, 4):
+        attnlab.set_num_threads(t)
+        results.append(_linear(x, w, b))
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+    np.testing.assert_allclose(results[0], x.astype(np.float64) @ w + b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.usefixtures("restore_threads")
 def test_tall_backward_bitwise_for_any_thread_count():
     """The input and weight gradients of a layer of 2 x 200 tokens (more than two row chunks)."""

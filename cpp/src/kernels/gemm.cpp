@@ -219,7 +219,8 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
 
 // Y (rows x cols, row stride ldy) = A B (+ bias), or Y += A B when accumulate. Tasks:
 // kRowChunk rows x kPanelsPerTask panels, or fewer panels when that would leave threads idle (a
-// weight gradient of 384 x 384 is 3 tasks: one of 2 threads would wait for the third). What
+// weight gradient of 384 x 384 is 3 tasks: one of 2 threads would wait for the third), or
+// would leave few tasks per thread with few row chunks. What
 // an element sums, and in which order, depends only on the depth chunks, never on the grid:
 // the result does not depend on the thread count.
 // h: operands stored in half precision instead (linear_half; float only, A read along its rows
@@ -234,7 +235,12 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
     constexpr Index W = detail::panel_width<T>();
     const Index panels = (cols + W - 1) / W;
     const Index row_chunks = (rows + kRowChunk - 1) / kRowChunk;
-    const Index enough = 2 * static_cast<Index>(get_num_threads());
+    // fewer row chunks than two per thread: at least 8 tasks per thread, so that the last task
+    // of a thread that started late (or was descheduled) costs little (BERT's 128 rows: 16
+    // tasks of one panel, not 4 of four; docs/performance.md, "GEMM tasks"); else 2 per thread
+    // (more splits re-read each row chunk of A for little gain)
+    const Index threads = static_cast<Index>(get_num_threads());
+    const Index enough = (row_chunks < 2 * threads ? 8 : 2) * threads;
     Index per_task = kPanelsPerTask;
     while (per_task > 1 && row_chunks * ((panels + per_task - 1) / per_task) < enough)
         per_task = (per_task + 1) / 2;
