@@ -219,10 +219,10 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
 
 // Y (rows x cols, row stride ldy) = A B (+ bias), or Y += A B when accumulate. Tasks:
 // kRowChunk rows x kPanelsPerTask panels, or fewer panels when that would leave threads idle (a
-// weight gradient of 384 x 384 is 3 tasks: one of 2 threads would wait for the third), or
-// would leave few tasks per thread with few row chunks. What
-// an element sums, and in which order, depends only on the depth chunks, never on the grid:
-// the result does not depend on the thread count.
+// weight gradient of 384 x 384 is 3 tasks: one of 2 threads would wait for the third) or give
+// a call of few row chunks few tasks per thread. What an element sums, and in which order,
+// depends only on the depth chunks, never on the grid: the result does not depend on the
+// thread count.
 // h: operands stored in half precision instead (linear_half; float only, A read along its rows
 // and Y not accumulated): the rows of A a task reads are widened first, and the block of Y it
 // writes is computed in float32 and rounded last.
