@@ -5,6 +5,8 @@ thread count, nor on which blocking this CPU chose."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -25,6 +27,17 @@ def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
     y = np.empty((x.shape[0], w.shape[1]), x.dtype)
     core.linear_forward(x, w, b, y, False)
     return y
+
+
+def _same_at_thread_counts(counts: tuple[int, ...], call: Callable[[], np.ndarray]) -> np.ndarray:
+    """``call()`` at each thread count in turn: the same bits every time; that result."""
+    results = []
+    for t in counts:
+        attnlab.set_num_threads(t)
+        results.append(call())
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+    return results[0]
 
 
 def test_build_info_names_the_blocking():
@@ -58,12 +71,7 @@ def test_tall_linear_bitwise_for_any_thread_count(dtype):
     rng = np.random.default_rng(31)
     x = rng.standard_normal((700, 2100)).astype(dtype)  # depth above one chunk of 2048
     w = (rng.standard_normal((2100, 200)) / 45).astype(dtype)
-    results = []
-    for t in (1, 2, 3, 1):
-        attnlab.set_num_threads(t)
-        results.append(_linear(x, w, None))
-    for r in results[1:]:
-        np.testing.assert_array_equal(r, results[0])
+    _same_at_thread_counts((1, 2, 3, 1), lambda: _linear(x, w, None))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
@@ -77,13 +85,8 @@ def test_short_linear_bitwise_for_any_thread_count(dtype, rows):
     x = rng.standard_normal((rows, 768)).astype(dtype)
     w = (rng.standard_normal((768, 700)) / 28).astype(dtype)
     b = rng.standard_normal(700).astype(dtype)
-    results = []
-    for t in (1, 2, 3, 4):
-        attnlab.set_num_threads(t)
-        results.append(_linear(x, w, b))
-    for r in results[1:]:
-        np.testing.assert_array_equal(r, results[0])
-    np.testing.assert_allclose(results[0], x.astype(np.float64) @ w + b, rtol=1e-4, atol=1e-4)
+    y = _same_at_thread_counts((1, 2, 3, 4), lambda: _linear(x, w, b))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w + b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.usefixtures("restore_threads")
