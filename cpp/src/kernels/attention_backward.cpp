@@ -130,7 +130,8 @@ struct BackwardScratch {
 template <typename T>
 void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
                    const BackwardPlan<T>& plan, const BackwardScratch<T>& w, Index b, Index h,
-                   Index i0, Index mq, Index j0, Index kb, Index kbp, T* dq, bool accumulate_dq) {
+                   Index i0, Index mq, Index j0, Index kb, Index kbp, T* dq, bool accumulate_dq,
+                   bool first_dkv) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -182,9 +183,15 @@ void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
             }
         }
     }
-    // dV^T += dO^T P; dK^T += (scale Q)^T dS; dQ / scale (+)= dS K
-    lanes_product<T, true>(dv, kbp, mq, dout, 1, ds, w.s, kbp, w.dvt, kbp);
-    lanes_product<T, true>(d, kbp, mq, qs, 1, d, w.dp, kbp, w.dkt, kbp);
+    // dV^T (+)= dO^T P; dK^T (+)= (scale Q)^T dS (the key tile's first pair starts them from
+    // zero accumulators, the same sums as adding to zeroed ones); dQ / scale (+)= dS K
+    if (first_dkv) {
+        lanes_product<T, false>(dv, kbp, mq, dout, 1, ds, w.s, kbp, w.dvt, kbp);
+        lanes_product<T, false>(d, kbp, mq, qs, 1, d, w.dp, kbp, w.dkt, kbp);
+    } else {
+        lanes_product<T, true>(dv, kbp, mq, dout, 1, ds, w.s, kbp, w.dvt, kbp);
+        lanes_product<T, true>(d, kbp, mq, qs, 1, d, w.dp, kbp, w.dkt, kbp);
+    }
     if (accumulate_dq) {
         lanes_product<T, true>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
     } else {
@@ -220,15 +227,20 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
             std::copy(kbase + (j0 + j) * ks, kbase + (j0 + j) * ks + d, w.kp + j * dp);
             std::fill(w.kp + j * dp + d, w.kp + (j + 1) * dp, T(0));
         }
-        std::fill(w.dkt, w.dkt + d * kbp, T(0));
-        std::fill(w.dvt, w.dvt + dv * kbp, T(0));
+        const bool none = plan.query_tiles[kt].lo >= plan.query_tiles[kt].hi;
+        if (none) {  // no query sees the tile: dK, dV are zero
+            std::fill(w.dkt, w.dkt + d * kbp, T(0));
+            std::fill(w.dvt, w.dvt + dv * kbp, T(0));
+        }
         for (Index gi = 0; gi < group; ++gi) {
             const Index h = hk * group + gi;
             T* part = plan.part(p, s, b, h);
             for (Index qt = plan.query_tiles[kt].lo; qt < plan.query_tiles[kt].hi; ++qt) {
                 const Index i0 = qt * kBwdTileQ, mq = plan.q_rows(p.n_q, qt);
                 const bool added = kt != t0 && plan.sees(kt - 1, qt);  // a share is there
-                backward_pair(p, g, plan, w, b, h, i0, mq, j0, kb, kbp, part + i0 * dp, added);
+                const bool first = gi == 0 && qt == plan.query_tiles[kt].lo;
+                backward_pair(p, g, plan, w, b, h, i0, mq, j0, kb, kbp, part + i0 * dp, added,
+                              first);
             }
         }
         transpose(d, kb, w.dkt, kbp, g.d_k.at(b, hk) + j0 * g.d_k.row_stride, g.d_k.row_stride);
@@ -270,16 +282,22 @@ void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
                  const BackwardPlan<T>& plan, Index b, Index h, Index qt) {
     const Index i0 = qt * kBwdTileQ, mq = plan.q_rows(p.n_q, qt);
     T* dq = g.d_q.at(b, h) + i0 * g.d_q.row_stride;
-    for (Index i = 0; i < mq; ++i)
-        std::fill(dq + i * g.d_q.row_stride, dq + i * g.d_q.row_stride + p.d, T(0));
-    for (Index s = 0; s < plan.segments; ++s) {
-        if (!plan.segment_sees(s, qt)) continue;
-        const T* part = plan.part(p, s, b, h) + i0 * plan.dp;
-        for (Index i = 0; i < mq; ++i)
-            for (Index c = 0; c < p.d; ++c) dq[i * g.d_q.row_stride + c] += part[i * plan.dp + c];
+    // the segments that see the tile, in order (at most kBwdMaxSegments)
+    const T* parts[kBwdMaxSegments];
+    Index count = 0;
+    for (Index s = 0; s < plan.segments; ++s)
+        if (plan.segment_sees(s, qt)) parts[count++] = plan.part(p, s, b, h) + i0 * plan.dp;
+    // row by row (in L1), each element 0 + its shares in order, times the scale
+    for (Index i = 0; i < mq; ++i) {
+        T* row = dq + i * g.d_q.row_stride;
+        const T* first = count > 0 ? parts[0] + i * plan.dp : nullptr;
+        for (Index c = 0; c < p.d; ++c) row[c] = first ? T(0) + first[c] : T(0);
+        for (Index s = 1; s < count; ++s) {
+            const T* share = parts[s] + i * plan.dp;
+            for (Index c = 0; c < p.d; ++c) row[c] += share[c];
+        }
+        for (Index c = 0; c < p.d; ++c) row[c] *= p.scale;
     }
-    for (Index i = 0; i < mq; ++i)
-        for (Index c = 0; c < p.d; ++c) dq[i * g.d_q.row_stride + c] *= p.scale;
 }
 
 }  // namespace detail
