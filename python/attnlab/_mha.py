@@ -323,11 +323,10 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     half = _half_weights(args) if keep_half else None
     # inputs stored as the weights are stay so (float32 or bf16 products): the projections read
     # their bits and the output projection writes them (no float32 copies of either)
-    keep = half
-    x = _args.qkv(args, min_features=True, keep=keep)
+    x = _args.qkv(args, min_features=True, keep=half)
     n_q, n_k = x.n_q, x.n_k
     # (and only when the output is stored so too: a float32 bias or mask makes it float32)
-    inputs_half = keep is not None and x.xq.dtype == keep and _half.storage(args) == keep
+    inputs_half = half is not None and x.xq.dtype == half and _half.storage(args) == half
     if half is None:
         ws = {n: V.as_array(args[n], n) for n in _WEIGHTS}
     else:
