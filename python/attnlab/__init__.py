@@ -135,8 +135,8 @@ def build_info() -> dict[str, Any]:
         ``ATTNLAB_AVX512_BF16=1`` or ``0`` forces it on or off) or ``"emulated"`` (the same
         roundings on the float32 kernels); ``ATTNLAB_AMX=0`` turns AMX off;
         ``gemm_blocking``, the blocking of the float32/float64 GEMM (projections and their
-        gradients) chosen for this CPU: ``"intel-avx512: ..."`` on Intel CPUs running the
-        AVX-512 variant (Linux), else ``"default: ..."`` (results are bitwise the same either
+        gradients) of the variant in use: ``"avx512: ..."`` in the AVX-512 variant (Intel
+        and AMD Zen 4 alike), else ``"default: ..."`` (results are bitwise the same either
         way).
 
     Examples

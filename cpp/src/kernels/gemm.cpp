@@ -4,7 +4,6 @@
 #include <type_traits>
 
 #include "attnlab/threading.hpp"
-#include "bf16.hpp"
 #include "half_convert.hpp"
 #include "microkernel.hpp"
 #include "products.hpp"
@@ -26,7 +25,7 @@ struct HalfB {
 constexpr Index kRowChunk = 128;
 constexpr Index kPanelsPerTask = 8;
 
-// Chosen once per process by the CPU (gemm_blocking() names it in build_info()).
+// Chosen per instruction-set variant (gemm_blocking() names it in build_info()).
 struct Blocking {
     Index depth;          // depth chunk of a B panel (the last one shorter), A's rows contiguous
     Index depth_strided;  // the same, A read across its rows (X^T of a weight gradient)
@@ -34,24 +33,21 @@ struct Blocking {
     const char* name;
 };
 
-// Default (tuned on AMD Zen 4 and AVX2 EPYC): chunks of 256 keep the B panel chunk in L1 with
-// AVX2 (AVX-512's 48 KiB chunk does not fit a 32 KiB L1, but shorter chunks were slower, the
-// accumulators stored and reloaded more often), each row chunk's task packing its own copy.
-// Intel with AVX-512 (two 512-bit FMA ports, 2 MiB L2): the kernel streams B panels from L2 at
-// nearly full rate, so long chunks save the stores and reloads of Y, and packing B once, by
-// rows read in order, replaces a strided copy per row chunk; but an A read across its rows takes
-// a cache line per step of the depth, which long chunks evict before the next row block
-// reuses them (docs/performance.md, issue 30).
+// AVX-512 (Intel with two 512-bit FMA ports and AMD Zen 4 alike): the kernel streams B panels
+// from L2 at nearly full rate, so long chunks save the stores and reloads of Y, and packing B
+// once, by rows read in order, replaces a strided copy per row chunk; but an A read across its
+// rows takes a cache line per step of the depth, which long chunks evict before the next row
+// block reuses them. AVX2 and generic (tuned on AVX2 EPYC): chunks of 256 keep the B panel
+// chunk in a 32 KiB L1, each row chunk's task packing its own copy (docs/performance.md,
+// issue 30).
 const Blocking& blocking() {
-    static const Blocking chosen = [] {
-        Blocking b{256, 256, false, "default: depth chunks of 256, B packed by each row chunk"};
-#if defined(ATTNLAB_AMX)  // the AVX-512 build on x86-64 Linux (bf16.hpp)
-        if (detail::cpu_vendor_is("GenuineIntel"))
-            b = {2048, 256, true,
-                 "intel-avx512: depth chunks of 2048 (256 for A^T), B packed once per call"};
+#if defined(__AVX512F__)
+    static const Blocking chosen{
+        2048, 256, true, "avx512: depth chunks of 2048 (256 for A^T), B packed once per call"};
+#else
+    static const Blocking chosen{256, 256, false,
+                                 "default: depth chunks of 256, B packed by each row chunk"};
 #endif
-        return b;
-    }();
     return chosen;
 }
 
