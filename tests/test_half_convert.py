@@ -178,24 +178,25 @@ def test_mha_args_refuse_a_bad_weights_half():
 
 
 @pytest.mark.parametrize("dtype", [d for _, d in FORMATS])
-@pytest.mark.parametrize("rows", [300, 1000])
-def test_half_weights_of_tall_calls_are_the_widened_call(dtype, rows):
-    """Calls of more than two 128-row chunks may pack the weights once for the call (the Intel
+@pytest.mark.parametrize(("rows", "d"), [(128, 96), (128, 384), (200, 96), (300, 96), (1000, 96)])
+def test_half_weights_of_tall_calls_are_the_widened_call(dtype, rows, d):
+    """Calls of more than two 128-row chunks may pack the weights once for the call (the
     AVX-512 blocking, `build_info()["gemm_blocking"]`), widening half-precision ones as they
-    pack them: still bit for bit the call on float32 copies, rounded (a partial last panel
-    too)."""
+    pack them; shorter ones widen each panel as its first row block packs it, and a thread
+    reuses its widened rows of X for its next task on them: still bit for bit the call on
+    float32 copies, rounded (a partial last panel too)."""
     import attnlab
 
     rng = np.random.default_rng(8)
-    x = rng.standard_normal((2, rows // 2, 96)).astype(dtype)
-    w = {n: (rng.standard_normal((96, 96)) / 10).astype(dtype) for n in ("w_q", "w_k", "w_v")}
-    w["w_o"] = (rng.standard_normal((96, 100)) / 10).astype(dtype)
-    got = attnlab.multi_head_attention(x, num_heads=2, **w)
-    want = attnlab.multi_head_attention(
-        x.astype(np.float32), num_heads=2, **{n: a.astype(np.float32) for n, a in w.items()}
-    )
-    assert got.dtype == dtype
-    np.testing.assert_array_equal(got.view(np.uint16), want.astype(dtype).view(np.uint16))
+    w = {n: (rng.standard_normal((d, d)) / 10).astype(dtype) for n in ("w_q", "w_k", "w_v")}
+    w["w_o"] = (rng.standard_normal((d, 100)) / 10).astype(dtype)
+    w32 = {n: a.astype(np.float32) for n, a in w.items()}
+    for _ in range(2):  # a second x of the same shape: no widened rows kept from the first
+        x = rng.standard_normal((2, rows // 2, d)).astype(dtype)
+        got = attnlab.multi_head_attention(x, num_heads=2, **w)
+        want = attnlab.multi_head_attention(x.astype(np.float32), num_heads=2, **w32)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got.view(np.uint16), want.astype(dtype).view(np.uint16))
 
 
 @pytest.mark.parametrize("dtype", [d for _, d in FORMATS])

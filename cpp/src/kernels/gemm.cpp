@@ -1,6 +1,8 @@
 #include "attnlab/gemm.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <type_traits>
 
 #include "attnlab/threading.hpp"
@@ -51,6 +53,12 @@ const Blocking& blocking() {
     return chosen;
 }
 
+struct WidenedRows {  // which row chunk of which call this thread's kGemmHalfRows holds
+    std::uint64_t call = 0;
+    Index r0 = -1;
+};
+inline std::atomic<std::uint64_t> g_gemm_calls{0};
+
 // Y[0:m, 0:W) += A[0:m, :] B[:, j0:j0+nw) (nw <= W), A(r, t) = a[r * a_rs + t * a_ts],
 // B(t, j) = b[t * ldb + j], or b[j * ldb + t] when b_transposed; Y initialised by the caller,
 // or Y = A B when zero_start (depth > 0). Each depth chunk of the B panel is copied to a
@@ -84,39 +92,56 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                                                    ldy);
                 return;
             }
+            // Rows [r0, m) on the packed block bp, in slices, while the B block packed next
+            // (this panel's next depth chunk, else the next panel's first) is fetched, a share
+            // after each slice, so that its packing waits less for memory (when the weights are
+            // not in cache; no change when warm). base: b, or the half-precision bits.
+            const auto rows_fetching_next = [&](Index r0, const auto* base) {
+                using E = std::remove_cv_t<std::remove_pointer_t<decltype(base)>>;
+                const bool more_depth = k0 + kc < depth;
+                const E* next = more_depth   ? base + (k0 + kc) * ldb + j0
+                                : next_panel ? base + j0 + W
+                                             : nullptr;
+                const Index next_rows =
+                    more_depth ? std::min(chunk, depth - k0 - kc) : std::min(chunk, depth);
+                constexpr Index kSlice = 2 * MR;
+                const Index slices = (m - r0 + kSlice - 1) / kSlice;
+                const Index per_slice = slices > 0 ? (next_rows + slices - 1) / slices : 0;
+                Index fetched = 0;
+                for (Index r = r0; r < m; r += kSlice) {
+                    detail::panel_rows<T, NP, MR, Acc>(std::min(kSlice, m - r), kc, ak + r * a_rs,
+                                                       a_rs, a_ts, bp, W, y + r * ldy, ldy);
+                    if (!next) continue;
+                    const Index upto = std::min(next_rows, fetched + per_slice);
+                    for (; fetched < upto; ++fetched) {
+                        const E* row = next + fetched * ldb;
+                        for (Index j = 0; j < W; j += 64 / Index(sizeof(E)))
+                            detail::prefetch_read(row + j);
+                        detail::prefetch_read(row + W - 1);
+                    }
+                }
+            };
             if constexpr (NP == detail::kPanelPackets) {  // whole panels only: compile time
                 if (!b_transposed && !bh.bits && nw == W && m >= MR) {
                     // the first row block packs B as it goes, the others read the packed copy
                     detail::panel_kernel<T, MR, NP, Acc, true>(
                         kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y, ldy, bp, W);
-                    // ... while the B block packed next (this panel's next depth chunk, else
-                    // the next panel's first) is fetched, a share after each slice of rows, so
-                    // that the packing kernel waits less for memory (when the weights are not
-                    // in cache; no change when warm)
-                    const bool more_depth = k0 + kc < depth;
-                    const T* next = more_depth   ? b + (k0 + kc) * ldb + j0
-                                    : next_panel ? b + j0 + W
-                                                 : nullptr;
-                    const Index next_rows =
-                        more_depth ? std::min(chunk, depth - k0 - kc) : std::min(chunk, depth);
-                    constexpr Index kSlice = 2 * MR;
-                    const Index slices = (m - MR + kSlice - 1) / kSlice;
-                    const Index per_slice = slices > 0 ? (next_rows + slices - 1) / slices : 0;
-                    Index fetched = 0;
-                    for (Index r = MR; r < m; r += kSlice) {
-                        detail::panel_rows<T, NP, MR, Acc>(std::min(kSlice, m - r), kc,
-                                                           ak + r * a_rs, a_rs, a_ts, bp, W,
-                                                           y + r * ldy, ldy);
-                        if (!next) continue;
-                        const Index upto = std::min(next_rows, fetched + per_slice);
-                        for (; fetched < upto; ++fetched) {
-                            const T* row = next + fetched * ldb;
-                            for (Index j = 0; j < W; j += 64 / Index(sizeof(T)))
-                                detail::prefetch_read(row + j);
-                            detail::prefetch_read(row + W - 1);
-                        }
-                    }
+                    rows_fetching_next(MR, b);
                     return;
+                }
+                if constexpr (std::is_same_v<T, float>) {
+                    if (!b_transposed && bh.bits && nw == W && m >= MR) {
+                        // half-precision weights: the same, widened as the first block packs
+                        const std::uint16_t* bk = bh.bits + k0 * ldb + j0;
+                        if (bh.format == HalfFormat::float16)
+                            detail::panel_kernel<T, MR, NP, Acc, true, HalfFormat::float16>(
+                                kc, ak, a_rs, a_ts, bk, ldb, y, ldy, bp, W);
+                        else
+                            detail::panel_kernel<T, MR, NP, Acc, true, HalfFormat::bfloat16>(
+                                kc, ak, a_rs, a_ts, bk, ldb, y, ldy, bp, W);
+                        rows_fetching_next(MR, bh.bits);
+                        return;
+                    }
                 }
             }
             // fewer rows than a row block: B is read once, so in place (packing it would copy
@@ -270,6 +295,7 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
         });
     }
     const T* bpk = packed.get();
+    const std::uint64_t call = ++g_gemm_calls;
     parallel_for(row_chunks * col_groups, [&](Index t) {
         const Index r0 = (t / col_groups) * kRowChunk;
         const Index m = std::min(kRowChunk, rows - r0);
@@ -286,8 +312,15 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
             if (h.x) {
                 T* w =
                     scratch<T>(ScratchBuffer::kGemmHalfRows, static_cast<std::size_t>(m * depth));
-                for (Index r = 0; r < m; ++r)
-                    detail::half_to_float(h.x + (r0 + r) * a_rs, depth, h.format, w + r * depth);
+                // a thread's next task on the same row chunk reuses its widened rows (BERT's
+                // 128 rows: 24 tasks of one row chunk)
+                thread_local WidenedRows held;
+                if (held.call != call || held.r0 != r0) {
+                    for (Index r = 0; r < m; ++r)
+                        detail::half_to_float(h.x + (r0 + r) * a_rs, depth, h.format,
+                                              w + r * depth);
+                    held = {call, r0};
+                }
                 at = w;
                 at_rs = depth;
             }

@@ -99,7 +99,8 @@ constexpr int rows_for_packets() {
 // over t runs in order, so the result does not depend on the thread. Always inlined: with more
 // callers GCC kept it out of line and flash_tile got slower.
 //
-// PackB: B is also copied, row by row, to `packed` (rows ldp apart) as it is read, so that the
+// PackB: B is also copied (widened, if half), row by row, to `packed` (rows ldp apart) as it is
+// read, so that the
 // next row blocks read it from there: the copy's loads (of weights that are often out of L2)
 // overlap this block's FMAs instead of running alone before them; B's row kPrefetchAhead ahead
 // is fetched early, its rows being ldb apart, a stride the hardware prefetchers follow late.
@@ -122,7 +123,6 @@ template <typename T, int MR, int NP, bool Accumulate, bool PackB = false,
 EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts,
                                       const StoredElem<T, F>* b, Index ldb, T* c, Index ldc,
                                       T* packed = nullptr, Index ldp = 0) {
-    static_assert(!PackB || F == HalfFormat::none, "the packed copy is of float B");
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -136,8 +136,9 @@ EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index
         for (int q = 0; q < NP; ++q) bt[q] = load_stored_packet<T, F>(b + t * ldb + q * L);
         if constexpr (PackB) {
             for (int q = 0; q < NP; ++q) ei::pstoreu(packed + t * ldp + q * L, bt[q]);
-            const T* ahead = b + (t + kPrefetchAhead) * ldb;  // past the end: a hint, no access
-            for (Index j = 0; j < NP * L; j += 64 / Index(sizeof(T))) prefetch_read(ahead + j);
+            // past the end: a hint, no access
+            const StoredElem<T, F>* ahead = b + (t + kPrefetchAhead) * ldb;
+            for (Index j = 0; j < NP * L; j += 64 / Index(sizeof(*ahead))) prefetch_read(ahead + j);
             prefetch_read(ahead + NP * L - 1);
         }
         const T* at = a + t * a_ts;

@@ -58,7 +58,7 @@ enum class ScratchBuffer : int {
     kBackwardTiles,      // backward_task: K^T, V^T, padded K, dK^T, dV^T, S/P, dP/dS of a tile
     kGemmPanel,          // panel_gemm: a depth chunk of the B panel, zero-padded
     kGemmEdge,           // gemm_panel: the padded copy of a partial last panel of Y
-    kGemmHalfRows,       // gemm: a task's rows of a half-precision X widened (rows x depth)
+    kGemmHalfRows,       // gemm: a row chunk of a half-precision X widened (rows x depth), kept
     kGemmHalfOut,        // gemm: a task's rows of Y before rounding to half (rows x cols)
     kGemmTiles,          // linear_bf16_packed, vdp_linear_block: the sums of a task's column blocks
     kAdditiveRows,       // additive/separable forward: one row block's projections
