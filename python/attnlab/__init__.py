@@ -137,7 +137,8 @@ def build_info() -> dict[str, Any]:
         ``gemm_blocking``, the blocking of the float32/float64 GEMM (projections and their
         gradients) of the variant in use: ``"avx512: ..."`` in the AVX-512 variant (Intel
         and AMD Zen 4 alike), else ``"default: ..."`` (results are bitwise the same either
-        way).
+        way); ``decode_prefetch``, where the decode path requests the keys and values it
+        streams: ``"l2: ..."`` on AMD CPUs, ``"l1: ..."`` elsewhere (the same results).
 
     Examples
     --------

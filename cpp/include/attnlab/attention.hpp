@@ -145,6 +145,10 @@ namespace ATTNLAB_ISA_NS {
 template <typename T>
 void attention_forward(const AttentionProblem<T>& p);
 
+// Where the decode path requests the K and V rows it streams, chosen for this CPU at run time
+// (build_info()).
+const char* decode_prefetch();
+
 template <typename T>
 void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g);
 

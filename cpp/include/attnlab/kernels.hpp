@@ -48,7 +48,8 @@ struct KernelTable {
     void (*linear_bf16)(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,
                         const float* b, float* y, Index ldy);
     const char* (*bf16_kernel)();
-    const char* (*gemm_blocking)();  // the float GEMM's blocking chosen here (attnlab/gemm.hpp)
+    const char* (*gemm_blocking)();    // the float GEMM's blocking chosen here (attnlab/gemm.hpp)
+    const char* (*decode_prefetch)();  // where decoding requests K and V (attnlab/attention.hpp)
     // float16 / bfloat16 bits (format) to float32 and back, n elements, as NumPy casts them
     void (*widen_half)(const std::uint16_t* src, Index n, HalfFormat format, float* dst);
     void (*narrow_half)(const float* src, Index n, HalfFormat format, std::uint16_t* dst);

@@ -486,6 +486,11 @@ void attention_forward(const AttentionProblem<T>& p) {
     detail::forward_tiles(r.p);
 }
 
+const char* decode_prefetch() {
+    return detail::decode_prefetch_l2() ? "l2: K and V rows requested into L2 (AMD)"
+                                        : "l1: K and V rows requested into L1";
+}
+
 template void attention_forward<float>(const AttentionProblem<float>&);
 template void attention_forward<double>(const AttentionProblem<double>&);
 

@@ -14,6 +14,9 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
 #if defined(__AVX512F__) && defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
 #define ATTNLAB_AMX 1
 #include <cpuid.h>
@@ -82,6 +85,23 @@ inline void half_rows_to_float(const std::uint16_t* src, Index ld, Index rows, I
     }
 }
 
+// Whether cpuid's vendor string is `name` (12 characters: "GenuineIntel", "AuthenticAMD");
+// false off x86-64.
+inline bool cpu_vendor_is(const char* name) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    char vendor[12];
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    return std::memcmp(vendor, name, 12) == 0;
+#else
+    (void)name;
+    return false;
+#endif
+}
+
 #if defined(ATTNLAB_AMX)
 #define ATTNLAB_AMX_TARGET \
     __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -105,17 +125,6 @@ inline bool amx_usable() {
         return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
     }();
     return usable;
-}
-
-// Whether cpuid's vendor string is `name` (12 characters: "GenuineIntel", "AuthenticAMD").
-inline bool cpu_vendor_is(const char* name) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-    char vendor[12];
-    std::memcpy(vendor, &b, 4);
-    std::memcpy(vendor + 4, &d, 4);
-    std::memcpy(vendor + 8, &c, 4);
-    return std::memcmp(vendor, name, 12) == 0;
 }
 
 // AVX512-BF16 (VDPBF16PS) usable here, in the AVX-512 build (whose dispatch checked the ZMM state),

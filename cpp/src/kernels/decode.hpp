@@ -39,6 +39,21 @@ constexpr int kDecodeRowBlock = 2;
 constexpr int kDecodeAccumulators = 8;
 #endif
 
+// Whether a streamed K or V row is requested into L2 rather than L1: on AMD (Zen 4) the
+// requests into L1 held the loads' miss buffers and took a fifth of the samples; into L2 the
+// decode took 0.68-0.90x the time. Intel keeps L1, as measured there (docs/performance.md,
+// "Decode prefetch").
+inline bool decode_prefetch_l2() {
+    static const bool amd = cpu_vendor_is("AuthenticAMD");
+    return amd;
+}
+EIGEN_ALWAYS_INLINE void decode_prefetch(const void* p) {
+    if (decode_prefetch_l2())
+        __builtin_prefetch(p, 0, 2);
+    else
+        __builtin_prefetch(p, 0, 3);
+}
+
 // Whether p runs the decode path. Below two splits of keys, the query rows of one head that fill
 // a packet (no group to share K and V, e.g. latent attention's heads as rows) keep the flash
 // tile, which holds them in one vector across a key tile (docs/performance.md, "Decode against
@@ -93,7 +108,7 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
     if (ahead > 0)
         for (int u = 0; u < KB; ++u)
             for (Index b = 0; b < d * Index(sizeof(StoredElem<T, F>)); b += 64)
-                __builtin_prefetch(reinterpret_cast<const char*>(k + (ahead + u) * ks) + b, 0, 3);
+                decode_prefetch(reinterpret_cast<const char*>(k + (ahead + u) * ks) + b);
     Packet a[RB][KB];
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < KB; ++u) a[r][u] = ei::pset1<Packet>(T(0));
@@ -142,7 +157,7 @@ void decode_values(const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v
         const StoredElem<T, F>* vj = v + j * vs + c0;
         if (ahead > 0)
             for (Index b = 0; b < NP * L * Index(sizeof(StoredElem<T, F>)); b += 64)
-                __builtin_prefetch(reinterpret_cast<const char*>(vj + ahead * vs) + b, 0, 3);
+                decode_prefetch(reinterpret_cast<const char*>(vj + ahead * vs) + b);
         Packet x[NP];
         for (int u = 0; u < NP; ++u) x[u] = load_stored_packet<T, F>(vj + u * L);
         for (int r = 0; r < RB; ++r) {

@@ -62,6 +62,7 @@ constexpr KernelTable kernel_table = {ATTNLAB_ISA_NAME,
                                       &linear_bf16,
                                       &bf16_kernel,
                                       &gemm_blocking,
+                                      &decode_prefetch,
                                       &widen_half,
                                       &narrow_half};
 
