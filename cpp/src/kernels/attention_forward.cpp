@@ -487,8 +487,8 @@ void attention_forward(const AttentionProblem<T>& p) {
 }
 
 const char* decode_prefetch() {
-    return detail::decode_prefetch_l2() ? "l2: K and V rows requested into L2 (AMD)"
-                                        : "l1: K and V rows requested into L1";
+    return detail::kDecodePrefetchL2 ? "l2: K and V rows requested into L2 (AMD)"
+                                     : "l1: K and V rows requested into L1";
 }
 
 template void attention_forward<float>(const AttentionProblem<float>&);

@@ -43,12 +43,11 @@ constexpr int kDecodeAccumulators = 8;
 // requests into L1 held the loads' miss buffers and took a fifth of the samples; into L2 the
 // decode took 0.68-0.90x the time. Intel keeps L1, as measured there (docs/performance.md,
 // "Decode prefetch").
-inline bool decode_prefetch_l2() {
-    static const bool amd = cpu_vendor_is("AuthenticAMD");
-    return amd;
-}
+// (Decided when the module loads: a function-local static's guard made GCC call a function
+// per request, spilling the kernels' accumulators around it.)
+inline const bool kDecodePrefetchL2 = cpu_vendor_is("AuthenticAMD");
 EIGEN_ALWAYS_INLINE void decode_prefetch(const void* p) {
-    if (decode_prefetch_l2())
+    if (kDecodePrefetchL2)
         __builtin_prefetch(p, 0, 2);
     else
         __builtin_prefetch(p, 0, 3);
