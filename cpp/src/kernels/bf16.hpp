@@ -19,7 +19,6 @@
 #endif
 #if defined(__AVX512F__) && defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
 #define ATTNLAB_AMX 1
-#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>

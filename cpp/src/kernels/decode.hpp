@@ -39,12 +39,10 @@ constexpr int kDecodeRowBlock = 2;
 constexpr int kDecodeAccumulators = 8;
 #endif
 
-// Whether a streamed K or V row is requested into L2 rather than L1: on AMD (Zen 4) the
-// requests into L1 held the loads' miss buffers and took a fifth of the samples; into L2 the
-// decode took 0.68-0.90x the time. Intel keeps L1, as measured there (docs/performance.md,
-// "Decode prefetch").
-// (Decided when the module loads: a function-local static's guard made GCC call a function
-// per request, spilling the kernels' accumulators around it.)
+// Whether a streamed K or V row is requested into L2 rather than L1: on AMD (Zen 4) requests
+// into L1 held the loads' miss buffers; Intel keeps L1, as measured there (docs/performance.md,
+// "Decode prefetch"). Decided when the module loads: a function-local static made GCC call a
+// function per request, spilling the kernels' accumulators around it.
 inline const bool kDecodePrefetchL2 = cpu_vendor_is("AuthenticAMD");
 EIGEN_ALWAYS_INLINE void decode_prefetch(const void* p) {
     if (kDecodePrefetchL2)

@@ -100,10 +100,10 @@ constexpr int rows_for_packets() {
 // callers GCC kept it out of line and flash_tile got slower.
 //
 // PackB: B is also copied (widened, if half), row by row, to `packed` (rows ldp apart) as it is
-// read, so that the
-// next row blocks read it from there: the copy's loads (of weights that are often out of L2)
-// overlap this block's FMAs instead of running alone before them; B's row kPrefetchAhead ahead
-// is fetched early, its rows being ldb apart, a stride the hardware prefetchers follow late.
+// read, so that the next row blocks read it from there: the copy's loads (of weights that are
+// often out of L2) overlap this block's FMAs instead of running alone before them; B's row
+// kPrefetchAhead ahead is fetched early, its rows being ldb apart, a stride the hardware
+// prefetchers follow late.
 constexpr Index kPrefetchAhead = 8;
 
 // A read prefetch into all cache levels, always inlined: GCC 12 finds a plain inline wrapper of
