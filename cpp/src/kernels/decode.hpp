@@ -301,8 +301,14 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         // (a loop, not std::find: a std:: template instantiated out of line in an AVX variant
         // is a weak symbol the generic variant's callers may link to)
         bool masked = false;
-        for (Index r = 0; r < R && !masked; ++r)
-            for (Index j = 0; j < kb && !masked; ++j) masked = sc[r * kbp + j] == neg_inf<T>();
+        const Packet ninf = ei::pset1<Packet>(neg_inf<T>());
+        for (Index r = 0; r < R && !masked; ++r) {  // a packet of scores at a time
+            const T* s = sc + r * kbp;
+            Index j = 0;
+            for (; j + L <= kb && !masked; j += L)
+                masked = ei::predux_any(ei::pcmp_eq(ei::pload<Packet>(s + j), ninf));
+            for (; j < kb && !masked; ++j) masked = s[j] == neg_inf<T>();
+        }
         const Index c = masked ? decode_values_all<T, F, true>(R, sc, pr, kbp, vblock, vs, kb, acc,
                                                                dvp, dv, v_ahead)
                                : decode_values_all<T, F, false>(R, sc, pr, kbp, vblock, vs, kb, acc,
