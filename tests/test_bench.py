@@ -190,6 +190,35 @@ def test_a_wrong_peer_is_reported_not_timed(monkeypatch):
     assert goals == {">= 1.1x": True, ">= 0.85": False}  # 1.5x onnxruntime; 0.0003 of the peak
 
 
+def test_decode_rows_are_judged_against_the_bandwidth_around_their_case(monkeypatch):
+    """The memory bandwidth drifts on a shared machine: a decode case measures it again before
+    and after its timing rounds and its rows take the higher; other cases do not measure it."""
+    monkeypatch.setattr(peers, "_Worker", _FakeWorker)
+    measured = iter([30.0, 34.0])
+    calls: list[int] = []
+
+    def bandwidth(threads: int, quick: bool) -> dict:  # noqa: ARG001
+        calls.append(threads)
+        return {"gbs": next(measured), "mib": 512}
+
+    monkeypatch.setattr(peers, "memory_bandwidth", bandwidth)
+    peers.run_case("tiny", ("attnlab", "onnxruntime"), 2, True, [])
+    assert calls == []
+    rows = peers.run_case("decode", ("attnlab", "onnxruntime"), 2, True, [])
+    assert len(calls) == 2
+    assert [r.extra["bandwidth_gbs"] for r in rows] == [34.0, 34.0]
+    result = _result(rows, 100.0) | {"bandwidth": {"gbs": 50.0, "mib": 1024}}
+    share = rows[0].extra["gbs"] / 34.0
+    goals = {t["target"]: t["value"] for t in peers.peer_targets(result)}
+    assert goals[f"{rows[0].case} {rows[0].shape}: share of the memory bandwidth"] == round(
+        share, 3
+    )
+    assert f"= {100 * share:.0f}% of 34.0" in peers.format_peers(result)
+    # a row without its own measurement falls back to the run's
+    rows[0].extra.pop("bandwidth_gbs")
+    assert f"= {100 * rows[0].extra['gbs'] / 50.0:.0f}% of 50.0" in peers.format_peers(result)
+
+
 def test_peers_worker_one_shot_and_a_missing_runtime(tmp_path):
     """The worker prints one JSON line: the timings, or a skip when the runtime is missing (a
     module that fails to import stands for it here)."""
