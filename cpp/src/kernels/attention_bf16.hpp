@@ -67,7 +67,7 @@ Bf16Operands<T> bf16_operands(const AttentionProblem<T>& p) {
 
 #if defined(ATTNLAB_AMX)
 constexpr Index kAmxQ = 64;   // queries per task: 16-column tiles, vectors of 16
-constexpr Index kAmxK = 128;  // keys per softmax block (the float flash tiles' kTileK)
+constexpr Index kAmxK = 128;  // keys per softmax block (the emulation's: kTileKBf16)
 
 inline Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
 

@@ -22,12 +22,17 @@ namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 
 namespace detail {
 
-// Tile sizes. Forward: 96 queries (a whole number of panels for 4, 8 and 16 lanes) against 128
-// keys; the score tile (48 KiB in float) streams through L2 row by row. 4 x 3-packet panels
+// Tile sizes. Forward: 96 queries (a whole number of panels for 4, 8 and 16 lanes) against 256
+// keys; the score tile (96 KiB in float) streams through L2 row by row. 4 x 3-packet panels
 // with 96 queries rather than 6 x 2 with 64: faster at d_head = 64 (docs/performance.md,
-// kTileQ). Backward: see backward_pair.
+// kTileQ). 256 keys rather than 128: half the online softmax's rescales and per-tile passes,
+// and one tile for n <= 256 (docs/performance.md, kTileK); the tile, Q^T, the accumulator
+// and a key block stay within 512 KiB, the L2 of a Zen 2 or 3 core. precision="bf16"
+// keeps 128-key blocks, those of its AMX and VDPBF16PS kernels (kAmxK), so that the emulation
+// rounds the same probabilities. Backward: see backward_pair.
 constexpr Index kTileQ = 96;
-constexpr Index kTileK = 128;
+constexpr Index kTileK = 256;
+constexpr Index kTileKBf16 = 128;
 constexpr Index kDepth = 256;  // head-width chunk of the score product
 // Up to this many query tiles per head, each flash tile scans its key blocks' value rows for
 // NaN/Inf itself (from cache, just before its product reads them): by operation count about
@@ -95,7 +100,8 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     const Index ks = x.ks, vs = x.vs;
 
     T* qt = scratch<T>(ScratchBuffer::kFlashQueries, static_cast<std::size_t>(d * mp));
-    T* st = scratch<T>(ScratchBuffer::kFlashScores, static_cast<std::size_t>(kTileK * mp));
+    const Index tile_k = p.bf16 == Bf16::probabilities ? kTileKBf16 : kTileK;
+    T* st = scratch<T>(ScratchBuffer::kFlashScores, static_cast<std::size_t>(tile_k * mp));
     T* acc = scratch<T>(ScratchBuffer::kFlashAccumulator, static_cast<std::size_t>(dv * mp));
     T* stats = scratch<T>(ScratchBuffer::kFlashStats, static_cast<std::size_t>(2 * mp));
     T* row_m = stats;
@@ -123,8 +129,8 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     const Packet ninf = ei::pset1<Packet>(neg_inf<T>());
     const Packet zero = ei::pzero(ninf);
     const Interval keys = keys_seen(p.mask, p.n_q, p.n_k, i0, i0 + mq);
-    for (Index j0 = keys.lo; j0 < keys.hi; j0 += kTileK) {
-        const Index kb = std::min(kTileK, keys.hi - j0);
+    for (Index j0 = keys.lo; j0 < keys.hi; j0 += tile_k) {
+        const Index kb = std::min(tile_k, keys.hi - j0);
         if constexpr (!std::is_same_v<std::decay_t<Ready>, std::nullptr_t>) ready(j0, j0 + kb);
         // S^T[j, i] = sum_c K[j0 + j, c] * qt[c, i], over head widths in chunks of kDepth so
         // that a chunk of the Q^T panel stays in L1 while the key rows pass (wide heads)
