@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
@@ -48,6 +49,15 @@ EIGEN_ALWAYS_INLINE void decode_prefetch(const void* p) {
     if (kDecodePrefetchL2)
         __builtin_prefetch(p, 0, 2);
     else
+        __builtin_prefetch(p, 0, 3);
+}
+// The same with the choice fixed at compile time, for loops that must stay free of branches
+enum class Fetch { none, l1, l2 };
+template <Fetch P>
+EIGEN_ALWAYS_INLINE void decode_prefetch_to(const void* p) {
+    if constexpr (P == Fetch::l2)
+        __builtin_prefetch(p, 0, 2);
+    else if constexpr (P == Fetch::l1)
         __builtin_prefetch(p, 0, 3);
 }
 
@@ -141,20 +151,23 @@ void decode_dots_rows(Index rows, const T* q, const StoredElem<T, F>* k, Index k
 // acc_r[c0, c0 + NP L) += sum_{j < kb} p_rj v_j[c0, c0 + NP L) for RB rows (p_r at pr + r * ss,
 // acc_r at acc + r * as), the columns held in registers across the keys. With Skip, a key a row
 // may not see (score -inf) is skipped for it, so its value (even NaN) never reaches that row.
-template <typename T, HalfFormat F, int RB, int NP, bool Skip>
+// The row `ahead` on is requested as P says, the choice a template argument: a branch in this
+// loop made GCC 12 keep the sums on the stack (docs/performance.md, "Decode sums in registers").
+template <typename T, HalfFormat F, int RB, int NP, bool Skip, Fetch P>
 void decode_values(const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v, Index vs,
                    Index kb, T* acc, Index as, Index c0, Index ahead) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
+    constexpr Index kLineBytes = NP * L * Index(sizeof(StoredElem<T, F>));
     Packet a[RB][NP];
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < NP; ++u) a[r][u] = ei::pload<Packet>(acc + r * as + c0 + u * L);
     for (Index j = 0; j < kb; ++j) {
         const StoredElem<T, F>* vj = v + j * vs + c0;
-        if (ahead > 0)
-            for (Index b = 0; b < NP * L * Index(sizeof(StoredElem<T, F>)); b += 64)
-                decode_prefetch(reinterpret_cast<const char*>(vj + ahead * vs) + b);
+        if constexpr (P != Fetch::none)
+            for (Index b = 0; b < kLineBytes; b += 64)
+                decode_prefetch_to<P>(reinterpret_cast<const char*>(vj + ahead * vs) + b);
         Packet x[NP];
         for (int u = 0; u < NP; ++u) x[u] = load_stored_packet<T, F>(vj + u * L);
         for (int r = 0; r < RB; ++r) {
@@ -168,43 +181,50 @@ void decode_values(const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v
 }
 
 // decode_values for `rows` <= RB rows
-template <typename T, HalfFormat F, int RB, int NP, bool Skip>
+template <typename T, HalfFormat F, int RB, int NP, bool Skip, Fetch P>
 void decode_values_rows(Index rows, const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v,
                         Index vs, Index kb, T* acc, Index as, Index c0, Index ahead) {
     if constexpr (RB > 1)
         if (rows < RB)
-            return decode_values_rows<T, F, RB - 1, NP, Skip>(rows, sc, pr, ss, v, vs, kb, acc, as,
-                                                              c0, ahead);
-    decode_values<T, F, RB, NP, Skip>(sc, pr, ss, v, vs, kb, acc, as, c0, ahead);
+            return decode_values_rows<T, F, RB - 1, NP, Skip, P>(rows, sc, pr, ss, v, vs, kb, acc,
+                                                                 as, c0, ahead);
+    decode_values<T, F, RB, NP, Skip, P>(sc, pr, ss, v, vs, kb, acc, as, c0, ahead);
 }
 
 // decode_values for the R rows over the whole packets of [c, dv), in chunks of NP, NP / 2, ...,
 // 1 packets, each chunk through every row block while its values are in L1 (the first block
 // streams them); returns the first column after them
-template <typename T, HalfFormat F, int NP, bool Skip>
+template <typename T, HalfFormat F, int NP, bool Skip, Fetch P>
 Index decode_values_cols(Index R, const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v,
                          Index vs, Index kb, T* acc, Index as, Index c, Index dv, Index ahead) {
     constexpr Index W = NP * packet_size<T>();
-    for (; c + W <= dv; c += W)
-        for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
-            decode_values_rows<T, F, kDecodeRowBlock, NP, Skip>(
+    for (; c + W <= dv; c += W) {
+        // the first row block streams the values (and requests those ahead), the others
+        // read them from L1
+        decode_values_rows<T, F, kDecodeRowBlock, NP, Skip, P>(
+            std::min<Index>(kDecodeRowBlock, R), sc, pr, ss, v, vs, kb, acc, as, c, ahead);
+        for (Index r0 = kDecodeRowBlock; r0 < R; r0 += kDecodeRowBlock)
+            decode_values_rows<T, F, kDecodeRowBlock, NP, Skip, Fetch::none>(
                 std::min<Index>(kDecodeRowBlock, R - r0), sc + r0 * ss, pr + r0 * ss, ss, v, vs, kb,
-                acc + r0 * as, as, c, r0 == 0 ? ahead : 0);
+                acc + r0 * as, as, c, 0);
+    }
     if constexpr (NP > 1)
-        c = decode_values_cols<T, F, NP / 2, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, c, dv, ahead);
+        c = decode_values_cols<T, F, NP / 2, Skip, P>(R, sc, pr, ss, v, vs, kb, acc, as, c, dv,
+                                                      ahead);
     return c;
 }
 
 // acc += P V for the R rows over the whole packets of the value rows (see decode_values_cols):
 // value packets per row as many as leave the registers to the accumulators of a row block
-template <typename T, HalfFormat F, bool Skip>
+template <typename T, HalfFormat F, bool Skip, Fetch P>
 Index decode_values_all(Index R, const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v,
                         Index vs, Index kb, T* acc, Index as, Index dv, Index ahead) {
     constexpr int wide = kDecodeAccumulators / 2, narrow = kDecodeAccumulators / kDecodeRowBlock;
     if (R <= 2)
-        return decode_values_cols<T, F, wide, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv,
-                                                    ahead);
-    return decode_values_cols<T, F, narrow, Skip>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv, ahead);
+        return decode_values_cols<T, F, wide, Skip, P>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv,
+                                                       ahead);
+    return decode_values_cols<T, F, narrow, Skip, P>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv,
+                                                     ahead);
 }
 
 // One task: rows of (b, hk) against keys [j_lo, j_hi) of split sp; K and V stored as F says.
@@ -309,10 +329,18 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                 masked = ei::predux_any(ei::pcmp_eq(ei::pload<Packet>(s + j), ninf));
             for (; j < kb && !masked; ++j) masked = s[j] == neg_inf<T>();
         }
-        const Index c = masked ? decode_values_all<T, F, true>(R, sc, pr, kbp, vblock, vs, kb, acc,
-                                                               dvp, dv, v_ahead)
-                               : decode_values_all<T, F, false>(R, sc, pr, kbp, vblock, vs, kb, acc,
-                                                                dvp, dv, v_ahead);
+        const auto values = [&](auto skip) {
+            constexpr bool S = decltype(skip)::value;
+            if (v_ahead == 0)
+                return decode_values_all<T, F, S, Fetch::none>(R, sc, pr, kbp, vblock, vs, kb, acc,
+                                                               dvp, dv, 0);
+            if (kDecodePrefetchL2)
+                return decode_values_all<T, F, S, Fetch::l2>(R, sc, pr, kbp, vblock, vs, kb, acc,
+                                                             dvp, dv, v_ahead);
+            return decode_values_all<T, F, S, Fetch::l1>(R, sc, pr, kbp, vblock, vs, kb, acc, dvp,
+                                                         dv, v_ahead);
+        };
+        const Index c = masked ? values(std::true_type{}) : values(std::false_type{});
         for (Index j = 0; j < kb; ++j)  // the columns after the last whole packet
             for (Index r = 0; r < R; ++r)
                 if (sc[r * kbp + j] != neg_inf<T>())
