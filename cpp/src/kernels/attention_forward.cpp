@@ -26,8 +26,8 @@ namespace detail {
 // keys; the score tile (96 KiB in float) streams through L2 row by row. 4 x 3-packet panels
 // with 96 queries rather than 6 x 2 with 64: faster at d_head = 64 (docs/performance.md,
 // kTileQ). 256 keys rather than 128: half the online softmax's rescales and per-tile passes,
-// and one tile for n <= 256 (docs/performance.md, kTileK); the tile, Q^T, the accumulator
-// and a key block stay within 512 KiB, the L2 of a Zen 2 or 3 core. precision="bf16"
+// and one tile for n <= 256 (docs/performance.md, kTileK); in float the tile, Q^T, the
+// accumulator and a key block stay within 512 KiB, the L2 of a Zen 2 or 3 core. precision="bf16"
 // keeps 128-key blocks, those of its AMX and VDPBF16PS kernels (kAmxK), so that the emulation
 // rounds the same probabilities. Backward: see backward_pair.
 constexpr Index kTileQ = 96;

@@ -130,8 +130,8 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float> && L == 16 && RB == 4 && KB == 4) {
         // the 16 sums at once, by shuffles between them: each adds the same lanes in the same
-        // order as predux (i + 8, then + 4, + 2, + 1), so the same bits, with about a third of
-        // the shuffles and adds; lane 4 r + u of z is row r's score of key u
+        // order as predux (i + 8, then + 4, + 2, + 1), so the same bits, with half the shuffles
+        // and a quarter of the adds; lane 4 r + u of z is row r's score of key u
         __m512 v[16], t[8], w[4], x[2];
         for (int r = 0; r < 4; ++r)
             for (int u = 0; u < 4; ++u) v[4 * u + r] = a[r][u];
