@@ -140,6 +140,28 @@ def test_decode_reads_half_precision_caches(n_k, dtype):
         assert_close(lse, rlse, np.float32, "half decode lse")  # kept in float32
 
 
+@pytest.mark.parametrize("lengths", [(1500, 700, 64, 1), (1, 2000, 129, 640)])
+def test_padded_batch_decode_reads_no_padding(lengths):
+    """A batch of caches of different lengths, padded to one n_k with NaN and Inf (keys and
+    values) and a boolean mask: each element equals the float64 reference on its own
+    keys, and no padding reaches it (whole key blocks past a length are not read for values)."""
+    rng = np.random.default_rng(12)
+    B, h, h_kv, n_k, d = len(lengths), 8, 2, 2000, 64
+    q = rng.standard_normal((B, h, 1, d)).astype(np.float32)
+    k, v = (rng.standard_normal((B, h_kv, n_k, d)).astype(np.float32) for _ in range(2))
+    pad = np.arange(n_k)[None, :] < np.array(lengths)[:, None]
+    for b, n in enumerate(lengths):
+        k[b, :, n:] = np.inf
+        v[b, :, n:] = np.nan
+    out = attnlab.scaled_dot_product_attention(q, k, v, mask=pad[:, None, None, :])
+    assert np.isfinite(out).all()
+    for b, n in enumerate(lengths):
+        ref = reference.scaled_dot_product_attention(
+            *(x[b : b + 1].astype(np.float64) for x in (q, k[:, :, :n], v[:, :, :n]))
+        )
+        assert_close(out[b : b + 1], ref, np.float32, f"padded element {b}")
+
+
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32)] + HALF, ids=str)
 @pytest.mark.parametrize("d", [128, 72, 8])
 def test_decode_rows_get_the_same_bits_however_grouped(d, dtype):
