@@ -143,8 +143,8 @@ def test_decode_reads_half_precision_caches(n_k, dtype):
 @pytest.mark.parametrize("lengths", [(1500, 700, 64, 1), (1, 2000, 129, 640)])
 def test_padded_batch_decode_reads_no_padding(lengths):
     """A batch of caches of different lengths, padded to one n_k with NaN and Inf (keys and
-    values) and a boolean mask: each element equals the float64 reference on its own
-    keys, and no padding reaches it (whole key blocks past a length are not read for values)."""
+    values) and a boolean or additive (-inf) mask: each element equals the float64 reference
+    on its own keys, and no padding reaches it (key blocks past a length are not read)."""
     rng = np.random.default_rng(12)
     B, h, h_kv, n_k, d = len(lengths), 8, 2, 2000, 64
     q = rng.standard_normal((B, h, 1, d)).astype(np.float32)
@@ -153,13 +153,15 @@ def test_padded_batch_decode_reads_no_padding(lengths):
     for b, n in enumerate(lengths):
         k[b, :, n:] = np.inf
         v[b, :, n:] = np.nan
-    out = attnlab.scaled_dot_product_attention(q, k, v, mask=pad[:, None, None, :])
-    assert np.isfinite(out).all()
-    for b, n in enumerate(lengths):
-        ref = reference.scaled_dot_product_attention(
-            *(x[b : b + 1].astype(np.float64) for x in (q, k[:, :, :n], v[:, :, :n]))
-        )
-        assert_close(out[b : b + 1], ref, np.float32, f"padded element {b}")
+    additive = np.where(pad, np.float32(0), np.float32(-np.inf))
+    for mask in (pad, additive):  # False or -inf past each length
+        out = attnlab.scaled_dot_product_attention(q, k, v, mask=mask[:, None, None, :])
+        assert np.isfinite(out).all()
+        for b, n in enumerate(lengths):
+            ref = reference.scaled_dot_product_attention(
+                *(x[b : b + 1].astype(np.float64) for x in (q, k[:, :, :n], v[:, :, :n]))
+            )
+            assert_close(out[b : b + 1], ref, np.float32, f"padded element {b}")
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32)] + HALF, ids=str)

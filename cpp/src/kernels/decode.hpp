@@ -303,8 +303,12 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     const Index rows_bytes = R * std::max(d, dvp) * Index(sizeof(T));
     const Index k_ahead = decode_ahead(d * Index(sizeof(E)), rows_bytes);
     const Index v_ahead = decode_ahead(dv * Index(sizeof(E)), rows_bytes);
+    const bool mask_arrays = p.mask.kind != MaskKind::none || p.mask.key_padding.data;
     for (Index j0 = j_lo; j0 < j_hi; j0 += kbp) {
         const Index kb = std::min(kbp, j_hi - j0);
+        // keys no row may see by the mask arrays (a padded batch element's cache past its
+        // length): not read at all
+        if (mask_arrays && block_unseen(p.mask, b, hk * group, group, p.n_q, j0, kb)) continue;
         const E* kblock = kbase + j0 * ks;
         const E* vblock = vbase + j0 * vs;
         // scores a few keys at a time for every row while those keys are in L1; the first

@@ -72,6 +72,33 @@ bool tile_needs_mask(const MaskSpec<T>& m, Index n_q, Index n_k, Index i0, Index
            j0 < key_interval(m.options, n_q, n_k, i1 - 1).lo;
 }
 
+// True if the mask arrays let no query of [0, n_q) of heads [h0, h0 + heads) of batch b see a
+// key of [j0, j0 + cols): every key padding, or every entry False (boolean) or -inf (additive).
+// Those scores are -inf whatever the products give, so a kernel may skip the block: the online
+// softmax's max, sum and accumulator come out as after a block of -inf scores.
+template <typename T>
+bool block_unseen(const MaskSpec<T>& m, Index b, Index h0, Index heads, Index n_q, Index j0,
+                  Index cols) {
+    const TokenMask& pad = m.key_padding;
+    if (pad.data) {
+        bool real = false;
+        for (Index c = 0; c < cols && !real; ++c) real = pad.real(b, j0 + c);
+        if (!real) return true;
+    }
+    if (m.kind == MaskKind::none) return false;
+    for (Index h = h0; h < h0 + heads; ++h)
+        for (Index i = 0; i < n_q; ++i) {
+            const Index row = b * m.sb + h * m.sh + i * m.sq;
+            for (Index c = 0; c < cols; ++c) {
+                const Index at = row + (j0 + c) * m.sk;
+                if (m.kind == MaskKind::boolean ? m.boolean[at] != 0
+                                                : !(m.additive[at] == neg_inf<T>()))
+                    return false;
+            }
+        }
+    return true;
+}
+
 // The keys [lo, hi) that some query of [i0, i1) (not empty) may see: the kernels skip the rest.
 template <typename T>
 Interval keys_seen(const MaskSpec<T>& m, Index n_q, Index n_k, Index i0, Index i1) {
