@@ -355,26 +355,18 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         }
         // acc += P V: each value row read once for the R rows, a few column packets of a few
         // rows in registers across the block's keys; the skip test only where some row may
-        // not see some key, and no value read at all where no row sees any (e.g. a padded
-        // batch element's keys past its length: every product would be skipped)
+        // not see some key
         // (a loop, not std::find: a std:: template instantiated out of line in an AVX variant
         // is a weak symbol the generic variant's callers may link to)
-        bool masked = false, seen = false;  // some score -inf; some not (NaN included)
+        bool masked = false;
         const Packet ninf = ei::pset1<Packet>(neg_inf<T>());
-        for (Index r = 0; r < R && !(masked && seen); ++r) {  // a packet of scores at a time
+        for (Index r = 0; r < R && !masked; ++r) {  // a packet of scores at a time
             const T* s = sc + r * kbp;
             Index j = 0;
-            for (; j + L <= kb && !(masked && seen); j += L) {
-                const Packet eq = ei::pcmp_eq(ei::pload<Packet>(s + j), ninf);
-                masked = masked || ei::predux_any(eq);
-                seen = seen || ei::predux_any(ei::pandnot(ei::ptrue(eq), eq));
-            }
-            for (; j < kb && !(masked && seen); ++j) {
-                masked = masked || s[j] == neg_inf<T>();
-                seen = seen || !(s[j] == neg_inf<T>());
-            }
+            for (; j + L <= kb && !masked; j += L)
+                masked = ei::predux_any(ei::pcmp_eq(ei::pload<Packet>(s + j), ninf));
+            for (; j < kb && !masked; ++j) masked = s[j] == neg_inf<T>();
         }
-        if (!seen) continue;
         const auto values = [&](auto skip) {
             constexpr bool S = decltype(skip)::value;
             if (v_ahead == 0)
