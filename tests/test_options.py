@@ -577,3 +577,28 @@ def test_layers_take_the_logit_options_per_call():
     assert_close(out, ref, np.float64, "logit options layer")
     dx = layer.backward(np.ones_like(out))
     assert dx.shape == x.shape and set(layer.grads) == set(layer.params)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_padded_batch_prefill_reads_no_padding(dtype):
+    """A batch of sequences of different lengths padded to one n with NaN and Inf in the keys
+    and values past each length, masked by a boolean or additive (-inf) key mask: every query
+    row equals the float64 reference on its element's own keys (key tiles that only padding
+    fills are skipped whole; a length may end inside a tile)."""
+    rng = np.random.default_rng(13)
+    lengths, h, n, d = (1000, 300, 257, 1), 2, 1000, 32
+    B = len(lengths)
+    q, k, v = (rng.standard_normal((B, h, n, d)).astype(dtype) for _ in range(3))
+    pad = np.arange(n)[None, :] < np.array(lengths)[:, None]
+    for b, m in enumerate(lengths):
+        k[b, :, m:] = np.inf
+        v[b, :, m:] = np.nan
+    additive = np.where(pad, 0.0, -np.inf).astype(dtype)
+    for mask in (pad, additive):
+        out = attnlab.scaled_dot_product_attention(q, k, v, mask=mask[:, None, None, :])
+        assert out.dtype == dtype and np.isfinite(out).all()
+        for b, m in enumerate(lengths):
+            ref = reference.scaled_dot_product_attention(
+                *(x[b : b + 1].astype(np.float64) for x in (q, k[:, :, :m], v[:, :, :m]))
+            )
+            assert_close(out[b : b + 1], ref, dtype, f"padded element {b}")

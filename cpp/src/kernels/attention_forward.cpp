@@ -129,8 +129,11 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     const Packet ninf = ei::pset1<Packet>(neg_inf<T>());
     const Packet zero = ei::pzero(ninf);
     const Interval keys = keys_seen(p.mask, p.n_q, p.n_k, i0, i0 + mq);
+    const bool mask_arrays = p.mask.kind != MaskKind::none || p.mask.key_padding.data;
     for (Index j0 = keys.lo; j0 < keys.hi; j0 += tile_k) {
         const Index kb = std::min(tile_k, keys.hi - j0);
+        // keys no query of the tile may see by the mask arrays (padding): not read at all
+        if (mask_arrays && block_unseen(p.mask, b, h, 1, i0, i0 + mq, j0, kb)) continue;
         if constexpr (!std::is_same_v<std::decay_t<Ready>, std::nullptr_t>) ready(j0, j0 + kb);
         // S^T[j, i] = sum_c K[j0 + j, c] * qt[c, i], over head widths in chunks of kDepth so
         // that a chunk of the Q^T panel stays in L1 while the key rows pass (wide heads)

@@ -308,7 +308,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         const Index kb = std::min(kbp, j_hi - j0);
         // keys no row may see by the mask arrays (a padded batch element's cache past its
         // length): not read at all
-        if (mask_arrays && block_unseen(p.mask, b, hk * group, group, p.n_q, j0, kb)) continue;
+        if (mask_arrays && block_unseen(p.mask, b, hk * group, group, 0, p.n_q, j0, kb)) continue;
         const E* kblock = kbase + j0 * ks;
         const E* vblock = vbase + j0 * vs;
         // scores a few keys at a time for every row while those keys are in L1; the first

@@ -25,6 +25,17 @@ void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, In
                 Index rows, Index cols, T* s, Index rs, Index cs) {
     const TokenMask& pad = m.key_padding;
     const std::uint8_t* kp = pad.data ? pad.data + b * pad.sb : nullptr;
+    // Masks by key alone (a boolean mask the same for every query, key padding) set a key's
+    // column at once, not an entry per row and key (a padding mask was a fifth of a flash
+    // call's time), each where the row loop had it: the boolean mask first, the padding after
+    // the ALiBi term (-inf minus an infinite term would be NaN).
+    const auto mask_keys = [&](const std::uint8_t* allowed, Index stride) {
+        for (Index c = 0; c < cols; ++c)
+            if (!allowed[(j0 + c) * stride])
+                for (Index r = 0; r < rows; ++r) s[r * rs + c * cs] = neg_inf<T>();
+    };
+    const bool by_key = m.kind == MaskKind::boolean && m.sq == 0;
+    if (by_key) mask_keys(m.boolean + b * m.sb + h * m.sh, m.sk);
     for (Index r = 0; r < rows; ++r) {
         T* srow = s + r * rs;
         const Index i = i0 + r;
@@ -35,7 +46,7 @@ void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, In
                 const T add = mrow[(j0 + c) * m.sk];
                 srow[c * cs] = add == neg_inf<T>() ? add : srow[c * cs] + add;
             }
-        } else if (m.kind == MaskKind::boolean) {
+        } else if (m.kind == MaskKind::boolean && !by_key) {
             const std::uint8_t* mrow = m.boolean + b * m.sb + h * m.sh + i * m.sq;
             for (Index c = 0; c < cols; ++c)
                 if (!mrow[(j0 + c) * m.sk]) srow[c * cs] = neg_inf<T>();
@@ -48,10 +59,6 @@ void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, In
                 srow[c * cs] -= slope * static_cast<T>(dist);
             }
         }
-        if (kp) {
-            for (Index c = 0; c < cols; ++c)
-                if (!kp[(j0 + c) * pad.sk]) srow[c * cs] = neg_inf<T>();
-        }
         // the scalar options: keys outside the row's interval
         const Interval keys = key_interval(m.options, n_q, n_k, i);
         const Index lo = std::clamp<Index>(keys.lo - j0, 0, cols);
@@ -59,6 +66,7 @@ void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, In
         for (Index c = 0; c < lo; ++c) srow[c * cs] = neg_inf<T>();
         for (Index c = hi; c < cols; ++c) srow[c * cs] = neg_inf<T>();
     }
+    if (kp) mask_keys(kp, pad.sk);  // after the ALiBi term, as the intervals
 }
 
 // True if the tile of queries [i0, i1) and keys [j0, j1) needs apply_mask at all: with a mask
@@ -72,13 +80,13 @@ bool tile_needs_mask(const MaskSpec<T>& m, Index n_q, Index n_k, Index i0, Index
            j0 < key_interval(m.options, n_q, n_k, i1 - 1).lo;
 }
 
-// True if the mask arrays let no query of [0, n_q) of heads [h0, h0 + heads) of batch b see a
+// True if the mask arrays let no query of [i0, i1) of heads [h0, h0 + heads) of batch b see a
 // key of [j0, j0 + cols): every key padding, or every entry False (boolean) or -inf (additive).
 // Those scores are -inf whatever the products give, so a kernel may skip the block: the online
 // softmax's max, sum and accumulator come out as after a block of -inf scores.
 template <typename T>
-bool block_unseen(const MaskSpec<T>& m, Index b, Index h0, Index heads, Index n_q, Index j0,
-                  Index cols) {
+bool block_unseen(const MaskSpec<T>& m, Index b, Index h0, Index heads, Index i0, Index i1,
+                  Index j0, Index cols) {
     const TokenMask& pad = m.key_padding;
     if (pad.data) {
         bool real = false;
@@ -87,7 +95,7 @@ bool block_unseen(const MaskSpec<T>& m, Index b, Index h0, Index heads, Index n_
     }
     if (m.kind == MaskKind::none) return false;
     for (Index h = h0; h < h0 + heads; ++h)
-        for (Index i = 0; i < n_q; ++i) {
+        for (Index i = i0; i < i1; ++i) {
             const Index row = b * m.sb + h * m.sh + i * m.sq;
             for (Index c = 0; c < cols; ++c) {
                 const Index at = row + (j0 + c) * m.sk;
