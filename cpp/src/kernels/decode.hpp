@@ -45,13 +45,7 @@ constexpr int kDecodeAccumulators = 8;
 // "Decode prefetch"). Decided when the module loads: a function-local static made GCC call a
 // function per request, spilling the kernels' accumulators around it.
 inline const bool kDecodePrefetchL2 = cpu_vendor_is("AuthenticAMD");
-EIGEN_ALWAYS_INLINE void decode_prefetch(const void* p) {
-    if (kDecodePrefetchL2)
-        __builtin_prefetch(p, 0, 2);
-    else
-        __builtin_prefetch(p, 0, 3);
-}
-// The same with the choice fixed at compile time, for loops that must stay free of branches
+// The request with the level fixed at compile time, for loops that must stay free of branches
 enum class Fetch { none, l1, l2 };
 template <Fetch P>
 EIGEN_ALWAYS_INLINE void decode_prefetch_to(const void* p) {
@@ -59,6 +53,13 @@ EIGEN_ALWAYS_INLINE void decode_prefetch_to(const void* p) {
         __builtin_prefetch(p, 0, 2);
     else if constexpr (P == Fetch::l1)
         __builtin_prefetch(p, 0, 3);
+}
+// ... and chosen when called (outside the kernels' inner loops)
+EIGEN_ALWAYS_INLINE void decode_prefetch(const void* p) {
+    if (kDecodePrefetchL2)
+        decode_prefetch_to<Fetch::l2>(p);
+    else
+        decode_prefetch_to<Fetch::l1>(p);
 }
 
 // Whether p runs the decode path. Below two splits of keys, the query rows of one head that fill

@@ -26,8 +26,8 @@ void apply_mask(const MaskSpec<T>& m, Index b, Index h, Index n_q, Index n_k, In
     const TokenMask& pad = m.key_padding;
     const std::uint8_t* kp = pad.data ? pad.data + b * pad.sb : nullptr;
     // Masks by key alone (a boolean mask the same for every query, key padding) set a key's
-    // column at once, not an entry per row and key (a padding mask was a fifth of a flash
-    // call's time), each where the row loop had it: the boolean mask first, the padding after
+    // column at once, not an entry per row and key (docs/performance.md, "Padding masks in the
+    // flash tiles"), each where the row loop had it: the boolean mask first, the padding after
     // the ALiBi term (-inf minus an infinite term would be NaN).
     const auto mask_keys = [&](const std::uint8_t* allowed, Index stride) {
         for (Index c = 0; c < cols; ++c)
@@ -94,8 +94,10 @@ bool block_unseen(const MaskSpec<T>& m, Index b, Index h0, Index heads, Index i0
         if (!real) return true;
     }
     if (m.kind == MaskKind::none) return false;
-    for (Index h = h0; h < h0 + heads; ++h)
-        for (Index i = i0; i < i1; ++i) {
+    // a mask broadcast over heads or queries (stride 0) is read once, not once per row
+    const Index h1 = m.sh == 0 ? h0 + 1 : h0 + heads, i_end = m.sq == 0 ? i0 + 1 : i1;
+    for (Index h = h0; h < h1; ++h)
+        for (Index i = i0; i < i_end; ++i) {
             const Index row = b * m.sb + h * m.sh + i * m.sq;
             for (Index c = 0; c < cols; ++c) {
                 const Index at = row + (j0 + c) * m.sk;
