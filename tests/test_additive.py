@@ -601,7 +601,9 @@ def test_core_rejects_inconsistent_buffers(rng):
     x = np.ones((10, 8))
     out = np.empty((10, 8))
     w = dict(w, w_g=w["w_g"].reshape(-1))
-    good = dict(x=x, **w, batch=2, n=5, scale=1.0, eps=1e-12, variant=0, key_padding_mask=None)
+    good = dict(
+        x=x, **w, batch=2, n=5, scale=1.0, eps=1e-12, variant=0, key_padding_mask=None, half=0
+    )
 
     def forward(out=out, **changed):
         core.additive_forward(core.AdditiveArgs(**dict(good, **changed)), out)
@@ -637,7 +639,7 @@ def test_core_rejects_inconsistent_buffers(rng):
     with pytest.raises(AttributeError):
         a.n = 4  # read-only
     ws = separable_weights(rng, 8)
-    sep = dict(x=x, **ws, batch=2, n=5, key_padding_mask=None)
+    sep = dict(x=x, **ws, batch=2, n=5, key_padding_mask=None, half=0)
     bad = core.SeparableArgs(**dict(sep, w_qkv=ws["w_qkv"][:, :16].copy(), b_qkv=None))
     with pytest.raises(ValueError, match=r"^w_qkv: "):
         core.separable_forward(bad, out)

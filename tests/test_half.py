@@ -577,6 +577,50 @@ def test_separable_within_bound(shape, path):
     _finish(fwd, bwd)
 
 
+@pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
+@pytest.mark.parametrize("family", ["additive-official", "additive-hf", "separable"])
+def test_pooled_forward_reads_and_writes_half_as_the_float32_call_rounds(family, path):
+    """The pooled forwards read half-precision x as stored, a row block at a time, and round
+    their output a row block at a time: the same bits as the float32 call on the widened arrays,
+    rounded once (widening is exact). Two batch elements of 1100 tokens (blocks of 128 rows,
+    output tasks of 1024), with padded tokens."""
+    _, dtype, _, _ = path
+    B, n, d = 2, 1100, 24
+    if family == "separable":
+        args, _ = _separable_case((B, n, d, d))
+        fn, kw = attnlab.separable_attention, {}
+    else:
+        args, kw = _additive_case((B, n, d, 32), family.split("-")[1])
+        fn = attnlab.additive_attention
+    mask = np.random.default_rng(5).random((B, n)) > 0.25
+    half = _cast(args, dtype)
+    got = fn(**half, **kw, key_padding_mask=mask)
+    want = fn(**_cast(half, np.dtype(np.float32)), **kw, key_padding_mask=mask).astype(dtype)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_pooled_half_bits_are_refused_where_not_read():
+    """The bindings' ``half`` field: only the forward reads x as bits, without a state."""
+    from attnlab._loader import core
+
+    x = np.ones((10, 8), np.float16).view(np.uint16)
+    w = {k: np.ones((8, 8), np.float32) for k in ("w_q", "w_k", "w_proj", "w_final")}
+    good = dict(x=x, **w, w_g=np.ones(8, np.float32), b_q=None, b_k=None, b_proj=None)
+    good.update(b_final=None, batch=2, n=5, scale=1.0, eps=1e-12, variant=0, key_padding_mask=None)
+    out = np.empty((10, 8), np.uint16)
+    core.additive_forward(core.AdditiveArgs(**good, half=1), out)
+    assert np.isfinite(out.view(np.float16)).all()
+    with pytest.raises(ValueError, match=r"^half: expected 0, 1 \(float16\) or 2"):
+        core.additive_forward(core.AdditiveArgs(**good, half=3), out)
+    with pytest.raises(ValueError, match=r"^state: "):
+        core.additive_forward(core.AdditiveArgs(**good, half=1), out, {})
+    with pytest.raises(TypeError, match=r"^x: "):
+        core.additive_forward(core.AdditiveArgs(**dict(good, x=x.view(np.float16)), half=1), out)
+    with pytest.raises(ValueError, match=r"^half: the backward"):
+        core.additive_backward(np.ones((10, 8), np.float32), core.AdditiveArgs(**good, half=1), {})
+
+
 # ----------------------------------------------------------------- the bound itself
 
 

@@ -23,6 +23,7 @@ struct AdditiveArgs {
     double scale, eps;
     int variant;
     py::object key_padding_mask;
+    int half;  // 0; 1, 2: x and out as float16, bfloat16 bits (the forward)
 
     static constexpr auto fields() {
         return std::make_tuple(
@@ -34,7 +35,8 @@ struct AdditiveArgs {
             field("batch", &AdditiveArgs::batch), field("n", &AdditiveArgs::n),
             field("scale", &AdditiveArgs::scale), field("eps", &AdditiveArgs::eps),
             field("variant", &AdditiveArgs::variant),
-            field("key_padding_mask", &AdditiveArgs::key_padding_mask));
+            field("key_padding_mask", &AdditiveArgs::key_padding_mask),
+            field("half", &AdditiveArgs::half));
     }
 };
 

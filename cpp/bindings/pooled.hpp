@@ -25,6 +25,7 @@ void check_input(const T*& ptr, const py::object& arg, const char* name, std::ve
 
 // The problem (forward and backward; out is set by the forward): the sizes, the family's own
 // checks and widths, every buffer through the family's visitor in argument order, the padding.
+// a.half (1 float16, 2 bfloat16; T float): x is given as the bits of that dtype.
 template <typename Family, typename T>
 auto pooled_problem(const typename Family::Args& a) {
     if (a.batch < 0 || a.n < 0) throw py::value_error("negative sizes");
@@ -32,7 +33,17 @@ auto pooled_problem(const typename Family::Args& a) {
     p.batch = a.batch;
     p.n = a.n;
     Family::widths(a, p);
-    Family::visit(a, p, p, check_input<T>);
+    Family::visit(a, p, p,
+                  [&](const T*& ptr, const py::object& arg, const char* name,
+                      std::vector<Index> shape, bool optional) {
+                      if (a.half != 0 && &ptr == &p.x) {  // its bits: the float pointer stays null
+                          p.half.x = contiguous<std::uint16_t>(arg.cast<py::array>(), name,
+                                                               std::move(shape));
+                          return;
+                      }
+                      check_input<T>(ptr, arg, name, std::move(shape), optional);
+                  });
+    if (a.half != 0) p.half.format = static_cast<HalfFormat>(a.half);
     p.key_padding = token_mask(a.key_padding_mask, a.batch, a.n);
     return p;
 }
@@ -59,8 +70,20 @@ auto pooled_grads(const typename Family::Args& a, const typename Family::templat
 
 // Forward and backward of either family (Family: Additive or Separable, with its Args). state:
 // only attnlab.vjp passes it, a dict of buffers the forward fills and the backward then reads.
+// a.half: x and out are the bits of that half dtype (computed in float32), no state.
 template <typename Family>
 void pooled_forward(const typename Family::Args& a, py::array out, py::object state) {
+    if (a.half != 0) {
+        if (a.half != 1 && a.half != 2)
+            throw py::value_error("half: expected 0, 1 (float16) or 2 (bfloat16), got " +
+                                  std::to_string(a.half));
+        if (!state.is_none()) throw py::value_error("state: not kept for half-precision x");
+        auto p = pooled_problem<Family, float>(a);
+        p.half.out = contiguous<std::uint16_t>(out, "out", {a.batch * a.n, p.d_out}, true);
+        ReleaseGil release;
+        (kernels_for<float>().*Family::template forward<float>)(p);
+        return;
+    }
     dispatch(a.x, "x", [&](auto tag) {
         using T = decltype(tag);
         auto p = pooled_problem<Family, T>(a);
@@ -76,6 +99,9 @@ void pooled_forward(const typename Family::Args& a, py::array out, py::object st
 template <typename Family>
 void pooled_backward(py::array grad_out, const typename Family::Args& a, py::dict grads,
                      py::object state) {
+    if (a.half != 0)
+        throw py::value_error("half: the backward takes x in float32 or float64, got half " +
+                              std::to_string(a.half));
     dispatch(a.x, "x", [&](auto tag) {
         using T = decltype(tag);
         auto p = pooled_problem<Family, T>(a);

@@ -16,13 +16,15 @@ struct SeparableArgs {
     py::object b_o;
     Index batch, n;
     py::object key_padding_mask;
+    int half;  // 0; 1, 2: x and out as float16, bfloat16 bits (the forward)
 
     static constexpr auto fields() {
         return std::make_tuple(field("x", &SeparableArgs::x), field("w_qkv", &SeparableArgs::w_qkv),
                                field("b_qkv", &SeparableArgs::b_qkv),
                                field("w_o", &SeparableArgs::w_o), field("b_o", &SeparableArgs::b_o),
                                field("batch", &SeparableArgs::batch), field("n", &SeparableArgs::n),
-                               field("key_padding_mask", &SeparableArgs::key_padding_mask));
+                               field("key_padding_mask", &SeparableArgs::key_padding_mask),
+                               field("half", &SeparableArgs::half));
     }
 };
 

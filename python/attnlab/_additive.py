@@ -58,11 +58,12 @@ def _additive_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
     )
 
 
-def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
-    """Validated, converted arguments shared by the forward and the backward."""
+def _prepare_additive(args: dict[str, Any], keep_half: np.dtype | None = None) -> dict[str, Any]:
+    """Validated, converted arguments shared by the forward and the backward. ``keep_half``
+    (the forward): ``x`` of that half dtype is passed as its bits (``options["half"]``)."""
     code = _variant_code(args["variant"])
     e = _check_eps(args["eps"])
-    xa = _args.pooled_tokens(args["x"])
+    xa = _args.pooled_tokens(args["x"], keep_half)
     n, d_in = xa.shape[-2:]
     ws = {k: V.as_array(args[k], k) for k in ("w_q", "w_k", "w_g", "w_proj", "w_final")}
     bs = {k: V.optional_array(args[k], k) for k in ("b_q", "b_k", "b_proj", "b_final")}
@@ -107,11 +108,12 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
     batch = tuple(xa.shape[:-2])
     kp = _args.pooled_padding(args, batch, n)
     B = V.count(batch)
+    half = 0
     if d_in == 0:  # no features: x w = 0; one zero feature computes the same
         xr = _memory.zeros((B * n, 1), dtype)
         wq, wk = _memory.zeros((1, D), dtype), _memory.zeros((1, D), dtype)
     else:
-        xr = V.rows(xa, batch, dtype)
+        xr, half = _args.pooled_rows(xa, batch, dtype)
     # the arrays the kernels read, by argument name: the gradients take their names and shapes
     arrays = dict(
         x=xr, w_q=wq, b_q=bq, w_k=wk, b_k=bk, w_g=wg, w_proj=wp, b_proj=bp, w_final=wf, b_final=bf
@@ -128,7 +130,7 @@ def _prepare_additive(args: dict[str, Any]) -> dict[str, Any]:
         batch=batch,
         dtype=dtype,
         # the other fields of core.AdditiveArgs
-        options=dict(batch=B, n=n, scale=s, eps=e, variant=code, key_padding_mask=kp),
+        options=dict(batch=B, n=n, scale=s, eps=e, variant=code, key_padding_mask=kp, half=half),
     )
 
 
@@ -218,7 +220,7 @@ def additive_attention(
     ``(Q_n + b_proj) w_final + b_final``; never NaN. With ``n = 1`` the official token weight
     is ``s / max(|s|, eps)``, the sign of the score ``s`` (0 when ``|s|`` is tiny).
     NaN or Inf in real tokens propagate to the whole batch element (through ``G``).
-    {dtypes}
+    {dtypes_mixed}
 
     {examples}
     >>> d = 8
@@ -228,18 +230,25 @@ def additive_attention(
     (2, 49, 8)
     """
     args = _sig.arguments(locals())
-    a = _prepare_additive(args)
+    half = _half.storage(args)
+    # half-precision x is read, and out written, as stored (no float32 copies of either)
+    a = _prepare_additive(args, half if _keep is None else None)
     B, n, d_out = a["B"], a["n"], a["d_out"]
-    out = _memory.empty((B * n, d_out), a["dtype"])
+    bits = a["options"]["half"] != 0
+    out = _memory.empty((B * n, d_out), half if bits else a["dtype"])
     state = None
     if _keep is not None:  # attnlab.vjp: keep the pooling's intermediates for the pullback
         a = _memory.owned(a)
         state = _additive_state(a)
         _keep.update(prepared=a, state=state, halves=_half.halves(args))
     if out.size:
-        core.additive_forward(core.AdditiveArgs(**a["arrays"], **a["options"]), out, state)
+        core.additive_forward(
+            core.AdditiveArgs(**a["arrays"], **a["options"]),
+            out.view(np.uint16) if bits else out,
+            state,
+        )
     batch = a["batch"]
-    return _half.store(out.reshape(batch + (n, d_out)), _half.storage(args))
+    return _half.store(out.reshape(batch + (n, d_out)), half)
 
 
 _ADDITIVE_BACKWARD_DOC = """\

@@ -292,11 +292,22 @@ def masks(
     return m
 
 
-def pooled_tokens(x: Any) -> np.ndarray:
-    """The input ``x`` of a pooled family (additive, separable) as an array ``(..., n, d)``."""
-    a = V.as_array(x, "x")
+def pooled_tokens(x: Any, keep: np.dtype | None = None) -> np.ndarray:
+    """The input ``x`` of a pooled family (additive, separable) as an array ``(..., n, d)``;
+    ``keep``: a half dtype ``x`` stays in when it is an ndarray of it (the forward reads its
+    bits), else it is widened as :func:`V.as_array` does."""
+    a = x if keep is not None and type(x) is np.ndarray and x.dtype == keep else V.as_array(x, "x")
     V.check_ndim(a, "x", 2, "(..., n, d)")
     return a
+
+
+def pooled_rows(xa: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, int]:
+    """The rows ``(B*n, d)`` a pooled forward reads, and the ``half`` field of its arguments:
+    a half-precision ``x`` (kept by :func:`pooled_tokens`) as its bits and the code of its dtype
+    (1 float16, 2 bfloat16), else in ``dtype`` and 0."""
+    if _half.is_half(xa.dtype):
+        return V.rows(xa, batch, xa.dtype).view(np.uint16), _half.code(xa.dtype)
+    return V.rows(xa, batch, dtype), 0
 
 
 def pooled_padding(args: Mapping[str, Any], batch: tuple[int, ...], n: int) -> np.ndarray | None:

@@ -550,7 +550,7 @@ def bilinear_attention(
     X_k u_i]^T`` (key order), whichever :func:`attnlab.cost.collapsed_order` says is cheaper:
     the key order wins when ``n_q`` is much larger than ``n_k``. Fully masked query rows give
     zero weights and an output row of ``b_o``. Not valid with rotary position embeddings.
-    {dtypes}
+    {dtypes_mixed}
 
     {examples}
     >>> x = rng.standard_normal((2, 5, 16))

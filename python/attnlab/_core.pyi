@@ -184,7 +184,8 @@ class BilinearArgs(_SharedArgs):
 
 @dataclass(frozen=True, kw_only=True)
 class AdditiveArgs:
-    """variant: 0 official, 1 hf."""
+    """variant: 0 official, 1 hf. half (both families): 0, or 1 / 2 when x (and the forward's
+    out) are float16 / bfloat16 bits (uint16 arrays), computed in float32."""
 
     x: _Array
     w_q: _Array
@@ -202,6 +203,7 @@ class AdditiveArgs:
     eps: _Float
     variant: _Int
     key_padding_mask: _Optional
+    half: _Int
 
 @dataclass(frozen=True, kw_only=True)
 class SeparableArgs:
@@ -213,3 +215,4 @@ class SeparableArgs:
     batch: _Int
     n: _Int
     key_padding_mask: _Optional
+    half: _Int

@@ -14,11 +14,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 FRAGMENTS = {
     # attnlab's dtype rule, as the Notes of the families state it
-    "dtypes": (
-        "float32 and float64 are computed natively and the result keeps that dtype; mixed inputs\n"
-        "follow ``np.result_type``; ints and float16 become float64; bool, complex, object and\n"
-        "string data raise ``TypeError``."
-    ),
     "dtypes_mixed": (
         "float32 and float64 are computed natively and the result keeps that dtype; mixed inputs\n"
         "follow ``np.result_type`` (float32 with float64 gives float64). float16 and bfloat16\n"

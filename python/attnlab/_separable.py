@@ -33,9 +33,10 @@ def _separable_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
     )
 
 
-def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
-    """Validated, converted arguments shared by the forward and the backward."""
-    xa = _args.pooled_tokens(args["x"])
+def _prepare_separable(args: dict[str, Any], keep_half: np.dtype | None = None) -> dict[str, Any]:
+    """Validated, converted arguments shared by the forward and the backward. ``keep_half``
+    (the forward): ``x`` of that half dtype is passed as its bits (``options["half"]``)."""
+    xa = _args.pooled_tokens(args["x"], keep_half)
     n, d = xa.shape[-2:]
     wqkv_ = V.as_array(args["w_qkv"], "w_qkv")
     wo_ = V.as_array(args["w_o"], "w_o")
@@ -70,7 +71,7 @@ def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
     kp = _args.pooled_padding(args, batch, n)
     B = V.count(batch)
     # the kernel's rows (none without features: the kernel is not called)
-    xr = V.rows(xa, batch, dtype) if d else None
+    xr, half = _args.pooled_rows(xa, batch, dtype) if d else (None, 0)
     return dict(
         x_shape=xa.shape,
         # the arrays the kernels read, by argument name: the gradients take their names
@@ -82,7 +83,7 @@ def _prepare_separable(args: dict[str, Any]) -> dict[str, Any]:
         batch=batch,
         dtype=dtype,
         # the other fields of core.SeparableArgs
-        options=dict(batch=B, n=n, key_padding_mask=kp),
+        options=dict(batch=B, n=n, key_padding_mask=kp, half=half),
     )
 
 
@@ -140,7 +141,7 @@ def separable_attention(
     -----
     A batch element with no real token has ``ctx = 0``, so every output row is ``b_o``; never
     NaN. NaN in a real token's score makes its whole batch element NaN, as in torch.
-    {dtypes}
+    {dtypes_mixed}
 
     {examples}
     >>> B, C, P, N = 2, 8, 4, 16                      # MobileViT-v2's unfolded map
@@ -152,10 +153,13 @@ def separable_attention(
     (2, 8, 4, 16)
     """
     args = _sig.arguments(locals())
-    a = _prepare_separable(args)
+    half = _half.storage(args)
+    # half-precision x is read, and out written, as stored (no float32 copies of either)
+    a = _prepare_separable(args, half if _keep is None else None)
     B, n, d, d_out = a["B"], a["n"], a["d"], a["d_out"]
     batch, dtype = a["batch"], a["dtype"]
-    out = _memory.empty((B * n, d_out), dtype)
+    bits = a["options"]["half"] != 0
+    out = _memory.empty((B * n, d_out), half if bits else dtype)
     state = None
     if _keep is not None:  # attnlab.vjp: keep the pooling's intermediates for the pullback
         a = _memory.owned(a)
@@ -166,8 +170,12 @@ def separable_attention(
         if d == 0:  # no features: no keys or values, ctx is empty and out = b_o
             out[...] = 0.0 if bo is None else bo
         else:
-            core.separable_forward(core.SeparableArgs(**a["arrays"], **a["options"]), out, state)
-    return _half.store(out.reshape(batch + (n, d_out)), _half.storage(args))
+            core.separable_forward(
+                core.SeparableArgs(**a["arrays"], **a["options"]),
+                out.view(np.uint16) if bits else out,
+                state,
+            )
+    return _half.store(out.reshape(batch + (n, d_out)), half)
 
 
 _SEPARABLE_BACKWARD_DOC = """\

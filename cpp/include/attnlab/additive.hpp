@@ -46,6 +46,16 @@ struct AdditiveState {
     bool filled = false;
 };
 
+// x and out stored in half precision (float kernels, forward only): x's rows are read as
+// float16 or bfloat16 bits and widened a row block at a time, out's rows rounded a block at a
+// time as they are finished, so neither is copied whole in float32. x (then null) and out (a
+// float32 buffer, or null: the kernel's own) hold the sums in float32 as without.
+struct HalfTokens {
+    const std::uint16_t* x = nullptr;  // (batch * n, d_in) bits
+    std::uint16_t* out = nullptr;      // (batch * n, d_out) bits
+    HalfFormat format = HalfFormat::none;
+};
+
 template <typename T>
 struct AdditiveProblem : AdditiveTensors<const T*> {
     Index batch = 0, n = 0, d_in = 0, width = 0, d_out = 0;  // width is D
@@ -55,6 +65,7 @@ struct AdditiveProblem : AdditiveTensors<const T*> {
     TokenMask key_padding;
     T* out = nullptr;        // (batch * n, d_out) row-major contiguous
     AdditiveState<T> state;  // optional (attnlab.vjp)
+    HalfTokens half;         // x and out in half precision instead (float, forward)
 };
 
 // Per batch element, x (n, d), [s | k | v] = x w_qkv + b_qkv with widths 1, d, d:
@@ -86,6 +97,7 @@ struct SeparableProblem : SeparableTensors<const T*> {
     TokenMask key_padding;
     T* out = nullptr;         // (batch * n, d_out)
     SeparableState<T> state;  // optional (attnlab.vjp)
+    HalfTokens half;          // x and out in half precision instead (float, forward)
 };
 
 // Gradients of the two forwards, written to caller-owned buffers shaped like the arguments

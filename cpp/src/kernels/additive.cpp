@@ -109,7 +109,7 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     //    a_n = s_n / max(||s||, eps), so G = (sum s_n Q_n) / max(||s||, eps)).
     for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
         const Index r0 = b * n + i0;
-        auto KQ = project_block<T>(p.x, r0, m, din, Wkq_map, bkq.data());
+        auto KQ = project_block<T>(p.x, r0, m, din, Wkq_map, bkq.data(), p.half);
         auto K = KQ.leftCols(D);
         auto Q = KQ.rightCols(D);
         normalize_rows(K, p.eps, st.k_norm ? st.k_norm + r0 : nullptr);
@@ -210,10 +210,13 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         st.score = score.get();
         st.pooled = pooled.get();
     }
-    additive_pool(p, st, p.out);
+    // the sums in float32 until step 3 rounds them (x and out in half precision)
+    Buffer<T> own_out = p.out ? Buffer<T>() : make_buffer<T>(rows * dout);
+    T* const out = p.out ? p.out : own_out.get();
+    additive_pool(p, st, out);
 
     // 3. out += K (diag(G) M) + c.
-    folded_rows<T>(B, n, D, dout, st.pooled, M, st.k, p.out,
+    folded_rows<T>(B, n, D, dout, st.pooled, M, st.k, out, p.half,
                    [&](const auto& K, auto& Y, const auto& W) {
                        block_product<T>(K, cview<T>(W.data(), D, dout, dout), Y, true);
                        Y.rowwise() += c;

@@ -5,9 +5,12 @@
 // vector, per-element sums over blocks.
 
 #include <algorithm>
+#include <type_traits>
 
+#include "attnlab/additive.hpp"
 #include "attnlab/common.hpp"
 #include "attnlab/threading.hpp"
+#include "half_convert.hpp"
 #include "products.hpp"
 #include "scratch.hpp"
 
@@ -40,9 +43,19 @@ void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y) {
 }
 
 // Rows [r0, r0 + m) of x (width in) times W plus b, into this thread's kAdditiveRows block
-// (m x W.cols()): the first step of both forwards.
+// (m x W.cols()): the first step of both forwards. With h.x, x's rows are those half-precision
+// bits, widened into a block of this thread first (exactly: the same products).
 template <typename T>
-auto project_block(const T* x, Index r0, Index m, Index in, const ConstRowMap<T>& W, const T* b) {
+auto project_block(const T* x, Index r0, Index m, Index in, const ConstRowMap<T>& W, const T* b,
+                   const HalfTokens& h) {
+    if constexpr (std::is_same_v<T, float>) {
+        if (h.x) {
+            float* w = scratch<float>(ScratchBuffer::kAdditiveHalfRows,
+                                      static_cast<std::size_t>(std::max<Index>(m * in, 1)));
+            half_rows_to_float(h.x + r0 * in, in, m, in, h.format, w);
+            x = w - r0 * in;
+        }
+    }
     ConstRowMap<T> X(x + r0 * in, m, in, Eigen::OuterStride<>(std::max<Index>(in, 1)));
     auto Y = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, W.cols());
     RowMap<T> Ym(Y.data(), m, W.cols(), Eigen::OuterStride<>(W.cols()));
@@ -64,10 +77,11 @@ void for_batch_blocks(Index B, Index n, F fn) {
 // The last step of both forwards. Per task of at most kRowsPerTask rows of batch element b: the
 // weights folded with b's pooled vector, Wb = diag(pooled_b) W (width x d_out), once per task;
 // then apply(X, Y, Wb) for each block of kRowBlock rows, X the block of x (rows x width) and Y
-// the same rows of y (rows x d_out).
+// the same rows of y (rows x d_out). With h.out, Y's rows are then rounded to those
+// half-precision rows; y may then be null (Y is a block of this thread).
 template <typename T, typename WMatrix, typename F>
 void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, const WMatrix& W,
-                 const T* x, T* y, F apply) {
+                 const T* x, T* y, const HalfTokens& h, F apply) {
     const Index per = (n + kRowsPerTask - 1) / kRowsPerTask;
     parallel_for(B * per, [&](Index t) {
         const Index b = t / per, r0 = (t % per) * kRowsPerTask;
@@ -77,8 +91,13 @@ void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, con
         for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
             const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
             ConstRowMap<T> X(x + row * width, m, width, Eigen::OuterStride<>(width));
-            RowMap<T> Y(y + row * dout, m, dout, Eigen::OuterStride<>(dout));
+            T* yb = y ? y + row * dout
+                      : scratch<T>(ScratchBuffer::kAdditiveHalfOut,
+                                   static_cast<std::size_t>(std::max<Index>(m * dout, 1)));
+            RowMap<T> Y(yb, m, dout, Eigen::OuterStride<>(dout));
             apply(X, Y, Wb);
+            if constexpr (std::is_same_v<T, float>)
+                if (h.out) narrow_block(yb, m * dout, h.format, h.out + row * dout);
         }
     });
 }

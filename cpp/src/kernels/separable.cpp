@@ -37,7 +37,7 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st) {
     //    relu(v) (NaN stays NaN, as torch's relu).
     for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
         const Index r0 = b * n + i0;
-        auto P = project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv);
+        auto P = project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv, p.half);
         RowMap<T>(st.v + r0 * d, m, d, Eigen::OuterStride<>(d)) =
             P.rightCols(d).unaryExpr([](T v) { return v < T(0) ? T(0) : v; });
         if (st.k) RowMap<T>(st.k + r0 * d, m, d, Eigen::OuterStride<>(d)) = P.middleCols(1, d);
@@ -141,7 +141,7 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
     separable_pool(p, st);
 
     // 3. out = relu(v) (diag(ctx) w_o) + b_o.
-    folded_rows<T>(B, n, d, dout, st.context, Wo, st.v, p.out,
+    folded_rows<T>(B, n, d, dout, st.context, Wo, st.v, p.out, p.half,
                    [&](const auto& Vv, auto& Y, const auto& Wb) {
                        if (d == 0) {
                            Y.setZero();
