@@ -478,6 +478,54 @@ def test_latent_within_bound(shape, path, form):
     _finish(fwd, bwd)
 
 
+@pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+@pytest.mark.parametrize("n", [1, 5])  # a decoding step (one query: stacked heads), a prefill
+@pytest.mark.parametrize("lora", [False, True])
+def test_latent_forward_reads_half_weights_and_cache_as_the_float32_call(path, form, n, lora):
+    """The forward reads its projections' matrices and the cache as stored (the GEMM widens the
+    weights as it packs them, the cache is widened into the keys' array): the output and the
+    returned cache are the float32 call's on the widened arrays, rounded, bit for bit."""
+    _, dtype, _, _ = path
+    args, kw, _, _ = _latent_case((2, n, {}))
+    rng = np.random.default_rng(7)
+    if lora:  # queries through w_q_a, q_a_norm, w_q_b
+        d, hq = args["x"].shape[-1], args.pop("w_q").shape[1]
+        args.update(
+            w_q_a=_uniform(rng, d, (d, 12)),
+            b_q_a=_uniform(rng, d, (12,)),
+            q_a_norm=(1 + 0.1 * rng.standard_normal(12)).astype(np.float32),
+            w_q_b=_uniform(rng, 12, (12, hq)),
+        )
+    r_dr = args["w_kv_a"].shape[1]
+    args["cache"] = rng.standard_normal((2, 9, r_dr)).astype(np.float32)
+    kw = dict(kw, form=form, causal="bottom_right", return_cache=True)
+    half = _cast(args, dtype)
+    out, cache = attnlab.latent_attention(**half, **kw)
+    want_out, want_cache = attnlab.latent_attention(**_cast(half, np.dtype(np.float32)), **kw)
+    assert out.dtype == dtype and cache.dtype == dtype
+    np.testing.assert_array_equal(out.view(np.uint16), want_out.astype(dtype).view(np.uint16))
+    np.testing.assert_array_equal(cache.view(np.uint16), want_cache.astype(dtype).view(np.uint16))
+
+
+def test_linear_forward_half_weights_refused_where_not_read():
+    """core.linear_forward's w_half: float16 / bfloat16 bits of w, float32 x; nothing else."""
+    from attnlab._loader import core
+
+    x, y = np.ones((3, 4), np.float32), np.empty((3, 5), np.float32)
+    w = np.full((4, 5), 0.5, np.float16)
+    core.linear_forward(x, w.view(np.uint16), None, y, False, 1)
+    np.testing.assert_array_equal(y, np.full((3, 5), 2.0, np.float32))
+    with pytest.raises(ValueError, match=r"^w_half: expected 0, 1 \(float16\) or 2"):
+        core.linear_forward(x, w.view(np.uint16), None, y, False, 3)
+    with pytest.raises(ValueError, match=r"^w_half: not with bf16"):
+        core.linear_forward(x, w.view(np.uint16), None, y, True, 1)
+    with pytest.raises(TypeError, match=r"^w: "):
+        core.linear_forward(x, w, None, y, False, 1)
+    with pytest.raises(TypeError, match=r"^x: "):
+        core.linear_forward(x.astype(np.float64), w.view(np.uint16), None, y, False, 1)
+
+
 # ----------------------------------------------------------------- additive and separable
 
 # (B, n, d_in, D)

@@ -75,11 +75,17 @@ def code(dtype: np.dtype) -> int:
 def widen(a: np.ndarray) -> np.ndarray:
     """A float16 or bfloat16 array as float32 (exact), converted on attnlab's threads (NumPy's
     ``astype`` converts one element at a time; docs/performance.md has the figures)."""
+    out = _memory.empty(a.shape, np.float32)
+    widen_into(a, out)
+    return out
+
+
+def widen_into(a: np.ndarray, out: np.ndarray) -> None:
+    """``out[...] = a`` for a float16 or bfloat16 ``a`` and a C-contiguous float32 ``out`` of
+    its shape, as :func:`widen`."""
     src = a if a.flags.c_contiguous else a.copy(order="C")
-    out = _memory.empty(src.shape, np.float32)
     if out.size:
         core.widen_half(src.view(np.uint16), out, code(src.dtype))
-    return out
 
 
 def store(x: np.ndarray, half: np.dtype | None) -> np.ndarray:

@@ -42,9 +42,9 @@ class _Latent(NamedTuple):
 
     x: np.ndarray  # (B*n, d) rows
     x_shape: tuple[int, ...]
-    cache: np.ndarray | None  # (B, n_past, r + d_rope), the call's dtype
+    cache: np.ndarray | None  # (B, n_past, r + d_rope), the call's dtype (or _stored)
     cache_shape: tuple[int, ...] | None
-    w: dict[str, np.ndarray | None]  # weights and biases, contiguous, the call's dtype
+    w: dict[str, np.ndarray | None]  # weights and biases, contiguous, the call's dtype (or _stored)
     batch: tuple[int, ...]
     dtype: np.dtype
     h: int
@@ -70,6 +70,12 @@ class _Latent(NamedTuple):
     @property
     def n_k(self) -> int:
         return self.n_past + self.n
+
+
+def _stored(a: np.ndarray, dtype: np.dtype) -> np.dtype:
+    """The dtype an array of the call is kept in: its own half dtype (``_READ_AS_STORED``), else
+    the call's."""
+    return a.dtype if _half.is_half(a.dtype) else dtype
 
 
 def _w(a: _Latent, name: str) -> np.ndarray:
@@ -112,21 +118,35 @@ WEIGHTS = (
 )
 
 
-def _prepare(args: dict[str, Any]) -> _Latent:
+# what a forward reads as stored when it is in half precision: the matrices of its projections
+# (the GEMM widens them as it packs them) and the cache (widened into the keys' array)
+_READ_AS_STORED = ("w_q", "w_q_a", "w_q_b", "w_kv_a", "w_o", "cache")
+
+
+def _prepare(args: dict[str, Any], keep_half: np.dtype | None = None) -> _Latent:
     """Validate a call, in an order that finds the root cause: the heads, the input, the
     key-value path (it fixes r and d_rope), the query path, the output, the cache, the masks,
-    the rotary settings and the form."""
+    the rotary settings and the form. ``keep_half`` (the forward): the arrays of
+    ``_READ_AS_STORED`` in that half dtype stay in it."""
     h = V.check_positive_int(args["num_heads"], "num_heads")
     x = V.as_array(args["x"], "x")
     V.check_ndim(x, "x", 2, "(..., n, d)")
     n, d = x.shape[-2:]
     if d < 1:
         raise ValueError(f"x: the feature axis must be >= 1, got shape {V.shape_str(x.shape)}")
-    arrs = {k: V.optional_array(args[k], k) for k in WEIGHTS}
+
+    def given(k: str) -> np.ndarray | None:
+        v = args[k]
+        keep = keep_half is not None and k in _READ_AS_STORED
+        return (
+            v if keep and type(v) is np.ndarray and v.dtype == keep_half else V.optional_array(v, k)
+        )
+
+    arrs = {k: given(k) for k in WEIGHTS}
     for k in ("w_kv_a", "kv_a_norm", "w_kv_b", "w_o"):
         if arrs[k] is None:
             raise TypeError(f"{k}: expected an array, got None")
-    cache_in = V.optional_array(args["cache"], "cache")
+    cache_in = given("cache")
     dtype = V.result_dtype(x, cache_in, *arrs.values())
     for k in ("w_q", "w_q_a", "w_q_b", "w_kv_a", "w_kv_b", "w_o"):
         mat = arrs[k]
@@ -211,7 +231,7 @@ def _prepare(args: dict[str, Any]) -> _Latent:
     w: dict[str, np.ndarray | None] = {}
     for k in ("w_q", "w_q_a", "q_a_norm", "w_q_b", "w_kv_a", "kv_a_norm", "w_kv_b", "w_o"):
         a_ = arrs[k]
-        w[k] = None if a_ is None else _memory.contiguous(a_, dtype)
+        w[k] = None if a_ is None else _memory.contiguous(a_, _stored(a_, dtype))
     w["b_q_a"] = V.vector(
         arrs["b_q_a"], "b_q_a", dtype, 0 if w["w_q_a"] is None else w["w_q_a"].shape[1]
     )
@@ -234,7 +254,7 @@ def _prepare(args: dict[str, Any]) -> _Latent:
     if cache_in is not None:
         cache = _memory.contiguous(
             np.broadcast_to(cache_in, batch + cache_in.shape[-2:]).reshape(B, n_past, r + dr),
-            dtype,
+            _stored(cache_in, dtype),
         )
     n_k = n_past + n
     m = _args.masks(args, batch, h, n, n_k, dtype, 1.0 / math.sqrt(dn + dr))
@@ -374,9 +394,16 @@ def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-    y = _memory.empty((x.shape[0], w.shape[1]), w.dtype)
+    """``x w + b``, with ``w`` float16 or bfloat16 read as stored (computed in float32)."""
+    half = _half.is_half(w.dtype)
+    y = _memory.empty((x.shape[0], w.shape[1]), np.float32 if half else w.dtype)
     if y.size:
-        core.linear_forward(_memory.contiguous(x), w, b, y)
+        if half:
+            core.linear_forward(
+                _memory.contiguous(x), w.view(np.uint16), b, y, False, _half.code(w.dtype)
+            )
+        else:
+            core.linear_forward(_memory.contiguous(x), w, b, y)
     return y
 
 
@@ -477,7 +504,11 @@ def _run(a: _Latent, weights: np.ndarray | None) -> tuple[np.ndarray, _State]:
         lat = new
     else:
         lat = _memory.empty((B, a.n_k, r + dr), dtype)
-        lat[:, : a.n_past] = a.cache
+        if _half.is_half(a.cache.dtype):  # read as stored: widened into place
+            for b in range(B):
+                _half.widen_into(a.cache[b], lat[b, : a.n_past])
+        else:
+            lat[:, : a.n_past] = a.cache
         lat[:, a.n_past :] = new
     kv_pre = (c_pre, rr_kv)
     if a.form == "expanded":
@@ -734,7 +765,8 @@ def latent_attention(
     ((2, 5, 32), (2, 5, 20), (2, 1, 32))
     """
     args = _sig.arguments(locals())
-    a = _prepare(args)
+    half = _half.storage(args)
+    a = _prepare(args, half if _keep is None else None)
     mode = V.weights_mode(return_weights)
     lse_wanted = V.check_flag(return_lse, "return_lse")
     cache_wanted = V.check_flag(return_cache, "return_cache")
@@ -749,7 +781,6 @@ def latent_attention(
     lse = None
     if lse_wanted:
         lse = a.m.empty_lse(B, h, n, a.dtype) if st is None else st.lse.reshape(B, h, n)
-    half = _half.storage(args)
     result = _args.with_weights(out, weights, mode, a.batch, (n, a.d_out), lse, half)
     if not cache_wanted:
         return result

@@ -32,6 +32,12 @@ struct HalfOperands {
 void linear_half(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,
                  const float* b, float* y, Index ldy, const HalfOperands& h);
 
+// linear_half with only W in half precision (the kernel table's entry: HalfOperands is per
+// instruction set).
+void linear_half_weights(Index rows, Index in, Index out, const float* x, Index ldx,
+                         const std::uint16_t* w, HalfFormat format, const float* b, float* y,
+                         Index ldy);
+
 // Backward of linear(): dX = dY W^T (rows x in, row stride lddx), or dX += dY W^T.
 template <typename T>
 void linear_input_grad(Index rows, Index in, Index out, const T* dy, Index lddy, const T* w, T* dx,

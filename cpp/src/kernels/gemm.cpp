@@ -360,6 +360,13 @@ void linear_half(Index rows, Index in, Index out, const float* x, Index ldx, con
                 h.y ? nullptr : y, ldy, false, h);
 }
 
+void linear_half_weights(Index rows, Index in, Index out, const float* x, Index ldx,
+                         const std::uint16_t* w, HalfFormat format, const float* b, float* y,
+                         Index ldy) {
+    linear_half(rows, in, out, x, ldx, nullptr, b, y, ldy,
+                HalfOperands{nullptr, w, nullptr, format});
+}
+
 template <typename T>
 void linear_input_grad(Index rows, Index in, Index out, const T* dy, Index lddy, const T* w, T* dx,
                        Index lddx, bool accumulate) {

@@ -64,6 +64,7 @@ constexpr KernelTable kernel_table = {ATTNLAB_ISA_NAME,
                                       &gemm_blocking,
                                       &decode_prefetch,
                                       &widen_half,
-                                      &narrow_half};
+                                      &narrow_half,
+                                      &linear_half_weights};
 
 }  // namespace attnlab::ATTNLAB_ISA_NS
