@@ -234,6 +234,55 @@ def test_sdpa_vjp_within_bound(shape, path):
 # ----------------------------------------------------------------- merge_attention
 
 
+@pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2, 4, 2, 9, 13, 8, 8),
+        (1, 2, 2, 197, 197, 64, 64),
+        (1, 1, 1, 3, 0, 4, 4),
+        (1, 2, 1, 5, 7, 4, 0),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("opts", ["none", "causal", "padding", "additive"])
+@pytest.mark.parametrize("mode", [True, "mean"])
+def test_sdpa_weights_of_half_inputs_are_the_float32_call_rounded(path, shape, opts, mode):
+    """With the weights wanted, half-precision q, k, v are still read as stored and each head's
+    weights rounded into the result tile by tile: output and weights are the float32 call's on
+    the widened arrays, rounded, bit for bit (NaN in a value row, no keys, no value features;
+    ``"mean"`` averages the float32 weights first, as before)."""
+    _, dtype, _, _ = path
+    B, H, Hk, nq, nk, d, dv = shape
+    rng = np.random.default_rng(sum(shape))
+    q = rng.standard_normal((B, H, nq, d)).astype(dtype)
+    k = rng.standard_normal((B, Hk, nk, d)).astype(dtype)
+    v = rng.standard_normal((B, Hk, nk, dv)).astype(dtype)
+    if nk > 2 and dv > 0:
+        v[0, 0, 1, 0] = np.nan
+    kw: dict[str, Any] = {
+        "none": {},
+        "causal": {"causal": True},
+        "padding": {"mask": rng.random((B, 1, 1, nk)) > 0.3},
+        "additive": {"mask": rng.standard_normal((B, H, nq, nk)).astype(np.float32)},
+    }[opts]
+    got = attnlab.scaled_dot_product_attention(
+        q, k, v, return_weights=mode, warn_empty_rows=False, **kw
+    )
+    f32 = np.dtype(np.float32)
+    want = attnlab.scaled_dot_product_attention(
+        q.astype(f32),
+        k.astype(f32),
+        v.astype(f32),
+        return_weights=mode,
+        warn_empty_rows=False,
+        **kw,
+    )
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == dtype
+        np.testing.assert_array_equal(g.view(np.uint16), w.astype(dtype).view(np.uint16))
+
+
 def _merge_case(shape: tuple) -> tuple[dict[str, Any], np.ndarray, list[tuple[int, int]]]:
     """SDPA's case with a boolean mask in place of its options (a mask splits with the keys;
     a causal mode or a window would not): bottom-right causal, and query row 0 seeing no key

@@ -74,9 +74,9 @@ void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const Ma
 }
 
 // The forward with q, k, v and out in half precision (their bits as uint16 arrays; half 1:
-// float16, 2: bfloat16), computed in float32; lse float32.
+// float16, 2: bfloat16), computed in float32; lse float32; the weights, when wanted, as bits.
 void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::array out,
-                       const MaskArgs& mask, double scale, py::object lse) {
+                       const MaskArgs& mask, double scale, py::object lse, py::object weights) {
     if (half != 1 && half != 2) throw py::value_error("half: expected 1 (float16) or 2 (bfloat16)");
     AttentionProblem<float> p = sdpa_sizes<float>(q, k, v, scale);
     const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
@@ -90,6 +90,9 @@ void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::arra
     p.out_half = {static_cast<Bits*>(out.mutable_data()), so[0], so[1], so[2]};
     p.mask = mask_spec<float>(mask, B, H, nq, nk);
     if (!lse.is_none()) p.lse = contiguous<float>(lse.cast<py::array>(), "lse", {B, H, nq}, true);
+    if (!weights.is_none())
+        p.weights_half =
+            contiguous<Bits>(weights.cast<py::array>(), "weights", {B, H, nq, nk}, true);
     ReleaseGil release;
     kernels_for<float>().attention_forward(p);
 }
@@ -296,7 +299,8 @@ void bind_mha(py::module_& m) {
           py::arg("mask"), py::arg("scale"), py::arg("weights"), py::arg("lse"),
           py::arg("bf16") = false);
     m.def("sdpa_forward_half", &sdpa_forward_half, py::arg("q"), py::arg("k"), py::arg("v"),
-          py::arg("half"), py::arg("out"), py::arg("mask"), py::arg("scale"), py::arg("lse"));
+          py::arg("half"), py::arg("out"), py::arg("mask"), py::arg("scale"), py::arg("lse"),
+          py::arg("weights") = py::none());
     m.def("sdpa_backward", &sdpa_backward, py::arg("grad_out"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("out"), py::arg("lse"),
           py::arg("d_q"), py::arg("d_k"), py::arg("d_v"), py::arg("recompute") = true,

@@ -66,6 +66,7 @@ def sdpa_forward_half(
     mask: _Mask,
     scale: _Float,
     lse: _Optional,
+    weights: _Optional = ...,
 ) -> None: ...
 def mha_bf16_fused_calls() -> int: ...  # calls of the fused bf16 MHA forward (for the tests)
 def attention_copied_calls() -> int: ...  # attention forwards on contiguous K/V copies (tests)

@@ -173,23 +173,28 @@ def scaled_dot_product_attention(
     args = _sig.arguments(locals())
     half = _half.storage(args)
     mode = V.weights_mode(return_weights)
-    # half-precision q, k, v are read and the output written as stored (no float32 copies)
-    half_qkv = half is not None and mode is None and precision is None and _keep is None
+    # half-precision q, k, v are read and the output (and each head's weights) written as
+    # stored (no float32 copies); the weights' mean over the heads is taken in float32
+    half_qkv = half is not None and mode != "mean" and precision is None and _keep is None
     a = _prepare_sdpa(args, half_qkv)
     lse_wanted = V.check_flag(return_lse, "return_lse")
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
-    out = _memory.empty((B, h, n_q, d_v), a.q4.dtype if half_qkv else dtype)  # rounded in C++
-    weights = _memory.empty((B, h, n_q, n_k), dtype) if mode else None
+    stored = a.q4.dtype if half_qkv else dtype  # rounded in C++
+    out = _memory.empty((B, h, n_q, d_v), stored)
+    weights = _memory.empty((B, h, n_q, n_k), stored) if mode else None
     lse = None
     if _keep is not None:  # attnlab.vjp: the pullback reuses the output and log-sum-exp
         a = _memory.owned(a)
     if _keep is not None or lse_wanted:
         lse = a.m.empty_lse(B, h, n_q, dtype)  # what a call with no key leaves
-    if half_qkv and (out.size or (lse is not None and lse.size)):
+    if half_qkv and (
+        out.size or (weights is not None and weights.size) or (lse is not None and lse.size)
+    ):
         q16, k16, v16, out16 = (x.view(np.uint16) for x in (a.q4, a.k4, a.v4, out))  # the bits
+        w16 = None if weights is None else weights.view(np.uint16)
         core.sdpa_forward_half(
-            q16, k16, v16, _half.code(a.q4.dtype), out16, a.m.core_mask(), a.m.scale, lse
+            q16, k16, v16, _half.code(a.q4.dtype), out16, a.m.core_mask(), a.m.scale, lse, w16
         )
     elif out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse, a.bf16)

@@ -40,6 +40,7 @@ struct AttentionProblem {
     HalfFormat half = HalfFormat::none;  // float only; then the *_half views replace q, k, v, out
     MatrixStack<const std::uint16_t> q_half, k_half, v_half;
     MatrixStack<std::uint16_t> out_half;
+    std::uint16_t* weights_half = nullptr;  // or the weights as bits of `half` (weights null)
 };
 
 // Gradients of attention_forward. Needs p.out and p.lse as attention_forward left them (the

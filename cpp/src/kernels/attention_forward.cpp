@@ -226,19 +226,16 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
 }
 
 // One (batch, head, query tile) when the weights are wanted: the rows of P are materialised in
-// the output weights array, normalised there, then multiplied by V.
+// wbase (mq x n_k: the tile's rows of the weights array), normalised there, then multiplied by
+// V. Q, K, V and O where x says (as for flash_tile).
 template <typename T>
 void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index mq,
-                const std::uint8_t* v_flags) {
-    const Index hk = h / (p.heads / p.kv_heads);
+                const std::uint8_t* v_flags, const TileOperands<T>& x, T* wbase) {
     const Index d = p.d, dv = p.d_v, nk = p.n_k;
-    ConstRowMap<T> Q(p.q.at(b, h) + i0 * p.q.row_stride, mq, d,
-                     Eigen::OuterStride<>(p.q.row_stride));
-    ConstRowMap<T> K(p.k.at(b, hk), nk, d, Eigen::OuterStride<>(p.k.row_stride));
-    ConstRowMap<T> V(p.v.at(b, hk), nk, dv, Eigen::OuterStride<>(p.v.row_stride));
-    RowMap<T> O(p.out.at(b, h) + i0 * p.out.row_stride, mq, dv,
-                Eigen::OuterStride<>(p.out.row_stride));
-    T* wbase = p.weights + ((b * p.heads + h) * p.n_q + i0) * nk;
+    ConstRowMap<T> Q(x.q, mq, d, Eigen::OuterStride<>(x.qs));
+    ConstRowMap<T> K(x.k, nk, d, Eigen::OuterStride<>(x.ks));
+    ConstRowMap<T> V(x.v, nk, dv, Eigen::OuterStride<>(x.vs));
+    RowMap<T> O(x.out, mq, dv, Eigen::OuterStride<>(x.os));
     RowMap<T> P(wbase, mq, nk, Eigen::OuterStride<>(nk));
     T* qs_buf = scratch<T>(ScratchBuffer::kDenseQueries, static_cast<std::size_t>(mq * d));
     RowMap<T> Qs(qs_buf, mq, d, Eigen::OuterStride<>(d));
@@ -278,7 +275,7 @@ void dense_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         eigen_product<T>(cview<T>(probs, mq, nk, nk), V, O);
         return;
     }
-    ConstRowMap<T> Vclean(value_copy_without(V.data(), p.v.row_stride, nk, dv, bad), nk, dv,
+    ConstRowMap<T> Vclean(value_copy_without(V.data(), x.vs, nk, dv, bad), nk, dv,
                           Eigen::OuterStride<>(dv));
     eigen_product<T>(cview<T>(probs, mq, nk, nk), Vclean, O);
     for (Index c = 0; c < bad.count; ++c)
@@ -335,11 +332,12 @@ void forward_tiles(const AttentionProblem<T>& p) {
             const Index i0 = qt * detail::kTileQ;
             const Index mq = detail::tile_rows(p.n_q, detail::kTileQ, q_tiles, qt);
             const std::uint8_t* flags = v_flags ? v_flags.get() + kvh * nk : nullptr;
+            detail::TileOperands<T> x = detail::tile_operands(p, b, h, i0);
             if (p.weights) {
-                detail::dense_tile(p, b, h, i0, mq, flags);
+                detail::dense_tile(p, b, h, i0, mq, flags, x,
+                                   p.weights + ((b * p.heads + h) * p.n_q + i0) * nk);
                 return;
             }
-            detail::TileOperands<T> x = detail::tile_operands(p, b, h, i0);
             if (copy) {  // the same values, as contiguous rows
                 x.k = kv.get() + (kvh - g0) * per_head;
                 x.ks = d;
@@ -410,6 +408,14 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
                            p.half, qf);
         // per-row flags, never null: whether V holds NaN/Inf is known only as rows are widened
         TileOperands<float> x{qf, d, nullptr, d, nullptr, dv, of, dv};
+        // the weights wanted: the tile's rows computed in float32, then rounded into place
+        const auto weights_tile = [&](const std::uint8_t* flags) {
+            float* wf =
+                scratch<float>(ScratchBuffer::kHalfWeights, static_cast<std::size_t>(mq * nk));
+            dense_tile(p, b, h, i0, mq, flags, x, wf);
+            narrow_block(wf, mq * nk, p.half,
+                         p.weights_half + ((b * p.heads + h) * p.n_q + i0) * nk);
+        };
         if (per_thread) {
             thread_local WidenedHead held;
             float* kf = scratch<float>(ScratchBuffer::kHalfKeys, static_cast<std::size_t>(nk * d));
@@ -431,11 +437,19 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
                     held.hi = j1;
                 }
             };
-            flash_tile(p, b, h, i0, mq, fl, false, x, ready);
+            if (p.weights_half) {
+                ready(0, nk);
+                weights_tile(fl);
+            } else {
+                flash_tile(p, b, h, i0, mq, fl, false, x, ready);
+            }
         } else {
             x.k = kw.get() + head * nk * d;
             x.v = vw.get() + head * nk * dv;
-            flash_tile(p, b, h, i0, mq, flags_all.get() + head * nk, false, x);
+            if (p.weights_half)
+                weights_tile(flags_all.get() + head * nk);
+            else
+                flash_tile(p, b, h, i0, mq, flags_all.get() + head * nk, false, x);
         }
         std::uint16_t* ob = p.out_half.at(b, h) + i0 * p.out_half.row_stride;
         for (Index i = 0; i < mq; ++i)

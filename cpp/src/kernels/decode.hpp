@@ -69,7 +69,7 @@ EIGEN_ALWAYS_INLINE void decode_prefetch(const void* p) {
 template <typename T>
 bool use_decode(const AttentionProblem<T>& p) {
     const Index group = p.heads / p.kv_heads;
-    if (p.weights || p.n_q * group > kDecodeRows) return false;
+    if (p.weights || p.weights_half || p.n_q * group > kDecodeRows) return false;
     return group > 1 || p.n_q < packet_size<T>() || p.n_k >= 2 * kDecodeSplit;
 }
 
