@@ -33,11 +33,12 @@ DTYPES = [
 ]
 
 # (batch, heads, kv heads, n_q, n_k, d, d_v): tiles with per-thread K/V (small heads, several
-# query tiles), the per-call copies (n_k (d + d_v) above 2**18 floats), the decode path
+# query tiles), the per-call copies (n_k (d + d_v) above 2**20 floats), the decode path
 SHAPES = [
     pytest.param((2, 4, 4, 200, 150, 32, 32), id="tiles"),
     pytest.param((1, 4, 2, 97, 300, 64, 48), id="tiles-gqa"),
-    pytest.param((1, 2, 1, 100, 2100, 64, 64), id="tiles-call-copy"),
+    pytest.param((1, 2, 2, 100, 2100, 64, 64), id="tiles-large-head"),
+    pytest.param((1, 2, 1, 100, 8300, 64, 64), id="tiles-call-copy"),
     pytest.param((2, 8, 2, 1, 700, 64, 64), id="decode"),
     pytest.param((1, 3, 3, 0, 5, 8, 8), id="no-queries"),
     pytest.param((1, 3, 3, 4, 0, 8, 8), id="no-keys"),

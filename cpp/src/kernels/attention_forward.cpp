@@ -351,11 +351,13 @@ void forward_tiles(const AttentionProblem<T>& p) {
 
 // Half-precision Q, K, V and output. A thread widens the key blocks of a kv head as its tiles
 // first read them, with the flags of nonfinite value rows, into its scratch, and keeps them while
-// its tasks stay on that head (tasks run head by head): the tiles read K and V from L2, and the
-// widening overlaps the products instead of being a pass before them. Q is widened per tile, O
-// rounded as it is written. Heads too large to keep (the thread scratch never shrinks) are
-// widened once for the call instead.
-constexpr Index kHalfHeadFloats = Index(1) << 18;  // K + V floats of a head kept per thread
+// its tasks stay on that head (tasks run head by head): the tiles read K and V from cache, and
+// the widening overlaps the products instead of being a pass before them (so also for heads
+// of 4096 keys x 128 features, which two threads then both widen: faster than the one pass
+// from memory, docs/performance.md). Q is widened per tile, O rounded as it is written. Heads
+// too large to keep (the thread scratch never shrinks: 4 MiB here) are widened once for the
+// call instead.
+constexpr Index kHalfHeadFloats = Index(1) << 20;  // K + V floats of a head kept per thread
 
 struct WidenedHead {  // which kv head of which call this thread's scratch holds, and which rows
     std::uint64_t call = 0;
