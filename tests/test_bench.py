@@ -294,6 +294,44 @@ def test_bench_peers_on_the_tiny_case():
     assert "WRONG" not in out, out
 
 
+def test_bench_half_times_both_dtypes_and_states_the_target(tmp_path):
+    """``bench --half --quick --case ...``: each case's float32 and float16 calls, their ratio and
+    the target (float16 never slower) as met or MISS, in the table and the JSON; no timing is
+    judged here. A case it does not know, or --peers beside it, is refused."""
+    js = tmp_path / "half.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "attnlab", "bench", "--half", "--quick", "--no-progress"]
+        + ["--case", "sdpa-weights", "--case", "latent-decode", "--json", str(js)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    assert re.search(r"SDPA \+ weights +\(2, 6, 197, 64\) +[\d.]+ +[\d.]+ +[\d.]+", out), out
+    assert re.search(r"MLA decode step .* float16 / float32 time +[\d.]+ +\(goal <= 1\.0\)", out), (
+        out
+    )
+    data = json.loads(js.read_text())
+    assert [r["case"] for r in data["rows"]] == ["sdpa-weights", "latent-decode"]
+    for r, t in zip(data["rows"], data["targets"], strict=True):
+        assert r["float32_ms"] > 0 and r["float16_ms"] > 0
+        assert abs(r["ratio"] - r["float16_ms"] / r["float32_ms"]) < 1e-9
+        assert t["met"] == (r["ratio"] <= 1.0)
+    for args, word in ((["--case", "nope"], "unknown nope"), (["--peers"], "--half takes")):
+        bad = subprocess.run(
+            [sys.executable, "-m", "attnlab", "bench", "--half", *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=300,
+        )
+        assert bad.returncode == 2 and word in bad.stderr, bad.stderr
+
+
 def test_gradient_error():
     """The training check: the worst array by name, each against its own norm, a zero gradient
     (the key bias's) against 1e-3 of the whole gradient's norm; inf for missing names."""

@@ -56,13 +56,22 @@ def main(argv: list[str] | None = None) -> int:
         "cases of --peers (runtimes: torch-sdpa, torch-bf16, onnxruntime, openvino-default)",
     )
     b.add_argument(
+        "--half",
+        action="store_true",
+        help="float16 inputs against the same values in float32, call by call in one process "
+        "(SDPA forward, weights and backward, decoding, MHA, the pooled families, bilinear and "
+        "latent attention): issue 31's target, float16 never slower",
+    )
+    b.add_argument(
         "--case",
         metavar="NAME",
         action="append",
         help="with --peers or --accuracy: run only this case (bert, vit-s, vit-b, long, "
         "long-causal, sdpa, decode, decode-gqa, tiny; training steps: vit-s-train, "
         "long-causal-train, tiny-train); repeatable. Default: the inference cases but tiny "
-        "(--quick: no long ones)",
+        "(--quick: no long ones). With --half: one of its cases (sdpa, sdpa-causal, "
+        "sdpa-weights, sdpa-backward, decode-gqa, bert, vit-s, additive, separable, bilinear, "
+        "latent-decode)",
     )
     b.add_argument(
         "--bf16",
@@ -99,8 +108,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         print(json.dumps(build_info(), indent=2))
         return 0
+    if args.half:
+        if args.peers or args.accuracy or args.only or args.plot or args.verbose or args.runtime:
+            parser.error("--half takes --quick, --case, --targets, --json and --progress only")
+        from ._bench.half import format_half, run_half
+
+        try:
+            half = run_half(
+                args.quick,
+                tuple(args.case) if args.case else None,
+                show_progress=sys.stdout.isatty() if args.progress is None else args.progress,
+            )
+        except ValueError as e:
+            parser.error(str(e))
+        print(format_half(half))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(half, f, indent=2)
+        return 0
     if (args.case or args.runtime) and not (args.peers or args.accuracy):
-        parser.error("--case and --runtime go with --peers or --accuracy")
+        parser.error("--case and --runtime go with --peers, --accuracy or --half")
     if args.train and not args.peers:
         parser.error("--train goes with --peers")
     if args.bf16 and (not args.peers or args.train):

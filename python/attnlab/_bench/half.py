@@ -1,0 +1,243 @@
+"""float16 against float32 (``python -m attnlab bench --half``): each family's call on the same
+values stored in float16 and in float32, timed round-robin in one process (medians), and issue
+31's target that float16 input is never slower than float32 input.
+
+The float16 call reads and writes its arrays in float16 where the family does so (SDPA, MHA, the
+pooled families, latent attention's weights and cache) and computes in float32 everywhere, so
+the two calls do the same arithmetic; what differs is the memory they move and the conversions.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import build_info, get_num_threads
+from .common import NOISY, Timing, interleaved, target
+from .progress import Progress
+
+__all__ = ["CASES", "format_half", "run_half"]
+
+Call = Callable[[], Any]
+
+
+def _rng() -> np.random.Generator:
+    return np.random.default_rng(0)  # the same values for both dtypes
+
+
+def _weights(rng: np.random.Generator, dt: Any, *shapes: tuple[int, ...]) -> list[np.ndarray]:
+    return [(rng.standard_normal(s) / np.sqrt(s[0])).astype(dt) for s in shapes]
+
+
+def _sdpa(dt: Any, quick: bool, **kw: Any) -> Call:
+    import attnlab
+
+    shape = (1, 8, 1024 if quick else 4096, 64)
+    q, k, v = (_rng().standard_normal(shape).astype(dt) for _ in range(3))
+    return lambda: attnlab.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def _sdpa_weights(dt: Any, quick: bool) -> Call:
+    import attnlab
+
+    shape = (2 if quick else 8, 6, 197, 64)
+    q, k, v = (_rng().standard_normal(shape).astype(dt) for _ in range(3))
+    return lambda: attnlab.scaled_dot_product_attention(q, k, v, return_weights=True)
+
+
+def _sdpa_backward(dt: Any, quick: bool) -> Call:
+    import attnlab
+
+    shape = (2 if quick else 8, 6, 197, 64)
+    g, q, k, v = (_rng().standard_normal(shape).astype(dt) for _ in range(4))
+    return lambda: attnlab.scaled_dot_product_attention_backward(g, q, k, v)
+
+
+def _decode(dt: Any, quick: bool) -> Call:
+    import attnlab
+
+    rng, n = _rng(), 2048 if quick else 8192
+    q = rng.standard_normal((1, 32, 1, 128)).astype(dt)
+    k, v = (rng.standard_normal((1, 8, n, 128)).astype(dt) for _ in range(2))
+    return lambda: attnlab.scaled_dot_product_attention(q, k, v)
+
+
+def _mha(B: int, n: int, d: int, h: int) -> Callable[[Any, bool], Call]:
+    def build(dt: Any, quick: bool) -> Call:
+        import attnlab
+
+        rng = _rng()
+        x = rng.standard_normal((2 if quick and B > 2 else B, n, d)).astype(dt)
+        wq, wk, wv, wo = _weights(rng, dt, *[(d, d)] * 4)
+        return lambda: attnlab.multi_head_attention(x, num_heads=h, w_q=wq, w_k=wk, w_v=wv, w_o=wo)
+
+    return build
+
+
+def _pooled(family: str) -> Callable[[Any, bool], Call]:
+    def build(dt: Any, quick: bool) -> Call:
+        import attnlab
+
+        rng, D = _rng(), 256
+        x = rng.standard_normal((2 if quick else 8, 784 if quick else 3136, D)).astype(dt)
+        if family == "additive":
+            wq, wk, wp, wf, wg = _weights(rng, dt, (D, D), (D, D), (D, D), (D, D), (D,))
+            return lambda: attnlab.additive_attention(
+                x, w_q=wq, w_k=wk, w_g=wg, w_proj=wp, w_final=wf
+            )
+        wqkv, wo = _weights(rng, dt, (D, 1 + 2 * D), (D, D))
+        return lambda: attnlab.separable_attention(x, w_qkv=wqkv, w_o=wo)
+
+    return build
+
+
+def _bilinear(dt: Any, quick: bool) -> Call:
+    import attnlab
+
+    rng, d, h = _rng(), 384, 6
+    x = rng.standard_normal((2 if quick else 8, 197, d)).astype(dt)
+    w_qk, w_v, w_o = _weights(rng, dt, (h, d, d), (d, d), (d, d))
+    return lambda: attnlab.bilinear_attention(x, num_heads=h, w_qk=w_qk, w_v=w_v, w_o=w_o)
+
+
+def _latent(dt: Any, quick: bool) -> Call:
+    import attnlab
+
+    from .latent import SIZES
+
+    d, h, r, dn, dr, dv = SIZES
+    rng = _rng()
+    w_q, w_kv_a, w_kv_b, w_o = _weights(
+        rng, dt, (d, h * (dn + dr)), (d, r + dr), (r, h * (dn + dv)), (h * dv, d)
+    )
+    cache = rng.standard_normal((1, (1024 if quick else 4096) - 1, r + dr)).astype(dt)
+    x = rng.standard_normal((1, 1, d)).astype(dt)
+    norm = np.ones(r, dt)
+    return lambda: attnlab.latent_attention(
+        x,
+        w_q=w_q,
+        w_kv_a=w_kv_a,
+        kv_a_norm=norm,
+        w_kv_b=w_kv_b,
+        w_o=w_o,
+        num_heads=h,
+        rope_theta=1e4,
+        cache=cache,
+        causal="bottom_right",
+        return_cache=True,
+    )
+
+
+# name: (label, shape of the full run, shape of --quick, builder(dtype, quick))
+CASES: dict[str, tuple[str, str, str, Callable[[Any, bool], Call]]] = {
+    "sdpa": ("SDPA core", "(1, 8, 4096, 64)", "(1, 8, 1024, 64)", _sdpa),
+    "sdpa-causal": (
+        "SDPA causal",
+        "(1, 8, 4096, 64)",
+        "(1, 8, 1024, 64)",
+        lambda dt, quick: _sdpa(dt, quick, causal=True),
+    ),
+    "sdpa-weights": ("SDPA + weights", "(8, 6, 197, 64)", "(2, 6, 197, 64)", _sdpa_weights),
+    "sdpa-backward": ("SDPA backward", "(8, 6, 197, 64)", "(2, 6, 197, 64)", _sdpa_backward),
+    "decode-gqa": ("decode GQA", "32/8 heads x 128, 8192 keys", "2048 keys", _decode),
+    "bert": (
+        "BERT-base layer",
+        "B=1 n=128 d=768 h=12",
+        "B=1 n=128 d=768 h=12",
+        _mha(1, 128, 768, 12),
+    ),
+    "vit-s": ("ViT-S layer", "B=8 n=197 d=384 h=6", "B=2 n=197 d=384 h=6", _mha(8, 197, 384, 6)),
+    "additive": (
+        "SwiftFormer additive",
+        "B=8 n=3136 d=256",
+        "B=2 n=784 d=256",
+        _pooled("additive"),
+    ),
+    "separable": (
+        "MobileViT-v2 separable",
+        "B=8 n=3136 d=256",
+        "B=2 n=784 d=256",
+        _pooled("separable"),
+    ),
+    "bilinear": ("bilinear", "B=8 n=197 d=384 h=6", "B=2 n=197 d=384 h=6", _bilinear),
+    "latent-decode": ("MLA decode step", "1 token after 4095", "1 token after 1023", _latent),
+}
+
+
+def run_half(
+    quick: bool, cases: tuple[str, ...] | None = None, show_progress: bool = False
+) -> dict[str, Any]:
+    """Each case's float32 and float16 calls timed round-robin (medians), and the target per
+    case. ``cases``: names of :data:`CASES` (default: all)."""
+    names = cases or tuple(CASES)
+    unknown = [c for c in names if c not in CASES]
+    if unknown:
+        raise ValueError(
+            f"--case: unknown {', '.join(unknown)}; expected one of {', '.join(CASES)}"
+        )
+    progress = Progress(len(names), show_progress)
+    rows: list[dict[str, Any]] = []
+    goals: list[dict[str, Any]] = []
+    for name in names:
+        label, full, small, build = CASES[name]
+        progress.step(label)
+        t = interleaved(
+            {"float32": build(np.float32, quick), "float16": build(np.float16, quick)},
+            repeat=3 if quick else 9,
+            min_time=0.2,
+        )
+        ratio = float(t["float16"]) / float(t["float32"])
+        shape = small if quick else full
+        goals.append(
+            target(f"{label} {shape}: float16 / float32 time", ratio, "<= 1.0", ratio <= 1.0)
+        )
+        rows.append(
+            {
+                "case": name,
+                "label": label,
+                "shape": shape,
+                "float32_ms": float(t["float32"]),
+                "float16_ms": float(t["float16"]),
+                "ratio": ratio,
+                "noisy": max(_spread(t["float32"]), _spread(t["float16"])) >= NOISY,
+            }
+        )
+        progress.finish(f"{ratio:.3f}")
+    info = build_info()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "quick": quick,
+        "threads": get_num_threads(),
+        "isa": info.get("isa"),
+        "rows": rows,
+        "targets": goals,
+    }
+
+
+def _spread(t: Timing) -> float:
+    return getattr(t, "spread", 1.0)
+
+
+def format_half(result: dict[str, Any]) -> str:
+    """The table: each case's two medians and their ratio, then the targets."""
+    head = (
+        f"attnlab bench --half  {result['date']}  threads={result['threads']}  "
+        f"isa={result['isa']}  (float16 inputs against the same values in float32, one "
+        "process, round-robin medians)"
+    )
+    columns = f"{'case':24s} {'shape':30s} {'float32 ms':>11s} {'float16 ms':>11s} {'16 / 32':>8s}"
+    rows = [
+        f"{r['label']:24s} {r['shape']:30s} {r['float32_ms']:11.3f} {r['float16_ms']:11.3f} "
+        f"{r['ratio']:8.3f}" + ("  NOISY" if r["noisy"] else "")
+        for r in result["rows"]
+    ]
+    goals = [
+        f"  {'met ' if t['met'] else 'MISS'}  {t['target']:70s} {t['value']:7.3f}  "
+        f"(goal {t['goal']})"
+        for t in result["targets"]
+    ]
+    title = "Targets, this run (issue 31: float16 input never slower than float32):"
+    return "\n".join([head, "", columns, *rows, "", title, *goals])
