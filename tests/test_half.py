@@ -340,6 +340,22 @@ def test_merge_attention_mixed_half_dtypes_compute_and_return_float32():
         np.testing.assert_allclose(out, o, rtol=2.0**-8)
 
 
+@pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
+def test_merge_attention_of_half_parts_is_the_float32_merge_rounded(path):
+    """Half-precision parts are widened one at a time into a reused buffer: the merge is the
+    float32 merge of the widened parts, rounded, bit for bit (a part that saw no key too)."""
+    _, dtype, _, _ = path
+    rng = np.random.default_rng(14)
+    outs = [rng.standard_normal((2, 3, 40, 16)).astype(dtype) for _ in range(3)]
+    lses = [rng.standard_normal((2, 3, 40)).astype(np.float32) for _ in range(3)]
+    lses[1][0, 0, :5] = -np.inf
+    out, lse = attnlab.merge_attention(outs, lses)
+    want, want_lse = attnlab.merge_attention([o.astype(np.float32) for o in outs], lses)
+    assert out.dtype == dtype and lse.dtype == np.float32
+    np.testing.assert_array_equal(out.view(np.uint16), want.astype(dtype).view(np.uint16))
+    np.testing.assert_array_equal(lse, want_lse)
+
+
 # ----------------------------------------------------------------- multi-head attention
 
 # (B, n, d_model, h, h_kv, options)

@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         "long-causal, sdpa, decode, decode-gqa, tiny; training steps: vit-s-train, "
         "long-causal-train, tiny-train); repeatable. Default: the inference cases but tiny "
         "(--quick: no long ones). With --half: one of its cases (sdpa, sdpa-causal, "
-        "sdpa-weights, sdpa-backward, decode-gqa, bert, vit-s, additive, separable, bilinear, "
-        "latent-decode)",
+        "sdpa-weights, sdpa-backward, merge, decode-gqa, bert, vit-s, additive, separable, "
+        "bilinear, latent-decode)",
     )
     b.add_argument(
         "--bf16",

@@ -8,10 +8,26 @@ from typing import Any
 
 import numpy as np
 
-from . import _half
+from . import _half, _memory
 from . import _validate as V
 
 __all__ = ["merge_attention"]
+
+
+def _as_part(o: Any, name: str) -> np.ndarray:
+    """An output part as an array: a float16 or bfloat16 ndarray as it is (widened when its
+    turn comes), any other as :func:`V.as_array` makes it."""
+    if type(o) is np.ndarray and _half.is_half(o.dtype):
+        return o
+    return V.as_array(o, name)
+
+
+_FLOAT32 = np.empty(0, np.float32)  # what a half-precision part computes in
+
+
+def _computed(o: np.ndarray) -> np.ndarray:
+    """The array that stands for a part in the computation dtype: float32 for a half one."""
+    return _FLOAT32 if _half.is_half(o.dtype) else o
 
 
 def merge_attention(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +71,8 @@ def merge_attention(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[np.ndarra
     """
     if isinstance(outs, np.ndarray) or isinstance(lses, np.ndarray):
         raise TypeError("outs, lses: expected sequences of arrays (one per key part), not arrays")
-    outs_a = [V.as_array(o, f"outs[{i}]") for i, o in enumerate(outs)]
+    # half-precision outputs stay as stored until their turn below (one float32 copy at a time)
+    outs_a = [_as_part(o, f"outs[{i}]") for i, o in enumerate(outs)]
     lses_a = [V.as_array(s, f"lses[{i}]") for i, s in enumerate(lses)]
     if not outs_a or len(outs_a) != len(lses_a):
         raise ValueError(
@@ -74,7 +91,7 @@ def merge_attention(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[np.ndarra
                 f"lses[{i}]: expected shape {V.shape_str(shape[:-1])} (outs' without d_v), got "
                 f"{V.shape_str(s.shape)}"
             )
-    dtype = V.result_dtype(*outs_a, *lses_a)
+    dtype = V.result_dtype(*(_computed(o) for o in outs_a), *lses_a)
     lse_stack = np.stack([s.astype(dtype, copy=False) for s in lses_a])
     top = np.max(lse_stack, axis=0)
     shift = np.where(np.isneginf(top), 0.0, top).astype(dtype)  # rows with no key anywhere
@@ -85,7 +102,13 @@ def merge_attention(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[np.ndarra
         lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1.0)), top)
         frac = np.where(total > 0, w / np.where(total > 0, total, 1.0), 0.0)
     out = np.zeros(shape, dtype)
-    for f, o in zip(frac, outs_a, strict=True):
+    wide = None  # the float32 copy of a half-precision part, reused part after part
+    for f, part in zip(frac, outs_a, strict=True):
+        o = part
+        if _half.is_half(part.dtype):
+            wide = _memory.empty(shape, np.float32) if wide is None else wide
+            _half.widen_into(part, wide)
+            o = wide
         out += f[..., None] * o  # a part with weight 0 adds exactly 0 (its rows are finite)
     half = _half.storage({f"outs[{i}]": o for i, o in enumerate(outs)})
     return _half.store(out, half), lse.astype(dtype, copy=False)

@@ -131,6 +131,15 @@ def _latent(dt: Any, quick: bool) -> Call:
     )
 
 
+def _merge(dt: Any, quick: bool) -> Call:
+    import attnlab
+
+    rng, shape = _rng(), (2, 8, 256, 64) if quick else (4, 8, 512, 64)
+    outs = [rng.standard_normal(shape).astype(dt) for _ in range(4)]
+    lses = [rng.standard_normal(shape[:-1]).astype(np.float32) for _ in range(4)]
+    return lambda: attnlab.merge_attention(outs, lses)
+
+
 # name: (label, shape of the full run, shape of --quick, builder(dtype, quick))
 CASES: dict[str, tuple[str, str, str, Callable[[Any, bool], Call]]] = {
     "sdpa": ("SDPA core", "(1, 8, 4096, 64)", "(1, 8, 1024, 64)", _sdpa),
@@ -142,6 +151,7 @@ CASES: dict[str, tuple[str, str, str, Callable[[Any, bool], Call]]] = {
     ),
     "sdpa-weights": ("SDPA + weights", "(8, 6, 197, 64)", "(2, 6, 197, 64)", _sdpa_weights),
     "sdpa-backward": ("SDPA backward", "(8, 6, 197, 64)", "(2, 6, 197, 64)", _sdpa_backward),
+    "merge": ("merge, 4 parts", "(4, 8, 512, 64)", "(2, 8, 256, 64)", _merge),
     "decode-gqa": ("decode GQA", "32/8 heads x 128, 8192 keys", "2048 keys", _decode),
     "bert": (
         "BERT-base layer",
