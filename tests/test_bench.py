@@ -55,6 +55,18 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """``python -m attnlab bench *args`` in a process of its own, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "attnlab", "bench", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=timeout,
+    )
+
+
 def _shares(table: str) -> list[int]:
     return [int(s) for s in re.findall(r"\s(\d+)%\s", table)]
 
@@ -103,15 +115,7 @@ def test_quick_gemm_bench_end_to_end(tmp_path):
     100%, and carries the diagnostics: the sgemm check and the targets. ``--plot`` refuses
     aloud when nothing was timed at two n."""
     png = tmp_path / "gemm.png"
-    res = subprocess.run(
-        [sys.executable, "-m", "attnlab", "bench", "--quick", "--only", "gemm", "--verbose"]
-        + ["--plot", str(png)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=300,
-    )
+    res = _bench("--quick", "--only", "gemm", "--verbose", "--plot", str(png))
     assert res.returncode == 1 and "not written" in res.stderr and not png.exists(), res.stderr
     assert "FMA peak" in res.stdout and "OpenBLAS sgemm" in res.stdout
     assert "Every row (--verbose)" in res.stdout and "Targets, this run:" in res.stdout
@@ -263,28 +267,14 @@ def test_cli_refuses_bad_peer_options():
         (["--peers", "--train", "--case", "tiny-train"], "--case alone"),
         (["--peers", "--verbose"], "--verbose"),
     ):
-        res = subprocess.run(
-            [sys.executable, "-m", "attnlab", "bench", *args],
-            check=False,
-            capture_output=True,
-            text=True,
-            env=_env(),
-            timeout=300,
-        )
+        res = _bench(*args)
         assert res.returncode == 2 and word in res.stderr, res.stderr
 
 
 def test_bench_peers_on_the_tiny_case():
     """``bench --peers --quick --case tiny``: attnlab and every installed peer are timed and
     checked, the missing ones skipped with a note."""
-    res = subprocess.run(
-        [sys.executable, "-m", "attnlab", "bench", "--peers", "--quick", "--case", "tiny"],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=900,
-    )
+    res = _bench("--peers", "--quick", "--case", "tiny", timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     assert "FMA peak" in out and re.search(r"tiny \(smoke\) .* attnlab ", out), out
@@ -299,13 +289,16 @@ def test_bench_half_times_both_dtypes_and_states_the_target(tmp_path):
     the target (float16 never slower) as met or MISS, in the table and the JSON; no timing is
     judged here. A case it does not know, or --peers beside it, is refused."""
     js = tmp_path / "half.json"
-    res = subprocess.run(
-        [sys.executable, "-m", "attnlab", "bench", "--half", "--quick", "--no-progress"]
-        + ["--case", "sdpa-weights", "--case", "latent-decode", "--json", str(js)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=_env(),
+    res = _bench(
+        "--half",
+        "--quick",
+        "--no-progress",
+        "--case",
+        "sdpa-weights",
+        "--case",
+        "latent-decode",
+        "--json",
+        str(js),
         timeout=600,
     )
     assert res.returncode == 0, res.stderr[-2000:]
@@ -321,14 +314,7 @@ def test_bench_half_times_both_dtypes_and_states_the_target(tmp_path):
         assert abs(r["ratio"] - r["float16_ms"] / r["float32_ms"]) < 1e-9
         assert t["met"] == (r["ratio"] <= 1.0)
     for args, word in ((["--case", "nope"], "unknown nope"), (["--peers"], "--half takes")):
-        bad = subprocess.run(
-            [sys.executable, "-m", "attnlab", "bench", "--half", *args],
-            check=False,
-            capture_output=True,
-            text=True,
-            env=_env(),
-            timeout=300,
-        )
+        bad = _bench("--half", *args)
         assert bad.returncode == 2 and word in bad.stderr, bad.stderr
 
 
@@ -547,15 +533,7 @@ def test_bench_quick_default_output(tmp_path):
     keeps every key it had and adds the errors, which show attnlab exact to float32 rounding;
     ``--plot`` writes a PNG."""
     js, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    res = subprocess.run(
-        [sys.executable, "-m", "attnlab", "bench", "--quick", "--json", str(js)]
-        + ["--plot", str(png)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=900,
-    )
+    res = _bench("--quick", "--json", str(js), "--plot", str(png), timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     lines = out.rstrip().splitlines()
@@ -660,14 +638,8 @@ def test_bench_accuracy_on_the_tiny_case(tmp_path):
     within its bound, torch's measured in its own process (or skipped with a note), the JSON
     carries every row."""
     path = tmp_path / "acc.json"
-    res = subprocess.run(
-        [sys.executable, "-m", "attnlab", "bench", "--accuracy", "--case", "tiny"]
-        + ["--runtime", "torch-sdpa", "--json", str(path)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=600,
+    res = _bench(
+        "--accuracy", "--case", "tiny", "--runtime", "torch-sdpa", "--json", str(path), timeout=600
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "bench --accuracy" in res.stdout and "tiny (smoke)" in res.stdout, res.stdout
@@ -704,14 +676,7 @@ def test_cli_refuses_bad_accuracy_options():
         (["--accuracy", "--case", "nope"], "cases"),
         (["--accuracy", "--runtime", "jax"], "runtimes"),
     ):
-        res = subprocess.run(
-            [sys.executable, "-m", "attnlab", "bench", *args],
-            check=False,
-            capture_output=True,
-            text=True,
-            env=_env(),
-            timeout=300,
-        )
+        res = _bench(*args)
         assert res.returncode == 2 and word in res.stderr, res.stderr
 
 

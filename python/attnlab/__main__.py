@@ -1,16 +1,37 @@
 """Command line: ``python -m attnlab bench [--quick] [--verbose] [--targets] [--json PATH]
 [--plot PATH]``,
 ``python -m attnlab bench --peers [--train] [--case NAME] [--runtime NAME]``,
-``python -m attnlab bench --accuracy [--quick] [--case NAME] [--runtime NAME]`` and
-``python -m attnlab info``."""
+``python -m attnlab bench --accuracy [--quick] [--case NAME] [--runtime NAME]``,
+``python -m attnlab bench --half [--quick] [--case NAME]`` and ``python -m attnlab info``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from . import build_info
+
+
+def _table(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    run: Callable[[bool], dict[str, Any]],
+    fmt: Callable[[dict[str, Any]], str],
+) -> int:
+    """A mode that prints one table (--accuracy, --half): run(show_progress), its table, its JSON
+    when asked; a ValueError of the run (an unknown case or runtime) is a command-line error."""
+    try:
+        result = run(sys.stdout.isatty() if args.progress is None else args.progress)
+    except ValueError as e:
+        parser.error(str(e))
+    print(fmt(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,24 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         print(json.dumps(build_info(), indent=2))
         return 0
+    cases = tuple(args.case) if args.case else None
     if args.half:
-        if args.peers or args.accuracy or args.only or args.plot or args.verbose or args.runtime:
-            parser.error("--half takes --quick, --case, --targets, --json and --progress only")
+        if (
+            args.peers
+            or args.accuracy
+            or args.only
+            or args.plot
+            or args.verbose
+            or args.targets
+            or args.runtime
+            or args.train
+            or args.bf16
+        ):
+            parser.error("--half takes --quick, --case, --json and --progress only")
         from ._bench.half import format_half, run_half
 
-        try:
-            half = run_half(
-                args.quick,
-                tuple(args.case) if args.case else None,
-                show_progress=sys.stdout.isatty() if args.progress is None else args.progress,
-            )
-        except ValueError as e:
-            parser.error(str(e))
-        print(format_half(half))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(half, f, indent=2)
-        return 0
+        return _table(parser, args, lambda show: run_half(args.quick, cases, show), format_half)
     if (args.case or args.runtime) and not (args.peers or args.accuracy):
         parser.error("--case and --runtime go with --peers, --accuracy or --half")
     if args.train and not args.peers:
@@ -137,20 +157,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--accuracy takes --quick, --case, --runtime, --json and --progress only")
         from ._bench.accuracy import PEERS, format_accuracy, run_accuracy
 
-        try:
-            acc = run_accuracy(
-                args.quick,
-                tuple(args.case) if args.case else None,
-                tuple(args.runtime) if args.runtime else tuple(PEERS),
-                show_progress=sys.stdout.isatty() if args.progress is None else args.progress,
-            )
-        except ValueError as e:
-            parser.error(str(e))
-        print(format_accuracy(acc))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(acc, f, indent=2)
-        return 0
+        runtimes = tuple(args.runtime) if args.runtime else tuple(PEERS)
+        return _table(
+            parser,
+            args,
+            lambda show: run_accuracy(args.quick, cases, runtimes, show_progress=show),
+            format_accuracy,
+        )
     if args.train and args.case:
         parser.error("--train chooses the training cases: name them with --case alone")
     show_progress = sys.stdout.isatty() if args.progress is None else args.progress
@@ -167,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             peers = run_peers(
                 args.quick,
-                tuple(args.case) if args.case else None,
+                cases,
                 tuple(args.runtime) if args.runtime else RUNTIMES,
                 train=args.train,
                 show_progress=show_progress,
