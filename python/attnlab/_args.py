@@ -296,7 +296,7 @@ def pooled_tokens(x: Any, keep: np.dtype | None = None) -> np.ndarray:
     """The input ``x`` of a pooled family (additive, separable) as an array ``(..., n, d)``;
     ``keep``: a half dtype ``x`` stays in when it is an ndarray of it (the forward reads its
     bits), else it is widened as :func:`V.as_array` does."""
-    a = x if keep is not None and type(x) is np.ndarray and x.dtype == keep else V.as_array(x, "x")
+    a = V.as_array(x, "x", keep)
     V.check_ndim(a, "x", 2, "(..., n, d)")
     return a
 

@@ -36,6 +36,11 @@ _SCALARS = frozenset({bool, int, float, str})
 _HALF_DTYPES: dict[np.dtype, bool] = {}
 
 
+# an empty float32 array: what a half-precision array computes in, where the computation dtype
+# is found from arrays (``_validate.result_dtype``) and a half one is passed on as stored
+COMPUTED = np.empty(0, np.float32)
+
+
 def is_half(dtype: np.dtype) -> bool:
     """Whether ``dtype`` is float16 or bfloat16 (``ml_dtypes``' is recognised by name, so that
     attnlab does not import ``ml_dtypes`` itself)."""

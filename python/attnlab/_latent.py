@@ -136,11 +136,7 @@ def _prepare(args: dict[str, Any], keep_half: np.dtype | None = None) -> _Latent
         raise ValueError(f"x: the feature axis must be >= 1, got shape {V.shape_str(x.shape)}")
 
     def given(k: str) -> np.ndarray | None:
-        v = args[k]
-        keep = keep_half is not None and k in _READ_AS_STORED
-        return (
-            v if keep and type(v) is np.ndarray and v.dtype == keep_half else V.optional_array(v, k)
-        )
+        return V.optional_array(args[k], k, keep_half if k in _READ_AS_STORED else None)
 
     arrs = {k: given(k) for k in WEIGHTS}
     for k in ("w_kv_a", "kv_a_norm", "w_kv_b", "w_o"):

@@ -17,17 +17,13 @@ __all__ = ["merge_attention"]
 def _as_part(o: Any, name: str) -> np.ndarray:
     """An output part as an array: a float16 or bfloat16 ndarray as it is (widened when its
     turn comes), any other as :func:`V.as_array` makes it."""
-    if type(o) is np.ndarray and _half.is_half(o.dtype):
-        return o
-    return V.as_array(o, name)
-
-
-_FLOAT32 = np.empty(0, np.float32)  # what a half-precision part computes in
+    keep = o.dtype if type(o) is np.ndarray and _half.is_half(o.dtype) else None
+    return V.as_array(o, name, keep)
 
 
 def _computed(o: np.ndarray) -> np.ndarray:
     """The array that stands for a part in the computation dtype: float32 for a half one."""
-    return _FLOAT32 if _half.is_half(o.dtype) else o
+    return _half.COMPUTED if _half.is_half(o.dtype) else o
 
 
 def merge_attention(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:

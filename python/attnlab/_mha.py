@@ -301,7 +301,6 @@ def _check_weights(h: int, h_kv: int, kv_arg: str, x: _args.Qkv, ws: dict[str, n
 
 
 _WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
-_FLOAT32 = np.empty(0, np.float32)  # what a half-precision weight computes in
 
 
 def _half_weights(args: dict[str, Any]) -> np.dtype | None:
@@ -337,8 +336,8 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     else:
         ws = {n: args[n] for n in _WEIGHTS}
     bs = {n: V.optional_array(args[n], n) for n in ("b_q", "b_k", "b_v", "b_o")}
-    as_float = (_FLOAT32,) if half is not None else ws.values()
-    xs = (_FLOAT32,) if inputs_half else (x.xq, x.xk, x.xv)
+    as_float = (_half.COMPUTED,) if half is not None else ws.values()
+    xs = (_half.COMPUTED,) if inputs_half else (x.xq, x.xk, x.xv)
     dtype = V.result_dtype(*xs, *as_float, *bs.values())
     if half is not None and dtype != np.float32:  # float64 inputs: the weights widen with them
         half, ws = None, {n: V.as_array(args[n], n) for n in _WEIGHTS}

@@ -23,13 +23,16 @@ __all__: list[str] = []  # private module
 _NATIVE = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def as_array(x: Any, name: str) -> np.ndarray:
+def as_array(x: Any, name: str, keep: np.dtype | None = None) -> np.ndarray:
     """Return ``x`` as a float32/float64 array following the dtype rules.
 
     float32 and float64 are kept; float16 and bfloat16 become float32 (exactly: see
     :mod:`attnlab._half`); other real numeric dtypes (ints, ...) become float64; bool, complex,
-    object and string data raise ``TypeError``.
+    object and string data raise ``TypeError``. ``keep``: a half dtype ``x`` stays in when it
+    is an ndarray of it (for a kernel that reads it as stored).
     """
+    if keep is not None and type(x) is np.ndarray and x.dtype == keep:
+        return x
     if x is None:
         raise TypeError(f"{name}: expected an array, got None")
     try:
@@ -48,8 +51,8 @@ def as_array(x: Any, name: str) -> np.ndarray:
     return a
 
 
-def optional_array(x: Any, name: str) -> np.ndarray | None:
-    return None if x is None else as_array(x, name)
+def optional_array(x: Any, name: str, keep: np.dtype | None = None) -> np.ndarray | None:
+    return None if x is None else as_array(x, name, keep)
 
 
 def array_shaped(x: Any, name: str, shape: tuple[int, ...], whose: str = "") -> np.ndarray:
