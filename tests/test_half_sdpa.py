@@ -4,7 +4,9 @@ its kernels load them) and the output rounded as it is written. Widening is exac
 kernels sum in the same order, so each result must be bit for bit the float32 call on the
 widened inputs, rounded: on the tiles' two ways of holding K and V (per thread for heads that
 fit, per call for larger ones), the decode path, masks, grouped heads, nonfinite values,
-strided and broadcast inputs, and any thread count."""
+strided and broadcast inputs, and any thread count. The backward likewise reads q, k, v (and a
+half-precision grad_out) as stored and rounds dq, dk, dv as it writes them: bit for bit the
+float32 backward on the widened arrays, rounded."""
 
 from __future__ import annotations
 
@@ -129,6 +131,111 @@ def test_strided_and_broadcast_inputs(dtype: np.dtype) -> None:
     _check(q[:, :, ::2], k, v, causal="bottom_right")
 
 
+def _check_backward(q: Any, k: Any, v: Any, g: Any, **kw: Any) -> None:
+    got = attnlab.scaled_dot_product_attention_backward(g, q, k, v, **kw)
+    f32 = [np.asarray(x, np.float32) for x in (g, q, k, v)]
+    want = attnlab.scaled_dot_product_attention_backward(*f32, **kw)
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        x = kw.get(name) if name in ("mask", "sinks") else {"q": q, "k": k, "v": v}[name]
+        dtype = getattr(x, "dtype", np.dtype(np.float32))
+        assert got[name].dtype == dtype, name
+        assert got[name].shape == w.shape, name
+        np.testing.assert_array_equal(
+            got[name].view(np.uint8), w.astype(dtype).view(np.uint8), err_msg=name
+        )
+
+
+def _grad_out(q: np.ndarray, dv: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(q.shape[:-1] + (dv,)).astype(np.float32).astype(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_bitwise_the_float32_call_rounded(shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """grad_out in the inputs' half dtype (read as stored) and in float32 (read as given)."""
+    q, k, v = _inputs(shape, dtype, seed=9)
+    g = _grad_out(q, shape[-1], seed=10)
+    _check_backward(q, k, v, g)
+    _check_backward(q, k, v, g.astype(np.float32), causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES[:2] + SHAPES[4:5])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"causal": "bottom_right"},
+        {"window": (40, 3)},
+        {"softcap": 5.0},
+        {"sinks": "sinks"},
+        {"mask": "additive"},
+        {"mask": "padding"},
+    ],
+    ids=["causal", "window", "softcap", "sinks", "additive", "padding"],
+)
+def test_backward_bitwise_with_masks(
+    shape: tuple[int, ...], dtype: np.dtype, kw: dict[str, Any]
+) -> None:
+    """The gradients of the sinks and of an additive mask stay float32 (their dtype)."""
+    q, k, v = _inputs(shape, dtype, seed=11)
+    B, h, _, nq, nk = shape[:5]
+    rng = np.random.default_rng(12)
+    kw = dict(kw)
+    if kw.get("sinks") == "sinks":
+        kw["sinks"] = rng.standard_normal(h).astype(np.float32)
+    if kw.get("mask") == "additive":
+        kw["mask"] = rng.standard_normal((nq, nk)).astype(np.float32)
+    elif kw.get("mask") == "padding":
+        pad = np.ones((B, 1, 1, nk), bool)
+        pad[..., nk // 3 :] = False
+        pad[-1] = False  # a sequence with no key: zero gradients, never NaN
+        kw["mask"] = pad
+        kw["warn_empty_rows"] = False
+    _check_backward(q, k, v, _grad_out(q, shape[-1], seed=13), **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_nonfinite_strided_and_broadcast(dtype: np.dtype) -> None:
+    """NaN and Inf in the inputs propagate as in float32; strided head views are read in place;
+    a key and value broadcast over the batch take the float32 path (their gradients are summed
+    over the batch in float32, then rounded)."""
+    rng = np.random.default_rng(14)
+    q, k, v = _inputs((2, 4, 2, 130, 90, 32, 16), dtype, seed=15)
+    v[0, 1, 5, 0] = np.inf
+    k[1, 0, 7, 3] = np.nan
+    with np.errstate(invalid="ignore"):
+        _check_backward(q, k, v, _grad_out(q, 16, seed=16))
+    qs = rng.standard_normal((2, 130, 4, 32)).astype(np.float32).astype(dtype).transpose(0, 2, 1, 3)
+    ks = rng.standard_normal((2, 90, 2, 32)).astype(np.float32).astype(dtype).transpose(0, 2, 1, 3)
+    vb = rng.standard_normal((90, 2, 16)).astype(np.float32).astype(dtype).transpose(1, 0, 2)
+    g = _grad_out(qs, 16, seed=17)
+    _check_backward(qs, ks, v[0], g, causal=True)  # strided q, k; v of one batch element
+    _check_backward(qs[:, :, ::2], ks, vb, g[:, :, ::2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_reads_half_inputs_as_stored(dtype: np.dtype, monkeypatch) -> None:
+    """No float32 copy of q, k, v or grad_out is made on the way to the kernel: widening them in
+    Python fails this call (the path of test_backward_bitwise_the_float32_call_rounded)."""
+    import attnlab._validate
+
+    q, k, v = _inputs((1, 4, 2, 70, 90, 32, 32), dtype, seed=18)
+    g = _grad_out(q, 32, seed=19)
+    want = attnlab.scaled_dot_product_attention_backward(g, q, k, v)
+
+    def refuse(_: np.ndarray) -> np.ndarray:
+        raise AssertionError("widened in Python")
+
+    monkeypatch.setattr(attnlab._validate, "widen", refuse)
+    got = attnlab.scaled_dot_product_attention_backward(g, q, k, v)
+    for name in want:
+        np.testing.assert_array_equal(got[name].view(np.uint16), want[name].view(np.uint16))
+    with pytest.raises(AssertionError, match="widened"):  # the broadcast case does widen
+        attnlab.scaled_dot_product_attention_backward(g, q, k[0], v)
+
+
 def test_same_bits_for_any_thread_count() -> None:
     code = (
         "import numpy as np, attnlab, hashlib\n"
@@ -140,6 +247,9 @@ def test_same_bits_for_any_thread_count() -> None:
         "    q, k, v = (rng.standard_normal(x).astype(np.float16) for x in"
         " ((B, h, nq, d), (B, hk, nk, d), (B, hk, nk, dv)))\n"
         "    outs.append(attnlab.scaled_dot_product_attention(q, k, v, causal=True))\n"
+        "    g = rng.standard_normal(q.shape).astype(np.float16)\n"
+        "    grads = attnlab.scaled_dot_product_attention_backward(g, q, k, v, causal=True)\n"
+        "    outs += [grads[n] for n in 'qkv']\n"
         "print(hashlib.sha256(b''.join(o.tobytes() for o in outs)).hexdigest())\n"
     )
     digests = set()
@@ -161,3 +271,59 @@ def test_calls_of_other_shapes_between(dtype: np.dtype) -> None:
     c = _inputs((1, 2, 2, 120, 60, 16, 24), dtype, seed=8)
     for x in (a, b, c, a):
         _check(*x)
+
+
+def test_backward_half_binding_refuses_what_it_does_not_read() -> None:
+    """The kernel entry point checks every buffer: dtype, shape, and the half format's code."""
+    from attnlab._loader import core
+
+    u = np.zeros((1, 2, 3, 4), np.uint16)
+    f = np.zeros((1, 2, 3, 4), np.float32)
+    lse = np.zeros((1, 2, 3), np.float32)
+    args = attnlab._mha._prepare_sdpa(
+        {
+            **{n: np.zeros((1, 2, 3, 4), np.float16) for n in ("q", "k", "v")},
+            "mask": None,
+            "causal": False,
+            "window": None,
+            "softcap": None,
+            "alibi_slopes": None,
+            "sinks": None,
+            "scale": None,
+            "precision": None,
+            "warn_empty_rows": True,
+        },
+        half_qkv=True,
+    )
+    m = args.m.core_mask()
+
+    def run(**over: Any) -> None:
+        kw: dict[str, Any] = dict(
+            grad_out=u,
+            q=u,
+            k=u,
+            v=u,
+            half=1,
+            mask=m,
+            scale=0.5,
+            out=f.copy(),
+            lse=lse.copy(),
+            d_q=u.copy(),
+            d_k=u.copy(),
+            d_v=u.copy(),
+            grad_out_half=True,
+        )
+        kw.update(over)
+        core.sdpa_backward_half(**kw)
+
+    run()  # the good call
+    with pytest.raises(ValueError, match="half: expected 1"):
+        run(half=3)
+    with pytest.raises(TypeError, match="grad_out"):
+        run(grad_out_half=False)  # uint16 given where float32 is read
+    with pytest.raises(TypeError, match="d_q"):
+        run(d_q=f.copy())
+    with pytest.raises(ValueError, match="d_k"):
+        run(d_k=np.zeros((1, 2, 4, 4), np.uint16))
+    with pytest.raises(TypeError, match="out"):
+        run(out=u.copy())

@@ -136,6 +136,47 @@ void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, co
     });
 }
 
+// sdpa_backward with q, k, v and the gradients d_q, d_k, d_v in half precision (their bits as
+// uint16 arrays; half 1: float16, 2: bfloat16), computed in float32: grad_out as bits of the
+// same format when grad_out_half, else float32; out, lse, d_mask and d_sinks float32.
+void sdpa_backward_half(py::array grad_out, py::array q, py::array k, py::array v, int half,
+                        const MaskArgs& mask, double scale, py::array out, py::array lse,
+                        py::array d_q, py::array d_k, py::array d_v, bool grad_out_half,
+                        bool recompute, py::object d_mask, py::object d_sinks) {
+    if (half != 1 && half != 2) throw py::value_error("half: expected 1 (float16) or 2 (bfloat16)");
+    AttentionProblem<float> p = sdpa_sizes<float>(q, k, v, scale);
+    const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
+    const Index d = p.d, dv = p.d_v;
+    using Bits = std::uint16_t;
+    p.half = half == 1 ? HalfFormat::float16 : HalfFormat::bfloat16;
+    p.q_half = const_stack<Bits>(check<Bits>(q, "q", {B, H, nq, d}), q);
+    p.k_half = const_stack<Bits>(check<Bits>(k, "k", {B, Hk, nk, d}), k);
+    p.v_half = const_stack<Bits>(check<Bits>(v, "v", {B, Hk, nk, dv}), v);
+    float* po = contiguous<float>(out, "out", {B, H, nq, dv}, true);
+    p.out = {po, H * nq * dv, nq * dv, dv};
+    p.mask = mask_spec<float>(mask, B, H, nq, nk);
+    p.lse = contiguous<float>(lse, "lse", {B, H, nq}, true);
+    AttentionGrad<float> g;
+    if (grad_out_half)
+        g.d_out_half = const_stack<Bits>(check<Bits>(grad_out, "grad_out", {B, H, nq, dv}), grad_out);
+    else
+        g.d_out = const_stack<float>(check<float>(grad_out, "grad_out", {B, H, nq, dv}), grad_out);
+    Bits* gq = contiguous<Bits>(d_q, "d_q", {B, H, nq, d}, true);
+    Bits* gk = contiguous<Bits>(d_k, "d_k", {B, Hk, nk, d}, true);
+    Bits* gv = contiguous<Bits>(d_v, "d_v", {B, Hk, nk, dv}, true);
+    g.d_q_half = {gq, H * nq * d, nq * d, d};
+    g.d_k_half = {gk, Hk * nk * d, nk * d, d};
+    g.d_v_half = {gv, Hk * nk * dv, nk * dv, dv};
+    if (!d_mask.is_none())
+        g.d_mask = contiguous<float>(d_mask.cast<py::array>(), "d_mask", {B, H, nq, nk}, true);
+    if (!d_sinks.is_none())
+        g.d_sinks = contiguous<float>(d_sinks.cast<py::array>(), "d_sinks", {B, H}, true);
+    ReleaseGil release;
+    const KernelSet<float>& kernels = kernels_for<float>();
+    if (recompute) kernels.attention_forward(p);  // out in float32: out_half is not set
+    kernels.attention_backward(p, g);
+}
+
 // The arguments mha_forward and mha_backward share: core.MhaArgs.
 struct MhaArgs : SharedArgs {
     Array query, key, value;
@@ -305,6 +346,11 @@ void bind_mha(py::module_& m) {
           py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("out"), py::arg("lse"),
           py::arg("d_q"), py::arg("d_k"), py::arg("d_v"), py::arg("recompute") = true,
           py::arg("d_mask") = py::none(), py::arg("d_sinks") = py::none(), py::arg("bf16") = false);
+    m.def("sdpa_backward_half", &sdpa_backward_half, py::arg("grad_out"), py::arg("q"),
+          py::arg("k"), py::arg("v"), py::arg("half"), py::arg("mask"), py::arg("scale"),
+          py::arg("out"), py::arg("lse"), py::arg("d_q"), py::arg("d_k"), py::arg("d_v"),
+          py::arg("grad_out_half"), py::arg("recompute") = true, py::arg("d_mask") = py::none(),
+          py::arg("d_sinks") = py::none());
     bind_args<MhaArgs>(m, "MhaArgs");
     m.def("mha_bf16_fused_calls", [] { return mha_bf16_fused_calls.load(); });
     m.def("attention_copied_calls", [] { return attention_copied_calls.load(); });

@@ -94,6 +94,24 @@ def sdpa_backward(
     d_sinks: _Optional = ...,
     bf16: bool = ...,
 ) -> None: ...
+def sdpa_backward_half(
+    grad_out: _Array,
+    q: _Array,
+    k: _Array,
+    v: _Array,
+    half: _Int,
+    mask: _Mask,
+    scale: _Float,
+    out: _Array,
+    lse: _Array,
+    d_q: _Array,
+    d_k: _Array,
+    d_v: _Array,
+    grad_out_half: bool,
+    recompute: bool = ...,
+    d_mask: _Optional = ...,
+    d_sinks: _Optional = ...,
+) -> None: ...
 def mha_backward(
     grad_out: _Array,
     args: MhaArgs,

@@ -18,15 +18,18 @@ if TYPE_CHECKING:
 __all__: list[str] = []  # private module
 
 
-def grad_out(g: Any, expected: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """``grad_out`` as an array of the result dtype, refused unless shaped like the output."""
-    a = V.as_array(g, "grad_out")
+def grad_out(
+    g: Any, expected: tuple[int, ...], dtype: np.dtype, keep: np.dtype | None = None
+) -> np.ndarray:
+    """``grad_out`` as an array of the result dtype, refused unless shaped like the output.
+    ``keep``: a half dtype it stays in when it is an ndarray of it (read as stored)."""
+    a = V.as_array(g, "grad_out", keep)
     if a.shape != expected:
         raise ValueError(
             f"grad_out: expected the output's shape {V.shape_str(expected)}, got "
             f"{V.shape_str(a.shape)}"
         )
-    return a.astype(dtype, copy=False)
+    return a if keep is not None and a.dtype == keep else a.astype(dtype, copy=False)
 
 
 def grad_out_rows(g: Any, expected: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -731,8 +731,62 @@ def _mha_grads(
     }
 
 
+def _sdpa_grads_half(a: _Sdpa, grad_out: Any) -> dict[str, np.ndarray]:
+    """The gradients of an SDPA call whose ``q``, ``k`` and ``v`` are stored in one half dtype
+    and not broadcast: read, and ``dq``, ``dk``, ``dv`` written, in that dtype by the kernel
+    (``grad_out`` too when it is stored so), computed as the float32 call on the widened
+    arrays would be."""
+    half = a.q4.dtype
+    batch, B, h, h_kv, n_q, n_k, d, d_v = (
+        a.batch,
+        V.count(a.batch),
+        a.h,
+        a.h_kv,
+        a.n_q,
+        a.n_k,
+        a.d,
+        a.d_v,
+    )
+    f32 = np.dtype(np.float32)
+    go = _grad.grad_out(grad_out, batch + (h, n_q, d_v), f32, keep=half)
+    go4 = _memory.kernel_ready(go.reshape((B, h, n_q, d_v)))
+    dq = _memory.empty((B, h, n_q, d), half)
+    dk = _memory.empty((B, h_kv, n_k, d), half)
+    dv = _memory.empty((B, h_kv, n_k, d_v), half)
+    logit = _grad.logit_buffers(a.m, B, h, n_q, n_k, f32)
+    go_half = go4.dtype == half
+    core.sdpa_backward_half(
+        go4.view(np.uint16) if go_half else go4,
+        *(x.view(np.uint16) for x in (a.q4, a.k4, a.v4)),
+        _half.code(half),
+        a.m.core_mask(),
+        a.m.scale,
+        _memory.empty((B, h, n_q, d_v), f32),  # the recomputed output, in float32
+        _memory.empty((B, h, n_q), f32),
+        *(x.view(np.uint16) for x in (dq, dk, dv)),
+        go_half,
+        True,
+        logit.get("mask"),
+        logit.get("sinks"),
+    )
+    return {
+        "q": dq.reshape(a.q.shape),
+        "k": dk.reshape(a.k.shape),
+        "v": dv.reshape(a.v.shape),
+        **_grad.logit_grads(logit, a.m, batch),
+    }
+
+
 def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
+    half = _half.storage(args)
+    if half is not None and args["precision"] is None:
+        a = _prepare_sdpa(args, half_qkv=True)
+        # read and written as stored, unless a gradient is summed over broadcast batch axes
+        # (in float32, then rounded) or the call is empty
+        stacked = all(x.shape[:-3] == a.batch for x in (a.q, a.k, a.v))
+        if stacked and V.count(a.batch) * a.n_q * a.n_k > 0:
+            return _half.store_grads(_sdpa_grads_half(a, grad_out), _half.halves(args))
     return _half.store_grads(_sdpa_grads(_prepare_sdpa(args), grad_out), _half.halves(args))
 
 

@@ -6,6 +6,7 @@
 #include "attention_bf16.hpp"
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
+#include "bf16.hpp"
 #include "microkernel.hpp"
 #include "scratch.hpp"
 #include "softmax.hpp"
@@ -53,6 +54,7 @@ struct BackwardPlan {
     T* qs = nullptr;                    // (batch, heads, n_q, d): scale Q
     T* dsum = nullptr;                  // (batch, heads, n_q): D = rowsum(dO * O)
     T* sink_part = nullptr;             // (batch, heads, q_tiles): each tile's share of d sink
+    T* dout = nullptr;                  // (batch, heads, n_q, d_v): a half-precision dO widened
 
     // rows of query tile qt (of tile_count(n_q, kBwdTileQ) = q_tiles)
     Index q_rows(Index n_q, Index qt) const { return tile_rows(n_q, kBwdTileQ, q_tiles, qt); }
@@ -104,20 +106,23 @@ BackwardPlan<T> backward_plan(const AttentionProblem<T>& p) {
 }
 
 // Per-thread tile buffers of the backward, carved from one scratch block.
+// kr, vr (half-precision storage only): the tile's K and V rows widened, then its dK and dV
+// rows before rounding.
 template <typename T>
 struct BackwardScratch {
-    T *kt, *vt, *kp, *dkt, *dvt, *s, *dp, *th;
+    T *kt, *vt, *kp, *dkt, *dvt, *s, *dp, *th, *kr, *vr;
 
-    BackwardScratch(Index d, Index dv, Index dp_width) {
+    BackwardScratch(Index d, Index dv, Index dp_width, bool half) {
         constexpr Index tk = kBwdTileKMax, tq = kBwdTileQMax;
-        const Index sizes[] = {d * tk,  dv * tk, tk * dp_width, d * tk,
-                               dv * tk, tq * tk, tq * tk,       tq * tk};
-        T** slots[] = {&kt, &vt, &kp, &dkt, &dvt, &s, &dp, &th};
+        const Index rows = half ? tk : 0;
+        const Index sizes[] = {d * tk,  dv * tk, tk * dp_width, d * tk,   dv * tk,
+                               tq * tk, tq * tk, tq * tk,       d * rows, dv * rows};
+        T** slots[] = {&kt, &vt, &kp, &dkt, &dvt, &s, &dp, &th, &kr, &vr};
         auto round = [](Index n) { return (n + 15) / 16 * 16; };  // keep every slot 64-byte aligned
         Index total = 0;
         for (Index n : sizes) total += round(n);
         T* base = scratch<T>(ScratchBuffer::kBackwardTiles, static_cast<std::size_t>(total));
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < 10; ++i) {
             *slots[i] = base;
             base += round(sizes[i]);
         }
@@ -213,18 +218,32 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
     constexpr Index L = packet_size<T>();
     const Index group = p.heads / p.kv_heads;
     const Index d = p.d, dv = p.d_v, dp = plan.dp;
-    const T* kbase = p.k.at(b, hk);
-    const Index ks = p.k.row_stride;
-    const BackwardScratch<T> w(d, dv, dp);
+    const bool half = p.half != HalfFormat::none;
+    const BackwardScratch<T> w(d, dv, dp, half);
     const Index t0 = s * plan.seg_tiles, t1 = std::min(plan.k_tiles, t0 + plan.seg_tiles);
     for (Index kt = t0; kt < t1; ++kt) {
         interruption_point();  // a task is a sixteenth of the call: too long to wait for
         const Index j0 = kt * kBwdTileK, kb = tile_rows(p.n_k, kBwdTileK, plan.k_tiles, kt);
         const Index kbp = (kb + L - 1) / L * L;
-        key_tile_transposed(kbase, ks, j0, kb, kbp, d, w.kt);
-        key_tile_transposed(p.v.at(b, hk), p.v.row_stride, j0, kb, kbp, dv, w.vt);
+        // the tile's K and V rows (from row j0): in place, or widened from half precision
+        const T* krows = w.kr;
+        const T* vrows = w.vr;
+        Index ks = d, vs = dv;
+        if (!half) {
+            krows = p.k.at(b, hk) + j0 * p.k.row_stride;
+            vrows = p.v.at(b, hk) + j0 * p.v.row_stride;
+            ks = p.k.row_stride;
+            vs = p.v.row_stride;
+        } else if constexpr (std::is_same_v<T, float>) {
+            half_rows_to_float(p.k_half.at(b, hk) + j0 * p.k_half.row_stride, p.k_half.row_stride,
+                               kb, d, p.half, w.kr);
+            half_rows_to_float(p.v_half.at(b, hk) + j0 * p.v_half.row_stride, p.v_half.row_stride,
+                               kb, dv, p.half, w.vr);
+        }
+        key_tile_transposed(krows, ks, 0, kb, kbp, d, w.kt);
+        key_tile_transposed(vrows, vs, 0, kb, kbp, dv, w.vt);
         for (Index j = 0; j < kb; ++j) {
-            std::copy(kbase + (j0 + j) * ks, kbase + (j0 + j) * ks + d, w.kp + j * dp);
+            std::copy(krows + j * ks, krows + j * ks + d, w.kp + j * dp);
             std::fill(w.kp + j * dp + d, w.kp + (j + 1) * dp, T(0));
         }
         const bool none = plan.query_tiles[kt].lo >= plan.query_tiles[kt].hi;
@@ -243,6 +262,19 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
                               first);
             }
         }
+        if constexpr (std::is_same_v<T, float>) {
+            if (half) {  // rows of dK, dV in kr, vr (K and V are read), then rounded into place
+                transpose(d, kb, w.dkt, kbp, w.kr, d);
+                transpose(dv, kb, w.dvt, kbp, w.vr, dv);
+                for (Index j = 0; j < kb; ++j) {
+                    narrow_block(w.kr + j * d, d, p.half,
+                                 g.d_k_half.at(b, hk) + (j0 + j) * g.d_k_half.row_stride);
+                    narrow_block(w.vr + j * dv, dv, p.half,
+                                 g.d_v_half.at(b, hk) + (j0 + j) * g.d_v_half.row_stride);
+                }
+                continue;
+            }
+        }
         transpose(d, kb, w.dkt, kbp, g.d_k.at(b, hk) + j0 * g.d_k.row_stride, g.d_k.row_stride);
         transpose(dv, kb, w.dvt, kbp, g.d_v.at(b, hk) + j0 * g.d_v.row_stride, g.d_v.row_stride);
     }
@@ -253,12 +285,24 @@ template <typename T>
 void backward_prepare(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
                       const BackwardPlan<T>& plan, Index b, Index h, Index qt) {
     const Index i0 = qt * kBwdTileQ, mq = plan.q_rows(p.n_q, qt);
-    const T* q = p.q.at(b, h);
+    const bool half = p.half != HalfFormat::none;
+    const T* q = half ? nullptr : p.q.at(b, h);
     const T* o = p.out.at(b, h);
     const T* dout = g.d_out.at(b, h);
     T* qs = plan.qs + plan.head(p, b, h) * p.d;
     for (Index i = i0; i < i0 + mq; ++i) {
-        for (Index c = 0; c < p.d; ++c) qs[i * p.d + c] = p.scale * q[i * p.q.row_stride + c];
+        if constexpr (std::is_same_v<T, float>) {
+            if (half) {  // widened, then the same products as below
+                half_to_float(p.q_half.at(b, h) + i * p.q_half.row_stride, p.d, p.half,
+                              qs + i * p.d);
+                for (Index c = 0; c < p.d; ++c) qs[i * p.d + c] *= p.scale;
+                if (g.d_out_half.data)  // into plan.dout, which g.d_out views
+                    half_to_float(g.d_out_half.at(b, h) + i * g.d_out_half.row_stride, p.d_v,
+                                  p.half, plan.dout + (plan.head(p, b, h) + i) * p.d_v);
+            }
+        }
+        if (!half)
+            for (Index c = 0; c < p.d; ++c) qs[i * p.d + c] = p.scale * q[i * p.q.row_stride + c];
         plan.dsum[plan.head(p, b, h) + i] =
             dot(dout + i * g.d_out.row_stride, o + i * p.out.row_stride, p.d_v);
     }
@@ -281,15 +325,23 @@ template <typename T>
 void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
                  const BackwardPlan<T>& plan, Index b, Index h, Index qt) {
     const Index i0 = qt * kBwdTileQ, mq = plan.q_rows(p.n_q, qt);
-    T* dq = g.d_q.at(b, h) + i0 * g.d_q.row_stride;
     // the segments that see the tile, in order (at most kBwdMaxSegments)
     const T* parts[kBwdMaxSegments];
     Index count = 0;
     for (Index s = 0; s < plan.segments; ++s)
         if (plan.segment_sees(s, qt)) parts[count++] = plan.part(p, s, b, h) + i0 * plan.dp;
-    // row by row (in L1), each element 0 + its shares in order, times the scale
+    // row by row (in L1), each element 0 + its shares in order, times the scale; with
+    // half-precision storage summed in place of the first share, then rounded into d_q_half
+    const bool half = p.half != HalfFormat::none;
+    T* dq = half ? nullptr : g.d_q.at(b, h) + i0 * g.d_q.row_stride;
+    std::uint16_t* dq_half = half ? g.d_q_half.at(b, h) + i0 * g.d_q_half.row_stride : nullptr;
     for (Index i = 0; i < mq; ++i) {
-        T* row = dq + i * g.d_q.row_stride;
+        if (half && count == 0) {  // +0 in both formats
+            std::fill(dq_half + i * g.d_q_half.row_stride,
+                      dq_half + i * g.d_q_half.row_stride + p.d, std::uint16_t(0));
+            continue;
+        }
+        T* row = half ? const_cast<T*>(parts[0]) + i * plan.dp : dq + i * g.d_q.row_stride;
         const T* first = count > 0 ? parts[0] + i * plan.dp : nullptr;
         for (Index c = 0; c < p.d; ++c) row[c] = first ? T(0) + first[c] : T(0);
         for (Index s = 1; s < count; ++s) {
@@ -297,30 +349,38 @@ void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
             for (Index c = 0; c < p.d; ++c) row[c] += share[c];
         }
         for (Index c = 0; c < p.d; ++c) row[c] *= p.scale;
+        if constexpr (std::is_same_v<T, float>)
+            if (half) narrow_block(row, p.d, p.half, dq_half + i * g.d_q_half.row_stride);
     }
 }
 
 }  // namespace detail
 
 template <typename T>
-void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g) {
+void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& given) {
     if (p.batch <= 0 || p.kv_heads <= 0) return;
     if (p.bf16 != Bf16::none) {  // differentiated in float32 at the operands rounded to bf16
         detail::Bf16Operands<T> r = detail::bf16_operands(p);
         r.p.bf16 = Bf16::none;
-        attention_backward(r.p, g);
+        attention_backward(r.p, given);
         return;
     }
     detail::BackwardPlan<T> plan = detail::backward_plan(p);
     const Index rows = p.batch * p.heads * p.n_q;
     auto dq_part = make_buffer<T>(plan.segments * rows * plan.dp);
     auto qs = make_buffer<T>(rows * p.d), dsum = make_buffer<T>(rows);
-    const bool sink_grad = g.d_sinks && p.mask.sinks;
+    const bool sink_grad = given.d_sinks && p.mask.sinks;
     auto sink_part = make_buffer<T>(sink_grad ? p.batch * p.heads * plan.q_tiles : 0);
+    // a half-precision dO is widened by backward_prepare into dout, which the products then read
+    const bool dout_half = p.half != HalfFormat::none && given.d_out_half.data;
+    auto dout = make_buffer<T>(dout_half ? rows * p.d_v : 0);
+    AttentionGrad<T> g = given;
+    if (dout_half) g.d_out = {dout.get(), p.heads * p.n_q * p.d_v, p.n_q * p.d_v, p.d_v};
     plan.dq_part = dq_part.get();
     plan.qs = qs.get();
     plan.dsum = dsum.get();
     plan.sink_part = sink_part.get();
+    plan.dout = dout.get();
     const Index q_tasks = p.batch * p.heads * plan.q_tiles;
     const auto per_query_tile = [&](auto f) {
         parallel_for(q_tasks, [&](Index t) {

@@ -405,11 +405,16 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
         const Index hk = h / (p.heads / p.kv_heads);
         const Index head = b * p.kv_heads + hk;
         float* qf = scratch<float>(ScratchBuffer::kHalfQueries, static_cast<std::size_t>(mq * d));
-        float* of = scratch<float>(ScratchBuffer::kHalfOutput, static_cast<std::size_t>(mq * dv));
+        // the output rounded into out_half, or kept in float32 in out (the backward's recompute)
+        const bool rounded = p.out_half.data != nullptr;
+        float* of = rounded ? scratch<float>(ScratchBuffer::kHalfOutput,
+                                             static_cast<std::size_t>(mq * dv))
+                            : p.out.at(b, h) + i0 * p.out.row_stride;
+        const Index os = rounded ? dv : p.out.row_stride;
         half_rows_to_float(p.q_half.at(b, h) + i0 * p.q_half.row_stride, p.q_half.row_stride, mq, d,
                            p.half, qf);
         // per-row flags, never null: whether V holds NaN/Inf is known only as rows are widened
-        TileOperands<float> x{qf, d, nullptr, d, nullptr, dv, of, dv};
+        TileOperands<float> x{qf, d, nullptr, d, nullptr, dv, of, os};
         // the weights wanted: the tile's rows computed in float32, then rounded into place
         const auto weights_tile = [&](const std::uint8_t* flags) {
             float* wf =
@@ -453,6 +458,7 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
             else
                 flash_tile(p, b, h, i0, mq, flags_all.get() + head * nk, false, x);
         }
+        if (!rounded) return;
         std::uint16_t* ob = p.out_half.at(b, h) + i0 * p.out_half.row_stride;
         for (Index i = 0; i < mq; ++i)
             narrow_block(of + i * dv, dv, p.half, ob + i * p.out_half.row_stride);
@@ -460,18 +466,22 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
 }
 
 // The decode path with half-precision queries and output: it reads K and V as stored; the few
-// query rows are widened and the output rows rounded around it.
+// query rows are widened and the output rows rounded around it (or, without out_half, the
+// output kept in float32 in out: the backward's recompute).
 inline void decode_half(const AttentionProblem<float>& p) {
     const Index rows = p.batch * p.heads * p.n_q;
-    Buffer<float> q = make_buffer<float>(rows * p.d), out = make_buffer<float>(rows * p.d_v);
+    const bool rounded = p.out_half.data != nullptr;
+    Buffer<float> q = make_buffer<float>(rows * p.d);
+    Buffer<float> out = make_buffer<float>(rounded ? rows * p.d_v : 0);
     for (Index b = 0; b < p.batch; ++b)
         for (Index h = 0; h < p.heads; ++h)
             half_rows_to_float(p.q_half.at(b, h), p.q_half.row_stride, p.n_q, p.d, p.half,
                                q.get() + (b * p.heads + h) * p.n_q * p.d);
     AttentionProblem<float> r = p;
     r.q = {q.get(), p.heads * p.n_q * p.d, p.n_q * p.d, p.d};
-    r.out = {out.get(), p.heads * p.n_q * p.d_v, p.n_q * p.d_v, p.d_v};
+    if (rounded) r.out = {out.get(), p.heads * p.n_q * p.d_v, p.n_q * p.d_v, p.d_v};
     decode_forward(r);
+    if (!rounded) return;
     for (Index b = 0; b < p.batch; ++b)
         for (Index h = 0; h < p.heads; ++h)
             for (Index i = 0; i < p.n_q; ++i)
