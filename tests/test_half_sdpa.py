@@ -236,6 +236,27 @@ def test_backward_reads_half_inputs_as_stored(dtype: np.dtype, monkeypatch) -> N
         attnlab.scaled_dot_product_attention_backward(g, q, k[0], v)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mean_weights_read_half_inputs_as_stored(dtype: np.dtype, monkeypatch) -> None:
+    """return_weights="mean": q, k, v read as stored, each head's weights kept in float32 and
+    averaged so, then rounded: bit for bit the float32 call's mean, rounded."""
+    import attnlab._validate
+
+    q, k, v = _inputs((2, 4, 2, 70, 90, 32, 32), dtype, seed=20)
+    want = attnlab.scaled_dot_product_attention(
+        *(x.astype(np.float32) for x in (q, k, v)), causal=True, return_weights="mean"
+    )
+
+    def refuse(_: np.ndarray) -> np.ndarray:
+        raise AssertionError("widened in Python")
+
+    monkeypatch.setattr(attnlab._validate, "widen", refuse)
+    got = attnlab.scaled_dot_product_attention(q, k, v, causal=True, return_weights="mean")
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g.view(np.uint16), w.astype(dtype).view(np.uint16))
+
+
 def test_same_bits_for_any_thread_count() -> None:
     code = (
         "import numpy as np, attnlab, hashlib\n"

@@ -74,7 +74,8 @@ void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const Ma
 }
 
 // The forward with q, k, v and out in half precision (their bits as uint16 arrays; half 1:
-// float16, 2: bfloat16), computed in float32; lse float32; the weights, when wanted, as bits.
+// float16, 2: bfloat16), computed in float32; lse float32; the weights, when wanted, as bits
+// or float32.
 void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::array out,
                        const MaskArgs& mask, double scale, py::object lse, py::object weights) {
     if (half != 1 && half != 2) throw py::value_error("half: expected 1 (float16) or 2 (bfloat16)");
@@ -90,9 +91,13 @@ void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::arra
     p.out_half = {static_cast<Bits*>(out.mutable_data()), so[0], so[1], so[2]};
     p.mask = mask_spec<float>(mask, B, H, nq, nk);
     if (!lse.is_none()) p.lse = contiguous<float>(lse.cast<py::array>(), "lse", {B, H, nq}, true);
-    if (!weights.is_none())
-        p.weights_half =
-            contiguous<Bits>(weights.cast<py::array>(), "weights", {B, H, nq, nk}, true);
+    if (!weights.is_none()) {  // as bits, or float32 (their mean over the heads is taken so)
+        py::array w = weights.cast<py::array>();
+        if (w.dtype().is(py::dtype::of<float>()))
+            p.weights = contiguous<float>(w, "weights", {B, H, nq, nk}, true);
+        else
+            p.weights_half = contiguous<Bits>(w, "weights", {B, H, nq, nk}, true);
+    }
     ReleaseGil release;
     kernels_for<float>().attention_forward(p);
 }

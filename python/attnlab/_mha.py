@@ -174,15 +174,15 @@ def scaled_dot_product_attention(
     half = _half.storage(args)
     mode = V.weights_mode(return_weights)
     # half-precision q, k, v are read and the output (and each head's weights) written as
-    # stored (no float32 copies); the weights' mean over the heads is taken in float32
-    half_qkv = half is not None and mode != "mean" and precision is None and _keep is None
+    # stored (no float32 copies); for their mean over the heads the weights are kept in float32
+    half_qkv = half is not None and precision is None and _keep is None
     a = _prepare_sdpa(args, half_qkv)
     lse_wanted = V.check_flag(return_lse, "return_lse")
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
     stored = a.q4.dtype if half_qkv else dtype  # rounded in C++
     out = _memory.empty((B, h, n_q, d_v), stored)
-    weights = _memory.empty((B, h, n_q, n_k), stored) if mode else None
+    weights = _memory.empty((B, h, n_q, n_k), dtype if mode == "mean" else stored) if mode else None
     lse = None
     if _keep is not None:  # attnlab.vjp: the pullback reuses the output and log-sum-exp
         a = _memory.owned(a)
@@ -192,7 +192,8 @@ def scaled_dot_product_attention(
         out.size or (weights is not None and weights.size) or (lse is not None and lse.size)
     ):
         q16, k16, v16, out16 = (x.view(np.uint16) for x in (a.q4, a.k4, a.v4, out))  # the bits
-        w16 = None if weights is None else weights.view(np.uint16)
+        # the weights as bits, or in float32 for their mean over the heads
+        w16 = weights if weights is None or mode == "mean" else weights.view(np.uint16)
         core.sdpa_forward_half(
             q16, k16, v16, _half.code(a.q4.dtype), out16, a.m.core_mask(), a.m.scale, lse, w16
         )

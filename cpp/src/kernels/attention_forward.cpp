@@ -415,13 +415,19 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
                            p.half, qf);
         // per-row flags, never null: whether V holds NaN/Inf is known only as rows are widened
         TileOperands<float> x{qf, d, nullptr, d, nullptr, dv, of, os};
-        // the weights wanted: the tile's rows computed in float32, then rounded into place
+        // the weights wanted: the tile's rows computed in float32, then rounded into place (or
+        // kept in float32 in p.weights: their mean over the heads is taken in float32)
+        const bool weights_wanted = p.weights_half || p.weights;
         const auto weights_tile = [&](const std::uint8_t* flags) {
+            const Index at = ((b * p.heads + h) * p.n_q + i0) * nk;
+            if (p.weights) {
+                dense_tile(p, b, h, i0, mq, flags, x, p.weights + at);
+                return;
+            }
             float* wf =
                 scratch<float>(ScratchBuffer::kHalfWeights, static_cast<std::size_t>(mq * nk));
             dense_tile(p, b, h, i0, mq, flags, x, wf);
-            narrow_block(wf, mq * nk, p.half,
-                         p.weights_half + ((b * p.heads + h) * p.n_q + i0) * nk);
+            narrow_block(wf, mq * nk, p.half, p.weights_half + at);
         };
         if (per_thread) {
             thread_local WidenedHead held;
@@ -444,7 +450,7 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
                     held.hi = j1;
                 }
             };
-            if (p.weights_half) {
+            if (weights_wanted) {
                 ready(0, nk);
                 weights_tile(fl);
             } else {
@@ -453,7 +459,7 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
         } else {
             x.k = kw.get() + head * nk * d;
             x.v = vw.get() + head * nk * dv;
-            if (p.weights_half)
+            if (weights_wanted)
                 weights_tile(flags_all.get() + head * nk);
             else
                 flash_tile(p, b, h, i0, mq, flags_all.get() + head * nk, false, x);
