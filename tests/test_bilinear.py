@@ -426,6 +426,8 @@ def test_core_rejects_bad_buffers():
         kv_heads=2,
         mask=CoreMask(None, None, 0),
         scale=1.0,
+        weights_half=0,
+        out_half=0,
     )
 
     def forward(order=0, out=out, weights=None, **changed):
@@ -451,9 +453,14 @@ def test_core_rejects_bad_buffers():
         dict(mask=(None, None)),
         dict(mask=[None, None, 0]),
         dict(batch=-1),
+        dict(weights_half=3),
+        dict(out_half=1),  # without half-precision weights
+        dict(weights_half=1),  # float64 query, and weights that are not uint16 bits
     ):
         with pytest.raises((ValueError, TypeError)):
             forward(**bad)
+    with pytest.raises(ValueError, match="weights_half: the backward takes"):
+        core.bilinear_backward(out, core.BilinearArgs(**dict(args, weights_half=1)), {})
 
 
 def test_doctests():

@@ -460,6 +460,70 @@ def test_bilinear_forward_within_bound(shape, path):
     _finish(fwd)
 
 
+@pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(B=2, n=150, d=48, h=4, h_kv=4, kw={}),
+        dict(B=1, n=300, d=64, h=4, h_kv=2, kw={"causal": True, "return_weights": True}),
+        dict(B=2, n=40, d=32, h=2, h_kv=2, kw={"_order": "key"}),
+        dict(B=2, n=40, d=32, h=2, h_kv=1, kw={"_order": "key", "return_lse": True}),
+        dict(B=1, n=20, d=1040, h=1, h_kv=1, kw={}),  # W_i above 2**20 floats: widened per call
+        dict(B=2, n=33, d=24, h=3, h_kv=3, kw={"cross": True}),
+        dict(B=2, n=50, d=32, h=2, h_kv=2, kw={"x32": True}),  # float32 x: a float32 result
+    ],
+    ids=["self", "gqa-causal-weights", "key-order", "key-order-gqa-lse", "large-head", "cross",
+         "float32-x"],
+)  # fmt: skip
+def test_bilinear_half_weights_read_as_stored(case, path, monkeypatch):
+    """Half-precision ``w_qk``, ``w_v``, ``w_o`` read by the kernel as stored (``w_qk`` widened a
+    head at a time, the others as the GEMMs pack them) and the output rounded as the last GEMM
+    writes it: bit for bit the float32 call on the widened arrays, rounded; with ``u_k`` and
+    biases in float32 (then so is the result), without them in the half dtype."""
+    import attnlab._validate
+
+    _, dtype, _, _ = path
+    kw = dict(case["kw"])
+    cross, x32 = kw.pop("cross", False), kw.pop("x32", False)
+    B, n, d, h, h_kv = (case[k] for k in ("B", "n", "d", "h", "h_kv"))
+    rng = np.random.default_rng(d + n)
+    d_vh = max(d // h, 8)
+    x = rng.standard_normal((B, n, d)).astype(np.float32).astype(dtype)
+    w = {
+        "w_qk": (rng.standard_normal((h, d, d)) / d).astype(dtype),
+        "w_v": (rng.standard_normal((d, h_kv * d_vh)) / math.sqrt(d)).astype(dtype),
+        "w_o": (rng.standard_normal((h * d_vh, 40)) / math.sqrt(h * d_vh)).astype(dtype),
+    }
+    inputs = {"query": x.astype(np.float32) if x32 else x}
+    if cross:
+        inputs["key"] = rng.standard_normal((B, n + 7, d)).astype(np.float32).astype(dtype)
+    opts = {"num_heads": h, "num_kv_heads": h_kv, **kw}
+    widened = {n_: a.astype(np.float32) for n_, a in {**inputs, **w}.items()}
+    want = attnlab.bilinear_attention(**widened, **opts)
+    biased = {
+        "u_k": rng.standard_normal((h, d)).astype(np.float32),
+        "b_o": rng.standard_normal(40).astype(np.float32),
+    }
+    want_b = attnlab.bilinear_attention(**widened, **biased, **opts)
+    widen = attnlab._validate.widen
+
+    def refuse(a: np.ndarray) -> np.ndarray:
+        if a.ndim >= 2 and any(a is w_ for w_ in w.values()):
+            raise AssertionError("a weight widened in Python")
+        return widen(a)
+
+    monkeypatch.setattr(attnlab._validate, "widen", refuse)
+    for args, expected in (({}, want), (biased, want_b)):
+        got = attnlab.bilinear_attention(**inputs, **w, **args, **opts)
+        got_t = got if isinstance(got, tuple) else (got,)
+        exp_t = expected if isinstance(expected, tuple) else (expected,)
+        stored = np.float32 if (x32 or args) else dtype
+        for i, (g, e) in enumerate(zip(got_t, exp_t, strict=True)):
+            kind = np.float32 if kw.get("return_lse") and i == len(got_t) - 1 else stored
+            assert g.dtype == kind and g.shape == e.shape
+            np.testing.assert_array_equal(g.view(np.uint8), e.astype(kind).view(np.uint8))
+
+
 @pytest.mark.parametrize("path", HALF + BF16, ids=lambda p: p[0])
 @pytest.mark.parametrize("shape", BILINEAR_SHAPES, ids=str)
 def test_bilinear_vjp_within_bound(shape, path):

@@ -14,12 +14,16 @@ struct BilinearArgs : SharedArgs {
     Array query, key, value;
     Array w_qk;
     py::object u_k;
+    int weights_half;  // 0: w_qk, w_v, w_o in the inputs' dtype; 1, 2: float16, bfloat16 bits
+    int out_half;      // 1: the forward's out as bits of weights_half
 
     static constexpr auto fields() {
         return std::tuple_cat(
             std::make_tuple(field("query", &BilinearArgs::query), field("key", &BilinearArgs::key),
                             field("value", &BilinearArgs::value),
-                            field("w_qk", &BilinearArgs::w_qk), field("u_k", &BilinearArgs::u_k)),
+                            field("w_qk", &BilinearArgs::w_qk), field("u_k", &BilinearArgs::u_k),
+                            field("weights_half", &BilinearArgs::weights_half),
+                            field("out_half", &BilinearArgs::out_half)),
             SharedArgs::fields());
     }
 };
@@ -36,6 +40,14 @@ BilinearProblem<T> bilinear_problem(const BilinearArgs& a, int order, const py::
         throw py::value_error("w_qk, w_v, w_o: expected 3-d, 2-d and 2-d arrays");
     if (batch < 0 || n_q < 0 || n_k < 0) throw py::value_error("negative sizes");
     if (order != 0 && order != 1) throw py::value_error("order: expected 0 or 1");
+    if (a.weights_half < 0 || a.weights_half > 2)
+        throw py::value_error("weights_half: expected 0, 1 (float16) or 2 (bfloat16), got " +
+                              std::to_string(a.weights_half));
+    if (a.out_half != 0 && (a.out_half != 1 || a.weights_half == 0))
+        throw py::value_error(
+            "out_half: expected 0, or 1 with the weights in half precision (weights_half 1 or "
+            "2), got " +
+            std::to_string(a.out_half) + " with weights_half " + std::to_string(a.weights_half));
     const Index d_q = a.w_qk.shape(1), d_k = a.w_qk.shape(2), d_v = s.w_v.shape(0);
     if (s.w_v.shape(1) % kv_heads != 0)
         throw py::value_error("w_v: width must divide into kv heads");
@@ -43,9 +55,17 @@ BilinearProblem<T> bilinear_problem(const BilinearArgs& a, int order, const py::
     projected_inputs<T>(p, a, d_q, d_k, d_v);
     p.d_q = d_q;
     p.d_k = d_k;
-    p.w_qk = contiguous<T>(a.w_qk, "w_qk", {heads, d_q, d_k});
+    const auto half = static_cast<HalfFormat>(a.weights_half);
+    if (half == HalfFormat::none) {
+        p.w_qk = contiguous<T>(a.w_qk, "w_qk", {heads, d_q, d_k});
+    } else {
+        if (!std::is_same_v<T, float>)
+            throw py::type_error("w_qk: half-precision weights go with float32");
+        p.w_qk_half = contiguous<std::uint16_t>(a.w_qk, "w_qk", {heads, d_q, d_k});
+        p.half = half;
+    }
     if (!a.u_k.is_none()) p.u_k = contiguous<T>(a.u_k.cast<py::array>(), "u_k", {heads, d_k});
-    projected_values<T>(p, s, s.w_v.shape(1) / kv_heads, state);
+    projected_values<T>(p, s, s.w_v.shape(1) / kv_heads, state, half);
     p.order = static_cast<BilinearOrder>(order);
     p.state.proj = state_array<T>(state, "proj", {batch * n_q, heads * d_k});
     return p;
@@ -56,7 +76,14 @@ void bilinear_forward(const BilinearArgs& a, int order, py::array out, py::objec
     dispatch(a.query, "query", [&](auto tag) {
         using T = decltype(tag);
         BilinearProblem<T> p = bilinear_problem<T>(a, order, state);
-        projected_outputs<T>(p, out, weights);
+        if constexpr (std::is_same_v<T, float>) {
+            if (a.out_half)  // computed in float32, out written as bits
+                projected_outputs<float, BilinearProblem<float>, std::uint16_t>(p, out, weights);
+            else
+                projected_outputs<T>(p, out, weights);
+        } else {
+            projected_outputs<T>(p, out, weights);
+        }
         ReleaseGil release;
         kernels_for<T>().bilinear_attention_forward(p);
         return 0;
@@ -68,6 +95,11 @@ void bilinear_forward(const BilinearArgs& a, int order, py::array out, py::objec
 // vjp passes it, after its forward filled it.
 void bilinear_backward(py::array grad_out, const BilinearArgs& a, py::dict grads,
                        py::object state) {
+    // its products read W transposed, which the half-precision packing does not provide
+    if (a.weights_half != 0 || a.out_half != 0)
+        throw py::value_error(
+            "weights_half: the backward takes the weights in the inputs' dtype, got weights_half " +
+            std::to_string(a.weights_half) + ", out_half " + std::to_string(a.out_half));
     dispatch(a.query, "query", [&](auto tag) {
         using T = decltype(tag);
         BilinearProblem<T> p = bilinear_problem<T>(a, 0, state);

@@ -163,7 +163,8 @@ void sdpa_backward_half(py::array grad_out, py::array q, py::array k, py::array 
     p.lse = contiguous<float>(lse, "lse", {B, H, nq}, true);
     AttentionGrad<float> g;
     if (grad_out_half)
-        g.d_out_half = const_stack<Bits>(check<Bits>(grad_out, "grad_out", {B, H, nq, dv}), grad_out);
+        g.d_out_half =
+            const_stack<Bits>(check<Bits>(grad_out, "grad_out", {B, H, nq, dv}), grad_out);
     else
         g.d_out = const_stack<float>(check<float>(grad_out, "grad_out", {B, H, nq, dv}), grad_out);
     Bits* gq = contiguous<Bits>(d_q, "d_q", {B, H, nq, d}, true);

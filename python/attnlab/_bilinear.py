@@ -332,6 +332,8 @@ class _Prepared(NamedTuple):
     mode: str | None
     order: str
     bf16: bool  # precision="bf16" (the query order)
+    weights_half: int = 0  # w_qk, w_v, w_o as float16 (1) / bfloat16 (2) bits, or 0
+    out_half: bool = False  # the forward's out written as bits of that half too
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """query, key, value as contiguous (B * n, d) rows (shared when key/value default)."""
@@ -347,7 +349,7 @@ class _Prepared(NamedTuple):
         layers = {"w_v": wv, "b_v": self.bv, "w_o": wo, "b_o": self.bo}
         return _args.projected_args(
             core.BilinearArgs, self, layers, query=query, key=key, value=value,
-            w_qk=wqk, u_k=self.uk,
+            w_qk=wqk, u_k=self.uk, weights_half=self.weights_half, out_half=int(self.out_half),
         )  # fmt: skip
 
 
@@ -367,8 +369,21 @@ def _rounded_bf16(*arrays: np.ndarray) -> list[np.ndarray]:
     return [done[id(x)] for x in arrays]
 
 
-def _prepare(args: dict[str, Any]) -> _Prepared:
-    """The validated arguments of a bilinear_attention call (forward and backward)."""
+def _half_weights(w_qk: Any, args: dict[str, Any]) -> np.dtype | None:
+    """The half dtype ``w_qk``, ``w_v`` and ``w_o`` are all stored in (ndarrays), for a forward
+    with float32 products, or None."""
+    dt = getattr(w_qk, "dtype", None)
+    if not isinstance(dt, np.dtype) or not _half.is_half(dt) or args["precision"] is not None:
+        return None
+    ws = (w_qk, args["w_v"], args["w_o"])
+    return dt if all(isinstance(w, np.ndarray) and w.dtype == dt for w in ws) else None
+
+
+def _prepare(args: dict[str, Any], keep_half: bool = False) -> _Prepared:
+    """The validated arguments of a bilinear_attention call (forward and backward).
+    ``keep_half``: ``w_qk``, ``w_v`` and ``w_o`` stored in one half dtype stay so when the call
+    computes in float32 (the kernel widens ``w_qk`` a head at a time, the GEMMs the others as
+    they pack them: no float32 copies), and the output is written so when stored so."""
     h, h_kv, kv_arg = _args.heads(args["num_heads"], args["num_kv_heads"])
     w_qk, u_k, _order = args["w_qk"], args["u_k"], args["_order"]
     d_head: float | None = None
@@ -390,13 +405,20 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
     x = _args.qkv(args)
     n_q, n_k = x.n_q, x.n_k
     d_q, d_k, d_v = x.widths
-    wqk_ = V.as_array(w_qk, "w_qk")
+    half = _half_weights(w_qk, args) if keep_half else None
     uk_ = V.optional_array(u_k, "u_k")
-    wv_ = V.as_array(args["w_v"], "w_v")
-    wo_ = V.as_array(args["w_o"], "w_o")
     bv_ = V.optional_array(args["b_v"], "b_v")
     bo_ = V.optional_array(args["b_o"], "b_o")
-    dtype = V.result_dtype(x.xq, x.xk, x.xv, wqk_, uk_, wv_, wo_, bv_, bo_)
+    if half is not None:
+        wqk_, wv_, wo_ = w_qk, args["w_v"], args["w_o"]
+        dtype = V.result_dtype(x.xq, x.xk, x.xv, _half.COMPUTED, uk_, bv_, bo_)
+        if dtype != np.float32:  # float64 inputs: the weights widen with them
+            half = None
+    if half is None:
+        wqk_ = V.as_array(w_qk, "w_qk")
+        wv_ = V.as_array(args["w_v"], "w_v")
+        wo_ = V.as_array(args["w_o"], "w_o")
+        dtype = V.result_dtype(x.xq, x.xk, x.xv, wqk_, uk_, wv_, wo_, bv_, bo_)
     lay_qk, lay_v = "(num_heads, d_q, d_k)", f"(d_v, {kv_arg} * d_vhead)"
     if wqk_.ndim != 3:
         raise ValueError(
@@ -414,7 +436,9 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
     rq = V.Reader("w_qk", wqk_.shape, wqk_.shape[1], "entries on axis 1", lay_qk, False)
     rk = V.Reader("w_qk", wqk_.shape, wqk_.shape[2], "entries on axis 2", lay_qk, False)
     V.check_readers(x.groups((rq, rk, rv)), "from_torch_mha")
-    wqk = _memory.contiguous(wqk_, dtype)
+    # half-precision weights as their bits, as the kernel takes them
+    as_stored = (lambda w: _memory.contiguous(w).view(np.uint16)) if half is not None else None
+    wqk = as_stored(wqk_) if as_stored else _memory.contiguous(wqk_, dtype)
     uk = None
     if uk_ is not None:
         if uk_.shape != (h, d_k):
@@ -423,14 +447,14 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
             )
         uk = _memory.contiguous(uk_, dtype)
     d_vhead = wv_.shape[1] // h_kv
-    wv = _memory.contiguous(wv_, dtype)
+    wv = as_stored(wv_) if as_stored else _memory.contiguous(wv_, dtype)
     if wo_.shape[0] != h * d_vhead:
         raise ValueError(
             f"w_o: expected shape (num_heads * d_vhead, d_out) = ({h * d_vhead}, "
             f"d_out) with d_vhead = {d_vhead} from w_v {V.shape_str(wv_.shape)}, "
             f"got {V.shape_str(wo_.shape)}"
         )
-    wo = _memory.contiguous(wo_, dtype)
+    wo = as_stored(wo_) if as_stored else _memory.contiguous(wo_, dtype)
     d_out = wo.shape[1]
     bv = V.vector(bv_, "b_v", dtype, h_kv * d_vhead)
     bo = V.vector(bo_, "b_o", dtype, d_out)
@@ -455,8 +479,10 @@ def _prepare(args: dict[str, Any]) -> _Prepared:
     else:
         raise ValueError(f"_order: expected None, 'query' or 'key', got {_order!r}")
     return _Prepared(
-        dtype, batch, B, n_q, n_k, d_out, h, h_kv, x, wqk, uk, wv, bv, wo, bo, m, mode, order, bf16
-    )
+        dtype, batch, B, n_q, n_k, d_out, h, h_kv, x, wqk, uk, wv, bv, wo, bo, m, mode, order, bf16,
+        0 if half is None else _half.code(half),
+        half is not None and _half.storage(args) == half,
+    )  # fmt: skip
 
 
 @_docs.filled
@@ -566,12 +592,12 @@ def bilinear_attention(
     lse_wanted = V.check_flag(return_lse, "return_lse")
     if lse_wanted and _order is None:  # the log-sum-exp is kept by the query order's kernel
         args["_order"] = "query"
-    a = _prepare(args)
+    a = _prepare(args, keep_half=_keep is None)  # attnlab.vjp keeps widened weights
     B, n_q, n_k, h, d_out, dtype, mode = a.B, a.n_q, a.n_k, a.h, a.d_out, a.dtype, a.mode
     batch = a.batch
-    out = _memory.empty((B * n_q, d_out), dtype)
-    weights = _memory.empty((B, h, n_q, n_k), dtype) if mode else None
     half = _half.storage(args)
+    out = _memory.empty((B * n_q, d_out), half if a.out_half else dtype)  # rounded in C++
+    weights = _memory.empty((B, h, n_q, n_k), dtype) if mode else None
     if a.bf16:
         lse = a.m.empty_lse(B, h, n_q, dtype) if lse_wanted else None  # what no key leaves
         if _keep is not None:  # the pullback recomputes, at the rounded operands
@@ -591,7 +617,8 @@ def bilinear_attention(
     if lse_wanted and state is None:
         state = _bilinear_state(a)
     if B * n_q > 0:
-        core.bilinear_forward(a.core_args(), _ORDERS[a.order], out, weights, state)
+        out_arg = out.view(np.uint16) if a.out_half else out
+        core.bilinear_forward(a.core_args(), _ORDERS[a.order], out_arg, weights, state)
     lse = None
     if lse_wanted:
         assert state is not None

@@ -756,15 +756,20 @@ def _sdpa_grads_half(a: _Sdpa, grad_out: Any) -> dict[str, np.ndarray]:
     dv = _memory.empty((B, h_kv, n_k, d_v), half)
     logit = _grad.logit_buffers(a.m, B, h, n_q, n_k, f32)
     go_half = go4.dtype == half
+    q16, k16, v16, dq16, dk16, dv16 = (x.view(np.uint16) for x in (a.q4, a.k4, a.v4, dq, dk, dv))
     core.sdpa_backward_half(
         go4.view(np.uint16) if go_half else go4,
-        *(x.view(np.uint16) for x in (a.q4, a.k4, a.v4)),
+        q16,
+        k16,
+        v16,
         _half.code(half),
         a.m.core_mask(),
         a.m.scale,
         _memory.empty((B, h, n_q, d_v), f32),  # the recomputed output, in float32
         _memory.empty((B, h, n_q), f32),
-        *(x.view(np.uint16) for x in (dq, dk, dv)),
+        dq16,
+        dk16,
+        dv16,
         go_half,
         True,
         logit.get("mask"),

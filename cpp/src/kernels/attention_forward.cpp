@@ -407,9 +407,9 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
         float* qf = scratch<float>(ScratchBuffer::kHalfQueries, static_cast<std::size_t>(mq * d));
         // the output rounded into out_half, or kept in float32 in out (the backward's recompute)
         const bool rounded = p.out_half.data != nullptr;
-        float* of = rounded ? scratch<float>(ScratchBuffer::kHalfOutput,
-                                             static_cast<std::size_t>(mq * dv))
-                            : p.out.at(b, h) + i0 * p.out.row_stride;
+        float* of =
+            rounded ? scratch<float>(ScratchBuffer::kHalfOutput, static_cast<std::size_t>(mq * dv))
+                    : p.out.at(b, h) + i0 * p.out.row_stride;
         const Index os = rounded ? dv : p.out.row_stride;
         half_rows_to_float(p.q_half.at(b, h) + i0 * p.q_half.row_stride, p.q_half.row_stride, mq, d,
                            p.half, qf);

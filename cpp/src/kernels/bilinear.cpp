@@ -1,11 +1,15 @@
 #include "attnlab/bilinear.hpp"
 
 #include <algorithm>
+#include <atomic>
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "bf16.hpp"
 #include "entry_points.hpp"
+#include "half_convert.hpp"
 #include "products.hpp"
+#include "project.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -15,6 +19,18 @@ namespace detail {
 // Row chunk of the per-head projections (as in linear(): fixed, so results do not depend on
 // the thread count).
 constexpr Index kBilinearRows = 128;
+
+// Half-precision w_qk: a head's W_i is widened into a thread's scratch, kept for the next task
+// of the same head in the same call (the tasks then run head by head). Heads larger than this
+// (the scratch never shrinks) are widened once for the call instead.
+constexpr Index kHalfHeadWeightFloats = Index(1) << 20;
+
+struct WidenedWeight {  // which head of which call this thread's scratch holds
+    std::uint64_t call = 0;
+    Index head = -1;
+};
+
+inline std::atomic<std::uint64_t> g_bilinear_half_calls{0};
 
 // Y[:, i*ldh : i*ldh + ...] for every head i, as one parallel GEMM over (row chunk, head)
 // tasks that reads the (heads, d_q, d_k) weight in place (no transpose-copy of h d_q d_k
@@ -28,12 +44,42 @@ void project_heads(const BilinearProblem<T>& p, BilinearOrder order, Index rows,
     const Index in = order == BilinearOrder::query ? dq : dk;
     const Index ldy = heads * ldh;
     const Index chunks = (rows + kBilinearRows - 1) / kBilinearRows;
+    const Index wsize = dq * dk;
+    const T* w_qk = p.w_qk;
+    Buffer<T> wide;  // the call-wide widened w_qk (large heads)
+    bool per_thread = false;
+    std::uint64_t call = 0;
+    if constexpr (std::is_same_v<T, float>) {
+        if (p.w_qk_half) {
+            per_thread = wsize <= kHalfHeadWeightFloats;
+            if (per_thread) {
+                call = ++g_bilinear_half_calls;
+            } else {
+                wide = make_buffer<T>(heads * wsize);
+                widen_half(p.w_qk_half, heads * wsize, p.half, wide.get());
+                w_qk = wide.get();
+            }
+        }
+    }
     parallel_for(chunks * heads, [&](Index t) {
-        const Index i = t % heads;
-        const Index r0 = (t / heads) * kBilinearRows;
+        const Index i = per_thread ? t / chunks : t % heads;
+        const Index r0 = (per_thread ? t % chunks : t / heads) * kBilinearRows;
         const Index m = std::min(kBilinearRows, rows - r0);
+        const T* wi = w_qk ? w_qk + i * wsize : nullptr;
+        if constexpr (std::is_same_v<T, float>) {
+            if (per_thread) {
+                thread_local WidenedWeight held;
+                float* wf =
+                    scratch<float>(ScratchBuffer::kBilinearWeight, static_cast<std::size_t>(wsize));
+                if (held.call != call || held.head != i) {
+                    half_to_float(p.w_qk_half + i * wsize, wsize, p.half, wf);
+                    held = {call, i};
+                }
+                wi = wf;
+            }
+        }
         ConstRowMap<T> X(x + r0 * in, m, in, Eigen::OuterStride<>(in));
-        ConstRowMap<T> W(p.w_qk + i * dq * dk, dq, dk, Eigen::OuterStride<>(dk));
+        ConstRowMap<T> W(wi, dq, dk, Eigen::OuterStride<>(dk));
         T* yb = y + r0 * ldy + i * ldh;
         if (order == BilinearOrder::query) {
             RowMap<T> Y(yb, m, dk, Eigen::OuterStride<>(ldy));
@@ -65,7 +111,7 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
     Buffer<T> own_v, own_ctx;
     T* v = keep ? p.state.v : (own_v = make_buffer<T>(rk * wv)).get();
     T* ctx = keep ? p.state.ctx : (own_ctx = make_buffer<T>(rq * wc)).get();
-    linear(rk, p.w_v.in, wv, p.value, p.w_v.in, p.w_v.w, p.w_v.b, v, wv);
+    detail::project(rk, p.value, p.w_v, v, false);  // w_v as stored (float or half bits)
 
     AttentionProblem<T> a;
     a.batch = p.batch;
@@ -130,7 +176,7 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
     }
     attention_forward(a);
 
-    linear(rq, wc, p.w_o.out, ctx, wc, p.w_o.w, p.w_o.b, p.out, p.w_o.out);
+    detail::project(rq, ctx, p.w_o, p.out, false, nullptr, p.out_half);
 }
 
 template <typename T>

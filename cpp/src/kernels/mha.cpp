@@ -3,9 +3,9 @@
 // projection.
 #include "attnlab/attention.hpp"
 #include "attnlab/gemm.hpp"
-#include "bf16_gemm.hpp"
 #include "entry_points.hpp"
 #include "mha_bf16.hpp"
+#include "project.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -57,25 +57,6 @@ struct MhaBuffers {
                                       : nullptr;
     }
 };
-
-// y = x W + b for a layer whose W is float or half-precision bits, and so may x and y be (x_half,
-// y_half: in W's format, given instead of x, y); with bf16 products
-template <typename T>
-void project(Index rows, const T* x, const Linear<T>& l, T* y, bool bf16,
-             const std::uint16_t* x_half = nullptr, std::uint16_t* y_half = nullptr) {
-    if constexpr (std::is_same_v<T, float>) {
-        const HalfOperands h{x_half, l.w_half, y_half, l.half};
-        if (bf16) {  // the weight as it is stored
-            linear_bf16(rows, x, l.in, l, y, l.out, h);
-            return;
-        }
-        if (l.w_half || x_half || y_half) {
-            linear_half(rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out, h);
-            return;
-        }
-    }
-    linear(rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out);
-}
 
 // Projections (one GEMM each over all rows; heads are then column blocks of q, k, v) and the
 // attention core, into b.
