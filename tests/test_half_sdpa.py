@@ -237,6 +237,43 @@ def test_backward_reads_half_inputs_as_stored(dtype: np.dtype, monkeypatch) -> N
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES[:2] + SHAPES[4:])
+def test_vjp_reads_half_inputs_as_stored(
+    shape: tuple[int, ...], dtype: np.dtype, monkeypatch
+) -> None:
+    """attnlab.vjp: the forward reads q, k, v as stored and keeps its output in float32 (the
+    caller gets it rounded), the pullback reads them as stored too: the output and gradients
+    bit for bit the float32 vjp's on the widened arrays, rounded; nothing widened in Python
+    (but grad_out when it is float32); and in-place changes of q after the forward do not reach
+    the pullback."""
+    import attnlab._validate
+
+    q, k, v = _inputs(shape, dtype, seed=21)
+    g = _grad_out(q, shape[-1], seed=22)
+    kw = {"causal": "bottom_right", "return_lse": True, "warn_empty_rows": False}
+    f = attnlab.scaled_dot_product_attention
+    want_out, pull32 = attnlab.vjp(f, *(x.astype(np.float32) for x in (q, k, v)), **kw)
+    want = pull32(g.astype(np.float32))
+
+    def refuse(_: np.ndarray) -> np.ndarray:
+        raise AssertionError("widened in Python")
+
+    monkeypatch.setattr(attnlab._validate, "widen", refuse)
+    out, pull = attnlab.vjp(f, q, k, v, **kw)
+    assert out[0].dtype == dtype and out[1].dtype == np.float32
+    np.testing.assert_array_equal(out[0].view(np.uint16), want_out[0].astype(dtype).view(np.uint16))
+    np.testing.assert_array_equal(out[1], want_out[1])
+    q[...] = 0  # the pullback differentiates at the values the forward saw
+    for grads in (pull(g), pull(g.astype(np.float32))):
+        assert grads.keys() == want.keys()
+        for name, w in want.items():
+            assert grads[name].dtype == dtype
+            np.testing.assert_array_equal(
+                grads[name].view(np.uint16), w.astype(dtype).view(np.uint16)
+            )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_mean_weights_read_half_inputs_as_stored(dtype: np.dtype, monkeypatch) -> None:
     """return_weights="mean": q, k, v read as stored, each head's weights kept in float32 and
     averaged so, then rounded: bit for bit the float32 call's mean, rounded."""

@@ -74,8 +74,8 @@ void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const Ma
 }
 
 // The forward with q, k, v and out in half precision (their bits as uint16 arrays; half 1:
-// float16, 2: bfloat16), computed in float32; lse float32; the weights, when wanted, as bits
-// or float32.
+// float16, 2: bfloat16), computed in float32; lse float32; out and the weights, when wanted,
+// as bits or float32.
 void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::array out,
                        const MaskArgs& mask, double scale, py::object lse, py::object weights) {
     if (half != 1 && half != 2) throw py::value_error("half: expected 1 (float16) or 2 (bfloat16)");
@@ -87,8 +87,13 @@ void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::arra
     p.q_half = const_stack<Bits>(check<Bits>(q, "q", {B, H, nq, d}), q);
     p.k_half = const_stack<Bits>(check<Bits>(k, "k", {B, Hk, nk, d}), k);
     p.v_half = const_stack<Bits>(check<Bits>(v, "v", {B, Hk, nk, dv}), v);
-    auto so = check<Bits>(out, "out", {B, H, nq, dv}, true);
-    p.out_half = {static_cast<Bits*>(out.mutable_data()), so[0], so[1], so[2]};
+    if (out.dtype().is(py::dtype::of<float>())) {  // kept in float32 (attnlab.vjp's forward)
+        auto so = check<float>(out, "out", {B, H, nq, dv}, true);
+        p.out = {static_cast<float*>(out.mutable_data()), so[0], so[1], so[2]};
+    } else {
+        auto so = check<Bits>(out, "out", {B, H, nq, dv}, true);
+        p.out_half = {static_cast<Bits*>(out.mutable_data()), so[0], so[1], so[2]};
+    }
     p.mask = mask_spec<float>(mask, B, H, nq, nk);
     if (!lse.is_none()) p.lse = contiguous<float>(lse.cast<py::array>(), "lse", {B, H, nq}, true);
     if (!weights.is_none()) {  // as bits, or float32 (their mean over the heads is taken so)

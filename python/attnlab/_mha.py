@@ -174,13 +174,19 @@ def scaled_dot_product_attention(
     half = _half.storage(args)
     mode = V.weights_mode(return_weights)
     # half-precision q, k, v are read and the output (and each head's weights) written as
-    # stored (no float32 copies); for their mean over the heads the weights are kept in float32
-    half_qkv = half is not None and precision is None and _keep is None
+    # stored (no float32 copies); for their mean over the heads the weights are kept in float32;
+    # attnlab.vjp keeps the output in float32, then rounds it, for a pullback that reads q, k, v
+    # as stored too (without weights, and when no gradient is summed over broadcast batch axes)
+    half_qkv = (
+        half is not None
+        and precision is None
+        and (_keep is None or (not mode and _stacked(args["q"], args["k"], args["v"])))
+    )
     a = _prepare_sdpa(args, half_qkv)
     lse_wanted = V.check_flag(return_lse, "return_lse")
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
-    stored = a.q4.dtype if half_qkv else dtype  # rounded in C++
+    stored = a.q4.dtype if half_qkv and _keep is None else dtype  # rounded in C++
     out = _memory.empty((B, h, n_q, d_v), stored)
     weights = _memory.empty((B, h, n_q, n_k), dtype if mode == "mean" else stored) if mode else None
     lse = None
@@ -191,7 +197,8 @@ def scaled_dot_product_attention(
     if half_qkv and (
         out.size or (weights is not None and weights.size) or (lse is not None and lse.size)
     ):
-        q16, k16, v16, out16 = (x.view(np.uint16) for x in (a.q4, a.k4, a.v4, out))  # the bits
+        q16, k16, v16 = (x.view(np.uint16) for x in (a.q4, a.k4, a.v4))  # the bits
+        out16 = out if out.dtype == dtype else out.view(np.uint16)
         # the weights as bits, or in float32 for their mean over the heads
         w16 = weights if weights is None or mode == "mean" else weights.view(np.uint16)
         core.sdpa_forward_half(
@@ -199,8 +206,8 @@ def scaled_dot_product_attention(
         )
     elif out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse, a.bf16)
-    if _keep is not None:
-        kept_out = None if a.bf16 else out.copy()  # bf16: the pullback recomputes the forward
+    if _keep is not None:  # (with half_qkv the caller gets a rounded copy of out: kept as is)
+        kept_out = None if a.bf16 else out if half_qkv else out.copy()  # bf16: recomputes
         _keep.update(prepared=a, out=kept_out, lse=lse, halves=_half.halves(args))
     lse_out = lse if lse_wanted else None
     return _args.with_weights(out, weights, mode, batch, (h, n_q, d_v), lse_out, half)
@@ -599,11 +606,19 @@ _SDPA_BACKWARD_DOC = """\
     """
 
 
+def _stacked(q: Any, k: Any, v: Any) -> bool:
+    """Whether ``q``, ``k`` and ``v`` have the same batch axes (no gradient is then summed over
+    broadcast ones)."""
+    return np.shape(q)[:-3] == np.shape(k)[:-3] == np.shape(v)[:-3]
+
+
 def _sdpa_grads(
     a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
 ) -> dict[str, np.ndarray]:
     """The gradients of a prepared SDPA call; with ``kept`` (what the forward kept for
     attnlab.vjp) the forward is not recomputed."""
+    if _half.is_half(a.q4.dtype):  # prepared with q, k, v as stored
+        return _sdpa_grads_half(a, grad_out, kept)
     batch, dtype, h, h_kv, n_q, n_k, d, d_v = (
         a.batch,
         a.dtype,
@@ -732,11 +747,14 @@ def _mha_grads(
     }
 
 
-def _sdpa_grads_half(a: _Sdpa, grad_out: Any) -> dict[str, np.ndarray]:
+def _sdpa_grads_half(
+    a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
+) -> dict[str, np.ndarray]:
     """The gradients of an SDPA call whose ``q``, ``k`` and ``v`` are stored in one half dtype
     and not broadcast: read, and ``dq``, ``dk``, ``dv`` written, in that dtype by the kernel
     (``grad_out`` too when it is stored so), computed as the float32 call on the widened
-    arrays would be."""
+    arrays would be; with ``kept`` (attnlab.vjp's float32 output and log-sum-exp) the forward
+    is not recomputed."""
     half = a.q4.dtype
     batch, B, h, h_kv, n_q, n_k, d, d_v = (
         a.batch,
@@ -751,11 +769,15 @@ def _sdpa_grads_half(a: _Sdpa, grad_out: Any) -> dict[str, np.ndarray]:
     f32 = np.dtype(np.float32)
     go = _grad.grad_out(grad_out, batch + (h, n_q, d_v), f32, keep=half)
     go4 = _memory.kernel_ready(go.reshape((B, h, n_q, d_v)))
-    dq = _memory.empty((B, h, n_q, d), half)
-    dk = _memory.empty((B, h_kv, n_k, d), half)
-    dv = _memory.empty((B, h_kv, n_k, d_v), half)
+    kernel = B * n_q * n_k > 0
+    new = _memory.empty if kernel else _memory.zeros  # the kernel writes every element
+    dq = new((B, h, n_q, d), half)
+    dk = new((B, h_kv, n_k, d), half)
+    dv = new((B, h_kv, n_k, d_v), half)
     logit = _grad.logit_buffers(a.m, B, h, n_q, n_k, f32)
     go_half = go4.dtype == half
+    if not kernel:
+        return _half_grads(a, dq, dk, dv, logit)
     q16, k16, v16, dq16, dk16, dv16 = (x.view(np.uint16) for x in (a.q4, a.k4, a.v4, dq, dk, dv))
     core.sdpa_backward_half(
         go4.view(np.uint16) if go_half else go4,
@@ -765,21 +787,28 @@ def _sdpa_grads_half(a: _Sdpa, grad_out: Any) -> dict[str, np.ndarray]:
         _half.code(half),
         a.m.core_mask(),
         a.m.scale,
-        _memory.empty((B, h, n_q, d_v), f32),  # the recomputed output, in float32
-        _memory.empty((B, h, n_q), f32),
+        _memory.empty((B, h, n_q, d_v), f32) if kept is None else kept["out"],  # float32
+        _memory.empty((B, h, n_q), f32) if kept is None else kept["lse"],
         dq16,
         dk16,
         dv16,
         go_half,
-        True,
+        kept is None,
         logit.get("mask"),
         logit.get("sinks"),
     )
+    return _half_grads(a, dq, dk, dv, logit)
+
+
+def _half_grads(
+    a: _Sdpa, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, logit: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The gradient dict of :func:`_sdpa_grads_half` from its buffers."""
     return {
         "q": dq.reshape(a.q.shape),
         "k": dk.reshape(a.k.shape),
         "v": dv.reshape(a.v.shape),
-        **_grad.logit_grads(logit, a.m, batch),
+        **_grad.logit_grads(logit, a.m, a.batch),
     }
 
 
@@ -789,9 +818,8 @@ def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]
     if half is not None and args["precision"] is None:
         a = _prepare_sdpa(args, half_qkv=True)
         # read and written as stored, unless a gradient is summed over broadcast batch axes
-        # (in float32, then rounded) or the call is empty
-        stacked = all(x.shape[:-3] == a.batch for x in (a.q, a.k, a.v))
-        if stacked and V.count(a.batch) * a.n_q * a.n_k > 0:
+        # (in float32, then rounded)
+        if _stacked(a.q, a.k, a.v):
             return _half.store_grads(_sdpa_grads_half(a, grad_out), _half.halves(args))
     return _half.store_grads(_sdpa_grads(_prepare_sdpa(args), grad_out), _half.halves(args))
 
