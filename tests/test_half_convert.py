@@ -98,12 +98,20 @@ def _mha_case(rng, dtype, cross, h_kv):
 @pytest.mark.parametrize("h_kv", [None, 2])
 @pytest.mark.parametrize(
     "options",
-    [{}, {"causal": True}, {"return_weights": True, "return_lse": True}, {"padding": True}],
-    ids=["plain", "causal", "weights_lse", "key_padding"],
+    [
+        {},
+        {"causal": True},
+        {"return_weights": True, "return_lse": True},
+        {"return_weights": "mean", "causal": True},
+        {"padding": True},
+    ],
+    ids=["plain", "causal", "weights_lse", "mean_weights", "key_padding"],
 )
 def test_half_weights_read_as_stored_are_the_widened_call(dtype, cross, h_kv, options):
     """Weights stored in one half dtype go to the fused forward as their bits (its GEMMs widen
-    them while packing): every output is bit for bit the call on float32 copies, rounded."""
+    them while packing), the attention weights are rounded by the kernel as it writes them
+    (their mean over the heads taken in float32 first): every output is bit for bit the call
+    on float32 copies, rounded."""
     import attnlab
 
     rng = np.random.default_rng(7)

@@ -401,7 +401,8 @@ void projected_values(Problem& p, const SharedArgs& s, Index d_vhead, const py::
 }
 
 // The forward's outputs: out (batch * n_q, d_out) and, when given, the weights; out as the
-// bits of a half format instead when U is std::uint16_t (the MHA forward of half arrays).
+// bits of a half format instead when U is std::uint16_t (the forwards of half arrays), and
+// the weights too when given so.
 template <typename T, typename Problem, typename U = T>
 void projected_outputs(Problem& p, const py::array& out, const py::object& weights) {
     U* o = contiguous<U>(out, "out", {p.batch * p.n_q, p.w_o.out}, true);
@@ -410,9 +411,16 @@ void projected_outputs(Problem& p, const py::array& out, const py::object& weigh
     } else {
         p.out_half = o;
     }
-    if (!weights.is_none())
-        p.weights = contiguous<T>(weights.cast<py::array>(), "weights",
-                                  {p.batch, p.heads, p.n_q, p.n_k}, true);
+    if (weights.is_none()) return;
+    const py::array w = weights.cast<py::array>();
+    const Dims shape{p.batch, p.heads, p.n_q, p.n_k};
+    if constexpr (!std::is_same_v<U, T>) {  // the weights as bits too, or float (their mean)
+        if (w.dtype().is(py::dtype::of<U>())) {
+            p.weights_half = contiguous<U>(w, "weights", shape, true);
+            return;
+        }
+    }
+    p.weights = contiguous<T>(w, "weights", shape, true);
 }
 
 // The backward's gradient buffers of the three inputs and of the value and output layers.

@@ -597,7 +597,8 @@ def bilinear_attention(
     batch = a.batch
     half = _half.storage(args)
     out = _memory.empty((B * n_q, d_out), half if a.out_half else dtype)  # rounded in C++
-    weights = _memory.empty((B, h, n_q, n_k), dtype) if mode else None
+    w_dtype = half if a.out_half and mode != "mean" else dtype  # (their mean in float32)
+    weights = _memory.empty((B, h, n_q, n_k), w_dtype) if mode else None
     if a.bf16:
         lse = a.m.empty_lse(B, h, n_q, dtype) if lse_wanted else None  # what no key leaves
         if _keep is not None:  # the pullback recomputes, at the rounded operands
@@ -618,7 +619,7 @@ def bilinear_attention(
         state = _bilinear_state(a)
     if B * n_q > 0:
         out_arg = out.view(np.uint16) if a.out_half else out
-        core.bilinear_forward(a.core_args(), _ORDERS[a.order], out_arg, weights, state)
+        core.bilinear_forward(a.core_args(), _ORDERS[a.order], out_arg, _half.bits(weights), state)
     lse = None
     if lse_wanted:
         assert state is not None

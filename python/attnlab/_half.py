@@ -77,6 +77,12 @@ def code(dtype: np.dtype) -> int:
     return 1 if dtype == np.float16 else 2
 
 
+def bits(a: np.ndarray | None) -> np.ndarray | None:
+    """A float16 or bfloat16 array as its bits (uint16), as the kernels take it; any other
+    array, or None, as it is."""
+    return a.view(np.uint16) if a is not None and is_half(a.dtype) else a
+
+
 def widen(a: np.ndarray) -> np.ndarray:
     """A float16 or bfloat16 array as float32 (exact), converted on attnlab's threads (NumPy's
     ``astype`` converts one element at a time; docs/performance.md has the figures)."""

@@ -551,11 +551,12 @@ def multi_head_attention(
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
     B = V.count(batch)
     half = _half.storage(args)
-    if a.inputs_half:  # written by the kernel in that dtype
+    if a.inputs_half:  # written by the kernel in that dtype (the weights too, but their mean)
         out = _memory.empty((B * n_q, d_out), half)
     else:
         out = _memory.empty((B * n_q, d_out), dtype)
-    weights = _memory.empty((B, h, n_q, n_k), dtype) if mode else None
+    w_dtype = half if a.inputs_half and mode != "mean" else dtype
+    weights = _memory.empty((B, h, n_q, n_k), w_dtype) if mode else None
     lse_wanted = V.check_flag(return_lse, "return_lse")
     state = None
     if _keep is not None:  # attnlab.vjp: keep projections, context and log-sum-exp
@@ -571,7 +572,7 @@ def multi_head_attention(
             _rope.forward(a, composed, out, weights, lse)
         else:
             out_arg = out.view(np.uint16) if a.inputs_half else out
-            core.mha_forward(a.core_args(), out_arg, weights, state, bf16)
+            core.mha_forward(a.core_args(), out_arg, _half.bits(weights), state, bf16)
             if lse is not None and state is not None:
                 lse = state["lse"]
     return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse, half)

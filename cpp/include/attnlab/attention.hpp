@@ -41,6 +41,8 @@ struct AttentionProblem {
     MatrixStack<const std::uint16_t> q_half, k_half, v_half;
     MatrixStack<std::uint16_t> out_half;
     std::uint16_t* weights_half = nullptr;  // or the weights as bits of `half` (weights null)
+    // weights_half's format when q, k, v are float (half none): a layer's weights stored so
+    HalfFormat weights_format = HalfFormat::none;
 };
 
 // Gradients of attention_forward. Needs p.out and p.lse as attention_forward left them (the
@@ -106,6 +108,8 @@ struct ProjectedAttention {
     MaskSpec<T> mask;
     T* out = nullptr;      // (batch * n_q, d_out)
     T* weights = nullptr;  // optional (batch, heads, n_q, n_k)
+    // or the weights as bits of w_o's half format (float only, with half-precision weights)
+    std::uint16_t* weights_half = nullptr;
 };
 
 template <typename T>

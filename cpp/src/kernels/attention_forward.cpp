@@ -296,12 +296,13 @@ void forward_tiles(const AttentionProblem<T>& p) {
     const Index q_tiles = detail::tile_count(p.n_q, detail::kTileQ);
     // Value rows holding NaN/Inf: scanned per key block in the flash tiles when each head has few
     // query tiles (value_flags), else once for the call (each block would be scanned too often).
-    const bool scan_in_tiles = !p.weights && q_tiles <= detail::kScanInTilesMax;
+    const bool weights_wanted = p.weights || p.weights_half;
+    const bool scan_in_tiles = !weights_wanted && q_tiles <= detail::kScanInTilesMax;
     const Buffer<std::uint8_t> v_flags =
         scan_in_tiles ? Buffer<std::uint8_t>() : detail::nonfinite_rows(p);
     const Index nk = p.n_k, d = p.d, dv = p.d_v, group = p.heads / p.kv_heads;
     const Index kv_all = p.batch * p.kv_heads, per_head = nk * (d + dv);
-    const bool copy = !p.weights && q_tiles >= detail::kCopyMinTiles && per_head > 0 &&
+    const bool copy = !weights_wanted && q_tiles >= detail::kCopyMinTiles && per_head > 0 &&
                       per_head <= detail::kCopyGroupBytes / Index(sizeof(T)) &&
                       (p.k.row_stride != d || p.v.row_stride != dv);
     const Index span =
@@ -333,9 +334,16 @@ void forward_tiles(const AttentionProblem<T>& p) {
             const Index mq = detail::tile_rows(p.n_q, detail::kTileQ, q_tiles, qt);
             const std::uint8_t* flags = v_flags ? v_flags.get() + kvh * nk : nullptr;
             detail::TileOperands<T> x = detail::tile_operands(p, b, h, i0);
-            if (p.weights) {
-                detail::dense_tile(p, b, h, i0, mq, flags, x,
-                                   p.weights + ((b * p.heads + h) * p.n_q + i0) * nk);
+            if (weights_wanted) {
+                const Index at = ((b * p.heads + h) * p.n_q + i0) * nk;
+                if (p.weights) {
+                    detail::dense_tile(p, b, h, i0, mq, flags, x, p.weights + at);
+                } else if constexpr (std::is_same_v<T, float>) {  // rounded into place
+                    float* wf = scratch<float>(ScratchBuffer::kHalfWeights,
+                                               static_cast<std::size_t>(mq * nk));
+                    detail::dense_tile(p, b, h, i0, mq, flags, x, wf);
+                    detail::narrow_block(wf, mq * nk, p.weights_format, p.weights_half + at);
+                }
                 return;
             }
             if (copy) {  // the same values, as contiguous rows
@@ -516,7 +524,8 @@ void attention_forward(const AttentionProblem<T>& p) {
     }
 #if defined(ATTNLAB_AMX)
     if constexpr (std::is_same_v<T, float>) {
-        const bool tiles = p.bf16 == Bf16::probabilities && !p.weights && !detail::use_decode(p);
+        const bool tiles = p.bf16 == Bf16::probabilities && !p.weights && !p.weights_half &&
+                           !detail::use_decode(p);
         if (tiles && detail::amx_usable() && detail::amx_forward(p)) return;
         if (tiles && !detail::amx_usable() && detail::avx512_bf16_usable() &&
             detail::amx_forward<detail::Bf16Products::vdp>(p))

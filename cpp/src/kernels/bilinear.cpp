@@ -123,6 +123,8 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
     a.out = {ctx, p.n_q * wc, dvh, wc};
     a.mask = p.mask;
     a.weights = p.weights;
+    a.weights_half = p.weights_half;
+    a.weights_format = p.w_o.half;
     a.lse = p.state.lse;
 
     Buffer<T> proj, qpad, vexp;

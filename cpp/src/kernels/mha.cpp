@@ -89,6 +89,8 @@ void multi_head_attention_forward(const MhaProblem<T>& p) {
     detail::MhaBuffers<T> b(p, false);
     AttentionProblem<T> a = detail::mha_core_forward(p, b);
     a.weights = p.weights;
+    a.weights_half = p.weights_half;
+    a.weights_format = p.w_o.half;
     attention_forward(a);
     detail::project(rq, b.ctx, p.w_o, p.out, p.bf16, nullptr, p.out_half);
 }

@@ -106,7 +106,7 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
                       p.w_v.in == in;
     const bool amx = amx_usable();
     if (!(amx || avx512_bf16_usable()) || !self || d % 32 != 0 || dv % 32 != 0 || p.weights ||
-        p.state.q || p.state.lse || use_decode(a) || in <= 0)
+        p.weights_half || p.state.q || p.state.lse || use_decode(a) || in <= 0)
         return false;
     const Index n = p.n_q, rows = p.batch * n, h = p.heads, hk = p.kv_heads;
     const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32;
