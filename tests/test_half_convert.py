@@ -132,6 +132,53 @@ def test_half_weights_read_as_stored_are_the_widened_call(dtype, cross, h_kv, op
         np.testing.assert_array_equal(g.view(np.uint8), r.astype(g.dtype).view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype", [d for _, d in FORMATS])
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"rope_theta": 1e4, "causal": True},
+        {"rope_theta": 1e4, "rope_dim": 4, "return_weights": True, "return_lse": True},
+        {"q_norm": "q_norm", "k_norm": "k_norm", "rope_theta": 500.0},
+    ],
+    ids=["rope_causal", "partial_rope_weights_lse", "qk_norm_rope"],
+)
+def test_composed_path_reads_half_weights_and_inputs_as_stored(dtype, cross, options, monkeypatch):
+    """Rotary embeddings and q/k norms (the composed path): weights stored in one half dtype,
+    and the inputs when stored so too, read as stored by its GEMMs, the output rounded by the
+    last one: bit for bit the call on float32 copies, rounded (float32 inputs: a float32
+    result); no weight or input widened in Python."""
+    import attnlab
+    import attnlab._validate
+
+    rng = np.random.default_rng(8)
+    x, kv, w, kw = _mha_case(rng, dtype, cross, 2)
+    options = dict(options)
+    for n in ("q_norm", "k_norm"):
+        if n in options:
+            options[n] = (1 + rng.standard_normal(8) / 4).astype(dtype)  # stored so too
+    f32 = {n: a.astype(np.float32) for n, a in w.items()}
+    kv32 = None if kv is None else kv.astype(np.float32)
+    x32 = x.astype(np.float32)
+    want = attnlab.multi_head_attention(x32, kv32, kv32, **f32, **kw, **options)
+    widen = attnlab._validate.widen
+
+    def refuse(a):
+        if any(a is b for b in (x, kv, *w.values())):
+            raise AssertionError("widened in Python")
+        return widen(a)
+
+    monkeypatch.setattr(attnlab._validate, "widen", refuse)
+    for inputs, stored in (((x, kv, kv), dtype), ((x32, kv32, kv32), np.float32)):
+        got = attnlab.multi_head_attention(*inputs, **w, **kw, **options)
+        got_t, want_t = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        assert got_t[0].dtype == stored
+        for i, (g, r) in enumerate(zip(got_t, want_t, strict=True)):
+            kind = np.float32 if options.get("return_lse") and i == len(got_t) - 1 else stored
+            assert g.dtype == kind
+            np.testing.assert_array_equal(g.view(np.uint8), r.astype(kind).view(np.uint8))
+
+
 def test_half_weights_mixed_with_other_dtypes():
     """float32 inputs with float16 weights compute and return float32, weights read as stored;
     float64 inputs widen the weights with them; weights of two half dtypes widen too; the

@@ -305,21 +305,27 @@ void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::obje
 
 // y = x w + b over all rows (the bench's GEMM peak and projection timings; latent attention's
 // projections). w_half 1 / 2: w given as float16 / bfloat16 bits (uint16), x, b, y float32.
-void linear_forward(py::array x, py::array w, py::object b, py::array y, bool bf16, int w_half) {
+void linear_forward(py::array x, py::array w, py::object b, py::array y, bool bf16, int w_half,
+                    bool x_half, bool y_half) {
+    if ((x_half || y_half) && w_half == 0)
+        throw py::value_error("x_half, y_half: only with w_half 1 (float16) or 2 (bfloat16)");
     if (w_half != 0) {
+        using Bits = std::uint16_t;
         if (w_half != 1 && w_half != 2)
             throw py::value_error("w_half: expected 0, 1 (float16) or 2 (bfloat16), got " +
                                   std::to_string(w_half));
         if (bf16) throw py::value_error("w_half: not with bf16 products");
         if (x.ndim() != 2 || w.ndim() != 2) throw py::value_error("x, w: expected 2-d arrays");
         const Index rows = x.shape(0), in = x.shape(1), out = w.shape(1);
-        const float* px = contiguous<float>(x, "x", {rows, in});
-        const auto* pw = contiguous<std::uint16_t>(w, "w", {in, out});
+        const float* px = x_half ? nullptr : contiguous<float>(x, "x", {rows, in});
+        const Bits* px16 = x_half ? contiguous<Bits>(x, "x", {rows, in}) : nullptr;
+        const auto* pw = contiguous<Bits>(w, "w", {in, out});
         const float* pb = optional_vector<float>(b, "b", out);
-        float* py_ = contiguous<float>(y, "y", {rows, out}, true);
+        float* py_ = y_half ? nullptr : contiguous<float>(y, "y", {rows, out}, true);
+        Bits* py16 = y_half ? contiguous<Bits>(y, "y", {rows, out}, true) : nullptr;
         ReleaseGil release;
-        kernels().linear_half_weights(rows, in, out, px, in, pw, static_cast<HalfFormat>(w_half),
-                                      pb, py_, out);
+        kernels().linear_half_weights(rows, in, out, px, px16, in, pw,
+                                      static_cast<HalfFormat>(w_half), pb, py_, py16, out);
         return;
     }
     dispatch(x, "x", [&](auto tag) {
@@ -370,7 +376,8 @@ void bind_mha(py::module_& m) {
     m.def("mha_backward", &mha_backward, py::arg("grad_out"), py::arg("args"), py::arg("grads"),
           py::arg("state") = py::none());
     m.def("linear_forward", &linear_forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("y"),
-          py::arg("bf16") = false, py::arg("w_half") = 0);
+          py::arg("bf16") = false, py::arg("w_half") = 0, py::arg("x_half") = false,
+          py::arg("y_half") = false);
 }
 
 }  // namespace bind

@@ -119,7 +119,14 @@ def mha_backward(
     state: dict[str, _Array] | None = ...,
 ) -> None: ...
 def linear_forward(
-    x: _Array, w: _Array, b: _Optional, y: _Array, bf16: bool = ..., w_half: int = ...
+    x: _Array,
+    w: _Array,
+    b: _Optional,
+    y: _Array,
+    bf16: bool = ...,
+    w_half: int = ...,
+    x_half: bool = ...,  # x as bits of w_half's format (uint16)
+    y_half: bool = ...,  # y as bits of that format
 ) -> None: ...
 
 # Bilinear-collapsed attention (cpp/bindings/bilinear.cpp). order: 0 query, 1 key.

@@ -312,14 +312,16 @@ _WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
 
 
 def _half_weights(args: dict[str, Any]) -> np.dtype | None:
-    """The half dtype all four weights are stored in when the call runs the one C++ forward,
-    float32 or bf16 products (no rotary embeddings or norms: the composed path widens them),
-    or None."""
+    """The half dtype all four weights are stored in when the call runs the one C++ forward
+    (float32 or bf16 products) or the composed path with float32 products (rotary embeddings,
+    norms: its GEMMs read them as stored; with bf16 products it widens them), or None."""
     dt = getattr(args["w_q"], "dtype", None)
     if not isinstance(dt, np.dtype) or not _half.is_half(dt):  # the common call stops here
         return None
     if any(not isinstance(args[n], np.ndarray) or args[n].dtype != dt for n in _WEIGHTS):
         return None
+    if args["precision"] is None:
+        return dt
     composed = (n for n in _rope.COMPOSED_ARGS if n != "precision")
     return None if any(args[n] is not None for n in composed) else dt
 
@@ -555,7 +557,8 @@ def multi_head_attention(
         out = _memory.empty((B * n_q, d_out), half)
     else:
         out = _memory.empty((B * n_q, d_out), dtype)
-    w_dtype = half if a.inputs_half and mode != "mean" else dtype
+    # (the composed path's attention core writes float32 weights)
+    w_dtype = half if a.inputs_half and mode != "mean" and composed is None else dtype
     weights = _memory.empty((B, h, n_q, n_k), w_dtype) if mode else None
     lse_wanted = V.check_flag(return_lse, "return_lse")
     state = None
@@ -569,7 +572,7 @@ def multi_head_attention(
         state = _mha_state(a)
     if B * n_q > 0:
         if composed is not None and not bf16:
-            _rope.forward(a, composed, out, weights, lse)
+            _rope.forward(a, composed, out.view(np.uint16) if a.inputs_half else out, weights, lse)
         else:
             out_arg = out.view(np.uint16) if a.inputs_half else out
             core.mha_forward(a.core_args(), out_arg, _half.bits(weights), state, bf16)

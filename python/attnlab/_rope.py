@@ -301,12 +301,15 @@ def _project(
     n: int,
     heads: int,
     bf16: bool = False,
+    w_half: int = 0,
+    x_half: bool = False,
 ) -> np.ndarray:
     """``rows w + b`` by the C++ GEMM (bf16 products with ``bf16``), viewed as
-    ``(B, n, heads, d_head)``."""
-    y = _memory.empty((rows.shape[0], w.shape[1]), w.dtype)
+    ``(B, n, heads, d_head)``; ``w_half``: ``w`` as float16 (1) / bfloat16 (2) bits, and the
+    rows too with ``x_half`` (read as stored; the result float32)."""
+    y = _memory.empty((rows.shape[0], w.shape[1]), np.float32 if w_half else w.dtype)
     if y.size:
-        core.linear_forward(rows, w, b, y, bf16)
+        core.linear_forward(rows, w, b, y, bf16, w_half, x_half)
     return y.reshape(B, n, heads, w.shape[1] // heads)
 
 
@@ -345,10 +348,10 @@ class _Projected(NamedTuple):
 
 
 def _qkv(a: _Mha, c: Composed) -> _Projected:
-    B, w = a.B, a.w
-    q = _project(a.rq, _w(a, "w_q"), w["b_q"], B, a.n_q, a.h, c.bf16)
-    k = _project(a.rk, _w(a, "w_k"), w["b_k"], B, a.n_k, a.h_kv, c.bf16)
-    v = _project(a.rv, _w(a, "w_v"), w["b_v"], B, a.n_k, a.h_kv, c.bf16)
+    B, w, half, x_half = a.B, a.w, a.weights_half, a.inputs_half
+    q = _project(a.rq, _w(a, "w_q"), w["b_q"], B, a.n_q, a.h, c.bf16, half, x_half)
+    k = _project(a.rk, _w(a, "w_k"), w["b_k"], B, a.n_k, a.h_kv, c.bf16, half, x_half)
+    v = _project(a.rv, _w(a, "w_v"), w["b_v"], B, a.n_k, a.h_kv, c.bf16, half, x_half)
     q_pre = k_pre = None
     if c.q_norm is not None:
         qn, r = rms_norm(q, c.q_norm, c.eps)
@@ -395,7 +398,8 @@ def forward(
     lse: np.ndarray | None = None,
 ) -> None:
     """Composed multi-head attention into ``out`` ``(B*n_q, d_out)`` (and ``weights``, and
-    the log-sum-exp ``(B, h, n_q)``)."""
+    the log-sum-exp ``(B, h, n_q)``); ``out`` as the bits of the half-precision weights' dtype
+    when the inputs are stored so too (``a.inputs_half``)."""
     q, k, v, _, _ = _qkv(a, c)
     ctx = _memory.empty((a.B, a.n_q, a.h, v.shape[-1]), a.dtype)
     core.sdpa_forward(
@@ -409,7 +413,10 @@ def forward(
         lse,
         c.bf16,
     )
-    core.linear_forward(_rows(ctx), _w(a, "w_o"), a.w["b_o"], out, c.bf16)
+    w_o = _w(a, "w_o")
+    core.linear_forward(
+        _rows(ctx), w_o, a.w["b_o"], out, c.bf16, a.weights_half, False, a.inputs_half
+    )
 
 
 def backward(go: np.ndarray, a: _Mha, c: Composed, grads: dict[str, np.ndarray]) -> None:

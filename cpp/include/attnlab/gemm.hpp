@@ -32,10 +32,11 @@ struct HalfOperands {
 void linear_half(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,
                  const float* b, float* y, Index ldy, const HalfOperands& h);
 
-// linear_half with only W in half precision (the kernel table's entry: HalfOperands is per
-// instruction set).
-void linear_half_weights(Index rows, Index in, Index out, const float* x, Index ldx,
-                         const std::uint16_t* w, HalfFormat format, const float* b, float* y,
+// linear_half with W in half precision, and x, y when x_half, y_half are given (the kernel
+// table's entry: HalfOperands is per instruction set).
+void linear_half_weights(Index rows, Index in, Index out, const float* x,
+                         const std::uint16_t* x_half, Index ldx, const std::uint16_t* w,
+                         HalfFormat format, const float* b, float* y, std::uint16_t* y_half,
                          Index ldy);
 
 // Backward of linear(): dX = dY W^T (rows x in, row stride lddx), or dX += dY W^T.

@@ -53,9 +53,11 @@ struct KernelTable {
     // float16 / bfloat16 bits (format) to float32 and back, n elements, as NumPy casts them
     void (*widen_half)(const std::uint16_t* src, Index n, HalfFormat format, float* dst);
     void (*narrow_half)(const float* src, Index n, HalfFormat format, std::uint16_t* dst);
-    // float32 y = x w + b with w given as float16 / bfloat16 bits (format), widened as packed
-    void (*linear_half_weights)(Index rows, Index in, Index out, const float* x, Index ldx,
-                                const std::uint16_t* w, HalfFormat format, const float* b, float* y,
+    // y = x w + b in float32 with w given as float16 / bfloat16 bits (format), widened as
+    // packed; x and y as bits of that format too when x_half, y_half are given (x, y null)
+    void (*linear_half_weights)(Index rows, Index in, Index out, const float* x,
+                                const std::uint16_t* x_half, Index ldx, const std::uint16_t* w,
+                                HalfFormat format, const float* b, float* y, std::uint16_t* y_half,
                                 Index ldy);
 
     template <typename T>

@@ -360,11 +360,11 @@ void linear_half(Index rows, Index in, Index out, const float* x, Index ldx, con
                 h.y ? nullptr : y, ldy, false, h);
 }
 
-void linear_half_weights(Index rows, Index in, Index out, const float* x, Index ldx,
-                         const std::uint16_t* w, HalfFormat format, const float* b, float* y,
+void linear_half_weights(Index rows, Index in, Index out, const float* x,
+                         const std::uint16_t* x_half, Index ldx, const std::uint16_t* w,
+                         HalfFormat format, const float* b, float* y, std::uint16_t* y_half,
                          Index ldy) {
-    linear_half(rows, in, out, x, ldx, nullptr, b, y, ldy,
-                HalfOperands{nullptr, w, nullptr, format});
+    linear_half(rows, in, out, x, ldx, nullptr, b, y, ldy, HalfOperands{x_half, w, y_half, format});
 }
 
 template <typename T>
