@@ -341,19 +341,47 @@ def test_merge_attention_mixed_half_dtypes_compute_and_return_float32():
 
 
 @pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
-def test_merge_attention_of_half_parts_is_the_float32_merge_rounded(path):
-    """Half-precision parts are widened one at a time into a reused buffer: the merge is the
-    float32 merge of the widened parts, rounded, bit for bit (a part that saw no key too)."""
+def test_merge_attention_of_half_parts_is_the_float32_merge_rounded(path, monkeypatch):
+    """Half-precision parts are read as stored by the merge kernel (a row widened at a time) and
+    its output rounded as it is written: the float32 merge of the widened parts, rounded, bit
+    for bit (a part that saw no key, a strided part, several row tasks); nothing widened in
+    Python."""
+    import attnlab._half
+
     _, dtype, _, _ = path
     rng = np.random.default_rng(14)
     outs = [rng.standard_normal((2, 3, 40, 16)).astype(dtype) for _ in range(3)]
+    outs[2] = rng.standard_normal((2, 40, 3, 16)).astype(dtype).transpose(0, 2, 1, 3)
     lses = [rng.standard_normal((2, 3, 40)).astype(np.float32) for _ in range(3)]
     lses[1][0, 0, :5] = -np.inf
-    out, lse = attnlab.merge_attention(outs, lses)
     want, want_lse = attnlab.merge_attention([o.astype(np.float32) for o in outs], lses)
+
+    def refuse(_: np.ndarray) -> np.ndarray:
+        raise AssertionError("widened in Python")
+
+    monkeypatch.setattr(attnlab._half, "widen", refuse)
+    out, lse = attnlab.merge_attention(outs, lses)
     assert out.dtype == dtype and lse.dtype == np.float32
     np.testing.assert_array_equal(out.view(np.uint16), want.astype(dtype).view(np.uint16))
     np.testing.assert_array_equal(lse, want_lse)
+
+
+def test_merge_attention_sums_every_part_in_order():
+    """The kernel's sum is ``sum_k frac_k out_k`` in part order, in the computation dtype:
+    float64 parts against NumPy's sum of the same products (to rounding: the kernel may fuse a
+    product into its sum), NaN in a part of weight 0 reaching the output, as before."""
+    rng = np.random.default_rng(15)
+    outs = [rng.standard_normal((3, 70, 8)) for _ in range(4)]
+    lses = [rng.standard_normal((3, 70)) for _ in range(4)]
+    lses[2][1, 3] = -np.inf
+    outs[2][1, 3, 0] = np.nan
+    out, _ = attnlab.merge_attention(outs, lses)
+    stack = np.stack(lses)
+    frac = np.exp(stack - stack.max(axis=0)) / np.exp(stack - stack.max(axis=0)).sum(axis=0)
+    want = sum(f[..., None] * o for f, o in zip(frac, outs, strict=True))
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, want, rtol=1e-15, atol=1e-15)
+    assert np.isnan(out[1, 3, 0]) and np.isfinite(np.delete(out.ravel(), 3 * 8 + 70 * 8)).all()
 
 
 # ----------------------------------------------------------------- multi-head attention

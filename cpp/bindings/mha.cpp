@@ -1,4 +1,7 @@
 // Bindings for scaled dot-product and multi-head attention.
+#include <string>
+#include <vector>
+
 #include "attnlab/attention.hpp"
 #include "common.hpp"
 #include "interrupt.hpp"
@@ -188,6 +191,49 @@ void sdpa_backward_half(py::array grad_out, py::array q, py::array k, py::array 
     kernels.attention_backward(p, g);
 }
 
+// merge_attention's weighted sum: parts, a list of (rows, d) arrays of frac's dtype (or, with
+// half 1 / 2 and float32 frac, of float16 / bfloat16 bits); frac (count, rows); out (rows, d)
+// like the parts.
+void merge_parts(const py::list& parts, int half, const py::array& frac, const py::array& out) {
+    if (half < 0 || half > 2)
+        throw py::value_error("half: expected 0, 1 (float16) or 2 (bfloat16), got " +
+                              std::to_string(half));
+    dispatch(frac, "frac", [&](auto tag) {
+        using T = decltype(tag);
+        using Bits = std::uint16_t;
+        if (half && !std::is_same_v<T, float>)
+            throw py::type_error("frac: half-precision parts are summed in float32");
+        MergeProblem<T> p;
+        p.count = static_cast<Index>(parts.size());
+        if (frac.ndim() != 2 || out.ndim() != 2)
+            throw py::value_error("frac, out: expected 2-d arrays (count, rows), (rows, d)");
+        p.rows = frac.shape(1);
+        p.d = out.shape(1);
+        p.frac = contiguous<T>(frac, "frac", {p.count, p.rows});
+        std::vector<const T*> floats;
+        std::vector<const Bits*> bits;
+        for (Index k = 0; k < p.count; ++k) {
+            const std::string name = "parts[" + std::to_string(k) + "]";
+            const auto a = py::cast<py::array>(parts[static_cast<std::size_t>(k)]);
+            if (half)
+                bits.push_back(contiguous<Bits>(a, name.c_str(), {p.rows, p.d}));
+            else
+                floats.push_back(contiguous<T>(a, name.c_str(), {p.rows, p.d}));
+        }
+        if (half) {
+            p.half = static_cast<HalfFormat>(half);
+            p.parts_half = bits.data();
+            p.out_half = contiguous<Bits>(out, "out", {p.rows, p.d}, true);
+        } else {
+            p.parts = floats.data();
+            p.out = contiguous<T>(out, "out", {p.rows, p.d}, true);
+        }
+        ReleaseGil release;
+        kernels_for<T>().merge_attention(p);
+        return 0;
+    });
+}
+
 // The arguments mha_forward and mha_backward share: core.MhaArgs.
 struct MhaArgs : SharedArgs {
     Array query, key, value;
@@ -368,6 +414,8 @@ void bind_mha(py::module_& m) {
           py::arg("out"), py::arg("lse"), py::arg("d_q"), py::arg("d_k"), py::arg("d_v"),
           py::arg("grad_out_half"), py::arg("recompute") = true, py::arg("d_mask") = py::none(),
           py::arg("d_sinks") = py::none());
+    m.def("merge_parts", &merge_parts, py::arg("parts"), py::arg("half"), py::arg("frac"),
+          py::arg("out"));
     bind_args<MhaArgs>(m, "MhaArgs");
     m.def("mha_bf16_fused_calls", [] { return mha_bf16_fused_calls.load(); });
     m.def("attention_copied_calls", [] { return attention_copied_calls.load(); });

@@ -112,6 +112,7 @@ def sdpa_backward_half(
     d_mask: _Optional = ...,
     d_sinks: _Optional = ...,
 ) -> None: ...
+def merge_parts(parts: list[_Array], half: _Int, frac: _Array, out: _Array) -> None: ...
 def mha_backward(
     grad_out: _Array,
     args: MhaArgs,

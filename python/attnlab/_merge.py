@@ -10,6 +10,7 @@ import numpy as np
 
 from . import _half, _memory
 from . import _validate as V
+from ._loader import core
 
 __all__ = ["merge_attention"]
 
@@ -19,6 +20,11 @@ def _as_part(o: Any, name: str) -> np.ndarray:
     turn comes), any other as :func:`V.as_array` makes it."""
     keep = o.dtype if type(o) is np.ndarray and _half.is_half(o.dtype) else None
     return V.as_array(o, name, keep)
+
+
+def _in_dtype(o: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """A part as a C-contiguous array of the computation dtype (a half-precision one widened)."""
+    return _memory.contiguous(_half.widen(o) if _half.is_half(o.dtype) else o, dtype)
 
 
 def _computed(o: np.ndarray) -> np.ndarray:
@@ -97,14 +103,21 @@ def merge_attention(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[np.ndarra
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1.0)), top)
         frac = np.where(total > 0, w / np.where(total > 0, total, 1.0), 0.0)
-    out = np.zeros(shape, dtype)
-    wide = None  # the float32 copy of a half-precision part, reused part after part
-    for f, part in zip(frac, outs_a, strict=True):
-        o = part
-        if _half.is_half(part.dtype):
-            wide = _memory.empty(shape, np.float32) if wide is None else wide
-            _half.widen_into(part, wide)
-            o = wide
-        out += f[..., None] * o  # a part with weight 0 adds exactly 0 (its rows are finite)
+    # out = sum_k frac_k out_k, row by row, by the kernel: the parts read as stored (float16 and
+    # bfloat16 widened a row at a time) when all are of one half dtype, the output then rounded
+    # as it is written
+    rows, d = V.count(shape[:-1]), shape[-1]
     half = _half.storage({f"outs[{i}]": o for i, o in enumerate(outs)})
+    as_stored = half is not None and dtype == np.float32 and all(o.dtype == half for o in outs_a)
+    out = _memory.empty(shape, half if as_stored and half is not None else dtype)
+    if out.size:
+        if as_stored:
+            parts = [_memory.contiguous(o).view(np.uint16).reshape(rows, d) for o in outs_a]
+        else:
+            parts = [_in_dtype(o, dtype).reshape(rows, d) for o in outs_a]
+        weights = _memory.contiguous(frac.reshape(len(parts), rows), dtype)
+        target = out.view(np.uint16) if as_stored else out
+        core.merge_parts(
+            parts, _half.code(out.dtype) if as_stored else 0, weights, target.reshape(rows, d)
+        )
     return _half.store(out, half), lse.astype(dtype, copy=False)

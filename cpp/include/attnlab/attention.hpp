@@ -65,6 +65,21 @@ struct AttentionGrad {
     MatrixStack<std::uint16_t> d_q_half, d_k_half, d_v_half;
 };
 
+// merge_attention's weighted sum of the parts' outputs: out = sum_k frac[k] part_k, row by row
+// (rows x d each, contiguous), in part order. The parts are float (parts) or, float only, the
+// bits of a half format (parts_half); out is float or bits of that format (out_half). frac:
+// (count, rows), each row's weight of each part.
+template <typename T>
+struct MergeProblem {
+    Index count = 0, rows = 0, d = 0;
+    const T* const* parts = nullptr;
+    const std::uint16_t* const* parts_half = nullptr;
+    HalfFormat half = HalfFormat::none;
+    const T* frac = nullptr;
+    T* out = nullptr;
+    std::uint16_t* out_half = nullptr;
+};
+
 // A dense projection y = x w + b; w is (in, out) row-major, b may be null.
 template <typename T>
 struct Linear {
@@ -161,6 +176,9 @@ const char* decode_prefetch();
 
 template <typename T>
 void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& g);
+
+template <typename T>
+void merge_attention(const MergeProblem<T>& p);
 
 template <typename T>
 void multi_head_attention_forward(const MhaProblem<T>& p);

@@ -31,6 +31,7 @@ struct KernelSet {
     void (*separable_attention_backward)(const SeparableProblem<T>&, const T*,
                                          const SeparableGrads<T>&);
     void (*linear)(Index, Index, Index, const T*, Index, const T*, const T*, T*, Index, bool);
+    void (*merge_attention)(const MergeProblem<T>&);
 };
 
 struct KernelTable {

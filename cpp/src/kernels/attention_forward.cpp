@@ -541,7 +541,34 @@ const char* decode_prefetch() {
                                      : "l1: K and V rows requested into L1";
 }
 
+template <typename T>
+void merge_attention(const MergeProblem<T>& p) {
+    constexpr Index kRows = 64;  // rows a task
+    const Index d = p.d, tasks = (p.rows + kRows - 1) / kRows;
+    parallel_for(tasks, [&](Index t) {
+        const Index r0 = t * kRows, r1 = std::min(p.rows, r0 + kRows);
+        T* sum = scratch<T>(ScratchBuffer::kMergeRows, static_cast<std::size_t>(2 * d));
+        T* wide = sum + d;
+        for (Index r = r0; r < r1; ++r) {
+            T* o = p.out_half ? sum : p.out + r * d;
+            std::fill(o, o + d, T(0));
+            for (Index k = 0; k < p.count; ++k) {
+                const T f = p.frac[k * p.rows + r];
+                const T* part = p.parts ? p.parts[k] + r * d : wide;
+                if constexpr (std::is_same_v<T, float>)
+                    if (!p.parts) detail::half_to_float(p.parts_half[k] + r * d, d, p.half, wide);
+                // every part's row added, a weight of 0 too: NaN in it reaches the output
+                for (Index c = 0; c < d; ++c) o[c] += f * part[c];
+            }
+            if constexpr (std::is_same_v<T, float>)
+                if (p.out_half) detail::narrow_block(o, d, p.half, p.out_half + r * d);
+        }
+    });
+}
+
 template void attention_forward<float>(const AttentionProblem<float>&);
 template void attention_forward<double>(const AttentionProblem<double>&);
+template void merge_attention<float>(const MergeProblem<float>&);
+template void merge_attention<double>(const MergeProblem<double>&);
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

@@ -26,7 +26,8 @@ constexpr KernelSet<T> kernel_set() {
             &additive_attention_backward<T>,
             &separable_attention_forward<T>,
             &separable_attention_backward<T>,
-            &linear<T>};
+            &linear<T>,
+            &merge_attention<T>};
 }
 
 }  // namespace
