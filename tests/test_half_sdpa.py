@@ -93,8 +93,15 @@ def test_bitwise_the_float32_call_rounded(shape: tuple[int, ...], dtype: np.dtyp
 )
 def test_bitwise_with_masks(shape: tuple[int, ...], dtype: np.dtype, kw: dict[str, Any]) -> None:
     q, k, v = _inputs(shape, dtype, seed=1)
+    _check(q, k, v, **_options(kw, shape, seed=2))
+
+
+def _options(kw: dict[str, Any], shape: tuple[int, ...], seed: int) -> dict[str, Any]:
+    """``kw`` with its named stand-ins made: ``"sinks"`` (h,), an ``"additive"`` mask (n_q,
+    n_k), a ``"padding"`` mask (B, 1, 1, n_k) whose last sequence sees no key (zero rows and
+    gradients, never NaN)."""
     B, h, _, nq, nk = shape[:5]
-    rng = np.random.default_rng(2)
+    rng = np.random.default_rng(seed)
     kw = dict(kw)
     if kw.get("sinks") == "sinks":
         kw["sinks"] = rng.standard_normal(h).astype(np.float32)
@@ -103,10 +110,10 @@ def test_bitwise_with_masks(shape: tuple[int, ...], dtype: np.dtype, kw: dict[st
     elif kw.get("mask") == "padding":
         pad = np.ones((B, 1, 1, nk), bool)
         pad[..., nk // 3 :] = False
-        pad[-1] = False  # a sequence with no key: zero rows, never NaN
+        pad[-1] = False
         kw["mask"] = pad
         kw["warn_empty_rows"] = False
-    _check(q, k, v, **kw)
+    return kw
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -180,20 +187,7 @@ def test_backward_bitwise_with_masks(
 ) -> None:
     """The gradients of the sinks and of an additive mask stay float32 (their dtype)."""
     q, k, v = _inputs(shape, dtype, seed=11)
-    B, h, _, nq, nk = shape[:5]
-    rng = np.random.default_rng(12)
-    kw = dict(kw)
-    if kw.get("sinks") == "sinks":
-        kw["sinks"] = rng.standard_normal(h).astype(np.float32)
-    if kw.get("mask") == "additive":
-        kw["mask"] = rng.standard_normal((nq, nk)).astype(np.float32)
-    elif kw.get("mask") == "padding":
-        pad = np.ones((B, 1, 1, nk), bool)
-        pad[..., nk // 3 :] = False
-        pad[-1] = False  # a sequence with no key: zero gradients, never NaN
-        kw["mask"] = pad
-        kw["warn_empty_rows"] = False
-    _check_backward(q, k, v, _grad_out(q, shape[-1], seed=13), **kw)
+    _check_backward(q, k, v, _grad_out(q, shape[-1], seed=13), **_options(kw, shape, seed=12))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

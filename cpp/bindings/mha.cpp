@@ -110,6 +110,24 @@ void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::arra
     kernels_for<float>().attention_forward(p);
 }
 
+// An SDPA backward's buffers, checked against the problem's sizes: d_q, d_k, d_v (elements U:
+// T, or the bits of a half format) into the stacks gq, gk, gv, and the optional gradients of
+// an additive mask and of the sinks (T) into g.
+template <typename U, typename T>
+void grad_buffers(const AttentionProblem<T>& p, const py::array& d_q, const py::array& d_k,
+                  const py::array& d_v, const py::object& d_mask, const py::object& d_sinks,
+                  AttentionGrad<T>& g, MatrixStack<U>& gq, MatrixStack<U>& gk, MatrixStack<U>& gv) {
+    const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
+    const Index d = p.d, dv = p.d_v;
+    gq = {contiguous<U>(d_q, "d_q", {B, H, nq, d}, true), H * nq * d, nq * d, d};
+    gk = {contiguous<U>(d_k, "d_k", {B, Hk, nk, d}, true), Hk * nk * d, nk * d, d};
+    gv = {contiguous<U>(d_v, "d_v", {B, Hk, nk, dv}, true), Hk * nk * dv, nk * dv, dv};
+    if (!d_mask.is_none())
+        g.d_mask = contiguous<T>(d_mask.cast<py::array>(), "d_mask", {B, H, nq, nk}, true);
+    if (!d_sinks.is_none())
+        g.d_sinks = contiguous<T>(d_sinks.cast<py::array>(), "d_sinks", {B, H}, true);
+}
+
 // Forward with log-sum-exp (unless recompute is false: out and lse are then the forward's),
 // then backward: gradients of q, k, v for grad_out.
 void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, const MaskArgs& mask,
@@ -119,24 +137,14 @@ void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, co
     dispatch(q, "q", [&](auto tag) {
         using T = decltype(tag);
         AttentionProblem<T> p = sdpa_problem<T>(q, k, v, scale, bf16);
-        const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
-        const Index d = p.d, dv = p.d_v;
+        const Index B = p.batch, H = p.heads, nq = p.n_q, nk = p.n_k, dv = p.d_v;
         T* po = contiguous<T>(out, "out", {B, H, nq, dv}, true);
         p.out = {po, H * nq * dv, nq * dv, dv};
         p.mask = mask_spec<T>(mask, B, H, nq, nk);
         p.lse = contiguous<T>(lse, "lse", {B, H, nq}, true);
         AttentionGrad<T> g;
         g.d_out = const_stack<T>(check<T>(grad_out, "grad_out", {B, H, nq, dv}), grad_out);
-        T* gq = contiguous<T>(d_q, "d_q", {B, H, nq, d}, true);
-        T* gk = contiguous<T>(d_k, "d_k", {B, Hk, nk, d}, true);
-        T* gv = contiguous<T>(d_v, "d_v", {B, Hk, nk, dv}, true);
-        g.d_q = {gq, H * nq * d, nq * d, d};
-        g.d_k = {gk, Hk * nk * d, nk * d, d};
-        g.d_v = {gv, Hk * nk * dv, nk * dv, dv};
-        if (!d_mask.is_none())
-            g.d_mask = contiguous<T>(d_mask.cast<py::array>(), "d_mask", {B, H, nq, nk}, true);
-        if (!d_sinks.is_none())
-            g.d_sinks = contiguous<T>(d_sinks.cast<py::array>(), "d_sinks", {B, H}, true);
+        grad_buffers(p, d_q, d_k, d_v, d_mask, d_sinks, g, g.d_q, g.d_k, g.d_v);
         ReleaseGil release;
         const KernelSet<T>& kernels = kernels_for<T>();
         if (recompute) {                // else out and lse are the forward's (vjp)
@@ -175,16 +183,7 @@ void sdpa_backward_half(py::array grad_out, py::array q, py::array k, py::array 
             const_stack<Bits>(check<Bits>(grad_out, "grad_out", {B, H, nq, dv}), grad_out);
     else
         g.d_out = const_stack<float>(check<float>(grad_out, "grad_out", {B, H, nq, dv}), grad_out);
-    Bits* gq = contiguous<Bits>(d_q, "d_q", {B, H, nq, d}, true);
-    Bits* gk = contiguous<Bits>(d_k, "d_k", {B, Hk, nk, d}, true);
-    Bits* gv = contiguous<Bits>(d_v, "d_v", {B, Hk, nk, dv}, true);
-    g.d_q_half = {gq, H * nq * d, nq * d, d};
-    g.d_k_half = {gk, Hk * nk * d, nk * d, d};
-    g.d_v_half = {gv, Hk * nk * dv, nk * dv, dv};
-    if (!d_mask.is_none())
-        g.d_mask = contiguous<float>(d_mask.cast<py::array>(), "d_mask", {B, H, nq, nk}, true);
-    if (!d_sinks.is_none())
-        g.d_sinks = contiguous<float>(d_sinks.cast<py::array>(), "d_sinks", {B, H}, true);
+    grad_buffers(p, d_q, d_k, d_v, d_mask, d_sinks, g, g.d_q_half, g.d_k_half, g.d_v_half);
     ReleaseGil release;
     const KernelSet<float>& kernels = kernels_for<float>();
     if (recompute) kernels.attention_forward(p);  // out in float32: out_half is not set

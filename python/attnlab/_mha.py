@@ -620,9 +620,10 @@ def _sdpa_grads(
     a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
 ) -> dict[str, np.ndarray]:
     """The gradients of a prepared SDPA call; with ``kept`` (what the forward kept for
-    attnlab.vjp) the forward is not recomputed."""
-    if _half.is_half(a.q4.dtype):  # prepared with q, k, v as stored
-        return _sdpa_grads_half(a, grad_out, kept)
+    attnlab.vjp) the forward is not recomputed. When ``q``, ``k`` and ``v`` were prepared as
+    stored in one half dtype (not broadcast), the kernel reads them (and ``grad_out`` when it
+    is stored so) and writes ``dq``, ``dk``, ``dv`` in that dtype, computed as the float32 call
+    on the widened arrays would be."""
     batch, dtype, h, h_kv, n_q, n_k, d, d_v = (
         a.batch,
         a.dtype,
@@ -633,40 +634,41 @@ def _sdpa_grads(
         a.d,
         a.d_v,
     )
-    go = _grad.grad_out(grad_out, batch + (h, n_q, d_v), dtype)
+    half = a.q4.dtype if _half.is_half(a.q4.dtype) else None
+    go = _grad.grad_out(grad_out, batch + (h, n_q, d_v), dtype, keep=half)
     B = V.count(batch)
     kernel = B * n_q * n_k > 0
     new = _memory.empty if kernel else _memory.zeros  # the kernel writes every element
-    dq = new((B, h, n_q, d), dtype)
-    dk = new((B, h_kv, n_k, d), dtype)
-    dv = new((B, h_kv, n_k, d_v), dtype)
+    stored = dtype if half is None else half
+    dq = new((B, h, n_q, d), stored)
+    dk = new((B, h_kv, n_k, d), stored)
+    dv = new((B, h_kv, n_k, d_v), stored)
     logit = _grad.logit_buffers(a.m, B, h, n_q, n_k, dtype)
     if kernel:
         go4 = _memory.kernel_ready(go.reshape((B, h, n_q, d_v)))
         if a.bf16:  # the gradient at the rounded operands recomputes the unrounded softmax
             kept = None
-        if kept is None:
+        if kept is None:  # (in float32 for half-precision inputs: the backward reads it)
             out = _memory.empty((B, h, n_q, d_v), dtype)
             lse = _memory.empty((B, h, n_q), dtype)
         else:
             out, lse = kept["out"], kept["lse"]
-        core.sdpa_backward(
-            go4,
-            a.q4,
-            a.k4,
-            a.v4,
-            a.m.core_mask(),
-            a.m.scale,
-            out,
-            lse,
-            dq,
-            dk,
-            dv,
-            kept is None,
-            logit.get("mask"),
-            logit.get("sinks"),
-            a.bf16,
-        )
+        d_logit = (logit.get("mask"), logit.get("sinks"))
+        if half is None:
+            core.sdpa_backward(
+                go4, a.q4, a.k4, a.v4, a.m.core_mask(), a.m.scale, out, lse, dq, dk, dv,
+                kept is None, *d_logit, a.bf16,
+            )  # fmt: skip
+        else:
+            q16, k16, v16, dq16, dk16, dv16 = (
+                x.view(np.uint16) for x in (a.q4, a.k4, a.v4, dq, dk, dv)
+            )
+            go_half = go4.dtype == half
+            core.sdpa_backward_half(
+                go4.view(np.uint16) if go_half else go4, q16, k16, v16, _half.code(half),
+                a.m.core_mask(), a.m.scale, out, lse, dq16, dk16, dv16, go_half, kept is None,
+                *d_logit,
+            )  # fmt: skip
     return {
         "q": _grad.unbroadcast(dq.reshape(batch + dq.shape[1:]), a.q.shape),
         "k": _grad.unbroadcast(dk.reshape(batch + dk.shape[1:]), a.k.shape),
@@ -751,71 +753,6 @@ def _mha_grads(
     }
 
 
-def _sdpa_grads_half(
-    a: _Sdpa, grad_out: Any, kept: dict[str, Any] | None = None
-) -> dict[str, np.ndarray]:
-    """The gradients of an SDPA call whose ``q``, ``k`` and ``v`` are stored in one half dtype
-    and not broadcast: read, and ``dq``, ``dk``, ``dv`` written, in that dtype by the kernel
-    (``grad_out`` too when it is stored so), computed as the float32 call on the widened
-    arrays would be; with ``kept`` (attnlab.vjp's float32 output and log-sum-exp) the forward
-    is not recomputed."""
-    half = a.q4.dtype
-    batch, B, h, h_kv, n_q, n_k, d, d_v = (
-        a.batch,
-        V.count(a.batch),
-        a.h,
-        a.h_kv,
-        a.n_q,
-        a.n_k,
-        a.d,
-        a.d_v,
-    )
-    f32 = np.dtype(np.float32)
-    go = _grad.grad_out(grad_out, batch + (h, n_q, d_v), f32, keep=half)
-    go4 = _memory.kernel_ready(go.reshape((B, h, n_q, d_v)))
-    kernel = B * n_q * n_k > 0
-    new = _memory.empty if kernel else _memory.zeros  # the kernel writes every element
-    dq = new((B, h, n_q, d), half)
-    dk = new((B, h_kv, n_k, d), half)
-    dv = new((B, h_kv, n_k, d_v), half)
-    logit = _grad.logit_buffers(a.m, B, h, n_q, n_k, f32)
-    go_half = go4.dtype == half
-    if not kernel:
-        return _half_grads(a, dq, dk, dv, logit)
-    q16, k16, v16, dq16, dk16, dv16 = (x.view(np.uint16) for x in (a.q4, a.k4, a.v4, dq, dk, dv))
-    core.sdpa_backward_half(
-        go4.view(np.uint16) if go_half else go4,
-        q16,
-        k16,
-        v16,
-        _half.code(half),
-        a.m.core_mask(),
-        a.m.scale,
-        _memory.empty((B, h, n_q, d_v), f32) if kept is None else kept["out"],  # float32
-        _memory.empty((B, h, n_q), f32) if kept is None else kept["lse"],
-        dq16,
-        dk16,
-        dv16,
-        go_half,
-        kept is None,
-        logit.get("mask"),
-        logit.get("sinks"),
-    )
-    return _half_grads(a, dq, dk, dv, logit)
-
-
-def _half_grads(
-    a: _Sdpa, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, logit: dict[str, np.ndarray]
-) -> dict[str, np.ndarray]:
-    """The gradient dict of :func:`_sdpa_grads_half` from its buffers."""
-    return {
-        "q": dq.reshape(a.q.shape),
-        "k": dk.reshape(a.k.shape),
-        "v": dv.reshape(a.v.shape),
-        **_grad.logit_grads(logit, a.m, a.batch),
-    }
-
-
 def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
     half = _half.storage(args)
@@ -824,7 +761,7 @@ def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]
         # read and written as stored, unless a gradient is summed over broadcast batch axes
         # (in float32, then rounded)
         if _stacked(a.q, a.k, a.v):
-            return _half.store_grads(_sdpa_grads_half(a, grad_out), _half.halves(args))
+            return _half.store_grads(_sdpa_grads(a, grad_out), _half.halves(args))
     return _half.store_grads(_sdpa_grads(_prepare_sdpa(args), grad_out), _half.halves(args))
 
 
