@@ -109,13 +109,14 @@ elif [[ -n "${ATTNLAB_SANITIZE_FULL:-}" ]]; then
   TESTS=(.)
 else
   # The fast subset: every kernel, forward and backward, every error path, the 10,000-call
-  # fuzzer, the property tests, the eight-thread test. Left out: torch comparisons (torch
-  # under a preloaded libasan is slow and not what is being checked), notebooks, and the GIL
-  # tests (long single-threaded calls, ~2 min under ASan, checking nothing about memory).
+  # fuzzer, the property tests, the eight-thread test, the half-precision kernels (30 s).
+  # Left out: torch comparisons (torch under a preloaded libasan is slow and not what is
+  # being checked), notebooks, and the GIL tests (long single-threaded calls, ~2 min under
+  # ASan, checking nothing about memory).
   TESTS=(test_mha.py test_bilinear.py test_additive.py test_backward_mha.py
          test_backward_bilinear.py test_backward_additive.py test_errors.py
          test_properties.py test_fuzz.py test_concurrency.py test_memory.py test_numerics.py
-         test_options.py test_decode.py test_interrupt.py
+         test_options.py test_decode.py test_interrupt.py test_half_sdpa.py test_half_convert.py
          -k "not torch and not gil_is_released")
 fi
 start=$(date +%s)
