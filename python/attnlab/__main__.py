@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         "long-causal, sdpa, decode, decode-gqa, tiny; training steps: vit-s-train, "
         "long-causal-train, tiny-train); repeatable. Default: the inference cases but tiny "
         "(--quick: no long ones). With --half: one of its cases (sdpa, sdpa-causal, "
-        "sdpa-weights, sdpa-backward, merge, decode-gqa, bert, vit-s, additive, separable, "
-        "bilinear, latent-decode)",
+        "sdpa-weights, sdpa-backward, sdpa-vjp, merge, decode-gqa, bert, vit-s, "
+        "vit-s-weights, vit-s-rope, vit-s-backward, vit-s-vjp, additive, separable, "
+        "additive-backward, separable-backward, bilinear, bilinear-backward, latent-decode)",
     )
     b.add_argument(
         "--bf16",

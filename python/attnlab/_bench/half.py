@@ -2,9 +2,10 @@
 values stored in float16 and in float32, timed round-robin in one process (medians), and issue
 31's target that float16 input is never slower than float32 input.
 
-The float16 call reads and writes its arrays in float16 where the family does so (SDPA, MHA, the
-pooled families, latent attention's weights and cache) and computes in float32 everywhere, so
-the two calls do the same arithmetic; what differs is the memory they move and the conversions.
+The float16 call reads and writes its arrays in float16 where the call does so (every forward,
+the SDPA backward and its vjp; the other backwards widen their arrays first) and computes in
+float32 everywhere, so the two calls do the same arithmetic; what differs is the memory they
+move and the conversions.
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ def _sdpa_backward(dt: Any, quick: bool) -> Call:
     return lambda: attnlab.scaled_dot_product_attention_backward(g, q, k, v)
 
 
+def _sdpa_vjp(dt: Any, quick: bool) -> Call:
+    import attnlab
+
+    shape = (2 if quick else 8, 6, 197, 64)
+    g, q, k, v = (_rng().standard_normal(shape).astype(dt) for _ in range(4))
+    f = attnlab.scaled_dot_product_attention
+    return lambda: attnlab.vjp(f, q, k, v)[1](g)
+
+
 def _decode(dt: Any, quick: bool) -> Call:
     import attnlab
 
@@ -65,19 +75,28 @@ def _decode(dt: Any, quick: bool) -> Call:
     return lambda: attnlab.scaled_dot_product_attention(q, k, v)
 
 
-def _mha(B: int, n: int, d: int, h: int) -> Callable[[Any, bool], Call]:
+def _mha(B: int, n: int, d: int, h: int, step: str = "", **kw: Any) -> Callable[[Any, bool], Call]:
+    """A layer's forward with the options ``kw``; ``step="backward"``: its backward,
+    ``step="vjp"``: ``attnlab.vjp`` and the pullback (a training step)."""
+
     def build(dt: Any, quick: bool) -> Call:
         import attnlab
 
         rng = _rng()
         x = rng.standard_normal((2 if quick and B > 2 else B, n, d)).astype(dt)
         wq, wk, wv, wo = _weights(rng, dt, *[(d, d)] * 4)
-        return lambda: attnlab.multi_head_attention(x, num_heads=h, w_q=wq, w_k=wk, w_v=wv, w_o=wo)
+        args = dict(num_heads=h, w_q=wq, w_k=wk, w_v=wv, w_o=wo, **kw)
+        f = attnlab.multi_head_attention
+        if step == "backward":
+            return lambda: attnlab.multi_head_attention_backward(x, x, **args)
+        if step == "vjp":
+            return lambda: attnlab.vjp(f, x, **args)[1](x)
+        return lambda: f(x, **args)
 
     return build
 
 
-def _pooled(family: str) -> Callable[[Any, bool], Call]:
+def _pooled(family: str, backward: bool = False) -> Callable[[Any, bool], Call]:
     def build(dt: Any, quick: bool) -> Call:
         import attnlab
 
@@ -85,22 +104,28 @@ def _pooled(family: str) -> Callable[[Any, bool], Call]:
         x = rng.standard_normal((2 if quick else 8, 784 if quick else 3136, D)).astype(dt)
         if family == "additive":
             wq, wk, wp, wf, wg = _weights(rng, dt, (D, D), (D, D), (D, D), (D, D), (D,))
-            return lambda: attnlab.additive_attention(
-                x, w_q=wq, w_k=wk, w_g=wg, w_proj=wp, w_final=wf
-            )
+            w = dict(w_q=wq, w_k=wk, w_g=wg, w_proj=wp, w_final=wf)
+            if backward:
+                return lambda: attnlab.additive_attention_backward(x, x, **w)
+            return lambda: attnlab.additive_attention(x, **w)
         wqkv, wo = _weights(rng, dt, (D, 1 + 2 * D), (D, D))
+        if backward:
+            return lambda: attnlab.separable_attention_backward(x, x, w_qkv=wqkv, w_o=wo)
         return lambda: attnlab.separable_attention(x, w_qkv=wqkv, w_o=wo)
 
     return build
 
 
-def _bilinear(dt: Any, quick: bool) -> Call:
+def _bilinear(dt: Any, quick: bool, backward: bool = False) -> Call:
     import attnlab
 
     rng, d, h = _rng(), 384, 6
     x = rng.standard_normal((2 if quick else 8, 197, d)).astype(dt)
     w_qk, w_v, w_o = _weights(rng, dt, (h, d, d), (d, d), (d, d))
-    return lambda: attnlab.bilinear_attention(x, num_heads=h, w_qk=w_qk, w_v=w_v, w_o=w_o)
+    w = dict(num_heads=h, w_qk=w_qk, w_v=w_v, w_o=w_o)
+    if backward:
+        return lambda: attnlab.bilinear_attention_backward(x, x, **w)
+    return lambda: attnlab.bilinear_attention(x, **w)
 
 
 def _latent(dt: Any, quick: bool) -> Call:
@@ -151,6 +176,7 @@ CASES: dict[str, tuple[str, str, str, Callable[[Any, bool], Call]]] = {
     ),
     "sdpa-weights": ("SDPA + weights", "(8, 6, 197, 64)", "(2, 6, 197, 64)", _sdpa_weights),
     "sdpa-backward": ("SDPA backward", "(8, 6, 197, 64)", "(2, 6, 197, 64)", _sdpa_backward),
+    "sdpa-vjp": ("SDPA vjp + pullback", "(8, 6, 197, 64)", "(2, 6, 197, 64)", _sdpa_vjp),
     "merge": ("merge, 4 parts", "(4, 8, 512, 64)", "(2, 8, 256, 64)", _merge),
     "decode-gqa": ("decode GQA", "32/8 heads x 128, 8192 keys", "2048 keys", _decode),
     "bert": (
@@ -160,6 +186,30 @@ CASES: dict[str, tuple[str, str, str, Callable[[Any, bool], Call]]] = {
         _mha(1, 128, 768, 12),
     ),
     "vit-s": ("ViT-S layer", "B=8 n=197 d=384 h=6", "B=2 n=197 d=384 h=6", _mha(8, 197, 384, 6)),
+    "vit-s-weights": (
+        "ViT-S + weights",
+        "B=8 n=197 d=384 h=6",
+        "B=2 n=197 d=384 h=6",
+        _mha(8, 197, 384, 6, return_weights=True),
+    ),
+    "vit-s-rope": (
+        "ViT-S causal rotary",
+        "B=8 n=197 d=384 h=6",
+        "B=2 n=197 d=384 h=6",
+        _mha(8, 197, 384, 6, causal=True, rope_theta=1e4),
+    ),
+    "vit-s-backward": (
+        "ViT-S backward",
+        "B=8 n=197 d=384 h=6",
+        "B=2 n=197 d=384 h=6",
+        _mha(8, 197, 384, 6, "backward"),
+    ),
+    "vit-s-vjp": (
+        "ViT-S vjp + pullback",
+        "B=8 n=197 d=384 h=6",
+        "B=2 n=197 d=384 h=6",
+        _mha(8, 197, 384, 6, "vjp"),
+    ),
     "additive": (
         "SwiftFormer additive",
         "B=8 n=3136 d=256",
@@ -172,7 +222,25 @@ CASES: dict[str, tuple[str, str, str, Callable[[Any, bool], Call]]] = {
         "B=2 n=784 d=256",
         _pooled("separable"),
     ),
+    "additive-backward": (
+        "additive backward",
+        "B=8 n=3136 d=256",
+        "B=2 n=784 d=256",
+        _pooled("additive", backward=True),
+    ),
+    "separable-backward": (
+        "separable backward",
+        "B=8 n=3136 d=256",
+        "B=2 n=784 d=256",
+        _pooled("separable", backward=True),
+    ),
     "bilinear": ("bilinear", "B=8 n=197 d=384 h=6", "B=2 n=197 d=384 h=6", _bilinear),
+    "bilinear-backward": (
+        "bilinear backward",
+        "B=8 n=197 d=384 h=6",
+        "B=2 n=197 d=384 h=6",
+        lambda dt, quick: _bilinear(dt, quick, backward=True),
+    ),
     "latent-decode": ("MLA decode step", "1 token after 4095", "1 token after 1023", _latent),
 }
 
