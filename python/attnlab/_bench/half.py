@@ -85,7 +85,7 @@ def _mha(B: int, n: int, d: int, h: int, step: str = "", **kw: Any) -> Callable[
         rng = _rng()
         x = rng.standard_normal((2 if quick and B > 2 else B, n, d)).astype(dt)
         wq, wk, wv, wo = _weights(rng, dt, *[(d, d)] * 4)
-        args = dict(num_heads=h, w_q=wq, w_k=wk, w_v=wv, w_o=wo, **kw)
+        args: dict[str, Any] = dict(num_heads=h, w_q=wq, w_k=wk, w_v=wv, w_o=wo, **kw)
         f = attnlab.multi_head_attention
         if step == "backward":
             return lambda: attnlab.multi_head_attention_backward(x, x, **args)
@@ -104,7 +104,7 @@ def _pooled(family: str, backward: bool = False) -> Callable[[Any, bool], Call]:
         x = rng.standard_normal((2 if quick else 8, 784 if quick else 3136, D)).astype(dt)
         if family == "additive":
             wq, wk, wp, wf, wg = _weights(rng, dt, (D, D), (D, D), (D, D), (D, D), (D,))
-            w = dict(w_q=wq, w_k=wk, w_g=wg, w_proj=wp, w_final=wf)
+            w: dict[str, Any] = dict(w_q=wq, w_k=wk, w_g=wg, w_proj=wp, w_final=wf)
             if backward:
                 return lambda: attnlab.additive_attention_backward(x, x, **w)
             return lambda: attnlab.additive_attention(x, **w)
@@ -122,7 +122,7 @@ def _bilinear(dt: Any, quick: bool, backward: bool = False) -> Call:
     rng, d, h = _rng(), 384, 6
     x = rng.standard_normal((2 if quick else 8, 197, d)).astype(dt)
     w_qk, w_v, w_o = _weights(rng, dt, (h, d, d), (d, d), (d, d))
-    w = dict(num_heads=h, w_qk=w_qk, w_v=w_v, w_o=w_o)
+    w: dict[str, Any] = dict(num_heads=h, w_qk=w_qk, w_v=w_v, w_o=w_o)
     if backward:
         return lambda: attnlab.bilinear_attention_backward(x, x, **w)
     return lambda: attnlab.bilinear_attention(x, **w)
