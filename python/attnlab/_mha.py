@@ -755,14 +755,15 @@ def _mha_grads(
 
 def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
-    half = _half.storage(args)
-    if half is not None and args["precision"] is None:
-        a = _prepare_sdpa(args, half_qkv=True)
-        # read and written as stored, unless a gradient is summed over broadcast batch axes
-        # (in float32, then rounded)
-        if _stacked(a.q, a.k, a.v):
-            return _half.store_grads(_sdpa_grads(a, grad_out), _half.halves(args))
-    return _half.store_grads(_sdpa_grads(_prepare_sdpa(args), grad_out), _half.halves(args))
+    # half-precision q, k, v read and dq, dk, dv written as stored, unless a gradient is summed
+    # over broadcast batch axes (in float32, then rounded)
+    half_qkv = (
+        _half.storage(args) is not None
+        and args["precision"] is None
+        and _stacked(args["q"], args["k"], args["v"])
+    )
+    grads = _sdpa_grads(_prepare_sdpa(args, half_qkv), grad_out)
+    return _half.store_grads(grads, _half.halves(args))
 
 
 def _mha_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
