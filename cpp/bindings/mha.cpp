@@ -76,20 +76,29 @@ void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const Ma
     });
 }
 
+// The sizes and the half-precision views of q, k, v (their bits as uint16 arrays; half 1:
+// float16, 2: bfloat16) of an SDPA call computed in float32.
+AttentionProblem<float> half_problem(const py::array& q, const py::array& k, const py::array& v,
+                                     int half, double scale) {
+    if (half != 1 && half != 2) throw py::value_error("half: expected 1 (float16) or 2 (bfloat16)");
+    AttentionProblem<float> p = sdpa_sizes<float>(q, k, v, scale);
+    const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
+    using Bits = std::uint16_t;
+    p.half = half == 1 ? HalfFormat::float16 : HalfFormat::bfloat16;
+    p.q_half = const_stack<Bits>(check<Bits>(q, "q", {B, H, nq, p.d}), q);
+    p.k_half = const_stack<Bits>(check<Bits>(k, "k", {B, Hk, nk, p.d}), k);
+    p.v_half = const_stack<Bits>(check<Bits>(v, "v", {B, Hk, nk, p.d_v}), v);
+    return p;
+}
+
 // The forward with q, k, v and out in half precision (their bits as uint16 arrays; half 1:
 // float16, 2: bfloat16), computed in float32; lse float32; out and the weights, when wanted,
 // as bits or float32.
 void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::array out,
                        const MaskArgs& mask, double scale, py::object lse, py::object weights) {
-    if (half != 1 && half != 2) throw py::value_error("half: expected 1 (float16) or 2 (bfloat16)");
-    AttentionProblem<float> p = sdpa_sizes<float>(q, k, v, scale);
-    const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
-    const Index d = p.d, dv = p.d_v;
+    AttentionProblem<float> p = half_problem(q, k, v, half, scale);
+    const Index B = p.batch, H = p.heads, nq = p.n_q, nk = p.n_k, dv = p.d_v;
     using Bits = std::uint16_t;
-    p.half = half == 1 ? HalfFormat::float16 : HalfFormat::bfloat16;
-    p.q_half = const_stack<Bits>(check<Bits>(q, "q", {B, H, nq, d}), q);
-    p.k_half = const_stack<Bits>(check<Bits>(k, "k", {B, Hk, nk, d}), k);
-    p.v_half = const_stack<Bits>(check<Bits>(v, "v", {B, Hk, nk, dv}), v);
     if (out.dtype().is(py::dtype::of<float>())) {  // kept in float32 (attnlab.vjp's forward)
         auto so = check<float>(out, "out", {B, H, nq, dv}, true);
         p.out = {static_cast<float*>(out.mutable_data()), so[0], so[1], so[2]};
@@ -164,15 +173,9 @@ void sdpa_backward_half(py::array grad_out, py::array q, py::array k, py::array 
                         const MaskArgs& mask, double scale, py::array out, py::array lse,
                         py::array d_q, py::array d_k, py::array d_v, bool grad_out_half,
                         bool recompute, py::object d_mask, py::object d_sinks) {
-    if (half != 1 && half != 2) throw py::value_error("half: expected 1 (float16) or 2 (bfloat16)");
-    AttentionProblem<float> p = sdpa_sizes<float>(q, k, v, scale);
-    const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
-    const Index d = p.d, dv = p.d_v;
+    AttentionProblem<float> p = half_problem(q, k, v, half, scale);
+    const Index B = p.batch, H = p.heads, nq = p.n_q, nk = p.n_k, dv = p.d_v;
     using Bits = std::uint16_t;
-    p.half = half == 1 ? HalfFormat::float16 : HalfFormat::bfloat16;
-    p.q_half = const_stack<Bits>(check<Bits>(q, "q", {B, H, nq, d}), q);
-    p.k_half = const_stack<Bits>(check<Bits>(k, "k", {B, Hk, nk, d}), k);
-    p.v_half = const_stack<Bits>(check<Bits>(v, "v", {B, Hk, nk, dv}), v);
     float* po = contiguous<float>(out, "out", {B, H, nq, dv}, true);
     p.out = {po, H * nq * dv, nq * dv, dv};
     p.mask = mask_spec<float>(mask, B, H, nq, nk);
