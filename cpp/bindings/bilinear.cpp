@@ -40,14 +40,7 @@ BilinearProblem<T> bilinear_problem(const BilinearArgs& a, int order, const py::
         throw py::value_error("w_qk, w_v, w_o: expected 3-d, 2-d and 2-d arrays");
     if (batch < 0 || n_q < 0 || n_k < 0) throw py::value_error("negative sizes");
     if (order != 0 && order != 1) throw py::value_error("order: expected 0 or 1");
-    if (a.weights_half < 0 || a.weights_half > 2)
-        throw py::value_error("weights_half: expected 0, 1 (float16) or 2 (bfloat16), got " +
-                              std::to_string(a.weights_half));
-    if (a.out_half != 0 && (a.out_half != 1 || a.weights_half == 0))
-        throw py::value_error(
-            "out_half: expected 0, or 1 with the weights in half precision (weights_half 1 or "
-            "2), got " +
-            std::to_string(a.out_half) + " with weights_half " + std::to_string(a.weights_half));
+    check_half_codes(a.weights_half, "out_half", a.out_half);
     const Index d_q = a.w_qk.shape(1), d_k = a.w_qk.shape(2), d_v = s.w_v.shape(0);
     if (s.w_v.shape(1) % kv_heads != 0)
         throw py::value_error("w_v: width must divide into kv heads");

@@ -273,6 +273,21 @@ MaskSpec<T> mask_spec(const MaskArgs& args, Index batch, Index heads, Index n_q,
     return m;
 }
 
+// The half-precision codes of a projected family's arguments: weights_half 0 (the inputs'
+// dtype), 1 (float16) or 2 (bfloat16) bits; `flag` (named `name`: which further arrays are bits
+// of that format) 0, or 1 with half-precision weights.
+inline void check_half_codes(int weights_half, const char* name, int flag) {
+    if (weights_half < 0 || weights_half > 2)
+        throw py::value_error("weights_half: expected 0, 1 (float16) or 2 (bfloat16), got " +
+                              std::to_string(weights_half));
+    if (flag != 0 && (flag != 1 || weights_half == 0))
+        throw py::value_error(std::string(name) +
+                              ": expected 0, or 1 with the weights in half precision "
+                              "(weights_half 1 or 2), got " +
+                              std::to_string(flag) + " with weights_half " +
+                              std::to_string(weights_half));
+}
+
 // A dense layer's checked weight (in, out) and optional bias (out); with `half`, the weight as
 // the uint16 bits of that format (float only).
 template <typename T>

@@ -275,14 +275,7 @@ MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
     const Index d_head = a.w_q.shape(1) / heads, d_vhead = s.w_v.shape(1) / kv_heads;
     const Index wq = heads * d_head, wk = kv_heads * d_head;
     MhaProblem<T> p;
-    if (a.weights_half < 0 || a.weights_half > 2)
-        throw py::value_error("weights_half: expected 0, 1 (float16) or 2 (bfloat16), got " +
-                              std::to_string(a.weights_half));
-    if (a.inputs_half != 0 && (a.inputs_half != 1 || a.weights_half == 0))
-        throw py::value_error(
-            "inputs_half: expected 0, or 1 with the weights in half precision (weights_half 1 "
-            "or 2), got " +
-            std::to_string(a.inputs_half) + " with weights_half " + std::to_string(a.weights_half));
+    check_half_codes(a.weights_half, "inputs_half", a.inputs_half);
     if (a.inputs_half) {  // their bits: the float pointers stay null
         using Bits = std::uint16_t;
         projected_sizes(p, s);
