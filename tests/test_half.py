@@ -806,8 +806,59 @@ def test_pooled_forward_reads_and_writes_half_as_the_float32_call_rounds(family,
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
+@pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
+@pytest.mark.parametrize("go_half", [True, False], ids=["grad_out-half", "grad_out-float32"])
+@pytest.mark.parametrize("B,n,d", [(2, 1100, 24), (1, 5, 8), (3, 129, 130)], ids=str)
+@pytest.mark.parametrize("family", ["additive-official", "additive-hf", "separable"])
+def test_pooled_backward_reads_and_writes_half_as_the_float32_call_rounds(
+    family, B, n, d, go_half, path, monkeypatch
+):
+    """The pooled backwards read half-precision x (widened as their pooling reads it and as it
+    is transposed) and ``grad_out`` (widened by the products that read it) as stored, and round
+    x's gradient as its last product writes it: every gradient is the float32 call's on the
+    widened arrays, rounded, bit for bit (one row chunk or several, a width above a packet
+    multiple, padded tokens, a float32 ``grad_out``); nothing of x's size widened or rounded in
+    Python."""
+    _, dtype, _, _ = path
+    if family == "separable":
+        args, _ = _separable_case((B, n, d, d))
+        fn, kw = attnlab.separable_attention_backward, {}
+        d_out = d
+    else:
+        args, kw = _additive_case((B, n, d, 32), family.split("-")[1])
+        fn, d_out = attnlab.additive_attention_backward, d
+    rng = np.random.default_rng(B + n + d)
+    mask = rng.random((B, n)) > 0.25
+    g = rng.standard_normal((B, n, d_out)).astype(dtype if go_half else np.float32)
+    half = _cast(args, dtype)
+    widened = _cast(half, np.dtype(np.float32))
+    want = fn(g.astype(np.float32), **widened, **kw, key_padding_mask=mask)
+    tokens = {(B, n, d), (B * n, d), (B, n, d_out), (B * n, d_out)}  # x, grad_out, their rows
+
+    def refuse(real: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+        def check(a: np.ndarray, *rest: Any) -> np.ndarray:
+            if a.shape in tokens and a.dtype not in rest:  # store(a, a.dtype) converts nothing
+                raise AssertionError(f"an array of {a.shape} converted in Python")
+            return real(a, *rest)
+
+        return check
+
+    monkeypatch.setattr(attnlab._half, "widen", refuse(attnlab._half.widen))
+    monkeypatch.setattr(attnlab._half, "store", refuse(attnlab._half.store))
+    monkeypatch.setattr(attnlab._validate, "widen", refuse(attnlab._validate.widen))
+    got = fn(g, **half, **kw, key_padding_mask=mask)
+    monkeypatch.undo()
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == dtype, name
+        np.testing.assert_array_equal(
+            got[name].view(np.uint16), want[name].astype(dtype).view(np.uint16), err_msg=name
+        )
+
+
 def test_pooled_half_bits_are_refused_where_not_read():
-    """The bindings' ``half`` field: only the forward reads x as bits, without a state."""
+    """The bindings' ``half`` field: x (and the backward's x gradient) as bits, without a
+    state."""
     from attnlab._loader import core
 
     x = np.ones((10, 8), np.float16).view(np.uint16)
@@ -823,8 +874,20 @@ def test_pooled_half_bits_are_refused_where_not_read():
         core.additive_forward(core.AdditiveArgs(**good, half=1), out, {})
     with pytest.raises(TypeError, match=r"^x: "):
         core.additive_forward(core.AdditiveArgs(**dict(good, x=x.view(np.float16)), half=1), out)
-    with pytest.raises(ValueError, match=r"^half: the backward"):
-        core.additive_backward(np.ones((10, 8), np.float32), core.AdditiveArgs(**good, half=1), {})
+    go = np.ones((10, 8), np.float32)
+    grads = {k: np.empty_like(v) for k, v in w.items()}
+    grads.update(w_g=np.empty(8, np.float32), x=np.empty((10, 8), np.uint16))
+    for g in (go, go.astype(np.float16).view(np.uint16)):
+        core.additive_backward(g, core.AdditiveArgs(**good, half=1), grads)
+        assert np.isfinite(grads["x"].view(np.float16)).all()
+    with pytest.raises(ValueError, match=r"^state: "):
+        core.additive_backward(go, core.AdditiveArgs(**good, half=1), grads, {})
+    with pytest.raises(TypeError, match=r"^x: "):  # x's gradient as float32, not its bits
+        core.additive_backward(go, core.AdditiveArgs(**good, half=1), dict(grads, x=go))
+    with pytest.raises(TypeError, match=r"^grad_out: "):
+        core.additive_backward(go.astype(np.float16), core.AdditiveArgs(**good, half=1), grads)
+    with pytest.raises(ValueError, match=r"^grads: expected buffers for x, "):
+        core.additive_backward(go, core.AdditiveArgs(**good, half=1), {})
 
 
 # ----------------------------------------------------------------- the bound itself

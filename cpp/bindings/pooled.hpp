@@ -49,9 +49,10 @@ auto pooled_problem(const typename Family::Args& a) {
 }
 
 // The gradient buffers, through the visitor that checked the inputs (the same names and
-// shapes); every input but the biases must have one.
+// shapes); every input but the biases must have one. x's is half-precision bits (uint16), set
+// in p.half.grad_x, when p.half.x is set.
 template <typename Family, typename T>
-auto pooled_grads(const typename Family::Args& a, const typename Family::template Problem<T>& p,
+auto pooled_grads(const typename Family::Args& a, typename Family::template Problem<T>& p,
                   const py::dict& grads) {
     typename Family::template Grads<T> g;
     std::string required;
@@ -59,25 +60,37 @@ auto pooled_grads(const typename Family::Args& a, const typename Family::templat
     Family::visit(
         a, p, g,
         [&](T*& ptr, const py::object&, const char* name, std::vector<Index> shape, bool optional) {
-            ptr = grad_buffer<T>(grads, name, std::move(shape));
+            const bool bits = p.half.x && &ptr == &g.x;
+            if (bits)
+                p.half.grad_x = grad_buffer<std::uint16_t>(grads, name, std::move(shape));
+            else
+                ptr = grad_buffer<T>(grads, name, std::move(shape));
             if (optional) return;
             required += (required.empty() ? "" : ", ") + std::string(name);
-            complete = complete && ptr;
+            complete = complete && (bits ? p.half.grad_x != nullptr : ptr != nullptr);
         });
     if (!complete) throw py::value_error("grads: expected buffers for " + required);
     return g;
 }
 
+// a.half checked (0, 1 or 2), and no state with half-precision x.
+template <typename Args>
+bool half_tokens(const Args& a, const py::object& state) {
+    if (a.half == 0) return false;
+    if (a.half != 1 && a.half != 2)
+        throw py::value_error("half: expected 0, 1 (float16) or 2 (bfloat16), got " +
+                              std::to_string(a.half));
+    if (!state.is_none()) throw py::value_error("state: not kept for half-precision x");
+    return true;
+}
+
 // Forward and backward of either family (Family: Additive or Separable, with its Args). state:
 // only attnlab.vjp passes it, a dict of buffers the forward fills and the backward then reads.
-// a.half: x and out are the bits of that half dtype (computed in float32), no state.
+// a.half: x and out (the backward: x, x's gradient, and grad_out when it is uint16) are the
+// bits of that half dtype (computed in float32), no state.
 template <typename Family>
 void pooled_forward(const typename Family::Args& a, py::array out, py::object state) {
-    if (a.half != 0) {
-        if (a.half != 1 && a.half != 2)
-            throw py::value_error("half: expected 0, 1 (float16) or 2 (bfloat16), got " +
-                                  std::to_string(a.half));
-        if (!state.is_none()) throw py::value_error("state: not kept for half-precision x");
+    if (half_tokens(a, state)) {
         auto p = pooled_problem<Family, float>(a);
         p.half.out = contiguous<std::uint16_t>(out, "out", {a.batch * a.n, p.d_out}, true);
         ReleaseGil release;
@@ -99,9 +112,19 @@ void pooled_forward(const typename Family::Args& a, py::array out, py::object st
 template <typename Family>
 void pooled_backward(py::array grad_out, const typename Family::Args& a, py::dict grads,
                      py::object state) {
-    if (a.half != 0)
-        throw py::value_error("half: the backward takes x in float32 or float64, got half " +
-                              std::to_string(a.half));
+    if (half_tokens(a, state)) {
+        auto p = pooled_problem<Family, float>(a);
+        const std::vector<Index> shape{a.batch * a.n, p.d_out};
+        const float* gout = nullptr;
+        if (is_dtype<std::uint16_t>(grad_out))
+            p.half.grad_out = contiguous<std::uint16_t>(grad_out, "grad_out", shape);
+        else
+            gout = contiguous<float>(grad_out, "grad_out", shape);
+        const auto g = pooled_grads<Family, float>(a, p, grads);
+        ReleaseGil release;
+        (kernels_for<float>().*Family::template backward<float>)(p, gout, g);
+        return;
+    }
     dispatch(a.x, "x", [&](auto tag) {
         using T = decltype(tag);
         auto p = pooled_problem<Family, T>(a);

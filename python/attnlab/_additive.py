@@ -59,8 +59,9 @@ def _additive_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def _prepare_additive(args: dict[str, Any], keep_half: np.dtype | None = None) -> dict[str, Any]:
-    """Validated, converted arguments shared by the forward and the backward. ``keep_half``
-    (the forward): ``x`` of that half dtype is passed as its bits (``options["half"]``)."""
+    """Validated, converted arguments shared by the forward and the backward. ``keep_half``:
+    ``x`` of that half dtype is passed as its bits (``options["half"]``, and ``half`` its dtype;
+    not without features)."""
     code = _variant_code(args["variant"])
     e = _check_eps(args["eps"])
     xa = _args.pooled_tokens(args["x"], keep_half)
@@ -131,6 +132,7 @@ def _prepare_additive(args: dict[str, Any], keep_half: np.dtype | None = None) -
         dtype=dtype,
         # the other fields of core.AdditiveArgs
         options=dict(batch=B, n=n, scale=s, eps=e, variant=code, key_padding_mask=kp, half=half),
+        half=xa.dtype if half else None,  # x's half dtype when x is passed as its bits
     )
 
 
@@ -276,25 +278,35 @@ _ADDITIVE_BACKWARD_DOC = """\
 
 
 def _additive_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
-    return _half.store_grads(_additive_grads(_prepare_additive(args), grad_out), _half.halves(args))
+    half = _half.storage(args)
+    # half-precision x (and grad_out) read, and x's gradient written, as stored
+    a = _prepare_additive(args, half)
+    return _half.store_grads(_additive_grads(a, grad_out), _half.halves(args))
 
 
 def _additive_grads(
     a: dict[str, Any], grad_out: Any, state: dict[str, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
     """The gradients of a prepared call; with ``state`` (what the forward kept for
-    attnlab.vjp) the kernel reads it instead of running the forward's pooling again."""
+    attnlab.vjp) the kernel reads it instead of running the forward's pooling again. A call
+    prepared with half-precision x (``options["half"]``) reads x, and ``grad_out`` when it is
+    stored in x's dtype, as stored, and writes x's gradient in that dtype."""
     B, n, d_in, D, d_out, dtype = a["B"], a["n"], a["d_in"], a["D"], a["d_out"], a["dtype"]
-    go = _grad.grad_out_rows(grad_out, a["batch"] + (n, d_out), dtype)
-    # as the kernel reads them: x, w_q and w_k with one zero feature when d_in == 0
-    grads = _grad.grad_buffers(a["arrays"], dtype)
-    if B * n > 0 and d_out > 0:
+    half = a["half"]
+    go = _grad.grad_out_rows(grad_out, a["batch"] + (n, d_out), dtype, keep=half)
+    # as the kernel reads them: x, w_q and w_k with one zero feature when d_in == 0; not
+    # zeroed when the kernel runs (it writes every element)
+    run = B * n > 0 and d_out > 0
+    grads = _grad.grad_buffers(a["arrays"], dtype, zeroed=not run)
+    if half is not None:  # x's gradient as its bits
+        grads["x"] = _half.bits((_memory.empty if run else _memory.zeros)((B * n, d_in), half))
+    if run:
         core.additive_backward(go, core.AdditiveArgs(**a["arrays"], **a["options"]), grads, state)
     if d_in == 0:
         grads["x"] = _memory.zeros((B * n, 0), dtype)
         grads["w_q"] = _memory.zeros((0, D), dtype)
         grads["w_k"] = _memory.zeros((0, D), dtype)
-    grads["x"] = grads["x"].reshape(a["x_shape"])
+    grads["x"] = _half.from_bits(grads["x"], half).reshape(a["x_shape"])
     grads["w_g"] = grads["w_g"].reshape(a["wg_shape"])
     return grads
 

@@ -32,10 +32,14 @@ def grad_out(
     return a if keep is not None and a.dtype == keep else a.astype(dtype, copy=False)
 
 
-def grad_out_rows(g: Any, expected: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """``grad_out`` checked, then as contiguous ``(B * n, d_out)`` rows for a kernel."""
+def grad_out_rows(
+    g: Any, expected: tuple[int, ...], dtype: np.dtype, keep: np.dtype | None = None
+) -> np.ndarray:
+    """``grad_out`` checked, then as contiguous ``(B * n, d_out)`` rows for a kernel (``keep``:
+    as :func:`grad_out`; such rows are passed as their bits, uint16)."""
     rows = V.count(expected[:-1])  # not -1: ambiguous when d_out == 0
-    return _memory.contiguous(grad_out(g, expected, dtype).reshape(rows, expected[-1]))
+    a = _memory.contiguous(grad_out(g, expected, dtype, keep).reshape(rows, expected[-1]))
+    return a.view(np.uint16) if keep is not None and a.dtype == keep else a
 
 
 def unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

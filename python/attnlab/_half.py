@@ -9,7 +9,7 @@ dtype has the same half dtype (float16 and float32 mixed compute and return floa
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -77,6 +77,16 @@ def code(dtype: np.dtype) -> int:
     return 1 if dtype == np.float16 else 2
 
 
+def from_bits(a: np.ndarray, half: np.dtype | None) -> np.ndarray:
+    """A kernel's uint16 output seen as the half dtype ``half`` it holds; ``a`` itself when
+    ``half`` is None."""
+    return a if half is None else a.view(half)
+
+
+@overload
+def bits(a: np.ndarray) -> np.ndarray: ...
+@overload
+def bits(a: None) -> None: ...
 def bits(a: np.ndarray | None) -> np.ndarray | None:
     """A float16 or bfloat16 array as its bits (uint16), as the kernels take it; any other
     array, or None, as it is."""

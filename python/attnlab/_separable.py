@@ -34,8 +34,9 @@ def _separable_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def _prepare_separable(args: dict[str, Any], keep_half: np.dtype | None = None) -> dict[str, Any]:
-    """Validated, converted arguments shared by the forward and the backward. ``keep_half``
-    (the forward): ``x`` of that half dtype is passed as its bits (``options["half"]``)."""
+    """Validated, converted arguments shared by the forward and the backward. ``keep_half``:
+    ``x`` of that half dtype is passed as its bits (``options["half"]``, and ``half`` its dtype;
+    not without features)."""
     xa = _args.pooled_tokens(args["x"], keep_half)
     n, d = xa.shape[-2:]
     wqkv_ = V.as_array(args["w_qkv"], "w_qkv")
@@ -84,6 +85,7 @@ def _prepare_separable(args: dict[str, Any], keep_half: np.dtype | None = None) 
         dtype=dtype,
         # the other fields of core.SeparableArgs
         options=dict(batch=B, n=n, key_padding_mask=kp, half=half),
+        half=xa.dtype if half else None,  # x's half dtype when x is passed as its bits
     )
 
 
@@ -199,9 +201,10 @@ _SEPARABLE_BACKWARD_DOC = """\
 
 
 def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
-    return _half.store_grads(
-        _separable_grads(_prepare_separable(args), grad_out), _half.halves(args)
-    )
+    half = _half.storage(args)
+    # half-precision x (and grad_out) read, and x's gradient written, as stored
+    a = _prepare_separable(args, half)
+    return _half.store_grads(_separable_grads(a, grad_out), _half.halves(args))
 
 
 def _separable_grads(
@@ -209,10 +212,15 @@ def _separable_grads(
 ) -> dict[str, np.ndarray]:
     """As :func:`_additive_grads`, for a prepared separable call."""
     B, n, d, d_out, dtype = a["B"], a["n"], a["d"], a["d_out"], a["dtype"]
-    go = _grad.grad_out_rows(grad_out, a["batch"] + (n, d_out), dtype)
+    half = a["half"]
+    go = _grad.grad_out_rows(grad_out, a["batch"] + (n, d_out), dtype, keep=half)
     params = {k: v for k, v in a["arrays"].items() if k != "x"}
-    # x's rows are absent without features (the kernel is not called): (B * n, 0) zeros
-    grads = {"x": _memory.zeros((B * n, d), dtype), **_grad.grad_buffers(params, dtype)}
+    # zeroed unless the kernel runs (it writes every element); x's rows are absent without
+    # features: (B * n, 0); half-precision x: its gradient as its bits
+    run = B * n > 0 and d_out > 0 and d > 0
+    new = _memory.empty if run else _memory.zeros
+    grads = {"x": _half.bits(new((B * n, d), dtype if half is None else half))}
+    grads.update(_grad.grad_buffers(params, dtype, zeroed=not run))
     if B * n > 0 and d_out > 0:
         if d == 0:  # out = b_o
             if params["b_o"] is not None:
@@ -221,7 +229,7 @@ def _separable_grads(
             core.separable_backward(
                 go, core.SeparableArgs(**a["arrays"], **a["options"]), grads, state
             )
-    grads["x"] = grads["x"].reshape(a["x_shape"])
+    grads["x"] = _half.from_bits(grads["x"], half).reshape(a["x_shape"])
     return grads
 
 

@@ -46,13 +46,18 @@ struct AdditiveState {
     bool filled = false;
 };
 
-// x and out stored in half precision (float kernels, forward only): x's rows are read as
-// float16 or bfloat16 bits and widened a row block at a time, out's rows rounded a block at a
-// time as they are finished, so neither is copied whole in float32. x (then null) and out (a
-// float32 buffer, or null: the kernel's own) hold the sums in float32 as without.
+// x and out, or the backward's grad_out and x's gradient, stored in half precision (float
+// kernels): x's rows are read as float16 or bfloat16 bits and widened a row block at a time (or
+// as they are transposed), out's rows rounded a block at a time as they are finished, grad_out
+// widened by the products that read it, x's gradient rounded by the last one that sums into it;
+// so none is copied whole in float32. The float pointer each replaces is null (out and the
+// backward's grad_out may instead be float32: the kernel's own buffer for out, or a float32
+// grad_out), and the results are the float32 kernel's on the widened values, rounded.
 struct HalfTokens {
-    const std::uint16_t* x = nullptr;  // (batch * n, d_in) bits
-    std::uint16_t* out = nullptr;      // (batch * n, d_out) bits
+    const std::uint16_t* x = nullptr;         // (batch * n, d_in) bits
+    std::uint16_t* out = nullptr;             // (batch * n, d_out) bits (the forward)
+    const std::uint16_t* grad_out = nullptr;  // (batch * n, d_out) bits (the backward)
+    std::uint16_t* grad_x = nullptr;          // (batch * n, d_in) bits (the backward)
     HalfFormat format = HalfFormat::none;
 };
 
@@ -65,7 +70,7 @@ struct AdditiveProblem : AdditiveTensors<const T*> {
     TokenMask key_padding;
     T* out = nullptr;        // (batch * n, d_out) row-major contiguous
     AdditiveState<T> state;  // optional (attnlab.vjp)
-    HalfTokens half;         // x and out in half precision instead (float, forward)
+    HalfTokens half;         // tokens in half precision instead (float)
 };
 
 // Per batch element, x (n, d), [s | k | v] = x w_qkv + b_qkv with widths 1, d, d:
@@ -97,7 +102,7 @@ struct SeparableProblem : SeparableTensors<const T*> {
     TokenMask key_padding;
     T* out = nullptr;         // (batch * n, d_out)
     SeparableState<T> state;  // optional (attnlab.vjp)
-    HalfTokens half;          // x and out in half precision instead (float, forward)
+    HalfTokens half;          // tokens in half precision instead (float)
 };
 
 // Gradients of the two forwards, written to caller-owned buffers shaped like the arguments

@@ -39,20 +39,37 @@ void linear_half_weights(Index rows, Index in, Index out, const float* x,
                          HalfFormat format, const float* b, float* y, std::uint16_t* y_half,
                          Index ldy);
 
+// The operands of the gradients of linear() stored as half-precision bits (`format`), each in
+// place of its float pointer (null when that operand is float32; float kernels only): dY widened
+// as the GEMM's tasks read its rows or pack it, X widened as it is transposed, dX rounded by the
+// task that computed its block, after any accumulation into the float32 dx (null when there is
+// none). So the result is the float32 one on the widened operands (then rounded), bit for bit.
+struct HalfGradOperands {
+    const std::uint16_t* x = nullptr;   // linear_weight_grad's X (rows x in, row stride ldx)
+    const std::uint16_t* dy = nullptr;  // dY (rows x out, row stride lddy)
+    std::uint16_t* dx = nullptr;        // linear_input_grad's dX (rows x in, row stride lddx)
+    HalfFormat format = HalfFormat::none;
+};
+
 // Backward of linear(): dX = dY W^T (rows x in, row stride lddx), or dX += dY W^T.
 template <typename T>
 void linear_input_grad(Index rows, Index in, Index out, const T* dy, Index lddy, const T* w, T* dx,
-                       Index lddx, bool accumulate = false);
+                       Index lddx, bool accumulate = false, const HalfGradOperands& h = {});
 
 // Backward of linear(): dW = X^T dY (in x out) and db = column sums of dY (either may be null).
 // xt: X^T (in x rows, contiguous, from transpose_rows) when the caller has it for several weight
-// gradients of one X; else null (it is then made here when X is tall).
+// gradients of one X; else null (it is then made here when X is tall, or stored in half).
 template <typename T>
 void linear_weight_grad(Index rows, Index in, Index out, const T* x, Index ldx, const T* dy,
-                        Index lddy, T* dw, T* db, const T* xt = nullptr);
+                        Index lddy, T* dw, T* db, const T* xt = nullptr,
+                        const HalfGradOperands& h = {});
 
 // xt (in x rows) = X^T of X (rows x in, row stride ldx), in parallel.
 template <typename T>
 void transpose_rows(Index rows, Index in, const T* x, Index ldx, T* xt);
+
+// The same of X stored as half-precision bits, widened (exactly) as it is transposed.
+void transpose_rows(Index rows, Index in, const std::uint16_t* x, Index ldx, HalfFormat format,
+                    float* xt);
 
 }  // namespace attnlab::ATTNLAB_ISA_NS

@@ -233,6 +233,7 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     fill_zero(g.w_g, D);  // hf: w_g has no effect
     if (rows <= 0 || dout <= 0) {
         fill_zero(g.x, rows * din);
+        fill_zero(p.half.grad_x, rows * din);
         fill_zero(g.w_q, din * D);
         fill_zero(g.b_q, D);
         fill_zero(g.w_k, din * D);
@@ -297,8 +298,10 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     });
     linear(rows, D, D, Zb.get(), D, p.w_proj, p.b_proj, Hb.get(), D);
     for_row_blocks(rows, [&](Index r0, Index m) { row_map(Hb.get(), r0, m) += crow(Qb, r0, m); });
-    linear_weight_grad(rows, D, dout, Hb.get(), D, grad_out, dout, g.w_final, g.b_final);
-    linear_input_grad(rows, D, dout, grad_out, dout, p.w_final, dH.get(), D);
+    const HalfGradOperands half_go = half_grad_out(p.half);
+    linear_weight_grad(rows, D, dout, Hb.get(), D, grad_out, dout, g.w_final, g.b_final,
+                       static_cast<const T*>(nullptr), half_go);
+    linear_input_grad(rows, D, dout, grad_out, dout, p.w_final, dH.get(), D, false, half_go);
     linear_weight_grad(rows, D, D, Zb.get(), D, dH.get(), D, g.w_proj, g.b_proj);
     T* dZ = Hb.get();  // H is no longer needed
     linear_input_grad(rows, D, D, dH.get(), D, p.w_proj, dZ, D);
@@ -369,14 +372,14 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
         }
     });
 
-    // The input projections.
-    linear_input_grad(rows, din, D, dH.get(), D, p.w_q, g.x, din);
-    linear_input_grad(rows, din, D, dZ, D, p.w_k, g.x, din, true);
+    // The input projections; a half-precision dx summed in float32 here, rounded by the second.
+    Buffer<T> dx_sums = p.half.grad_x ? make_buffer<T>(rows * din) : Buffer<T>();
+    T* dx = p.half.grad_x ? dx_sums.get() : g.x;
+    linear_input_grad(rows, din, D, dH.get(), D, p.w_q, dx, din);
+    linear_input_grad(rows, din, D, dZ, D, p.w_k, dx, din, true,
+                      HalfGradOperands{nullptr, nullptr, p.half.grad_x, p.half.format});
     Buffer<T> xt;  // X^T once for both weight gradients
-    if (g.w_q && g.w_k && din > 0) {
-        xt = make_buffer<T>(din * rows);
-        transpose_rows(rows, din, p.x, din, xt.get());
-    }
+    if (((g.w_q && g.w_k) || p.half.x) && din > 0) xt = transposed_tokens(rows, din, p.x, p.half);
     linear_weight_grad(rows, din, D, p.x, din, dH.get(), D, g.w_q, g.b_q, xt.get());
     linear_weight_grad(rows, din, D, p.x, din, dZ, D, g.w_k, g.b_k, xt.get());
 }

@@ -244,9 +244,9 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
 // a call of few row chunks few tasks per thread. What an element sums, and in which order,
 // depends only on the depth chunks, never on the grid: the result does not depend on the
 // thread count.
-// h: operands stored in half precision instead (linear_half; float only, A read along its rows
-// and Y not accumulated): the rows of A a task reads are widened first, and the block of Y it
-// writes is computed in float32 and rounded last.
+// h: operands stored in half precision instead (float only, A read along its rows): the rows of
+// A a task reads are widened first, and the block of Y it writes is computed in float32 (in its
+// scratch, or in y when y is given: accumulated there) and rounded last.
 template <typename T>
 void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_ts, const T* b,
           Index ldb, bool b_transposed, const T* bias, T* y, Index ldy, bool accumulate,
@@ -324,7 +324,7 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
                 at = w;
                 at_rs = depth;
             }
-            if (h.y) {
+            if (h.y && !y) {
                 yt = scratch<T>(ScratchBuffer::kGemmHalfOut, static_cast<std::size_t>(m * cols));
                 yt_ld = cols;
             }
@@ -337,7 +337,7 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
             if (h.y) {
                 const Index c0 = p0 * W, c1 = std::min(cols, p1 * W);
                 for (Index r = 0; r < m; ++r)
-                    detail::narrow_block(yt + r * cols + c0, c1 - c0, h.format,
+                    detail::narrow_block(yt + r * yt_ld + c0, c1 - c0, h.format,
                                          h.y + (r0 + r) * ldy + c0);
             }
         }
@@ -369,11 +369,13 @@ void linear_half_weights(Index rows, Index in, Index out, const float* x,
 
 template <typename T>
 void linear_input_grad(Index rows, Index in, Index out, const T* dy, Index lddy, const T* w, T* dx,
-                       Index lddx, bool accumulate) {
+                       Index lddx, bool accumulate, const HalfGradOperands& h) {
+    const HalfOperands half{h.dy, nullptr, h.dx, h.format};
+    if (h.dy) dy = nullptr;
     // dX = dY W^T: B(t, j) = W[j, t]
     if (rows <= kRowChunk || in <= 0 || out <= 0) {
         gemm(rows, out, in, dy, lddy, Index(1), w, out, true, static_cast<const T*>(nullptr), dx,
-             lddx, accumulate);
+             lddx, accumulate, half);
         return;
     }
     // More than one row chunk: W^T once, in parallel, then the plain path (each row chunk's
@@ -382,7 +384,7 @@ void linear_input_grad(Index rows, Index in, Index out, const T* dy, Index lddy,
     auto wt = make_buffer<T>(out * in);
     transpose_rows(in, out, w, out, wt.get());
     gemm(rows, out, in, dy, lddy, Index(1), static_cast<const T*>(wt.get()), in, false,
-         static_cast<const T*>(nullptr), dx, lddx, accumulate);
+         static_cast<const T*>(nullptr), dx, lddx, accumulate, half);
 }
 
 template <typename T>
@@ -396,44 +398,80 @@ void transpose_rows(Index rows, Index in, const T* x, Index ldx, T* xt) {
 
 template <typename T>
 void linear_weight_grad(Index rows, Index in, Index out, const T* x, Index ldx, const T* dy,
-                        Index lddy, T* dw, T* db, const T* xt) {
+                        Index lddy, T* dw, T* db, const T* xt, const HalfGradOperands& h) {
     if (out <= 0) return;
-    // dW = X^T dY: A(r, t) = X^T[r, t], read along its rows. More than one row chunk of X:
-    // X^T first (read across the rows of X, A takes a cache line per step of the depth;
-    // docs/performance.md, "Weight gradients on X^T"). The same products in the same order
-    // either way: bitwise the same.
+    // dW = X^T dY: A(r, t) = X^T[r, t], read along its rows. More than one row chunk of X, or
+    // X in half precision: X^T first (read across the rows of X, A takes a cache line per step
+    // of the depth; docs/performance.md, "Weight gradients on X^T"). The same products in the
+    // same order either way: bitwise the same.
     Buffer<T> own;
-    if (dw && in > 0 && !xt && rows > kRowChunk) {
+    if (dw && in > 0 && !xt && (rows > kRowChunk || h.x)) {
         own = make_buffer<T>(in * rows);
-        transpose_rows(rows, in, x, ldx, own.get());
+        if constexpr (std::is_same_v<T, float>) {
+            if (h.x)
+                transpose_rows(rows, in, h.x, ldx, h.format, own.get());
+            else
+                transpose_rows(rows, in, x, ldx, own.get());
+        } else {
+            transpose_rows(rows, in, x, ldx, own.get());
+        }
         xt = own.get();
     }
+    const HalfOperands half{nullptr, h.dy, nullptr, h.format};  // dY is the B operand
+    const T* b = h.dy ? nullptr : dy;
     if (dw && in > 0 && xt)
-        gemm(in, rows, out, xt, rows, Index(1), dy, lddy, false, static_cast<const T*>(nullptr), dw,
-             out, false);
+        gemm(in, rows, out, xt, rows, Index(1), b, lddy, false, static_cast<const T*>(nullptr), dw,
+             out, false, half);
     else if (dw && in > 0)
-        gemm(in, rows, out, x, Index(1), ldx, dy, lddy, false, static_cast<const T*>(nullptr), dw,
-             out, false);
+        gemm(in, rows, out, x, Index(1), ldx, b, lddy, false, static_cast<const T*>(nullptr), dw,
+             out, false, half);
     if (db) {  // column sums in row order, in blocks of columns (the order does not change)
         constexpr Index kCols = 128;
+        using RowVec = Eigen::Matrix<T, 1, Eigen::Dynamic>;
         parallel_for((out + kCols - 1) / kCols, [&](Index c) {
             const Index j0 = c * kCols, n = std::min(kCols, out - j0);
-            Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> DB(db + j0, n);
+            Eigen::Map<RowVec> DB(db + j0, n);
             DB.setZero();
-            for (Index r = 0; r < rows; ++r)
-                DB += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(dy + r * lddy + j0, n);
+            T widened[kCols];  // a row of a half-precision dY
+            for (Index r = 0; r < rows; ++r) {
+                const T* row = dy + r * lddy + j0;
+                if constexpr (std::is_same_v<T, float>) {
+                    if (h.dy) {
+                        detail::half_to_float(h.dy + r * lddy + j0, n, h.format, widened);
+                        row = widened;
+                    }
+                }
+                DB += Eigen::Map<const RowVec>(row, n);
+            }
         });
     }
 }
 
+void transpose_rows(Index rows, Index in, const std::uint16_t* x, Index ldx, HalfFormat format,
+                    float* xt) {
+    constexpr Index kBlock = 64, kRows = 256;  // columns of X a task; rows widened at a time
+    parallel_for((in + kBlock - 1) / kBlock, [&](Index i) {
+        const Index j0 = i * kBlock, nj = std::min(kBlock, in - j0);
+        float* w =
+            scratch<float>(ScratchBuffer::kTransposeHalf, static_cast<std::size_t>(kRows * kBlock));
+        for (Index r0 = 0; r0 < rows; r0 += kRows) {
+            const Index m = std::min(kRows, rows - r0);
+            detail::half_rows_to_float(x + r0 * ldx + j0, ldx, m, nj, format, w);
+            detail::transpose(m, nj, static_cast<const float*>(w), nj, xt + j0 * rows + r0, rows);
+        }
+    });
+}
+
 template void linear_input_grad<float>(Index, Index, Index, const float*, Index, const float*,
-                                       float*, Index, bool);
+                                       float*, Index, bool, const HalfGradOperands&);
 template void linear_input_grad<double>(Index, Index, Index, const double*, Index, const double*,
-                                        double*, Index, bool);
+                                        double*, Index, bool, const HalfGradOperands&);
 template void linear_weight_grad<float>(Index, Index, Index, const float*, Index, const float*,
-                                        Index, float*, float*, const float*);
+                                        Index, float*, float*, const float*,
+                                        const HalfGradOperands&);
 template void linear_weight_grad<double>(Index, Index, Index, const double*, Index, const double*,
-                                         Index, double*, double*, const double*);
+                                         Index, double*, double*, const double*,
+                                         const HalfGradOperands&);
 template void transpose_rows<float>(Index, Index, const float*, Index, float*);
 template void transpose_rows<double>(Index, Index, const double*, Index, double*);
 

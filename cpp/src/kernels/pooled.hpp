@@ -9,6 +9,7 @@
 
 #include "attnlab/additive.hpp"
 #include "attnlab/common.hpp"
+#include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
 #include "half_convert.hpp"
 #include "products.hpp"
@@ -134,6 +135,39 @@ void for_row_blocks(Index rows, F fn) {
 template <typename T>
 void fill_zero(T* p, Index count) {
     if (p) std::fill(p, p + std::max<Index>(count, 0), T(0));
+}
+
+// The backward's products that read grad_out (d_out wide), as HalfGradOperands: its bits when
+// h has them.
+inline HalfGradOperands half_grad_out(const HalfTokens& h) {
+    return {nullptr, h.grad_out, nullptr, h.format};
+}
+
+// X^T (in x rows) of the tokens x (rows x in), or of h.x's half-precision bits when set (T
+// float), for the weight gradients of the input projections.
+template <typename T>
+Buffer<T> transposed_tokens(Index rows, Index in, const T* x, const HalfTokens& h) {
+    auto xt = make_buffer<T>(in * rows);
+    if constexpr (std::is_same_v<T, float>) {
+        if (h.x) {
+            transpose_rows(rows, in, h.x, in, h.format, xt.get());
+            return xt;
+        }
+    }
+    transpose_rows(rows, in, x, in, xt.get());
+    return xt;
+}
+
+// Row r of grad_out (d_out wide) as T: in place, or widened from h.grad_out into `row`.
+template <typename T>
+const T* grad_out_row(const T* grad_out, const HalfTokens& h, Index r, Index dout, T* row) {
+    if constexpr (std::is_same_v<T, float>) {
+        if (h.grad_out) {
+            half_to_float(h.grad_out + r * dout, dout, h.format, row);
+            return row;
+        }
+    }
+    return grad_out + r * dout;
 }
 
 }  // namespace detail

@@ -160,13 +160,17 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
     const Index rows = B * n, ld = 1 + 2 * d;
     if (rows <= 0 || dout <= 0 || d <= 0) {
         fill_zero(g.x, rows * d);
+        fill_zero(p.half.grad_x, rows * d);
         fill_zero(g.w_qkv, d * ld);
         fill_zero(g.b_qkv, ld);
         fill_zero(g.w_o, d * dout);
         fill_zero(g.b_o, dout);
-        if (g.b_o && dout > 0)  // out = b_o when there are no features
+        if (g.b_o && dout > 0) {  // out = b_o when there are no features
+            Vec<T> row(dout);
             for (Index r = 0; r < rows; ++r)
-                VecMap<T>(g.b_o, dout) += ConstVecMap<T>(grad_out + r * dout, dout);
+                VecMap<T>(g.b_o, dout) +=
+                    ConstVecMap<T>(grad_out_row(grad_out, p.half, r, dout, row.data()), dout);
+        }
         return;
     }
     constexpr T kInf = std::numeric_limits<T>::infinity();
@@ -226,8 +230,10 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
         for (Index r = r0; r < r0 + m; ++r)
             drow(Ub.get(), r) = crow(Rv, r).cwiseProduct(ctx.row(r / n));
     });
-    linear_weight_grad(rows, d, dout, Ub.get(), d, grad_out, dout, g.w_o, g.b_o);
-    linear_input_grad(rows, d, dout, grad_out, dout, p.w_o, dU.get(), d);
+    const HalfGradOperands half_go = half_grad_out(p.half);
+    linear_weight_grad(rows, d, dout, Ub.get(), d, grad_out, dout, g.w_o, g.b_o,
+                       static_cast<const T*>(nullptr), half_go);
+    linear_input_grad(rows, d, dout, grad_out, dout, p.w_o, dU.get(), d, false, half_go);
 
     // dctx = sum over every token of relu(v) * dU.
     const RowMatrix<T> dctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m, auto& share) {
@@ -268,8 +274,11 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
             dP[r * ld] = real(r) ? c[r] * (dc[r] - static_cast<T>(cdot(r / n, 0))) : T(0);
     });
 
-    linear_input_grad(rows, d, ld, dP.get(), ld, p.w_qkv, g.x, d);
-    linear_weight_grad(rows, d, ld, p.x, d, dP.get(), ld, g.w_qkv, g.b_qkv);
+    linear_input_grad(rows, d, ld, dP.get(), ld, p.w_qkv, g.x, d, false,
+                      HalfGradOperands{nullptr, nullptr, p.half.grad_x, p.half.format});
+    linear_weight_grad(rows, d, ld, p.x, d, dP.get(), ld, g.w_qkv, g.b_qkv,
+                       static_cast<const T*>(nullptr),
+                       HalfGradOperands{p.half.x, nullptr, nullptr, p.half.format});
 }
 
 ATTNLAB_INSTANTIATE_ENTRY_POINTS(separable_attention, SeparableProblem, SeparableGrads);
