@@ -227,8 +227,8 @@ def test_mha_args_refuse_a_bad_weights_half():
     with pytest.raises(ValueError, match=r"weights_half: expected 0, 1 .* got 3"):
         core.mha_forward(a._replace(weights_half=3).core_args(), out, None)
     grads = {"w_q": np.empty_like(w["w_q"])}
-    half = a._replace(weights_half=1).core_args()
-    with pytest.raises(ValueError, match="weights_half: the backward takes the weights in the"):
+    half = a._replace(weights_half=1).core_args()  # float32 weights, not their bits
+    with pytest.raises(TypeError, match=r"^w_q: "):
         core.mha_backward(np.ones((14, 16), np.float32), half, grads)
 
 
@@ -362,6 +362,70 @@ def test_half_inputs_strided_and_broadcast_are_the_widened_call(dtype):
     np.testing.assert_array_equal(got.view(np.uint16), want.astype(dtype).view(np.uint16))
 
 
+@pytest.mark.parametrize("dtype", [d for _, d in FORMATS])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(B=2, n=200, n_k=None, d=64, h=4, h_kv=4, go="half"),  # self-attention, 400 rows
+        dict(B=1, n=5, n_k=None, d=16, h=2, h_kv=1, go="half", bias=True),  # one row chunk
+        dict(B=2, n=130, n_k=133, d=48, h=3, h_kv=3, go="float32", bias=True),  # cross
+        dict(B=3, n=129, n_k=None, d=40, h=2, h_kv=2, go="half", causal=True),
+        dict(B=1, n=7, n_k=9, d=32, h=4, h_kv=2, go="float32", inputs="float32"),  # weights only
+    ],
+    ids=["self", "short-gqa", "cross", "causal", "weights-only"],
+)
+def test_mha_backward_reads_half_as_stored(case, dtype, monkeypatch):
+    """The MHA backward reads half-precision weights (W^T widened as it is transposed), inputs
+    (widened as the forward's projections read them and as X^T is made) and ``grad_out``
+    (widened by the products that read it) as stored, and rounds the inputs' gradients as
+    their last product writes them (summed in float32 first when self-attention shares them):
+    every gradient is the float32 call's on the widened arrays, rounded, bit for bit; nothing
+    of an input's size widened or rounded in Python."""
+    import attnlab
+
+    B, n, d, h, h_kv = case["B"], case["n"], case["d"], case["h"], case["h_kv"]
+    rng = np.random.default_rng(B + n + d)
+    in_dtype = np.dtype(case.get("inputs", dtype))
+    x = rng.standard_normal((B, n, d)).astype(in_dtype)
+    kv = None if case["n_k"] is None else rng.standard_normal((B, case["n_k"], d)).astype(in_dtype)
+    dh = d // h
+    shapes = {"w_q": (d, d), "w_k": (d, h_kv * dh), "w_v": (d, h_kv * dh), "w_o": (d, d)}
+    if case.get("bias"):
+        shapes.update(b_q=(d,), b_o=(d,))
+    w = {k: (rng.standard_normal(s) / 5).astype(dtype) for k, s in shapes.items()}
+    g = rng.standard_normal((B, n, d)).astype(dtype if case["go"] == "half" else np.float32)
+    kw = dict(num_heads=h, num_kv_heads=h_kv, causal=case.get("causal", False))
+    inputs = (x,) if kv is None else (x, kv, kv)
+    f32 = {k: a.astype(np.float32) for k, a in w.items()}
+    want = attnlab.multi_head_attention_backward(
+        g.astype(np.float32), *(a.astype(np.float32) for a in inputs), **f32, **kw
+    )
+    tokens = {(B, n, d), (B * n, d)} | (
+        {(B, kv.shape[1], d), (B * kv.shape[1], d)} if kv is not None else set()
+    )
+
+    def refuse(real):
+        def check(a, *rest):
+            if a.shape in tokens and a.dtype not in rest:  # store(a, a.dtype) converts nothing
+                raise AssertionError(f"an array of {a.shape} converted in Python")
+            return real(a, *rest)
+
+        return check
+
+    monkeypatch.setattr(attnlab._half, "widen", refuse(attnlab._half.widen))
+    monkeypatch.setattr(attnlab._half, "store", refuse(attnlab._half.store))
+    monkeypatch.setattr(attnlab._validate, "widen", refuse(attnlab._validate.widen))
+    got = attnlab.multi_head_attention_backward(g, *inputs, **w, **kw)
+    monkeypatch.undo()
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        stored = in_dtype if name in ("query", "key", "value") else dtype
+        assert got[name].dtype == stored, name
+        np.testing.assert_array_equal(
+            got[name].view(np.uint8), value.astype(stored).view(np.uint8), err_msg=name
+        )
+
+
 def test_mha_args_refuse_a_bad_inputs_half():
     """The binding's own checks of inputs_half (the Python layer never sends these)."""
     rng = np.random.default_rng(0)
@@ -374,8 +438,19 @@ def test_mha_args_refuse_a_bad_inputs_half():
         core.mha_forward(a._replace(weights_half=0).core_args(), out, None)
     with pytest.raises(TypeError, match="out: unexpected dtype float32"):
         core.mha_forward(a.core_args(), np.empty((14, 16), np.float32), None)
-    with pytest.raises(ValueError, match="inputs_half: the backward takes float32 or float64"):
+    with pytest.raises(ValueError, match=r"inputs_half: .* got 1 with weights_half 0"):
         core.mha_backward(out, a._replace(weights_half=0).core_args(), {})
+    weights_only = a._replace(inputs_half=False, rq=x.reshape(14, 32).astype(np.float32))
+    weights_only = weights_only._replace(rk=weights_only.rq, rv=weights_only.rq).core_args()
+    with pytest.raises(TypeError, match=r"^grad_out: half-precision bits go with inputs_half"):
+        core.mha_backward(out, weights_only, {})
+    with pytest.raises(ValueError, match=r"^state: not kept for half-precision weights"):
+        core.mha_backward(out, a.core_args(), {}, {})
+    with pytest.raises(TypeError, match=r"^query: "):  # the inputs' gradients as their bits
+        core.mha_backward(out, a.core_args(), {"query": np.empty((14, 32), np.float32)})
+    grads = {"query": np.empty((14, 32), np.uint16), "w_o": np.empty((32, 16), np.float32)}
+    core.mha_backward(out, a.core_args(), grads)  # the backward itself runs
+    assert np.isfinite(grads["query"].view(np.float16)).all()
     core.mha_forward(a.core_args(), out, None)  # the call itself runs, with bf16 products too
     core.mha_forward(a.core_args(), out, None, None, True)
 

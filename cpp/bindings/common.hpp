@@ -438,12 +438,20 @@ void projected_outputs(Problem& p, const py::array& out, const py::object& weigh
     p.weights = contiguous<T>(w, "weights", shape, true);
 }
 
-// The backward's gradient buffers of the three inputs and of the value and output layers.
+// The backward's gradient buffers of the three inputs (as half-precision bits, uint16, when
+// inputs_half) and of the value and output layers.
 template <typename T, typename Problem, typename Grads>
-void projected_grads(Grads& g, const py::dict& grads, const Problem& p, Index d_q, Index d_k) {
-    g.query = grad_buffer<T>(grads, "query", {p.batch * p.n_q, d_q});
-    g.key = grad_buffer<T>(grads, "key", {p.batch * p.n_k, d_k});
-    g.value = grad_buffer<T>(grads, "value", {p.batch * p.n_k, p.w_v.in});
+void projected_grads(Grads& g, const py::dict& grads, const Problem& p, Index d_q, Index d_k,
+                     bool inputs_half = false) {
+    const auto input = [&](T*& out, std::uint16_t*& bits, const char* name, const Dims& shape) {
+        if (inputs_half)
+            bits = grad_buffer<std::uint16_t>(grads, name, shape);
+        else
+            out = grad_buffer<T>(grads, name, shape);
+    };
+    input(g.query, g.query_half, "query", {p.batch * p.n_q, d_q});
+    input(g.key, g.key_half, "key", {p.batch * p.n_k, d_k});
+    input(g.value, g.value_half, "value", {p.batch * p.n_k, p.w_v.in});
     g.w_v = linear_grad(grads, p.w_v, "w_v", "b_v");
     g.w_o = linear_grad(grads, p.w_o, "w_o", "b_o");
     g.mask = grad_buffer<T>(grads, "mask", {p.batch, p.heads, p.n_q, p.n_k});

@@ -319,29 +319,38 @@ void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object
 
 // grads: dict of preallocated outputs keyed by argument name; only the keys present are
 // computed. state: only vjp passes it, after its forward filled it.
+// Half-precision weights (weights_half; and inputs, inputs_half): computed in float32, the
+// input gradients written as bits when the inputs are, grad_out read as bits when it is uint16
+// (with half-precision inputs), the weight and bias gradients float32.
 void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::object state) {
-    // its products read W transposed, which the half-precision packing does not provide
-    if (a.weights_half != 0)
-        throw py::value_error(
-            "weights_half: the backward takes the weights in the inputs' dtype, "
-            "got " +
-            std::to_string(a.weights_half));
-    if (a.inputs_half != 0)
-        throw py::value_error("inputs_half: the backward takes float32 or float64 inputs, got " +
-                              std::to_string(a.inputs_half));
-    dispatch(a.query, "query", [&](auto tag) {
+    check_half_codes(a.weights_half, "inputs_half", a.inputs_half);  // before query's dtype
+    const auto run = [&](auto tag, bool half) {
         using T = decltype(tag);
         MhaProblem<T> p = mha_problem<T>(a, state);
         p.state.filled = !state.is_none();
-        const T* gout = contiguous<T>(grad_out, "grad_out", {p.batch * p.n_q, p.w_o.out});
+        const std::vector<Index> rows{p.batch * p.n_q, p.w_o.out};
         MhaGrads<T> g;
-        projected_grads<T>(g, grads, p, p.w_q.in, p.w_k.in);
+        const T* gout = nullptr;
+        if (half && is_dtype<std::uint16_t>(grad_out)) {
+            if (!a.inputs_half)
+                throw py::type_error("grad_out: half-precision bits go with inputs_half");
+            g.grad_out_half = contiguous<std::uint16_t>(grad_out, "grad_out", rows);
+        } else {
+            gout = contiguous<T>(grad_out, "grad_out", rows);
+        }
+        projected_grads<T>(g, grads, p, p.w_q.in, p.w_k.in, a.inputs_half != 0);
         g.w_q = linear_grad(grads, p.w_q, "w_q", "b_q");
         g.w_k = linear_grad(grads, p.w_k, "w_k", "b_k");
         ReleaseGil release;
         kernels_for<T>().multi_head_attention_backward(p, gout, g);
         return 0;
-    });
+    };
+    if (a.weights_half != 0) {
+        if (!state.is_none()) throw py::value_error("state: not kept for half-precision weights");
+        run(float{}, true);
+        return;
+    }
+    dispatch(a.query, "query", [&](auto tag) { return run(tag, false); });
 }
 
 // y = x w + b over all rows (the bench's GEMM peak and projection timings; latent attention's

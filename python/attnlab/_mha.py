@@ -231,6 +231,7 @@ class _Mha(NamedTuple):
     m: _args.Masks
     weights_half: int = 0  # w_q, w_k, w_v, w_o as float16 (1) / bfloat16 (2) bits, or 0
     inputs_half: bool = False  # rq, rk, rv (and the forward's out) as bits of that half too
+    half: np.dtype | None = None  # the half dtype of weights_half
 
     @property
     def B(self) -> int:
@@ -395,6 +396,7 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
         m,
         0 if half is None else _half.code(half),
         inputs_half,
+        half,
     )
 
 
@@ -725,15 +727,19 @@ def _mha_grads(
     attnlab.vjp) the forward is not recomputed; ``rope``: the composed path (rotary embeddings,
     q/k norms; recomputes)."""
     dtype, batch, B = a.dtype, a.batch, a.B
-    go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype)
+    # half-precision inputs: grad_out in their dtype read, and their gradients written, as
+    # stored (the weights' gradients in float32)
+    half = a.half if a.inputs_half else None
+    go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype, keep=half)
     inputs = {"query": a.rq, "key": a.rk, "value": a.rv}
     summed = rope is None  # the kernel sums the gradients of aliased inputs; _rope does not
     kernel = B * a.n_q > 0
     if summed:  # the kernel writes every element: buffers need no zeros when it runs
         grads = _grad.grad_buffers(a.w, dtype, zeroed=not kernel)
         shapes = {n: r.shape for n, r in inputs.items()}
+        in_dtype = dtype if half is None else half
         grads.update(
-            _grad.input_buffers(shapes, a.key_omitted, a.value_omitted, dtype, zeroed=not kernel)
+            _grad.input_buffers(shapes, a.key_omitted, a.value_omitted, in_dtype, not kernel)
         )
     else:
         grads = _grad.grad_buffers({**a.w, **inputs}, dtype)
@@ -741,7 +747,8 @@ def _mha_grads(
     grads.update(logit)  # the composed path also adds entries of its own (q_norm, k_norm)
     if kernel:
         if rope is None:
-            core.mha_backward(go2, a.core_args(), grads, state)
+            bits = {n: _half.bits(g) for n, g in grads.items()}  # shared buffers stay shared
+            core.mha_backward(go2, a.core_args(), bits, state)
         else:
             _rope.backward(go2, a, rope, grads)
     logit = {n: grads.pop(n) for n in logit}
@@ -768,7 +775,12 @@ def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]
 
 def _mha_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
-    a = _prepare_mha(args)
+    # weights stored in one half dtype read as stored by the one C++ backward (and inputs stored
+    # so too, with their gradients written so, unless summed over broadcast batch axes)
+    fused = all(args[n] is None for n in _rope.COMPOSED_ARGS)
+    a = _prepare_mha(args, keep_half=fused)
+    if a.inputs_half and any(s[:-2] != a.batch for s in a.shapes.values()):
+        a = _prepare_mha(args)
     grads = _mha_grads(a, grad_out, rope=_rope.prepare_for(a, args))
     return _half.store_grads(grads, _half.halves(args))
 

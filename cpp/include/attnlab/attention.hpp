@@ -86,7 +86,7 @@ struct Linear {
     const T* w = nullptr;
     const T* b = nullptr;
     Index in = 0, out = 0;
-    const std::uint16_t* w_half = nullptr;  // or w's half bits (w null): the MHA forward only
+    const std::uint16_t* w_half = nullptr;  // or w's half bits (w null): MHA
     HalfFormat half = HalfFormat::none;
 };
 
@@ -133,8 +133,8 @@ struct MhaProblem : ProjectedAttention<T> {
     Linear<T> w_q, w_k;  // (d_q, heads * d_head), (d_k, kv_heads * d_head)
     MhaState<T> state;   // optional: all five buffers or none
     bool bf16 = false;   // precision="bf16" (float only): the forward's products in bf16
-    // The forward of half-precision arrays (float only, float32 products, the weights' half
-    // format): query, key, value and out as bits, instead of their float pointers (null)
+    // Half-precision arrays (float only, float32 products, the weights' half format): query,
+    // key, value and the forward's out as bits, instead of their float pointers (null)
     const std::uint16_t *query_half = nullptr, *key_half = nullptr, *value_half = nullptr;
     std::uint16_t* out_half = nullptr;
 };
@@ -155,6 +155,11 @@ struct ProjectedGrads {
     LinearGrad<T> w_v, w_o;
     T* mask = nullptr;   // (batch, heads, n_q, n_k), zeroed by the caller
     T* sinks = nullptr;  // (batch, heads)
+    // Half precision (float only, in the weights' half format): the input gradients written as
+    // bits instead (query, key, value then null; shared as those would be), and grad_out read
+    // from bits (the kernel's grad_out then null).
+    std::uint16_t *query_half = nullptr, *key_half = nullptr, *value_half = nullptr;
+    const std::uint16_t* grad_out_half = nullptr;
 };
 
 template <typename T>

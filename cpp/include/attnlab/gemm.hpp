@@ -41,14 +41,16 @@ void linear_half_weights(Index rows, Index in, Index out, const float* x,
 
 // The operands of the gradients of linear() stored as half-precision bits (`format`), each in
 // place of its float pointer (null when that operand is float32; float kernels only): dY widened
-// as the GEMM's tasks read its rows or pack it, X widened as it is transposed, dX rounded by the
-// task that computed its block, after any accumulation into the float32 dx (null when there is
-// none). So the result is the float32 one on the widened operands (then rounded), bit for bit.
+// as the GEMM's tasks read its rows or pack it, X and W widened as they are transposed, dX
+// rounded by the task that computed its block, after any accumulation into the float32 dx (null
+// when there is none). So the result is the float32 one on the widened operands (then rounded),
+// bit for bit.
 struct HalfGradOperands {
     const std::uint16_t* x = nullptr;   // linear_weight_grad's X (rows x in, row stride ldx)
     const std::uint16_t* dy = nullptr;  // dY (rows x out, row stride lddy)
     std::uint16_t* dx = nullptr;        // linear_input_grad's dX (rows x in, row stride lddx)
     HalfFormat format = HalfFormat::none;
+    const std::uint16_t* w = nullptr;  // linear_input_grad's W (in x out, contiguous)
 };
 
 // Backward of linear(): dX = dY W^T (rows x in, row stride lddx), or dX += dY W^T.

@@ -372,6 +372,15 @@ void linear_input_grad(Index rows, Index in, Index out, const T* dy, Index lddy,
                        Index lddx, bool accumulate, const HalfGradOperands& h) {
     const HalfOperands half{h.dy, nullptr, h.dx, h.format};
     if (h.dy) dy = nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+        if (h.w && in > 0 && out > 0) {  // W^T widened as it is transposed, for any row count
+            auto wt = make_buffer<T>(out * in);
+            transpose_rows(in, out, h.w, out, h.format, wt.get());
+            gemm(rows, out, in, dy, lddy, Index(1), static_cast<const T*>(wt.get()), in, false,
+                 static_cast<const T*>(nullptr), dx, lddx, accumulate, half);
+            return;
+        }
+    }
     // dX = dY W^T: B(t, j) = W[j, t]
     if (rows <= kRowChunk || in <= 0 || out <= 0) {
         gemm(rows, out, in, dy, lddy, Index(1), w, out, true, static_cast<const T*>(nullptr), dx,

@@ -112,11 +112,20 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
         attention_forward(a);
     }
     const T* ctx = b.ctx;
+    // the half-precision operands of each layer's gradient products (the layer's format)
+    const auto half = [](const Linear<T>& l, const std::uint16_t* x = nullptr,
+                         const std::uint16_t* dy = nullptr) {
+        HalfGradOperands h{x, dy, nullptr, l.half};
+        h.w = l.w_half;
+        return h;
+    };
 
     // output projection: dW_o = ctx^T dY, db_o = sum dY, dctx = dY W_o^T
-    linear_weight_grad(rq, wc, d_out, ctx, wc, grad_out, d_out, g.w_o.w, g.w_o.b);
+    linear_weight_grad(rq, wc, d_out, ctx, wc, grad_out, d_out, g.w_o.w, g.w_o.b,
+                       static_cast<const T*>(nullptr), half(p.w_o, nullptr, g.grad_out_half));
     auto dctx = make_buffer<T>(rq * wc);
-    linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc);
+    linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc, false,
+                      half(p.w_o, nullptr, g.grad_out_half));
 
     auto dq = make_buffer<T>(rq * wq), dk = make_buffer<T>(rk * wk), dv = make_buffer<T>(rk * wv);
     AttentionGrad<T> ag;
@@ -130,24 +139,61 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
 
     // self-attention: X^T once for the three weight gradients
     Buffer<T> xt;
-    const bool shared = p.query == p.key && p.key == p.value;
+    const bool shared = p.query == p.key && p.key == p.value && p.query_half == p.key_half &&
+                        p.key_half == p.value_half;
     if (shared && (g.w_q.w ? 1 : 0) + (g.w_k.w ? 1 : 0) + (g.w_v.w ? 1 : 0) > 1 && p.w_q.in > 0) {
         xt = make_buffer<T>(p.w_q.in * rq);
-        transpose_rows(rq, p.w_q.in, p.query, p.w_q.in, xt.get());
+        if constexpr (std::is_same_v<T, float>) {
+            if (p.query_half)
+                transpose_rows(rq, p.w_q.in, p.query_half, p.w_q.in, p.w_q.half, xt.get());
+            else
+                transpose_rows(rq, p.w_q.in, p.query, p.w_q.in, xt.get());
+        } else {
+            transpose_rows(rq, p.w_q.in, p.query, p.w_q.in, xt.get());
+        }
     }
     const T* x_t = xt.get();
-    linear_weight_grad(rq, p.w_q.in, wq, p.query, p.w_q.in, dq.get(), wq, g.w_q.w, g.w_q.b, x_t);
-    linear_weight_grad(rk, p.w_k.in, wk, p.key, p.w_k.in, dk.get(), wk, g.w_k.w, g.w_k.b, x_t);
-    linear_weight_grad(rk, p.w_v.in, wv, p.value, p.w_v.in, dv.get(), wv, g.w_v.w, g.w_v.b, x_t);
-    // An input that is another one (self-attention: key = value = query) may share its
-    // gradient buffer: the later products add into it, in the order value, key, query.
-    if (g.value) linear_input_grad(rk, p.w_v.in, wv, dv.get(), wv, p.w_v.w, g.value, p.w_v.in);
-    if (g.key)
-        linear_input_grad(rk, p.w_k.in, wk, dk.get(), wk, p.w_k.w, g.key, p.w_k.in,
-                          g.key == g.value);
-    if (g.query)
-        linear_input_grad(rq, p.w_q.in, wq, dq.get(), wq, p.w_q.w, g.query, p.w_q.in,
-                          g.query == g.key || g.query == g.value);
+    linear_weight_grad(rq, p.w_q.in, wq, p.query, p.w_q.in, dq.get(), wq, g.w_q.w, g.w_q.b, x_t,
+                       half(p.w_q, p.query_half));
+    linear_weight_grad(rk, p.w_k.in, wk, p.key, p.w_k.in, dk.get(), wk, g.w_k.w, g.w_k.b, x_t,
+                       half(p.w_k, p.key_half));
+    linear_weight_grad(rk, p.w_v.in, wv, p.value, p.w_v.in, dv.get(), wv, g.w_v.w, g.w_v.b, x_t,
+                       half(p.w_v, p.value_half));
+
+    // dX = dY W^T for value, key, query in that order. An input that is another one
+    // (self-attention: key = value = query) may share its gradient buffer: the later products
+    // add into it. Half-precision gradients so shared are summed in float32 here, the last
+    // product rounding them.
+    struct Input {
+        Index rows;
+        const Linear<T>& l;
+        const T* dy;
+        Index width;
+        T* out;
+        std::uint16_t* bits;
+    };
+    const Input inputs[3] = {{rk, p.w_v, dv.get(), wv, g.value, g.value_half},
+                             {rk, p.w_k, dk.get(), wk, g.key, g.key_half},
+                             {rq, p.w_q, dq.get(), wq, g.query, g.query_half}};
+    Buffer<T> sums;  // at most one group of shared inputs (three inputs)
+    for (int i = 0; i < 3; ++i) {
+        const Input& x = inputs[i];
+        if (!x.out && !x.bits) continue;
+        bool earlier = false, later = false;
+        for (int j = 0; j < 3; ++j) {
+            const bool same = x.out ? inputs[j].out == x.out : inputs[j].bits == x.bits;
+            earlier = earlier || (j < i && same);
+            later = later || (j > i && same);
+        }
+        T* dx = x.out;
+        if (x.bits && (earlier || later)) {
+            if (!sums) sums = make_buffer<T>(x.rows * x.l.in);
+            dx = sums.get();
+        }
+        HalfGradOperands h = half(x.l);
+        h.dx = later ? nullptr : x.bits;
+        linear_input_grad(x.rows, x.l.in, x.width, x.dy, x.width, x.l.w, dx, x.l.in, earlier, h);
+    }
 }
 
 ATTNLAB_INSTANTIATE_ENTRY_POINTS(multi_head_attention, MhaProblem, MhaGrads);
