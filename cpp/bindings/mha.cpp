@@ -346,7 +346,6 @@ void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::obje
         return 0;
     };
     if (a.weights_half != 0) {
-        if (!state.is_none()) throw py::value_error("state: not kept for half-precision weights");
         run(float{}, true);
         return;
     }

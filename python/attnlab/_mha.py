@@ -549,7 +549,9 @@ def multi_head_attention(
     (2, 5, 16)
     """
     args = _sig.arguments(locals())
-    a = _prepare_mha(args, keep_half=_keep is None)  # attnlab.vjp keeps widened weights
+    a = _prepare_mha(args, keep_half=True)
+    if _keep is not None and _summed_half(a):  # attnlab.vjp: gradients summed in float32
+        a = _prepare_mha(args)
     composed = _rope.prepare_for(a, args)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
@@ -720,6 +722,12 @@ def _mha_state(a: _Mha) -> dict[str, np.ndarray]:
     )
 
 
+def _summed_half(a: _Mha) -> bool:
+    """Whether a call prepared with half-precision inputs has an input broadcast over the batch
+    (its gradient is then summed over the batch, in float32: the call is prepared widened)."""
+    return a.inputs_half and any(s[:-2] != a.batch for s in a.shapes.values())
+
+
 def _mha_grads(
     a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = None, rope: Any = None
 ) -> dict[str, np.ndarray]:
@@ -779,7 +787,7 @@ def _mha_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     # so too, with their gradients written so, unless summed over broadcast batch axes)
     fused = all(args[n] is None for n in _rope.COMPOSED_ARGS)
     a = _prepare_mha(args, keep_half=fused)
-    if a.inputs_half and any(s[:-2] != a.batch for s in a.shapes.values()):
+    if _summed_half(a):
         a = _prepare_mha(args)
     grads = _mha_grads(a, grad_out, rope=_rope.prepare_for(a, args))
     return _half.store_grads(grads, _half.halves(args))
