@@ -420,6 +420,8 @@ def test_mha_backward_reads_half_as_stored(case, dtype, monkeypatch):
     out, pullback = attnlab.vjp(attnlab.multi_head_attention, *inputs, **w, **kw)
     pulled = pullback(g)  # the forward keeps its projections: no recompute, the same bits
     monkeypatch.undo()
+    forward = attnlab.multi_head_attention(*inputs, **w, **kw)
+    np.testing.assert_array_equal(out.view(np.uint8), forward.view(np.uint8))
     for name, value in got.items():
         np.testing.assert_array_equal(pulled[name].view(np.uint8), value.view(np.uint8))
     assert sorted(got) == sorted(want)
