@@ -817,8 +817,8 @@ def test_pooled_backward_reads_and_writes_half_as_the_float32_call_rounds(
     is transposed) and ``grad_out`` (widened by the products that read it) as stored, and round
     x's gradient as its last product writes it: every gradient is the float32 call's on the
     widened arrays, rounded, bit for bit (one row chunk or several, a width above a packet
-    multiple, padded tokens, a float32 ``grad_out``); nothing of x's size widened or rounded in
-    Python."""
+    multiple, padded tokens, a float32 ``grad_out``), and so is ``attnlab.vjp``'s pullback
+    (its forward keeps a float32 state); nothing of x's size widened or rounded in Python."""
     _, dtype, _, _ = path
     if family == "separable":
         args, _ = _separable_case((B, n, d, d))
@@ -848,7 +848,15 @@ def test_pooled_backward_reads_and_writes_half_as_the_float32_call_rounds(
     monkeypatch.setattr(attnlab._half, "store", refuse(attnlab._half.store))
     monkeypatch.setattr(attnlab._validate, "widen", refuse(attnlab._validate.widen))
     got = fn(g, **half, **kw, key_padding_mask=mask)
+    forward = attnlab.separable_attention if family == "separable" else attnlab.additive_attention
+    out, pullback = attnlab.vjp(forward, **half, **kw, key_padding_mask=mask)
+    pulled = pullback(g)  # from the kept (float32) state: the same bits
     monkeypatch.undo()
+    np.testing.assert_array_equal(
+        out.view(np.uint16), forward(**half, **kw, key_padding_mask=mask).view(np.uint16)
+    )
+    for name, value in got.items():
+        np.testing.assert_array_equal(pulled[name].view(np.uint16), value.view(np.uint16))
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name].dtype == dtype, name
@@ -858,8 +866,8 @@ def test_pooled_backward_reads_and_writes_half_as_the_float32_call_rounds(
 
 
 def test_pooled_half_bits_are_refused_where_not_read():
-    """The bindings' ``half`` field: x (and the backward's x gradient) as bits, without a
-    state."""
+    """The bindings' ``half`` field: x (and the backward's x gradient) as bits; a state, when
+    given, complete."""
     from attnlab._loader import core
 
     x = np.ones((10, 8), np.float16).view(np.uint16)
@@ -871,7 +879,7 @@ def test_pooled_half_bits_are_refused_where_not_read():
     assert np.isfinite(out.view(np.float16)).all()
     with pytest.raises(ValueError, match=r"^half: expected 0, 1 \(float16\) or 2"):
         core.additive_forward(core.AdditiveArgs(**good, half=3), out)
-    with pytest.raises(ValueError, match=r"^state: "):
+    with pytest.raises(ValueError, match=r"^state: missing 'q'"):
         core.additive_forward(core.AdditiveArgs(**good, half=1), out, {})
     with pytest.raises(TypeError, match=r"^x: "):
         core.additive_forward(core.AdditiveArgs(**dict(good, x=x.view(np.float16)), half=1), out)
@@ -881,7 +889,7 @@ def test_pooled_half_bits_are_refused_where_not_read():
     for g in (go, go.astype(np.float16).view(np.uint16)):
         core.additive_backward(g, core.AdditiveArgs(**good, half=1), grads)
         assert np.isfinite(grads["x"].view(np.float16)).all()
-    with pytest.raises(ValueError, match=r"^state: "):
+    with pytest.raises(ValueError, match=r"^state: missing 'q'"):
         core.additive_backward(go, core.AdditiveArgs(**good, half=1), grads, {})
     with pytest.raises(TypeError, match=r"^x: "):  # x's gradient as float32, not its bits
         core.additive_backward(go, core.AdditiveArgs(**good, half=1), dict(grads, x=go))

@@ -73,38 +73,40 @@ auto pooled_grads(const typename Family::Args& a, typename Family::template Prob
     return g;
 }
 
-// a.half checked (0, 1 or 2), and no state with half-precision x.
-template <typename Args>
-bool half_tokens(const Args& a, const py::object& state) {
-    if (a.half == 0) return false;
+// Runs f(T{}) for the problem's element type: float when a.half is set (1 float16, 2 bfloat16:
+// x given as those bits, computed in float32), else x's dtype.
+template <typename Args, typename F>
+void pooled_dispatch(const Args& a, F&& f) {
+    if (a.half == 0) {
+        dispatch(a.x, "x", [&](auto tag) {
+            f(tag);
+            return 0;
+        });
+        return;
+    }
     if (a.half != 1 && a.half != 2)
         throw py::value_error("half: expected 0, 1 (float16) or 2 (bfloat16), got " +
                               std::to_string(a.half));
-    if (!state.is_none()) throw py::value_error("state: not kept for half-precision x");
-    return true;
+    f(float{});
 }
 
 // Forward and backward of either family (Family: Additive or Separable, with its Args). state:
 // only attnlab.vjp passes it, a dict of buffers the forward fills and the backward then reads.
 // a.half: x and out (the backward: x, x's gradient, and grad_out when it is uint16) are the
-// bits of that half dtype (computed in float32), no state.
+// bits of that half dtype, computed in float32 (the state too).
 template <typename Family>
 void pooled_forward(const typename Family::Args& a, py::array out, py::object state) {
-    if (half_tokens(a, state)) {
-        auto p = pooled_problem<Family, float>(a);
-        p.half.out = contiguous<std::uint16_t>(out, "out", {a.batch * a.n, p.d_out}, true);
-        ReleaseGil release;
-        (kernels_for<float>().*Family::template forward<float>)(p);
-        return;
-    }
-    dispatch(a.x, "x", [&](auto tag) {
+    pooled_dispatch(a, [&](auto tag) {
         using T = decltype(tag);
         auto p = pooled_problem<Family, T>(a);
-        p.out = contiguous<T>(out, "out", {a.batch * a.n, p.d_out}, true);
+        const std::vector<Index> shape{a.batch * a.n, p.d_out};
+        if (p.half.x)
+            p.half.out = contiguous<std::uint16_t>(out, "out", shape, true);
+        else
+            p.out = contiguous<T>(out, "out", shape, true);
         Family::set_state(p, state);
         ReleaseGil release;
         (kernels_for<T>().*Family::template forward<T>)(p);
-        return 0;
     });
 }
 
@@ -112,29 +114,20 @@ void pooled_forward(const typename Family::Args& a, py::array out, py::object st
 template <typename Family>
 void pooled_backward(py::array grad_out, const typename Family::Args& a, py::dict grads,
                      py::object state) {
-    if (half_tokens(a, state)) {
-        auto p = pooled_problem<Family, float>(a);
-        const std::vector<Index> shape{a.batch * a.n, p.d_out};
-        const float* gout = nullptr;
-        if (is_dtype<std::uint16_t>(grad_out))
-            p.half.grad_out = contiguous<std::uint16_t>(grad_out, "grad_out", shape);
-        else
-            gout = contiguous<float>(grad_out, "grad_out", shape);
-        const auto g = pooled_grads<Family, float>(a, p, grads);
-        ReleaseGil release;
-        (kernels_for<float>().*Family::template backward<float>)(p, gout, g);
-        return;
-    }
-    dispatch(a.x, "x", [&](auto tag) {
+    pooled_dispatch(a, [&](auto tag) {
         using T = decltype(tag);
         auto p = pooled_problem<Family, T>(a);
         Family::set_state(p, state);
         p.state.filled = !state.is_none();
-        const T* gout = contiguous<T>(grad_out, "grad_out", {a.batch * a.n, p.d_out});
+        const std::vector<Index> shape{a.batch * a.n, p.d_out};
+        const T* gout = nullptr;
+        if (p.half.x && is_dtype<std::uint16_t>(grad_out))
+            p.half.grad_out = contiguous<std::uint16_t>(grad_out, "grad_out", shape);
+        else
+            gout = contiguous<T>(grad_out, "grad_out", shape);
         const auto g = pooled_grads<Family, T>(a, p, grads);
         ReleaseGil release;
         (kernels_for<T>().*Family::template backward<T>)(p, gout, g);
-        return 0;
     });
 }
 

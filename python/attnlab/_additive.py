@@ -233,8 +233,9 @@ def additive_attention(
     """
     args = _sig.arguments(locals())
     half = _half.storage(args)
-    # half-precision x is read, and out written, as stored (no float32 copies of either)
-    a = _prepare_additive(args, half if _keep is None else None)
+    # half-precision x is read, and out written, as stored (no float32 copies of either; the
+    # state attnlab.vjp keeps is float32)
+    a = _prepare_additive(args, half)
     B, n, d_out = a["B"], a["n"], a["d_out"]
     bits = a["options"]["half"] != 0
     out = _memory.empty((B * n, d_out), half if bits else a["dtype"])

@@ -156,8 +156,9 @@ def separable_attention(
     """
     args = _sig.arguments(locals())
     half = _half.storage(args)
-    # half-precision x is read, and out written, as stored (no float32 copies of either)
-    a = _prepare_separable(args, half if _keep is None else None)
+    # half-precision x is read, and out written, as stored (no float32 copies of either; the
+    # state attnlab.vjp keeps is float32)
+    a = _prepare_separable(args, half)
     B, n, d, d_out = a["B"], a["n"], a["d"], a["d_out"]
     batch, dtype = a["batch"], a["dtype"]
     bits = a["options"]["half"] != 0
