@@ -459,8 +459,10 @@ def test_core_rejects_bad_buffers():
     ):
         with pytest.raises((ValueError, TypeError)):
             forward(**bad)
-    with pytest.raises(ValueError, match="weights_half: the backward takes"):
+    with pytest.raises(TypeError, match=r"^w_qk: half-precision weights go with float32"):
         core.bilinear_backward(out, core.BilinearArgs(**dict(args, weights_half=1)), {})
+    with pytest.raises(ValueError, match=r"^out_half: expected 0, or 1 with the weights in half"):
+        core.bilinear_backward(out, core.BilinearArgs(**dict(args, out_half=1)), {})
 
 
 def test_doctests():

@@ -507,7 +507,9 @@ def test_bilinear_half_weights_read_as_stored(case, path, monkeypatch):
     """Half-precision ``w_qk``, ``w_v``, ``w_o`` read by the kernel as stored (``w_qk`` widened a
     head at a time, the others as the GEMMs pack them) and the output rounded as the last GEMM
     writes it: bit for bit the float32 call on the widened arrays, rounded; with ``u_k`` and
-    biases in float32 (then so is the result), without them in the half dtype."""
+    biases in float32 (then so is the result), without them in the half dtype. So are the
+    backward's gradients and the vjp pullback's, which read the weights and ``grad_out`` as
+    stored."""
     import attnlab._validate
 
     _, dtype, _, _ = path
@@ -550,6 +552,28 @@ def test_bilinear_half_weights_read_as_stored(case, path, monkeypatch):
             kind = np.float32 if kw.get("return_lse") and i == len(got_t) - 1 else stored
             assert g.dtype == kind and g.shape == e.shape
             np.testing.assert_array_equal(g.view(np.uint8), e.astype(kind).view(np.uint8))
+    # the backward and the vjp pullback read the weights (and a grad_out stored as the result
+    # is) as stored too: every gradient the float32 call's on the widened arrays, rounded
+    plain = {k: v for k, v in opts.items() if k not in ("return_weights", "return_lse", "_order")}
+    go = rng.standard_normal((B, n, 40)).astype(np.float32 if x32 else dtype)
+    want_g = attnlab.bilinear_attention_backward(go.astype(np.float32), **widened, **plain)
+
+    def refuse_go(a: np.ndarray) -> np.ndarray:
+        if a is go:
+            raise AssertionError("grad_out widened in Python")
+        return refuse(a)
+
+    monkeypatch.setattr(attnlab._validate, "widen", refuse_go)
+    got_g = attnlab.bilinear_attention_backward(go, **inputs, **w, **plain)
+    _, pullback = attnlab.vjp(attnlab.bilinear_attention, **inputs, **w, **plain)
+    pulled = pullback(go)
+    for name, value in want_g.items():
+        kind = np.dtype(np.float32) if x32 and name == "query" else dtype
+        assert got_g[name].dtype == kind, name
+        np.testing.assert_array_equal(
+            got_g[name].view(np.uint8), value.astype(kind).view(np.uint8), err_msg=name
+        )
+        np.testing.assert_array_equal(pulled[name].view(np.uint8), got_g[name].view(np.uint8))
 
 
 @pytest.mark.parametrize("path", HALF + BF16, ids=lambda p: p[0])

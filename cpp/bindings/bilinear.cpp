@@ -86,19 +86,24 @@ void bilinear_forward(const BilinearArgs& a, int order, py::array out, py::objec
 // grads: dict of preallocated outputs keyed by argument name; only the keys present are
 // computed ("query", "key", "value", "w_qk", "u_k", "w_v", "b_v", "w_o", "b_o"). state: only
 // vjp passes it, after its forward filled it.
+// Half-precision weights (weights_half): computed in float32, grad_out read as bits when it is
+// uint16 (with out_half: the call's result stored in that dtype), every gradient float32.
 void bilinear_backward(py::array grad_out, const BilinearArgs& a, py::dict grads,
                        py::object state) {
-    // its products read W transposed, which the half-precision packing does not provide
-    if (a.weights_half != 0 || a.out_half != 0)
-        throw py::value_error(
-            "weights_half: the backward takes the weights in the inputs' dtype, got weights_half " +
-            std::to_string(a.weights_half) + ", out_half " + std::to_string(a.out_half));
-    dispatch(a.query, "query", [&](auto tag) {
+    check_half_codes(a.weights_half, "out_half", a.out_half);  // before query's dtype
+    const auto run = [&](auto tag) {
         using T = decltype(tag);
         BilinearProblem<T> p = bilinear_problem<T>(a, 0, state);
         p.state.filled = !state.is_none();
-        const T* gout = contiguous<T>(grad_out, "grad_out", {p.batch * p.n_q, p.w_o.out});
+        const std::vector<Index> rows{p.batch * p.n_q, p.w_o.out};
         BilinearGrads<T> g;
+        const T* gout = nullptr;
+        if (a.weights_half != 0 && is_dtype<std::uint16_t>(grad_out)) {
+            if (!a.out_half) throw py::type_error("grad_out: half-precision bits go with out_half");
+            g.grad_out_half = contiguous<std::uint16_t>(grad_out, "grad_out", rows);
+        } else {
+            gout = contiguous<T>(grad_out, "grad_out", rows);
+        }
         projected_grads<T>(g, grads, p, p.d_q, p.d_k);
         g.w_qk = grad_buffer<T>(grads, "w_qk", {p.heads, p.d_q, p.d_k});
         if (grads.contains("u_k")) {
@@ -108,7 +113,8 @@ void bilinear_backward(py::array grad_out, const BilinearArgs& a, py::dict grads
         ReleaseGil release;
         kernels_for<T>().bilinear_attention_backward(p, gout, g);
         return 0;
-    });
+    };
+    dispatch(a.query, "query", run);
 }
 
 }  // namespace

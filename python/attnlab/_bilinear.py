@@ -334,6 +334,7 @@ class _Prepared(NamedTuple):
     bf16: bool  # precision="bf16" (the query order)
     weights_half: int = 0  # w_qk, w_v, w_o as float16 (1) / bfloat16 (2) bits, or 0
     out_half: bool = False  # the forward's out written as bits of that half too
+    half: np.dtype | None = None  # the half dtype of weights_half
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """query, key, value as contiguous (B * n, d) rows (shared when key/value default)."""
@@ -482,6 +483,7 @@ def _prepare(args: dict[str, Any], keep_half: bool = False) -> _Prepared:
         dtype, batch, B, n_q, n_k, d_out, h, h_kv, x, wqk, uk, wv, bv, wo, bo, m, mode, order, bf16,
         0 if half is None else _half.code(half),
         half is not None and _half.storage(args) == half,
+        half,
     )  # fmt: skip
 
 
@@ -592,7 +594,7 @@ def bilinear_attention(
     lse_wanted = V.check_flag(return_lse, "return_lse")
     if lse_wanted and _order is None:  # the log-sum-exp is kept by the query order's kernel
         args["_order"] = "query"
-    a = _prepare(args, keep_half=_keep is None)  # attnlab.vjp keeps widened weights
+    a = _prepare(args, keep_half=True)
     B, n_q, n_k, h, d_out, dtype, mode = a.B, a.n_q, a.n_k, a.h, a.d_out, a.dtype, a.mode
     batch = a.batch
     half = _half.storage(args)
@@ -713,15 +715,17 @@ def _bilinear_grads(
     """The gradients of a prepared call; with ``state`` (what the forward kept for
     attnlab.vjp) the forward is not recomputed."""
     dtype, batch, B = a.dtype, a.batch, a.B
-    go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype)
-    grads = _grad.grad_buffers(
-        {"w_qk": a.wqk, "u_k": a.uk, "w_v": a.wv, "b_v": a.bv, "w_o": a.wo, "b_o": a.bo}, dtype
-    )
+    # half-precision weights are read as stored, and grad_out when stored as the result is
+    keep = a.half if a.out_half else None
+    go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype, keep=keep)
+    kernel = B * a.n_q > 0  # it writes every element: buffers need no zeros when it runs
+    params = {"w_qk": a.wqk, "u_k": a.uk, "w_v": a.wv, "b_v": a.bv, "w_o": a.wo, "b_o": a.bo}
+    grads = _grad.grad_buffers(params, dtype, zeroed=not kernel)
     shapes, x = a.x.shapes, a.x
     rows = {name: (B * shp[-2], shp[-1]) for name, shp in shapes.items()}
-    buffers = _grad.input_buffers(rows, x.key_omitted, x.value_omitted, dtype)
+    buffers = _grad.input_buffers(rows, x.key_omitted, x.value_omitted, dtype, not kernel)
     logit = _grad.logit_buffers(a.m, B, a.h, a.n_q, a.n_k, dtype)
-    if B * a.n_q > 0:
+    if kernel:
         core.bilinear_backward(go2, a.core_args(), {**grads, **buffers, **logit}, state)
     inputs = _grad.input_grads(buffers, batch, shapes, x.key_omitted, x.value_omitted, True)
     return {**inputs, **grads, **_grad.logit_grads(logit, a.m, batch)}
@@ -729,7 +733,7 @@ def _bilinear_grads(
 
 def _bilinear_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     # the query order, whatever order the forward chose: the gradient is the same function
-    grads = _bilinear_grads(_prepare({**args, "_order": "query"}), grad_out)
+    grads = _bilinear_grads(_prepare({**args, "_order": "query"}, keep_half=True), grad_out)
     return _half.store_grads(grads, _half.halves(args))
 
 

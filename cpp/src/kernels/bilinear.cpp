@@ -197,7 +197,7 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     T* proj = kept ? p.state.proj : (own_proj = make_buffer<T>(rq * wp)).get();
     T* lse = kept ? p.state.lse : (own_lse = make_buffer<T>(p.batch * H * p.n_q)).get();
     if (!kept) {
-        linear(rk, d_v, wv, p.value, d_v, p.w_v.w, p.w_v.b, v, wv);
+        detail::project(rk, p.value, p.w_v, v, false);  // w_v as stored (float or half bits)
         detail::project_heads(p, BilinearOrder::query, rq, p.query, proj, dk);
     }
 
@@ -218,10 +218,19 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     a.lse = lse;
     if (!kept) attention_forward(a);
 
+    // the half-precision operands of a layer's gradient products (its W; grad_out's bits)
+    const auto half = [&](const Linear<T>& l, const std::uint16_t* dy = nullptr) {
+        HalfGradOperands h{nullptr, dy, nullptr, l.half};
+        h.w = l.w_half;
+        return h;
+    };
+
     // Output projection.
-    linear_weight_grad(rq, wc, d_out, ctx, wc, grad_out, d_out, g.w_o.w, g.w_o.b);
+    linear_weight_grad(rq, wc, d_out, ctx, wc, grad_out, d_out, g.w_o.w, g.w_o.b,
+                       static_cast<const T*>(nullptr), half(p.w_o, g.grad_out_half));
     auto dctx = make_buffer<T>(rq * wc);
-    linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc);
+    linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc, false,
+                      half(p.w_o, g.grad_out_half));
 
     // Attention core. The keys are shared by all heads (head stride 0) but the core writes
     // d_k per kv head, so give each kv head its own column block and sum them afterwards.
@@ -238,7 +247,8 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
 
     // Values.
     linear_weight_grad(rk, d_v, wv, p.value, d_v, dv.get(), wv, g.w_v.w, g.w_v.b);
-    if (g.value) linear_input_grad(rk, d_v, wv, dv.get(), wv, p.w_v.w, g.value, d_v);
+    if (g.value)
+        linear_input_grad(rk, d_v, wv, dv.get(), wv, p.w_v.w, g.value, d_v, false, half(p.w_v));
 
     // Keys: d key = sum over kv heads, in head order (fixed, thread-count independent). An
     // input that is another one (self-attention) may share its gradient buffer: the later
@@ -280,8 +290,15 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
         auto packed = make_buffer<T>(dq * wp);
         parallel_for(H, [&](Index i) {
             for (Index r = 0; r < dq; ++r) {
+                T* dst = packed.get() + r * wp + i * dk;
+                if constexpr (std::is_same_v<T, float>) {
+                    if (p.w_qk_half) {  // widened as it is packed
+                        detail::half_to_float(p.w_qk_half + (i * dq + r) * dk, dk, p.half, dst);
+                        continue;
+                    }
+                }
                 const T* src = p.w_qk + (i * dq + r) * dk;
-                std::copy(src, src + dk, packed.get() + r * wp + i * dk);
+                std::copy(src, src + dk, dst);
             }
         });
         linear_input_grad(rq, dq, wp, dproj.get(), wp, packed.get(), g.query, dq,

@@ -3,7 +3,7 @@ values stored in float16 and in float32, timed round-robin in one process (media
 31's target that float16 input is never slower than float32 input.
 
 The float16 call reads and writes its arrays in float16 where the call does so (every forward,
-every backward and vjp but bilinear attention's, which widen their arrays first) and computes in
+backward and vjp, but bilinear attention's inputs, which it widens first) and computes in
 float32 everywhere, so the two calls do the same arithmetic; what differs is the memory they
 move and the conversions.
 """
