@@ -117,7 +117,7 @@ else
          test_backward_bilinear.py test_backward_additive.py test_errors.py
          test_properties.py test_fuzz.py test_concurrency.py test_memory.py test_numerics.py
          test_options.py test_decode.py test_interrupt.py test_half_sdpa.py test_half_convert.py
-         -k "not torch and not gil_is_released")
+         test_half.py -k "not torch and not gil_is_released")
 fi
 start=$(date +%s)
 set +e
