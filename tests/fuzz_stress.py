@@ -19,7 +19,11 @@ Mutations turn a case into
   forwards, central differences of the reference along a random direction for gradients, at
   the tolerances of ``oracle_error``; a mismatch counts as ``wrong``)
 * a **NaN/Inf** variant: anything but a crash (a result, or a ``ValueError`` that names the
-  argument where the contract refuses non-finite data, as ``factorize_qk`` does).
+  argument where the contract refuses non-finite data, as ``factorize_qk`` does);
+* a **half-precision** variant (the attention families and their backwards): every float array
+  argument stored in float16 or bfloat16; the result must be the float32 call's on the widened
+  arrays, rounded to each output's dtype, bit for bit (the main output, and each gradient of a
+  half-precision argument, in that half dtype).
 
 As a script: ``python fuzz_stress.py [--calls N] [--seed S]`` makes N random calls (default
 10,000) and prints one JSON line of counts: calls, by kind, results, errors by type, wrong
@@ -30,6 +34,7 @@ family. A crash kills the process, which the caller sees as a non-zero exit stat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -46,6 +51,13 @@ import numpy as np
 
 import attnlab
 from attnlab import reference as R
+
+try:
+    import ml_dtypes
+
+    HALF_DTYPES: tuple[np.dtype, ...] = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+except ImportError:  # bfloat16 is named by ml_dtypes (the test extra)
+    HALF_DTYPES = (np.dtype(np.float16),)
 
 # ----------------------------------------------------------------------------- choosers
 
@@ -1016,6 +1028,66 @@ def results_equal(a: Any, b: Any, dtype: Any) -> None:
     compare(a, b, dtype, 1e-6 if np.dtype(dtype) == np.float32 else 1e-13)
 
 
+def half_variant(case: Case, half: np.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(kwargs with every float array argument stored in ``half``, the same values widened to
+    float32: exactly)."""
+    stored, widened = dict(case.kwargs), dict(case.kwargs)
+    for name in case.arrays:
+        a = case.kwargs.get(name)
+        if isinstance(a, np.ndarray) and a.dtype.kind == "f":
+            stored[name] = a.astype(half)
+            widened[name] = stored[name].astype(np.float32)
+    qk = case.kwargs.get("w_qk")
+    if isinstance(qk, attnlab.BilinearQK):  # its arrays too
+        fields = {f: getattr(qk, f) for f in ("w", "u", "v", "c")}
+        halves = {f: None if a is None else a.astype(half) for f, a in fields.items()}
+        stored["w_qk"] = dataclasses.replace(qk, **halves)
+        widened["w_qk"] = dataclasses.replace(
+            qk, **{f: None if a is None else a.astype(np.float32) for f, a in halves.items()}
+        )
+    return stored, widened
+
+
+def same_bits(got: Any, want: Any) -> None:
+    """``got`` is ``want`` (float32) rounded to ``got``'s dtype, bit for bit (NaN where it is)."""
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+        for k in want:
+            same_bits(got[k], want[k])
+        return
+    if isinstance(want, tuple):
+        assert isinstance(got, tuple) and len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            same_bits(g, w)
+        return
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
+    assert got.dtype in (*HALF_DTYPES, np.dtype(np.float32)), f"dtype {got.dtype}"
+    rounded = want.astype(got.dtype)
+    nan = np.isnan(rounded.astype(np.float32))
+    assert np.array_equal(np.isnan(got.astype(np.float32)), nan), "NaN positions differ"
+    bits = f"u{got.itemsize}"
+    assert np.array_equal(got[~nan].view(bits), rounded[~nan].view(bits)), (
+        "not the float32 call's result rounded"
+    )
+
+
+def check_half(case: Case, half: np.dtype) -> None:
+    """The half-precision variant of a valid case against the float32 call on the widened
+    arrays (``same_bits``), and the dtypes: the forward's output, and each gradient of a
+    half-precision argument, stored in ``half``."""
+    stored, widened = half_variant(case, half)
+    got, want = case.fn(**stored), case.fn(**widened)
+    same_bits(got, want)
+    if case.grad_of is None:
+        out = got[0] if isinstance(got, tuple) else got
+        assert out.dtype == half, f"output dtype {out.dtype}, not {half}"
+    else:
+        for name, g in got.items():
+            if name in case.arrays and name != "grad_out":
+                assert g.dtype == half, f"gradient of {name}: dtype {g.dtype}, not {half}"
+
+
 def snapshot(kw: dict[str, Any]) -> dict[str, Any]:
     return {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
 
@@ -1029,8 +1101,8 @@ def unchanged(before: dict[str, Any], kw: dict[str, Any]) -> bool:
 
 # ----------------------------------------------------------------------------- stress run
 
-KINDS = ("valid", "layout", "invalid", "nonfinite", "huge")
-_KIND_P = (0.25, 0.2, 0.43, 0.1, 0.02)
+KINDS = ("valid", "layout", "invalid", "nonfinite", "huge", "half")
+_KIND_P = (0.23, 0.18, 0.41, 0.1, 0.02, 0.06)
 
 
 def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
@@ -1038,6 +1110,8 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
     dtype = c.choice(DTYPES)
     case = build(c, family, dtype)
     kind = KINDS[int(np.searchsorted(np.cumsum(_KIND_P), c.rng.random()))]
+    if kind == "half" and family in OTHER_BUILDERS:  # collapse_qk, factorize_qk: no storage
+        kind = "valid"
     counts[f"kind:{kind}"] += 1
     counts[f"family:{family}"] += 1
     where = f"{family} {np.dtype(dtype).name} {kind}"
@@ -1055,6 +1129,20 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
         except Exception as exc:  # noqa: BLE001 (any other exception from a valid call is a defect)
             counts["unexpected"] += 1
             problems.append(f"{where}: {type(exc).__name__}: {exc}")
+        return
+    if kind == "half":
+        half = c.choice(HALF_DTYPES)
+        try:
+            check_half(case, half)
+            counts["result"] += 1
+            counts["half_checked"] += 1
+        except AssertionError as exc:
+            counts["result"] += 1
+            counts["wrong"] += 1
+            problems.append(f"{where} {half.name}: {exc}")
+        except Exception as exc:  # noqa: BLE001 (any other exception is a defect)
+            counts["unexpected"] += 1
+            problems.append(f"{where} {half.name}: {type(exc).__name__}: {exc}")
         return
     if kind == "nonfinite":
         kw = nonfinite_variant(c, case)

@@ -5,8 +5,9 @@ The child prints one JSON line of counts. The process must exit 0 (a segfault, a
 sanitizer report would kill it: the exit status is the crash detector), and every call must
 have ended as it should: a valid call agreeing with its oracle (the float64 reference, or
 finite differences for gradients) at the documented tolerance, a result equal to the
-contiguous call for layout variants, a ``ValueError``/``TypeError`` naming the argument
-for broken calls (``MemoryError`` for impossible sizes), never another exception.
+contiguous call for layout variants, the float32 call's bits rounded for half-precision
+variants, a ``ValueError``/``TypeError`` naming the argument for broken calls
+(``MemoryError`` for impossible sizes), never another exception.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def test_ten_thousand_random_calls_never_crash() -> None:
     summary = {k: v for k, v in report.items() if k != "problems"}
     print("\nfuzz:", json.dumps(summary, sort_keys=True))
     assert report["calls"] == CALLS
-    # every valid call was checked against its oracle (reference / finite differences)
+    # every valid call was checked against its oracle (reference / finite differences), every
+    # half-precision one against the float32 call (bit for bit)
     assert report["checked"] == report["kind:valid"]
+    assert report.get("half_checked", 0) == report.get("kind:half", 0)
     problems = "\n".join(report["problems"])
     assert report.get("unexpected", 0) == 0, problems
     assert report.get("wrong", 0) == 0, problems
@@ -68,6 +71,6 @@ def test_ten_thousand_random_calls_never_crash() -> None:
     if CALLS >= 1000:  # every kind of call and every family was exercised
         assert all(
             report.get(f"kind:{k}", 0) > 0
-            for k in ("valid", "layout", "invalid", "nonfinite", "huge")
+            for k in ("valid", "layout", "invalid", "nonfinite", "huge", "half")
         )
         assert sum(1 for k in report if k.startswith("family:")) == 14

@@ -42,6 +42,8 @@ SHAPES = [
     pytest.param((1, 2, 2, 100, 2100, 64, 64), id="tiles-large-head"),
     pytest.param((1, 2, 1, 100, 8300, 64, 64), id="tiles-call-copy"),
     pytest.param((2, 8, 2, 1, 700, 64, 64), id="decode"),
+    # heads narrower than a packet: the decode path's scalar tails (fused alike for both dtypes)
+    pytest.param((2, 2, 2, 2, 8, 8, 5), id="decode-narrow"),
     pytest.param((1, 3, 3, 0, 5, 8, 8), id="no-queries"),
     pytest.param((1, 3, 3, 4, 0, 8, 8), id="no-keys"),
 ]
@@ -75,6 +77,7 @@ def _check(q: Any, k: Any, v: Any, **kw: Any) -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bitwise_the_float32_call_rounded(shape: tuple[int, ...], dtype: np.dtype) -> None:
     _check(*_inputs(shape, dtype))
+    _check(*_inputs(shape, dtype), causal=True, return_lse=True)  # the float32 lse, bit for bit
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

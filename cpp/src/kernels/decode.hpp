@@ -156,7 +156,7 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
                 for (int u = 0; u < 4; ++u) {
                     T tail = s[r * ss + u];
                     for (Index c = dw; c < d; ++c)
-                        tail += q[r * d + c] * load_stored<T, F>(k + u * ks + c);
+                        tail = mul_add(q[r * d + c], load_stored<T, F>(k + u * ks + c), tail);
                     s[r * ss + u] = tail;
                 }
         return;
@@ -165,7 +165,8 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < KB; ++u) {
             T t = ei::predux(a[r][u]);
-            for (Index c = dw; c < d; ++c) t += q[r * d + c] * load_stored<T, F>(k + u * ks + c);
+            for (Index c = dw; c < d; ++c)
+                t = mul_add(q[r * d + c], load_stored<T, F>(k + u * ks + c), t);
             s[r * ss + u] = t;
         }
 }
@@ -384,8 +385,9 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
             for (Index r = 0; r < R; ++r)
                 if (sc[r * kbp + j] != neg_inf<T>())
                     for (Index cc = c; cc < dv; ++cc)
-                        acc[r * dvp + cc] +=
-                            pr[r * kbp + j] * load_stored<T, F>(vblock + j * vs + cc);
+                        acc[r * dvp + cc] =
+                            mul_add(pr[r * kbp + j], load_stored<T, F>(vblock + j * vs + cc),
+                                    acc[r * dvp + cc]);
     }
     for (Index g = 0; g < group; ++g)
         for (Index i = 0; i < p.n_q; ++i) {

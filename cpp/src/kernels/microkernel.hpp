@@ -7,6 +7,8 @@
 // "B" operand is a buffer we own whose lanes are queries (padded to a whole panel). Written with
 // Eigen's packet primitives, so it compiles to SSE2, AVX2+FMA or AVX-512 with the module's flags.
 
+#include <cmath>
+
 #include "attnlab/common.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -44,6 +46,18 @@ T load_stored(const StoredElem<T, F>* x) {
     } else {
         return static_cast<T>(Eigen::numext::bit_cast<Eigen::bfloat16>(*x));
     }
+}
+
+// c + a * b, rounded once where the CPU has FMA and twice where it has not: written out, as the
+// compiler may fuse `c += a * b` in one instantiation of a kernel (float elements) and not in
+// another (half-precision ones), which then disagree in the last bit.
+template <typename T>
+T mul_add(T a, T b, T c) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+    return std::fma(a, b, c);
+#else
+    return a * b + c;
+#endif
 }
 
 template <typename T, HalfFormat F>
