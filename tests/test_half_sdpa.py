@@ -42,7 +42,7 @@ SHAPES = [
     pytest.param((1, 2, 2, 100, 2100, 64, 64), id="tiles-large-head"),
     pytest.param((1, 2, 1, 100, 8300, 64, 64), id="tiles-call-copy"),
     pytest.param((2, 8, 2, 1, 700, 64, 64), id="decode"),
-    # heads narrower than a packet: the decode path's scalar tails (fused alike for both dtypes)
+    # heads not a whole number of packets: the decode path's scalar tails (fused alike)
     pytest.param((2, 2, 2, 2, 8, 8, 5), id="decode-narrow"),
     pytest.param((1, 3, 3, 0, 5, 8, 8), id="no-queries"),
     pytest.param((1, 3, 3, 4, 0, 8, 8), id="no-keys"),
