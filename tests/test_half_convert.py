@@ -371,8 +371,10 @@ def test_half_inputs_strided_and_broadcast_are_the_widened_call(dtype):
         dict(B=2, n=130, n_k=133, d=48, h=3, h_kv=3, go="float32", bias=True),  # cross
         dict(B=3, n=129, n_k=None, d=40, h=2, h_kv=2, go="half", causal=True),
         dict(B=1, n=7, n_k=9, d=32, h=4, h_kv=2, go="float32", inputs="float32"),  # weights only
+        # keys and values broadcast over the batch: their gradients summed in float32 first
+        dict(B=2, n=30, n_k=20, d=32, h=4, h_kv=4, go="half", kv_batch=1),
     ],
-    ids=["self", "short-gqa", "cross", "causal", "weights-only"],
+    ids=["self", "short-gqa", "cross", "causal", "weights-only", "broadcast"],
 )
 def test_mha_backward_reads_half_as_stored(case, dtype, monkeypatch):
     """The MHA backward reads half-precision weights (W^T widened as it is transposed), inputs
@@ -387,7 +389,8 @@ def test_mha_backward_reads_half_as_stored(case, dtype, monkeypatch):
     rng = np.random.default_rng(B + n + d)
     in_dtype = np.dtype(case.get("inputs", dtype))
     x = rng.standard_normal((B, n, d)).astype(in_dtype)
-    kv = None if case["n_k"] is None else rng.standard_normal((B, case["n_k"], d)).astype(in_dtype)
+    kv_shape = (case.get("kv_batch", B), case["n_k"], d)
+    kv = None if case["n_k"] is None else rng.standard_normal(kv_shape).astype(in_dtype)
     dh = d // h
     shapes = {"w_q": (d, d), "w_k": (d, h_kv * dh), "w_v": (d, h_kv * dh), "w_o": (d, d)}
     if case.get("bias"):
@@ -403,6 +406,8 @@ def test_mha_backward_reads_half_as_stored(case, dtype, monkeypatch):
     tokens = {(B, n, d), (B * n, d)} | (
         {(B, kv.shape[1], d), (B * kv.shape[1], d)} if kv is not None else set()
     )
+    if "kv_batch" in case:  # broadcast inputs: the call is prepared widened, as documented
+        tokens = set()
 
     def refuse(real):
         def check(a, *rest):
