@@ -87,6 +87,24 @@ def test_sdpa_backward_long_slice():
         assert abs(num - g[name][idx]) <= 1e-6 * max(1.0, abs(num))
 
 
+@pytest.mark.parametrize("n_q", [100, 120, 128, 143, 197])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sdpa_forward_independent_of_the_query_tiles(n_q, dtype):
+    """The flash forward's query tiles (96 rows; a last one under 24 rows joins the one before:
+    100 rows as one tile, 120, 128 and 143 as 96 and the rest, 197 as 96 and 101) do not change
+    a bit of the output or the log-sum-exp: each query's row is the same among 240 queries
+    (tiles of 96, 96 and 48). (With ``return_weights`` the dense path's Eigen products may
+    round a tile's last rows otherwise.)"""
+    rng = np.random.default_rng(n_q)
+    q = rng.standard_normal((2, 2, 240, 64)).astype(dtype)
+    k, v = rng.standard_normal((2, 1, 150, 64)).astype(dtype), rng.standard_normal((2, 1, 150, 40))
+    v = v.astype(dtype)
+    full = attnlab.scaled_dot_product_attention(q, k, v, return_lse=True)
+    part = attnlab.scaled_dot_product_attention(q[:, :, :n_q], k, v, return_lse=True)
+    for got, want in zip(part, full, strict=True):
+        np.testing.assert_array_equal(got, want[:, :, :n_q])
+
+
 @pytest.mark.parametrize("n_q", [30, 70, 80, 197])  # (few queries take the decode forward)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
