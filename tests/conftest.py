@@ -185,3 +185,23 @@ def in_fresh_process(code: str) -> None:
         [sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def refuse_conversions(monkeypatch: Any, shapes: set[tuple[int, ...]]) -> None:
+    """Make any widening (``_half.widen``, ``_validate.widen``) or rounding (``_half.store``) in
+    Python of an array of one of ``shapes`` fail: a path that reads half-precision arrays as
+    stored makes none. ``monkeypatch.undo()`` lifts it."""
+    import attnlab
+
+    def refuse(real: Any) -> Any:
+        def check(a: np.ndarray, *rest: Any) -> np.ndarray:
+            # widen(a) converts; store(a, half) unless half is None or a's own dtype
+            if a.shape in shapes and (not rest or rest[0] not in (None, a.dtype)):
+                raise AssertionError(f"an array of {a.shape} converted in Python")
+            return real(a, *rest)
+
+        return check
+
+    for module in (attnlab._half, attnlab._validate):
+        monkeypatch.setattr(module, "widen", refuse(module.widen))
+    monkeypatch.setattr(attnlab._half, "store", refuse(attnlab._half.store))

@@ -36,7 +36,7 @@ from attnlab._bench.accuracy import (
     logit_scale,
 )
 from attnlab.reference._mha import _bf16
-from conftest import make_mha_weights
+from conftest import make_mha_weights, refuse_conversions
 
 try:
     import ml_dtypes
@@ -857,20 +857,8 @@ def test_pooled_backward_reads_and_writes_half_as_the_float32_call_rounds(
     half = _cast(args, dtype)
     widened = _cast(half, np.dtype(np.float32))
     want = fn(g.astype(np.float32), **widened, **kw, key_padding_mask=mask)
-    tokens = {(B, n, d), (B * n, d), (B, n, d_out), (B * n, d_out)}  # x, grad_out, their rows
-
-    def refuse(real: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-        def check(a: np.ndarray, *rest: Any) -> np.ndarray:
-            # widen(a) converts; store(a, half) unless half is None or a's own dtype
-            if a.shape in tokens and (not rest or rest[0] not in (None, a.dtype)):
-                raise AssertionError(f"an array of {a.shape} converted in Python")
-            return real(a, *rest)
-
-        return check
-
-    monkeypatch.setattr(attnlab._half, "widen", refuse(attnlab._half.widen))
-    monkeypatch.setattr(attnlab._half, "store", refuse(attnlab._half.store))
-    monkeypatch.setattr(attnlab._validate, "widen", refuse(attnlab._validate.widen))
+    # x, grad_out and their rows
+    refuse_conversions(monkeypatch, {(B, n, d), (B * n, d), (B, n, d_out), (B * n, d_out)})
     got = fn(g, **half, **kw, key_padding_mask=mask)
     forward = attnlab.separable_attention if family == "separable" else attnlab.additive_attention
     out, pullback = attnlab.vjp(forward, **half, **kw, key_padding_mask=mask)

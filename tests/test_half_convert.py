@@ -8,6 +8,7 @@ import pytest
 
 from attnlab import _half
 from attnlab._loader import core
+from conftest import refuse_conversions
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -408,19 +409,7 @@ def test_mha_backward_reads_half_as_stored(case, dtype, monkeypatch):
     )
     if "kv_batch" in case:  # broadcast inputs: the call is prepared widened, as documented
         tokens = set()
-
-    def refuse(real):
-        def check(a, *rest):
-            # widen(a) converts; store(a, half) unless half is None or a's own dtype
-            if a.shape in tokens and (not rest or rest[0] not in (None, a.dtype)):
-                raise AssertionError(f"an array of {a.shape} converted in Python")
-            return real(a, *rest)
-
-        return check
-
-    monkeypatch.setattr(attnlab._half, "widen", refuse(attnlab._half.widen))
-    monkeypatch.setattr(attnlab._half, "store", refuse(attnlab._half.store))
-    monkeypatch.setattr(attnlab._validate, "widen", refuse(attnlab._validate.widen))
+    refuse_conversions(monkeypatch, tokens)
     got = attnlab.multi_head_attention_backward(g, *inputs, **w, **kw)
     out, pullback = attnlab.vjp(attnlab.multi_head_attention, *inputs, **w, **kw)
     pulled = pullback(g)  # the forward keeps its projections: no recompute, the same bits
