@@ -443,13 +443,11 @@ void linear_weight_grad(Index rows, Index in, Index out, const T* x, Index ldx, 
             DB.setZero();
             T widened[kCols];  // a row of a half-precision dY
             for (Index r = 0; r < rows; ++r) {
-                const T* row = dy + r * lddy + j0;
+                const T* row = widened;  // (dY is null when given as half bits)
                 if constexpr (std::is_same_v<T, float>) {
-                    if (h.dy) {
-                        detail::half_to_float(h.dy + r * lddy + j0, n, h.format, widened);
-                        row = widened;
-                    }
+                    if (h.dy) detail::half_to_float(h.dy + r * lddy + j0, n, h.format, widened);
                 }
+                if (!h.dy) row = dy + r * lddy + j0;
                 DB += Eigen::Map<const RowVec>(row, n);
             }
         });
