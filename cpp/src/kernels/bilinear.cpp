@@ -218,19 +218,13 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     a.lse = lse;
     if (!kept) attention_forward(a);
 
-    // the half-precision operands of a layer's gradient products (its W; grad_out's bits)
-    const auto half = [&](const Linear<T>& l, const std::uint16_t* dy = nullptr) {
-        HalfGradOperands h{nullptr, dy, nullptr, l.half};
-        h.w = l.w_half;
-        return h;
-    };
-
     // Output projection.
     linear_weight_grad(rq, wc, d_out, ctx, wc, grad_out, d_out, g.w_o.w, g.w_o.b,
-                       static_cast<const T*>(nullptr), half(p.w_o, g.grad_out_half));
+                       static_cast<const T*>(nullptr),
+                       detail::layer_half(p.w_o, nullptr, g.grad_out_half));
     auto dctx = make_buffer<T>(rq * wc);
     linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc, false,
-                      half(p.w_o, g.grad_out_half));
+                      detail::layer_half(p.w_o, nullptr, g.grad_out_half));
 
     // Attention core. The keys are shared by all heads (head stride 0) but the core writes
     // d_k per kv head, so give each kv head its own column block and sum them afterwards.
@@ -248,7 +242,8 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     // Values.
     linear_weight_grad(rk, d_v, wv, p.value, d_v, dv.get(), wv, g.w_v.w, g.w_v.b);
     if (g.value)
-        linear_input_grad(rk, d_v, wv, dv.get(), wv, p.w_v.w, g.value, d_v, false, half(p.w_v));
+        linear_input_grad(rk, d_v, wv, dv.get(), wv, p.w_v.w, g.value, d_v, false,
+                          detail::layer_half(p.w_v));
 
     // Keys: d key = sum over kv heads, in head order (fixed, thread-count independent). An
     // input that is another one (self-attention) may share its gradient buffer: the later

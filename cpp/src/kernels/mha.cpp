@@ -112,20 +112,13 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
         attention_forward(a);
     }
     const T* ctx = b.ctx;
-    // the half-precision operands of each layer's gradient products (the layer's format)
-    const auto half = [](const Linear<T>& l, const std::uint16_t* x = nullptr,
-                         const std::uint16_t* dy = nullptr) {
-        HalfGradOperands h{x, dy, nullptr, l.half};
-        h.w = l.w_half;
-        return h;
-    };
-
     // output projection: dW_o = ctx^T dY, db_o = sum dY, dctx = dY W_o^T
     linear_weight_grad(rq, wc, d_out, ctx, wc, grad_out, d_out, g.w_o.w, g.w_o.b,
-                       static_cast<const T*>(nullptr), half(p.w_o, nullptr, g.grad_out_half));
+                       static_cast<const T*>(nullptr),
+                       detail::layer_half(p.w_o, nullptr, g.grad_out_half));
     auto dctx = make_buffer<T>(rq * wc);
     linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc, false,
-                      half(p.w_o, nullptr, g.grad_out_half));
+                      detail::layer_half(p.w_o, nullptr, g.grad_out_half));
 
     auto dq = make_buffer<T>(rq * wq), dk = make_buffer<T>(rk * wk), dv = make_buffer<T>(rk * wv);
     AttentionGrad<T> ag;
@@ -154,11 +147,11 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
     }
     const T* x_t = xt.get();
     linear_weight_grad(rq, p.w_q.in, wq, p.query, p.w_q.in, dq.get(), wq, g.w_q.w, g.w_q.b, x_t,
-                       half(p.w_q, p.query_half));
+                       detail::layer_half(p.w_q, p.query_half));
     linear_weight_grad(rk, p.w_k.in, wk, p.key, p.w_k.in, dk.get(), wk, g.w_k.w, g.w_k.b, x_t,
-                       half(p.w_k, p.key_half));
+                       detail::layer_half(p.w_k, p.key_half));
     linear_weight_grad(rk, p.w_v.in, wv, p.value, p.w_v.in, dv.get(), wv, g.w_v.w, g.w_v.b, x_t,
-                       half(p.w_v, p.value_half));
+                       detail::layer_half(p.w_v, p.value_half));
 
     // dX = dY W^T for value, key, query in that order. An input that is another one
     // (self-attention: key = value = query) may share its gradient buffer: the later products
@@ -190,7 +183,7 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
             if (!sums) sums = make_buffer<T>(x.rows * x.l.in);
             dx = sums.get();
         }
-        HalfGradOperands h = half(x.l);
+        HalfGradOperands h = detail::layer_half(x.l);
         h.dx = later ? nullptr : x.bits;
         linear_input_grad(x.rows, x.l.in, x.width, x.dy, x.width, x.l.w, dx, x.l.in, earlier, h);
     }

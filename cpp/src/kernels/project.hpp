@@ -28,5 +28,15 @@ void project(Index rows, const T* x, const Linear<T>& l, T* y, bool bf16,
     linear(rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out);
 }
 
+// The half-precision operands of a layer's gradient products: its W as stored (widened as
+// transposed) and, when given, X's and dY's bits, in the layer's format.
+template <typename T>
+HalfGradOperands layer_half(const Linear<T>& l, const std::uint16_t* x = nullptr,
+                            const std::uint16_t* dy = nullptr) {
+    HalfGradOperands h{x, dy, nullptr, l.half};
+    h.w = l.w_half;
+    return h;
+}
+
 }  // namespace detail
 }  // namespace attnlab::ATTNLAB_ISA_NS
