@@ -74,4 +74,9 @@ void transpose_rows(Index rows, Index in, const T* x, Index ldx, T* xt);
 void transpose_rows(Index rows, Index in, const std::uint16_t* x, Index ldx, HalfFormat format,
                     float* xt);
 
+// transpose_rows of X given as T, or as the half-precision bits x_half when set (T float).
+template <typename T>
+void transpose_rows(Index rows, Index in, const T* x, const std::uint16_t* x_half, Index ldx,
+                    HalfFormat format, T* xt);
+
 }  // namespace attnlab::ATTNLAB_ISA_NS

@@ -379,7 +379,10 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     linear_input_grad(rows, din, D, dZ, D, p.w_k, dx, din, true,
                       HalfGradOperands{nullptr, nullptr, p.half.grad_x, p.half.format});
     Buffer<T> xt;  // X^T once for both weight gradients
-    if (((g.w_q && g.w_k) || p.half.x) && din > 0) xt = transposed_tokens(rows, din, p.x, p.half);
+    if (((g.w_q && g.w_k) || p.half.x) && din > 0) {
+        xt = make_buffer<T>(din * rows);
+        transpose_rows(rows, din, p.x, p.half.x, din, p.half.format, xt.get());
+    }
     linear_weight_grad(rows, din, D, p.x, din, dH.get(), D, g.w_q, g.b_q, xt.get());
     linear_weight_grad(rows, din, D, p.x, din, dZ, D, g.w_k, g.b_k, xt.get());
 }

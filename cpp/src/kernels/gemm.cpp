@@ -416,14 +416,7 @@ void linear_weight_grad(Index rows, Index in, Index out, const T* x, Index ldx, 
     Buffer<T> own;
     if (dw && in > 0 && !xt && (rows > kRowChunk || h.x)) {
         own = make_buffer<T>(in * rows);
-        if constexpr (std::is_same_v<T, float>) {
-            if (h.x)
-                transpose_rows(rows, in, h.x, ldx, h.format, own.get());
-            else
-                transpose_rows(rows, in, x, ldx, own.get());
-        } else {
-            transpose_rows(rows, in, x, ldx, own.get());
-        }
+        transpose_rows(rows, in, x, h.x, ldx, h.format, own.get());
         xt = own.get();
     }
     const HalfOperands half{nullptr, h.dy, nullptr, h.format};  // dY is the B operand
@@ -454,6 +447,18 @@ void linear_weight_grad(Index rows, Index in, Index out, const T* x, Index ldx, 
     }
 }
 
+template <typename T>
+void transpose_rows(Index rows, Index in, const T* x, const std::uint16_t* x_half, Index ldx,
+                    HalfFormat format, T* xt) {
+    if constexpr (std::is_same_v<T, float>) {
+        if (x_half) {
+            transpose_rows(rows, in, x_half, ldx, format, xt);
+            return;
+        }
+    }
+    transpose_rows(rows, in, x, ldx, xt);
+}
+
 void transpose_rows(Index rows, Index in, const std::uint16_t* x, Index ldx, HalfFormat format,
                     float* xt) {
     constexpr Index kBlock = 64, kRows = 256;  // columns of X a task; rows widened at a time
@@ -480,6 +485,10 @@ template void linear_weight_grad<double>(Index, Index, Index, const double*, Ind
                                          Index, double*, double*, const double*,
                                          const HalfGradOperands&);
 template void transpose_rows<float>(Index, Index, const float*, Index, float*);
+template void transpose_rows<float>(Index, Index, const float*, const std::uint16_t*, Index,
+                                    HalfFormat, float*);
+template void transpose_rows<double>(Index, Index, const double*, const std::uint16_t*, Index,
+                                     HalfFormat, double*);
 template void transpose_rows<double>(Index, Index, const double*, Index, double*);
 
 template void linear<float>(Index, Index, Index, const float*, Index, const float*, const float*,

@@ -136,14 +136,7 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
                         p.key_half == p.value_half;
     if (shared && (g.w_q.w ? 1 : 0) + (g.w_k.w ? 1 : 0) + (g.w_v.w ? 1 : 0) > 1 && p.w_q.in > 0) {
         xt = make_buffer<T>(p.w_q.in * rq);
-        if constexpr (std::is_same_v<T, float>) {
-            if (p.query_half)
-                transpose_rows(rq, p.w_q.in, p.query_half, p.w_q.in, p.w_q.half, xt.get());
-            else
-                transpose_rows(rq, p.w_q.in, p.query, p.w_q.in, xt.get());
-        } else {
-            transpose_rows(rq, p.w_q.in, p.query, p.w_q.in, xt.get());
-        }
+        transpose_rows(rq, p.w_q.in, p.query, p.query_half, p.w_q.in, p.w_q.half, xt.get());
     }
     const T* x_t = xt.get();
     linear_weight_grad(rq, p.w_q.in, wq, p.query, p.w_q.in, dq.get(), wq, g.w_q.w, g.w_q.b, x_t,

@@ -143,21 +143,6 @@ inline HalfGradOperands half_grad_out(const HalfTokens& h) {
     return {nullptr, h.grad_out, nullptr, h.format};
 }
 
-// X^T (in x rows) of the tokens x (rows x in), or of h.x's half-precision bits when set (T
-// float), for the weight gradients of the input projections.
-template <typename T>
-Buffer<T> transposed_tokens(Index rows, Index in, const T* x, const HalfTokens& h) {
-    auto xt = make_buffer<T>(in * rows);
-    if constexpr (std::is_same_v<T, float>) {
-        if (h.x) {
-            transpose_rows(rows, in, h.x, in, h.format, xt.get());
-            return xt;
-        }
-    }
-    transpose_rows(rows, in, x, in, xt.get());
-    return xt;
-}
-
 // Row r of grad_out (d_out wide) as T: in place, or widened from h.grad_out into `row`.
 template <typename T>
 const T* grad_out_row(const T* grad_out, const HalfTokens& h, Index r, Index dout, T* row) {
