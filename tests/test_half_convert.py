@@ -374,8 +374,20 @@ def test_half_inputs_strided_and_broadcast_are_the_widened_call(dtype):
         dict(B=1, n=7, n_k=9, d=32, h=4, h_kv=2, go="float32", inputs="float32"),  # weights only
         # keys and values broadcast over the batch: their gradients summed in float32 first
         dict(B=2, n=30, n_k=20, d=32, h=4, h_kv=4, go="half", kv_batch=1),
+        # q/k norms (stored in the half dtype too) and rotary embeddings, in the kernel
+        dict(B=2, n=40, n_k=None, d=32, h=4, h_kv=2, go="half", qk_norm=True, rope=(1e4, None)),
+        dict(B=1, n=9, n_k=12, d=48, h=3, h_kv=3, go="float32", causal=True, rope=(500.0, 8)),
     ],
-    ids=["self", "short-gqa", "cross", "causal", "weights-only", "broadcast"],
+    ids=[
+        "self",
+        "short-gqa",
+        "cross",
+        "causal",
+        "weights-only",
+        "broadcast",
+        "norms-rope",
+        "partial-rope-cross",
+    ],
 )
 def test_mha_backward_reads_half_as_stored(case, dtype, monkeypatch):
     """The MHA backward reads half-precision weights (W^T widened as it is transposed), inputs
@@ -399,6 +411,10 @@ def test_mha_backward_reads_half_as_stored(case, dtype, monkeypatch):
     w = {k: (rng.standard_normal(s) / 5).astype(dtype) for k, s in shapes.items()}
     g = rng.standard_normal((B, n, d)).astype(dtype if case["go"] == "half" else np.float32)
     kw = dict(num_heads=h, num_kv_heads=h_kv, causal=case.get("causal", False))
+    if "rope" in case:
+        kw.update(rope_theta=case["rope"][0], rope_dim=case["rope"][1])
+    if case.get("qk_norm"):
+        w.update({n: (1 + rng.standard_normal(dh) / 4).astype(dtype) for n in ("q_norm", "k_norm")})
     inputs = (x,) if kv is None else (x, kv, kv)
     f32 = {k: a.astype(np.float32) for k, a in w.items()}
     want = attnlab.multi_head_attention_backward(

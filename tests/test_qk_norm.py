@@ -248,3 +248,65 @@ def test_errors(rng, extra, exc, words):
         attnlab.multi_head_attention(x, num_heads=2, **w, **extra)
     with pytest.raises(exc, match=words):
         attnlab.multi_head_attention_backward(np.ones((3, 8)), x, num_heads=2, **w, **extra)
+
+
+def test_norms_and_rotation_run_in_the_kernel(monkeypatch):
+    """Without precision="bf16", forward, backward and vjp normalise and rotate in the one C++
+    call: the NumPy norms and rotation of the composed path are never called; vjp keeps the
+    projections and its pullback runs no forward."""
+    import attnlab._rope as rope
+
+    rng = np.random.default_rng(11)
+    xq, _, kw = _case(rng, ((2,), 5, 5, 4, 2, 8, True, "qk+rope", False), np.float32)
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the composed path ran")
+
+    for name in ("rms_norm", "rms_norm_backward", "rotate", "forward", "backward"):
+        monkeypatch.setattr(rope, name, refuse)
+    g = rng.standard_normal(xq.shape).astype(np.float32)
+    attnlab.multi_head_attention(xq, **kw)
+    grads = attnlab.multi_head_attention_backward(g, xq, **kw)
+    calls = []
+    real = attnlab._loader.core.mha_backward
+    monkeypatch.setattr(
+        attnlab._loader.core, "mha_backward", lambda *a: calls.append(a[3]) or real(*a)
+    )
+    _, pullback = attnlab.vjp(attnlab.multi_head_attention, xq, **kw)
+    pulled = pullback(g)
+    assert len(calls) == 1 and calls[0] is not None  # the kept state
+    for name, value in grads.items():
+        np.testing.assert_array_equal(pulled[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_norms_bitwise_for_any_thread_count(dtype):
+    """The q/k norm weights' gradients are summed over row blocks of a fixed size, then over
+    the blocks in order: forward and every gradient the same bits at 1 and 2 threads (150 rows
+    and 95 key rows: several blocks, a partial last one)."""
+    rng = np.random.default_rng(12)
+    xq, xk, kw = _case(rng, ((2,), 75, 95, 4, 2, 8, False, "qk+inv_partial", True), dtype)
+    kw["positions"] = rng.integers(0, 200, (2, 95))  # a table per batch entry
+    g = rng.standard_normal(xq.shape).astype(dtype)
+    before = attnlab.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            attnlab.set_num_threads(threads)
+            out = attnlab.multi_head_attention(xq, xk, **kw)
+            results.append((out, attnlab.multi_head_attention_backward(g, xq, xk, **kw)))
+    finally:
+        attnlab.set_num_threads(before)
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    assert set(results[0][1]) >= {"q_norm", "k_norm", "query", "key"}
+    for name, value in results[0][1].items():
+        np.testing.assert_array_equal(results[1][1][name], value, err_msg=name)
+
+
+def test_norm_gradients_when_no_query_rows():
+    """A call of no query rows still returns the norms' gradients (zeros), as the others."""
+    rng = np.random.default_rng(13)
+    xq, xk, kw = _case(rng, ((2,), 0, 4, 2, 2, 4, False, "qk", True), np.float64)
+    grads = attnlab.multi_head_attention_backward(np.zeros(xq.shape), xq, xk, **kw)
+    for name in ("q_norm", "k_norm", "w_q"):
+        assert grads[name].shape == kw[name].shape and not grads[name].any(), name

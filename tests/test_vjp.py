@@ -103,7 +103,8 @@ def _count_kernels(
         return fwd(*a)
 
     def count_bwd(*a):
-        calls.append(("backward from state" if a[-1] is not None else recompute, a[-1]))
+        state = a[3] if prefix == "mha" else a[-1]  # (mha_backward's last: the q/k transforms)
+        calls.append(("backward from state" if state is not None else recompute, state))
         return bwd(*a)
 
     monkeypatch.setattr(core, prefix + "_forward", count_fwd)
@@ -191,16 +192,24 @@ def test_torch_training_step_runs_one_forward(monkeypatch):
     assert x.grad is not None and all(t.grad is not None for t in w.values())
 
 
-def test_vjp_with_rotary_embeddings_matches_the_backward():
-    """The rotary path keeps no kernel state yet: its pullback recomputes on private copies."""
+def test_vjp_with_rotary_embeddings_matches_the_backward(monkeypatch):
+    """With rotary embeddings the forward keeps its projections (before the rotation) like any
+    other call: the pullback runs the backward from that state, on private copies."""
     kw = _mha_kwargs(np.random.default_rng(4))
     kw.update(rope_theta=10000.0)
+    calls = _count_kernels(monkeypatch)
     out, pullback = attnlab.vjp(attnlab.multi_head_attention, **kw)
     np.testing.assert_array_equal(out, attnlab.multi_head_attention(**kw))
     g = np.random.default_rng(5).standard_normal(out.shape)
     want = attnlab.multi_head_attention_backward(g, **kw)
     kw["query"] *= 2  # the caller's array changes; the pullback does not see it
     got = pullback(g)
+    assert [c[0] for c in calls] == [
+        "forward",
+        "forward",
+        "backward + forward",
+        "backward from state",
+    ]
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)

@@ -258,6 +258,53 @@ struct MhaArgs : SharedArgs {
     }
 };
 
+// The q/k norms and rotary embeddings of a multi-head call: core.QkArgs (QkTransform).
+struct QkArgs {
+    py::object q_norm, k_norm;  // (d_head,) or None
+    double norm_eps;
+    Index rope_dim;                         // 0: no rotation
+    py::object cos_q, sin_q, cos_k, sin_k;  // (batch or 1, n, rope_dim / 2), or None
+
+    static constexpr auto fields() {
+        return std::make_tuple(field("q_norm", &QkArgs::q_norm), field("k_norm", &QkArgs::k_norm),
+                               field("norm_eps", &QkArgs::norm_eps),
+                               field("rope_dim", &QkArgs::rope_dim), field("cos_q", &QkArgs::cos_q),
+                               field("sin_q", &QkArgs::sin_q), field("cos_k", &QkArgs::cos_k),
+                               field("sin_k", &QkArgs::sin_k));
+    }
+};
+
+// A rotary table pair of n positions, one for all batch entries or one per entry.
+template <typename T>
+RotaryTables<T> rotary_tables(const py::object& cos, const py::object& sin, const char* cname,
+                              const char* sname, Index batch, Index n, Index half) {
+    const py::array c = cos.cast<py::array>(), s = sin.cast<py::array>();
+    const Index tb = c.ndim() == 3 ? c.shape(0) : -1;
+    if (tb != 1 && tb != batch)
+        throw py::value_error(std::string(cname) + ": expected (1 or batch, n, rope_dim / 2)");
+    return {contiguous<T>(c, cname, {tb, n, half}), contiguous<T>(s, sname, {tb, n, half}),
+            tb != 1 || batch == 1};
+}
+
+// p.qk from qk (None: no transform); after mha_problem (the sizes).
+template <typename T>
+void qk_transform(MhaProblem<T>& p, const py::object& qk) {
+    if (qk.is_none()) return;
+    const QkArgs& a = qk.cast<const QkArgs&>();
+    p.qk.q_norm = optional_vector<T>(a.q_norm, "q_norm", p.d_head);
+    p.qk.k_norm = optional_vector<T>(a.k_norm, "k_norm", p.d_head);
+    if (!(a.norm_eps >= 0)) throw py::value_error("norm_eps: expected a number >= 0");
+    p.qk.eps = static_cast<T>(a.norm_eps);
+    if (a.rope_dim < 0 || a.rope_dim % 2 || a.rope_dim > p.d_head)
+        throw py::value_error("rope_dim: expected an even number in [0, d_head], got " +
+                              std::to_string(a.rope_dim));
+    p.qk.rope_dim = a.rope_dim;
+    if (a.rope_dim == 0) return;
+    const Index half = a.rope_dim / 2;
+    p.qk.rope_q = rotary_tables<T>(a.cos_q, a.sin_q, "cos_q", "sin_q", p.batch, p.n_q, half);
+    p.qk.rope_k = rotary_tables<T>(a.cos_k, a.sin_k, "cos_k", "sin_k", p.batch, p.n_k, half);
+}
+
 // Checks every buffer against the sizes and fills the problem (forward and backward; the
 // outputs are set by the callers). `state`: vjp's buffers, the projections, the attention
 // output and the log-sum-exp (or none).
@@ -295,9 +342,11 @@ MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
     return p;
 }
 
-void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object state, bool bf16) {
+void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object state, bool bf16,
+                 py::object qk) {
     if (a.inputs_half) {  // computed in float32 (bf16 products), out written as bits
         MhaProblem<float> p = mha_problem<float>(a, state);
+        qk_transform(p, qk);
         p.bf16 = bf16;
         projected_outputs<float, MhaProblem<float>, std::uint16_t>(p, out, weights);
         ReleaseGil release;
@@ -309,6 +358,7 @@ void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object
         if (bf16 && !std::is_same_v<T, float>)
             throw py::type_error("bf16: bf16 products take float32 operands, got float64 query");
         MhaProblem<T> p = mha_problem<T>(a, state);
+        qk_transform(p, qk);
         p.bf16 = bf16;
         projected_outputs<T>(p, out, weights);
         ReleaseGil release;
@@ -322,11 +372,13 @@ void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object
 // Half-precision weights (weights_half; and inputs, inputs_half): computed in float32, the
 // input gradients written as bits when the inputs are, grad_out read as bits when it is uint16
 // (with half-precision inputs), the weight and bias gradients float32.
-void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::object state) {
+void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::object state,
+                  py::object qk) {
     check_half_codes(a.weights_half, "inputs_half", a.inputs_half);  // before query's dtype
     const auto run = [&](auto tag, bool half) {
         using T = decltype(tag);
         MhaProblem<T> p = mha_problem<T>(a, state);
+        qk_transform(p, qk);
         p.state.filled = !state.is_none();
         const std::vector<Index> rows{p.batch * p.n_q, p.w_o.out};
         MhaGrads<T> g;
@@ -341,6 +393,12 @@ void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::obje
         projected_grads<T>(g, grads, p, p.w_q.in, p.w_k.in, a.inputs_half != 0);
         g.w_q = linear_grad(grads, p.w_q, "w_q", "b_q");
         g.w_k = linear_grad(grads, p.w_k, "w_k", "b_k");
+        if (!p.qk.q_norm && grads.contains("q_norm"))
+            throw py::value_error("grads['q_norm']: the call has no q_norm");
+        if (!p.qk.k_norm && grads.contains("k_norm"))
+            throw py::value_error("grads['k_norm']: the call has no k_norm");
+        g.q_norm = grad_buffer<T>(grads, "q_norm", {p.d_head});
+        g.k_norm = grad_buffer<T>(grads, "k_norm", {p.d_head});
         ReleaseGil release;
         kernels_for<T>().multi_head_attention_backward(p, gout, g);
         return 0;
@@ -420,12 +478,13 @@ void bind_mha(py::module_& m) {
     m.def("merge_parts", &merge_parts, py::arg("parts"), py::arg("half"), py::arg("frac"),
           py::arg("out"));
     bind_args<MhaArgs>(m, "MhaArgs");
+    bind_args<QkArgs>(m, "QkArgs");
     m.def("mha_bf16_fused_calls", [] { return mha_bf16_fused_calls.load(); });
     m.def("attention_copied_calls", [] { return attention_copied_calls.load(); });
     m.def("mha_forward", &mha_forward, py::arg("args"), py::arg("out"), py::arg("weights"),
-          py::arg("state") = py::none(), py::arg("bf16") = false);
+          py::arg("state") = py::none(), py::arg("bf16") = false, py::arg("qk") = py::none());
     m.def("mha_backward", &mha_backward, py::arg("grad_out"), py::arg("args"), py::arg("grads"),
-          py::arg("state") = py::none());
+          py::arg("state") = py::none(), py::arg("qk") = py::none());
     m.def("linear_forward", &linear_forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("y"),
           py::arg("bf16") = false, py::arg("w_half") = 0, py::arg("x_half") = false,
           py::arg("y_half") = false);

@@ -76,6 +76,7 @@ def mha_forward(
     weights: _Optional,
     state: dict[str, _Array] | None = ...,
     bf16: bool = ...,
+    qk: QkArgs | None = ...,
 ) -> None: ...
 def sdpa_backward(
     grad_out: _Array,
@@ -118,6 +119,7 @@ def mha_backward(
     args: MhaArgs,
     grads: dict[str, _Array],
     state: dict[str, _Array] | None = ...,
+    qk: QkArgs | None = ...,
 ) -> None: ...
 def linear_forward(
     x: _Array,
@@ -200,6 +202,20 @@ class MhaArgs(_SharedArgs):
     b_k: _Optional
     weights_half: _Int  # 0; 1 or 2: the four weights as float16 or bfloat16 bits (uint16)
     inputs_half: _Int  # 0; 1: query, key, value and mha_forward's out as bits of weights_half
+
+@dataclass(frozen=True, kw_only=True)
+class QkArgs:
+    """Per-head q/k RMSNorm weights (d_head,) and rotary tables (1 or batch, n, rope_dim / 2)
+    in the call's dtype (float32 with half-precision inputs); rope_dim 0: no rotation."""
+
+    q_norm: _Optional
+    k_norm: _Optional
+    norm_eps: float
+    rope_dim: _Int
+    cos_q: _Optional
+    sin_q: _Optional
+    cos_k: _Optional
+    sin_k: _Optional
 
 @dataclass(frozen=True, kw_only=True)
 class BilinearArgs(_SharedArgs):

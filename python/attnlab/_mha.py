@@ -537,9 +537,9 @@ def multi_head_attention(
     Fully masked query rows give zero weights and a zero context, so their output is ``b_o``.
     {dtypes_mixed}
 
-    With rotary embeddings or q/k norms the call runs the projection GEMMs, normalises and
-    rotates Q and K (O(n d) time and memory), then the same flash attention core and the
-    output GEMM; without them, the one fused C++ call.
+    Rotary embeddings and q/k norms are applied to each projected query and key head inside
+    the one C++ call (O(n d), in its threads). With ``precision="bf16"`` as well, the call is
+    composed in NumPy around the C++ projection GEMMs and attention core.
 
     {examples}
     >>> x = rng.standard_normal((2, 5, 16))
@@ -553,6 +553,7 @@ def multi_head_attention(
     if _keep is not None and _summed_half(a):  # attnlab.vjp: gradients summed in float32
         a = _prepare_mha(args)
     composed = _rope.prepare_for(a, args)
+    here = composed is not None and composed.forward_here()  # NumPy norms and rotation
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
     B = V.count(batch)
@@ -562,24 +563,26 @@ def multi_head_attention(
     else:
         out = _memory.empty((B * n_q, d_out), dtype)
     # (the composed path's attention core writes float32 weights)
-    w_dtype = half if a.inputs_half and mode != "mean" and composed is None else dtype
+    w_dtype = half if a.inputs_half and mode != "mean" and not here else dtype
     weights = _memory.empty((B, h, n_q, n_k), w_dtype) if mode else None
     lse_wanted = V.check_flag(return_lse, "return_lse")
     state = None
     if _keep is not None:  # attnlab.vjp: keep projections, context and log-sum-exp
         a = _memory.owned(a)
         state = _mha_state(a)
-        _keep.update(prepared=a, state=state, halves=_half.halves(args))
+        composed = None if composed is None else composed.owned()
+        _keep.update(prepared=a, state=state, halves=_half.halves(args), qk=composed)
     lse = a.m.empty_lse(B, h, n_q, dtype) if lse_wanted else None
     bf16 = composed is not None and composed.bf16_only()  # the C++ call runs bf16 products
-    if lse_wanted and (composed is None or bf16) and state is None:
+    if lse_wanted and not here and state is None:
         state = _mha_state(a)
     if B * n_q > 0:
-        if composed is not None and not bf16:
+        if composed is not None and here:
             _rope.forward(a, composed, out.view(np.uint16) if a.inputs_half else out, weights, lse)
         else:
             out_arg = out.view(np.uint16) if a.inputs_half else out
-            core.mha_forward(a.core_args(), out_arg, _half.bits(weights), state, bf16)
+            qk = _rope.core_qk(composed)
+            core.mha_forward(a.core_args(), out_arg, _half.bits(weights), state, bf16, qk)
             if lse is not None and state is not None:
                 lse = state["lse"]
     return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse, half)
@@ -729,18 +732,19 @@ def _summed_half(a: _Mha) -> bool:
 
 
 def _mha_grads(
-    a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = None, rope: Any = None
+    a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = None, qk: Any = None
 ) -> dict[str, np.ndarray]:
     """The gradients of a prepared MHA call; with ``state`` (what the forward kept for
-    attnlab.vjp) the forward is not recomputed; ``rope``: the composed path (rotary embeddings,
-    q/k norms; recomputes)."""
+    attnlab.vjp) the forward is not recomputed; ``qk``: its rotary embeddings, q/k norms and
+    bf16 products (``_rope.Composed``), the last through the composed path (recomputes)."""
     dtype, batch, B = a.dtype, a.batch, a.B
     # half-precision inputs: grad_out in their dtype read, and their gradients written, as
     # stored (the weights' gradients in float32)
     half = a.half if a.inputs_half else None
     go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype, keep=half)
     inputs = {"query": a.rq, "key": a.rk, "value": a.rv}
-    summed = rope is None  # the kernel sums the gradients of aliased inputs; _rope does not
+    here = qk is not None and qk.bf16  # the composed path: bf16 products
+    summed = not here  # the kernel sums the gradients of aliased inputs; _rope does not
     kernel = B * a.n_q > 0
     if summed:  # the kernel writes every element: buffers need no zeros when it runs
         grads = _grad.grad_buffers(a.w, dtype, zeroed=not kernel)
@@ -749,16 +753,20 @@ def _mha_grads(
         grads.update(
             _grad.input_buffers(shapes, a.key_omitted, a.value_omitted, in_dtype, not kernel)
         )
+        for name in ("q_norm", "k_norm"):  # written by the kernel
+            w = None if qk is None else getattr(qk, name)
+            if w is not None:
+                grads[name] = (_memory.empty if kernel else _memory.zeros)(w.shape, dtype)
     else:
         grads = _grad.grad_buffers({**a.w, **inputs}, dtype)
     logit = _grad.logit_buffers(a.m, B, a.h, a.n_q, a.n_k, dtype)
     grads.update(logit)  # the composed path also adds entries of its own (q_norm, k_norm)
     if kernel:
-        if rope is None:
+        if not here:
             bits = {n: _half.bits(g) for n, g in grads.items()}  # shared buffers stay shared
-            core.mha_backward(go2, a.core_args(), bits, state)
+            core.mha_backward(go2, a.core_args(), bits, state, _rope.core_qk(qk))
         else:
-            _rope.backward(go2, a, rope, grads)
+            _rope.backward(go2, a, qk, grads)
     logit = {n: grads.pop(n) for n in logit}
     rows = {n: grads.pop(n) for n in ("query", "key", "value")}
     return {
@@ -785,11 +793,11 @@ def _mha_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
     # weights stored in one half dtype read as stored by the one C++ backward (and inputs stored
     # so too, with their gradients written so, unless summed over broadcast batch axes)
-    fused = all(args[n] is None for n in _rope.COMPOSED_ARGS)
-    a = _prepare_mha(args, keep_half=fused)
+    # (precision="bf16" takes the composed path, which widens them)
+    a = _prepare_mha(args, keep_half=args["precision"] is None)
     if _summed_half(a):
         a = _prepare_mha(args)
-    grads = _mha_grads(a, grad_out, rope=_rope.prepare_for(a, args))
+    grads = _mha_grads(a, grad_out, qk=_rope.prepare_for(a, args))
     return _half.store_grads(grads, _half.halves(args))
 
 

@@ -20,11 +20,12 @@ Per-head RMSNorm of queries and keys (``q_norm``, ``k_norm``, Qwen3 and Gemma 3)
 projection and before the rotation: ``x * (mean(x**2) + norm_eps) ** -0.5 * w`` over each
 head's ``d_head`` features.
 
-The composed path (rotary embeddings or q/k norms) composes the C++ pieces: the projection
-GEMM (``linear_forward``), the norms and the rotation here (elementwise, O(n d)), the flash
+The norms and the rotation run in the one C++ call (``mha_forward`` / ``mha_backward`` with
+``core.QkArgs``: ``core_qk``), after the projection GEMMs. Only ``precision="bf16"`` with
+rotary embeddings or q/k norms takes the composed path here: the projection GEMM
+(``linear_forward``), the norms and the rotation in NumPy (elementwise, O(n d)), the flash
 attention core (``sdpa_forward`` / ``sdpa_backward``, reading the heads as strided views of the
-projected rows, no transposed copy) and the output projection. Other calls keep the single
-fused C++ call.
+projected rows) and the output projection.
 """
 
 from __future__ import annotations
@@ -63,9 +64,43 @@ class Composed(NamedTuple):
     eps: float
     bf16: bool = False
 
+    def transforms(self) -> bool:
+        """Whether Q and K are normalised or rotated."""
+        return self.rope is not None or self.q_norm is not None or self.k_norm is not None
+
     def bf16_only(self) -> bool:
         """Only bf16 products (no rotation, no norms): the one C++ forward runs them."""
-        return self.bf16 and self.rope is None and self.q_norm is None and self.k_norm is None
+        return self.bf16 and not self.transforms()
+
+    def forward_here(self) -> bool:
+        """Whether the forward runs the composed path here (bf16 products with norms or a
+        rotation); else the one C++ call."""
+        return self.bf16 and self.transforms()
+
+    def owned(self) -> Composed:
+        """With private copies of the norm weights (attnlab.vjp keeps them for its pullback;
+        the tables are the call's own)."""
+        own = lambda w: None if w is None else w.copy()  # noqa: E731
+        return self._replace(q_norm=own(self.q_norm), k_norm=own(self.k_norm))
+
+
+def core_qk(c: Composed | None) -> core.QkArgs | None:
+    """The norms and rotary tables of ``c`` for the C++ call (``None``: neither)."""
+    if c is None or not c.transforms():
+        return None
+    r = c.rope
+    tables: dict[str, np.ndarray | None] = dict.fromkeys(("cos_q", "sin_q", "cos_k", "sin_k"))
+    if r is not None:  # (B or 1, n, 1, r/2) -> (B or 1, n, r/2)
+        for name in tables:
+            t = getattr(r, name)
+            tables[name] = t.reshape(t.shape[0], t.shape[1], t.shape[3])
+    return core.QkArgs(
+        q_norm=c.q_norm,
+        k_norm=c.k_norm,
+        norm_eps=c.eps,
+        rope_dim=0 if r is None else r.dim,
+        **tables,
+    )
 
 
 # The keyword arguments that send a multi-head call down the composed path (attnlab.vjp reads

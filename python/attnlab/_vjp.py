@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _additive, _bilinear, _docs, _half, _latent, _mha, _rope, _separable
+from . import _additive, _bilinear, _docs, _half, _latent, _mha, _separable
 from . import _signature as _sig
 
 __all__ = ["vjp"]
@@ -19,7 +19,9 @@ Pullback = Callable[[Any], dict[str, np.ndarray]]
 
 # The families whose forward keeps its state (``_keep``): the gradients from that state.
 KEPT: dict[Any, Callable[[dict[str, Any], Any], dict[str, np.ndarray]]] = {
-    _mha.multi_head_attention: lambda k, g: _mha._mha_grads(k["prepared"], g, k["state"]),
+    _mha.multi_head_attention: lambda k, g: _mha._mha_grads(
+        k["prepared"], g, k["state"], k["qk"]
+    ),
     _mha.scaled_dot_product_attention: lambda k, g: _mha._sdpa_grads(k["prepared"], g, k),
     _bilinear.bilinear_attention: lambda k, g: _bilinear._bilinear_grads(
         k["prepared"], g, k["state"]
@@ -39,7 +41,7 @@ for _forward in KEPT:  # ``_keep`` is vjp's, not the caller's: help() and the do
 def _recomputing(
     f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, Pullback]:
-    """Multi-head attention with rotary embeddings, which keeps no state yet: the forward on a
+    """Multi-head attention with bf16 products, which keeps no state yet: the forward on a
     private copy of the arguments (later in-place changes of the caller's arrays do not reach
     the pullback), the pullback through ``multi_head_attention_backward``."""
     own = copy.deepcopy(dict(inspect.signature(f).bind(*args, **kwargs).arguments))
@@ -108,12 +110,9 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
     if f not in KEPT:
         names = ", ".join(f"attnlab.{g.__name__}" for g in KEPT)
         raise TypeError(f"f: expected one of {names}, got {f!r}")
-    # the composed path's options are keyword-only: no signature binding, a cost on every
-    # training step (docs/performance.md)
-    composed = f is _mha.multi_head_attention and any(
-        kwargs.get(n) is not None for n in _rope.COMPOSED_ARGS
-    )
-    if composed:  # the composed path (rotary embeddings, q/k norms) keeps no state yet
+    # precision="bf16" with multi-head attention keeps no state yet (keyword-only: no
+    # signature binding, a cost on every training step, docs/performance.md)
+    if f is _mha.multi_head_attention and kwargs.get("precision") is not None:
         return _recomputing(f, args, kwargs)
     keep: dict[str, Any] = {}
     out = f(*args, **kwargs, _keep=keep)

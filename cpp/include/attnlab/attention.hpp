@@ -104,8 +104,31 @@ struct KeptForward {
 
 template <typename T>
 struct MhaState : KeptForward<T> {
-    T* q = nullptr;  // (batch * n_q, heads * d_head)
+    T* q = nullptr;  // (batch * n_q, heads * d_head), before QkTransform when there is one
     T* k = nullptr;  // (batch * n_k, kv_heads * d_head)
+};
+
+// cos and sin of the rotary angles, (batch or 1, n, rope_dim / 2) each, contiguous; the
+// multiplier of transformers' scaled rope types already in them
+template <typename T>
+struct RotaryTables {
+    const T* cos = nullptr;
+    const T* sin = nullptr;
+    bool batched = false;  // one table per batch entry, else one for all
+};
+
+// What modern layers apply to each projected query and key head before the attention, in this
+// order (cpp/src/kernels/qk_transform.hpp): an RMSNorm over its d_head features with weights
+// (Qwen3, Gemma 3: x (mean(x^2) + eps)^-1/2 w), then rotary embeddings on its first rope_dim
+// features, feature j paired with j + rope_dim / 2 (transformers' rotate_half).
+template <typename T>
+struct QkTransform {
+    const T* q_norm = nullptr;  // (d_head) or null: no norm
+    const T* k_norm = nullptr;
+    T eps = T(0);
+    Index rope_dim = 0;  // 0: no rotation
+    RotaryTables<T> rope_q, rope_k;
+    bool any() const { return q_norm || k_norm || rope_dim > 0; }
 };
 
 // What multi-head and bilinear attention share: the sizes, the rows of the three inputs, the
@@ -132,6 +155,7 @@ struct MhaProblem : ProjectedAttention<T> {
     Index d_head = 0;
     Linear<T> w_q, w_k;  // (d_q, heads * d_head), (d_k, kv_heads * d_head)
     MhaState<T> state;   // optional: all five buffers or none
+    QkTransform<T> qk;   // optional: q/k norms and rotary embeddings
     bool bf16 = false;   // precision="bf16" (float only): the forward's products in bf16
     // Half-precision arrays (float only, float32 products, the weights' half format): query,
     // key, value and the forward's out as bits, instead of their float pointers (null)
@@ -165,6 +189,8 @@ struct ProjectedGrads {
 template <typename T>
 struct MhaGrads : ProjectedGrads<T> {
     LinearGrad<T> w_q, w_k;
+    T* q_norm = nullptr;  // (d_head): the gradients of QkTransform's norm weights
+    T* k_norm = nullptr;
 };
 
 // The kernels, compiled once per instruction set (see common.hpp).

@@ -6,6 +6,7 @@
 #include "entry_points.hpp"
 #include "mha_bf16.hpp"
 #include "project.hpp"
+#include "qk_transform.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -37,12 +38,15 @@ AttentionProblem<T> head_problem(const MhaProblem<T>& p, const T* q, const T* k,
 }
 
 // The forward's intermediates: in p.state when the caller keeps them, else in temporaries.
+// With a QkTransform, q and k hold the projections and qt, kt the transformed heads the
+// attention reads: the same arrays, unless the projections are kept (p.state) or the backward
+// needs them (and the norm scales s_q, s_k).
 template <typename T>
 struct MhaBuffers {
-    Buffer<T> own_q, own_k, own_v, own_ctx, own_lse;
-    T *q, *k, *v, *ctx, *lse;
+    Buffer<T> own_q, own_k, own_v, own_ctx, own_lse, own_qt, own_kt, own_sq, own_sk;
+    T *q, *k, *v, *ctx, *lse, *qt, *kt, *s_q = nullptr, *s_k = nullptr;
 
-    MhaBuffers(const MhaProblem<T>& p, bool need_lse) {
+    MhaBuffers(const MhaProblem<T>& p, bool backward) {
         const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
         const auto take = [](T* kept, Buffer<T>& own, Index n) {
             if (kept) return kept;
@@ -53,8 +57,17 @@ struct MhaBuffers {
         k = take(p.state.k, own_k, rk * p.kv_heads * p.d_head);
         v = take(p.state.v, own_v, rk * p.kv_heads * p.d_vhead);
         ctx = take(p.state.ctx, own_ctx, rq * p.heads * p.d_vhead);
-        lse = p.state.lse || need_lse ? take(p.state.lse, own_lse, p.batch * p.heads * p.n_q)
+        lse = p.state.lse || backward ? take(p.state.lse, own_lse, p.batch * p.heads * p.n_q)
                                       : nullptr;
+        qt = q;
+        kt = k;
+        if (!p.qk.any()) return;
+        if (backward || p.state.q) {
+            qt = take(nullptr, own_qt, rq * p.heads * p.d_head);
+            kt = take(nullptr, own_kt, rk * p.kv_heads * p.d_head);
+        }
+        if (backward && p.qk.q_norm) s_q = take(nullptr, own_sq, rq * p.heads);
+        if (backward && p.qk.k_norm) s_k = take(nullptr, own_sk, rk * p.kv_heads);
     }
 };
 
@@ -66,7 +79,11 @@ AttentionProblem<T> mha_core_forward(const MhaProblem<T>& p, const MhaBuffers<T>
     project(rq, p.query, p.w_q, b.q, p.bf16, p.query_half);
     project(rk, p.key, p.w_k, b.k, p.bf16, p.key_half);
     project(rk, p.value, p.w_v, b.v, p.bf16, p.value_half);
-    AttentionProblem<T> a = head_problem(p, b.q, b.k, b.v, b.ctx);
+    if (p.qk.any()) {
+        qk_forward(query_side(p), b.q, b.qt, b.s_q);
+        qk_forward(key_side(p), b.k, b.kt, b.s_k);
+    }
+    AttentionProblem<T> a = head_problem(p, b.qt, b.kt, b.v, b.ctx);
     a.lse = b.lse;
     if (p.bf16) a.bf16 = Bf16::probabilities;
     return a;
@@ -79,7 +96,7 @@ void multi_head_attention_forward(const MhaProblem<T>& p) {
     const Index rq = p.batch * p.n_q;
 #if defined(ATTNLAB_AMX)
     if constexpr (std::is_same_v<T, float>) {
-        if (p.bf16) {
+        if (p.bf16 && !p.qk.any()) {
             AttentionProblem<T> a = detail::head_problem<T>(p, nullptr, nullptr, nullptr, nullptr);
             a.bf16 = Bf16::probabilities;
             if (detail::mha_bf16_fused(p, a)) return;
@@ -105,7 +122,11 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
     detail::MhaBuffers<T> b(p, true);
     AttentionProblem<T> a;
     if (p.state.filled) {  // attnlab.vjp: the forward kept everything
-        a = detail::head_problem(p, b.q, b.k, b.v, b.ctx);
+        if (p.qk.any()) {  // but the transformed heads (O(n d) to redo)
+            detail::qk_forward(detail::query_side(p), b.q, b.qt, b.s_q);
+            detail::qk_forward(detail::key_side(p), b.k, b.kt, b.s_k);
+        }
+        a = detail::head_problem(p, b.qt, b.kt, b.v, b.ctx);
         a.lse = b.lse;
     } else {
         a = detail::mha_core_forward(p, b);
@@ -129,6 +150,10 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
     ag.d_mask = g.mask;
     ag.d_sinks = g.sinks;
     attention_backward(a, ag);
+    if (p.qk.any()) {  // through the rotation and the norms: the projections' gradients
+        detail::qk_backward(detail::query_side(p), b.q, b.s_q, dq.get(), g.q_norm);
+        detail::qk_backward(detail::key_side(p), b.k, b.s_k, dk.get(), g.k_norm);
+    }
 
     // self-attention: X^T once for the three weight gradients
     Buffer<T> xt;

@@ -76,8 +76,9 @@ def _decode(dt: Any, quick: bool) -> Call:
 
 
 def _mha(B: int, n: int, d: int, h: int, step: str = "", **kw: Any) -> Callable[[Any, bool], Call]:
-    """A layer's forward with the options ``kw``; ``step="backward"``: its backward,
-    ``step="vjp"``: ``attnlab.vjp`` and the pullback (a training step)."""
+    """A layer's forward with the options ``kw`` (``qk_norm=True``: q/k norms of ones);
+    ``step="backward"``: its backward, ``step="vjp"``: ``attnlab.vjp`` and the pullback (a
+    training step)."""
 
     def build(dt: Any, quick: bool) -> Call:
         import attnlab
@@ -85,7 +86,10 @@ def _mha(B: int, n: int, d: int, h: int, step: str = "", **kw: Any) -> Callable[
         rng = _rng()
         x = rng.standard_normal((2 if quick and B > 2 else B, n, d)).astype(dt)
         wq, wk, wv, wo = _weights(rng, dt, *[(d, d)] * 4)
-        args: dict[str, Any] = dict(num_heads=h, w_q=wq, w_k=wk, w_v=wv, w_o=wo, **kw)
+        opts = dict(kw)
+        if opts.pop("qk_norm", False):  # Qwen3's per-head norms, stored as the weights are
+            opts.update(q_norm=np.ones(d // h, dt), k_norm=np.ones(d // h, dt))
+        args: dict[str, Any] = dict(num_heads=h, w_q=wq, w_k=wk, w_v=wv, w_o=wo, **opts)
         f = attnlab.multi_head_attention
         if step == "backward":
             return lambda: attnlab.multi_head_attention_backward(x, x, **args)
@@ -197,6 +201,12 @@ CASES: dict[str, tuple[str, str, str, Callable[[Any, bool], Call]]] = {
         "B=8 n=197 d=384 h=6",
         "B=2 n=197 d=384 h=6",
         _mha(8, 197, 384, 6, causal=True, rope_theta=1e4),
+    ),
+    "vit-s-rope-backward": (
+        "ViT-S rotary + q/k norms backward",
+        "B=8 n=197 d=384 h=6",
+        "B=2 n=197 d=384 h=6",
+        _mha(8, 197, 384, 6, "backward", causal=True, rope_theta=1e4, qk_norm=True),
     ),
     "vit-s-backward": (
         "ViT-S backward",

@@ -1,0 +1,133 @@
+#pragma once
+// The q/k norms and rotary embeddings of a multi-head layer (QkTransform, attention.hpp),
+// forward and backward, on the projected rows of packed heads (rows x heads * d_head, head j in
+// columns [j d_head, (j + 1) d_head)), row r being token r % n of batch entry r / n.
+//
+//   forward   y = rope(norm(x)),  norm(x) = x s w with s = (mean(x^2) + eps)^-1/2
+//   backward  dy -> rope^T dy = g -> dx = s (g w) - x s^3 mean(g w x),  dw = sum g x s
+//
+// In the layer's own threads, after its projection GEMMs (they were NumPy passes around the
+// C++ pieces: a quarter of a ViT-S layer's forward and a third of its backward).
+
+#include <algorithm>
+#include <cmath>
+
+#include "attnlab/attention.hpp"
+#include "attnlab/threading.hpp"
+#include "scratch.hpp"
+
+namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
+namespace detail {
+
+// Rows per task; the norm weights' gradient is summed per task and then over the tasks in
+// order, so that it does not depend on the thread count.
+constexpr Index kQkRows = 32;
+
+// One side of the transform: the queries' or the keys'.
+template <typename T>
+struct QkSide {
+    Index rows = 0, n = 0, heads = 0, d = 0;
+    const T* norm = nullptr;  // (d) or null
+    T eps = T(0);
+    Index rope_dim = 0;
+    RotaryTables<T> rope;
+
+    // row r's cos and sin (rope_dim / 2 each)
+    const T* cos_of(Index r) const {
+        return rope.cos + (rope.batched ? r : r % n) * (rope_dim / 2);
+    }
+    const T* sin_of(Index r) const {
+        return rope.sin + (rope.batched ? r : r % n) * (rope_dim / 2);
+    }
+};
+
+template <typename T>
+QkSide<T> query_side(const MhaProblem<T>& p) {
+    return {p.batch * p.n_q, p.n_q,    p.heads,       p.d_head,
+            p.qk.q_norm,     p.qk.eps, p.qk.rope_dim, p.qk.rope_q};
+}
+
+template <typename T>
+QkSide<T> key_side(const MhaProblem<T>& p) {
+    return {p.batch * p.n_k, p.n_k,    p.kv_heads,    p.d_head,
+            p.qk.k_norm,     p.qk.eps, p.qk.rope_dim, p.qk.rope_k};
+}
+
+// y = rope(norm(x)) for every head of every row (y may be x); s (rows x heads): each head's
+// norm scale, when given (the backward's)
+template <typename T>
+void qk_forward(const QkSide<T>& q, const T* x, T* y, T* s) {
+    const Index width = q.heads * q.d, half = q.rope_dim / 2;
+    const Index tasks = (q.rows + kQkRows - 1) / kQkRows;
+    parallel_for(tasks, [&](Index task) {
+        const Index r1 = std::min(q.rows, (task + 1) * kQkRows);
+        for (Index r = task * kQkRows; r < r1; ++r) {
+            const T* c = half ? q.cos_of(r) : nullptr;
+            const T* sn = half ? q.sin_of(r) : nullptr;
+            for (Index h = 0; h < q.heads; ++h) {
+                const T* xh = x + r * width + h * q.d;
+                T* yh = y + r * width + h * q.d;
+                if (q.norm) {
+                    double sq = 0;  // in double: d_head terms, the float32 sum's error avoided
+                    for (Index j = 0; j < q.d; ++j) sq += double(xh[j]) * double(xh[j]);
+                    const T scale = T(1) / std::sqrt(T(sq / double(q.d)) + q.eps);
+                    if (s) s[r * q.heads + h] = scale;
+                    for (Index j = 0; j < q.d; ++j) yh[j] = xh[j] * scale * q.norm[j];
+                } else if (yh != xh) {
+                    std::copy(xh, xh + q.d, yh);
+                }
+                for (Index j = 0; j < half; ++j) {
+                    const T a = yh[j], b = yh[j + half];
+                    yh[j] = a * c[j] - b * sn[j];
+                    yh[j + half] = b * c[j] + a * sn[j];
+                }
+            }
+        }
+    });
+}
+
+// g (rows x heads * d): the gradient of qk_forward's y, replaced by that of its x; x and s as
+// qk_forward read and wrote them; dnorm (d): the norm weights' gradient, written when given.
+template <typename T>
+void qk_backward(const QkSide<T>& q, const T* x, const T* s, T* g, T* dnorm) {
+    const Index width = q.heads * q.d, half = q.rope_dim / 2;
+    const Index tasks = (q.rows + kQkRows - 1) / kQkRows;
+    const bool sums = q.norm && dnorm;
+    auto partial = make_buffer<double>(sums ? tasks * q.d : 0);  // each task's dw
+    parallel_for(tasks, [&](Index task) {
+        double* dw = sums ? partial.get() + task * q.d : nullptr;
+        if (dw) std::fill(dw, dw + q.d, 0.0);
+        const Index r1 = std::min(q.rows, (task + 1) * kQkRows);
+        for (Index r = task * kQkRows; r < r1; ++r) {
+            const T* c = half ? q.cos_of(r) : nullptr;
+            const T* sn = half ? q.sin_of(r) : nullptr;
+            for (Index h = 0; h < q.heads; ++h) {
+                T* gh = g + r * width + h * q.d;
+                for (Index j = 0; j < half; ++j) {  // the rotation's transpose
+                    const T a = gh[j], b = gh[j + half];
+                    gh[j] = a * c[j] + b * sn[j];
+                    gh[j + half] = b * c[j] - a * sn[j];
+                }
+                if (!q.norm) continue;
+                const T* xh = x + r * width + h * q.d;
+                const T scale = s[r * q.heads + h];
+                double m = 0;  // mean(g w x)
+                for (Index j = 0; j < q.d; ++j) m += double(gh[j] * q.norm[j]) * double(xh[j]);
+                const T k = scale * scale * scale * T(m / double(q.d));
+                for (Index j = 0; j < q.d; ++j) {
+                    if (dw) dw[j] += double(gh[j]) * double(xh[j] * scale);
+                    gh[j] = scale * (gh[j] * q.norm[j]) - xh[j] * k;
+                }
+            }
+        }
+    });
+    if (!sums) return;
+    for (Index j = 0; j < q.d; ++j) {
+        double total = 0;
+        for (Index t = 0; t < tasks; ++t) total += partial.get()[t * q.d + j];
+        dnorm[j] = T(total);
+    }
+}
+
+}  // namespace detail
+}  // namespace attnlab::ATTNLAB_ISA_NS
