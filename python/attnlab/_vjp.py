@@ -19,9 +19,7 @@ Pullback = Callable[[Any], dict[str, np.ndarray]]
 
 # The families whose forward keeps its state (``_keep``): the gradients from that state.
 KEPT: dict[Any, Callable[[dict[str, Any], Any], dict[str, np.ndarray]]] = {
-    _mha.multi_head_attention: lambda k, g: _mha._mha_grads(
-        k["prepared"], g, k["state"], k["qk"]
-    ),
+    _mha.multi_head_attention: lambda k, g: _mha._mha_grads(k["prepared"], g, k["state"], k["qk"]),
     _mha.scaled_dot_product_attention: lambda k, g: _mha._sdpa_grads(k["prepared"], g, k),
     _bilinear.bilinear_attention: lambda k, g: _bilinear._bilinear_grads(
         k["prepared"], g, k["state"]
