@@ -141,14 +141,17 @@ def test_half_weights_read_as_stored_are_the_widened_call(dtype, cross, h_kv, op
         {"rope_theta": 1e4, "causal": True},
         {"rope_theta": 1e4, "rope_dim": 4, "return_weights": True, "return_lse": True},
         {"q_norm": "q_norm", "k_norm": "k_norm", "rope_theta": 500.0},
+        {"q_norm": "q_norm", "rope_theta": 1e4, "precision": "bf16", "causal": True},
     ],
-    ids=["rope_causal", "partial_rope_weights_lse", "qk_norm_rope"],
+    ids=["rope_causal", "partial_rope_weights_lse", "qk_norm_rope", "bf16_norm_rope"],
 )
-def test_composed_path_reads_half_weights_and_inputs_as_stored(dtype, cross, options, monkeypatch):
-    """Rotary embeddings and q/k norms (the composed path): weights stored in one half dtype,
-    and the inputs when stored so too, read as stored by its GEMMs, the output rounded by the
-    last one: bit for bit the call on float32 copies, rounded (float32 inputs: a float32
-    result); no weight or input widened in Python."""
+def test_rotary_and_norms_read_half_weights_and_inputs_as_stored(
+    dtype, cross, options, monkeypatch
+):
+    """Rotary embeddings and q/k norms (with float32 or bf16 products): weights stored in one
+    half dtype, and the inputs when stored so too, read as stored by the projections, the
+    output rounded by the last one: bit for bit the call on float32 copies, rounded (float32
+    inputs: a float32 result); no weight or input widened in Python."""
     import attnlab
     import attnlab._validate
 

@@ -250,31 +250,33 @@ def test_errors(rng, extra, exc, words):
         attnlab.multi_head_attention_backward(np.ones((3, 8)), x, num_heads=2, **w, **extra)
 
 
-def test_norms_and_rotation_run_in_the_kernel(monkeypatch):
-    """Without precision="bf16", forward, backward and vjp normalise and rotate in the one C++
-    call: the NumPy norms and rotation of the composed path are never called; vjp keeps the
-    projections and its pullback runs no forward."""
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_norms_and_rotation_run_in_the_kernel(monkeypatch, precision):
+    """Forward, backward and vjp normalise and rotate in the one C++ call, with float32 or
+    bf16 products: NumPy's norms and rotation are never called; vjp keeps the projections and
+    its pullback runs no forward (with bf16 products it recomputes, as documented)."""
     import attnlab._rope as rope
 
     rng = np.random.default_rng(11)
     xq, _, kw = _case(rng, ((2,), 5, 5, 4, 2, 8, True, "qk+rope", False), np.float32)
+    kw["precision"] = precision
 
     def refuse(*_a, **_k):
-        raise AssertionError("the composed path ran")
+        raise AssertionError("normalised or rotated in NumPy")
 
-    for name in ("rms_norm", "rms_norm_backward", "rotate", "forward", "backward"):
+    for name in ("rms_norm", "rms_norm_backward", "rotate", "rotate_pairs"):
         monkeypatch.setattr(rope, name, refuse)
     g = rng.standard_normal(xq.shape).astype(np.float32)
     attnlab.multi_head_attention(xq, **kw)
     grads = attnlab.multi_head_attention_backward(g, xq, **kw)
-    calls = []
+    states = []
     real = attnlab._loader.core.mha_backward
     monkeypatch.setattr(
-        attnlab._loader.core, "mha_backward", lambda *a: calls.append(a[3]) or real(*a)
+        attnlab._loader.core, "mha_backward", lambda *a: states.append(a[3]) or real(*a)
     )
     _, pullback = attnlab.vjp(attnlab.multi_head_attention, xq, **kw)
     pulled = pullback(g)
-    assert len(calls) == 1 and calls[0] is not None  # the kept state
+    assert len(states) == 1 and (states[0] is None) == (precision == "bf16")
     for name, value in grads.items():
         np.testing.assert_array_equal(pulled[name], value, err_msg=name)
 

@@ -372,13 +372,20 @@ void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object
 // Half-precision weights (weights_half; and inputs, inputs_half): computed in float32, the
 // input gradients written as bits when the inputs are, grad_out read as bits when it is uint16
 // (with half-precision inputs), the weight and bias gradients float32.
+// bf16 (precision="bf16", float32, no state): the recomputed forward's projections and
+// attention in bf16 as in the forward, the gradient products in float32.
 void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::object state,
-                  py::object qk) {
+                  py::object qk, bool bf16) {
     check_half_codes(a.weights_half, "inputs_half", a.inputs_half);  // before query's dtype
     const auto run = [&](auto tag, bool half) {
         using T = decltype(tag);
+        if (bf16 && !std::is_same_v<T, float>)
+            throw py::type_error("bf16: bf16 products take float32 operands, got float64 query");
+        if (bf16 && !state.is_none())
+            throw py::value_error("bf16: the backward recomputes its forward (no state)");
         MhaProblem<T> p = mha_problem<T>(a, state);
         qk_transform(p, qk);
+        p.bf16 = bf16;
         p.state.filled = !state.is_none();
         const std::vector<Index> rows{p.batch * p.n_q, p.w_o.out};
         MhaGrads<T> g;
@@ -484,7 +491,7 @@ void bind_mha(py::module_& m) {
     m.def("mha_forward", &mha_forward, py::arg("args"), py::arg("out"), py::arg("weights"),
           py::arg("state") = py::none(), py::arg("bf16") = false, py::arg("qk") = py::none());
     m.def("mha_backward", &mha_backward, py::arg("grad_out"), py::arg("args"), py::arg("grads"),
-          py::arg("state") = py::none(), py::arg("qk") = py::none());
+          py::arg("state") = py::none(), py::arg("qk") = py::none(), py::arg("bf16") = false);
     m.def("linear_forward", &linear_forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("y"),
           py::arg("bf16") = false, py::arg("w_half") = 0, py::arg("x_half") = false,
           py::arg("y_half") = false);

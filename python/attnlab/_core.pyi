@@ -120,6 +120,7 @@ def mha_backward(
     grads: dict[str, _Array],
     state: dict[str, _Array] | None = ...,
     qk: QkArgs | None = ...,
+    bf16: bool = ...,
 ) -> None: ...
 def linear_forward(
     x: _Array,

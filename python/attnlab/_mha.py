@@ -313,18 +313,14 @@ _WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
 
 
 def _half_weights(args: dict[str, Any]) -> np.dtype | None:
-    """The half dtype all four weights are stored in when the call runs the one C++ forward
-    (float32 or bf16 products) or the composed path with float32 products (rotary embeddings,
-    norms: its GEMMs read them as stored; with bf16 products it widens them), or None."""
+    """The half dtype all four weights are stored in (the C++ call's projections read them as
+    stored, with float32 or bf16 products), or None."""
     dt = getattr(args["w_q"], "dtype", None)
     if not isinstance(dt, np.dtype) or not _half.is_half(dt):  # the common call stops here
         return None
     if any(not isinstance(args[n], np.ndarray) or args[n].dtype != dt for n in _WEIGHTS):
         return None
-    if args["precision"] is None:
-        return dt
-    composed = (n for n in _rope.COMPOSED_ARGS if n != "precision")
-    return None if any(args[n] is not None for n in composed) else dt
+    return dt
 
 
 def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
@@ -552,8 +548,7 @@ def multi_head_attention(
     a = _prepare_mha(args, keep_half=True)
     if _keep is not None and _summed_half(a):  # attnlab.vjp: gradients summed in float32
         a = _prepare_mha(args)
-    composed = _rope.prepare_for(a, args)
-    here = composed is not None and composed.forward_here()  # NumPy norms and rotation
+    options = _rope.prepare_for(a, args)
     mode = V.weights_mode(return_weights)
     batch, dtype, h, n_q, n_k, d_out = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_out
     B = V.count(batch)
@@ -562,29 +557,25 @@ def multi_head_attention(
         out = _memory.empty((B * n_q, d_out), half)
     else:
         out = _memory.empty((B * n_q, d_out), dtype)
-    # (the composed path's attention core writes float32 weights)
-    w_dtype = half if a.inputs_half and mode != "mean" and not here else dtype
+    w_dtype = half if a.inputs_half and mode != "mean" else dtype
     weights = _memory.empty((B, h, n_q, n_k), w_dtype) if mode else None
     lse_wanted = V.check_flag(return_lse, "return_lse")
     state = None
     if _keep is not None:  # attnlab.vjp: keep projections, context and log-sum-exp
         a = _memory.owned(a)
         state = _mha_state(a)
-        composed = None if composed is None else composed.owned()
-        _keep.update(prepared=a, state=state, halves=_half.halves(args), qk=composed)
+        options = None if options is None else options.owned()
+        _keep.update(prepared=a, state=state, halves=_half.halves(args), qk=options)
     lse = a.m.empty_lse(B, h, n_q, dtype) if lse_wanted else None
-    bf16 = composed is not None and composed.bf16_only()  # the C++ call runs bf16 products
-    if lse_wanted and not here and state is None:
+    if lse_wanted and state is None:
         state = _mha_state(a)
     if B * n_q > 0:
-        if composed is not None and here:
-            _rope.forward(a, composed, out.view(np.uint16) if a.inputs_half else out, weights, lse)
-        else:
-            out_arg = out.view(np.uint16) if a.inputs_half else out
-            qk = _rope.core_qk(composed)
-            core.mha_forward(a.core_args(), out_arg, _half.bits(weights), state, bf16, qk)
-            if lse is not None and state is not None:
-                lse = state["lse"]
+        out_arg = out.view(np.uint16) if a.inputs_half else out
+        bf16 = options is not None and options.bf16
+        qk = _rope.core_qk(options)
+        core.mha_forward(a.core_args(), out_arg, _half.bits(weights), state, bf16, qk)
+        if lse is not None and state is not None:
+            lse = state["lse"]
     return _args.with_weights(out, weights, mode, batch, (n_q, d_out), lse, half)
 
 
@@ -736,41 +727,33 @@ def _mha_grads(
 ) -> dict[str, np.ndarray]:
     """The gradients of a prepared MHA call; with ``state`` (what the forward kept for
     attnlab.vjp) the forward is not recomputed; ``qk``: its rotary embeddings, q/k norms and
-    bf16 products (``_rope.Composed``), the last through the composed path (recomputes)."""
+    bf16 products (``_rope.QkOptions``)."""
     dtype, batch, B = a.dtype, a.batch, a.B
     # half-precision inputs: grad_out in their dtype read, and their gradients written, as
     # stored (the weights' gradients in float32)
     half = a.half if a.inputs_half else None
     go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype, keep=half)
     inputs = {"query": a.rq, "key": a.rk, "value": a.rv}
-    here = qk is not None and qk.bf16  # the composed path: bf16 products
-    summed = not here  # the kernel sums the gradients of aliased inputs; _rope does not
     kernel = B * a.n_q > 0
-    if summed:  # the kernel writes every element: buffers need no zeros when it runs
-        grads = _grad.grad_buffers(a.w, dtype, zeroed=not kernel)
-        shapes = {n: r.shape for n, r in inputs.items()}
-        in_dtype = dtype if half is None else half
-        grads.update(
-            _grad.input_buffers(shapes, a.key_omitted, a.value_omitted, in_dtype, not kernel)
-        )
-        for name in ("q_norm", "k_norm"):  # written by the kernel
-            w = None if qk is None else getattr(qk, name)
-            if w is not None:
-                grads[name] = (_memory.empty if kernel else _memory.zeros)(w.shape, dtype)
-    else:
-        grads = _grad.grad_buffers({**a.w, **inputs}, dtype)
+    # the kernel writes every element: buffers need no zeros when it runs
+    grads = _grad.grad_buffers(a.w, dtype, zeroed=not kernel)
+    shapes = {n: r.shape for n, r in inputs.items()}
+    in_dtype = dtype if half is None else half
+    grads.update(_grad.input_buffers(shapes, a.key_omitted, a.value_omitted, in_dtype, not kernel))
+    for name in ("q_norm", "k_norm"):
+        w = None if qk is None else getattr(qk, name)
+        if w is not None:
+            grads[name] = (_memory.empty if kernel else _memory.zeros)(w.shape, dtype)
     logit = _grad.logit_buffers(a.m, B, a.h, a.n_q, a.n_k, dtype)
-    grads.update(logit)  # the composed path also adds entries of its own (q_norm, k_norm)
+    grads.update(logit)
     if kernel:
-        if not here:
-            bits = {n: _half.bits(g) for n, g in grads.items()}  # shared buffers stay shared
-            core.mha_backward(go2, a.core_args(), bits, state, _rope.core_qk(qk))
-        else:
-            _rope.backward(go2, a, qk, grads)
+        bits = {n: _half.bits(g) for n, g in grads.items()}  # shared buffers stay shared
+        bf16 = qk is not None and qk.bf16
+        core.mha_backward(go2, a.core_args(), bits, state, _rope.core_qk(qk), bf16)
     logit = {n: grads.pop(n) for n in logit}
     rows = {n: grads.pop(n) for n in ("query", "key", "value")}
     return {
-        **_grad.input_grads(rows, batch, a.shapes, a.key_omitted, a.value_omitted, summed),
+        **_grad.input_grads(rows, batch, a.shapes, a.key_omitted, a.value_omitted, True),
         **grads,
         **_grad.logit_grads(logit, a.m, batch),
     }
@@ -793,7 +776,7 @@ def _mha_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
     # weights stored in one half dtype read as stored by the one C++ backward (and inputs stored
     # so too, with their gradients written so, unless summed over broadcast batch axes)
-    # (precision="bf16" takes the composed path, which widens them)
+    # (precision="bf16": widened, as its products round them)
     a = _prepare_mha(args, keep_half=args["precision"] is None)
     if _summed_half(a):
         a = _prepare_mha(args)

@@ -1,5 +1,6 @@
-"""Rotary position embeddings (RoPE) for multi_head_attention: validation, tables, and the
-composed forward/backward used when ``rope_theta`` is set.
+"""Rotary position embeddings (RoPE) and q/k norms for multi_head_attention: validation and
+tables (the C++ call applies them), and the NumPy forms latent attention and attnlab.dask
+compose.
 
 Convention (that of Hugging Face ``transformers``, ``rotate_half``): within the first ``r =
 rope_dim`` features of each query and key head, feature ``j < r/2`` is paired with feature
@@ -20,12 +21,9 @@ Per-head RMSNorm of queries and keys (``q_norm``, ``k_norm``, Qwen3 and Gemma 3)
 projection and before the rotation: ``x * (mean(x**2) + norm_eps) ** -0.5 * w`` over each
 head's ``d_head`` features.
 
-The norms and the rotation run in the one C++ call (``mha_forward`` / ``mha_backward`` with
-``core.QkArgs``: ``core_qk``), after the projection GEMMs. Only ``precision="bf16"`` with
-rotary embeddings or q/k norms takes the composed path here: the projection GEMM
-(``linear_forward``), the norms and the rotation in NumPy (elementwise, O(n d)), the flash
-attention core (``sdpa_forward`` / ``sdpa_backward``, reading the heads as strided views of the
-projected rows) and the output projection.
+Multi-head attention normalises and rotates each projected query and key head inside its one
+C++ call (``mha_forward`` / ``mha_backward`` with ``core.QkArgs``: :func:`core_qk`), after the
+projection GEMMs, forward and backward.
 """
 
 from __future__ import annotations
@@ -54,9 +52,9 @@ class Rope(NamedTuple):
     sin_k: np.ndarray
 
 
-class Composed(NamedTuple):
-    """What the composed path adds to the projections: rotation tables and q/k norms, and
-    whether the forward's projections take bf16 products (``precision="bf16"``)."""
+class QkOptions(NamedTuple):
+    """What a multi-head call adds to its projections: rotation tables and q/k norms, and
+    whether its products are bf16 (``precision="bf16"``)."""
 
     rope: Rope | None
     q_norm: np.ndarray | None  # (d_head,), the call's dtype
@@ -68,23 +66,14 @@ class Composed(NamedTuple):
         """Whether Q and K are normalised or rotated."""
         return self.rope is not None or self.q_norm is not None or self.k_norm is not None
 
-    def bf16_only(self) -> bool:
-        """Only bf16 products (no rotation, no norms): the one C++ forward runs them."""
-        return self.bf16 and not self.transforms()
-
-    def forward_here(self) -> bool:
-        """Whether the forward runs the composed path here (bf16 products with norms or a
-        rotation); else the one C++ call."""
-        return self.bf16 and self.transforms()
-
-    def owned(self) -> Composed:
+    def owned(self) -> QkOptions:
         """With private copies of the norm weights (attnlab.vjp keeps them for its pullback;
         the tables are the call's own)."""
         own = lambda w: None if w is None else w.copy()  # noqa: E731
         return self._replace(q_norm=own(self.q_norm), k_norm=own(self.k_norm))
 
 
-def core_qk(c: Composed | None) -> core.QkArgs | None:
+def core_qk(c: QkOptions | None) -> core.QkArgs | None:
     """The norms and rotary tables of ``c`` for the C++ call (``None``: neither)."""
     if c is None or not c.transforms():
         return None
@@ -101,11 +90,6 @@ def core_qk(c: Composed | None) -> core.QkArgs | None:
         rope_dim=0 if r is None else r.dim,
         **tables,
     )
-
-
-# The keyword arguments that send a multi-head call down the composed path (attnlab.vjp reads
-# them without binding the signature).
-COMPOSED_ARGS = ("rope_theta", "rope_inv_freq", "q_norm", "k_norm", "precision")
 
 
 def _positions_array(p: Any, name: str, n: int, batch: tuple[int, ...]) -> np.ndarray:
@@ -276,11 +260,12 @@ def _norm_weight(w: Any, name: str, d_head: int, dtype: np.dtype) -> np.ndarray 
     return _memory.contiguous(a, dtype)
 
 
-def prepare_for(a: _Mha, args: dict[str, Any]) -> Composed | None:
-    """The composed path's arguments of a prepared multi-head call (``args``: the call's
-    arguments by name), validated; ``None`` when the call has no rotary embeddings and no
-    q/k norm (the fused C++ call)."""
-    d_head = _w(a, "w_q").shape[1] // a.h
+def prepare_for(a: _Mha, args: dict[str, Any]) -> QkOptions | None:
+    """The QkOptions of a prepared multi-head call (``args``: the call's arguments by name),
+    validated; ``None`` when the call has no rotary embeddings, q/k norm or bf16 products."""
+    w_q = a.w["w_q"]
+    assert w_q is not None  # (biases are optional, weights never)
+    d_head = w_q.shape[1] // a.h
     rope = prepare(
         args["rope_theta"],
         args["rope_dim"],
@@ -304,7 +289,7 @@ def prepare_for(a: _Mha, args: dict[str, Any]) -> Composed | None:
         if rope is None and not bf16:
             return None
     eps = 1e-6 if eps is None else V.positive_real(eps, "norm_eps", none="1e-6")
-    return Composed(rope, q_norm, k_norm, eps, bf16)
+    return QkOptions(rope, q_norm, k_norm, eps, bf16)
 
 
 def rotate(
@@ -348,13 +333,6 @@ def _project(
     return y.reshape(B, n, heads, w.shape[1] // heads)
 
 
-def _w(a: _Mha, name: str) -> np.ndarray:
-    """A weight of the prepared call (biases are optional, weights never)."""
-    w = a.w[name]
-    assert w is not None
-    return w
-
-
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
     """``x * r * w`` over the last axis with ``r = (mean(x**2) + eps) ** -0.5``; and ``r``."""
     r = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + x.dtype.type(eps))
@@ -371,36 +349,6 @@ def rms_norm_backward(
     return dx, dw
 
 
-class _Projected(NamedTuple):
-    """Q, K (normalised and rotated) and V, ``(B, n, heads, d)`` each; with what the norms'
-    backward needs: the projections before the norm and their ``r`` (None without a norm)."""
-
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    q_pre: tuple[np.ndarray, np.ndarray] | None
-    k_pre: tuple[np.ndarray, np.ndarray] | None
-
-
-def _qkv(a: _Mha, c: Composed) -> _Projected:
-    B, w, half, x_half = a.B, a.w, a.weights_half, a.inputs_half
-    q = _project(a.rq, _w(a, "w_q"), w["b_q"], B, a.n_q, a.h, c.bf16, half, x_half)
-    k = _project(a.rk, _w(a, "w_k"), w["b_k"], B, a.n_k, a.h_kv, c.bf16, half, x_half)
-    v = _project(a.rv, _w(a, "w_v"), w["b_v"], B, a.n_k, a.h_kv, c.bf16, half, x_half)
-    q_pre = k_pre = None
-    if c.q_norm is not None:
-        qn, r = rms_norm(q, c.q_norm, c.eps)
-        q_pre, q = (q, r), qn
-    if c.k_norm is not None:
-        kn, r = rms_norm(k, c.k_norm, c.eps)
-        k_pre, k = (k, r), kn
-    if c.rope is not None:
-        rope = c.rope
-        rotate(q, rope.cos_q, rope.sin_q, rope.dim)
-        rotate(k, rope.cos_k, rope.sin_k, rope.dim)
-    return _Projected(q, k, v, q_pre, k_pre)
-
-
 def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a @ b`` by attnlab's GEMM (its threads; NumPy's BLAS threads spin when the machine is
     shared, which made this backward 2-3x slower); transposed operands are copied, O(n d)."""
@@ -412,100 +360,3 @@ def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         else:
             y.fill(0)
     return y
-
-
-def _rows(x: np.ndarray) -> np.ndarray:
-    """``(B, n, heads, d)`` -> ``(B*n, heads*d)`` (explicit sizes: n may be 0)."""
-    B, n, heads, d = x.shape
-    return x.reshape(B * n, heads * d)
-
-
-def _heads(x: np.ndarray) -> np.ndarray:
-    """``(B, n, heads, d)`` -> the strided view ``(B, heads, n, d)`` the attention core reads."""
-    return x.transpose(0, 2, 1, 3)
-
-
-def forward(
-    a: _Mha,
-    c: Composed,
-    out: np.ndarray,
-    weights: np.ndarray | None,
-    lse: np.ndarray | None = None,
-) -> None:
-    """Composed multi-head attention into ``out`` ``(B*n_q, d_out)`` (and ``weights``, and
-    the log-sum-exp ``(B, h, n_q)``); ``out`` as the bits of the half-precision weights' dtype
-    when the inputs are stored so too (``a.inputs_half``)."""
-    q, k, v, _, _ = _qkv(a, c)
-    ctx = _memory.empty((a.B, a.n_q, a.h, v.shape[-1]), a.dtype)
-    core.sdpa_forward(
-        _heads(q),
-        _heads(k),
-        _heads(v),
-        _heads(ctx),
-        a.m.core_mask(),
-        a.m.scale,
-        weights,
-        lse,
-        c.bf16,
-    )
-    w_o = _w(a, "w_o")
-    core.linear_forward(
-        _rows(ctx), w_o, a.w["b_o"], out, c.bf16, a.weights_half, False, a.inputs_half
-    )
-
-
-def backward(go: np.ndarray, a: _Mha, c: Composed, grads: dict[str, np.ndarray]) -> None:
-    """Gradients of :func:`forward` for ``go`` ``(B*n_q, d_out)``, written into ``grads``
-    (the zeroed arrays ``multi_head_attention_backward`` allocates, rows for the inputs; the
-    norms' gradients ``"q_norm"``, ``"k_norm"`` are added)."""
-    B, dtype = a.B, a.dtype
-    q, k, v, q_pre, k_pre = _qkv(a, c)
-    w_o = _w(a, "w_o")
-    d_vhead = v.shape[-1]
-    g_ctx = _gemm(go, w_o.T).reshape(B, a.n_q, a.h, d_vhead)
-    ctx = _memory.zeros((B, a.h, a.n_q, d_vhead), dtype)
-    dq = _memory.zeros((B, a.h, a.n_q, q.shape[-1]), dtype)
-    dk = _memory.zeros((B, a.h_kv, a.n_k, k.shape[-1]), dtype)
-    dv = _memory.zeros((B, a.h_kv, a.n_k, d_vhead), dtype)
-    if a.n_k:  # no key: the context is 0 and so are the gradients through it
-        lse = _memory.empty((B, a.h, a.n_q), dtype)
-        core.sdpa_backward(
-            _heads(g_ctx),
-            _heads(q),
-            _heads(k),
-            _heads(v),
-            a.m.core_mask(),
-            a.m.scale,
-            ctx,
-            lse,
-            dq,
-            dk,
-            dv,
-            True,
-            grads.get("mask"),
-            grads.get("sinks"),
-            c.bf16,
-        )
-    grads["w_o"][...] = _gemm(_rows(_heads(ctx)).T, go)
-    if "b_o" in grads:
-        grads["b_o"][...] = go.sum(axis=0)
-    dq_rows, dk_rows = _heads(dq).copy(), _heads(dk).copy()  # (B, n, heads, d)
-    if c.rope is not None:
-        rope = c.rope
-        rotate(dq_rows, rope.cos_q, rope.sin_q, rope.dim, inverse=True)
-        rotate(dk_rows, rope.cos_k, rope.sin_k, rope.dim, inverse=True)
-    if q_pre is not None and c.q_norm is not None:
-        dq_rows, grads["q_norm"] = rms_norm_backward(dq_rows, *q_pre, c.q_norm)
-    if k_pre is not None and c.k_norm is not None:
-        dk_rows, grads["k_norm"] = rms_norm_backward(dk_rows, *k_pre, c.k_norm)
-    for x, g, rows, name in (
-        (a.rq, dq_rows, "query", "q"),
-        (a.rk, dk_rows, "key", "k"),
-        (a.rv, _heads(dv), "value", "v"),
-    ):
-        g2 = _rows(g)
-        w = _w(a, f"w_{name}")
-        grads[f"w_{name}"][...] = _gemm(x.T, g2)
-        if f"b_{name}" in grads:
-            grads[f"b_{name}"][...] = g2.sum(axis=0)
-        grads[rows][...] = _gemm(g2, w.T)

@@ -156,7 +156,9 @@ struct MhaProblem : ProjectedAttention<T> {
     Linear<T> w_q, w_k;  // (d_q, heads * d_head), (d_k, kv_heads * d_head)
     MhaState<T> state;   // optional: all five buffers or none
     QkTransform<T> qk;   // optional: q/k norms and rotary embeddings
-    bool bf16 = false;   // precision="bf16" (float only): the forward's products in bf16
+    // precision="bf16" (float only): the forward's products in bf16 (in the backward, its
+    // recomputed forward's; the gradient products stay float32)
+    bool bf16 = false;
     // Half-precision arrays (float only, float32 products, the weights' half format): query,
     // key, value and the forward's out as bits, instead of their float pointers (null)
     const std::uint16_t *query_half = nullptr, *key_half = nullptr, *value_half = nullptr;

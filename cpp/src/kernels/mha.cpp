@@ -130,7 +130,9 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
         a.lse = b.lse;
     } else {
         a = detail::mha_core_forward(p, b);
-        attention_forward(a);
+        AttentionProblem<T> f = a;  // bf16: the forward of the function differentiated rounds
+        if (f.bf16 != Bf16::none) f.bf16 = Bf16::operands;  // Q, K, V only (as sdpa_backward)
+        attention_forward(f);
     }
     const T* ctx = b.ctx;
     // output projection: dW_o = ctx^T dY, db_o = sum dY, dctx = dY W_o^T
