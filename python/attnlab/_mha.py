@@ -534,8 +534,7 @@ def multi_head_attention(
     {dtypes_mixed}
 
     Rotary embeddings and q/k norms are applied to each projected query and key head inside
-    the one C++ call (O(n d), in its threads). With ``precision="bf16"`` as well, the call is
-    composed in NumPy around the C++ projection GEMMs and attention core.
+    the one C++ call (O(n d), in its threads), forward and backward.
 
     {examples}
     >>> x = rng.standard_normal((2, 5, 16))
