@@ -336,3 +336,28 @@ def test_rope_errors_shapes(rng):
         )
     with pytest.raises(ValueError, match="rope_dim"):
         layers.MultiHeadAttention(8, 2, rope_theta=10.0, rope_dim=5)
+
+
+@pytest.mark.parametrize(
+    "n_q, n_k, causal",
+    [(6, 6, True), (4, 9, "bottom_right"), (9, 4, False), (9, 4, "bottom_right")],
+)
+def test_default_positions_are_the_explicit_ones(n_q, n_k, causal):
+    """Default positions (tables shared between calls, the queries' a slice of the keys') give
+    the bits of the same positions passed explicitly; the shared tables are read-only."""
+    from attnlab import _rope
+
+    rng = np.random.default_rng(21)
+    w = make_mha_weights(rng, 16, 4, 4, dtype=np.float32)
+    xq = rng.standard_normal((2, n_q, 16)).astype(np.float32)
+    xk = rng.standard_normal((2, n_k, 16)).astype(np.float32)
+    kw = dict(num_heads=4, causal=causal, rope_theta=300.0, **w)
+    offset = n_k - n_q if causal == "bottom_right" else 0
+    explicit = (np.arange(offset, offset + n_q), np.arange(n_k))
+    for _ in range(2):  # computed, then from the shared tables
+        got = attnlab.multi_head_attention(xq, xk, **kw)
+        np.testing.assert_array_equal(
+            got, attnlab.multi_head_attention(xq, xk, **kw, positions=explicit)
+        )
+    for tables in _rope._DEFAULT_TABLES.values():
+        assert not any(t.flags.writeable for t in tables)

@@ -14,10 +14,16 @@
 
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
+#include "microkernel.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace detail {
+
+template <typename T>
+using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+template <typename T>
+using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
 
 // Rows per task; the norm weights' gradient is summed per task and then over the tasks in
 // order, so that it does not depend on the thread count.
@@ -53,6 +59,29 @@ QkSide<T> key_side(const MhaProblem<T>& p) {
             p.qk.k_norm,     p.qk.eps, p.qk.rope_dim, p.qk.rope_k};
 }
 
+// (x1, x2) <- (x1 c - x2 s, x2 c + x1 s), n pairs in place; inverse: by -s (the transpose)
+template <typename T>
+inline void rotate_pairs(T* x1, T* x2, const T* c, const T* s, Index n, bool inverse = false) {
+    namespace ei = Eigen::internal;
+    using Packet = PacketOf<T>;
+    constexpr Index L = packet_size<T>();
+    const T sign = inverse ? T(-1) : T(1);
+    const Packet sg = ei::pset1<Packet>(sign);
+    Index j = 0;
+    for (; j + L <= n; j += L) {
+        const Packet a = ei::ploadu<Packet>(x1 + j), b = ei::ploadu<Packet>(x2 + j);
+        const Packet cj = ei::ploadu<Packet>(c + j), sj = ei::pmul(sg, ei::ploadu<Packet>(s + j));
+        ei::pstoreu(x1 + j, ei::psub(ei::pmul(a, cj), ei::pmul(b, sj)));
+        ei::pstoreu(x2 + j, ei::padd(ei::pmul(b, cj), ei::pmul(a, sj)));
+    }
+    for (; j < n; ++j) {  // the same operations, unfused, as the packets do them
+        const T a = x1[j], b = x2[j], sj = sign * s[j];
+        const T ac = a * c[j], bs = b * sj, bc = b * c[j], as = a * sj;
+        x1[j] = ac - bs;
+        x2[j] = bc + as;
+    }
+}
+
 // y = rope(norm(x)) for every head of every row (y may be x); s (rows x heads): each head's
 // norm scale, when given (the backward's)
 template <typename T>
@@ -67,20 +96,16 @@ void qk_forward(const QkSide<T>& q, const T* x, T* y, T* s) {
             for (Index h = 0; h < q.heads; ++h) {
                 const T* xh = x + r * width + h * q.d;
                 T* yh = y + r * width + h * q.d;
-                if (q.norm) {
-                    double sq = 0;  // in double: d_head terms, the float32 sum's error avoided
-                    for (Index j = 0; j < q.d; ++j) sq += double(xh[j]) * double(xh[j]);
-                    const T scale = T(1) / std::sqrt(T(sq / double(q.d)) + q.eps);
+                if (q.norm) {  // Eigen's vectorised sum: its order fixed by d_head alone
+                    const T sq = ConstArrayMap<T>(xh, q.d).square().sum();
+                    const T scale = T(1) / std::sqrt(sq / T(q.d) + q.eps);
                     if (s) s[r * q.heads + h] = scale;
-                    for (Index j = 0; j < q.d; ++j) yh[j] = xh[j] * scale * q.norm[j];
+                    ArrayMap<T>(yh, q.d) =
+                        ConstArrayMap<T>(xh, q.d) * scale * ConstArrayMap<T>(q.norm, q.d);
                 } else if (yh != xh) {
                     std::copy(xh, xh + q.d, yh);
                 }
-                for (Index j = 0; j < half; ++j) {
-                    const T a = yh[j], b = yh[j + half];
-                    yh[j] = a * c[j] - b * sn[j];
-                    yh[j + half] = b * c[j] + a * sn[j];
-                }
+                rotate_pairs(yh, yh + half, c, sn, half);
             }
         }
     });
@@ -93,39 +118,33 @@ void qk_backward(const QkSide<T>& q, const T* x, const T* s, T* g, T* dnorm) {
     const Index width = q.heads * q.d, half = q.rope_dim / 2;
     const Index tasks = (q.rows + kQkRows - 1) / kQkRows;
     const bool sums = q.norm && dnorm;
-    auto partial = make_buffer<double>(sums ? tasks * q.d : 0);  // each task's dw
+    auto partial = make_buffer<T>(sums ? tasks * q.d : 0);  // each task's dw
     parallel_for(tasks, [&](Index task) {
-        double* dw = sums ? partial.get() + task * q.d : nullptr;
-        if (dw) std::fill(dw, dw + q.d, 0.0);
+        T* dw = sums ? partial.get() + task * q.d : nullptr;
+        if (dw) std::fill(dw, dw + q.d, T(0));
         const Index r1 = std::min(q.rows, (task + 1) * kQkRows);
         for (Index r = task * kQkRows; r < r1; ++r) {
             const T* c = half ? q.cos_of(r) : nullptr;
             const T* sn = half ? q.sin_of(r) : nullptr;
             for (Index h = 0; h < q.heads; ++h) {
                 T* gh = g + r * width + h * q.d;
-                for (Index j = 0; j < half; ++j) {  // the rotation's transpose
-                    const T a = gh[j], b = gh[j + half];
-                    gh[j] = a * c[j] + b * sn[j];
-                    gh[j + half] = b * c[j] - a * sn[j];
-                }
+                rotate_pairs(gh, gh + half, c, sn, half, true);  // the rotation's transpose
                 if (!q.norm) continue;
                 const T* xh = x + r * width + h * q.d;
                 const T scale = s[r * q.heads + h];
-                double m = 0;  // mean(g w x)
-                for (Index j = 0; j < q.d; ++j) m += double(gh[j] * q.norm[j]) * double(xh[j]);
-                const T k = scale * scale * scale * T(m / double(q.d));
-                for (Index j = 0; j < q.d; ++j) {
-                    if (dw) dw[j] += double(gh[j]) * double(xh[j] * scale);
-                    gh[j] = scale * (gh[j] * q.norm[j]) - xh[j] * k;
-                }
+                const ConstArrayMap<T> xv(xh, q.d), w(q.norm, q.d);
+                ArrayMap<T> gv(gh, q.d);
+                const T k = scale * scale * scale * ((gv * w * xv).sum() / T(q.d));  // mean(g w x)
+                if (dw) ArrayMap<T>(dw, q.d) += gv * (xv * scale);
+                gv = scale * (gv * w) - xv * k;
             }
         }
     });
     if (!sums) return;
     for (Index j = 0; j < q.d; ++j) {
-        double total = 0;
+        T total = 0;
         for (Index t = 0; t < tasks; ++t) total += partial.get()[t * q.d + j];
-        dnorm[j] = T(total);
+        dnorm[j] = total;
     }
 }
 
