@@ -734,3 +734,20 @@ def test_bf16_targets_follow_the_kernel(kernel):
         "emulated": {},
     }[kernel]
     assert goals == expected | decode
+
+
+def test_modern_layer_case_agrees_with_torch_and_the_reference():
+    """The full bench's Qwen3-shaped layer (grouped-query heads, q/k norms, rotary embeddings,
+    causal) at --quick's length: attnlab and torch written as transformers writes the layer
+    both within float32 rounding of the float64 reference (so the two compute the same
+    layer), with its FLOP count and shape on every row."""
+    from attnlab._bench import mha
+    from attnlab._bench.common import try_torch
+
+    torch = try_torch(attnlab.get_num_threads())
+    rows = mha._modern_case(torch, np.random.default_rng(0), quick=True)
+    impls = {r.impl for r in rows}
+    assert "attnlab" in impls and (torch is None or "torch-sdpa" in impls)
+    for r in rows:
+        assert r.extra["error"] < 2e-6, (r.impl, r.extra)
+        assert r.shape == "B=1 n=512 d=1024 h=16/8x128" and r.flops > 7e9

@@ -88,8 +88,8 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
         const auto product = [&](auto accumulate) {
             constexpr bool Acc = decltype(accumulate)::value;
             if (packed) {  // the whole panel, packed before the products (gemm)
-                detail::panel_rows<T, NP, MR, Acc>(m, kc, ak, a_rs, a_ts, packed + k0 * W, W, y,
-                                                   ldy);
+                detail::panel_rows<T, NP, MR, Acc, HalfFormat::none, true>(
+                    m, kc, ak, a_rs, a_ts, packed + k0 * W, W, y, ldy);
                 return;
             }
             // Rows [r0, m) on the packed block bp, in slices, while the B block packed next
@@ -109,8 +109,9 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                 const Index per_slice = slices > 0 ? (next_rows + slices - 1) / slices : 0;
                 Index fetched = 0;
                 for (Index r = r0; r < m; r += kSlice) {
-                    detail::panel_rows<T, NP, MR, Acc>(std::min(kSlice, m - r), kc, ak + r * a_rs,
-                                                       a_rs, a_ts, bp, W, y + r * ldy, ldy);
+                    detail::panel_rows<T, NP, MR, Acc, HalfFormat::none, true>(
+                        std::min(kSlice, m - r), kc, ak + r * a_rs, a_rs, a_ts, bp, W, y + r * ldy,
+                        ldy);
                     if (!next) continue;
                     const Index upto = std::min(next_rows, fetched + per_slice);
                     for (; fetched < upto; ++fetched) {
@@ -124,7 +125,7 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
             if constexpr (NP == detail::kPanelPackets) {  // whole panels only: compile time
                 if (!b_transposed && !bh.bits && nw == W && m >= MR) {
                     // the first row block packs B as it goes, the others read the packed copy
-                    detail::panel_kernel<T, MR, NP, Acc, true>(
+                    detail::panel_kernel<T, MR, NP, Acc, true, HalfFormat::none, true>(
                         kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y, ldy, bp, W);
                     rows_fetching_next(MR, b);
                     return;
@@ -134,10 +135,10 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                         // half-precision weights: the same, widened as the first block packs
                         const std::uint16_t* bk = bh.bits + k0 * ldb + j0;
                         if (bh.format == HalfFormat::float16)
-                            detail::panel_kernel<T, MR, NP, Acc, true, HalfFormat::float16>(
+                            detail::panel_kernel<T, MR, NP, Acc, true, HalfFormat::float16, true>(
                                 kc, ak, a_rs, a_ts, bk, ldb, y, ldy, bp, W);
                         else
-                            detail::panel_kernel<T, MR, NP, Acc, true, HalfFormat::bfloat16>(
+                            detail::panel_kernel<T, MR, NP, Acc, true, HalfFormat::bfloat16, true>(
                                 kc, ak, a_rs, a_ts, bk, ldb, y, ldy, bp, W);
                         rows_fetching_next(MR, bh.bits);
                         return;
@@ -147,18 +148,18 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
             // fewer rows than a row block: B is read once, so in place (packing it would copy
             // each of its rows, a strided walk, for a single use)
             if (!b_transposed && !bh.bits && nw == W && m < MR) {
-                detail::panel_rows<T, NP, MR, Acc>(m, kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y,
-                                                   ldy);
+                detail::panel_rows<T, NP, MR, Acc, HalfFormat::none, true>(
+                    m, kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y, ldy);
                 return;
             }
             if constexpr (std::is_same_v<T, float>) {  // so for half-precision weights too,
                 if (bh.bits && nw == W && m < MR) {    // widened as the kernel loads them
                     const std::uint16_t* bb = bh.bits + k0 * ldb + j0;
                     if (bh.format == HalfFormat::float16)
-                        detail::panel_rows<T, NP, MR, Acc, HalfFormat::float16>(
+                        detail::panel_rows<T, NP, MR, Acc, HalfFormat::float16, true>(
                             m, kc, ak, a_rs, a_ts, bb, ldb, y, ldy);
                     else
-                        detail::panel_rows<T, NP, MR, Acc, HalfFormat::bfloat16>(
+                        detail::panel_rows<T, NP, MR, Acc, HalfFormat::bfloat16, true>(
                             m, kc, ak, a_rs, a_ts, bb, ldb, y, ldy);
                     return;
                 }
@@ -180,7 +181,8 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
             }
             if (nw < W)
                 for (Index k = 0; k < kc; ++k) std::fill(bp + k * W + nw, bp + (k + 1) * W, T(0));
-            detail::panel_rows<T, NP, MR, Acc>(m, kc, ak, a_rs, a_ts, bp, W, y, ldy);
+            detail::panel_rows<T, NP, MR, Acc, HalfFormat::none, true>(m, kc, ak, a_rs, a_ts, bp, W,
+                                                                       y, ldy);
         };
         if (zero_start && k0 == 0) {
             product(std::false_type{});

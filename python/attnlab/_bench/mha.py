@@ -170,6 +170,8 @@ def run(quick: bool, threads: int) -> list[Row]:
                     extra={"error": errors[impl]} if impl in errors else {},
                 )
             )
+    if not quick:  # (--quick fits on one screen without it; tests/test_bench.py runs it)
+        rows.extend(_modern_case(torch, rng, quick))
     # long sequence: flash tiling keeps memory O(n d); the reference would need n^2 scores.
     # Timed at several n (time against n in --plot); peak memory at the largest.
     ns_long = (512, 1024) if quick else (1024, 2048, 4096, 8192)
@@ -225,3 +227,81 @@ def _long_case(
             )
         )
     return rows
+
+
+# A layer of today's decoder models, Qwen3-0.6B's attention: d 1024, 16 query heads of 128 on 8
+# kv heads, per-head q/k RMSNorm, rotary embeddings (theta 1e6), causal.
+_MODERN = (1024, 16, 8, 128)  # d, h, h_kv, d_head
+_MODERN_THETA = 1e6
+
+
+def _modern_case(torch: Any, rng: np.random.Generator, quick: bool) -> list[Row]:
+    """The Qwen3-shaped layer against torch written as such a model does (F.linear, RMSNorm,
+    rotate_half, F.scaled_dot_product_attention with enable_gqa); errors against the float64
+    reference."""
+    d, h, h_kv, dh = _MODERN
+    theta = _MODERN_THETA
+    n = 512 if quick else 2048
+    x = rng.standard_normal((1, n, d)).astype(np.float32)
+    s = 1 / np.sqrt(d)
+    w = {
+        "w_q": rng.standard_normal((d, h * dh)) * s,
+        "w_k": rng.standard_normal((d, h_kv * dh)) * s,
+        "w_v": rng.standard_normal((d, h_kv * dh)) * s,
+        "w_o": rng.standard_normal((h * dh, d)) / np.sqrt(h * dh),
+        "q_norm": 1 + 0.1 * rng.standard_normal(dh),
+        "k_norm": 1 + 0.1 * rng.standard_normal(dh),
+    }
+    w = {k: v.astype(np.float32) for k, v in w.items()}
+    kw: dict[str, Any] = dict(num_heads=h, num_kv_heads=h_kv, causal=True, rope_theta=theta, **w)
+    fns: dict[str, Any] = {"attnlab": partial(multi_head_attention, x, **kw)}
+    if torch is not None:
+        fns["torch-sdpa"] = _torch_modern(torch, x, w, n)
+    times = interleaved(fns, repeat=3 if quick else 5)
+    errors = output_errors(fns, reference.multi_head_attention(x, **kw))
+    proj = 2.0 * n * d * (2 * h * dh + 2 * h_kv * dh)
+    flops = proj + 4.0 * h * dh * n * (n + 1) / 2
+    shape = f"B=1 n={n} d={d} h={h}/{h_kv}x{dh}"
+    return [
+        Row(
+            "mha",
+            "Qwen3-0.6B causal fwd fp32",
+            shape,
+            impl,
+            ms,
+            flops,
+            baseline=None if impl == "attnlab" else "attnlab",
+            extra={"error": errors[impl]},
+        )
+        for impl, ms in times.items()
+    ]
+
+
+def _torch_modern(torch: Any, x: np.ndarray, w: dict[str, np.ndarray], n: int) -> Any:
+    """The Qwen3 layer in torch, as transformers writes it."""
+    F = torch.nn.functional
+    _, h, h_kv, dh = _MODERN
+    theta = _MODERN_THETA
+    t = {k: torch.from_numpy(np.ascontiguousarray(v.T if v.ndim == 2 else v)) for k, v in w.items()}
+    inv = theta ** (-np.arange(0, dh, 2, dtype=np.float64) / dh)
+    ang = np.arange(n, dtype=np.float64)[:, None] * inv
+    emb = np.concatenate([ang, ang], -1)
+    cos, sin = (torch.from_numpy(f(emb).astype(np.float32)) for f in (np.cos, np.sin))
+    xt = torch.from_numpy(x)
+
+    def norm(a: Any, g: Any) -> Any:
+        return a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+
+    def rope(a: Any) -> Any:
+        a1, a2 = a[..., : dh // 2], a[..., dh // 2 :]
+        return a * cos + torch.cat([-a2, a1], -1) * sin
+
+    def f() -> Any:
+        with torch.inference_mode():
+            q = norm(F.linear(xt, t["w_q"]).view(1, n, h, dh), t["q_norm"]).transpose(1, 2)
+            k = norm(F.linear(xt, t["w_k"]).view(1, n, h_kv, dh), t["k_norm"]).transpose(1, 2)
+            v = F.linear(xt, t["w_v"]).view(1, n, h_kv, dh).transpose(1, 2)
+            o = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True, enable_gqa=True)
+            return F.linear(o.transpose(1, 2).reshape(1, n, h * dh), t["w_o"])
+
+    return f
