@@ -466,6 +466,46 @@ void linear_forward(py::array x, py::array w, py::object b, py::array y, bool bf
 
 }  // namespace
 
+// The gradients of y = x w + b for dy (2-d arrays of one float dtype): dx = dy w^T (added to
+// dx when accumulate), dw = x^T dy, db = column sums of dy; each output None when not wanted;
+// x and dx may have row strides of their own (latent attention's backward: no copies).
+void linear_backward(py::array x, py::array w, py::array dy, py::object dx, py::object dw,
+                     py::object db, bool accumulate) {
+    dispatch(dy, "dy", [&](auto tag) {
+        using T = decltype(tag);
+        if (x.ndim() != 2 || w.ndim() != 2 || dy.ndim() != 2)
+            throw py::value_error("x, w, dy: expected 2-d arrays");
+        const Index rows = dy.shape(0), out = dy.shape(1), in = w.shape(0);
+        const T* pdy = contiguous<T>(dy, "dy", {rows, out});
+        const T* px = nullptr;
+        Index ldx = in;
+        if (!dw.is_none()) {
+            const auto st = check<T>(x, "x", {rows, in});
+            px = static_cast<const T*>(x.data());
+            ldx = rows > 1 ? st[0] : in;
+            if (ldx < in) throw py::value_error("x: rows overlap (row stride below in)");
+        }
+        const T* pw = dx.is_none() ? nullptr : contiguous<T>(w, "w", {in, out});
+        T* pdw =
+            dw.is_none() ? nullptr : contiguous<T>(dw.cast<py::array>(), "dw", {in, out}, true);
+        T* pdb = db.is_none() ? nullptr : contiguous<T>(db.cast<py::array>(), "db", {out}, true);
+        T* pdx = nullptr;
+        Index lddx = in;
+        if (!dx.is_none()) {
+            py::array a = dx.cast<py::array>();
+            const auto st = check<T>(a, "dx", {rows, in}, true);
+            pdx = static_cast<T*>(a.mutable_data());
+            lddx = rows > 1 ? st[0] : in;
+            if (lddx < in) throw py::value_error("dx: rows overlap (row stride below in)");
+        }
+        ReleaseGil release;
+        const KernelSet<T>& k = kernels_for<T>();
+        if (pdw || pdb) k.linear_weight_grad(rows, in, out, px, ldx, pdy, out, pdw, pdb);
+        if (pdx) k.linear_input_grad(rows, in, out, pdy, out, pw, pdx, lddx, accumulate);
+        return 0;
+    });
+}
+
 void bind_mha(py::module_& m) {
     m.def("sdpa_forward", &sdpa_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
           py::arg("mask"), py::arg("scale"), py::arg("weights"), py::arg("lse"),
@@ -492,6 +532,8 @@ void bind_mha(py::module_& m) {
           py::arg("state") = py::none(), py::arg("bf16") = false, py::arg("qk") = py::none());
     m.def("mha_backward", &mha_backward, py::arg("grad_out"), py::arg("args"), py::arg("grads"),
           py::arg("state") = py::none(), py::arg("qk") = py::none(), py::arg("bf16") = false);
+    m.def("linear_backward", &linear_backward, py::arg("x"), py::arg("w"), py::arg("dy"),
+          py::arg("dx"), py::arg("dw"), py::arg("db"), py::arg("accumulate") = false);
     m.def("linear_forward", &linear_forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("y"),
           py::arg("bf16") = false, py::arg("w_half") = 0, py::arg("x_half") = false,
           py::arg("y_half") = false);

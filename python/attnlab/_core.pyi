@@ -122,6 +122,15 @@ def mha_backward(
     qk: QkArgs | None = ...,
     bf16: bool = ...,
 ) -> None: ...
+def linear_backward(
+    x: _Array,
+    w: _Array,
+    dy: _Array,
+    dx: _Optional,
+    dw: _Optional,
+    db: _Optional,
+    accumulate: bool = ...,
+) -> None: ...
 def linear_forward(
     x: _Array,
     w: _Array,

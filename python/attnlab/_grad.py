@@ -129,3 +129,23 @@ def logit_grads(
         name: unbroadcast(g.reshape(batch + g.shape[1:]), m.given[name]).copy()
         for name, g in bufs.items()
     }
+
+
+def linear_grads(
+    x: np.ndarray,
+    w: np.ndarray,
+    dy: np.ndarray,
+    dx: np.ndarray | None = None,
+    dw: np.ndarray | None = None,
+    db: np.ndarray | None = None,
+    accumulate: bool = False,
+) -> None:
+    """The gradients of ``y = x w + b`` (2-d, one float dtype) for ``dy``, by the C++ GEMM
+    without transposed copies: ``dx = dy w^T`` (``+=`` with ``accumulate``), ``dw = x^T dy``,
+    ``db`` the column sums of ``dy``, each written when given; ``x`` and ``dx`` may be views of
+    rows with a stride of their own."""
+    from ._loader import core
+
+    if x.strides[-1] != x.itemsize:  # (rows of their own stride are read in place)
+        x = _memory.contiguous(x)
+    core.linear_backward(x, _memory.contiguous(w), _memory.contiguous(dy), dx, dw, db, accumulate)

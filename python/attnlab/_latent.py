@@ -853,10 +853,9 @@ def _backward(
 ) -> None:
     B, n, h, r, dr, dn, dv = a.B, a.n, a.h, a.r, a.dr, a.dn, a.dv
     w = a.w
-    grads["w_o"][...] = _gemm(st.ctx.T, go)
-    if "b_o" in grads:
-        grads["b_o"][...] = go.sum(axis=0)
-    g_ctx = _gemm(go, _w(a, "w_o").T).reshape(B, n, h, dv)
+    g_ctx = _memory.empty((B * n, h * dv), a.dtype)
+    _grad.linear_grads(st.ctx, _w(a, "w_o"), go, g_ctx, grads["w_o"], grads.get("b_o"))
+    g_ctx = g_ctx.reshape(B, n, h, dv)
     if a.form == "expanded":
         dq, dlat = _expanded_backward(a, st, g_ctx, grads, logit)
     else:
@@ -872,26 +871,21 @@ def _backward(
         dnew[:, :r], *st.kv_pre, _w(a, "kv_a_norm")
     )
     dnew[:, :r] = dc
-    grads["w_kv_a"][...] = _gemm(a.x.T, dnew)
-    if "b_kv_a" in grads:
-        grads["b_kv_a"][...] = dnew.sum(axis=0)
-    dx = _gemm(dnew, _w(a, "w_kv_a").T)
+    dx = _memory.empty(a.x.shape, a.dtype)
+    _grad.linear_grads(a.x, _w(a, "w_kv_a"), dnew, dx, grads["w_kv_a"], grads.get("b_kv_a"))
     # the queries: inverse rotation, then the projection(s)
     _rotate(dq[..., dn:], a.cos, a.sin, a.interleave, True)
     dq2 = dq.reshape(B * n, h * (dn + dr))
     if w["w_q"] is not None:
-        grads["w_q"][...] = _gemm(a.x.T, dq2)
-        dx += _gemm(dq2, _w(a, "w_q").T)
+        _grad.linear_grads(a.x, _w(a, "w_q"), dq2, dx, grads["w_q"], accumulate=True)
     else:
         assert st.qa is not None
         pre, rr, normed = st.qa
-        grads["w_q_b"][...] = _gemm(normed.T, dq2)
-        dn_ = _gemm(dq2, _w(a, "w_q_b").T)
+        dn_ = _memory.empty(normed.shape, a.dtype)
+        _grad.linear_grads(normed, _w(a, "w_q_b"), dq2, dn_, grads["w_q_b"])
         dpre, grads["q_a_norm"][...] = _rope.rms_norm_backward(dn_, pre, rr, _w(a, "q_a_norm"))
-        grads["w_q_a"][...] = _gemm(a.x.T, dpre)
-        if "b_q_a" in grads:
-            grads["b_q_a"][...] = dpre.sum(axis=0)
-        dx += _gemm(dpre, _w(a, "w_q_a").T)
+        w_q_a = _w(a, "w_q_a")
+        _grad.linear_grads(a.x, w_q_a, dpre, dx, grads["w_q_a"], grads.get("b_q_a"), True)
     grads["x"][...] = dx
 
 
@@ -936,10 +930,10 @@ def _expanded_backward(
     dkv[..., :dn] = _heads(dk)[..., :dn]
     dkv[..., dn:] = _heads(dvv)
     dkv2 = dkv.reshape(B * n_k, h * (dn + dv))
-    c_all = _memory.copy(st.lat[..., :r]).reshape(B * n_k, r)
-    grads["w_kv_b"][...] = _gemm(c_all.T, dkv2)
+    c_all = st.lat.reshape(B * n_k, r + dr)[:, :r]  # rows of their own stride, read in place
     dlat = _memory.empty((B, n_k, r + dr), dtype)
-    dlat[..., :r] = _gemm(dkv2, _w(a, "w_kv_b").T).reshape(B, n_k, r)
+    dc = dlat.reshape(B * n_k, r + dr)[:, :r]
+    _grad.linear_grads(c_all, _w(a, "w_kv_b"), dkv2, dc, grads["w_kv_b"])
     dlat[..., r:] = dk[..., dn:].sum(axis=1)
     return _memory.copy(_heads(dq)), dlat
 

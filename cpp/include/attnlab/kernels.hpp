@@ -32,6 +32,11 @@ struct KernelSet {
                                          const SeparableGrads<T>&);
     void (*linear)(Index, Index, Index, const T*, Index, const T*, const T*, T*, Index, bool);
     void (*merge_attention)(const MergeProblem<T>&);
+    // linear()'s gradients (attnlab/gemm.hpp): dX = dY W^T (or +=), and dW = X^T dY, db
+    void (*linear_input_grad)(Index rows, Index in, Index out, const T* dy, Index lddy, const T* w,
+                              T* dx, Index lddx, bool accumulate);
+    void (*linear_weight_grad)(Index rows, Index in, Index out, const T* x, Index ldx, const T* dy,
+                               Index lddy, T* dw, T* db);
 };
 
 struct KernelTable {

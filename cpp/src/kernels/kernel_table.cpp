@@ -14,6 +14,18 @@ namespace {
 
 const char* eigen_simd() { return Eigen::SimdInstructionSetsInUse(); }
 
+// linear()'s gradients without half-precision operands (the table is instruction-set neutral)
+template <typename T>
+void input_grad(Index rows, Index in, Index out, const T* dy, Index lddy, const T* w, T* dx,
+                Index lddx, bool accumulate) {
+    linear_input_grad<T>(rows, in, out, dy, lddy, w, dx, lddx, accumulate);
+}
+template <typename T>
+void weight_grad(Index rows, Index in, Index out, const T* x, Index ldx, const T* dy, Index lddy,
+                 T* dw, T* db) {
+    linear_weight_grad<T>(rows, in, out, x, ldx, dy, lddy, dw, db);
+}
+
 template <typename T>
 constexpr KernelSet<T> kernel_set() {
     return {&attention_forward<T>,
@@ -27,7 +39,9 @@ constexpr KernelSet<T> kernel_set() {
             &separable_attention_forward<T>,
             &separable_attention_backward<T>,
             &linear<T>,
-            &merge_attention<T>};
+            &merge_attention<T>,
+            &input_grad<T>,
+            &weight_grad<T>};
 }
 
 }  // namespace
