@@ -71,6 +71,14 @@ struct MhaBuffers {
     }
 };
 
+// The heads the attention reads, qt and kt, from the projections q and k (p.qk).
+template <typename T>
+void transform_heads(const MhaProblem<T>& p, const MhaBuffers<T>& b) {
+    if (!p.qk.any()) return;
+    qk_forward(query_side(p), b.q, b.qt, b.s_q);
+    qk_forward(key_side(p), b.k, b.kt, b.s_k);
+}
+
 // Projections (one GEMM each over all rows; heads are then column blocks of q, k, v) and the
 // attention core, into b.
 template <typename T>
@@ -79,10 +87,7 @@ AttentionProblem<T> mha_core_forward(const MhaProblem<T>& p, const MhaBuffers<T>
     project(rq, p.query, p.w_q, b.q, p.bf16, p.query_half);
     project(rk, p.key, p.w_k, b.k, p.bf16, p.key_half);
     project(rk, p.value, p.w_v, b.v, p.bf16, p.value_half);
-    if (p.qk.any()) {
-        qk_forward(query_side(p), b.q, b.qt, b.s_q);
-        qk_forward(key_side(p), b.k, b.kt, b.s_k);
-    }
+    transform_heads(p, b);
     AttentionProblem<T> a = head_problem(p, b.qt, b.kt, b.v, b.ctx);
     a.lse = b.lse;
     if (p.bf16) a.bf16 = Bf16::probabilities;
@@ -121,11 +126,8 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
     const Index d_out = p.w_o.out;
     detail::MhaBuffers<T> b(p, true);
     AttentionProblem<T> a;
-    if (p.state.filled) {  // attnlab.vjp: the forward kept everything
-        if (p.qk.any()) {  // but the transformed heads (O(n d) to redo)
-            detail::qk_forward(detail::query_side(p), b.q, b.qt, b.s_q);
-            detail::qk_forward(detail::key_side(p), b.k, b.kt, b.s_k);
-        }
+    if (p.state.filled) {               // attnlab.vjp: the forward kept everything
+        detail::transform_heads(p, b);  // but the normalised, rotated heads (O(n d))
         a = detail::head_problem(p, b.qt, b.kt, b.v, b.ctx);
         a.lse = b.lse;
     } else {

@@ -6,8 +6,7 @@
 //   forward   y = rope(norm(x)),  norm(x) = x s w with s = (mean(x^2) + eps)^-1/2
 //   backward  dy -> rope^T dy = g -> dx = s (g w) - x s^3 mean(g w x),  dw = sum g x s
 //
-// In the layer's own threads, after its projection GEMMs (they were NumPy passes around the
-// C++ pieces: a quarter of a ViT-S layer's forward and a third of its backward).
+// Run in the layer's threads between its projection GEMMs and the attention core.
 
 #include <algorithm>
 #include <cmath>
