@@ -265,13 +265,14 @@ def _rope_for(
         return Rope(dim, *tables(inv, pq, dtype, scale), *tables(inv, pk, dtype, scale))
     n = max(n_k, offset + n_q)
     key = (inv.tobytes(), n, np.dtype(dtype).str, scale)
-    if key not in _DEFAULT_TABLES:
-        c, s = tables(inv, np.arange(n, dtype=np.float64)[None], dtype, scale)
-        c.flags.writeable = s.flags.writeable = False
+    cached = _DEFAULT_TABLES.get(key)  # (one lookup: another thread may clear the dict)
+    if cached is None:
+        cached = tables(inv, np.arange(n, dtype=np.float64)[None], dtype, scale)
+        cached[0].flags.writeable = cached[1].flags.writeable = False
         if len(_DEFAULT_TABLES) >= 8:
             _DEFAULT_TABLES.clear()
-        _DEFAULT_TABLES[key] = (c, s)
-    c, s = _DEFAULT_TABLES[key]
+        _DEFAULT_TABLES[key] = cached
+    c, s = cached
     q = slice(offset, offset + n_q)
     return Rope(dim, c[:, q], s[:, q], c[:, :n_k], s[:, :n_k])
 
