@@ -727,7 +727,7 @@ def _bilinear_grads(
     logit = _grad.logit_buffers(a.m, B, a.h, a.n_q, a.n_k, dtype)
     if kernel:
         core.bilinear_backward(go2, a.core_args(), {**grads, **buffers, **logit}, state)
-    inputs = _grad.input_grads(buffers, batch, shapes, x.key_omitted, x.value_omitted, True)
+    inputs = _grad.input_grads(buffers, batch, shapes, x.key_omitted, x.value_omitted)
     return {**inputs, **grads, **_grad.logit_grads(logit, a.m, batch)}
 
 

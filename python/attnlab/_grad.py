@@ -59,23 +59,18 @@ def input_grads(
     shapes: dict[str, tuple[int, ...]],
     key_omitted: bool,
     value_omitted: bool,
-    summed: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Gradients of ``query``, ``key`` and ``value`` from the kernel's row gradients: shaped
-    as given (summed over broadcast batch axes), and summed into the argument an omitted
-    ``key``/``value`` defaulted to (gradient keys follow the arguments given, not identity).
-    ``summed``: the kernel already added them up in one buffer (:func:`input_buffers`)."""
+    """Gradients of ``query``, ``key`` and ``value`` from the kernel's row gradients, shaped
+    as given (summed over broadcast batch axes). An omitted ``key``/``value`` has none of its
+    own: the kernel added it into the buffer of the argument it defaulted to
+    (:func:`input_buffers`; gradient keys follow the arguments given, not identity)."""
     omitted = {n for n, o in (("key", key_omitted), ("value", value_omitted)) if o}
     inputs = {}
     for name, r in rows.items():
-        if summed and name in omitted:
-            continue  # already added into the argument it defaulted to
+        if name in omitted:
+            continue
         g = r.reshape(batch + (shapes[name][-2], r.shape[-1]))
         inputs[name] = unbroadcast(g, shapes[name])
-    if not summed and value_omitted:
-        inputs["key"] = inputs["key"] + inputs.pop("value")
-    if not summed and key_omitted:
-        inputs["query"] = inputs["query"] + inputs.pop("key")
     return inputs
 
 

@@ -722,7 +722,10 @@ def _summed_half(a: _Mha) -> bool:
 
 
 def _mha_grads(
-    a: _Mha, grad_out: Any, state: dict[str, np.ndarray] | None = None, qk: Any = None
+    a: _Mha,
+    grad_out: Any,
+    state: dict[str, np.ndarray] | None = None,
+    qk: _rope.QkOptions | None = None,
 ) -> dict[str, np.ndarray]:
     """The gradients of a prepared MHA call; with ``state`` (what the forward kept for
     attnlab.vjp) the forward is not recomputed; ``qk``: its rotary embeddings, q/k norms and
@@ -752,7 +755,7 @@ def _mha_grads(
     logit = {n: grads.pop(n) for n in logit}
     rows = {n: grads.pop(n) for n in ("query", "key", "value")}
     return {
-        **_grad.input_grads(rows, batch, a.shapes, a.key_omitted, a.value_omitted, True),
+        **_grad.input_grads(rows, batch, a.shapes, a.key_omitted, a.value_omitted),
         **grads,
         **_grad.logit_grads(logit, a.m, batch),
     }
