@@ -243,8 +243,10 @@ def prepare(
 
 
 # Tables of the default positions 0..n-1, by (frequencies, n, dtype, scale): read-only, shared
-# by the calls of a loop (their cos and sin were a fifth of a ViT-S layer's rotary cost).
+# by the calls of a loop (computing cos and sin took longer than the rotation itself); at most
+# 8 of at most 4 MiB each.
 _DEFAULT_TABLES: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
+_DEFAULT_TABLE_BYTES = 4 << 20
 
 
 def _rope_for(
@@ -269,9 +271,10 @@ def _rope_for(
     if cached is None:
         cached = tables(inv, np.arange(n, dtype=np.float64)[None], dtype, scale)
         cached[0].flags.writeable = cached[1].flags.writeable = False
-        if len(_DEFAULT_TABLES) >= 8:
-            _DEFAULT_TABLES.clear()
-        _DEFAULT_TABLES[key] = cached
+        if 2 * cached[0].nbytes <= _DEFAULT_TABLE_BYTES:
+            if len(_DEFAULT_TABLES) >= 8:
+                _DEFAULT_TABLES.clear()
+            _DEFAULT_TABLES[key] = cached
     c, s = cached
     q = slice(offset, offset + n_q)
     return Rope(dim, c[:, q], s[:, q], c[:, :n_k], s[:, :n_k])
