@@ -109,7 +109,8 @@ elif [[ -n "${ATTNLAB_SANITIZE_FULL:-}" ]]; then
   TESTS=(.)
 else
   # The fast subset: every kernel, forward and backward, every error path, the 10,000-call
-  # fuzzer, the property tests, the eight-thread test, the half-precision kernels (30 s).
+  # fuzzer, the property tests, the eight-thread test, the half-precision kernels, the q/k norms
+  # and rotary embeddings, the GEMM's gradients binding.
   # Left out: torch comparisons (torch under a preloaded libasan is slow and not what is
   # being checked), notebooks, and the GIL tests (long single-threaded calls, ~2 min under
   # ASan, checking nothing about memory).
@@ -117,7 +118,7 @@ else
          test_backward_bilinear.py test_backward_additive.py test_errors.py
          test_properties.py test_fuzz.py test_concurrency.py test_memory.py test_numerics.py
          test_options.py test_decode.py test_interrupt.py test_half_sdpa.py test_half_convert.py
-         test_half.py -k "not torch and not gil_is_released")
+         test_half.py test_qk_norm.py test_gemm_blocking.py -k "not torch and not gil_is_released")
 fi
 start=$(date +%s)
 set +e
