@@ -312,3 +312,39 @@ def test_norm_gradients_when_no_query_rows():
     grads = attnlab.multi_head_attention_backward(np.zeros(xq.shape), xq, xk, **kw)
     for name in ("q_norm", "k_norm", "w_q"):
         assert grads[name].shape == kw[name].shape and not grads[name].any(), name
+
+
+def test_core_qk_args_refuse_what_does_not_fit():
+    """core.QkArgs checked against the call's sizes in C++ (the public API checks them first):
+    a ValueError or TypeError naming the field, never a crash."""
+    import inspect
+
+    from attnlab import _mha
+    from attnlab._loader import core
+
+    rng = np.random.default_rng(14)
+    xq, _, kw = _case(rng, ((2,), 5, 5, 4, 2, 8, False, "", False), np.float32)
+    params = inspect.signature(attnlab.multi_head_attention).parameters.values()
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    a = _mha._prepare_mha({**defaults, "query": xq, **kw}).core_args()
+    out = np.empty((10, 16), np.float32)
+    ok = dict(q_norm=None, k_norm=None, norm_eps=1e-6, rope_dim=8)
+    tab = np.ones((1, 5, 4), np.float32)
+    tables = dict(cos_q=tab, sin_q=tab, cos_k=tab, sin_k=tab)
+    for bad, words in (
+        (dict(ok, rope_dim=3, **tables), "rope_dim: expected an even number"),
+        (dict(ok, rope_dim=10, **tables), "rope_dim: expected an even number"),
+        (dict(ok, **dict(tables, cos_q=np.ones((1, 4, 4), np.float32))), "cos_q: shape"),
+        (dict(ok, **dict(tables, sin_k=np.ones((3, 5, 4), np.float32))), "sin_k: shape"),
+        (dict(ok, **dict(tables, cos_k=np.ones((3, 5, 4), np.float32))), "cos_k: expected"),
+        (dict(ok, q_norm=np.ones(7, np.float32), **tables), "q_norm: shape"),
+        (dict(ok, norm_eps=float("nan"), **tables), "norm_eps: expected a number >= 0"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            core.mha_forward(a, out, None, None, False, core.QkArgs(**bad))
+    wrong = core.QkArgs(**ok, **dict(tables, cos_q=tab.astype(np.float64)))
+    with pytest.raises(TypeError, match="cos_q: unexpected dtype"):
+        core.mha_forward(a, out, None, None, False, wrong)
+    grads = {"q_norm": np.empty(8, np.float32)}
+    with pytest.raises(ValueError, match=r"grads\['q_norm'\]: the call has no q_norm"):
+        core.mha_backward(np.ones((10, 16), np.float32), a, grads, None, None)
