@@ -40,7 +40,7 @@ AttentionProblem<T> head_problem(const MhaProblem<T>& p, const T* q, const T* k,
 // The forward's intermediates: in p.state when the caller keeps them, else in temporaries.
 // With a QkTransform, q and k hold the projections and qt, kt the transformed heads the
 // attention reads: the same arrays, unless the projections are kept (p.state) or the backward
-// needs them (and the norm scales s_q, s_k).
+// of a norm needs them (with the norm scales s_q, s_k).
 template <typename T>
 struct MhaBuffers {
     Buffer<T> own_q, own_k, own_v, own_ctx, own_lse, own_qt, own_kt, own_sq, own_sk;
@@ -62,10 +62,11 @@ struct MhaBuffers {
         qt = q;
         kt = k;
         if (!p.qk.any()) return;
-        if (backward || p.state.q) {
+        // in place unless kept, or the backward's norm needs them (the rotation does not)
+        if (p.state.q || (backward && p.qk.q_norm))
             qt = take(nullptr, own_qt, rq * p.heads * p.d_head);
+        if (p.state.k || (backward && p.qk.k_norm))
             kt = take(nullptr, own_kt, rk * p.kv_heads * p.d_head);
-        }
         if (backward && p.qk.q_norm) s_q = take(nullptr, own_sq, rq * p.heads);
         if (backward && p.qk.k_norm) s_k = take(nullptr, own_sk, rk * p.kv_heads);
     }
