@@ -23,7 +23,8 @@ struct HalfB {
 
 // Blocking: a task is 128 rows x 8 panels of output columns, the depth runs in chunks (see
 // Blocking below). Fixed sizes: the summation order never depends on the thread count, nor on
-// the depth chunks (an element's accumulator is stored and reloaded exactly between them).
+// the depth chunks, whole numbers of kChain (each element sums chains of kChain products,
+// microkernel.hpp, and adds each to its result in depth order).
 constexpr Index kRowChunk = 128;
 constexpr Index kPanelsPerTask = 8;
 
