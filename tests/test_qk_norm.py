@@ -345,6 +345,8 @@ def test_core_qk_args_refuse_what_does_not_fit():
     wrong = core.QkArgs(**ok, **dict(tables, cos_q=tab.astype(np.float64)))
     with pytest.raises(TypeError, match="cos_q: unexpected dtype"):
         core.mha_forward(a, out, None, None, False, wrong)
+    with pytest.raises(TypeError, match=r"qk: expected core.QkArgs or None"):
+        core.mha_forward(a, out, None, None, False, ok)
     grads = {"q_norm": np.empty(8, np.float32)}
     with pytest.raises(ValueError, match=r"grads\['q_norm'\]: the call has no q_norm"):
         core.mha_backward(np.ones((10, 16), np.float32), a, grads, None, None)

@@ -290,6 +290,7 @@ RotaryTables<T> rotary_tables(const py::object& cos, const py::object& sin, cons
 template <typename T>
 void qk_transform(MhaProblem<T>& p, const py::object& qk) {
     if (qk.is_none()) return;
+    if (!py::isinstance<QkArgs>(qk)) throw py::type_error("qk: expected core.QkArgs or None");
     const QkArgs& a = qk.cast<const QkArgs&>();
     p.qk.q_norm = optional_vector<T>(a.q_norm, "q_norm", p.d_head);
     p.qk.k_norm = optional_vector<T>(a.k_norm, "k_norm", p.d_head);
