@@ -91,8 +91,9 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
 
     ``bilinear_attention`` keeps its state when the cost model evaluates it in the query order
     (the backward's); in the key order (many more queries than keys) its pullback recomputes
-    the forward in the query order. ``multi_head_attention`` with rotary embeddings or q/k norms
-    keeps copies of its arguments and its pullback recomputes the forward.
+    the forward in the query order. ``multi_head_attention`` with ``precision="bf16"`` keeps
+    copies of its arguments and its pullback recomputes the forward (its gradients are those of
+    the attention at the rounded operands, without the probabilities' rounding).
 
     {examples}
     >>> x = rng.standard_normal((2, 5, 8))
