@@ -121,11 +121,11 @@ constexpr int rows_for_packets() {
 constexpr Index kPrefetchAhead = 8;
 
 // Blocked summation (Join, the GEMM): each element sums at most kChain products in one chain,
-// each chain then added to C. A single chain over a depth K errs like sqrt(K) roundings (a
-// 1024-deep float32 GEMM 5.7e-7 normwise, 4096-deep 1.1e-6, where BLAS's blocks give 3.5e-7);
-// chains of 256 keep it near 3e-7 for a load, an add and a store of the accumulators per 256
-// steps. Without Join (the attention's products, depths of at most 256 a call) one chain over
-// the depth, going on from C's when Accumulate: the same bits wherever the tiles start.
+// each chain then added to C: a single chain over a depth K errs like sqrt(K) roundings, chains
+// of 256 stay near BLAS's error for a load, an add and a store of the accumulators per 256
+// steps (docs/performance.md, "GEMMs in blocked sums"). Without Join (the attention's products,
+// depths of at most 256 a call) one chain over the depth, going on from C's when Accumulate:
+// the same bits wherever the tiles start.
 constexpr Index kChain = 256;
 
 // A read prefetch into all cache levels, always inlined: GCC 12 finds a plain inline wrapper of
