@@ -197,7 +197,7 @@ def test_core_refuses_bf16_with_float64():
         query=x, key=x, value=x, w_q=w["w_q"], b_q=None, w_k=w["w_k"], b_k=None,
         w_v=w["w_v"], b_v=None, w_o=w["w_o"], b_o=None,
         batch=1, n_q=4, n_k=4, heads=2, kv_heads=2, mask=mask, scale=0.5, weights_half=0,
-        inputs_half=0,
+        inputs_half=0, packed=None,
     )  # fmt: skip
     with pytest.raises(TypeError, match=r"^bf16: bf16 products take float32 operands, got float64"):
         core.mha_forward(core.MhaArgs(**kw), np.empty((4, 8)), None, None, True)

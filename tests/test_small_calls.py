@@ -96,7 +96,7 @@ def _mha_args(x: np.ndarray, w: dict[str, np.ndarray]) -> dict[str, object]:
         query=x, key=x, value=x, w_q=w["w_q"], b_q=None, w_k=w["w_k"], b_k=None,
         w_v=w["w_v"], b_v=None, w_o=w["w_o"], b_o=None,
         batch=1, n_q=4, n_k=4, heads=2, kv_heads=2, mask=mask, scale=0.5, weights_half=0,
-        inputs_half=0,
+        inputs_half=0, packed=None,
     )  # fmt: skip
 
 

@@ -245,6 +245,7 @@ struct MhaArgs : SharedArgs {
     py::object b_k;
     int weights_half;  // 0: the weights in the inputs' dtype; 1, 2: float16, bfloat16 bits
     int inputs_half;   // 1: query, key, value (and the forward's out) as bits of weights_half
+    py::object packed;  // None, or (w_q, w_k, w_v, w_o)'s core.pack_weight arrays or None each
 
     static constexpr auto fields() {
         return std::tuple_cat(
@@ -253,10 +254,36 @@ struct MhaArgs : SharedArgs {
                             field("b_q", &MhaArgs::b_q), field("w_k", &MhaArgs::w_k),
                             field("b_k", &MhaArgs::b_k),
                             field("weights_half", &MhaArgs::weights_half),
-                            field("inputs_half", &MhaArgs::inputs_half)),
+                            field("inputs_half", &MhaArgs::inputs_half),
+                            field("packed", &MhaArgs::packed)),
             SharedArgs::fields());
     }
 };
+
+// The panels of a weight (in x out) packed by core.pack_weight, checked: null for None.
+template <typename T>
+const T* packed_panels(const py::handle& o, const char* name, Index in, Index out) {
+    if (o.is_none()) return nullptr;
+    if (!py::isinstance<py::array>(o))
+        throw py::type_error(std::string(name) + ": expected an array from core.pack_weight");
+    return contiguous<T>(py::reinterpret_borrow<py::array>(o), name,
+                         {kernels_for<T>().packed_weight_size(in, out)});
+}
+
+// p's projections read the panels a.packed holds (float weights only).
+template <typename T>
+void attach_packed(MhaProblem<T>& p, const MhaArgs& a) {
+    if (a.packed.is_none()) return;
+    if (!py::isinstance<py::tuple>(a.packed) || py::len(a.packed) != 4)
+        throw py::type_error("packed: expected None or a tuple of 4 (w_q, w_k, w_v, w_o)");
+    if (a.weights_half) throw py::value_error("packed: not with half-precision weights");
+    const py::tuple t = a.packed.cast<py::tuple>();
+    Linear<T>* layers[4] = {&p.w_q, &p.w_k, &p.w_v, &p.w_o};
+    const char* names[4] = {"packed[0] (w_q)", "packed[1] (w_k)", "packed[2] (w_v)",
+                            "packed[3] (w_o)"};
+    for (int i = 0; i < 4; ++i)
+        layers[i]->packed = packed_panels<T>(t[i], names[i], layers[i]->in, layers[i]->out);
+}
 
 // The q/k norms and rotary embeddings of a multi-head call: core.QkArgs (QkTransform).
 struct QkArgs {
@@ -338,6 +365,7 @@ MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
     p.w_q = linear_arg<T>(a.w_q, a.b_q, "w_q", "b_q", d_q, wq, half);
     p.w_k = linear_arg<T>(a.w_k, a.b_k, "w_k", "b_k", d_k, wk, half);
     projected_values<T>(p, s, d_vhead, state, half);
+    attach_packed(p, a);
     p.state.q = state_array<T>(state, "q", {batch * n_q, wq});
     p.state.k = state_array<T>(state, "k", {batch * n_k, wk});
     return p;
@@ -421,7 +449,9 @@ void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::obje
 // y = x w + b over all rows (the bench's GEMM peak and projection timings; latent attention's
 // projections). w_half 1 / 2: w given as float16 / bfloat16 bits (uint16), x, b, y float32.
 void linear_forward(py::array x, py::array w, py::object b, py::array y, bool bf16, int w_half,
-                    bool x_half, bool y_half) {
+                    bool x_half, bool y_half, py::object packed) {
+    if (!packed.is_none() && (bf16 || w_half))
+        throw py::value_error("packed: only with float weights and float products");
     if ((x_half || y_half) && w_half == 0)
         throw py::value_error("x_half, y_half: only with w_half 1 (float16) or 2 (bfloat16)");
     if (w_half != 0) {
@@ -453,6 +483,7 @@ void linear_forward(py::array x, py::array w, py::object b, py::array y, bool bf
         const T* pw = contiguous<T>(w, "w", {in, out});
         const T* pb = optional_vector<T>(b, "b", out);
         T* py_ = contiguous<T>(y, "y", {rows, out}, true);
+        const T* pp = packed_panels<T>(packed, "packed", in, out);
         ReleaseGil release;
         if constexpr (std::is_same_v<T, float>) {
             if (bf16) {
@@ -460,8 +491,25 @@ void linear_forward(py::array x, py::array w, py::object b, py::array y, bool bf
                 return 0;
             }
         }
-        kernels_for<T>().linear(rows, in, out, px, in, pw, pb, py_, out, false);
+        kernels_for<T>().linear(rows, in, out, px, in, pw, pb, py_, out, /*accumulate=*/false, pp);
         return 0;
+    });
+}
+
+// w's whole column panels (w: (in, out), float32 or float64) in the layout this build's linear
+// reads (a 1-d array of w's dtype; empty when out is narrower than a panel).
+py::array pack_weight(py::array w) {
+    return dispatch(w, "w", [&](auto tag) -> py::array {
+        using T = decltype(tag);
+        if (w.ndim() != 2) throw py::value_error("w: expected a 2-d array");
+        const Index in = w.shape(0), out = w.shape(1);
+        const T* pw = contiguous<T>(w, "w", {in, out});
+        const KernelSet<T>& k = kernels_for<T>();
+        py::array_t<T> packed(static_cast<py::ssize_t>(k.packed_weight_size(in, out)));
+        T* dst = packed.mutable_data();
+        ReleaseGil release;
+        k.pack_weight(in, out, pw, dst);
+        return std::move(packed);
     });
 }
 
@@ -537,7 +585,8 @@ void bind_mha(py::module_& m) {
           py::arg("dx"), py::arg("dw"), py::arg("db"), py::arg("accumulate") = false);
     m.def("linear_forward", &linear_forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("y"),
           py::arg("bf16") = false, py::arg("w_half") = 0, py::arg("x_half") = false,
-          py::arg("y_half") = false);
+          py::arg("y_half") = false, py::arg("packed") = py::none());
+    m.def("pack_weight", &pack_weight, py::arg("w"));
 }
 
 }  // namespace bind

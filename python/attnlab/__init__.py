@@ -26,6 +26,7 @@ from ._mha import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
+from ._packed import PackedWeight
 from ._separable import separable_attention, separable_attention_backward
 from ._vjp import vjp
 from .cost import attention_cost, plan_qk
@@ -37,6 +38,7 @@ MAX_THREADS: int = int(_core.MAX_THREADS)
 __all__ = [
     "BilinearQK",
     "MAX_THREADS",
+    "PackedWeight",
     "__version__",
     "additive_attention",
     "additive_attention_backward",

@@ -140,7 +140,9 @@ def linear_forward(
     w_half: int = ...,
     x_half: bool = ...,  # x as bits of w_half's format (uint16)
     y_half: bool = ...,  # y as bits of that format
+    packed: _Optional = ...,  # pack_weight(w), float weights and products only
 ) -> None: ...
+def pack_weight(w: _Array) -> _Array: ...  # w's whole column panels as linear reads them
 
 # Bilinear-collapsed attention (cpp/bindings/bilinear.cpp). order: 0 query, 1 key.
 def bilinear_forward(
@@ -212,6 +214,8 @@ class MhaArgs(_SharedArgs):
     b_k: _Optional
     weights_half: _Int  # 0; 1 or 2: the four weights as float16 or bfloat16 bits (uint16)
     inputs_half: _Int  # 0; 1: query, key, value and mha_forward's out as bits of weights_half
+    # None, or pack_weight's panels (or None) for each of w_q, w_k, w_v, w_o
+    packed: tuple[_Optional, _Optional, _Optional, _Optional] | None
 
 @dataclass(frozen=True, kw_only=True)
 class QkArgs:

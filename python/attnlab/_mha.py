@@ -11,6 +11,7 @@ from . import _args, _docs, _grad, _half, _memory, _rope
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
+from ._packed import PackedWeight
 
 __all__ = [
     "multi_head_attention",
@@ -232,6 +233,8 @@ class _Mha(NamedTuple):
     weights_half: int = 0  # w_q, w_k, w_v, w_o as float16 (1) / bfloat16 (2) bits, or 0
     inputs_half: bool = False  # rq, rk, rv (and the forward's out) as bits of that half too
     half: np.dtype | None = None  # the half dtype of weights_half
+    # w_q, w_k, w_v, w_o's panels when given as PackedWeight (core.MhaArgs.packed), or None
+    packed: tuple[np.ndarray | None, ...] | None = None
 
     @property
     def B(self) -> int:
@@ -244,6 +247,7 @@ class _Mha(NamedTuple):
             core.MhaArgs, self, w, query=self.rq, key=self.rk, value=self.rv,
             w_q=w["w_q"], b_q=w["b_q"], w_k=w["w_k"], b_k=w["b_k"],
             weights_half=self.weights_half, inputs_half=int(self.inputs_half),
+            packed=self.packed,
         )  # fmt: skip
 
 
@@ -360,6 +364,7 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     else:  # their bits, as the kernels take them
         wq, wk, wv, wo = (_memory.contiguous(w_).view(np.uint16) for w_ in (wq_, wk_, wv_, wo_))
     d_out = wo.shape[1]
+    packed = _packed_panels(args, (wq, wk, wv, wo), dtype) if half is None else None
     bq = V.vector(bs["b_q"], "b_q", dtype, h * d_head)
     bk = V.vector(bs["b_k"], "b_k", dtype, h_kv * d_head)
     bv = V.vector(bs["b_v"], "b_v", dtype, h_kv * d_vhead)
@@ -393,7 +398,20 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
         0 if half is None else _half.code(half),
         inputs_half,
         half,
+        packed,
     )
+
+
+def _packed_panels(
+    args: dict[str, Any], ws: tuple[np.ndarray, ...], dtype: np.dtype
+) -> tuple[np.ndarray | None, ...] | None:
+    """The panels of the weights given as :class:`PackedWeight` that the call reads as they are
+    (its dtype), for core.MhaArgs.packed; None when there are none."""
+    found = [
+        p._panels_for(dtype) if isinstance(p, PackedWeight) and w is p.array else None
+        for p, w in zip((args[n] for n in _WEIGHTS), ws, strict=True)
+    ]
+    return tuple(found) if any(f is not None for f in found) else None
 
 
 @_docs.filled

@@ -88,6 +88,7 @@ struct Linear {
     Index in = 0, out = 0;
     const std::uint16_t* w_half = nullptr;  // or w's half bits (w null): MHA
     HalfFormat half = HalfFormat::none;
+    const T* packed = nullptr;  // w's column panels packed once (pack_weight), or null
 };
 
 // What a forward can keep for its backward (attnlab.vjp): the values, the attention output

@@ -12,9 +12,22 @@ const char* gemm_blocking();
 
 // X (rows x in, row stride ldx), W (in x out, contiguous), b (out) or null,
 // Y (rows x out, row stride ldy). accumulate: Y += X W instead of Y = X W (+ b).
+// packed: W's whole column panels as pack_weight() laid them out, or null (W is then packed by
+// the call): the same products in the same order, so the same bits either way.
 template <typename T>
 void linear(Index rows, Index in, Index out, const T* x, Index ldx, const T* w, const T* b, T* y,
-            Index ldy, bool accumulate = false);
+            Index ldy, bool accumulate = false, const T* packed = nullptr);
+
+// The length of pack_weight()'s copy of an (in x out) weight: its whole column panels of this
+// build's panel width (the columns past the last whole panel are read from W itself).
+template <typename T>
+Index packed_weight_size(Index in, Index out);
+
+// packed (packed_weight_size(in, out)) = the whole column panels of W (in x out, contiguous),
+// each contiguous, row after row: what linear() packs on every call, done once for weights
+// that stay constant over many calls.
+template <typename T>
+void pack_weight(Index in, Index out, const T* w, T* packed);
 
 // The operands of linear() that are stored as half-precision bits (`format`), each in place
 // of its float pointer (null when that operand is float32): a task widens its rows of X as it

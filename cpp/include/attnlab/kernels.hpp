@@ -30,13 +30,18 @@ struct KernelSet {
     void (*separable_attention_forward)(const SeparableProblem<T>&);
     void (*separable_attention_backward)(const SeparableProblem<T>&, const T*,
                                          const SeparableGrads<T>&);
-    void (*linear)(Index, Index, Index, const T*, Index, const T*, const T*, T*, Index, bool);
+    // attnlab/gemm.hpp: linear() (its last argument: W's panels from pack_weight, or null)
+    void (*linear)(Index, Index, Index, const T*, Index, const T*, const T*, T*, Index, bool,
+                   const T*);
     void (*merge_attention)(const MergeProblem<T>&);
     // linear()'s gradients (attnlab/gemm.hpp): dX = dY W^T (or +=), and dW = X^T dY, db
     void (*linear_input_grad)(Index rows, Index in, Index out, const T* dy, Index lddy, const T* w,
                               T* dx, Index lddx, bool accumulate);
     void (*linear_weight_grad)(Index rows, Index in, Index out, const T* x, Index ldx, const T* dy,
                                Index lddy, T* dw, T* db);
+    // a weight's panels packed once for linear() in this build's layout (attnlab/gemm.hpp)
+    Index (*packed_weight_size)(Index in, Index out);
+    void (*pack_weight)(Index in, Index out, const T* w, T* packed);
 };
 
 struct KernelTable {

@@ -250,10 +250,11 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
 // h: operands stored in half precision instead (float only, A read along its rows): the rows of
 // A a task reads are widened first, and the block of Y it writes is computed in float32 (in its
 // scratch, or in y when y is given: accumulated there) and rounded last.
+// prepacked: B's whole panels packed by pack_weight (B neither transposed nor half), or null.
 template <typename T>
 void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_ts, const T* b,
           Index ldb, bool b_transposed, const T* bias, T* y, Index ldy, bool accumulate,
-          const HalfOperands& h = {}) {
+          const HalfOperands& h = {}, const T* prepacked = nullptr) {
     if (rows <= 0 || cols <= 0) return;
     const HalfB bh{h.w, h.format};
     constexpr Index W = detail::panel_width<T>();
@@ -274,8 +275,9 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
     // to kPackOnceBytes, so that a very large B does not double the call's memory.
     constexpr Index kPackOnceBytes = Index(64) << 20;
     const Index whole = cols / W;
-    const bool pack_once = blocking().pack_once && row_chunks > 2 && !b_transposed && whole > 0 &&
-                           depth > 0 && whole * depth * W * Index(sizeof(T)) <= kPackOnceBytes;
+    const bool pack_once = !prepacked && blocking().pack_once && row_chunks > 2 &&
+                           !b_transposed && whole > 0 && depth > 0 &&
+                           whole * depth * W * Index(sizeof(T)) <= kPackOnceBytes;
     Buffer<T> packed;
     if (pack_once) {
         packed = make_buffer<T>(whole * depth * W);
@@ -297,7 +299,8 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
                 }
         });
     }
-    const T* bpk = packed.get();
+    const T* bpk = prepacked ? prepacked : packed.get();
+    const bool panels_packed = pack_once || (prepacked && depth > 0);
     const std::uint64_t call = ++g_gemm_calls;
     parallel_for(row_chunks * col_groups, [&](Index t) {
         const Index r0 = (t / col_groups) * kRowChunk;
@@ -335,7 +338,7 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
         for (Index p = p0; p < p1; ++p)
             gemm_panel(m, depth, cols, at, at_rs, a_ts, bh, b, ldb, b_transposed, bias, yt, yt_ld,
                        accumulate, p, p + 1 < p1,
-                       pack_once && p < whole ? bpk + p * depth * W : nullptr);
+                       panels_packed && p < whole ? bpk + p * depth * W : nullptr);
         if constexpr (std::is_same_v<T, float>) {
             if (h.y) {
                 const Index c0 = p0 * W, c1 = std::min(cols, p1 * W);
@@ -353,9 +356,32 @@ const char* gemm_blocking() { return blocking().name; }
 // All three run on the panel kernel of the attention tiles (see gemm above).
 template <typename T>
 void linear(Index rows, Index in, Index out, const T* x, Index ldx, const T* w, const T* b, T* y,
-            Index ldy, bool accumulate) {
-    gemm(rows, in, out, x, ldx, Index(1), w, out, false, b, y, ldy, accumulate);
+            Index ldy, bool accumulate, const T* packed) {
+    gemm(rows, in, out, x, ldx, Index(1), w, out, false, b, y, ldy, accumulate, HalfOperands{},
+         packed);
 }
+
+template <typename T>
+Index packed_weight_size(Index in, Index out) {
+    constexpr Index W = detail::panel_width<T>();
+    return out / W * in * W;
+}
+
+// The layout gemm's Blocking::pack_once makes, panel after panel.
+template <typename T>
+void pack_weight(Index in, Index out, const T* w, T* packed) {
+    constexpr Index W = detail::panel_width<T>();
+    const Index whole = out / W;
+    parallel_for(whole, [&](Index p) {
+        for (Index t = 0; t < in; ++t)
+            std::copy(w + t * out + p * W, w + t * out + p * W + W, packed + (p * in + t) * W);
+    });
+}
+
+template Index packed_weight_size<float>(Index, Index);
+template Index packed_weight_size<double>(Index, Index);
+template void pack_weight<float>(Index, Index, const float*, float*);
+template void pack_weight<double>(Index, Index, const double*, double*);
 
 void linear_half(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,
                  const float* b, float* y, Index ldy, const HalfOperands& h) {
@@ -495,9 +521,9 @@ template void transpose_rows<double>(Index, Index, const double*, const std::uin
 template void transpose_rows<double>(Index, Index, const double*, Index, double*);
 
 template void linear<float>(Index, Index, Index, const float*, Index, const float*, const float*,
-                            float*, Index, bool);
+                            float*, Index, bool, const float*);
 template void linear<double>(Index, Index, Index, const double*, Index, const double*,
-                             const double*, double*, Index, bool);
+                             const double*, double*, Index, bool, const double*);
 
 namespace detail {
 

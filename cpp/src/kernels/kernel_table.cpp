@@ -41,7 +41,9 @@ constexpr KernelSet<T> kernel_set() {
             &linear<T>,
             &merge_attention<T>,
             &input_grad<T>,
-            &weight_grad<T>};
+            &weight_grad<T>,
+            &packed_weight_size<T>,
+            &pack_weight<T>};
 }
 
 }  // namespace

@@ -25,7 +25,7 @@ void project(Index rows, const T* x, const Linear<T>& l, T* y, bool bf16,
             return;
         }
     }
-    linear(rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out);
+    linear(rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out, /*accumulate=*/false, l.packed);
 }
 
 // The half-precision operands of a layer's gradient products: its W as stored (widened as

@@ -128,7 +128,17 @@ CASES: dict[str, Case] = {
 
 # torch-sdpa: F.linear + F.scaled_dot_product_attention (the best torch path);
 # torch-mha: nn.MultiheadAttention (what most models call).
-RUNTIMES = ("attnlab", "torch-sdpa", "torch-mha", "onnxruntime", "openvino", "jax")
+# attnlab-packed: the layer's weights as attnlab.PackedWeight, packed once as ONNX Runtime's
+# session packs its constant weights.
+RUNTIMES = (
+    "attnlab",
+    "attnlab-packed",
+    "torch-sdpa",
+    "torch-mha",
+    "onnxruntime",
+    "openvino",
+    "jax",
+)
 # what a user gets without asking for float32: torch-sdpa under torch.autocast(bfloat16), and
 # OpenVINO at its default inference precision (bf16 on AMX and AVX512-BF16 CPUs); measured by
 # bench --accuracy, not in bench --peers' float32 check
@@ -195,6 +205,23 @@ def _attnlab(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
             return attnlab.multi_head_attention(a["x"], num_heads=case.h, causal=case.causal, **w)
 
     return f, np.asarray, f"attnlab {attnlab.__version__} isa={attnlab.build_info()['isa']}"
+
+
+def _attnlab_packed(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
+    import attnlab
+
+    if case.core_only:
+        raise Skip("an attention-core case has no weights to pack")
+    attnlab.set_num_threads(threads)
+    w = {
+        n: attnlab.PackedWeight(v) if n.startswith("w_") else v
+        for n, v in _layer_weights(a).items()
+    }
+
+    def f() -> Any:
+        return attnlab.multi_head_attention(a["x"], num_heads=case.h, causal=case.causal, **w)
+
+    return f, np.asarray, f"attnlab {attnlab.__version__} PackedWeight"
 
 
 def _torch_fn(torch: Any, case: Case, a: dict[str, np.ndarray]) -> Callable[..., Any]:
@@ -453,6 +480,7 @@ def _jax(case: Case, a: dict[str, np.ndarray], _threads: int) -> Built:
 
 BUILDERS: dict[str, Callable[[Case, dict[str, np.ndarray], int], Built]] = {
     "attnlab": _attnlab,
+    "attnlab-packed": _attnlab_packed,
     "torch-sdpa": _torch_sdpa,
     "torch-mha": _torch_mha,
     "onnxruntime": _onnxruntime,
@@ -526,6 +554,7 @@ def _no_training(runtime: str) -> Callable[[Case, dict[str, np.ndarray], int], T
 
 TRAIN_BUILDERS: dict[str, Callable[[Case, dict[str, np.ndarray], int], TrainBuilt]] = {
     "attnlab": _attnlab_train,
+    "attnlab-packed": _no_training("attnlab-packed (weights that change every step)"),
     "torch-sdpa": _torch_train,
     "torch-mha": _no_training("torch-mha (nn.MultiheadAttention)"),
     "onnxruntime": _no_training("onnxruntime"),
