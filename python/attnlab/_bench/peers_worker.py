@@ -213,7 +213,7 @@ def _attnlab_packed(case: Case, a: dict[str, np.ndarray], threads: int) -> Built
     if case.core_only:
         raise Skip("an attention-core case has no weights to pack")
     attnlab.set_num_threads(threads)
-    w = {
+    w: dict[str, Any] = {
         n: attnlab.PackedWeight(v) if n.startswith("w_") else v
         for n, v in _layer_weights(a).items()
     }
