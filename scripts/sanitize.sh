@@ -118,7 +118,8 @@ else
          test_backward_bilinear.py test_backward_additive.py test_errors.py
          test_properties.py test_fuzz.py test_concurrency.py test_memory.py test_numerics.py
          test_options.py test_decode.py test_interrupt.py test_half_sdpa.py test_half_convert.py
-         test_half.py test_qk_norm.py test_gemm_blocking.py -k "not torch and not gil_is_released")
+         test_half.py test_qk_norm.py test_gemm_blocking.py test_packed_weight.py
+         -k "not torch and not gil_is_released")
 fi
 start=$(date +%s)
 set +e
