@@ -243,19 +243,18 @@ struct MhaArgs : SharedArgs {
     py::object b_q;
     Array w_k;
     py::object b_k;
-    int weights_half;  // 0: the weights in the inputs' dtype; 1, 2: float16, bfloat16 bits
-    int inputs_half;   // 1: query, key, value (and the forward's out) as bits of weights_half
+    int weights_half;   // 0: the weights in the inputs' dtype; 1, 2: float16, bfloat16 bits
+    int inputs_half;    // 1: query, key, value (and the forward's out) as bits of weights_half
     py::object packed;  // None, or (w_q, w_k, w_v, w_o)'s core.pack_weight arrays or None each
 
     static constexpr auto fields() {
         return std::tuple_cat(
-            std::make_tuple(field("query", &MhaArgs::query), field("key", &MhaArgs::key),
-                            field("value", &MhaArgs::value), field("w_q", &MhaArgs::w_q),
-                            field("b_q", &MhaArgs::b_q), field("w_k", &MhaArgs::w_k),
-                            field("b_k", &MhaArgs::b_k),
-                            field("weights_half", &MhaArgs::weights_half),
-                            field("inputs_half", &MhaArgs::inputs_half),
-                            field("packed", &MhaArgs::packed)),
+            std::make_tuple(
+                field("query", &MhaArgs::query), field("key", &MhaArgs::key),
+                field("value", &MhaArgs::value), field("w_q", &MhaArgs::w_q),
+                field("b_q", &MhaArgs::b_q), field("w_k", &MhaArgs::w_k),
+                field("b_k", &MhaArgs::b_k), field("weights_half", &MhaArgs::weights_half),
+                field("inputs_half", &MhaArgs::inputs_half), field("packed", &MhaArgs::packed)),
             SharedArgs::fields());
     }
 };

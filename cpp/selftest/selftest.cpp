@@ -225,7 +225,8 @@ void check_forwards(const KernelTable& kt, std::mt19937& g) {
         Vec x = random_vec(g, 50 * DQ), w = random_vec(g, DQ * DOUT), b = random_vec(g, DOUT);
         auto xt = as<T>(x), wt = as<T>(w), bt = as<T>(b);
         std::vector<T> y(50 * DOUT);
-        ks.linear(50, DQ, DOUT, xt.data(), DQ, wt.data(), bt.data(), y.data(), DOUT, false, nullptr);
+        ks.linear(50, DQ, DOUT, xt.data(), DQ, wt.data(), bt.data(), y.data(), DOUT, false,
+                  nullptr);
         expect_close(isa, ("linear" + tn).c_str(), Vec(y.begin(), y.end()),
                      naive_linear(x, w, &b, 50, DQ, DOUT), tol);
     }

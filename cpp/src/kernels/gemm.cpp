@@ -70,9 +70,9 @@ inline std::atomic<std::uint64_t> g_gemm_calls{0};
 // does not depend on which rows packed.
 //
 // packed: the whole panel, packed by gemm before the products (Blocking::pack_once), else null.
-// bias: the panel's W (nw) biases, added to each slice of rows as soon as its last depth chunk
-// is computed (its Y rows still in L1: added in a pass after the panel, they had been evicted
-// by the B stream and cost 6% of a BERT-base layer), or null.
+// bias: the panel's nw biases, added to each register block's rows as soon as its last depth
+// chunk is computed, while they are in L1 (a pass after the panel found them evicted by the B
+// stream: docs/performance.md, "Weights packed once"), or null.
 // NP: the panel's width in packets, W = NP packets; 3 but for the last panel of a width that is
 // not a whole number of 3-packet panels (64 columns with AVX-512: 48 + 16, not 48 + 48).
 template <typename T, int NP>
