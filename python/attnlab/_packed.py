@@ -42,7 +42,7 @@ class PackedWeight:
     -----
     The packed panels are read by :func:`multi_head_attention`'s projections (forward, and the
     forward a backward recomputes) when the call computes in the weight's dtype with
-    ``precision=None``. Every other use reads :attr:`array` (the same result, no gain): calls
+    ``precision=None``. Every other use reads ``array`` (the same result, no gain): calls
     promoted to another dtype, ``precision="bf16"``, weight gradients, the other families. The
     panels depend on the instruction set the module chose at import; a pickled
     ``PackedWeight`` stores the array and packs it again when loaded.
