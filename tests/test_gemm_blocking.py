@@ -165,3 +165,38 @@ def test_linear_backward_refuses_bad_arrays():
         core.linear_backward(x, w, dy, overlapping, None, None)
     with pytest.raises(TypeError, match="dy: expected float32 or float64"):
         core.linear_backward(x, w, dy.astype(np.int32), None, None, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize(
+    "B, n, d, h, n_k",
+    [(1, 128, 96, 4, None), (2, 37, 64, 2, 50), (3, 300, 48, 3, None), (1, 1, 40, 5, 7)],
+)
+@pytest.mark.usefixtures("restore_threads")
+def test_layer_projections_run_together_give_linear_bits(dtype, B, n, d, h, n_k):
+    """The multi-head forward runs its Q, K and V projections' tasks in one parallel region
+    (``linear_group``): the layer equals, bit for bit, its composition from separate
+    ``linear_forward`` calls and the attention core, at 1 and 2 threads, and with weights
+    given as ``PackedWeight``."""
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((B, n, d)).astype(dtype)
+    mem = x if n_k is None else rng.standard_normal((B, n_k, d)).astype(dtype)
+    nk = mem.shape[1]
+    w = {k: (rng.standard_normal((d, d)) / 8).astype(dtype) for k in ("w_q", "w_k", "w_v", "w_o")}
+    b = {k: rng.standard_normal(d).astype(dtype) for k in ("b_q", "b_k", "b_v", "b_o")}
+
+    def heads(rows: np.ndarray, m: int) -> np.ndarray:
+        return rows.reshape(B, m, h, d // h).transpose(0, 2, 1, 3)
+
+    q = heads(_linear(x.reshape(-1, d), w["w_q"], b["b_q"]), n)
+    k = heads(_linear(mem.reshape(-1, d), w["w_k"], b["b_k"]), nk)
+    v = heads(_linear(mem.reshape(-1, d), w["w_v"], b["b_v"]), nk)
+    ctx = attnlab.scaled_dot_product_attention(q, k, v).transpose(0, 2, 1, 3).reshape(B * n, d)
+    want = _linear(np.ascontiguousarray(ctx), w["w_o"], b["b_o"]).reshape(B, n, d)
+    key = None if n_k is None else mem
+    packed = {name: attnlab.PackedWeight(a) for name, a in w.items()}
+    for weights in (w, packed):
+        got = _same_at_thread_counts(
+            (1, 2), lambda ws=weights: attnlab.multi_head_attention(x, key, num_heads=h, **ws, **b)
+        )
+        assert got.tobytes() == want.tobytes()

@@ -18,6 +18,24 @@ template <typename T>
 void linear(Index rows, Index in, Index out, const T* x, Index ldx, const T* w, const T* b, T* y,
             Index ldy, bool accumulate = false, const T* packed = nullptr);
 
+// One linear() of a group: Y = X W + b.
+template <typename T>
+struct LinearCall {
+    Index rows, in, out;
+    const T* x;
+    Index ldx;
+    const T* w;
+    const T* b;
+    T* y;
+    Index ldy;
+    const T* packed;  // W's panels (pack_weight) or null
+};
+
+// linear() of each of n (1 to 3) calls, their tasks in one parallel region: the same results,
+// without a wait between the products (a layer's Q, K and V projections).
+template <typename T>
+void linear_group(const LinearCall<T>* calls, int n);
+
 // The length of pack_weight()'s copy of an (in x out) weight: its whole column panels of this
 // build's panel width (the columns past the last whole panel are read from W itself).
 template <typename T>

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <stdexcept>
 #include <type_traits>
+#include <vector>
 
 #include "attnlab/threading.hpp"
 #include "half_convert.hpp"
@@ -27,6 +29,7 @@ struct HalfB {
 // microkernel.hpp, and adds each to its result in depth order).
 constexpr Index kRowChunk = 128;
 constexpr Index kPanelsPerTask = 8;
+constexpr int kMaxGemmGroup = 3;  // products gemm_group() runs together (a layer's Q, K, V)
 
 // Chosen per instruction-set variant (gemm_blocking() names it in build_info()).
 struct Blocking {
@@ -277,58 +280,98 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
 // A a task reads are widened first, and the block of Y it writes is computed in float32 (in its
 // scratch, or in y when y is given: accumulated there) and rounded last.
 // prepacked: B's whole panels packed by pack_weight (B neither transposed nor half), or null.
+// A plan: the grid and the packing of one such product, its tasks run by gemm() or, with other
+// plans', in one parallel region by gemm_group().
 template <typename T>
-void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_ts, const T* b,
-          Index ldb, bool b_transposed, const T* bias, T* y, Index ldy, bool accumulate,
-          const HalfOperands& h = {}, const T* prepacked = nullptr) {
-    if (rows <= 0 || cols <= 0) return;
-    const HalfB bh{h.w, h.format};
-    constexpr Index W = detail::panel_width<T>();
-    const Index panels = (cols + W - 1) / W;
-    const Index row_chunks = (rows + kRowChunk - 1) / kRowChunk;
-    // fewer row chunks than two per thread: at least 8 tasks per thread, so that the last task
-    // of a thread that started late (or was descheduled) costs little (BERT's 128 rows: 16
-    // tasks of one panel, not 4 of four; docs/performance.md, "GEMM tasks"); else 2 per thread
-    // (more splits re-read each row chunk of A for little gain)
-    const Index threads = static_cast<Index>(get_num_threads());
-    const Index enough = (row_chunks < 2 * threads ? 8 : 2) * threads;
-    Index per_task = kPanelsPerTask;
-    while (per_task > 1 && row_chunks * ((panels + per_task - 1) / per_task) < enough)
-        per_task = (per_task + 1) / 2;
-    const Index col_groups = (panels + per_task - 1) / per_task;
-    // The whole panels of B packed first (Blocking::pack_once), in parallel by blocks of its
-    // rows, each row read whole and in order: once per call instead of once per row chunk; up
-    // to kPackOnceBytes, so that a very large B does not double the call's memory.
-    constexpr Index kPackOnceBytes = Index(64) << 20;
-    const Index whole = cols / W;
-    const bool pack_once = !prepacked && blocking().pack_once && row_chunks > 2 && !b_transposed &&
-                           whole > 0 && depth > 0 &&
-                           whole * depth * W * Index(sizeof(T)) <= kPackOnceBytes;
+struct GemmPlan {
+    static constexpr Index W = detail::panel_width<T>();
+    static constexpr Index kPackRows = 16;  // rows of B a packing task copies
+
+    Index rows, depth, cols;
+    const T* a;
+    Index a_rs, a_ts;
+    const T* b;
+    Index ldb;
+    bool b_transposed;
+    const T* bias;
+    T* y;
+    Index ldy;
+    bool accumulate;
+    HalfOperands h;
+    HalfB bh;
+    Index panels = 0, row_chunks = 0, per_task = 0, col_groups = 0, whole = 0;
+    bool pack_once = false, panels_packed = false;
     Buffer<T> packed;
-    if (pack_once) {
-        packed = make_buffer<T>(whole * depth * W);
-        T* dst = packed.get();
-        constexpr Index kPackRows = 16;
-        parallel_for((depth + kPackRows - 1) / kPackRows, [&](Index i) {
-            const Index t1 = std::min(depth, (i + 1) * kPackRows);
-            for (Index t = i * kPackRows; t < t1; ++t)
-                for (Index p = 0; p < whole; ++p) {
-                    if constexpr (std::is_same_v<T, float>) {
-                        if (bh.bits) {  // half-precision weights widened as they are packed
-                            detail::half_to_float(bh.bits + t * ldb + p * W, W, bh.format,
-                                                  dst + (p * depth + t) * W);
-                            continue;
-                        }
-                    }
-                    std::copy(b + t * ldb + p * W, b + t * ldb + p * W + W,
-                              dst + (p * depth + t) * W);
-                }
-        });
+    const T* bpk = nullptr;
+    std::uint64_t call = 0;
+
+    GemmPlan(Index rows_, Index depth_, Index cols_, const T* a_, Index a_rs_, Index a_ts_,
+             const T* b_, Index ldb_, bool b_transposed_, const T* bias_, T* y_, Index ldy_,
+             bool accumulate_, const HalfOperands& h_, const T* prepacked)
+        : rows(rows_),
+          depth(depth_),
+          cols(cols_),
+          a(a_),
+          a_rs(a_rs_),
+          a_ts(a_ts_),
+          b(b_),
+          ldb(ldb_),
+          b_transposed(b_transposed_),
+          bias(bias_),
+          y(y_),
+          ldy(ldy_),
+          accumulate(accumulate_),
+          h(h_),
+          bh{h_.w, h_.format} {
+        if (rows <= 0 || cols <= 0) return;
+        panels = (cols + W - 1) / W;
+        row_chunks = (rows + kRowChunk - 1) / kRowChunk;
+        // fewer row chunks than two per thread: at least 8 tasks per thread, so that the last
+        // task of a thread that started late (or was descheduled) costs little (BERT's 128
+        // rows: 16 tasks of one panel, not 4 of four; docs/performance.md, "GEMM tasks"); else
+        // 2 per thread (more splits re-read each row chunk of A for little gain)
+        const Index threads = static_cast<Index>(get_num_threads());
+        const Index enough = (row_chunks < 2 * threads ? 8 : 2) * threads;
+        per_task = kPanelsPerTask;
+        while (per_task > 1 && row_chunks * ((panels + per_task - 1) / per_task) < enough)
+            per_task = (per_task + 1) / 2;
+        col_groups = (panels + per_task - 1) / per_task;
+        // The whole panels of B packed first (Blocking::pack_once), in parallel by blocks of
+        // its rows, each row read whole and in order: once per call instead of once per row
+        // chunk; up to kPackOnceBytes, so that a very large B does not double the call's memory.
+        constexpr Index kPackOnceBytes = Index(64) << 20;
+        whole = cols / W;
+        pack_once = !prepacked && blocking().pack_once && row_chunks > 2 && !b_transposed &&
+                    whole > 0 && depth > 0 &&
+                    whole * depth * W * Index(sizeof(T)) <= kPackOnceBytes;
+        if (pack_once) packed = make_buffer<T>(whole * depth * W);
+        bpk = prepacked ? prepacked : packed.get();
+        panels_packed = pack_once || (prepacked && depth > 0);
+        call = ++g_gemm_calls;
     }
-    const T* bpk = prepacked ? prepacked : packed.get();
-    const bool panels_packed = pack_once || (prepacked && depth > 0);
-    const std::uint64_t call = ++g_gemm_calls;
-    parallel_for(row_chunks * col_groups, [&](Index t) {
+
+    Index pack_tasks() const { return pack_once ? (depth + kPackRows - 1) / kPackRows : 0; }
+    Index tasks() const { return row_chunks * col_groups; }
+
+    // Rows [i kPackRows, (i + 1) kPackRows) of B into the packed panels.
+    void pack(Index i) const {
+        T* dst = packed.get();
+        const Index t1 = std::min(depth, (i + 1) * kPackRows);
+        for (Index t = i * kPackRows; t < t1; ++t)
+            for (Index p = 0; p < whole; ++p) {
+                if constexpr (std::is_same_v<T, float>) {
+                    if (bh.bits) {  // half-precision weights widened as they are packed
+                        detail::half_to_float(bh.bits + t * ldb + p * W, W, bh.format,
+                                              dst + (p * depth + t) * W);
+                        continue;
+                    }
+                }
+                std::copy(b + t * ldb + p * W, b + t * ldb + p * W + W, dst + (p * depth + t) * W);
+            }
+    }
+
+    // Task t: a row chunk's block of panels.
+    void run(Index t) const {
         const Index r0 = (t / col_groups) * kRowChunk;
         const Index m = std::min(kRowChunk, rows - r0);
         const Index p0 = (t % col_groups) * per_task;
@@ -373,6 +416,43 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
                                          h.y + (r0 + r) * ldy + c0);
             }
         }
+    }
+};
+
+template <typename T>
+void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_ts, const T* b,
+          Index ldb, bool b_transposed, const T* bias, T* y, Index ldy, bool accumulate,
+          const HalfOperands& h = {}, const T* prepacked = nullptr) {
+    if (rows <= 0 || cols <= 0) return;
+    const GemmPlan<T> plan(rows, depth, cols, a, a_rs, a_ts, b, ldb, b_transposed, bias, y, ldy,
+                           accumulate, h, prepacked);
+    if (plan.pack_once) parallel_for(plan.pack_tasks(), [&](Index i) { plan.pack(i); });
+    parallel_for(plan.tasks(), [&](Index t) { plan.run(t); });
+}
+
+// The plans' tasks in one parallel region (their packing in one before): no thread waits at
+// the end of one product for the other threads' last tasks before the next starts. The tasks
+// are those gemm() runs: the same results.
+template <typename T>
+void gemm_group(const GemmPlan<T>* plans, int n) {
+    Index first[kMaxGemmGroup + 1] = {0}, packs[kMaxGemmGroup + 1] = {0};
+    for (int i = 0; i < n; ++i) {
+        first[i + 1] = first[i] + plans[i].tasks();
+        packs[i + 1] = packs[i] + plans[i].pack_tasks();
+    }
+    const auto at = [&](const Index* starts, Index t) {  // the plan of global task t
+        int i = 0;
+        while (t >= starts[i + 1]) ++i;
+        return i;
+    };
+    if (packs[n] > 0)
+        parallel_for(packs[n], [&](Index t) {
+            const int i = at(packs, t);
+            plans[i].pack(t - packs[i]);
+        });
+    parallel_for(first[n], [&](Index t) {
+        const int i = at(first, t);
+        plans[i].run(t - first[i]);
     });
 }
 }  // namespace
@@ -385,6 +465,19 @@ void linear(Index rows, Index in, Index out, const T* x, Index ldx, const T* w, 
             Index ldy, bool accumulate, const T* packed) {
     gemm(rows, in, out, x, ldx, Index(1), w, out, false, b, y, ldy, accumulate, HalfOperands{},
          packed);
+}
+
+template <typename T>
+void linear_group(const LinearCall<T>* calls, int n) {
+    if (n < 1 || n > kMaxGemmGroup) throw std::invalid_argument("linear_group: 1 to 3 calls");
+    std::vector<GemmPlan<T>> plans;  // each owns its packing buffer: built in place
+    plans.reserve(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) {
+        const LinearCall<T>& c = calls[i];
+        plans.emplace_back(c.rows, c.in, c.out, c.x, c.ldx, Index(1), c.w, c.out, false, c.b, c.y,
+                           c.ldy, false, HalfOperands{}, c.packed);
+    }
+    gemm_group(plans.data(), n);
 }
 
 template <typename T>
@@ -404,6 +497,8 @@ void pack_weight(Index in, Index out, const T* w, T* packed) {
     });
 }
 
+template void linear_group<float>(const LinearCall<float>*, int);
+template void linear_group<double>(const LinearCall<double>*, int);
 template Index packed_weight_size<float>(Index, Index);
 template Index packed_weight_size<double>(Index, Index);
 template void pack_weight<float>(Index, Index, const float*, float*);
