@@ -270,6 +270,26 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
         for (Index r = 0; r < m; ++r) std::copy(yb + r * wp, yb + r * wp + nw, y + r * ldy + j0);
 }
 
+// Rows [t0, t1) of B (depth rows, ldb apart; or its half-precision bits bh, widened) into its
+// first `whole` panels packed in `dst`: panel after panel, each depth rows of W contiguous
+// columns (what panel_gemm reads as `packed`).
+template <typename T>
+void pack_rows(const T* b, const HalfB& bh, Index ldb, Index depth, Index whole, Index t0, Index t1,
+               T* dst) {
+    constexpr Index W = detail::panel_width<T>();
+    for (Index t = t0; t < t1; ++t)
+        for (Index p = 0; p < whole; ++p) {
+            if constexpr (std::is_same_v<T, float>) {
+                if (bh.bits) {  // half-precision weights widened as they are packed
+                    detail::half_to_float(bh.bits + t * ldb + p * W, W, bh.format,
+                                          dst + (p * depth + t) * W);
+                    continue;
+                }
+            }
+            std::copy(b + t * ldb + p * W, b + t * ldb + p * W + W, dst + (p * depth + t) * W);
+        }
+}
+
 // Y (rows x cols, row stride ldy) = A B (+ bias), or Y += A B when accumulate. Tasks:
 // kRowChunk rows x kPanelsPerTask panels, or fewer panels when that would leave threads idle (a
 // weight gradient of 384 x 384 is 3 tasks: one of 2 threads would wait for the third) or give
@@ -355,19 +375,8 @@ struct GemmPlan {
 
     // Rows [i kPackRows, (i + 1) kPackRows) of B into the packed panels.
     void pack(Index i) const {
-        T* dst = packed.get();
-        const Index t1 = std::min(depth, (i + 1) * kPackRows);
-        for (Index t = i * kPackRows; t < t1; ++t)
-            for (Index p = 0; p < whole; ++p) {
-                if constexpr (std::is_same_v<T, float>) {
-                    if (bh.bits) {  // half-precision weights widened as they are packed
-                        detail::half_to_float(bh.bits + t * ldb + p * W, W, bh.format,
-                                              dst + (p * depth + t) * W);
-                        continue;
-                    }
-                }
-                std::copy(b + t * ldb + p * W, b + t * ldb + p * W + W, dst + (p * depth + t) * W);
-            }
+        pack_rows(b, bh, ldb, depth, whole, i * kPackRows, std::min(depth, (i + 1) * kPackRows),
+                  packed.get());
     }
 
     // Task t: a row chunk's block of panels.
@@ -486,14 +495,12 @@ Index packed_weight_size(Index in, Index out) {
     return out / W * in * W;
 }
 
-// The layout gemm's Blocking::pack_once makes, panel after panel.
+// The layout gemm's Blocking::pack_once makes (pack_rows), by the same blocks of rows.
 template <typename T>
 void pack_weight(Index in, Index out, const T* w, T* packed) {
-    constexpr Index W = detail::panel_width<T>();
-    const Index whole = out / W;
-    parallel_for(whole, [&](Index p) {
-        for (Index t = 0; t < in; ++t)
-            std::copy(w + t * out + p * W, w + t * out + p * W + W, packed + (p * in + t) * W);
+    constexpr Index W = detail::panel_width<T>(), kRows = GemmPlan<T>::kPackRows;
+    parallel_for((in + kRows - 1) / kRows, [&](Index i) {
+        pack_rows(w, HalfB{}, out, in, out / W, i * kRows, std::min(in, (i + 1) * kRows), packed);
     });
 }
 
