@@ -195,7 +195,34 @@ def test_a_wrong_peer_is_reported_not_timed(monkeypatch):
     table = peers.format_peers(result)
     assert "1.50x (onnxruntime)" in table and "0.67x (attnlab)" in table
     goals = {t["goal"]: t["met"] for t in result["targets"]}
-    assert goals == {">= 1.1x": True, ">= 0.85": False}  # 1.5x onnxruntime; 0.0003 of the peak
+    # 1.5x onnxruntime, which runs below 80% of the peak (so 1.1x); attnlab at 0.0003 of it
+    assert goals == {">= 1.1x": True, ">= 0.80": False}
+
+
+def test_float32_goals_follow_the_fastest_peers_share_of_the_peak():
+    """DESIGN.md's float32 targets: 1.0x the fastest peer, 1.1x where that peer runs below 80%
+    of the FMA peak; decoding 1.1x torch SDPA (not the fastest peer) and 90% of the bandwidth;
+    the packed-weights row held to the same goals."""
+    peak = 100.0  # GFLOP/s: 9e7 FLOP in 1.05 ms is 86% of it, 5e7 48%
+    rows = [
+        Row("peers", "a", "s", "attnlab", Timing(1.0), flops=9e7),
+        Row("peers", "a", "s", "attnlab-packed", Timing(1.1), flops=9e7),
+        Row("peers", "a", "s", "onnxruntime", Timing(1.05), flops=9e7),
+        Row("peers", "b", "s", "attnlab", Timing(1.0), flops=5e7),
+        Row("peers", "b", "s", "openvino", Timing(1.05), flops=5e7),
+        Row("peers", "dec", "s", "attnlab", Timing(1.0), flops=1e6, extra={"gbs": 27.0}),
+        Row("peers", "dec", "s", "torch-sdpa", Timing(1.2), flops=1e6, extra={"gbs": 22.5}),
+        Row("peers", "dec", "s", "onnxruntime", Timing(0.9), flops=1e6, extra={"gbs": 30.0}),
+    ]
+    result = _result(rows, peak) | {"bandwidth": {"gbs": 30.0, "mib": 1024}}
+    goals = {t["target"]: (t["value"], t["goal"], t["met"]) for t in peers.peer_targets(result)}
+    assert goals == {
+        "a s: attnlab vs onnxruntime (at 86% of the peak)": (1.05, ">= 1.0x", True),
+        "a s: attnlab-packed vs onnxruntime (at 86% of the peak)": (0.955, ">= 1.0x", False),
+        "b s: attnlab vs openvino (at 48% of the peak)": (1.05, ">= 1.1x", False),
+        "dec s: attnlab vs torch-sdpa": (1.2, ">= 1.1x", True),
+        "dec s: share of the memory bandwidth": (0.9, ">= 0.9", True),
+    }
 
 
 def test_decode_rows_are_judged_against_the_bandwidth_around_their_case(monkeypatch):
@@ -392,10 +419,7 @@ def test_training_rows_parts_check_and_targets(monkeypatch):
     result = _result(rows, 100.0, sgemm=50.0)
     result["targets"] = peers.peer_targets(result)
     goals = {t["target"]: (t["value"], t["met"]) for t in result["targets"]}
-    assert goals == {
-        "pullback / forward, tiny train": (0.9, True),
-        "training step vs torch autograd, tiny train": (1.5, True),
-    }
+    assert goals == {"training step vs torch autograd, tiny train": (1.5, True)}
     table = peers.format_peers(result)
     assert "1.50x (torch-sdpa step)" in table and "0.67x (attnlab step)" in table
 

@@ -88,29 +88,15 @@ def attnlab_grads(result: tuple[np.ndarray, dict[str, np.ndarray]]) -> dict[str,
 def training_targets(
     case: str, find: Callable[[str], Row | None], torch: str = "torch"
 ) -> list[dict[str, Any]]:
-    """The training targets of issue 14 on one case: pullback alone <= 2.0x the forward, and the
-    training step >= 1.3x torch autograd's (each when both of its rows were timed). ``find``
-    gives the case's row of an implementation ("attnlab fwd", "attnlab pullback", "attnlab
-    step", and ``torch`` + " step")."""
-    fwd, pull, step = (find(f"attnlab {p}") for p in ("fwd", "pullback", "step"))
-    tch = find(f"{torch} step")
-    out = []
-    if fwd and pull:
-        out.append(
-            target(
-                f"pullback / forward, {case}", pull.ms / fwd.ms, "<= 2.0", pull.ms <= 2.0 * fwd.ms
-            )
-        )
-    if step and tch:
-        out.append(
-            target(
-                f"training step vs torch autograd, {case}",
-                tch.ms / step.ms,
-                ">= 1.3x",
-                tch.ms >= 1.3 * step.ms,
-            )
-        )
-    return out
+    """The training target on one case (DESIGN.md, section 7): the training step >= 1.1x torch
+    autograd's, when both rows were timed. ``find`` gives the case's row of an implementation
+    ("attnlab step" and ``torch`` + " step"). The pullback's time against the forward's is in
+    the rows, no target (issue 14 found its 2.0x unreachable under the O(n d) memory rule)."""
+    step, tch = find("attnlab step"), find(f"{torch} step")
+    if not (step and tch):
+        return []
+    r = tch.ms / step.ms
+    return [target(f"training step vs torch autograd, {case}", r, ">= 1.1x", r >= 1.1)]
 
 
 def _step_errors(

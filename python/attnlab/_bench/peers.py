@@ -1,6 +1,8 @@
 """``python -m attnlab bench --peers``: attnlab against the runtimes a user would pick instead
-(torch, ONNX Runtime, OpenVINO, JAX) on the cases of the performance target: attnlab >= 1.1x the
-fastest other runtime on every case.
+(torch, ONNX Runtime, OpenVINO, JAX) on the cases of the performance targets (DESIGN.md, section
+7): attnlab >= 1.0x the fastest other float32 runtime, >= 1.1x where that runtime runs below 80%
+of the FMA peak, every layer at 80% of the peak or more; decoding at 90% of the memory bandwidth
+and >= 1.1x torch SDPA; training steps >= 1.1x torch autograd.
 
 Every runtime runs in a process of its own (``peers_worker``), with attnlab's thread count, on
 the same float32 inputs and weights (made from one seed in every worker). The workers of a case
@@ -384,14 +386,15 @@ def row_bandwidth(row: Row, result: dict[str, Any]) -> float | None:
 
 
 def peer_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The performance targets on this run: attnlab >= 1.1x the fastest other runtime on every
-    case, every MHA layer case >= 85% of the FMA peak, every decode case >= 90% of the memory
-    bandwidth; on the training cases, the training step
-    >= 1.3x torch autograd's and the pullback <= 2.0x the forward. ``--bf16``: on AMX, >= 1.25x
-    the fastest peer (decode: 1.1x); with VDPBF16PS alone, >= 1.5x attnlab's float32 (decode:
-    1.1x the fastest peer); emulated, the decode rows' 1.1x only."""
+    """The performance targets on this run (DESIGN.md, section 7): attnlab >= 1.0x the fastest
+    other float32 runtime on every case, >= 1.1x where that runtime runs below 80% of the FMA
+    peak; every layer case (not the attention cores) >= 80% of the FMA peak; a decode case >= 90%
+    of the memory bandwidth and >= 1.1x torch SDPA; the training step >= 1.1x torch autograd's.
+    ``--bf16``: on AMX, >= 1.25x the fastest peer (decode: 1.1x); with VDPBF16PS alone, >= 1.5x
+    attnlab's float32 (decode: 1.1x the fastest peer); emulated, the decode rows' 1.1x only."""
     out: list[dict[str, Any]] = []
     rows: list[Row] = result["rows"]
+    peak = result.get("peak_gflops")
 
     def find(label: str, impl: str) -> Row | None:
         return next((r for r in rows if r.case == label and r.impl == impl), None)
@@ -420,50 +423,47 @@ def peer_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             goal = 1.1 if "gbs" in row.extra else 1.25
             if b is not None:
                 out.append(
-                    {
-                        "target": f"{row.case} {row.shape}: attnlab-bf16 vs {b[1]}",
-                        "value": round(b[0], 3),
-                        "goal": f">= {goal}x",
-                        "met": b[0] >= goal,
-                    }
+                    target(
+                        f"{row.case} {row.shape}: attnlab-bf16 vs {b[1]}",
+                        b[0],
+                        f">= {goal}x",
+                        b[0] >= goal,
+                    )
                 )
             continue
         # attnlab-packed (PackedWeight) is held to the same goals: weights packed once, as
         # ONNX Runtime's session packs them
         if row.impl not in ("attnlab", "attnlab-packed") or result.get("bf16"):
             continue  # --bf16: float32 is the check alone
+        name = f"{row.case} {row.shape}: {row.impl}"
+        if "gbs" in row.extra:  # decode: against torch SDPA, and the memory bandwidth
+            tch = find(row.case, "torch-sdpa")
+            if tch is not None and row.ms > 0:
+                r = tch.ms / row.ms
+                out.append(target(f"{name} vs torch-sdpa", r, ">= 1.1x", r >= 1.1))
+            bw = row_bandwidth(row, result)
+            if bw:
+                s = row.extra["gbs"] / bw
+                out.append(
+                    target(
+                        f"{row.case} {row.shape}: share of the memory bandwidth",
+                        s,
+                        ">= 0.9",
+                        s >= 0.9,
+                    )
+                )
+            continue
         b = best_other(row, rows)
         if b is not None:
-            out.append(
-                {
-                    "target": f"{row.case} {row.shape}: {row.impl} vs {b[1]}",
-                    "value": round(b[0], 3),
-                    "goal": ">= 1.1x",
-                    "met": b[0] >= 1.1,
-                }
-            )
+            fastest = find(row.case, b[1])
+            share = fastest.gflops / peak if fastest is not None and peak else None
+            goal = 1.1 if share is not None and share < 0.8 else 1.0
+            at = f" (at {100 * share:.0f}% of the peak)" if share is not None else ""
+            out.append(target(f"{name} vs {b[1]}{at}", b[0], f">= {goal}x", b[0] >= goal))
         case = next((c for c in CASES.values() if c.label == row.case), None)
-        if case is not None and not case.core_only and result.get("peak_gflops"):
-            s = row.gflops / result["peak_gflops"]
-            out.append(
-                {
-                    "target": f"{row.case} {row.shape}: {row.impl}'s share of the FMA peak",
-                    "value": round(s, 3),
-                    "goal": ">= 0.85",
-                    "met": s >= 0.85,
-                }
-            )
-        bw = row_bandwidth(row, result)
-        if bw and "gbs" in row.extra:
-            s = row.extra["gbs"] / bw
-            out.append(
-                {
-                    "target": f"{row.case} {row.shape}: share of the memory bandwidth",
-                    "value": round(s, 3),
-                    "goal": ">= 0.9",
-                    "met": s >= 0.9,
-                }
-            )
+        if case is not None and not case.core_only and peak:
+            s = row.gflops / peak
+            out.append(target(f"{name}'s share of the FMA peak", s, ">= 0.80", s >= 0.8))
     return out
 
 
