@@ -106,21 +106,19 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     T* stats = scratch<T>(ScratchBuffer::kFlashStats, static_cast<std::size_t>(2 * mp));
     T* row_m = stats;
     T* row_l = stats + mp;
-    // Q^T by packet transposes, then scaled in place (the same products as scale * Q; the
-    // scalar transpose with scaling was an eighth of this function's time in a ViT-S layer)
-    transpose(mq, d, qbase, x.qs, qt, mp);
-    {
-        const Packet sc = ei::pset1<Packet>(p.scale);
-        for (Index c = 0; c < d; ++c) {
-            T* row = qt + c * mp;
-            Index i = 0;
-            for (; i + L <= mq; i += L)
-                ei::pstoreu(row + i, ei::pmul(sc, ei::ploadu<Packet>(row + i)));
-            for (; i < mq; ++i) row[i] = p.scale * row[i];
-            std::fill(row + mq, row + mp, T(0));
+    // Q^T by packet transposes, scaled on the way (the same products as scale * Q; a separate
+    // pass over Q^T, and before it a scalar transpose, showed in ViT-S's profile)
+    const Packet sc = ei::pset1<Packet>(p.scale);
+    transpose(mq, d, qbase, x.qs, qt, mp, [&](const auto& v, Index) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(v)>, T>) {
+            return p.scale * v;
+        } else {
+            return ei::pmul(sc, v);
         }
-    }
-    std::fill(acc, acc + dv * mp, T(0));
+    });
+    if (mq < mp)
+        for (Index c = 0; c < d; ++c) std::fill(qt + c * mp + mq, qt + (c + 1) * mp, T(0));
+    bool first = true;  // no key block in acc yet: its product writes acc (no zeroing, no rescale)
     // a sink is a first key of logit `sink` and value 0: it starts the running max and sum
     const T sink = p.mask.sinks ? p.mask.sink(b, h) : neg_inf<T>();
     std::fill(row_m, row_m + mp, sink);
@@ -182,19 +180,28 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
             const Packet alpha = exp_flush(ei::psub(ei::pload<Packet>(row_m + io), shift));
             ei::pstore(row_l + io, ei::padd(ei::pmul(ei::pload<Packet>(row_l + io), alpha), sum));
             ei::pstore(row_m + io, mn);
-            for (Index c = 0; c < dv; ++c) {
-                T* ac = acc + c * mp + io;
-                ei::pstore(ac, ei::pmul(ei::pload<Packet>(ac), alpha));
-            }
+            if (!first)
+                for (Index c = 0; c < dv; ++c) {
+                    T* ac = acc + c * mp + io;
+                    ei::pstore(ac, ei::pmul(ei::pload<Packet>(ac), alpha));
+                }
         }
         if (p.bf16 == Bf16::probabilities)
             round_bf16_inplace(st, kb * mp);  // the sums above took P unrounded
         // acc[c, i] += sum_j V[j0 + j, c] * P^T[j, i]
         if (bad.count == 0) {
-            lanes_product<T, true>(dv, mp, kb, vbase + j0 * vs, 1, vs, st, mp, acc, mp);
+            if (first) {
+                lanes_product<T, false>(dv, mp, kb, vbase + j0 * vs, 1, vs, st, mp, acc, mp);
+            } else {
+                lanes_product<T, true>(dv, mp, kb, vbase + j0 * vs, 1, vs, st, mp, acc, mp);
+            }
         } else {
             const T* vclean = value_copy_without(vbase + j0 * vs, vs, kb, dv, bad);
-            lanes_product<T, true>(dv, mp, kb, vclean, 1, dv, st, mp, acc, mp);
+            if (first) {
+                lanes_product<T, false>(dv, mp, kb, vclean, 1, dv, st, mp, acc, mp);
+            } else {
+                lanes_product<T, true>(dv, mp, kb, vclean, 1, dv, st, mp, acc, mp);
+            }
             for (Index r = 0; r < bad.count; ++r) {
                 const T* vrow = vbase + (j0 + bad.rows[r]) * vs;
                 for (Index i = 0; i < mq; ++i)
@@ -203,15 +210,19 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
                             acc[c * mp + i] += vrow[c] * st[bad.rows[r] * mp + i];
             }
         }
+        first = false;
     }
+    if (first) std::fill(acc, acc + dv * mp, T(0));  // no key seen
     // O = (acc / l)^T: divided in the lanes, written back by packet transposes (not scalar
     // divisions reading acc a column at a time)
-    for (Index c = 0; c < dv; ++c)
-        for (Index io = 0; io < mp; io += L) {
-            T* ac = acc + c * mp + io;
-            ei::pstore(ac, ei::pdiv(ei::pload<Packet>(ac), ei::pload<Packet>(row_l + io)));
+    // O = (acc / l)^T: written back by packet transposes, each query's row divided on the way
+    transpose(dv, mq, acc, mp, x.out, x.os, [&](const auto& v, Index i) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(v)>, T>) {
+            return v / row_l[i];
+        } else {
+            return ei::pdiv(v, ei::pset1<Packet>(row_l[i]));
         }
-    transpose(dv, mq, acc, mp, x.out, x.os);
+    });
     for (Index i = 0; i < mq; ++i) {
         const T l = row_l[i];
         if (l == T(0)) {  // fully masked row: zeros, not 0 / 0
