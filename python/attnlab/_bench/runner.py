@@ -252,11 +252,13 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def target_lines(targets: list[dict[str, Any]], width: int) -> list[str]:
-    """The "Targets, this run" section (empty without targets), names cut to ``width``."""
+    """The "Targets, this run" section (empty without targets): the names in a column at least
+    ``width`` wide, as wide as the longest (a name cut short may lose the runtime it names)."""
     if not targets:
         return []
+    width = max(width, *(len(t["target"]) for t in targets))
     return ["", "Targets, this run:"] + [
-        f"  {'met ' if t['met'] else 'MISS'}  {t['target'][:width]:<{width}} "
+        f"  {'met ' if t['met'] else 'MISS'}  {t['target']:<{width}} "
         f"{t['value']:>8.3g}  (goal {t['goal']})"
         for t in targets
     ]
