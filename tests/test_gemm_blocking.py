@@ -200,3 +200,43 @@ def test_layer_projections_run_together_give_linear_bits(dtype, B, n, d, h, n_k)
             (1, 2), lambda ws=weights: attnlab.multi_head_attention(x, key, num_heads=h, **ws, **b)
         )
         assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+@pytest.mark.parametrize("B, n, d, h, n_k", [(1, 128, 96, 4, None), (2, 37, 64, 2, 50)])
+@pytest.mark.usefixtures("restore_threads")
+def test_half_layer_projections_run_together_give_linear_bits(half, B, n, d, h, n_k):
+    """The same with inputs, weights and biases stored in float16 or bfloat16 (read as stored,
+    float32 products): the projections, widened by their tasks in one parallel region, equal
+    ``linear_forward`` on the bits, one call each, at 1 and 2 threads."""
+    ml_dtypes = pytest.importorskip("ml_dtypes") if half == "bfloat16" else None
+    hd = np.dtype(np.float16) if ml_dtypes is None else np.dtype(ml_dtypes.bfloat16)
+    code = 1 if half == "float16" else 2
+    rng = np.random.default_rng(33)
+    x = rng.standard_normal((B, n, d)).astype(hd)
+    mem = x if n_k is None else rng.standard_normal((B, n_k, d)).astype(hd)
+    nk = mem.shape[1]
+    w = {k: (rng.standard_normal((d, d)) / 8).astype(hd) for k in ("w_q", "w_k", "w_v", "w_o")}
+    b = {k: rng.standard_normal(d).astype(hd) for k in ("b_q", "b_k", "b_v", "b_o")}
+
+    def project(rows: np.ndarray, name: str, out_half: bool = False) -> np.ndarray:
+        y = np.empty((rows.shape[0], d), np.uint16 if out_half else np.float32)
+        bias = b["b" + name[1:]].astype(np.float32)
+        x_half = rows.dtype == hd
+        xr = rows.view(np.uint16) if x_half else rows
+        core.linear_forward(xr, w[name].view(np.uint16), bias, y, False, code, x_half, out_half)
+        return y
+
+    def heads(rows: np.ndarray, m: int) -> np.ndarray:
+        return rows.reshape(B, m, h, d // h).transpose(0, 2, 1, 3)
+
+    q = heads(project(x.reshape(-1, d), "w_q"), n)
+    k = heads(project(mem.reshape(-1, d), "w_k"), nk)
+    v = heads(project(mem.reshape(-1, d), "w_v"), nk)
+    ctx = attnlab.scaled_dot_product_attention(q, k, v).transpose(0, 2, 1, 3).reshape(B * n, d)
+    want = project(np.ascontiguousarray(ctx), "w_o", out_half=True).view(hd).reshape(B, n, d)
+    key = None if n_k is None else mem
+    got = _same_at_thread_counts(
+        (1, 2), lambda: attnlab.multi_head_attention(x, key, num_heads=h, **w, **b)
+    )
+    assert got.dtype == hd and got.tobytes() == want.tobytes()

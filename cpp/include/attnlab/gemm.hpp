@@ -18,7 +18,20 @@ template <typename T>
 void linear(Index rows, Index in, Index out, const T* x, Index ldx, const T* w, const T* b, T* y,
             Index ldy, bool accumulate = false, const T* packed = nullptr);
 
-// One linear() of a group: Y = X W + b.
+// The operands of linear() that are stored as half-precision bits (`format`), each in place
+// of its float pointer (null when that operand is float32): a task widens its rows of X as it
+// starts, W is widened into the packed copy the kernel reads anyway, and a task rounds its block
+// of Y when it has computed it. So the result is linear()'s on the widened operands (then
+// rounded), bit for bit, with X and W read at half the bytes and no float32 copy of X or Y.
+struct HalfOperands {
+    const std::uint16_t* x = nullptr;
+    const std::uint16_t* w = nullptr;
+    std::uint16_t* y = nullptr;
+    HalfFormat format = HalfFormat::none;
+};
+
+// One linear() of a group: Y = X W + b, with the operands `half` names stored in half
+// precision (linear_half; T float), each then given there instead of x, w or y.
 template <typename T>
 struct LinearCall {
     Index rows, in, out;
@@ -29,6 +42,7 @@ struct LinearCall {
     T* y;
     Index ldy;
     const T* packed;  // W's panels (pack_weight) or null
+    HalfOperands half = {};
 };
 
 // linear() of each of n (1 to 3) calls, their tasks in one parallel region: the same results,
@@ -46,18 +60,6 @@ Index packed_weight_size(Index in, Index out);
 // that stay constant over many calls.
 template <typename T>
 void pack_weight(Index in, Index out, const T* w, T* packed);
-
-// The operands of linear() that are stored as half-precision bits (`format`), each in place
-// of its float pointer (null when that operand is float32): a task widens its rows of X as it
-// starts, W is widened into the packed copy the kernel reads anyway, and a task rounds its block
-// of Y when it has computed it. So the result is linear()'s on the widened operands (then
-// rounded), bit for bit, with X and W read at half the bytes and no float32 copy of X or Y.
-struct HalfOperands {
-    const std::uint16_t* x = nullptr;
-    const std::uint16_t* w = nullptr;
-    std::uint16_t* y = nullptr;
-    HalfFormat format = HalfFormat::none;
-};
 
 // linear() (float32 products, Y = X W + b) with the operands h names in half precision.
 void linear_half(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,

@@ -483,8 +483,10 @@ void linear_group(const LinearCall<T>* calls, int n) {
     plans.reserve(static_cast<std::size_t>(n));
     for (int i = 0; i < n; ++i) {
         const LinearCall<T>& c = calls[i];
-        plans.emplace_back(c.rows, c.in, c.out, c.x, c.ldx, Index(1), c.w, c.out, false, c.b, c.y,
-                           c.ldy, false, HalfOperands{}, c.packed);
+        const HalfOperands& h = c.half;  // as linear_half: the bits in place of the floats
+        plans.emplace_back(c.rows, c.in, c.out, h.x ? nullptr : c.x, c.ldx, Index(1),
+                           h.w ? nullptr : c.w, c.out, false, c.b, h.y ? nullptr : c.y, c.ldy,
+                           false, h, c.packed);
     }
     gemm_group(plans.data(), n);
 }

@@ -85,14 +85,17 @@ void transform_heads(const MhaProblem<T>& p, const MhaBuffers<T>& b) {
 template <typename T>
 AttentionProblem<T> mha_core_forward(const MhaProblem<T>& p, const MhaBuffers<T>& b) {
     const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
-    const bool half =
-        p.query_half || p.key_half || p.value_half || p.w_q.w_half || p.w_k.w_half || p.w_v.w_half;
-    if (!p.bf16 && !half) {  // float32/float64 products: their tasks in one parallel region
-        const auto call = [](Index rows, const T* x, const Linear<T>& l, T* y) {
-            return LinearCall<T>{rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out, l.packed};
+    if (!p.bf16) {  // float32/float64 products: their tasks in one parallel region
+        // (half-precision inputs and weights read as stored, widened by the tasks)
+        const auto call = [](Index rows, const T* x, const std::uint16_t* x_half,
+                             const Linear<T>& l, T* y) {
+            LinearCall<T> c{rows, l.in, l.out, x, l.in, l.w, l.b, y, l.out, l.packed};
+            c.half = HalfOperands{x_half, l.w_half, nullptr, l.half};
+            return c;
         };
-        const LinearCall<T> calls[3] = {call(rq, p.query, p.w_q, b.q), call(rk, p.key, p.w_k, b.k),
-                                        call(rk, p.value, p.w_v, b.v)};
+        const LinearCall<T> calls[3] = {call(rq, p.query, p.query_half, p.w_q, b.q),
+                                        call(rk, p.key, p.key_half, p.w_k, b.k),
+                                        call(rk, p.value, p.value_half, p.w_v, b.v)};
         linear_group(calls, 3);
     } else {
         project(rq, p.query, p.w_q, b.q, p.bf16, p.query_half);
