@@ -552,27 +552,64 @@ const char* decode_prefetch() {
                                      : "l1: K and V rows requested into L1";
 }
 
+namespace detail {
+
+// Row r of the merge: o[c] = sum_k frac[k, r] part_k[r, c], each part read as stored (F: its
+// half-precision bits, widened as loaded), in packets, the parts' products chained in order.
+template <typename T, HalfFormat F>
+void merge_row(const MergeProblem<T>& p, Index r, T* o) {
+    namespace ei = Eigen::internal;
+    using Packet = PacketOf<T>;
+    constexpr Index L = packet_size<T>();
+    const auto part = [&](Index k) -> const StoredElem<T, F>* {
+        if constexpr (F == HalfFormat::none) {
+            return p.parts[k] + r * p.d;
+        } else {
+            return p.parts_half[k] + r * p.d;
+        }
+    };
+    Index c = 0;
+    for (; c + L <= p.d; c += L) {
+        Packet acc = ei::pzero(Packet{});
+        // every part's row added, a weight of 0 too: NaN in it reaches the output
+        for (Index k = 0; k < p.count; ++k)
+            acc = ei::pmadd(ei::pset1<Packet>(p.frac[k * p.rows + r]),
+                            load_stored_packet<T, F>(part(k) + c), acc);
+        ei::pstoreu(o + c, acc);
+    }
+    for (; c < p.d; ++c) {
+        T acc = T(0);
+        for (Index k = 0; k < p.count; ++k)
+            acc = mul_add(p.frac[k * p.rows + r], load_stored<T, F>(part(k) + c), acc);
+        o[c] = acc;
+    }
+}
+
+}  // namespace detail
+
 template <typename T>
 void merge_attention(const MergeProblem<T>& p) {
     constexpr Index kRows = 64;  // rows a task
     const Index d = p.d, tasks = (p.rows + kRows - 1) / kRows;
     parallel_for(tasks, [&](Index t) {
         const Index r0 = t * kRows, r1 = std::min(p.rows, r0 + kRows);
-        T* sum = scratch<T>(ScratchBuffer::kMergeRows, static_cast<std::size_t>(2 * d));
-        T* wide = sum + d;
+        T* sum = scratch<T>(ScratchBuffer::kMergeRows, static_cast<std::size_t>(d));
         for (Index r = r0; r < r1; ++r) {
             T* o = p.out_half ? sum : p.out + r * d;
-            std::fill(o, o + d, T(0));
-            for (Index k = 0; k < p.count; ++k) {
-                const T f = p.frac[k * p.rows + r];
-                const T* part = p.parts ? p.parts[k] + r * d : wide;
-                if constexpr (std::is_same_v<T, float>)
-                    if (!p.parts) detail::half_to_float(p.parts_half[k] + r * d, d, p.half, wide);
-                // every part's row added, a weight of 0 too: NaN in it reaches the output
-                for (Index c = 0; c < d; ++c) o[c] += f * part[c];
-            }
-            if constexpr (std::is_same_v<T, float>)
+            if constexpr (std::is_same_v<T, float>) {
+                if (!p.parts) {
+                    if (p.half == HalfFormat::float16) {
+                        detail::merge_row<T, HalfFormat::float16>(p, r, o);
+                    } else {
+                        detail::merge_row<T, HalfFormat::bfloat16>(p, r, o);
+                    }
+                } else {
+                    detail::merge_row<T, HalfFormat::none>(p, r, o);
+                }
                 if (p.out_half) detail::narrow_block(o, d, p.half, p.out_half + r * d);
+            } else {
+                detail::merge_row<T, HalfFormat::none>(p, r, o);
+            }
         }
     });
 }
