@@ -109,7 +109,7 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     // Q^T by packet transposes, scaled on the way (the same products as scale * Q; a separate
     // pass over Q^T, and before it a scalar transpose, showed in ViT-S's profile)
     const Packet sc = ei::pset1<Packet>(p.scale);
-    transpose(mq, d, qbase, x.qs, qt, mp, [&](const auto& v, Index) {
+    transpose<T, HalfFormat::none>(mq, d, qbase, x.qs, qt, mp, [&](const auto& v, Index) {
         if constexpr (std::is_same_v<std::decay_t<decltype(v)>, T>) {
             return p.scale * v;
         } else {
@@ -216,7 +216,7 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     // O = (acc / l)^T: divided in the lanes, written back by packet transposes (not scalar
     // divisions reading acc a column at a time)
     // O = (acc / l)^T: written back by packet transposes, each query's row divided on the way
-    transpose(dv, mq, acc, mp, x.out, x.os, [&](const auto& v, Index i) {
+    transpose<T, HalfFormat::none>(dv, mq, acc, mp, x.out, x.os, [&](const auto& v, Index i) {
         if constexpr (std::is_same_v<std::decay_t<decltype(v)>, T>) {
             return v / row_l[i];
         } else {

@@ -620,15 +620,15 @@ void transpose_rows(Index rows, Index in, const T* x, const std::uint16_t* x_hal
 
 void transpose_rows(Index rows, Index in, const std::uint16_t* x, Index ldx, HalfFormat format,
                     float* xt) {
-    constexpr Index kBlock = 64, kRows = 256;  // columns of X a task; rows widened at a time
+    constexpr Index kBlock = 64;  // columns of X a task, widened as the transposes load them
     parallel_for((in + kBlock - 1) / kBlock, [&](Index i) {
         const Index j0 = i * kBlock, nj = std::min(kBlock, in - j0);
-        float* w =
-            scratch<float>(ScratchBuffer::kTransposeHalf, static_cast<std::size_t>(kRows * kBlock));
-        for (Index r0 = 0; r0 < rows; r0 += kRows) {
-            const Index m = std::min(kRows, rows - r0);
-            detail::half_rows_to_float(x + r0 * ldx + j0, ldx, m, nj, format, w);
-            detail::transpose(m, nj, static_cast<const float*>(w), nj, xt + j0 * rows + r0, rows);
+        if (format == HalfFormat::float16) {
+            detail::transpose<float, HalfFormat::float16>(rows, nj, x + j0, ldx, xt + j0 * rows,
+                                                          rows);
+        } else {
+            detail::transpose<float, HalfFormat::bfloat16>(rows, nj, x + j0, ldx, xt + j0 * rows,
+                                                           rows);
         }
     });
 }

@@ -340,9 +340,11 @@ struct AsIs {
 
 // dst[c * ldd + r] = op(src[r * lds + c], c) for r < rows, c < cols: blocks of L x L through
 // packet transposes, scalar at the edges (strided scalar copies of the backward's K, V, dK and
-// dV tiles showed in its profile; most of what is left is the first write of dK, dV).
-template <typename T, typename Op = AsIs>
-void transpose(Index rows, Index cols, const T* src, Index lds, T* dst, Index ldd, Op op = {}) {
+// dV tiles showed in its profile; most of what is left is the first write of dK, dV). src as
+// stored: T, or the bits of a half format F, widened (exactly) as they are loaded.
+template <typename T, HalfFormat F = HalfFormat::none, typename Op = AsIs>
+void transpose(Index rows, Index cols, const StoredElem<T, F>* src, Index lds, T* dst, Index ldd,
+               Op op = {}) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr int L = static_cast<int>(packet_size<T>());
@@ -352,16 +354,18 @@ void transpose(Index rows, Index cols, const T* src, Index lds, T* dst, Index ld
         for (; c + L <= cols; c += L) {
             ei::PacketBlock<Packet, L> block;
             for (int i = 0; i < L; ++i)
-                block.packet[i] = ei::ploadu<Packet>(src + (r + i) * lds + c);
+                block.packet[i] = load_stored_packet<T, F>(src + (r + i) * lds + c);
             transpose_block<Packet, L>(block);
             for (int i = 0; i < L; ++i)
                 ei::pstoreu(dst + (c + i) * ldd + r, op(block.packet[i], c + i));
         }
         for (; c < cols; ++c)
-            for (Index i = 0; i < L; ++i) dst[c * ldd + r + i] = op(src[(r + i) * lds + c], c);
+            for (Index i = 0; i < L; ++i)
+                dst[c * ldd + r + i] = op(load_stored<T, F>(src + (r + i) * lds + c), c);
     }
     for (; r < rows; ++r)
-        for (Index c = 0; c < cols; ++c) dst[c * ldd + r] = op(src[r * lds + c], c);
+        for (Index c = 0; c < cols; ++c)
+            dst[c * ldd + r] = op(load_stored<T, F>(src + r * lds + c), c);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)

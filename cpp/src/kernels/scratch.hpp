@@ -63,7 +63,6 @@ enum class ScratchBuffer : int {
     kGemmEdge,           // gemm_panel: the padded copy of a partial last panel of Y
     kGemmHalfRows,       // gemm: a row chunk of a half-precision X widened (rows x depth), kept
     kGemmHalfOut,        // gemm: a task's rows of Y before rounding to half (rows x cols)
-    kTransposeHalf,      // transpose_rows: a block of half-precision X widened (rows x 64)
     kGemmTiles,          // linear_bf16_packed, vdp_linear_block: the sums of a task's column blocks
     kAdditiveRows,       // additive/separable forward: one row block's projections
     kAdditiveShare,      // additive/separable forward: a row block's share of the pooled vector
