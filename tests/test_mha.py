@@ -436,6 +436,26 @@ def test_fully_masked_rows(rng, how, n_k, mode, dtype):
 
 
 @pytest.mark.empty_rows
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_first_key_blocks_unseen(rng, dtype, sinks):
+    """Key blocks no query of a tile may see are skipped, so the first block a tile computes
+    may be a later one (its value product then starts the accumulator): padding that hides the
+    first 256-key block or two, a row that sees nothing, against the reference."""
+    B, h, n, n_k, d = 3, 2, 40, 700, 16
+    q = rng.standard_normal((B, h, n, d)).astype(dtype)
+    k, v = (rng.standard_normal((B, h, n_k, d)).astype(dtype) for _ in range(2))
+    keep = np.ones((B, 1, n, n_k), dtype=bool)
+    keep[0, ..., :300] = False  # the first key block of batch 0 unseen
+    keep[1, ..., :600] = False  # the first two of batch 1
+    keep[2, :, 5] = False  # one row of batch 2 sees no key
+    kw = {"sinks": rng.standard_normal(h).astype(dtype)} if sinks else {}
+    got = attnlab.scaled_dot_product_attention(q, k, v, mask=keep, **kw)
+    exp = ref.scaled_dot_product_attention(q, k, v, mask=keep, **kw)
+    assert_close(got, exp, dtype, "sdpa, first key blocks unseen")
+
+
+@pytest.mark.empty_rows
 def test_sdpa_fully_masked_rows_zero(rng):
     q, k, v = (rng.standard_normal((2, 3, 10, 4)) for _ in range(3))
     m = np.ones((10, 10), dtype=bool)
