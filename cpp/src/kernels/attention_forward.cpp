@@ -75,11 +75,14 @@ TileOperands<T> tile_operands(const AttentionProblem<T>& p, Index b, Index h, In
 
 // One (batch, head, query tile) with an online softmax over key tiles.
 //
-// Layout: queries run along the vector lanes. The tile keeps Q^T (scaled), S^T = K Q^T (keys x
-// queries) and the accumulator (P V)^T (d_v x queries), the query count padded to whole packets.
-// Then the softmax statistics (running max m, running sum l) are whole packets, updated by
-// vertical max/exp/add over the keys without horizontal reductions, and both products run in
-// lanes_product without packing K or V (their entries are broadcast through their strides).
+// Layout: queries run along the vector lanes. The tile keeps Q^T (scaled) and S^T = K Q^T (keys
+// x queries), the query count padded to whole packets. Then the softmax statistics (running max
+// m, running sum l) are whole packets, updated by vertical max/exp/add over the keys without
+// horizontal reductions, and both products run in lanes_product without packing K or V (their
+// entries are broadcast through their strides, or read as rows). The accumulator P V has the
+// queries in rows when d_v is a whole number of packets (V's rows are the product's B, and the
+// output rows are written as they are), else (P V)^T, queries in lanes, written back by
+// packet transposes: the same products in the same order either way.
 //
 // ready(j0, j1): called before key rows [j0, j1) of x.k and x.v are read (the half-precision
 // path widens them there); nullptr: they are ready.
@@ -103,9 +106,13 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     const Index tile_k = p.bf16 == Bf16::probabilities ? kTileKBf16 : kTileK;
     T* st = scratch<T>(ScratchBuffer::kFlashScores, static_cast<std::size_t>(tile_k * mp));
     T* acc = scratch<T>(ScratchBuffer::kFlashAccumulator, static_cast<std::size_t>(dv * mp));
-    T* stats = scratch<T>(ScratchBuffer::kFlashStats, static_cast<std::size_t>(2 * mp));
+    T* stats = scratch<T>(ScratchBuffer::kFlashStats, static_cast<std::size_t>(3 * mp));
     T* row_m = stats;
     T* row_l = stats + mp;
+    T* row_alpha = stats + 2 * mp;  // the rescale of each query's row of acc (rows)
+    // the value product with queries in rows, acc (mq x dv), when d_v is whole packets: the
+    // output rows are then written as they are, not transposed (docs/performance.md)
+    const bool rows = dv > 0 && dv % L == 0;
     // Q^T by packet transposes, scaled on the way (the same products as scale * Q; a separate
     // pass over Q^T, and before it a scalar transpose, showed in ViT-S's profile)
     const Packet sc = ei::pset1<Packet>(p.scale);
@@ -180,16 +187,47 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
             const Packet alpha = exp_flush(ei::psub(ei::pload<Packet>(row_m + io), shift));
             ei::pstore(row_l + io, ei::padd(ei::pmul(ei::pload<Packet>(row_l + io), alpha), sum));
             ei::pstore(row_m + io, mn);
-            if (!first)
+            if (rows) {
+                ei::pstore(row_alpha + io, alpha);
+            } else if (!first) {
                 for (Index c = 0; c < dv; ++c) {
                     T* ac = acc + c * mp + io;
                     ei::pstore(ac, ei::pmul(ei::pload<Packet>(ac), alpha));
                 }
+            }
         }
         if (p.bf16 == Bf16::probabilities)
             round_bf16_inplace(st, kb * mp);  // the sums above took P unrounded
-        // acc[c, i] += sum_j V[j0 + j, c] * P^T[j, i]
-        if (bad.count == 0) {
+        if (rows) {
+            // acc[i, c] = acc[i, c] alpha_i + sum_j P^T[j, i] V[j0 + j, c]: the same products
+            // in the same order as the lanes' layout below
+            if (!first)
+                for (Index i = 0; i < mq; ++i) {
+                    const Packet a = ei::pset1<Packet>(row_alpha[i]);
+                    for (Index c = 0; c < dv; c += L) {
+                        T* ac = acc + i * dv + c;
+                        ei::pstoreu(ac, ei::pmul(ei::ploadu<Packet>(ac), a));
+                    }
+                }
+            const T* vb = vbase + j0 * vs;
+            Index ldv = vs;
+            if (bad.count > 0) {
+                vb = value_copy_without(vb, vs, kb, dv, bad);
+                ldv = dv;
+            }
+            if (first) {
+                lanes_product<T, false>(mq, dv, kb, st, 1, mp, vb, ldv, acc, dv);
+            } else {
+                lanes_product<T, true>(mq, dv, kb, st, 1, mp, vb, ldv, acc, dv);
+            }
+            for (Index r = 0; r < bad.count; ++r) {
+                const T* vrow = vbase + (j0 + bad.rows[r]) * vs;
+                for (Index i = 0; i < mq; ++i)
+                    if (bad.sees[r * mq + i])
+                        for (Index c = 0; c < dv; ++c)
+                            acc[i * dv + c] += vrow[c] * st[bad.rows[r] * mp + i];
+            }
+        } else if (bad.count == 0) {  // acc[c, i] += sum_j V[j0 + j, c] * P^T[j, i]
             if (first) {
                 lanes_product<T, false>(dv, mp, kb, vbase + j0 * vs, 1, vs, st, mp, acc, mp);
             } else {
@@ -213,16 +251,22 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         first = false;
     }
     if (first) std::fill(acc, acc + dv * mp, T(0));  // no key seen
-    // O = (acc / l)^T: divided in the lanes, written back by packet transposes (not scalar
-    // divisions reading acc a column at a time)
-    // O = (acc / l)^T: written back by packet transposes, each query's row divided on the way
-    transpose<T, HalfFormat::none>(dv, mq, acc, mp, x.out, x.os, [&](const auto& v, Index i) {
-        if constexpr (std::is_same_v<std::decay_t<decltype(v)>, T>) {
-            return v / row_l[i];
-        } else {
-            return ei::pdiv(v, ei::pset1<Packet>(row_l[i]));
+    if (rows) {                                      // O = acc / l, row by row
+        for (Index i = 0; i < mq; ++i) {
+            const Packet l = ei::pset1<Packet>(row_l[i]);
+            for (Index c = 0; c < dv; c += L)
+                ei::pstoreu(x.out + i * x.os + c,
+                            ei::pdiv(ei::ploadu<Packet>(acc + i * dv + c), l));
         }
-    });
+    } else {  // O = (acc / l)^T: packet transposes, each query's row divided on the way
+        transpose<T, HalfFormat::none>(dv, mq, acc, mp, x.out, x.os, [&](const auto& v, Index i) {
+            if constexpr (std::is_same_v<std::decay_t<decltype(v)>, T>) {
+                return v / row_l[i];
+            } else {
+                return ei::pdiv(v, ei::pset1<Packet>(row_l[i]));
+            }
+        });
+    }
     for (Index i = 0; i < mq; ++i) {
         const T l = row_l[i];
         if (l == T(0)) {  // fully masked row: zeros, not 0 / 0

@@ -38,7 +38,7 @@ enum class ScratchBuffer : int {
     kFlashQueries,       // flash_tile: scale * Q^T of the query tile (d x padded queries)
     kFlashScores,        // flash_tile: S^T then P^T of one key block (keys x padded queries)
     kFlashAccumulator,   // flash_tile: (P V)^T, unnormalised (d_v x padded queries)
-    kFlashStats,         // flash_tile: running max and sum (2 x padded queries)
+    kFlashStats,         // flash_tile: running max, sum and rescale (3 x padded queries)
     kValueFlags,         // flash_tile: which value rows of a key block hold NaN/Inf
     kDenseQueries,       // dense_tile: scale * Q of the query tile
     kDenseProbs,         // dense_tile: the weights rounded to bf16 (precision="bf16")
