@@ -167,6 +167,25 @@ def test_linear_backward_refuses_bad_arrays():
         core.linear_backward(x, w, dy.astype(np.int32), None, None, None)
 
 
+def _composed_layer(
+    x: np.ndarray, mem: np.ndarray, h: int, project: Callable[[np.ndarray, str], np.ndarray]
+) -> np.ndarray:
+    """The multi-head layer composed from its parts: ``project(rows, name)`` for each of the
+    Q, K, V projections (``name`` "w_q", "w_k", "w_v"), the attention core over their heads,
+    and the attention output's rows (B * n, h * d_head) returned for the output projection."""
+    B, n, d = x.shape
+    nk = mem.shape[1]
+
+    def heads(rows: np.ndarray, m: int) -> np.ndarray:
+        return rows.reshape(B, m, h, -1).transpose(0, 2, 1, 3)
+
+    q = heads(project(x.reshape(B * n, d), "w_q"), n)
+    k = heads(project(mem.reshape(B * nk, d), "w_k"), nk)
+    v = heads(project(mem.reshape(B * nk, d), "w_v"), nk)
+    ctx = attnlab.scaled_dot_product_attention(q, k, v).transpose(0, 2, 1, 3).reshape(B * n, -1)
+    return np.ascontiguousarray(ctx)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
 @pytest.mark.parametrize(
     "B, n, d, h, n_k",
@@ -181,18 +200,10 @@ def test_layer_projections_run_together_give_linear_bits(dtype, B, n, d, h, n_k)
     rng = np.random.default_rng(31)
     x = rng.standard_normal((B, n, d)).astype(dtype)
     mem = x if n_k is None else rng.standard_normal((B, n_k, d)).astype(dtype)
-    nk = mem.shape[1]
     w = {k: (rng.standard_normal((d, d)) / 8).astype(dtype) for k in ("w_q", "w_k", "w_v", "w_o")}
     b = {k: rng.standard_normal(d).astype(dtype) for k in ("b_q", "b_k", "b_v", "b_o")}
-
-    def heads(rows: np.ndarray, m: int) -> np.ndarray:
-        return rows.reshape(B, m, h, d // h).transpose(0, 2, 1, 3)
-
-    q = heads(_linear(x.reshape(-1, d), w["w_q"], b["b_q"]), n)
-    k = heads(_linear(mem.reshape(-1, d), w["w_k"], b["b_k"]), nk)
-    v = heads(_linear(mem.reshape(-1, d), w["w_v"], b["b_v"]), nk)
-    ctx = attnlab.scaled_dot_product_attention(q, k, v).transpose(0, 2, 1, 3).reshape(B * n, d)
-    want = _linear(np.ascontiguousarray(ctx), w["w_o"], b["b_o"]).reshape(B, n, d)
+    ctx = _composed_layer(x, mem, h, lambda rows, name: _linear(rows, w[name], b["b" + name[1:]]))
+    want = _linear(ctx, w["w_o"], b["b_o"]).reshape(B, n, d)
     key = None if n_k is None else mem
     packed = {name: attnlab.PackedWeight(a) for name, a in w.items()}
     for weights in (w, packed):
@@ -215,7 +226,6 @@ def test_half_layer_projections_run_together_give_linear_bits(half, B, n, d, h, 
     rng = np.random.default_rng(33)
     x = rng.standard_normal((B, n, d)).astype(hd)
     mem = x if n_k is None else rng.standard_normal((B, n_k, d)).astype(hd)
-    nk = mem.shape[1]
     w = {k: (rng.standard_normal((d, d)) / 8).astype(hd) for k in ("w_q", "w_k", "w_v", "w_o")}
     b = {k: rng.standard_normal(d).astype(hd) for k in ("b_q", "b_k", "b_v", "b_o")}
 
@@ -227,14 +237,8 @@ def test_half_layer_projections_run_together_give_linear_bits(half, B, n, d, h, 
         core.linear_forward(xr, w[name].view(np.uint16), bias, y, False, code, x_half, out_half)
         return y
 
-    def heads(rows: np.ndarray, m: int) -> np.ndarray:
-        return rows.reshape(B, m, h, d // h).transpose(0, 2, 1, 3)
-
-    q = heads(project(x.reshape(-1, d), "w_q"), n)
-    k = heads(project(mem.reshape(-1, d), "w_k"), nk)
-    v = heads(project(mem.reshape(-1, d), "w_v"), nk)
-    ctx = attnlab.scaled_dot_product_attention(q, k, v).transpose(0, 2, 1, 3).reshape(B * n, d)
-    want = project(np.ascontiguousarray(ctx), "w_o", out_half=True).view(hd).reshape(B, n, d)
+    ctx = _composed_layer(x, mem, h, project)
+    want = project(ctx, "w_o", out_half=True).view(hd).reshape(B, n, d)
     key = None if n_k is None else mem
     got = _same_at_thread_counts(
         (1, 2), lambda: attnlab.multi_head_attention(x, key, num_heads=h, **w, **b)

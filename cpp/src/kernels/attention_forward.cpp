@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "attention_bf16.hpp"
 #include "attnlab/attention.hpp"
@@ -198,55 +199,42 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         }
         if (p.bf16 == Bf16::probabilities)
             round_bf16_inplace(st, kb * mp);  // the sums above took P unrounded
-        if (rows) {
-            // acc[i, c] = acc[i, c] alpha_i + sum_j P^T[j, i] V[j0 + j, c]: the same products
-            // in the same order as the lanes' layout below
-            if (!first)
-                for (Index i = 0; i < mq; ++i) {
-                    const Packet a = ei::pset1<Packet>(row_alpha[i]);
-                    for (Index c = 0; c < dv; c += L) {
-                        T* ac = acc + i * dv + c;
-                        ei::pstoreu(ac, ei::pmul(ei::ploadu<Packet>(ac), a));
-                    }
+        // rows: acc[i, c] = acc[i, c] alpha_i + sum_j P^T[j, i] V[j0 + j, c]; lanes: acc[c, i]
+        // (rescaled above) += sum_j V[j0 + j, c] P^T[j, i]: the same products in the same order
+        if (rows && !first)
+            for (Index i = 0; i < mq; ++i) {
+                const Packet a = ei::pset1<Packet>(row_alpha[i]);
+                for (Index c = 0; c < dv; c += L) {
+                    T* ac = acc + i * dv + c;
+                    ei::pstoreu(ac, ei::pmul(ei::ploadu<Packet>(ac), a));
                 }
-            const T* vb = vbase + j0 * vs;
-            Index ldv = vs;
-            if (bad.count > 0) {
-                vb = value_copy_without(vb, vs, kb, dv, bad);
-                ldv = dv;
             }
-            if (first) {
-                lanes_product<T, false>(mq, dv, kb, st, 1, mp, vb, ldv, acc, dv);
+        const T* vb = vbase + j0 * vs;
+        Index ldv = vs;
+        if (bad.count > 0) {  // value rows holding NaN/Inf: out of the product, added below
+            vb = value_copy_without(vb, vs, kb, dv, bad);
+            ldv = dv;
+        }
+        const auto product = [&](auto accumulate) {
+            constexpr bool Acc = decltype(accumulate)::value;
+            if (rows) {
+                lanes_product<T, Acc>(mq, dv, kb, st, 1, mp, vb, ldv, acc, dv);
             } else {
-                lanes_product<T, true>(mq, dv, kb, st, 1, mp, vb, ldv, acc, dv);
+                lanes_product<T, Acc>(dv, mp, kb, vb, 1, ldv, st, mp, acc, mp);
             }
-            for (Index r = 0; r < bad.count; ++r) {
-                const T* vrow = vbase + (j0 + bad.rows[r]) * vs;
-                for (Index i = 0; i < mq; ++i)
-                    if (bad.sees[r * mq + i])
-                        for (Index c = 0; c < dv; ++c)
-                            acc[i * dv + c] += vrow[c] * st[bad.rows[r] * mp + i];
-            }
-        } else if (bad.count == 0) {  // acc[c, i] += sum_j V[j0 + j, c] * P^T[j, i]
-            if (first) {
-                lanes_product<T, false>(dv, mp, kb, vbase + j0 * vs, 1, vs, st, mp, acc, mp);
-            } else {
-                lanes_product<T, true>(dv, mp, kb, vbase + j0 * vs, 1, vs, st, mp, acc, mp);
-            }
+        };
+        if (first) {
+            product(std::false_type{});
         } else {
-            const T* vclean = value_copy_without(vbase + j0 * vs, vs, kb, dv, bad);
-            if (first) {
-                lanes_product<T, false>(dv, mp, kb, vclean, 1, dv, st, mp, acc, mp);
-            } else {
-                lanes_product<T, true>(dv, mp, kb, vclean, 1, dv, st, mp, acc, mp);
-            }
-            for (Index r = 0; r < bad.count; ++r) {
-                const T* vrow = vbase + (j0 + bad.rows[r]) * vs;
-                for (Index i = 0; i < mq; ++i)
-                    if (bad.sees[r * mq + i])
-                        for (Index c = 0; c < dv; ++c)
-                            acc[c * mp + i] += vrow[c] * st[bad.rows[r] * mp + i];
-            }
+            product(std::true_type{});
+        }
+        const Index qs = rows ? dv : 1, cs = rows ? 1 : mp;  // acc's strides: query, column
+        for (Index r = 0; r < bad.count; ++r) {
+            const T* vrow = vbase + (j0 + bad.rows[r]) * vs;
+            for (Index i = 0; i < mq; ++i)
+                if (bad.sees[r * mq + i])
+                    for (Index c = 0; c < dv; ++c)
+                        acc[i * qs + c * cs] += vrow[c] * st[bad.rows[r] * mp + i];
         }
         first = false;
     }
