@@ -297,7 +297,7 @@ void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, 
 
 // A block of L x L packets transposed in registers. AVX-512 float: 64 in-register shuffles
 // (two stages within 128-bit lanes, two across them); Eigen's version goes through 256-bit
-// halves (extracts, permutes, inserts: about twice the operations, and spills).
+// halves (extracts, permutes and inserts besides its shuffles).
 template <typename Packet, int L>
 EIGEN_ALWAYS_INLINE void transpose_block(Eigen::internal::PacketBlock<Packet, L>& block) {
 #if defined(__AVX512F__)

@@ -37,7 +37,7 @@ namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 enum class ScratchBuffer : int {
     kFlashQueries,       // flash_tile: scale * Q^T of the query tile (d x padded queries)
     kFlashScores,        // flash_tile: S^T then P^T of one key block (keys x padded queries)
-    kFlashAccumulator,   // flash_tile: (P V)^T, unnormalised (d_v x padded queries)
+    kFlashAccumulator,   // flash_tile: P V (queries x d_v) or (P V)^T, unnormalised
     kFlashStats,         // flash_tile: running max, sum and rescale (3 x padded queries)
     kValueFlags,         // flash_tile: which value rows of a key block hold NaN/Inf
     kDenseQueries,       // dense_tile: scale * Q of the query tile

@@ -458,7 +458,7 @@ def peer_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             fastest = find(row.case, b[1])
             share = fastest.gflops / peak if fastest is not None and peak else None
             goal = 1.1 if share is not None and share < 0.8 else 1.0
-            at = f" (at {100 * share:.0f}% of the peak)" if share is not None else ""
+            at = f" (at {100 * share:.1f}% of the peak)" if share is not None else ""
             out.append(target(f"{name} vs {b[1]}{at}", b[0], f">= {goal}x", b[0] >= goal))
         case = next((c for c in CASES.values() if c.label == row.case), None)
         if case is not None and not case.core_only and peak:
