@@ -315,6 +315,27 @@ def test_bench_peers_on_the_tiny_case():
     assert "WRONG" not in out, out
 
 
+def test_half_table_columns_line_up_under_long_labels():
+    """The --half table's columns are as wide as their widest cell: a label longer than the
+    others (the rotary + q/k norms backward) no longer pushes its row's numbers out of line,
+    and a target's value keeps four digits (1.002 against a goal of 1.0 is not "1")."""
+    from attnlab._bench.half import format_half
+
+    rows = [
+        dict(label="ViT-S rotary + q/k norms backward", shape="B=8 n=197 d=384 h=6"),
+        dict(label="SDPA core", shape="(1, 8, 4096, 64)"),
+    ]
+    times = ((34.682, 34.64, False), (170.093, 170.425, True))
+    for r, (a, b, noisy) in zip(rows, times, strict=True):
+        r.update(float32_ms=a, float16_ms=b, ratio=b / a, noisy=noisy)
+    goal = target("SDPA core: float16 / float32 time", 170.425 / 170.093, "<= 1.0", False)
+    out = format_half(dict(date="d", threads=2, isa="avx512", rows=rows, targets=[goal]))
+    table = out.splitlines()[3:5]  # the title, a blank line, the header, then the rows
+    ends = {ln.index(f"{r['ratio']:.3f}") + 5 for ln, r in zip(table, rows, strict=True)}
+    assert len(ends) == 1, out
+    assert table[1].endswith("NOISY") and "1.002  (goal <= 1.0)" in out, out
+
+
 def test_bench_half_times_both_dtypes_and_states_the_target(tmp_path):
     """``bench --half --quick --case ...``: each case's float32 and float16 calls, their ratio and
     the target (float16 never slower) as met or MISS, in the table and the JSON; no timing is

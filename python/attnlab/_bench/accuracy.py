@@ -380,7 +380,8 @@ def format_accuracy(result: dict[str, Any]) -> str:
     -------
     str
     """
-    from .report import WIDTH, _table
+    from .report import WIDTH
+    from .runner import table
 
     quick = " --quick" if result.get("quick") else ""
     lines = [
@@ -407,7 +408,7 @@ def format_accuracy(result: dict[str, Any]) -> str:
             cells += [_e(r["errors"].get(key)), _e(r["bounds"].get(key))]
         cells += [_e(r["peers"].get(rt)) for rt in peers]
         body.append(cells)
-    lines += _table(head, body, 2)
+    lines += table(head, body, 2)
     over = [
         f"{r['label']} {label}"
         for r in rows

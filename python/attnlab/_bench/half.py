@@ -19,6 +19,7 @@ import numpy as np
 from .. import build_info, get_num_threads
 from .common import NOISY, Timing, interleaved, target
 from .progress import Progress
+from .runner import table, target_lines
 
 __all__ = ["CASES", "format_half", "run_half"]
 
@@ -316,16 +317,17 @@ def format_half(result: dict[str, Any]) -> str:
         f"isa={result['isa']}  (float16 inputs against the same values in float32, one "
         "process, round-robin medians)"
     )
-    columns = f"{'case':24s} {'shape':30s} {'float32 ms':>11s} {'float16 ms':>11s} {'16 / 32':>8s}"
-    rows = [
-        f"{r['label']:24s} {r['shape']:30s} {r['float32_ms']:11.3f} {r['float16_ms']:11.3f} "
-        f"{r['ratio']:8.3f}" + ("  NOISY" if r["noisy"] else "")
+    body = [
+        [
+            r["label"],
+            r["shape"],
+            f"{r['float32_ms']:.3f}",
+            f"{r['float16_ms']:.3f}",
+            f"{r['ratio']:.3f}",
+            "NOISY" if r["noisy"] else "",
+        ]
         for r in result["rows"]
     ]
-    goals = [
-        f"  {'met ' if t['met'] else 'MISS'}  {t['target']:70s} {t['value']:7.3f}  "
-        f"(goal {t['goal']})"
-        for t in result["targets"]
-    ]
+    rows = table(["case", "shape", "float32 ms", "float16 ms", "16 / 32", ""], body, 2)
     title = "Targets, this run (issue 31: float16 input never slower than float32):"
-    return "\n".join([head, "", columns, *rows, "", title, *goals])
+    return "\n".join([head, "", *rows, *target_lines(result["targets"], 70, title)])

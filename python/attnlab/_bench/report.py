@@ -12,7 +12,7 @@ from typing import Any
 
 from .common import NOISY, Row
 from .latent import summary_tables
-from .runner import format_table, share, target_lines
+from .runner import format_table, share, table, target_lines
 
 __all__ = ["format_report", "NEXT", "TITLES"]
 
@@ -69,21 +69,6 @@ def _label(case: str) -> str:
     return case
 
 
-def _table(head: list[str], body: list[list[str]], left: int) -> list[str]:
-    """Rows under a header, indented by two: the first ``left`` columns left-aligned, the others
-    right-aligned, each as wide as its widest cell."""
-    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(head)]
-
-    def line(cells: list[str]) -> str:
-        out = [
-            f"{c:<{w}}" if i < left else f"{c:>{w}}"
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return ("  " + " ".join(out)).rstrip()
-
-    return [line(head)] + [line(r) for r in body]
-
-
 def _versus(
     rows: list[Row],
     peak: float | None,
@@ -129,7 +114,7 @@ def _versus(
     groups = {6: (6, 7, 8), 9: (9, 10)}  # the torch ms / NumPy ms column: its group's columns
     drop = {c for k, cols in groups.items() if all(ln[k] == "-" for ln in body) for c in cols}
     keep = [i for i in range(len(head)) if i not in drop]
-    return _table([head[i] for i in keep], [[line[i] for i in keep] for line in body], 2)
+    return table([head[i] for i in keep], [[line[i] for i in keep] for line in body], 2)
 
 
 def _bilinear(rows: list[Row], peak: float | None) -> list[str]:
@@ -157,12 +142,12 @@ def _bilinear(rows: list[Row], peak: float | None) -> list[str]:
     if not body:
         return []
     head = ["shape", "separate ms", "collapsed ms", "plan picks", "GFLOP/s", "%peak", "error"]
-    return _table(head, body, 1)
+    return table(head, body, 1)
 
 
 def _latent(rows: list[Row]) -> list[str]:
     """The latent family's tables (left out of ``--quick``, which keeps to one screen)."""
-    return [ln for t, h, b in summary_tables(rows) for ln in ["  " + t, *_table(h, b, 0)]]
+    return [ln for t, h, b in summary_tables(rows) for ln in ["  " + t, *table(h, b, 0)]]
 
 
 def _slopes(rows: list[Row]) -> list[str]:

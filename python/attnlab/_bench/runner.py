@@ -251,15 +251,33 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines + target_lines(result.get("targets") or [], 62))
 
 
-def target_lines(targets: list[dict[str, Any]], width: int) -> list[str]:
+def table(head: list[str], body: list[list[str]], left: int) -> list[str]:
+    """Rows under a header, indented by two: the first ``left`` columns left-aligned, the others
+    right-aligned, each as wide as its widest cell."""
+    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(head)]
+
+    def line(cells: list[str]) -> str:
+        out = [
+            f"{c:<{w}}" if i < left else f"{c:>{w}}"
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return ("  " + " ".join(out)).rstrip()
+
+    return [line(head)] + [line(r) for r in body]
+
+
+def target_lines(
+    targets: list[dict[str, Any]], width: int, title: str = "Targets, this run:"
+) -> list[str]:
     """The "Targets, this run" section (empty without targets): the names in a column at least
-    ``width`` wide, as wide as the longest (a name cut short may lose the runtime it names)."""
+    ``width`` wide, as wide as the longest (a name cut short may lose the runtime it names);
+    values to four significant digits (1.004 against a goal of 1.0 is not "1")."""
     if not targets:
         return []
     width = max(width, *(len(t["target"]) for t in targets))
-    return ["", "Targets, this run:"] + [
+    return ["", title] + [
         f"  {'met ' if t['met'] else 'MISS'}  {t['target']:<{width}} "
-        f"{t['value']:>8.3g}  (goal {t['goal']})"
+        f"{t['value']:>8.4g}  (goal {t['goal']})"
         for t in targets
     ]
 
