@@ -38,6 +38,8 @@ CASES = [
     (1, 2, 2, 3, 1100, 16, 16, {"mask": "bool"}),
     (1, 2, 1, 5, 1024, 8, 8, {"mask": "float", "causal": True}),
     (3, 16, 1, 1, 4100, 64, 64, {"window": (100, None), "causal": "bottom_right"}),
+    # one row against wide value rows: whole register chunks of every variant and a tail
+    (1, 2, 2, 1, 2100, 64, 264, {"causal": "bottom_right"}),
 ]
 
 

@@ -54,13 +54,6 @@ EIGEN_ALWAYS_INLINE void decode_prefetch_to(const void* p) {
     else if constexpr (P == Fetch::l1)
         __builtin_prefetch(p, 0, 3);
 }
-// ... and chosen when called (outside the kernels' inner loops)
-EIGEN_ALWAYS_INLINE void decode_prefetch(const void* p) {
-    if (kDecodePrefetchL2)
-        decode_prefetch_to<Fetch::l2>(p);
-    else
-        decode_prefetch_to<Fetch::l1>(p);
-}
 
 // Whether p runs the decode path. Below two splits of keys, the query rows of one head that fill
 // a packet (no group to share K and V, e.g. latent attention's heads as rows) keep the flash
@@ -105,7 +98,7 @@ struct DecodeParts {
 // s[r * ss + u] = q_r . k_u for RB rows (q_r at q + r * d) and KB keys (k_u at k + u * ks):
 // RB x KB independent FMA chains over the head width; the sum of each is the same whatever
 // the block, so every row gets the same scores however the rows are grouped.
-template <typename T, HalfFormat F, int RB, int KB>
+template <typename T, HalfFormat F, int RB, int KB, Fetch P>
 void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s, Index ss,
                  Index ahead) {
     namespace ei = Eigen::internal;
@@ -113,10 +106,10 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
     constexpr Index L = packet_size<T>();
     const Index dw = d / L * L;  // the whole packets of a row
     // the keys `ahead` rows on, requested as these are read
-    if (ahead > 0)
+    if (P != Fetch::none && ahead > 0)
         for (int u = 0; u < KB; ++u)
             for (Index b = 0; b < d * Index(sizeof(StoredElem<T, F>)); b += 64)
-                decode_prefetch(reinterpret_cast<const char*>(k + (ahead + u) * ks) + b);
+                decode_prefetch_to<P>(reinterpret_cast<const char*>(k + (ahead + u) * ks) + b);
     Packet a[RB][KB];
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < KB; ++u) a[r][u] = ei::pset1<Packet>(T(0));
@@ -176,12 +169,13 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
 #endif
 
 // decode_dots for `rows` <= RB rows
-template <typename T, HalfFormat F, int RB, int KB>
+template <typename T, HalfFormat F, int RB, int KB, Fetch P>
 void decode_dots_rows(Index rows, const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
                       Index ss, Index ahead) {
     if constexpr (RB > 1)
-        if (rows < RB) return decode_dots_rows<T, F, RB - 1, KB>(rows, q, k, ks, d, s, ss, ahead);
-    decode_dots<T, F, RB, KB>(q, k, ks, d, s, ss, ahead);
+        if (rows < RB)
+            return decode_dots_rows<T, F, RB - 1, KB, P>(rows, q, k, ks, d, s, ss, ahead);
+    decode_dots<T, F, RB, KB, P>(q, k, ks, d, s, ss, ahead);
 }
 
 // acc_r[c0, c0 + NP L) += sum_{j < kb} p_rj v_j[c0, c0 + NP L) for RB rows (p_r at pr + r * ss,
@@ -251,11 +245,16 @@ Index decode_values_cols(Index R, const T* sc, const T* pr, Index ss, const Stor
 }
 
 // acc += P V for the R rows over the whole packets of the value rows (see decode_values_cols):
-// value packets per row as many as leave the registers to the accumulators of a row block
+// value packets per row as many as leave the registers to the accumulators of a row block; a
+// single row takes all of them (AVX2 and SSE2 then stream a value row of 128 in two passes,
+// not four: docs/performance.md, "Decode of one query row on AVX2")
 template <typename T, HalfFormat F, bool Skip, Fetch P>
 Index decode_values_all(Index R, const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v,
                         Index vs, Index kb, T* acc, Index as, Index dv, Index ahead) {
     constexpr int wide = kDecodeAccumulators / 2, narrow = kDecodeAccumulators / kDecodeRowBlock;
+    if (R == 1)
+        return decode_values_cols<T, F, kDecodeAccumulators, Skip, P>(R, sc, pr, ss, v, vs, kb, acc,
+                                                                      as, 0, dv, ahead);
     if (R <= 2)
         return decode_values_cols<T, F, wide, Skip, P>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv,
                                                        ahead);
@@ -314,18 +313,31 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         const E* kblock = kbase + j0 * ks;
         const E* vblock = vbase + j0 * vs;
         // scores a few keys at a time for every row while those keys are in L1; the first
-        // rows stream them from memory
-        Index j = 0;
-        for (; j + kDecodeKeys <= kb; j += kDecodeKeys)
-            for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
-                decode_dots_rows<T, F, kDecodeRowBlock, kDecodeKeys>(
-                    std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * ks, ks, d,
-                    sc + r0 * kbp + j, kbp, r0 == 0 ? k_ahead : 0);
-        for (; j < kb; ++j)
-            for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
-                decode_dots_rows<T, F, kDecodeRowBlock, 1>(std::min<Index>(kDecodeRowBlock, R - r0),
-                                                           qs + r0 * d, kblock + j * ks, ks, d,
-                                                           sc + r0 * kbp + j, kbp, 0);
+        // rows stream them from memory (and request those ahead as P says)
+        const auto scores = [&](auto fetch) {
+            constexpr Fetch P = decltype(fetch)::value;
+            Index j = 0;
+            for (; j + kDecodeKeys <= kb; j += kDecodeKeys) {
+                decode_dots_rows<T, F, kDecodeRowBlock, kDecodeKeys, P>(
+                    std::min<Index>(kDecodeRowBlock, R), qs, kblock + j * ks, ks, d, sc + j, kbp,
+                    k_ahead);
+                for (Index r0 = kDecodeRowBlock; r0 < R; r0 += kDecodeRowBlock)
+                    decode_dots_rows<T, F, kDecodeRowBlock, kDecodeKeys, Fetch::none>(
+                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * ks, ks,
+                        d, sc + r0 * kbp + j, kbp, 0);
+            }
+            for (; j < kb; ++j)
+                for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
+                    decode_dots_rows<T, F, kDecodeRowBlock, 1, Fetch::none>(
+                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * ks, ks,
+                        d, sc + r0 * kbp + j, kbp, 0);
+        };
+        if (k_ahead == 0)
+            scores(std::integral_constant<Fetch, Fetch::none>{});
+        else if (kDecodePrefetchL2)
+            scores(std::integral_constant<Fetch, Fetch::l2>{});
+        else
+            scores(std::integral_constant<Fetch, Fetch::l1>{});
         for (Index g = 0; g < group; ++g) {
             T* sg = sc + g * p.n_q * kbp;
             if (capped)
