@@ -393,7 +393,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                                                          dv, v_ahead);
         };
         const Index c = masked ? values(std::true_type{}) : values(std::false_type{});
-        for (Index j = 0; j < kb; ++j)  // the columns after the last whole packet
+        for (Index j = 0; j < kb && c < dv; ++j)  // the columns after the last whole packet
             for (Index r = 0; r < R; ++r)
                 if (sc[r * kbp + j] != neg_inf<T>())
                     for (Index cc = c; cc < dv; ++cc)
