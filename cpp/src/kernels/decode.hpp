@@ -317,6 +317,17 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         const auto scores = [&](auto fetch) {
             constexpr Fetch P = decltype(fetch)::value;
             Index j = 0;
+            // more rows than one block of 16 registers holds: two keys for four rows at a time
+            // (four for two took a second pass over the keys, from L1, for every two rows)
+            if (kDecodeRowBlock == 2 && R > 2)
+                for (; j + 2 <= kb; j += 2) {
+                    decode_dots_rows<T, F, 4, 2, P>(std::min<Index>(4, R), qs, kblock + j * ks, ks,
+                                                    d, sc + j, kbp, k_ahead);
+                    for (Index r0 = 4; r0 < R; r0 += 4)
+                        decode_dots_rows<T, F, 4, 2, Fetch::none>(std::min<Index>(4, R - r0),
+                                                                  qs + r0 * d, kblock + j * ks, ks,
+                                                                  d, sc + r0 * kbp + j, kbp, 0);
+                }
             for (; j + kDecodeKeys <= kb; j += kDecodeKeys) {
                 decode_dots_rows<T, F, kDecodeRowBlock, kDecodeKeys, P>(
                     std::min<Index>(kDecodeRowBlock, R), qs, kblock + j * ks, ks, d, sc + j, kbp,
