@@ -317,8 +317,9 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         const auto scores = [&](auto fetch) {
             constexpr Fetch P = decltype(fetch)::value;
             Index j = 0;
-            // more rows than one block of 16 registers holds: two keys for four rows at a time
-            // (four for two took a second pass over the keys, from L1, for every two rows)
+            // more than two rows where a row block holds two (16 registers: AVX2, SSE2): two
+            // keys for four rows at a time, so that the keys are read once (four keys for two
+            // rows read them again, from L1, for every further two rows)
             if (kDecodeRowBlock == 2 && R > 2)
                 for (; j + 2 <= kb; j += 2) {
                     decode_dots_rows<T, F, 4, 2, P>(std::min<Index>(4, R), qs, kblock + j * ks, ks,
