@@ -402,12 +402,13 @@ void forward_tiles(const AttentionProblem<T>& p) {
 
 // Half-precision Q, K, V and output. A thread widens the key blocks of a kv head as its tiles
 // first read them, with the flags of nonfinite value rows, into its scratch, and keeps them while
-// its tasks stay on that head (tasks run head by head): the tiles read K and V from cache, and
-// the widening overlaps the products instead of being a pass before them (so also for heads
-// of 4096 keys x 128 features, which two threads then both widen: faster than the one pass
-// from memory, docs/performance.md). Q is widened per tile, O rounded as it is written. Heads
-// too large to keep (the thread scratch never shrinks: 4 MiB here) are widened once for the
-// call instead.
+// its tasks stay on that head: the tiles read K and V from cache, and the widening overlaps the
+// products instead of being a pass before them (so also for heads of 4096 keys x 128 features:
+// faster than one pass from memory, docs/performance.md). A task is a kv head's tiles (a strided
+// share of them when kv heads are fewer than four a thread), so that each head is widened by one
+// thread, not by every thread that claims one of its tiles. Q is widened per tile, O rounded
+// as it is written. Heads too large to keep (the thread scratch never shrinks: 4 MiB here) are
+// widened once for the call instead.
 constexpr Index kHalfHeadFloats = Index(1) << 20;  // K + V floats of a head kept per thread
 
 struct WidenedHead {  // which kv head of which call this thread's scratch holds, and which rows
@@ -447,7 +448,7 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
     }
     const std::uint64_t call = ++g_half_calls;
     const Index q_tiles = tile_count(p.n_q, kTileQ);
-    parallel_for(p.batch * p.heads * q_tiles, [&](Index t) {
+    const auto tile = [&](Index t) {
         const Index qt = t % q_tiles;
         const Index h = (t / q_tiles) % p.heads;
         const Index b = t / (q_tiles * p.heads);
@@ -519,7 +520,19 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
         std::uint16_t* ob = p.out_half.at(b, h) + i0 * p.out_half.row_stride;
         for (Index i = 0; i < mq; ++i)
             narrow_block(of + i * dv, dv, p.half, ob + i * p.out_half.row_stride);
-    });
+    };
+    // tiles t = ((b kv_heads + hk) group + g) q_tiles + qt: a kv head's tiles are contiguous
+    const Index per_kv = p.heads / p.kv_heads * q_tiles;
+    if (per_thread) {  // a task: a kv head's tiles, or every chunks-th of them for few heads
+        const Index want = 4 * static_cast<Index>(get_num_threads());
+        const Index chunks = std::min(per_kv, std::max<Index>(1, (want + heads_kv - 1) / heads_kv));
+        parallel_for(heads_kv * chunks, [&](Index c) {
+            const Index kvh = c / chunks;
+            for (Index i = c % chunks; i < per_kv; i += chunks) tile(kvh * per_kv + i);
+        });
+        return;
+    }
+    parallel_for(heads_kv * per_kv, tile);
 }
 
 // The decode path with half-precision queries and output: it reads K and V as stored; the few
