@@ -320,8 +320,8 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
             // more than two rows where a row block holds two (16 registers: AVX2, SSE2): two
             // keys for four rows at a time, so that the keys are read once (four keys for two
             // rows read them again, from L1, for every further two rows)
-            if (kDecodeRowBlock == 2 && R > 2)
-                for (; j + 2 <= kb; j += 2) {
+            if constexpr (kDecodeRowBlock == 2) {  // not compiled where a block holds four
+                for (; R > 2 && j + 2 <= kb; j += 2) {
                     decode_dots_rows<T, F, 4, 2, P>(std::min<Index>(4, R), qs, kblock + j * ks, ks,
                                                     d, sc + j, kbp, k_ahead);
                     for (Index r0 = 4; r0 < R; r0 += 4)
@@ -329,6 +329,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                                                                   qs + r0 * d, kblock + j * ks, ks,
                                                                   d, sc + r0 * kbp + j, kbp, 0);
                 }
+            }
             for (; j + kDecodeKeys <= kb; j += kDecodeKeys) {
                 decode_dots_rows<T, F, kDecodeRowBlock, kDecodeKeys, P>(
                     std::min<Index>(kDecodeRowBlock, R), qs, kblock + j * ks, ks, d, sc + j, kbp,
