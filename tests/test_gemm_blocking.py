@@ -7,7 +7,11 @@ copies)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,12 +47,83 @@ def _same_at_thread_counts(counts: tuple[int, ...], call: Callable[[], np.ndarra
 
 
 def test_build_info_names_the_blocking():
-    """The AVX-512 variant packs B once in long depth chunks (Intel and Zen 4 alike), AVX2 and
-    the generic build keep the default; a native build may be either."""
+    """The AVX-512 variant packs B once in long depth chunks (Intel and Zen 4 alike), so does AVX2
+    on a CPU whose L2 holds 1 MiB or more per core; AVX2 with a smaller L2 and the generic build
+    keep the default; a native build may be any of them."""
     info = attnlab.build_info()
     name = info["gemm_blocking"]
-    expected = {"avx512": ("avx512:",), "avx2": ("default:",), "generic": ("default:",)}
-    assert name.startswith(expected.get(info["isa"], ("avx512:", "default:"))), (info["isa"], name)
+    assert isinstance(info["l2_cache_bytes"], int) and info["l2_cache_bytes"] >= 0
+    avx2 = "avx2-large-l2:" if info["l2_cache_bytes"] >= 1 << 20 else "default:"
+    expected = {"avx512": ("avx512:",), "avx2": (avx2,), "generic": ("default:",)}
+    choices = expected.get(info["isa"], ("avx512:", avx2, "default:"))
+    assert name.startswith(choices), (info["isa"], name)
+
+
+# Products whose blocking differs between the choices: a tall call (B packed once), depths of
+# several chunks of 256, 512 and 2048, weight gradients (A^T), layers forward and backward, and
+# half-precision operands; printed as the variant, the blocking and a hash of the results.
+_BLOCKING_PROBE = """
+import hashlib, numpy as np, attnlab
+from attnlab._loader import core
+h = hashlib.sha256()
+rng = np.random.default_rng(33)
+names = ("w_q", "w_k", "w_v", "w_o")
+for dt in (np.float32, np.float64):
+    for rows, depth, cols in ((1000, 300, 700), (300, 2100, 200), (129, 1100, 96), (5, 600, 50)):
+        x = rng.standard_normal((rows, depth)).astype(dt)
+        w = (rng.standard_normal((depth, cols)) / 30).astype(dt)
+        y = np.empty((rows, cols), dt)
+        core.linear_forward(x, w, None, y, False)
+        dy = rng.standard_normal((rows, cols)).astype(dt)
+        dx, dw = np.empty_like(x), np.empty_like(w)
+        core.linear_backward(x, w, dy, dx, dw, None)
+        for a in (y, dx, dw):
+            h.update(a.tobytes())
+    x = rng.standard_normal((3, 200, 640)).astype(dt)
+    ws = {n: (rng.standard_normal((640, 640)) / 25).astype(dt) for n in names}
+    h.update(attnlab.multi_head_attention(x, num_heads=10, **ws).tobytes())
+    g = attnlab.multi_head_attention_backward(x, x, num_heads=10, **ws)
+    for k in sorted(g):
+        h.update(np.asarray(g[k]).tobytes())
+x16 = rng.standard_normal((2, 300, 640)).astype(np.float16)
+w16 = {n: (rng.standard_normal((640, 640)) / 25).astype(np.float16) for n in names}
+h.update(attnlab.multi_head_attention(x16, num_heads=10, **w16).tobytes())
+info = attnlab.build_info()
+print(info["isa"], info["gemm_blocking"].split(":")[0], h.hexdigest())
+"""
+
+
+@pytest.mark.parametrize("isa", ["in use", "avx2"])
+def test_blocking_choice_gives_the_same_bits(isa):
+    """Whatever blocking the CPU chose, ``ATTNLAB_GEMM_BLOCKING=default`` (the default blocking
+    forced) gives the same bits: each run in its own process."""
+    from attnlab._loader import available
+
+    info = attnlab.build_info()
+    if isa == "avx2" and ("avx2" not in info["built_isas"] or "avx2" not in available()):
+        pytest.skip("the avx2 variant is not built or this CPU cannot run it")
+    pkg = str(Path(attnlab.__file__).resolve().parents[1])
+    runs = []
+    for blocking in (None, "default"):
+        env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_GEMM_BLOCKING"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg, env.get("PYTHONPATH")) if p)
+        if isa == "avx2":
+            env["ATTNLAB_ISA"] = "avx2"
+        if blocking:
+            env["ATTNLAB_GEMM_BLOCKING"] = blocking
+        out = subprocess.run(
+            [sys.executable, "-c", _BLOCKING_PROBE],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=300,
+        )
+        runs.append(out.stdout.split())
+    chosen, forced = runs
+    assert forced[1] == "default", forced
+    assert chosen[0] == forced[0], (chosen, forced)
+    assert chosen[2] == forced[2], (chosen, forced)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])

@@ -151,6 +151,7 @@ PYBIND11_MODULE(_core, m) {
         d["compiled_for"] = simd;
         d["bf16_kernel"] = std::string(t.bf16_kernel());
         d["gemm_blocking"] = std::string(t.gemm_blocking());
+        d["l2_cache_bytes"] = attnlab::l2_cache_bytes();
         d["decode_prefetch"] = std::string(t.decode_prefetch());
         d["num_threads"] = attnlab::get_num_threads();
         d["num_threads_source"] = attnlab::num_threads_source();

@@ -138,9 +138,12 @@ def build_info() -> dict[str, Any]:
         roundings on the float32 kernels); ``ATTNLAB_AMX=0`` turns AMX off;
         ``gemm_blocking``, the blocking of the float32/float64 GEMM (projections and their
         gradients) of the variant in use: ``"avx512: ..."`` in the AVX-512 variant (Intel
-        and AMD Zen 4 alike), else ``"default: ..."`` (results are bitwise the same either
-        way); ``decode_prefetch``, where the decode path requests the keys and values it
-        streams: ``"l2: ..."`` on AMD CPUs, ``"l1: ..."`` elsewhere (the same results).
+        and AMD Zen 4 alike), ``"avx2-large-l2: ..."`` in the AVX2 variant on a CPU whose L2
+        holds 1 MiB or more per core (``l2_cache_bytes``, from cpuid; 0 when unknown), else
+        ``"default: ..."``; ``ATTNLAB_GEMM_BLOCKING=default`` forces the default (results
+        are bitwise the same either way); ``decode_prefetch``, where the decode path requests
+        the keys and values it streams: ``"l2: ..."`` on AMD CPUs, ``"l1: ..."`` elsewhere
+        (the same results).
 
     Examples
     --------

@@ -4,6 +4,7 @@
 // table per build (attnlab::isa_<name>::kernel_table); cpp/src/runtime/dispatch.cpp picks one at
 // import from the CPU's features (or ATTNLAB_ISA) and the bindings call through it. Pure C++.
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -93,6 +94,10 @@ std::vector<std::string> built_isas();
 
 // Whether this CPU and OS can run variant `isa` (false for unknown names).
 bool isa_supported(const std::string& isa);
+
+// The L2 cache of the core running this, in bytes (cpuid 0x80000006, Intel and AMD alike); 0 when
+// the CPU does not say, or off x86-64. The kernels' blocking may depend on it, never the results.
+std::size_t l2_cache_bytes();
 
 // Chooses the table: `forced` (the value of ATTNLAB_ISA; null or empty = the best variant
 // built that this CPU supports). Throws std::runtime_error naming ATTNLAB_ISA when the forced

@@ -2,11 +2,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
 
+#include "attnlab/kernels.hpp"
 #include "attnlab/threading.hpp"
 #include "half_convert.hpp"
 #include "microkernel.hpp"
@@ -43,17 +47,32 @@ struct Blocking {
 // from L2 at nearly full rate, so long chunks save the stores and reloads of Y, and packing B
 // once, by rows read in order, replaces a strided copy per row chunk; but an A read across its
 // rows takes a cache line per step of the depth, which long chunks evict before the next row
-// block reuses them. AVX2 and generic (tuned on AVX2 EPYC): chunks of 256 keep the B panel
-// chunk in a 32 KiB L1, each row chunk's task packing its own copy (docs/performance.md,
-// issue 30).
+// block reuses them. AVX2 with an L2 of 1 MiB or more per core (Intel client cores, Zen 4 when
+// forced to AVX2): the same, in chunks of 512 (a row chunk of A, 256 KiB, stays in L2). AVX2
+// with a smaller L2 (Zen 2 and 3: 512 KiB) and generic: chunks of 256 keep the B panel chunk in
+// a 32 KiB L1, each row chunk's task packing its own copy (docs/performance.md, issue 30).
+// ATTNLAB_GEMM_BLOCKING=default forces the default (the same bits: every chunk is whole chains
+// of kChain products).
 const Blocking& blocking() {
+    static const Blocking chosen = [] {
+        const Blocking standard{256, 256, false,
+                                "default: depth chunks of 256, B packed by each row chunk"};
+        const char* env = std::getenv("ATTNLAB_GEMM_BLOCKING");
+        if (env && std::strcmp(env, "default") == 0) return standard;
 #if defined(__AVX512F__)
-    static const Blocking chosen{
-        2048, 256, true, "avx512: depth chunks of 2048 (256 for A^T), B packed once per call"};
+        return Blocking{2048, 256, true,
+                        "avx512: depth chunks of 2048 (256 for A^T), B packed once per call"};
+#elif defined(__AVX2__)
+        constexpr std::size_t kLargeL2 = std::size_t(1) << 20;
+        if (l2_cache_bytes() >= kLargeL2)
+            return Blocking{512, 256, true,
+                            "avx2-large-l2: depth chunks of 512 (256 for A^T), B packed once per "
+                            "call (an L2 of 1 MiB or more per core)"};
+        return standard;
 #else
-    static const Blocking chosen{256, 256, false,
-                                 "default: depth chunks of 256, B packed by each row chunk"};
+        return standard;
 #endif
+    }();
     return chosen;
 }
 

@@ -1,6 +1,7 @@
 // Instruction-set dispatch: which kernel table this CPU runs. Compiled once, with the baseline
 // flags only (it runs before any choice is made).
 #include <cctype>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
@@ -173,6 +174,18 @@ std::vector<std::string> built_isas() {
 }
 
 bool isa_supported(const std::string& isa) { return detail::supports(detail::features(), isa); }
+
+std::size_t l2_cache_bytes() {
+#if defined(ATTNLAB_X86)
+    static const std::size_t bytes = [] {
+        if (detail::cpuid(0x80000000u, 0).a < 0x80000006u) return std::size_t(0);
+        return static_cast<std::size_t>(detail::cpuid(0x80000006u, 0).c >> 16) * 1024;  // KiB
+    }();
+    return bytes;
+#else
+    return 0;
+#endif
+}
 
 const KernelTable& select_kernels(const char* forced) {
     using detail::built_tables;
