@@ -924,8 +924,9 @@ def grad_scale(grads: dict[str, np.ndarray]) -> float:
 
 
 def directional_error(case: Case, grads: dict[str, np.ndarray], rng: np.random.Generator) -> float:
-    """Largest |<grad, D> - (f(x + eD) - f(x - eD)) / 2e| / (|grad| |D| + floor) over the
-    array arguments of a ``*_backward`` case, f = <grad_out, reference forward>, in float64."""
+    """Largest |<grad, D> - (f(x + eD) - f(x - eD)) / 2e| / ((|grad| + noise) |D| + floor) over
+    the array arguments of a ``*_backward`` case, f = <grad_out, reference forward>, in float64
+    (noise and floor: the rounding allowances below)."""
     fwd = {k: v for k, v in case.kwargs.items() if k != "grad_out"}
     g_out = np.asarray(case.kwargs["grad_out"], np.float64)
     ref = getattr(R, case.grad_of)  # type: ignore[arg-type]
@@ -940,12 +941,14 @@ def directional_error(case: Case, grads: dict[str, np.ndarray], rng: np.random.G
     # Rounding in f is ~1e-16 * sum|g_out * out|, amplified 1/e by the difference quotient: a
     # floor for arguments whose gradient is (mathematically) zero, as b_k's in MHA.
     floor = 1e-3 * float(np.sum(np.abs(g_out * out0))) + 1e-12
-    # A gradient that is mathematically 0 (b_k's) is rounding noise of the size of the call's
-    # largest gradient times the dtype's eps: measured against that, not against itself.
+    # A gradient that is mathematically 0 (b_k's; x's through a normalisation that makes the
+    # output scale-invariant in it) is rounding noise of the size of the call's largest gradient
+    # times the dtype's eps, or more where the cancelling terms are larger (1 / |q| of a short
+    # q): each argument may err by 100 eps of the largest gradient beside GRAD_TOL of its own.
     big = max(
         (float(np.linalg.norm(g)) for g in grads.values() if np.isfinite(g).all()), default=0.0
     )
-    noise = 100 * float(np.finfo(case.dtype).eps) * big
+    noise = 100 * float(np.finfo(case.dtype).eps) * big / GRAD_TOL[np.dtype(case.dtype)]
 
     worst = 0.0
     for name in case.arrays:
