@@ -593,8 +593,8 @@ void attention_forward(const AttentionProblem<T>& p) {
 }
 
 const char* decode_prefetch() {
-    return detail::kDecodePrefetchL2 ? "l2: K and V rows requested into L2 (AMD)"
-                                     : "l1: K and V rows requested into L1";
+    return detail::kPrefetchToL2 ? "l2: K and V rows requested into L2 (AMD)"
+                                 : "l1: K and V rows requested into L1";
 }
 
 namespace detail {

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "attnlab/attention.hpp"
+#include "cpu.hpp"
 #include "microkernel.hpp"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -82,23 +83,6 @@ inline void half_rows_to_float(const std::uint16_t* src, Index ld, Index rows, I
 #endif
         half_to_float(s, cols, format, dst + i * cols);
     }
-}
-
-// Whether cpuid's vendor string is `name` (12 characters: "GenuineIntel", "AuthenticAMD");
-// false off x86-64.
-inline bool cpu_vendor_is(const char* name) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-    char vendor[12];
-    std::memcpy(vendor, &b, 4);
-    std::memcpy(vendor + 4, &d, 4);
-    std::memcpy(vendor + 8, &c, 4);
-    return std::memcmp(vendor, name, 12) == 0;
-#else
-    (void)name;
-    return false;
-#endif
 }
 
 #if defined(ATTNLAB_AMX)

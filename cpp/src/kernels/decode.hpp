@@ -16,6 +16,7 @@
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
 #include "bf16.hpp"
+#include "cpu.hpp"
 #include "microkernel.hpp"
 #include "scratch.hpp"
 #include "softmax.hpp"
@@ -39,21 +40,6 @@ constexpr int kDecodeAccumulators = 16;
 constexpr int kDecodeRowBlock = 2;
 constexpr int kDecodeAccumulators = 8;
 #endif
-
-// Whether a streamed K or V row is requested into L2 rather than L1: on AMD (Zen 4) requests
-// into L1 held the loads' miss buffers; Intel keeps L1, as measured there (docs/performance.md,
-// "Decode prefetch"). Decided when the module loads: a function-local static made GCC call a
-// function per request, spilling the kernels' accumulators around it.
-inline const bool kDecodePrefetchL2 = cpu_vendor_is("AuthenticAMD");
-// The request with the level fixed at compile time, for loops that must stay free of branches
-enum class Fetch { none, l1, l2 };
-template <Fetch P>
-EIGEN_ALWAYS_INLINE void decode_prefetch_to(const void* p) {
-    if constexpr (P == Fetch::l2)
-        __builtin_prefetch(p, 0, 2);
-    else if constexpr (P == Fetch::l1)
-        __builtin_prefetch(p, 0, 3);
-}
 
 // Whether p runs the decode path. Below two splits of keys, the query rows of one head that fill
 // a packet (no group to share K and V, e.g. latent attention's heads as rows) keep the flash
@@ -109,7 +95,7 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
     if (P != Fetch::none && ahead > 0)
         for (int u = 0; u < KB; ++u)
             for (Index b = 0; b < d * Index(sizeof(StoredElem<T, F>)); b += 64)
-                decode_prefetch_to<P>(reinterpret_cast<const char*>(k + (ahead + u) * ks) + b);
+                prefetch_to<P>(reinterpret_cast<const char*>(k + (ahead + u) * ks) + b);
     Packet a[RB][KB];
     for (int r = 0; r < RB; ++r)
         for (int u = 0; u < KB; ++u) a[r][u] = ei::pset1<Packet>(T(0));
@@ -197,7 +183,7 @@ void decode_values(const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v
         const StoredElem<T, F>* vj = v + j * vs + c0;
         if constexpr (P != Fetch::none)
             for (Index b = 0; b < kLineBytes; b += 64)
-                decode_prefetch_to<P>(reinterpret_cast<const char*>(vj + ahead * vs) + b);
+                prefetch_to<P>(reinterpret_cast<const char*>(vj + ahead * vs) + b);
         Packet x[NP];
         for (int u = 0; u < NP; ++u) x[u] = load_stored_packet<T, F>(vj + u * L);
         for (int r = 0; r < RB; ++r) {
@@ -347,7 +333,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         };
         if (k_ahead == 0)
             scores(std::integral_constant<Fetch, Fetch::none>{});
-        else if (kDecodePrefetchL2)
+        else if (kPrefetchToL2)
             scores(std::integral_constant<Fetch, Fetch::l2>{});
         else
             scores(std::integral_constant<Fetch, Fetch::l1>{});
@@ -399,7 +385,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
             if (v_ahead == 0)
                 return decode_values_all<T, F, S, Fetch::none>(R, sc, pr, kbp, vblock, vs, kb, acc,
                                                                dvp, dv, 0);
-            if (kDecodePrefetchL2)
+            if (kPrefetchToL2)
                 return decode_values_all<T, F, S, Fetch::l2>(R, sc, pr, kbp, vblock, vs, kb, acc,
                                                              dvp, dv, v_ahead);
             return decode_values_all<T, F, S, Fetch::l1>(R, sc, pr, kbp, vblock, vs, kb, acc, dvp,

@@ -76,6 +76,13 @@ const Blocking& blocking() {
     return chosen;
 }
 
+// Requests a row of B's w elements (as stored) into cache level P.
+template <detail::Fetch P, typename E>
+void request_row(const E* row, Index w) {
+    for (Index j = 0; j < w; j += 64 / Index(sizeof(E))) detail::prefetch_to<P>(row + j);
+    detail::prefetch_to<P>(row + w - 1);
+}
+
 struct WidenedRows {  // which row chunk of which call this thread's kGemmHalfRows holds
     std::uint64_t call = 0;
     Index r0 = -1;
@@ -140,9 +147,10 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                 return;
             }
             // Rows [r0, m) on the packed block bp, in slices, while the B block packed next
-            // (this panel's next depth chunk, else the next panel's first) is fetched, a share
-            // after each slice, so that its packing waits less for memory (when the weights are
-            // not in cache; no change when warm). base: b, or the half-precision bits.
+            // (this panel's next depth chunk, else the next panel's first) is requested (into L2
+            // where detail::kPrefetchToL2 says so), a share after each slice, so that its packing
+            // waits less for memory (when the weights are not in cache; no change when warm).
+            // base: b, or the half-precision bits.
             const auto rows_fetching_next = [&](Index r0, const auto* base) {
                 using E = std::remove_cv_t<std::remove_pointer_t<decltype(base)>>;
                 const bool more_depth = k0 + kc < depth;
@@ -163,17 +171,29 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                     const Index upto = std::min(next_rows, fetched + per_slice);
                     for (; fetched < upto; ++fetched) {
                         const E* row = next + fetched * ldb;
-                        for (Index j = 0; j < W; j += 64 / Index(sizeof(E)))
-                            detail::prefetch_read(row + j);
-                        detail::prefetch_read(row + W - 1);
+                        if (detail::kPrefetchToL2)
+                            request_row<detail::Fetch::l2>(row, W);
+                        else
+                            request_row<detail::Fetch::l1>(row, W);
                     }
                 }
+            };
+            // the first row block's kernel, packing the B block bk (stored as F) as it reads it,
+            // its rows requested ahead into the level the CPU wants (detail::kPrefetchToL2)
+            const auto packing_block = [&](auto format, const auto* bk) {
+                constexpr HalfFormat F = decltype(format)::value;
+                if (detail::kPrefetchToL2)
+                    detail::panel_kernel<T, MR, NP, Acc, true, F, true, detail::Fetch::l2>(
+                        kc, ak, a_rs, a_ts, bk, ldb, y, ldy, bp, W);
+                else
+                    detail::panel_kernel<T, MR, NP, Acc, true, F, true, detail::Fetch::l1>(
+                        kc, ak, a_rs, a_ts, bk, ldb, y, ldy, bp, W);
             };
             if constexpr (NP == detail::kPanelPackets) {  // whole panels only: compile time
                 if (!b_transposed && !bh.bits && nw == W && m >= MR) {
                     // the first row block packs B as it goes, the others read the packed copy
-                    detail::panel_kernel<T, MR, NP, Acc, true, HalfFormat::none, true>(
-                        kc, ak, a_rs, a_ts, b + k0 * ldb + j0, ldb, y, ldy, bp, W);
+                    packing_block(std::integral_constant<HalfFormat, HalfFormat::none>{},
+                                  b + k0 * ldb + j0);
                     finish(0, MR);
                     rows_fetching_next(MR, b);
                     return;
@@ -183,11 +203,11 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                         // half-precision weights: the same, widened as the first block packs
                         const std::uint16_t* bk = bh.bits + k0 * ldb + j0;
                         if (bh.format == HalfFormat::float16)
-                            detail::panel_kernel<T, MR, NP, Acc, true, HalfFormat::float16, true>(
-                                kc, ak, a_rs, a_ts, bk, ldb, y, ldy, bp, W);
+                            packing_block(std::integral_constant<HalfFormat, HalfFormat::float16>{},
+                                          bk);
                         else
-                            detail::panel_kernel<T, MR, NP, Acc, true, HalfFormat::bfloat16, true>(
-                                kc, ak, a_rs, a_ts, bk, ldb, y, ldy, bp, W);
+                            packing_block(
+                                std::integral_constant<HalfFormat, HalfFormat::bfloat16>{}, bk);
                         finish(0, MR);
                         rows_fetching_next(MR, bh.bits);
                         return;

@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "attnlab/common.hpp"
+#include "cpu.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
 namespace detail {
@@ -115,10 +116,12 @@ constexpr int rows_for_packets() {
 //
 // PackB: B is also copied (widened, if half), row by row, to `packed` (rows ldp apart) as it is
 // read, so that the next row blocks read it from there: the copy's loads (of weights that are
-// often out of L2) overlap this block's FMAs instead of running alone before them; B's row
-// kPrefetchAhead ahead is fetched early, its rows being ldb apart, a stride the hardware
-// prefetchers follow late.
+// often out of L2) overlap this block's FMAs instead of running alone before them; B's rows
+// being ldb apart, a stride the hardware prefetchers follow late, the row kPrefetchAhead on is
+// requested early into L1 (P = Fetch::l1), or the row kPrefetchAheadL2 on into L2 (Fetch::l2,
+// kPrefetchToL2: AMD): a request into L2 completes later, so it is made further ahead.
 constexpr Index kPrefetchAhead = 8;
+constexpr Index kPrefetchAheadL2 = 64;
 
 // Blocked summation (Join, the GEMM): each element sums at most kChain products in one chain,
 // each chain then added to C: a single chain over a depth K errs like sqrt(K) roundings, chains
@@ -128,20 +131,8 @@ constexpr Index kPrefetchAhead = 8;
 // the same bits wherever the tiles start.
 constexpr Index kChain = 256;
 
-// A read prefetch into all cache levels, always inlined: GCC 12 finds a plain inline wrapper of
-// __builtin_prefetch (Eigen's internal::prefetch is one) free of side effects and deletes its
-// calls before inlining them, so the panel kernel below issued no prefetch at all until this
-// was found in its disassembly.
-EIGEN_ALWAYS_INLINE void prefetch_read(const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(p, 0, 3);
-#else
-    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-#endif
-}
-
 template <typename T, int MR, int NP, bool Accumulate, bool PackB = false,
-          HalfFormat F = HalfFormat::none, bool Join = false>
+          HalfFormat F = HalfFormat::none, bool Join = false, Fetch P = Fetch::l1>
 EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts,
                                       const StoredElem<T, F>* b, Index ldb, T* c, Index ldc,
                                       T* packed = nullptr, Index ldp = 0) {
@@ -163,10 +154,11 @@ EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index
             if constexpr (PackB) {
                 for (int q = 0; q < NP; ++q) ei::pstoreu(packed + t * ldp + q * L, bt[q]);
                 // past the end: a hint, no access
-                const StoredElem<T, F>* ahead = b + (t + kPrefetchAhead) * ldb;
+                constexpr Index kAhead = P == Fetch::l2 ? kPrefetchAheadL2 : kPrefetchAhead;
+                const StoredElem<T, F>* ahead = b + (t + kAhead) * ldb;
                 for (Index j = 0; j < NP * L; j += 64 / Index(sizeof(*ahead)))
-                    prefetch_read(ahead + j);
-                prefetch_read(ahead + NP * L - 1);
+                    prefetch_to<P>(ahead + j);
+                prefetch_to<P>(ahead + NP * L - 1);
             }
             const T* at = a + t * a_ts;
             for (int r = 0; r < MR; ++r) {
