@@ -143,7 +143,7 @@ def build_info() -> dict[str, Any]:
         ``"default: ..."``; ``ATTNLAB_GEMM_BLOCKING=default`` forces the default (results
         are bitwise the same either way); ``decode_prefetch``, where the decode path requests
         the keys and values it streams: ``"l2: ..."`` on AMD CPUs, ``"l1: ..."`` elsewhere
-        (the same results).
+        (the GEMM requests the weight rows it packs into the same level; the same results).
 
     Examples
     --------
