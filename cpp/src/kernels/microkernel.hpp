@@ -119,7 +119,7 @@ constexpr int rows_for_packets() {
 // often out of L2) overlap this block's FMAs instead of running alone before them; B's rows
 // being ldb apart, a stride the hardware prefetchers follow late, the row kPrefetchAhead on is
 // requested early into L1 (P = Fetch::l1), or the row kPrefetchAheadL2 on into L2 (Fetch::l2,
-// kPrefetchToL2: AMD): a request into L2 completes later, so it is made further ahead.
+// kPrefetchToL2: AMD), where requests hold no L1 miss buffer, so more of them may be in flight.
 constexpr Index kPrefetchAhead = 8;
 constexpr Index kPrefetchAheadL2 = 64;
 
