@@ -166,10 +166,12 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1.0))
 
 
-def in_fresh_process(code: str) -> None:
+def in_fresh_process(code: str, **env_vars: str | None) -> str:
     """Runs ``code`` in a new interpreter that imports the same attnlab and these tests'
-    modules; fails with its output unless it exits 0. For measurements that are process-wide
-    (resident memory, the garbage collector), which what earlier tests left running moves."""
+    modules, with the environment variables ``env_vars`` set (None: removed); fails with its
+    output unless it exits 0, else returns its standard output. For measurements that are
+    process-wide (resident memory, the garbage collector), which what earlier tests left running
+    moves, and for choices made once per process (``ATTNLAB_*`` variables)."""
     import os
     import subprocess
     import sys
@@ -181,10 +183,16 @@ def in_fresh_process(code: str) -> None:
     pkg = str(Path(attnlab.__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), pkg, env.get("PYTHONPATH")) if p)
+    for name, value in env_vars.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
 
 
 def refuse_conversions(monkeypatch: Any, shapes: set[tuple[int, ...]]) -> None:

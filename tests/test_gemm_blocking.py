@@ -7,17 +7,14 @@ copies)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import attnlab
 from attnlab._loader import core
+from conftest import in_fresh_process
 
 DTYPES = [np.float32, np.float64]
 
@@ -102,24 +99,11 @@ def test_blocking_choice_gives_the_same_bits(isa):
     info = attnlab.build_info()
     if isa == "avx2" and ("avx2" not in info["built_isas"] or "avx2" not in available()):
         pytest.skip("the avx2 variant is not built or this CPU cannot run it")
-    pkg = str(Path(attnlab.__file__).resolve().parents[1])
-    runs = []
-    for blocking in (None, "default"):
-        env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_GEMM_BLOCKING"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg, env.get("PYTHONPATH")) if p)
-        if isa == "avx2":
-            env["ATTNLAB_ISA"] = "avx2"
-        if blocking:
-            env["ATTNLAB_GEMM_BLOCKING"] = blocking
-        out = subprocess.run(
-            [sys.executable, "-c", _BLOCKING_PROBE],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=300,
-        )
-        runs.append(out.stdout.split())
+    isa_env = {"ATTNLAB_ISA": "avx2"} if isa == "avx2" else {}
+    runs = [
+        in_fresh_process(_BLOCKING_PROBE, ATTNLAB_GEMM_BLOCKING=blocking, **isa_env).split()
+        for blocking in (None, "default")
+    ]
     chosen, forced = runs
     assert forced[1] == "default", forced
     assert chosen[0] == forced[0], (chosen, forced)
