@@ -367,6 +367,35 @@ def test_half_inputs_strided_and_broadcast_are_the_widened_call(dtype):
 
 
 @pytest.mark.parametrize("dtype", [d for _, d in FORMATS])
+@pytest.mark.parametrize("h_kv", [4, 1])
+def test_half_input_shared_by_q_k_v_is_the_widened_call(dtype, h_kv):
+    """Self-attention on a half-precision input: the Q, K and V projections read the same rows,
+    widened once per row chunk for all three (their tasks taken row chunk by row chunk, K and V
+    narrower than Q with one kv head). Bit for bit the call on float32 copies, rounded, at 1, 2
+    and 3 threads; 450 rows: three whole row chunks of the GEMM and a partial one."""
+    import attnlab
+
+    rng = np.random.default_rng(14)
+    d, h = 96, 4
+    x = rng.standard_normal((3, 150, d)).astype(dtype)
+    shapes = {"w_q": (d, d), "w_k": (d, h_kv * 24), "w_v": (d, h_kv * 24), "w_o": (d, 80)}
+    w = {n: (rng.standard_normal(s) / 9).astype(dtype) for n, s in shapes.items()}
+    kw = dict(num_heads=h, num_kv_heads=h_kv, causal=True)
+    want = attnlab.multi_head_attention(
+        x.astype(np.float32), **{n: a.astype(np.float32) for n, a in w.items()}, **kw
+    ).astype(dtype)
+    before = attnlab.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            attnlab.set_num_threads(threads)
+            got = attnlab.multi_head_attention(x, **w, **kw)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    finally:
+        attnlab.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [d for _, d in FORMATS])
 @pytest.mark.parametrize(
     "case",
     [

@@ -478,11 +478,24 @@ void gemm(Index rows, Index depth, Index cols, const T* a, Index a_rs, Index a_t
     parallel_for(plan.tasks(), [&](Index t) { plan.run(t); });
 }
 
+// Whether the plans read the same half-precision rows of A (a layer's Q, K, V of one input).
+template <typename T>
+bool shares_half_rows(const GemmPlan<T>* plans, int n) {
+    if (n < 2 || !plans[0].h.x) return false;
+    for (int i = 1; i < n; ++i) {
+        const GemmPlan<T>& p = plans[i];
+        if (p.h.x != plans[0].h.x || p.a_rs != plans[0].a_rs || p.depth != plans[0].depth ||
+            p.rows != plans[0].rows || p.h.format != plans[0].h.format)
+            return false;
+    }
+    return true;
+}
+
 // The plans' tasks in one parallel region (their packing in one before): no thread waits at
 // the end of one product for the other threads' last tasks before the next starts. The tasks
 // are those gemm() runs: the same results.
 template <typename T>
-void gemm_group(const GemmPlan<T>* plans, int n) {
+void gemm_group(GemmPlan<T>* plans, int n) {
     Index first[kMaxGemmGroup + 1] = {0}, packs[kMaxGemmGroup + 1] = {0};
     for (int i = 0; i < n; ++i) {
         first[i + 1] = first[i] + plans[i].tasks();
@@ -493,11 +506,27 @@ void gemm_group(const GemmPlan<T>* plans, int n) {
         while (t >= starts[i + 1]) ++i;
         return i;
     };
+    // Plans reading the same half-precision rows: a thread widens a row chunk once for all of
+    // them, its tasks on that chunk taken one after another (row chunk by row chunk; the same
+    // tasks, so the same results).
+    const bool shared = shares_half_rows(plans, n);
+    if (shared)
+        for (int i = 1; i < n; ++i) plans[i].call = plans[0].call;
     if (packs[n] > 0)
         parallel_for(packs[n], [&](Index t) {
             const int i = at(packs, t);
             plans[i].pack(t - packs[i]);
         });
+    if (shared) {
+        Index groups[kMaxGemmGroup + 1] = {0};  // column groups of each plan in a row chunk
+        for (int i = 0; i < n; ++i) groups[i + 1] = groups[i] + plans[i].col_groups;
+        parallel_for(first[n], [&](Index t) {
+            const Index c = t / groups[n], o = t % groups[n];
+            const int i = at(groups, o);
+            plans[i].run(c * plans[i].col_groups + (o - groups[i]));
+        });
+        return;
+    }
     parallel_for(first[n], [&](Index t) {
         const int i = at(first, t);
         plans[i].run(t - first[i]);
