@@ -484,7 +484,7 @@ def scaled_dot_product_attention(
                 )
                 parts.append(key)
             root = _merged(dsk, name, (*bidx, qi), parts, sinks_op, idx, out_shape, dtype, s_every)
-            roots[(*bidx, 0, qi, 0)] = root
+            roots[tuple(bidx) + (0, qi, 0)] = root  # (mypy 3.10 mode misreads a starred key)
     deps = [op.x for op in ops.values()] + [o.x for o in (alibi, sinks_op) if o is not None]
     out_chunks = tuple(chunks[r] for r in bro) + ((h,), chunks["q"], (a.d_v,))
     for idx_, root in roots.items():
