@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
+from math import comb
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,9 @@ __all__ = [
     "as_numpy",
     "gradient_error",
     "interleaved",
+    "median_interval",
     "output_errors",
+    "paired",
     "reference_fits",
     "relative_error",
     "target",
@@ -125,6 +129,64 @@ def _round_robin(
         k: Timing(float(np.median(v)) * 1e3, max(v) / min(v) if min(v) > 0 else 1.0)
         for k, v in times.items()
     }
+
+
+def paired(
+    a: Callable[[], Any],
+    b: Callable[[], Any],
+    *,
+    repeat: int = 9,
+    min_time: float = 0.0,
+    max_time: float = 30.0,
+) -> tuple[list[float], list[float]]:
+    """Seconds of ``a`` and of ``b`` in rounds: each round times both back to back, which goes
+    first alternating from round to round (so that neither always follows the other), each
+    timed call preceded by an untimed one of the same callable. At least ``repeat`` rounds, more
+    while they took less than ``min_time`` seconds in all, up to ``max_time``; one warm-up call
+    of each first. Round ``i``'s two times make the pair whose ratio :func:`median_interval`
+    summarises: the machine's slow spells hit both calls of a pair alike."""
+    a()
+    b()
+    times: tuple[list[float], list[float]] = ([], [])
+    start = time.perf_counter()
+    rounds = 0
+    while True:
+        order = ((a, 0), (b, 1)) if rounds % 2 == 0 else ((b, 1), (a, 0))
+        for f, k in order:
+            f()
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+        rounds += 1
+        elapsed = time.perf_counter() - start
+        if rounds >= repeat and (elapsed >= min_time or elapsed >= max_time):
+            break
+        if elapsed >= max_time and rounds >= 3:
+            break
+    return times
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """The median of ``values`` and a distribution-free interval that holds the true median
+    with probability at least ``level`` (0.9, 0.95 or 0.99): the j-th smallest and j-th largest
+    values, j the largest rank whose binomial(n, 1/2) tail leaves that coverage; the smallest
+    and the largest when n is too small for any (n < 6 at 95%)."""
+    alphas = {0.9: Fraction(1, 10), 0.95: Fraction(1, 20), 0.99: Fraction(1, 100)}
+    if level not in alphas:
+        raise ValueError(f"level: expected 0.9, 0.95 or 0.99, got {level!r}")
+    v = np.sort(np.asarray(values, dtype=np.float64))
+    n = len(v)
+    if n == 0:
+        raise ValueError("values: expected at least one, got none")
+    # coverage of [v_(j), v_(n+1-j)] (1-based) is 1 - 2 P(X <= j - 1), X ~ binomial(n, 1/2)
+    j, tail = 0, 0
+    while True:
+        tail += comb(n, j)  # 2^n P(X <= j)
+        if 2 * tail > alphas[level] * 2**n:
+            break
+        j += 1
+    lo, hi = (v[j - 1], v[n - j]) if j >= 1 else (v[0], v[-1])
+    return float(np.median(v)), float(lo), float(hi)
 
 
 def try_torch(threads: int) -> Any:

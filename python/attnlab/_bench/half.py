@@ -1,6 +1,8 @@
 """float16 against float32 (``python -m attnlab bench --half``): each family's call on the same
-values stored in float16 and in float32, timed round-robin in one process (medians), and issue
-31's target that float16 input is never slower than float32 input.
+values stored in float16 and in float32, timed in pairs in one process (the two calls of a round
+back to back), and issue 31's target that float16 input is never slower than float32 input: the
+median of the rounds' ratios, with a 95% interval that says whether a verdict is within the
+machine's noise.
 
 The float16 call reads and writes its arrays in float16 where the call does so (every forward,
 backward and vjp, but bilinear attention's inputs, which it widens first) and computes in
@@ -17,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import build_info, get_num_threads
-from .common import NOISY, Timing, interleaved, target
+from .common import NOISY, median_interval, paired, target
 from .progress import Progress
 from .runner import table, target_lines
 
@@ -273,25 +275,30 @@ def run_half(
     for name in names:
         label, full, small, build = CASES[name]
         progress.step(label)
-        t = interleaved(
-            {"float32": build(np.float32, quick), "float16": build(np.float16, quick)},
+        t32, t16 = paired(
+            build(np.float32, quick),
+            build(np.float16, quick),
             repeat=3 if quick else 9,
-            min_time=0.2,
+            min_time=0.2 if quick else 1.0,
         )
-        ratio = float(t["float16"]) / float(t["float32"])
+        # each round's two calls back to back: the median of their ratios, with its interval
+        ratio, lo, hi = median_interval([b / a for a, b in zip(t32, t16, strict=True)])
         shape = small if quick else full
-        goals.append(
-            target(f"{label} {shape}: float16 / float32 time", ratio, "<= 1.0", ratio <= 1.0)
-        )
+        goal = target(f"{label} {shape}: float16 / float32 time", ratio, "<= 1.0", ratio <= 1.0)
+        noise = ", holds 1.0: within the noise" if lo <= 1.0 <= hi else ""
+        goal["note"] = f"95% interval {lo:.3f}-{hi:.3f}{noise}"
+        goals.append(goal)
         rows.append(
             {
                 "case": name,
                 "label": label,
                 "shape": shape,
-                "float32_ms": float(t["float32"]),
-                "float16_ms": float(t["float16"]),
+                "float32_ms": float(np.median(t32)) * 1e3,
+                "float16_ms": float(np.median(t16)) * 1e3,
                 "ratio": ratio,
-                "noisy": max(_spread(t["float32"]), _spread(t["float16"])) >= NOISY,
+                "interval": [lo, hi],
+                "rounds": len(t32),
+                "noisy": max(max(t) / min(t) for t in (t32, t16)) >= NOISY,
             }
         )
         progress.finish(f"{ratio:.3f}")
@@ -306,16 +313,13 @@ def run_half(
     }
 
 
-def _spread(t: Timing) -> float:
-    return getattr(t, "spread", 1.0)
-
-
 def format_half(result: dict[str, Any]) -> str:
-    """The table: each case's two medians and their ratio, then the targets."""
+    """The table: each case's two medians, the median of the rounds' ratios and its 95%
+    interval, then the targets."""
     head = (
         f"attnlab bench --half  {result['date']}  threads={result['threads']}  "
         f"isa={result['isa']}  (float16 inputs against the same values in float32, one "
-        "process, round-robin medians)"
+        "process, in pairs: medians of the times and of the pairs' ratios)"
     )
     body = [
         [
@@ -324,10 +328,12 @@ def format_half(result: dict[str, Any]) -> str:
             f"{r['float32_ms']:.3f}",
             f"{r['float16_ms']:.3f}",
             f"{r['ratio']:.3f}",
+            "{:.3f}-{:.3f}".format(*r["interval"]) if "interval" in r else "",
             "NOISY" if r["noisy"] else "",
         ]
         for r in result["rows"]
     ]
-    rows = table(["case", "shape", "float32 ms", "float16 ms", "16 / 32", ""], body, 2)
+    header = ["case", "shape", "float32 ms", "float16 ms", "16 / 32", "95% interval", ""]
+    rows = table(header, body, 2)
     title = "Targets, this run (issue 31: float16 input never slower than float32):"
     return "\n".join([head, "", *rows, *target_lines(result["targets"], 70, title)])

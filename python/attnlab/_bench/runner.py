@@ -271,13 +271,14 @@ def target_lines(
 ) -> list[str]:
     """The "Targets, this run" section (empty without targets): the names in a column at least
     ``width`` wide, as wide as the longest (a name cut short may lose the runtime it names);
-    values to four significant digits (1.004 against a goal of 1.0 is not "1")."""
+    values to four significant digits (1.004 against a goal of 1.0 is not "1"); a target's
+    ``note``, when it has one, after its goal."""
     if not targets:
         return []
     width = max(width, *(len(t["target"]) for t in targets))
     return ["", title] + [
         f"  {'met ' if t['met'] else 'MISS'}  {t['target']:<{width}} "
-        f"{t['value']:>8.4g}  (goal {t['goal']})"
+        f"{t['value']:>8.4g}  (goal {t['goal']})" + (f"  {t['note']}" if t.get("note") else "")
         for t in targets
     ]
 
