@@ -183,7 +183,8 @@ class Masks(NamedTuple):
         options, the rule of the kernels' ``key_interval`` (cpp/include/attnlab/common.hpp),
         for the warning about rows left without a key."""
         align = np.arange(n_q) + (n_k - n_q if self.causal == 2 else 0)  # query i's key
-        lo, hi = np.zeros(n_q, np.int64), np.full(n_q, n_k, np.int64)
+        lo: np.ndarray = np.zeros(n_q, np.int64)
+        hi: np.ndarray = np.full(n_q, n_k, np.int64)
         if self.causal:
             hi = np.minimum(hi, align + 1)
         left, right = self.window

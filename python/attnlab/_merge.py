@@ -111,6 +111,7 @@ def merge_attention(outs: Sequence[Any], lses: Sequence[Any]) -> tuple[np.ndarra
     as_stored = half is not None and dtype == np.float32 and all(o.dtype == half for o in outs_a)
     out = _memory.empty(shape, half if as_stored and half is not None else dtype)
     if out.size:
+        parts: list[np.ndarray]
         if as_stored:
             parts = [_memory.contiguous(o).view(np.uint16).reshape(rows, d) for o in outs_a]
         else:

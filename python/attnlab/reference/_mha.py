@@ -127,8 +127,8 @@ def allowed_and_bias(
     >>> allowed.astype(int).tolist(), bias.shape
     ([[1, 1, 0], [1, 1, 1]], ())
     """
-    allowed = np.ones((n_q, n_k), dtype=bool)
-    bias = np.zeros((), dtype=np.float64)
+    allowed: np.ndarray = np.ones((n_q, n_k), dtype=bool)
+    bias: np.ndarray = np.zeros((), dtype=np.float64)
     offset = n_k - n_q if causal == "bottom_right" else 0
     p = np.arange(n_q)[:, None] + offset  # the key each query is aligned with
     j = np.arange(n_k)[None, :]
