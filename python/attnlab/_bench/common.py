@@ -106,6 +106,23 @@ def interleaved(
 def _round_robin(
     fns: dict[str, Callable[[], Any]], repeat: int, warmup: int, min_time: float, max_time: float
 ) -> dict[str, Timing]:
+    times = _rounds(fns, repeat, warmup, min_time, max_time)
+    return {
+        k: Timing(float(np.median(v)) * 1e3, max(v) / min(v) if min(v) > 0 else 1.0)
+        for k, v in times.items()
+    }
+
+
+def _rounds(
+    fns: dict[str, Callable[[], Any]],
+    repeat: int,
+    warmup: int,
+    min_time: float,
+    max_time: float,
+    alternate: bool = False,
+) -> dict[str, list[float]]:
+    """Seconds of each callable, one call each per round (``alternate``: the order reversed
+    every other round); see :func:`interleaved`."""
     for _ in range(warmup):
         for f in fns.values():
             f()
@@ -113,7 +130,8 @@ def _round_robin(
     start = time.perf_counter()
     rounds = 0
     while True:
-        for k, f in fns.items():
+        order = list(fns.items())
+        for k, f in order[::-1] if alternate and rounds % 2 else order:
             if len(fns) > 1:
                 f()  # untimed: lets the previous implementation's threads go quiet
             t0 = time.perf_counter()
@@ -125,10 +143,7 @@ def _round_robin(
             break
         if elapsed >= max_time and rounds >= 3:
             break
-    return {
-        k: Timing(float(np.median(v)) * 1e3, max(v) / min(v) if min(v) > 0 else 1.0)
-        for k, v in times.items()
-    }
+    return times
 
 
 def paired(
@@ -145,25 +160,8 @@ def paired(
     while they took less than ``min_time`` seconds in all, up to ``max_time``; one warm-up call
     of each first. Round ``i``'s two times make the pair whose ratio :func:`median_interval`
     summarises: the machine's slow spells hit both calls of a pair alike."""
-    a()
-    b()
-    times: tuple[list[float], list[float]] = ([], [])
-    start = time.perf_counter()
-    rounds = 0
-    while True:
-        order = ((a, 0), (b, 1)) if rounds % 2 == 0 else ((b, 1), (a, 0))
-        for f, k in order:
-            f()
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
-        rounds += 1
-        elapsed = time.perf_counter() - start
-        if rounds >= repeat and (elapsed >= min_time or elapsed >= max_time):
-            break
-        if elapsed >= max_time and rounds >= 3:
-            break
-    return times
+    times = _rounds({"a": a, "b": b}, repeat, 1, min_time, max_time, alternate=True)
+    return times["a"], times["b"]
 
 
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
