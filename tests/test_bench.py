@@ -330,6 +330,25 @@ def test_cli_refuses_bad_peer_options():
         assert res.returncode == 2 and word in res.stderr, res.stderr
 
 
+def test_cli_help_names_every_case():
+    """``bench --help`` lists every case ``--case`` takes (peers, accuracy and half alike), so
+    that a case added to the bench is found by its users."""
+    from attnlab._bench import half
+
+    res = subprocess.run(
+        [sys.executable, "-m", "attnlab", "bench", "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**_env(), "COLUMNS": "100000"},  # argparse wraps at hyphens: one line per option
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    for name in (*peers_worker.CASES, *half.CASES):
+        assert re.search(rf"[ (]{re.escape(name)}[,;)]", text), name
+
+
 def test_bench_peers_on_the_tiny_case():
     """``bench --peers --quick --case tiny``: attnlab and every installed peer are timed and
     checked, the missing ones skipped with a note."""

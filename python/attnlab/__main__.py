@@ -13,6 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from . import build_info
+from ._bench.half import CASES as HALF_CASES
+from ._bench.peers import DEFAULT_CASES
+from ._bench.peers_worker import CASES
 
 
 def _table(
@@ -83,17 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         "(SDPA forward, weights and backward, decoding, MHA, the pooled families, bilinear and "
         "latent attention): issue 31's target, float16 never slower",
     )
+    # the cases as the bench defines them (one list, one place)
+    inference = [c for c, case in CASES.items() if not case.train]
+    train = [c for c, case in CASES.items() if case.train]
     b.add_argument(
         "--case",
         metavar="NAME",
         action="append",
-        help="with --peers or --accuracy: run only this case (bert, vit-s, vit-b, long, "
-        "long-causal, sdpa, decode, decode-gqa, tiny; training steps: vit-s-train, "
-        "long-causal-train, tiny-train); repeatable. Default: the inference cases but tiny "
-        "(--quick: no long ones). With --half: one of its cases (sdpa, sdpa-causal, "
-        "sdpa-weights, sdpa-backward, sdpa-vjp, merge, decode-gqa, bert, vit-s, "
-        "vit-s-weights, vit-s-rope, vit-s-backward, vit-s-vjp, additive, separable, "
-        "additive-backward, separable-backward, bilinear, bilinear-backward, latent-decode)",
+        help=f"with --peers or --accuracy: run only this case ({', '.join(inference)}; training "
+        f"steps: {', '.join(train)}); repeatable. Default: the inference cases but "
+        f"{' and '.join(c for c in inference if c not in DEFAULT_CASES)} (--quick: no long ones). "
+        f"With --half: one of its cases ({', '.join(HALF_CASES)})",
     )
     b.add_argument(
         "--bf16",

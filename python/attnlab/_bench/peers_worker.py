@@ -115,6 +115,8 @@ CASES: dict[str, Case] = {
     "long": Case("long", 1, 8192, 512, 8, long=True),
     "long-causal": Case("long causal", 1, 8192, 512, 8, causal=True, long=True),
     "sdpa": Case("SDPA core", 1, 4096, 512, 8, core_only=True),
+    # heads 512 wide (not in the default lists: `--case sdpa-wide`)
+    "sdpa-wide": Case("SDPA, wide heads", 1, 2048, 4096, 8, core_only=True, long=True),
     # decoding one token against 8192 cached keys, 32 heads x 128: memory bound (issue 30)
     "decode": Case("decode", 1, 8192, 4096, 32, core_only=True, n_q=1),
     "decode-gqa": Case("decode GQA", 1, 8192, 4096, 32, core_only=True, n_q=1, h_kv=8),
