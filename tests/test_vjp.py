@@ -238,6 +238,26 @@ def test_kept_masks_are_not_materialised():
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_self_attention_input_kept_once(dtype):
+    """Self-attention (key and value omitted): vjp keeps one copy of the input, whatever its
+    dtype, so the pullback sees one X (the C++ backward transposes it once for the three weight
+    gradients); float16 and bfloat16 inputs kept three copies before."""
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(8)
+    kw = _mha_kwargs(rng, dtype)
+    keep: dict = {}
+    out = attnlab.multi_head_attention(**kw, _keep=keep)
+    a = keep["prepared"]
+    assert a.rq is a.rk and a.rk is a.rv
+    g = np.ones_like(out)
+    got = attnlab.vjp(attnlab.multi_head_attention, **kw)[1](g)
+    want = attnlab.multi_head_attention_backward(g, **kw)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
 # ----------------------------------------------------------------- additive and separable
 
 
