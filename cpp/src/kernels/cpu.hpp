@@ -67,5 +67,13 @@ EIGEN_ALWAYS_INLINE void prefetch_to(const void* p) {
     }
 }
 
+// A row of w elements (as stored) requested into level P: a line at a time, then its last
+// element (the row may end in a line the steps skip).
+template <Fetch P, typename E>
+EIGEN_ALWAYS_INLINE void prefetch_row(const E* row, Index w) {
+    for (Index j = 0; j < w; j += 64 / Index(sizeof(E))) prefetch_to<P>(row + j);
+    prefetch_to<P>(row + w - 1);
+}
+
 }  // namespace detail
 }  // namespace attnlab::ATTNLAB_ISA_NS

@@ -76,13 +76,6 @@ const Blocking& blocking() {
     return chosen;
 }
 
-// Requests a row of B's w elements (as stored) into cache level P.
-template <detail::Fetch P, typename E>
-void request_row(const E* row, Index w) {
-    for (Index j = 0; j < w; j += 64 / Index(sizeof(E))) detail::prefetch_to<P>(row + j);
-    detail::prefetch_to<P>(row + w - 1);
-}
-
 struct WidenedRows {  // which row chunk of which call this thread's kGemmHalfRows holds
     std::uint64_t call = 0;
     Index r0 = -1;
@@ -172,9 +165,9 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                     for (; fetched < upto; ++fetched) {
                         const E* row = next + fetched * ldb;
                         if (detail::kPrefetchToL2)
-                            request_row<detail::Fetch::l2>(row, W);
+                            detail::prefetch_row<detail::Fetch::l2>(row, W);
                         else
-                            request_row<detail::Fetch::l1>(row, W);
+                            detail::prefetch_row<detail::Fetch::l1>(row, W);
                     }
                 }
             };

@@ -155,10 +155,7 @@ EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index
                 for (int q = 0; q < NP; ++q) ei::pstoreu(packed + t * ldp + q * L, bt[q]);
                 // past the end: a hint, no access
                 constexpr Index kAhead = P == Fetch::l2 ? kPrefetchAheadL2 : kPrefetchAhead;
-                const StoredElem<T, F>* ahead = b + (t + kAhead) * ldb;
-                for (Index j = 0; j < NP * L; j += 64 / Index(sizeof(*ahead)))
-                    prefetch_to<P>(ahead + j);
-                prefetch_to<P>(ahead + NP * L - 1);
+                prefetch_row<P>(b + (t + kAhead) * ldb, NP * L);
             }
             const T* at = a + t * a_ts;
             for (int r = 0; r < MR; ++r) {
