@@ -23,7 +23,11 @@ Mutations turn a case into
 * a **half-precision** variant (the attention families and their backwards): every float array
   argument stored in float16 or bfloat16; the result must be the float32 call's on the widened
   arrays, rounded to each output's dtype, bit for bit (the main output, and each gradient of a
-  half-precision argument, in that half dtype).
+  half-precision argument, in that half dtype);
+* a **vjp** variant (the attention families): ``attnlab.vjp`` of the forward, its arrays stored
+  in float16 or bfloat16 three times in ten, gives the forward's output and, although the
+  caller's arrays are overwritten before the pullback, the backward's gradients, bit for bit
+  (to rounding with ``return_weights``).
 
 As a script: ``python fuzz_stress.py [--calls N] [--seed S]`` makes N random calls (default
 10,000) and prints one JSON line of counts: calls, by kind, results, errors by type, wrong
@@ -1100,6 +1104,58 @@ def check_half(case: Case, half: np.dtype) -> None:
                 assert g.dtype == half, f"gradient of {name}: dtype {g.dtype}, not {half}"
 
 
+def same_result(got: Any, want: Any, where: str = "output") -> None:
+    """The same arrays, bit for bit (NaN where NaN, the same dtypes and shapes)."""
+    if isinstance(want, (tuple, dict)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        keys = sorted(want) if isinstance(want, dict) else range(len(want))
+        if isinstance(want, dict):
+            assert sorted(got) == keys, (sorted(got), keys)
+        for k in keys:
+            same_result(got[k], want[k], f"{where}[{k!r}]")
+        return
+    if want is None:
+        assert got is None, where
+        return
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{where}: {got.dtype}{got.shape} != {want.dtype}{want.shape}"
+    )
+    bits = f"u{got.itemsize}"
+    assert np.array_equal(got.view(bits), want.view(bits)), f"{where}: not the same bits"
+
+
+def check_vjp(c: Chooser, case: Case) -> None:
+    """``attnlab.vjp`` of a backward case's forward (its float arrays stored in float16 or
+    bfloat16 three times in ten): the output is the forward's and the pullback gives the
+    backward's gradients, bit for bit, although the caller's arrays were overwritten between
+    the forward and the pullback (the forward keeps its own copies). With ``return_weights``
+    the forward runs the dense path: its pullback then equals the backward to rounding."""
+    kw = dict(case.kwargs)
+    if c.bool(0.3):
+        kw = half_variant(case, c.choice(HALF_DTYPES))[0]
+    grad_out = kw.pop("grad_out")
+    f = getattr(attnlab, case.grad_of or "")
+    want_out = f(**kw)
+    want = case.fn(grad_out=grad_out, **kw)
+    out, pullback = attnlab.vjp(f, **kw)
+    same_result(out, want_out)
+    for name in case.arrays:  # the caller's arrays change in place after the forward
+        a = kw.get(name)
+        if isinstance(a, np.ndarray) and a.flags.writeable and a.size:
+            a[...] = 0.375
+    got = pullback(grad_out)
+    if not kw.get("return_weights"):
+        same_result(got, want, "gradient")
+        return
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    floor = grad_scale({k: np.asarray(g, np.float64) for k, g in want.items()})
+    for k in want:
+        dt = np.dtype(want[k].dtype)
+        tol = 1e-5 if dt == np.float32 else 1e-12 if dt == np.float64 else 2e-2
+        compare(got[k], np.asarray(want[k], np.float64), dt, tol, floor)
+
+
 def snapshot(kw: dict[str, Any]) -> dict[str, Any]:
     return {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
 
@@ -1113,8 +1169,8 @@ def unchanged(before: dict[str, Any], kw: dict[str, Any]) -> bool:
 
 # ----------------------------------------------------------------------------- stress run
 
-KINDS = ("valid", "layout", "invalid", "nonfinite", "huge", "half")
-_KIND_P = (0.23, 0.18, 0.41, 0.1, 0.02, 0.06)
+KINDS = ("valid", "layout", "invalid", "nonfinite", "huge", "half", "vjp")
+_KIND_P = (0.23, 0.18, 0.36, 0.1, 0.02, 0.06, 0.05)
 
 
 def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
@@ -1122,8 +1178,10 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
     dtype = c.choice(DTYPES)
     case = build(c, family, dtype)
     kind = KINDS[int(np.searchsorted(np.cumsum(_KIND_P), c.rng.random()))]
-    if kind == "half" and family in OTHER_BUILDERS:  # collapse_qk, factorize_qk: no storage
+    if kind in ("half", "vjp") and family in OTHER_BUILDERS:  # collapse_qk, factorize_qk
         kind = "valid"
+    if kind == "vjp" and case.grad_of is None:  # a forward: vjp against its backward
+        case = backward_case(c, case)
     counts[f"kind:{kind}"] += 1
     counts[f"family:{family}"] += 1
     where = f"{family} {np.dtype(dtype).name} {kind}"
@@ -1155,6 +1213,19 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
         except Exception as exc:  # noqa: BLE001 (any other exception is a defect)
             counts["unexpected"] += 1
             problems.append(f"{where} {half.name}: {type(exc).__name__}: {exc}")
+        return
+    if kind == "vjp":
+        try:
+            check_vjp(c, case)
+            counts["result"] += 1
+            counts["vjp_checked"] += 1
+        except AssertionError as exc:
+            counts["result"] += 1
+            counts["wrong"] += 1
+            problems.append(f"{where}: {exc}")
+        except Exception as exc:  # noqa: BLE001 (any other exception is a defect)
+            counts["unexpected"] += 1
+            problems.append(f"{where}: {type(exc).__name__}: {exc}")
         return
     if kind == "nonfinite":
         kw = nonfinite_variant(c, case)

@@ -6,7 +6,8 @@ sanitizer report would kill it: the exit status is the crash detector), and ever
 have ended as it should: a valid call agreeing with its oracle (the float64 reference, or
 finite differences for gradients) at the documented tolerance, a result equal to the
 contiguous call for layout variants, the float32 call's bits rounded for half-precision
-variants, a ``ValueError``/``TypeError`` naming the argument for broken calls
+variants, the forward's output and the backward's gradients for ``vjp`` variants, a
+``ValueError``/``TypeError`` naming the argument for broken calls
 (``MemoryError`` for impossible sizes), never another exception.
 """
 
@@ -61,6 +62,7 @@ def test_ten_thousand_random_calls_never_crash() -> None:
     # half-precision one against the float32 call (bit for bit)
     assert report["checked"] == report["kind:valid"]
     assert report.get("half_checked", 0) == report.get("kind:half", 0)
+    assert report.get("vjp_checked", 0) == report.get("kind:vjp", 0)
     problems = "\n".join(report["problems"])
     assert report.get("unexpected", 0) == 0, problems
     assert report.get("wrong", 0) == 0, problems
@@ -71,6 +73,6 @@ def test_ten_thousand_random_calls_never_crash() -> None:
     if CALLS >= 1000:  # every kind of call and every family was exercised
         assert all(
             report.get(f"kind:{k}", 0) > 0
-            for k in ("valid", "layout", "invalid", "nonfinite", "huge", "half")
+            for k in ("valid", "layout", "invalid", "nonfinite", "huge", "half", "vjp")
         )
         assert sum(1 for k in report if k.startswith("family:")) == 14
