@@ -148,13 +148,13 @@ void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
     const T* dsum = plan.dsum + plan.head(p, b, h) + i0;
 
     // S = (scale Q) K^T: the products of flash_tile in the same order, so the same S
-    lanes_product<T, false>(mq, kbp, d, qs, d, 1, w.kt, kbp, w.s, kbp);
+    lanes_product<T, false, true>(mq, kbp, d, qs, d, 1, w.kt, kbp, w.s, kbp);
     const bool capped = p.mask.options.softcap > 0;
     if (capped) softcap_scores(static_cast<T>(p.mask.options.softcap), w.s, mq * kbp, w.th);
     if (tile_needs_mask(p.mask, p.n_q, p.n_k, i0, i0 + mq, j0, j0 + kb))
         apply_mask(p.mask, b, h, p.n_q, p.n_k, i0, j0, mq, kb, w.s, kbp, Index(1));
     // dP = dO V^T
-    lanes_product<T, false>(mq, kbp, dv, dout, ds, 1, w.vt, kbp, w.dp, kbp);
+    lanes_product<T, false, true>(mq, kbp, dv, dout, ds, 1, w.vt, kbp, w.dp, kbp);
     // P = exp(S - lse) in place of S (0 on a fully masked row and in the padding lanes), then
     // dS = P * (dP - D) in place of dP
     for (Index i = 0; i < mq; ++i) {
@@ -198,9 +198,9 @@ void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
         lanes_product<T, true>(d, kbp, mq, qs, 1, d, w.dp, kbp, w.dkt, kbp);
     }
     if (accumulate_dq) {
-        lanes_product<T, true>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
+        lanes_product<T, true, true>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
     } else {
-        lanes_product<T, false>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
+        lanes_product<T, false, true>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
     }
 }
 

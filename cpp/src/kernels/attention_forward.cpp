@@ -149,7 +149,7 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
             if (c0 == 0) {
                 lanes_product<T, false>(kb, mp, dc, kc, ks, 1, qt, mp, st, mp);
             } else {
-                lanes_product<T, true>(kb, mp, dc, kc, ks, 1, qt + c0 * mp, mp, st, mp);
+                lanes_product<T, true, true>(kb, mp, dc, kc, ks, 1, qt + c0 * mp, mp, st, mp);
             }
         }
         if (d == 0) std::fill(st, st + kb * mp, T(0));
@@ -200,7 +200,9 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         if (p.bf16 == Bf16::probabilities)
             round_bf16_inplace(st, kb * mp);  // the sums above took P unrounded
         // rows: acc[i, c] = acc[i, c] alpha_i + sum_j P^T[j, i] V[j0 + j, c]; lanes: acc[c, i]
-        // (rescaled above) += sum_j V[j0 + j, c] P^T[j, i]: the same products in the same order
+        // (rescaled above) += sum_j V[j0 + j, c] P^T[j, i]: the same products in the same order,
+        // the tile's sum one chain added to acc (Join: one chain over all the keys errs like
+        // sqrt(n_k) roundings; docs/performance.md, "Blocked sums in the attention")
         if (rows && !first)
             for (Index i = 0; i < mq; ++i) {
                 const Packet a = ei::pset1<Packet>(row_alpha[i]);
@@ -218,9 +220,9 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
         const auto product = [&](auto accumulate) {
             constexpr bool Acc = decltype(accumulate)::value;
             if (rows) {
-                lanes_product<T, Acc>(mq, dv, kb, st, 1, mp, vb, ldv, acc, dv);
+                lanes_product<T, Acc, true>(mq, dv, kb, st, 1, mp, vb, ldv, acc, dv);
             } else {
-                lanes_product<T, Acc>(dv, mp, kb, vb, 1, ldv, st, mp, acc, mp);
+                lanes_product<T, Acc, true>(dv, mp, kb, vb, 1, ldv, st, mp, acc, mp);
             }
         };
         if (first) {

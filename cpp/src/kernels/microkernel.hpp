@@ -123,12 +123,13 @@ constexpr int rows_for_packets() {
 constexpr Index kPrefetchAhead = 8;
 constexpr Index kPrefetchAheadL2 = 64;
 
-// Blocked summation (Join, the GEMM): each element sums at most kChain products in one chain,
-// each chain then added to C: a single chain over a depth K errs like sqrt(K) roundings, chains
-// of 256 stay near BLAS's error for a load, an add and a store of the accumulators per 256
-// steps (docs/performance.md, "GEMMs in blocked sums"). Without Join (the attention's products,
-// depths of at most 256 a call) one chain over the depth, going on from C's when Accumulate:
-// the same bits wherever the tiles start.
+// Blocked summation (Join): each element sums at most kChain products in one chain, each chain
+// then added to C: a single chain over a depth K errs like sqrt(K) roundings, chains of 256
+// stay near BLAS's error for a load, an add and a store of the accumulators per 256 steps
+// (docs/performance.md, "GEMMs in blocked sums"). The GEMM joins, and so do the attention's
+// sums over key tiles (P V, dQ) and over head widths past 256 (a key tile is 256 keys: one
+// chain each). Without Join (the backward's dK and dV, summed over query tiles) one chain over
+// the depth, going on from C's when Accumulate: the same bits wherever the tiles start.
 constexpr Index kChain = 256;
 
 template <typename T, int MR, int NP, bool Accumulate, bool PackB = false,
@@ -205,9 +206,12 @@ void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts,
 // without accumulation, for float and double: instantiated once, in gemm.cpp, and called from
 // there by every kernel source (each is the kernel inlined for every row count up to MR): built
 // in every source that used them, they lengthened the whole build (docs/performance.md).
-#define ATTNLAB_PANEL_ROWS(prefix, T, NP, ACC)                           \
-    prefix template void panel_rows<T, NP, rows_for_packets<NP>(), ACC>( \
+#define ATTNLAB_PANEL_ROWS_J(prefix, T, NP, ACC, JOIN)                                           \
+    prefix template void panel_rows<T, NP, rows_for_packets<NP>(), ACC, HalfFormat::none, JOIN>( \
         Index, Index, const T*, Index, Index, const T*, Index, T*, Index);
+#define ATTNLAB_PANEL_ROWS(prefix, T, NP, ACC)      \
+    ATTNLAB_PANEL_ROWS_J(prefix, T, NP, ACC, false) \
+    ATTNLAB_PANEL_ROWS_J(prefix, T, NP, ACC, true)
 #define ATTNLAB_PANEL_ROWS_ALL(prefix)           \
     ATTNLAB_PANEL_ROWS(prefix, float, 3, true)   \
     ATTNLAB_PANEL_ROWS(prefix, float, 3, false)  \
@@ -238,11 +242,11 @@ ATTNLAB_PANEL_ROWS_ALL(extern)
 ATTNLAB_PANEL_ROWS_WIDE(extern)
 
 // Rows [0, rows) of C for one panel (W = panel_width<T>() lanes), kPanelRows at a time.
-template <typename T, bool Accumulate>
+template <typename T, bool Accumulate, bool Join = false>
 void panel_product(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, const T* b,
                    Index ldb, T* c, Index ldc) {
-    panel_rows<T, kPanelPackets, kPanelRows, Accumulate>(rows, depth, a, a_rs, a_ts, b, ldb, c,
-                                                         ldc);
+    panel_rows<T, kPanelPackets, kPanelRows, Accumulate, HalfFormat::none, Join>(
+        rows, depth, a, a_rs, a_ts, b, ldb, c, ldc);
 }
 
 // C[0:rows, 0:cols) (+)= A B with cols a whole number of packets (callers pad): three-packet
@@ -252,7 +256,7 @@ void panel_product(Index rows, Index depth, const T* a, Index a_rs, Index a_ts, 
 // those of 2 where the count allows (4 = 4, 7 = 3 + 4, 8 = 4 + 4; docs/performance.md, "A 6 x
 // 4 panel"); else 4 packets as 2 + 2 rather than 3 + 1 (faster in L1 on AVX-512, the same on
 // AVX2: docs/performance.md, lanes_product).
-template <typename T, bool Accumulate>
+template <typename T, bool Accumulate, bool Join = false>
 void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, Index a_ts,
                    const T* b, Index ldb, T* c, Index ldc) {
     constexpr Index L = packet_size<T>();
@@ -265,23 +269,24 @@ void lanes_product(Index rows, Index cols, Index depth, const T* a, Index a_rs, 
         if (fours > 0) {
             Index j = 0;
             for (; j + 4 * fours * L < cols; j += kPanelPackets * L)
-                panel_product<T, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
+                panel_product<T, Accumulate, Join>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j,
+                                                   ldc);
             for (; j < cols; j += 4 * L)
-                panel_rows<T, 4, rows_for_packets<4>(), Accumulate>(rows, depth, a, a_rs, a_ts,
-                                                                    b + j, ldb, c + j, ldc);
+                panel_rows<T, 4, rows_for_packets<4>(), Accumulate, HalfFormat::none, Join>(
+                    rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
             return;
         }
     }
     const Index wide = packets % 3 == 1 && packets > 1 ? packets / 3 - 1 : packets / 3;
     Index j = 0;
     for (Index i = 0; i < wide; ++i, j += kPanelPackets * L)
-        panel_product<T, Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
+        panel_product<T, Accumulate, Join>(rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
     for (; j + 2 * L <= cols; j += 2 * L)
-        panel_rows<T, 2, rows_for_packets<2>(), Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb,
-                                                            c + j, ldc);
+        panel_rows<T, 2, rows_for_packets<2>(), Accumulate, HalfFormat::none, Join>(
+            rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
     if (j < cols)
-        panel_rows<T, 1, rows_for_packets<1>(), Accumulate>(rows, depth, a, a_rs, a_ts, b + j, ldb,
-                                                            c + j, ldc);
+        panel_rows<T, 1, rows_for_packets<1>(), Accumulate, HalfFormat::none, Join>(
+            rows, depth, a, a_rs, a_ts, b + j, ldb, c + j, ldc);
 }
 
 // A block of L x L packets transposed in registers. AVX-512 float: 64 in-register shuffles
