@@ -1173,6 +1173,24 @@ KINDS = ("valid", "layout", "invalid", "nonfinite", "huge", "half", "vjp")
 _KIND_P = (0.23, 0.18, 0.36, 0.1, 0.02, 0.06, 0.05)
 
 
+def _checked(
+    check: Callable[[], None], counter: str, where: str, counts: Counter, problems: list[str]
+) -> None:
+    """A valid call's check: a result counted under ``counter``; a failed check (an
+    ``AssertionError``) a wrong answer; any other exception from a valid call a defect."""
+    try:
+        check()
+        counts["result"] += 1
+        counts[counter] += 1
+    except AssertionError as exc:
+        counts["result"] += 1
+        counts["wrong"] += 1
+        problems.append(f"{where}: {exc}")
+    except Exception as exc:  # noqa: BLE001 (any other exception from a valid call is a defect)
+        counts["unexpected"] += 1
+        problems.append(f"{where}: {type(exc).__name__}: {exc}")
+
+
 def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
     family = c.choice(FAMILIES)
     dtype = c.choice(DTYPES)
@@ -1186,46 +1204,22 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
     counts[f"family:{family}"] += 1
     where = f"{family} {np.dtype(dtype).name} {kind}"
     if kind == "valid":
-        try:
+
+        def oracle() -> None:
             err = oracle_error(case, case.call(), np.random.default_rng(c.seed()))
-            counts["result"] += 1
-            counts["checked"] += 1
             key = f"max_err:{family} {np.dtype(dtype).name}"
             counts[key] = max(counts.get(key, 0.0), err)
-        except AssertionError as exc:
-            counts["result"] += 1
-            counts["wrong"] += 1
-            problems.append(f"{where}: {exc}")
-        except Exception as exc:  # noqa: BLE001 (any other exception from a valid call is a defect)
-            counts["unexpected"] += 1
-            problems.append(f"{where}: {type(exc).__name__}: {exc}")
+
+        _checked(oracle, "checked", where, counts, problems)
         return
     if kind == "half":
         half = c.choice(HALF_DTYPES)
-        try:
-            check_half(case, half)
-            counts["result"] += 1
-            counts["half_checked"] += 1
-        except AssertionError as exc:
-            counts["result"] += 1
-            counts["wrong"] += 1
-            problems.append(f"{where} {half.name}: {exc}")
-        except Exception as exc:  # noqa: BLE001 (any other exception is a defect)
-            counts["unexpected"] += 1
-            problems.append(f"{where} {half.name}: {type(exc).__name__}: {exc}")
+        _checked(
+            lambda: check_half(case, half), "half_checked", f"{where} {half.name}", counts, problems
+        )
         return
     if kind == "vjp":
-        try:
-            check_vjp(c, case)
-            counts["result"] += 1
-            counts["vjp_checked"] += 1
-        except AssertionError as exc:
-            counts["result"] += 1
-            counts["wrong"] += 1
-            problems.append(f"{where}: {exc}")
-        except Exception as exc:  # noqa: BLE001 (any other exception is a defect)
-            counts["unexpected"] += 1
-            problems.append(f"{where}: {type(exc).__name__}: {exc}")
+        _checked(lambda: check_vjp(c, case), "vjp_checked", where, counts, problems)
         return
     if kind == "nonfinite":
         kw = nonfinite_variant(c, case)
