@@ -105,23 +105,25 @@ def test_sdpa_forward_independent_of_the_query_tiles(n_q, dtype):
         np.testing.assert_array_equal(got, want[:, :, :n_q])
 
 
-@pytest.mark.parametrize("n_q", [30, 70, 80, 197])  # (few queries take the decode forward)
+@pytest.mark.parametrize("n_q", [30, 70, 80, 197, 270])  # (few queries take the decode forward)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_sdpa_backward_independent_of_the_query_tiles(n_q, causal, dtype):
     """The backward's query tiles (64 rows; a last one under 16 rows joins the one before: 30 or
-    70 rows as one tile, 80 as two, 197 as 64, 64, 69) do not change a bit of the gradients: the
-    same call with zero-gradient query rows appended (other tiles: 256 rows, four full ones)
-    gives the same dQ rows, dK and dV, since each entry is one chain of sums in row order, to
+    70 rows as one tile, 80 as two, 197 as 64, 64, 69, 270 as 64, 64, 64, 78) do not change a
+    bit of the gradients: the same call with zero-gradient query rows appended (other tiles:
+    256 or 512 rows, all full) gives the same dQ rows, dK and dV, since dK and dV sum one chain
+    per 256 rows of a head, counted from its first (a tile across row 256 is cut there), to
     which the appended rows add exact zeros."""
     rng = np.random.default_rng(n_q)
-    q, extra = rng.standard_normal((2, 2, n_q, 16)), rng.standard_normal((2, 2, 256 - n_q, 16))
+    pad = (256 if n_q <= 256 else 512) - n_q
+    q, extra = rng.standard_normal((2, 2, n_q, 16)), rng.standard_normal((2, 2, pad, 16))
     k, v = rng.standard_normal((2, 1, 150, 16)), rng.standard_normal((2, 1, 150, 8))
     G = rng.standard_normal((2, 2, n_q, 8))
     q, extra, k, v, G = (a.astype(dtype) for a in (q, extra, k, v, G))
     got = attnlab.scaled_dot_product_attention_backward(G, q, k, v, causal=causal)
     q2 = np.concatenate([q, extra], axis=2)
-    G2 = np.concatenate([G, np.zeros((2, 2, 256 - n_q, 8), dtype)], axis=2)
+    G2 = np.concatenate([G, np.zeros((2, 2, pad, 8), dtype)], axis=2)
     padded = attnlab.scaled_dot_product_attention_backward(G2, q2, k, v, causal=causal)
     np.testing.assert_array_equal(got["q"], padded["q"][:, :, :n_q])
     np.testing.assert_array_equal(got["k"], padded["k"])

@@ -2,6 +2,7 @@
 // segment, batch, kv head), dQ summed over the segments in a fixed order.
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "attention_bf16.hpp"
 #include "attnlab/attention.hpp"
@@ -42,6 +43,11 @@ constexpr Index kBwdTileK = 96;  // a whole number of panels for 4, 8 and 16 lan
 // the longest key tile (a short last one joins the one before: tile_count), padded to packets
 constexpr Index kBwdTileKMax = 128;
 static_assert(kBwdTileK + kBwdTileK / 4 <= kBwdTileKMax);
+// dK and dV sum over the query rows one chain per kBwdChainRows rows of each head, counted from
+// its first row (so the query tiles change no bit), each chain then added (blocked sums, as the
+// forward's over keys: one chain over all the rows erred like sqrt(n_q) roundings)
+constexpr Index kBwdChainRows = 256;
+static_assert(kBwdChainRows % kBwdTileQ == 0);
 constexpr Index kBwdTasks = 16;
 constexpr Index kBwdMaxSegments = 8;
 
@@ -106,23 +112,24 @@ BackwardPlan<T> backward_plan(const AttentionProblem<T>& p) {
 }
 
 // Per-thread tile buffers of the backward, carved from one scratch block.
-// kr, vr (half-precision storage only): the tile's K and V rows widened, then its dK and dV
-// rows before rounding.
+// dkt, dvt: the key tile's dK^T and dV^T; dkc, dvc: the chain of query rows being summed into
+// them (kBwdChainRows). kr, vr (half-precision storage only): the tile's K and V rows widened,
+// then its dK and dV rows before rounding.
 template <typename T>
 struct BackwardScratch {
-    T *kt, *vt, *kp, *dkt, *dvt, *s, *dp, *th, *kr, *vr;
+    T *kt, *vt, *kp, *dkt, *dvt, *dkc, *dvc, *s, *dp, *th, *kr, *vr;
 
     BackwardScratch(Index d, Index dv, Index dp_width, bool half) {
         constexpr Index tk = kBwdTileKMax, tq = kBwdTileQMax;
         const Index rows = half ? tk : 0;
-        const Index sizes[] = {d * tk,  dv * tk, tk * dp_width, d * tk,   dv * tk,
-                               tq * tk, tq * tk, tq * tk,       d * rows, dv * rows};
-        T** slots[] = {&kt, &vt, &kp, &dkt, &dvt, &s, &dp, &th, &kr, &vr};
+        const Index sizes[] = {d * tk,  dv * tk, tk * dp_width, d * tk,  dv * tk,  d * tk,
+                               dv * tk, tq * tk, tq * tk,       tq * tk, d * rows, dv * rows};
+        T** slots[] = {&kt, &vt, &kp, &dkt, &dvt, &dkc, &dvc, &s, &dp, &th, &kr, &vr};
         auto round = [](Index n) { return (n + 15) / 16 * 16; };  // keep every slot 64-byte aligned
         Index total = 0;
         for (Index n : sizes) total += round(n);
         T* base = scratch<T>(ScratchBuffer::kBackwardTiles, static_cast<std::size_t>(total));
-        for (int i = 0; i < 10; ++i) {
+        for (int i = 0; i < 12; ++i) {
             *slots[i] = base;
             base += round(sizes[i]);
         }
@@ -130,13 +137,12 @@ struct BackwardScratch {
 };
 
 // One (batch, query head, query tile) against the key tile held in w (kt, vt, kp: K^T, V^T and
-// K padded to dp columns, kbp = kb padded to whole packets). Adds into w.dkt, w.dvt (dK^T, dV^T
-// of the tile) and writes or adds the tile's share of dQ / scale at dq.
+// K padded to dp columns, kbp = kb padded to whole packets): leaves P in w.s and dS in w.dp (for
+// dkv_chain) and writes or adds the tile's share of dQ / scale at dq.
 template <typename T>
 void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
                    const BackwardPlan<T>& plan, const BackwardScratch<T>& w, Index b, Index h,
-                   Index i0, Index mq, Index j0, Index kb, Index kbp, T* dq, bool accumulate_dq,
-                   bool first_dkv) {
+                   Index i0, Index mq, Index j0, Index kb, Index kbp, T* dq, bool accumulate_dq) {
     namespace ei = Eigen::internal;
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
@@ -188,19 +194,30 @@ void backward_pair(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
             }
         }
     }
-    // dV^T (+)= dO^T P; dK^T (+)= (scale Q)^T dS (the key tile's first pair starts them from
-    // zero accumulators, the same sums as adding to zeroed ones); dQ / scale (+)= dS K
-    if (first_dkv) {
-        lanes_product<T, false>(dv, kbp, mq, dout, 1, ds, w.s, kbp, w.dvt, kbp);
-        lanes_product<T, false>(d, kbp, mq, qs, 1, d, w.dp, kbp, w.dkt, kbp);
-    } else {
-        lanes_product<T, true>(dv, kbp, mq, dout, 1, ds, w.s, kbp, w.dvt, kbp);
-        lanes_product<T, true>(d, kbp, mq, qs, 1, d, w.dp, kbp, w.dkt, kbp);
-    }
+    // dQ / scale (+)= dS K
     if (accumulate_dq) {
         lanes_product<T, true, true>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
     } else {
         lanes_product<T, false, true>(mq, dp, kb, w.dp, kbp, 1, w.kp, dp, dq, dp);
+    }
+}
+
+// Rows [r, r + n) of the query tile at i0 (P in w.s, dS in w.dp, from backward_pair) into the
+// chain in w.dvc, w.dkc: dV^T (+)= dO^T P, dK^T (+)= (scale Q)^T dS, going on from the chain's
+// sums when `more` (a new chain starts from zero accumulators otherwise).
+template <typename T>
+void dkv_chain(const AttentionProblem<T>& p, const AttentionGrad<T>& g, const BackwardPlan<T>& plan,
+               const BackwardScratch<T>& w, Index b, Index h, Index i0, Index r, Index n, Index kbp,
+               bool more) {
+    const Index d = p.d, dv = p.d_v, ds = g.d_out.row_stride;
+    const T* dout = g.d_out.at(b, h) + (i0 + r) * ds;
+    const T* qs = plan.qs + (plan.head(p, b, h) + i0 + r) * d;
+    if (more) {
+        lanes_product<T, true>(dv, kbp, n, dout, 1, ds, w.s + r * kbp, kbp, w.dvc, kbp);
+        lanes_product<T, true>(d, kbp, n, qs, 1, d, w.dp + r * kbp, kbp, w.dkc, kbp);
+    } else {
+        lanes_product<T, false>(dv, kbp, n, dout, 1, ds, w.s + r * kbp, kbp, w.dvc, kbp);
+        lanes_product<T, false>(d, kbp, n, qs, 1, d, w.dp + r * kbp, kbp, w.dkc, kbp);
     }
 }
 
@@ -246,21 +263,42 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
             std::copy(krows + j * ks, krows + j * ks + d, w.kp + j * dp);
             std::fill(w.kp + j * dp + d, w.kp + (j + 1) * dp, T(0));
         }
-        const bool none = plan.query_tiles[kt].lo >= plan.query_tiles[kt].hi;
-        if (none) {  // no query sees the tile: dK, dV are zero
-            std::fill(w.dkt, w.dkt + d * kbp, T(0));
-            std::fill(w.dvt, w.dvt + dv * kbp, T(0));
-        }
+        // dK^T, dV^T: each chain of query rows (kBwdChainRows of a head, or fewer where the
+        // tiles seen start or end) summed in w.dkc, w.dvc, then added to w.dkt, w.dvt
+        bool chain = false, summed = false;  // a chain open; w.dkt, w.dvt hold a sum
+        const auto close_chain = [&] {
+            if (!chain) return;
+            for (auto [sum, c, n] : {std::tuple{w.dkt, w.dkc, d * kbp}, {w.dvt, w.dvc, dv * kbp}}) {
+                if (summed) {
+                    for (Index i = 0; i < n; ++i) sum[i] += c[i];
+                } else {
+                    std::copy(c, c + n, sum);
+                }
+            }
+            summed = true;
+            chain = false;
+        };
         for (Index gi = 0; gi < group; ++gi) {
             const Index h = hk * group + gi;
             T* part = plan.part(p, s, b, h);
             for (Index qt = plan.query_tiles[kt].lo; qt < plan.query_tiles[kt].hi; ++qt) {
                 const Index i0 = qt * kBwdTileQ, mq = plan.q_rows(p.n_q, qt);
                 const bool added = kt != t0 && plan.sees(kt - 1, qt);  // a share is there
-                const bool first = gi == 0 && qt == plan.query_tiles[kt].lo;
-                backward_pair(p, g, plan, w, b, h, i0, mq, j0, kb, kbp, part + i0 * dp, added,
-                              first);
+                backward_pair(p, g, plan, w, b, h, i0, mq, j0, kb, kbp, part + i0 * dp, added);
+                for (Index r = 0; r < mq;) {  // the tile's rows, cut where a chain ends
+                    const Index end =
+                        std::min(mq, ((i0 + r) / kBwdChainRows + 1) * kBwdChainRows - i0);
+                    dkv_chain(p, g, plan, w, b, h, i0, r, end - r, kbp, chain);
+                    chain = true;
+                    r = end;
+                    if ((i0 + r) % kBwdChainRows == 0) close_chain();
+                }
             }
+            close_chain();  // a chain never spans two heads
+        }
+        if (!summed) {  // no query sees the tile: dK, dV are zero
+            std::fill(w.dkt, w.dkt + d * kbp, T(0));
+            std::fill(w.dvt, w.dvt + dv * kbp, T(0));
         }
         if constexpr (std::is_same_v<T, float>) {
             if (half) {  // rows of dK, dV in kr, vr (K and V are read), then rounded into place

@@ -128,8 +128,8 @@ constexpr Index kPrefetchAheadL2 = 64;
 // stay near BLAS's error for a load, an add and a store of the accumulators per 256 steps
 // (docs/performance.md, "GEMMs in blocked sums"). The GEMM joins, and so do the attention's
 // sums over key tiles (P V, dQ) and over head widths past 256 (a key tile is 256 keys: one
-// chain each). Without Join (the backward's dK and dV, summed over query tiles) one chain over
-// the depth, going on from C's when Accumulate: the same bits wherever the tiles start.
+// chain each). Without Join one chain over the depth, going on from C's when Accumulate: the
+// same bits wherever the tiles start (the backward's dK and dV chains of 256 query rows).
 constexpr Index kChain = 256;
 
 template <typename T, int MR, int NP, bool Accumulate, bool PackB = false,
