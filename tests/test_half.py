@@ -664,10 +664,14 @@ def test_latent_within_bound(shape, path, form):
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
 @pytest.mark.parametrize("n", [1, 5])  # a decoding step (one query: stacked heads), a prefill
 @pytest.mark.parametrize("lora", [False, True])
-def test_latent_forward_reads_half_weights_and_cache_as_the_float32_call(path, form, n, lora):
-    """The forward reads its projections' matrices and the cache as stored (the GEMM widens the
-    weights as it packs them, the cache is widened into the keys' array): the output and the
-    returned cache are the float32 call's on the widened arrays, rounded, bit for bit."""
+def test_latent_forward_reads_half_weights_and_cache_as_the_float32_call(
+    path, form, n, lora, monkeypatch
+):
+    """The forward reads ``x``, its projections' matrices and the cache as stored (the GEMM
+    widens ``x``'s rows as it reads them and the weights as it packs them, the cache is widened
+    into the keys' array) and writes the output so (no conversion of either in Python): the
+    output and the returned cache are the float32 call's on the widened arrays, rounded, bit for
+    bit."""
     _, dtype, _, _ = path
     args, kw, _, _ = _latent_case((2, n, {}))
     rng = np.random.default_rng(7)
@@ -683,7 +687,10 @@ def test_latent_forward_reads_half_weights_and_cache_as_the_float32_call(path, f
     args["cache"] = rng.standard_normal((2, 9, r_dr)).astype(np.float32)
     kw = dict(kw, form=form, causal="bottom_right", return_cache=True)
     half = _cast(args, dtype)
+    B, d, d_out = 2, args["x"].shape[-1], args["w_o"].shape[1]
+    refuse_conversions(monkeypatch, {(B, n, d), (B * n, d), (B, n, d_out), (B * n, d_out)})
     out, cache = attnlab.latent_attention(**half, **kw)
+    monkeypatch.undo()
     want_out, want_cache = attnlab.latent_attention(**_cast(half, np.dtype(np.float32)), **kw)
     assert out.dtype == dtype and cache.dtype == dtype
     np.testing.assert_array_equal(out.view(np.uint16), want_out.astype(dtype).view(np.uint16))

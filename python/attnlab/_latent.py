@@ -129,7 +129,7 @@ def _prepare(args: dict[str, Any], keep_half: np.dtype | None = None) -> _Latent
     the rotary settings and the form. ``keep_half`` (the forward): the arrays of
     ``_READ_AS_STORED`` in that half dtype stay in it."""
     h = V.check_positive_int(args["num_heads"], "num_heads")
-    x = V.as_array(args["x"], "x")
+    x = V.as_array(args["x"], "x", keep_half)  # (in keep_half: its rows read as stored)
     V.check_ndim(x, "x", 2, "(..., n, d)")
     n, d = x.shape[-2:]
     if d < 1:
@@ -143,7 +143,8 @@ def _prepare(args: dict[str, Any], keep_half: np.dtype | None = None) -> _Latent
         if arrs[k] is None:
             raise TypeError(f"{k}: expected an array, got None")
     cache_in = given("cache")
-    dtype = V.result_dtype(x, cache_in, *arrs.values())
+    x_half = _half.is_half(x.dtype)
+    dtype = V.result_dtype(_half.COMPUTED if x_half else x, cache_in, *arrs.values())
     for k in ("w_q", "w_q_a", "w_q_b", "w_kv_a", "w_kv_b", "w_o"):
         mat = arrs[k]
         if mat is not None:
@@ -268,7 +269,8 @@ def _prepare(args: dict[str, Any], keep_half: np.dtype | None = None) -> _Latent
         and m.alibi is None
         and m.sinks is None
     )
-    xr = V.rows(x, batch, dtype) if B * n else _memory.empty((0, d), dtype)
+    x_dtype = x.dtype if x_half else dtype  # rows of a half-precision x read as stored
+    xr = V.rows(x, batch, x_dtype) if B * n else _memory.empty((0, d), dtype)
     return _Latent(
         xr,
         x.shape,
@@ -389,15 +391,22 @@ def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return _rope._gemm(a, b)
 
 
-def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-    """``x w + b``, with ``w`` float16 or bfloat16 read as stored (computed in float32)."""
+def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, y_half: bool = False) -> np.ndarray:
+    """``x w + b``, with ``w`` float16 or bfloat16 read as stored (computed in float32), and so
+    ``x`` when it is stored as ``w`` is; ``y_half``: ``y`` written in ``w``'s half dtype (rounded
+    once, as the GEMM finishes each block)."""
     half = _half.is_half(w.dtype)
-    y = _memory.empty((x.shape[0], w.shape[1]), np.float32 if half else w.dtype)
+    x_half = half and x.dtype == w.dtype
+    y_half = half and y_half
+    y = _memory.empty(
+        (x.shape[0], w.shape[1]), w.dtype if y_half else np.float32 if half else w.dtype
+    )
     if y.size:
         if half:
-            core.linear_forward(
-                _memory.contiguous(x), w.view(np.uint16), b, y, False, _half.code(w.dtype)
-            )
+            x_in = _memory.contiguous(x).view(np.uint16) if x_half else _memory.contiguous(x)
+            y_out = y.view(np.uint16) if y_half else y
+            code = _half.code(w.dtype)
+            core.linear_forward(x_in, w.view(np.uint16), b, y_out, False, code, x_half, y_half)
         else:
             core.linear_forward(_memory.contiguous(x), w, b, y)
     return y
@@ -511,7 +520,8 @@ def _run(a: _Latent, weights: np.ndarray | None) -> tuple[np.ndarray, _State]:
         core_, lse, ctx = _expanded(a, q, lat, weights)
     else:
         core_, lse, ctx = _absorbed(a, q, lat, weights)
-    out = _linear(ctx, _w(a, "w_o"), w["b_o"])
+    # inputs read as stored: the output written so (the call stores it in their half dtype)
+    out = _linear(ctx, _w(a, "w_o"), w["b_o"], y_half=_half.is_half(a.x.dtype))
     return out, _State(qa, q, kv_pre, lat, core_, lse, ctx)
 
 
