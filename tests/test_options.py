@@ -83,6 +83,38 @@ def test_window_equals_its_boolean_mask_on_long_sequences(window, causal):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("window", [(3, 0), (1, 2), (None, 0), (300, 0), (270, 10)])
+def test_window_forward_is_its_mask_bit_for_bit(dtype, window):
+    """The forward's key tiles sit at whole multiples of their size whatever the band (the first
+    one cut where the band starts), so a row sums its keys in the same chains as with the band
+    given as a boolean mask (tiles outside it skipped, inside it masked: exact zeros): the same
+    bits. And a row's bits do not depend on its query tile: the rows from s on, as their own
+    call aligned bottom-right, are the whole call's."""
+    rng = np.random.default_rng(11)
+    n_q, n_k, d = 700, 1000, 16
+    q = rng.standard_normal((1, 2, n_k, d)).astype(dtype)
+    k = rng.standard_normal((1, 1, n_k, d)).astype(dtype)
+    v = rng.standard_normal((1, 1, n_k, 8)).astype(dtype)
+    kw = dict(warn_empty_rows=False)
+    for causal in CAUSAL:
+        rows = n_k if causal is True else n_q
+        got = attnlab.scaled_dot_product_attention(
+            q[:, :, :rows], k, v, window=window, causal=causal, **kw
+        )
+        mask = window_mask(rows, n_k, window, causal)
+        want = attnlab.scaled_dot_product_attention(
+            q[:, :, :rows], k, v, mask=mask, causal=causal, **kw
+        )
+        np.testing.assert_array_equal(got, want, err_msg=f"causal={causal}")
+    whole = attnlab.scaled_dot_product_attention(q, k, v, window=window, causal=True, **kw)
+    for s in (1, 37, 401):  # query tiles start 1, 37 and 401 keys on
+        part = attnlab.scaled_dot_product_attention(
+            q[:, :, s:], k, v, window=window, causal="bottom_right", **kw
+        )
+        np.testing.assert_array_equal(part, whole[:, :, s:], err_msg=f"rows from {s}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("window", [(2, 0), (1, 3), (None, 1)])
 def test_mha_and_bilinear_window_match_reference(dtype, causal, window):

@@ -136,8 +136,11 @@ void flash_tile(const AttentionProblem<T>& p, Index b, Index h, Index i0, Index 
     const Packet zero = ei::pzero(ninf);
     const Interval keys = keys_seen(p.mask, p.n_q, p.n_k, i0, i0 + mq);
     const bool mask_arrays = p.mask.kind != MaskKind::none || p.mask.key_padding.data;
-    for (Index j0 = keys.lo; j0 < keys.hi; j0 += tile_k) {
-        const Index kb = std::min(tile_k, keys.hi - j0);
+    // key tiles at whole multiples of tile_k (the first one cut at keys.lo): a row's tiles, and
+    // so its sums, do not depend on where its query tile starts (a window moves keys.lo)
+    for (Index j0 = keys.lo, j1 = 0; j0 < keys.hi; j0 = j1) {
+        j1 = std::min(keys.hi, (j0 / tile_k + 1) * tile_k);
+        const Index kb = j1 - j0;
         // keys no query of the tile may see by the mask arrays (padding): not read at all
         if (mask_arrays && block_unseen(p.mask, b, h, 1, i0, i0 + mq, j0, kb)) continue;
         if constexpr (!std::is_same_v<std::decay_t<Ready>, std::nullptr_t>) ready(j0, j0 + kb);

@@ -10,8 +10,8 @@ namespace detail {
 // in tiles of 96: 96 and 101, not 96, 96 and 5, whose lanes, padded to a packet, were mostly
 // padding, work for nothing: docs/performance.md). No result depends on the thread count. The
 // query tiles change no bit of a row's result (dK and dV add one chain per 256 query rows of a
-// head, counted from its first; P V and dQ one per key tile, the key tiles starting at the
-// first key the query tile sees) but with a window, whose band moves that start, and on the
+// head, counted from its first; P V and dQ one per key tile, the forward's key tiles at whole
+// multiples of their size, the first cut where the keys a query tile sees start) but on the
 // dense path (attention weights returned), whose Eigen products may round a tile's last rows
 // otherwise; the backward's dQ also depends on its key segments, whose bounds are whole tiles.
 inline Index tile_count(Index n, Index size) {
