@@ -398,9 +398,7 @@ def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, y_half: bool = F
     half = _half.is_half(w.dtype)
     x_half = half and x.dtype == w.dtype
     y_half = half and y_half
-    y = _memory.empty(
-        (x.shape[0], w.shape[1]), w.dtype if y_half else np.float32 if half else w.dtype
-    )
+    y = _memory.empty((x.shape[0], w.shape[1]), np.float32 if half and not y_half else w.dtype)
     if y.size:
         if half:
             x_in = _memory.contiguous(x).view(np.uint16) if x_half else _memory.contiguous(x)
