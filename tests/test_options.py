@@ -82,20 +82,22 @@ def test_window_equals_its_boolean_mask_on_long_sequences(window, causal):
         assert_close(ga[name], gb[name], np.float64, f"window grad {name}")
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    ("dtype", "precision"), [(np.float32, None), (np.float64, None), (np.float32, "bf16")]
+)
 @pytest.mark.parametrize("window", [(3, 0), (1, 2), (None, 0), (300, 0), (270, 10)])
-def test_window_forward_is_its_mask_bit_for_bit(dtype, window):
-    """The forward's key tiles sit at whole multiples of their size whatever the band (the first
-    one cut where the band starts), so a row sums its keys in the same chains as with the band
-    given as a boolean mask (tiles outside it skipped, inside it masked: exact zeros): the same
-    bits. And a row's bits do not depend on its query tile: the rows from s on, as their own
-    call aligned bottom-right, are the whole call's."""
+def test_window_forward_is_its_mask_bit_for_bit(dtype, precision, window):
+    """The forward's key tiles (and the bf16 tiles' softmax blocks) sit at whole multiples of
+    their size whatever the band (the first one cut where the band starts), so a row sums its
+    keys in the same chains as with the band given as a boolean mask (tiles outside it skipped,
+    inside it masked: exact zeros): the same bits. And a row's bits do not depend on its query
+    tile: the rows from s on, as their own call aligned bottom-right, are the whole call's."""
     rng = np.random.default_rng(11)
     n_q, n_k, d = 700, 1000, 16
     q = rng.standard_normal((1, 2, n_k, d)).astype(dtype)
     k = rng.standard_normal((1, 1, n_k, d)).astype(dtype)
     v = rng.standard_normal((1, 1, n_k, 8)).astype(dtype)
-    kw = dict(warn_empty_rows=False)
+    kw = dict(warn_empty_rows=False, precision=precision)
     for causal in CAUSAL:
         rows = n_k if causal is True else n_q
         got = attnlab.scaled_dot_product_attention(

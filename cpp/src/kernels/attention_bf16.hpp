@@ -210,7 +210,9 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     const float cap = static_cast<float>(p.mask.options.softcap);
     const Interval keys = keys_seen(p.mask, p.n_q, p.n_k, i0, i0 + mq);
     const Index first = keys.lo / 32 * 32;
-    auto block_keys = [&](Index j0) { return std::min(kAmxK, keys.hi - j0); };
+    // blocks end at whole multiples of kAmxK (the first one starts where the band does), so a
+    // row's blocks do not depend on its query tile: a window gives its band-as-mask's bits
+    auto block_keys = [&](Index j0) { return std::min(keys.hi, (j0 / kAmxK + 1) * kAmxK) - j0; };
     // S^T = K Q^T for the keys [j0, j0 + kbp) into sb (row stride Q)
     auto scores = [&](Index j0, float* sb) ATTNLAB_AMX_TARGET {
         const Index kbp = round_up(block_keys(j0), 32);
@@ -245,8 +247,9 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     if (first < keys.hi) scores(first, sbuf);
     Index pending = -1;  // the block whose V^T P^T is still to be added to acc
     const std::uint16_t* pending_p = nullptr;
-    for (Index j0 = first, step = 0; j0 < keys.hi; j0 += kAmxK, ++step) {
-        const Index kb = block_keys(j0), kbp = round_up(kb, 32);
+    for (Index j0 = first, kb = 0, step = 0; j0 < keys.hi; j0 += kb, ++step) {
+        kb = block_keys(j0);
+        const Index kbp = round_up(kb, 32);
         float* s = sbuf + (step & 1) * kAmxK * Q;
         std::uint16_t* pb = pbuf + (step & 1) * Q * kAmxK;
         // the scale goes into the exponential's FMA unless masks or the cap need scaled scores
@@ -326,7 +329,7 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
             st.l[g] = _mm512_fmadd_ps(st.l[g], alpha[g], _mm512_add_ps(sum[g][0], sum[g][1]));
             st.m[g] = m_new[g];
         }
-        const Index next = j0 + kAmxK;
+        const Index next = j0 + kb;
         if (next < keys.hi) scores(next, sbuf + ((step + 1) & 1) * kAmxK * Q);
         if (pending >= 0) values(pending, pending_p);
         pending = j0;
