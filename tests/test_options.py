@@ -116,6 +116,24 @@ def test_window_forward_is_its_mask_bit_for_bit(dtype, precision, window):
         np.testing.assert_array_equal(part, whole[:, :, s:], err_msg=f"rows from {s}")
 
 
+@pytest.mark.parametrize("precision", [None, "bf16"])
+@pytest.mark.parametrize("window", [(3, 0), (300, 0), (270, 10)])
+def test_window_weights_are_its_mask_bit_for_bit(precision, window):
+    """With the weights returned (whole rows of scores, masked, then normalised) a window
+    gives its band-as-mask's output and weights, bit for bit."""
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((1, 2, 400, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 500, 16)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 500, 8)).astype(np.float32)
+    kw = dict(warn_empty_rows=False, precision=precision, return_weights=True)
+    for causal in CAUSAL:
+        mask = window_mask(400, 500, window, causal)
+        got = attnlab.scaled_dot_product_attention(q, k, v, window=window, causal=causal, **kw)
+        want = attnlab.scaled_dot_product_attention(q, k, v, mask=mask, causal=causal, **kw)
+        for name, a, b in zip(("output", "weights"), got, want, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name}, causal={causal}")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("window", [(2, 0), (1, 3), (None, 1)])
