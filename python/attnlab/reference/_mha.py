@@ -199,7 +199,8 @@ def _softmax_rows(
     if sinks is not None:
         row_max = np.maximum(row_max, sinks)
     finite_max = np.where(np.isneginf(row_max), 0.0, row_max)
-    e = np.where(allowed, np.exp(s - finite_max), 0.0)
+    with np.errstate(invalid="ignore"):  # an infinite logit makes its row NaN, as it should
+        e = np.where(allowed, np.exp(s - finite_max), 0.0)
     e = np.where(np.isneginf(s), 0.0, e)  # -inf from a float mask
     total = e.sum(axis=-1, keepdims=True)
     if sinks is not None:
