@@ -14,6 +14,8 @@ cos/sin tables); as shipped, to 3e-7 (measured up to 1.3e-7, decode steps). floa
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -570,7 +572,9 @@ def _module(version, lora, rope, interleave, dtype, impl="sdpa"):
 
 
 def _call(m, x, pe, mask, cache=None):
-    kwargs = dict(position_embeddings=pe, attention_mask=mask, past_key_values=cache)
+    # transformers 5.24 names the cache argument `cache` (`past_key_values` before)
+    key = "cache" if "cache" in inspect.signature(m.forward).parameters else "past_key_values"
+    kwargs = {"position_embeddings": pe, "attention_mask": mask, key: cache}
     return m(x, **kwargs)[0]
 
 

@@ -886,8 +886,10 @@ def test_gradients_match_the_module_autograd(name):
     seen = {}
 
     def hook(mod, _args, kwargs):
-        # no cache: the module is called again below
-        seen.setdefault(mod, {**kwargs, "past_key_values": None})
+        # no cache: the module is called again below (the argument is `cache` from
+        # transformers 5.24, `past_key_values` before)
+        names = [k for k in ("cache", "past_key_values") if k in kwargs] or ["past_key_values"]
+        seen.setdefault(mod, {**kwargs, **dict.fromkeys(names)})
 
     atts = [m for m in model.modules() if _is_attention(m)]
     hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in atts]
