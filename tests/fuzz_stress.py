@@ -1088,16 +1088,20 @@ def same_bits(got: Any, want: Any) -> None:
     )
 
 
-def check_half(case: Case, half: np.dtype) -> None:
+def check_half(case: Case, half: np.dtype, cache: bool = False) -> None:
     """The half-precision variant of a valid case against the float32 call on the widened
     arrays (``same_bits``), and the dtypes: the forward's output, and each gradient of a
-    half-precision argument, stored in ``half``."""
+    half-precision argument, stored in ``half``. ``cache`` (an SDPA forward): ``q`` stays
+    float32 against the half-precision ``k``, ``v``, and the output is float32."""
     stored, widened = half_variant(case, half)
+    if cache:
+        stored["q"] = widened["q"]
     got, want = case.fn(**stored), case.fn(**widened)
     same_bits(got, want)
     if case.grad_of is None:
         out = got[0] if isinstance(got, tuple) else got
-        assert out.dtype == half, f"output dtype {out.dtype}, not {half}"
+        expected = np.dtype(np.float32) if cache else half
+        assert out.dtype == expected, f"output dtype {out.dtype}, not {expected}"
     else:
         for name, g in got.items():
             if name in case.arrays and name != "grad_out":
@@ -1214,8 +1218,16 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
         return
     if kind == "half":
         half = c.choice(HALF_DTYPES)
+        # three SDPA forwards in ten: float32 queries against a half-precision cache
+        cache = case.name == "scaled_dot_product_attention" and c.bool(0.3)
+        if cache:
+            counts["half_cache_checked"] += 1
         _checked(
-            lambda: check_half(case, half), "half_checked", f"{where} {half.name}", counts, problems
+            lambda: check_half(case, half, cache),
+            "half_checked",
+            f"{where} {half.name}{' cache' if cache else ''}",
+            counts,
+            problems,
         )
         return
     if kind == "vjp":

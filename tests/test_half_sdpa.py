@@ -291,6 +291,59 @@ def test_mean_weights_read_half_inputs_as_stored(dtype: np.dtype, monkeypatch) -
         np.testing.assert_array_equal(g.view(np.uint16), w.astype(dtype).view(np.uint16))
 
 
+def _check_cache(q: Any, k: Any, v: Any, **kw: Any) -> None:
+    """float32 ``q`` against a half-precision ``k``, ``v``: a float32 result, bit for bit the
+    float32 call on the widened cache (outputs, weights, log-sum-exp)."""
+    got = attnlab.scaled_dot_product_attention(q, k, v, **kw)
+    want = attnlab.scaled_dot_product_attention(q, k.astype(np.float32), v.astype(np.float32), **kw)
+    got, want = (r if isinstance(r, tuple) else (r,) for r in (got, want))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == np.float32 and g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_float32_queries_against_a_half_cache(shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """The kernel reads the cache as stored (the decode path and the tiles) and the queries
+    in place; the output, weights and log-sum-exp stay float32."""
+    q, k, v = _inputs(shape, dtype, seed=21)
+    q = q.astype(np.float32)
+    _check_cache(q, k, v)
+    _check_cache(q, k, v, causal="bottom_right", return_lse=True)
+    _check_cache(q, k, v, return_weights=True)
+    _check_cache(q, k, v, return_weights="mean")
+    for kw in ({"window": (40, 3)}, {"mask": "padding"}, {"sinks": "sinks"}):
+        _check_cache(q, k, v, **_options(kw, shape, seed=22))
+    _check_cache(q[..., ::2, :], k, v, causal="bottom_right")  # strided queries, read in place
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_half_cache_is_not_widened_in_python(dtype: np.dtype, monkeypatch) -> None:
+    """No float32 copy of the cache is made in Python (decode and tiles); the other dtype
+    mixes (a float16 key with a float32 value, float64 queries) widen as before."""
+    from conftest import refuse_conversions
+
+    shapes = [(2, 8, 2, 1, 700, 64, 64), (1, 4, 2, 97, 300, 64, 48)]
+    calls = []
+    for shape in shapes:
+        q, k, v = _inputs(shape, dtype, seed=23)
+        calls.append((q.astype(np.float32), k, v))
+    want = [
+        attnlab.scaled_dot_product_attention(q, k.astype(np.float32), v.astype(np.float32))
+        for q, k, v in calls
+    ]
+    refuse_conversions(monkeypatch, {k.shape for _, k, _ in calls} | {v.shape for *_, v in calls})
+    for (q, k, v), w in zip(calls, want, strict=True):
+        np.testing.assert_array_equal(attnlab.scaled_dot_product_attention(q, k, v), w)
+    monkeypatch.undo()
+    q, k, v = calls[0]
+    mixed = attnlab.scaled_dot_product_attention(q, k, v.astype(np.float32))
+    np.testing.assert_array_equal(mixed, want[0])
+    wide = attnlab.scaled_dot_product_attention(q.astype(np.float64), k, v)
+    assert wide.dtype == np.float64
+
+
 def test_same_bits_for_any_thread_count() -> None:
     code = (
         "import numpy as np, attnlab, hashlib\n"
@@ -382,3 +435,10 @@ def test_backward_half_binding_refuses_what_it_does_not_read() -> None:
         run(d_k=np.zeros((1, 2, 4, 4), np.uint16))
     with pytest.raises(TypeError, match="out"):
         run(out=u.copy())
+    # the forward: float32 queries read a half-precision k, v and write a float32 out
+    fwd = dict(q=f, k=u, v=u, half=1, mask=m, scale=0.5, lse=None)
+    core.sdpa_forward_half(out=f.copy(), **fwd)
+    with pytest.raises(TypeError, match="out: float32 q writes a float32 out"):
+        core.sdpa_forward_half(out=u.copy(), **fwd)
+    with pytest.raises(TypeError, match="k"):
+        core.sdpa_forward_half(out=f.copy(), **{**fwd, "k": f})

@@ -77,15 +77,18 @@ void sdpa_forward(py::array q, py::array k, py::array v, py::array out, const Ma
 }
 
 // The sizes and the half-precision views of q, k, v (their bits as uint16 arrays; half 1:
-// float16, 2: bfloat16) of an SDPA call computed in float32.
+// float16, 2: bfloat16) of an SDPA call computed in float32; with float_q, q is float32.
 AttentionProblem<float> half_problem(const py::array& q, const py::array& k, const py::array& v,
-                                     int half, double scale) {
+                                     int half, double scale, bool float_q = false) {
     if (half != 1 && half != 2) throw py::value_error("half: expected 1 (float16) or 2 (bfloat16)");
     AttentionProblem<float> p = sdpa_sizes<float>(q, k, v, scale);
     const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
     using Bits = std::uint16_t;
     p.half = half == 1 ? HalfFormat::float16 : HalfFormat::bfloat16;
-    p.q_half = const_stack<Bits>(check<Bits>(q, "q", {B, H, nq, p.d}), q);
+    if (float_q)
+        p.q = const_stack<float>(check<float>(q, "q", {B, H, nq, p.d}), q);
+    else
+        p.q_half = const_stack<Bits>(check<Bits>(q, "q", {B, H, nq, p.d}), q);
     p.k_half = const_stack<Bits>(check<Bits>(k, "k", {B, Hk, nk, p.d}), k);
     p.v_half = const_stack<Bits>(check<Bits>(v, "v", {B, Hk, nk, p.d_v}), v);
     return p;
@@ -93,10 +96,13 @@ AttentionProblem<float> half_problem(const py::array& q, const py::array& k, con
 
 // The forward with q, k, v and out in half precision (their bits as uint16 arrays; half 1:
 // float16, 2: bfloat16), computed in float32; lse float32; out and the weights, when wanted,
-// as bits or float32.
+// as bits or float32. q may be float32 (k and v a half-precision cache): out is then float32.
 void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::array out,
                        const MaskArgs& mask, double scale, py::object lse, py::object weights) {
-    AttentionProblem<float> p = half_problem(q, k, v, half, scale);
+    const bool float_q = q.dtype().is(py::dtype::of<float>());
+    if (float_q && !out.dtype().is(py::dtype::of<float>()))
+        throw py::type_error("out: float32 q writes a float32 out");
+    AttentionProblem<float> p = half_problem(q, k, v, half, scale, float_q);
     const Index B = p.batch, H = p.heads, nq = p.n_q, nk = p.n_k, dv = p.d_v;
     using Bits = std::uint16_t;
     if (out.dtype().is(py::dtype::of<float>())) {  // kept in float32 (attnlab.vjp's forward)

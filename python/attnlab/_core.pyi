@@ -58,7 +58,7 @@ def sdpa_forward(
     bf16: bool = ...,
 ) -> None: ...
 def sdpa_forward_half(
-    q: _Array,
+    q: _Array,  # bits of k's format, or float32 (out then float32)
     k: _Array,
     v: _Array,
     half: _Int,

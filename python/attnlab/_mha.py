@@ -42,12 +42,29 @@ class _Sdpa(NamedTuple):
     bf16: bool  # precision="bf16"
 
 
-def _prepare_sdpa(args: dict[str, Any], half_qkv: bool = False) -> _Sdpa:
+def _half_cache(args: dict[str, Any]) -> bool:
+    """Whether ``q`` is float32 and ``k``, ``v`` are ndarrays of one half dtype: a cache the
+    forward reads as stored (``sdpa_forward_half`` with float32 queries and output)."""
+    q, k, v = args["q"], args["k"], args["v"]
+    return (
+        type(q) is np.ndarray
+        and q.dtype == np.float32
+        and type(k) is np.ndarray
+        and type(v) is np.ndarray
+        and k.dtype == v.dtype
+        and _half.is_half(k.dtype)
+    )
+
+
+def _prepare_sdpa(args: dict[str, Any], half_qkv: bool = False, half_kv: bool = False) -> _Sdpa:
     """The validated arguments of an SDPA call (forward and backward). ``half_qkv``: ``q``,
     ``k`` and ``v`` (float16 or bfloat16, as :func:`_half.storage` found) stay in their dtype,
-    for the kernel that reads them so (``sdpa_forward_half``)."""
+    for the kernel that reads them so (``sdpa_forward_half``); ``half_kv``: ``k`` and ``v``
+    do, beside float32 ``q`` (:func:`_half_cache`)."""
     if half_qkv:
         q, k, v = np.asarray(args["q"]), np.asarray(args["k"]), np.asarray(args["v"])
+    elif half_kv:
+        q, k, v = args["q"], args["k"], args["v"]
     else:
         q = V.as_array(args["q"], "q")
         k = V.as_array(args["k"], "k")
@@ -78,15 +95,16 @@ def _prepare_sdpa(args: dict[str, Any], half_qkv: bool = False) -> _Sdpa:
             f"k: the number of kv heads ({h_kv}) must divide the number of query heads ({h})"
         )
     batch = V.batch_shape([("q", q.shape[:-3]), ("k", k.shape[:-3]), ("v", v.shape[:-3])])
-    dtype = np.dtype(np.float32) if half_qkv else V.result_dtype(q, k, v)  # computed in float32
+    # computed in float32
+    dtype = np.dtype(np.float32) if half_qkv or half_kv else V.result_dtype(q, k, v)
     m = _args.masks(args, batch, h, n_q, n_k, dtype, 1.0 / math.sqrt(d))
     return _Sdpa(
         q,
         k,
         v,
         V.stack(q, batch, q.dtype if half_qkv else dtype, 3),
-        V.stack(k, batch, k.dtype if half_qkv else dtype, 3),
-        V.stack(v, batch, v.dtype if half_qkv else dtype, 3),
+        V.stack(k, batch, k.dtype if half_qkv or half_kv else dtype, 3),
+        V.stack(v, batch, v.dtype if half_qkv or half_kv else dtype, 3),
         batch,
         dtype,
         h,
@@ -163,6 +181,8 @@ def scaled_dot_product_attention(
     -----
     A query row whose keys are all masked gets weights 0 and an output row of 0, never NaN.
     {dtypes_mixed}
+    float32 ``q`` against ``k``, ``v`` of one half dtype (a half-precision cache) reads them as
+    stored: the result is float32, the same as on the widened cache.
 
     Examples
     --------
@@ -183,7 +203,9 @@ def scaled_dot_product_attention(
         and precision is None
         and (_keep is None or (not mode and _stacked(args["q"], args["k"], args["v"])))
     )
-    a = _prepare_sdpa(args, half_qkv)
+    # float32 queries against a half-precision cache: k and v read as stored, float32 result
+    half_kv = half is None and precision is None and _keep is None and _half_cache(args)
+    a = _prepare_sdpa(args, half_qkv, half_kv)
     lse_wanted = V.check_flag(return_lse, "return_lse")
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
     B = V.count(batch)
@@ -195,15 +217,16 @@ def scaled_dot_product_attention(
         a = _memory.owned(a)
     if _keep is not None or lse_wanted:
         lse = a.m.empty_lse(B, h, n_q, dtype)  # what a call with no key leaves
-    if half_qkv and (
+    if (half_qkv or half_kv) and (
         out.size or (weights is not None and weights.size) or (lse is not None and lse.size)
     ):
-        q16, k16, v16 = (x.view(np.uint16) for x in (a.q4, a.k4, a.v4))  # the bits
+        k16, v16 = a.k4.view(np.uint16), a.v4.view(np.uint16)  # the bits
+        q16 = a.q4 if half_kv else a.q4.view(np.uint16)
         out16 = out if out.dtype == dtype else out.view(np.uint16)
-        # the weights as bits, or in float32 for their mean over the heads
-        w16 = weights if weights is None or mode == "mean" else weights.view(np.uint16)
+        # the weights as bits, or in float32 (for their mean over the heads, or with float q)
+        w16 = weights if weights is None or weights.dtype == dtype else weights.view(np.uint16)
         core.sdpa_forward_half(
-            q16, k16, v16, _half.code(a.q4.dtype), out16, a.m.core_mask(), a.m.scale, lse, w16
+            q16, k16, v16, _half.code(a.k4.dtype), out16, a.m.core_mask(), a.m.scale, lse, w16
         )
     elif out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse, a.bf16)

@@ -38,6 +38,7 @@ struct AttentionProblem {
     T* lse = nullptr;      // optional (batch, heads, n_q) contiguous: log-sum-exp of the logits
     Bf16 bf16 = Bf16::none;
     HalfFormat half = HalfFormat::none;  // float only; then the *_half views replace q, k, v, out
+    // (the forward: q_half unset reads float queries from q, out_half unset writes out)
     MatrixStack<const std::uint16_t> q_half, k_half, v_half;
     MatrixStack<std::uint16_t> out_half;
     std::uint16_t* weights_half = nullptr;  // or the weights as bits of `half` (weights null)

@@ -461,17 +461,25 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
         const Index mq = tile_rows(p.n_q, kTileQ, q_tiles, qt);
         const Index hk = h / (p.heads / p.kv_heads);
         const Index head = b * p.kv_heads + hk;
-        float* qf = scratch<float>(ScratchBuffer::kHalfQueries, static_cast<std::size_t>(mq * d));
-        // the output rounded into out_half, or kept in float32 in out (the backward's recompute)
+        // the output rounded into out_half, or kept in float32 in out (the backward's recompute,
+        // or float queries)
         const bool rounded = p.out_half.data != nullptr;
         float* of =
             rounded ? scratch<float>(ScratchBuffer::kHalfOutput, static_cast<std::size_t>(mq * dv))
                     : p.out.at(b, h) + i0 * p.out.row_stride;
         const Index os = rounded ? dv : p.out.row_stride;
-        half_rows_to_float(p.q_half.at(b, h) + i0 * p.q_half.row_stride, p.q_half.row_stride, mq, d,
-                           p.half, qf);
+        const float* qf = p.q.at(b, h) + i0 * p.q.row_stride;  // float queries are read in place
+        Index qs = p.q.row_stride;
+        if (p.q_half.data) {
+            float* w =
+                scratch<float>(ScratchBuffer::kHalfQueries, static_cast<std::size_t>(mq * d));
+            half_rows_to_float(p.q_half.at(b, h) + i0 * p.q_half.row_stride, p.q_half.row_stride,
+                               mq, d, p.half, w);
+            qf = w;
+            qs = d;
+        }
         // per-row flags, never null: whether V holds NaN/Inf is known only as rows are widened
-        TileOperands<float> x{qf, d, nullptr, d, nullptr, dv, of, os};
+        TileOperands<float> x{qf, qs, nullptr, d, nullptr, dv, of, os};
         // the weights wanted: the tile's rows computed in float32, then rounded into place (or
         // kept in float32 in p.weights: their mean over the heads is taken in float32)
         const bool weights_wanted = p.weights_half || p.weights;
@@ -540,20 +548,22 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
     parallel_for(heads_kv * per_kv, tile);
 }
 
-// The decode path with half-precision queries and output: it reads K and V as stored; the few
-// query rows are widened and the output rows rounded around it (or, without out_half, the
-// output kept in float32 in out: the backward's recompute).
+// The decode path with half-precision K and V: it reads them as stored; half-precision query
+// rows are widened and the output rows rounded around it (or, without out_half, the output
+// kept in float32 in out: the backward's recompute, or float queries read in place).
 inline void decode_half(const AttentionProblem<float>& p) {
     const Index rows = p.batch * p.heads * p.n_q;
     const bool rounded = p.out_half.data != nullptr;
-    Buffer<float> q = make_buffer<float>(rows * p.d);
+    Buffer<float> q = make_buffer<float>(p.q_half.data ? rows * p.d : 0);
     Buffer<float> out = make_buffer<float>(rounded ? rows * p.d_v : 0);
-    for (Index b = 0; b < p.batch; ++b)
-        for (Index h = 0; h < p.heads; ++h)
-            half_rows_to_float(p.q_half.at(b, h), p.q_half.row_stride, p.n_q, p.d, p.half,
-                               q.get() + (b * p.heads + h) * p.n_q * p.d);
     AttentionProblem<float> r = p;
-    r.q = {q.get(), p.heads * p.n_q * p.d, p.n_q * p.d, p.d};
+    if (p.q_half.data) {
+        for (Index b = 0; b < p.batch; ++b)
+            for (Index h = 0; h < p.heads; ++h)
+                half_rows_to_float(p.q_half.at(b, h), p.q_half.row_stride, p.n_q, p.d, p.half,
+                                   q.get() + (b * p.heads + h) * p.n_q * p.d);
+        r.q = {q.get(), p.heads * p.n_q * p.d, p.n_q * p.d, p.d};
+    }
     if (rounded) r.out = {out.get(), p.heads * p.n_q * p.d_v, p.n_q * p.d_v, p.d_v};
     decode_forward(r);
     if (!rounded) return;

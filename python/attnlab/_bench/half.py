@@ -78,6 +78,17 @@ def _decode(dt: Any, quick: bool) -> Call:
     return lambda: attnlab.scaled_dot_product_attention(q, k, v)
 
 
+def _decode_cache(dt: Any, quick: bool) -> Call:
+    """float32 queries against a cache stored in ``dt``: in float16 the kernel reads the cache
+    as stored (half the bytes) and the output is float32."""
+    import attnlab
+
+    rng, n = _rng(), 2048 if quick else 8192
+    q = rng.standard_normal((1, 32, 1, 128)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 8, n, 128)).astype(dt) for _ in range(2))
+    return lambda: attnlab.scaled_dot_product_attention(q, k, v)
+
+
 def _mha(B: int, n: int, d: int, h: int, step: str = "", **kw: Any) -> Callable[[Any, bool], Call]:
     """A layer's forward with the options ``kw`` (``qk_norm=True``: q/k norms of ones);
     ``step="backward"``: its backward, ``step="vjp"``: ``attnlab.vjp`` and the pullback (a
@@ -186,6 +197,12 @@ CASES: dict[str, tuple[str, str, str, Callable[[Any, bool], Call]]] = {
     "sdpa-vjp": ("SDPA vjp + pullback", "(8, 6, 197, 64)", "(2, 6, 197, 64)", _sdpa_vjp),
     "merge": ("merge, 4 parts", "(4, 8, 512, 64)", "(2, 8, 256, 64)", _merge),
     "decode-gqa": ("decode GQA", "32/8 heads x 128, 8192 keys", "2048 keys", _decode),
+    "decode-cache": (
+        "decode GQA, float32 q",
+        "32/8 heads x 128, 8192 keys",
+        "2048 keys",
+        _decode_cache,
+    ),
     "bert": (
         "BERT-base layer",
         "B=1 n=128 d=768 h=12",
