@@ -42,6 +42,9 @@ SHAPES = [
     pytest.param((1, 2, 2, 100, 2100, 64, 64), id="tiles-large-head"),
     pytest.param((1, 2, 1, 100, 8300, 64, 64), id="tiles-call-copy"),
     pytest.param((2, 8, 2, 1, 700, 64, 64), id="decode"),
+    # rows in several row blocks (AVX-512 holds four), each reading the block's keys as stored
+    pytest.param((1, 16, 1, 1, 1100, 64, 48), id="decode-many-rows"),
+    pytest.param((2, 8, 2, 3, 700, 32, 37), id="decode-gqa-rows"),
     # heads not a whole number of packets: the decode path's scalar tails (fused alike)
     pytest.param((2, 2, 2, 2, 8, 8, 5), id="decode-narrow"),
     pytest.param((1, 3, 3, 0, 5, 8, 8), id="no-queries"),
