@@ -445,3 +445,18 @@ def test_backward_half_binding_refuses_what_it_does_not_read() -> None:
         core.sdpa_forward_half(out=u.copy(), **fwd)
     with pytest.raises(TypeError, match="k"):
         core.sdpa_forward_half(out=f.copy(), **{**fwd, "k": f})
+
+
+def test_ragged_cache_beside_float32_queries_is_named() -> None:
+    """The half-cache check looks at ndarrays only: a ragged ``k`` or ``v`` is still refused
+    with an error that names it (the fuzzer found a backward that read its shape first)."""
+    q = np.zeros((1, 2, 3, 4), np.float32)
+    g = np.zeros((1, 2, 3, 4), np.float32)
+    kv = np.zeros((1, 2, 5, 4), np.float16)
+    ragged = [[0.0, 1.0], [2.0]]
+    for name in ("k", "v"):
+        args = {"k": kv, "v": kv, name: ragged}
+        with pytest.raises(TypeError, match=f"^{name}: "):
+            attnlab.scaled_dot_product_attention(q, **args)
+        with pytest.raises(TypeError, match=f"^{name}: "):
+            attnlab.scaled_dot_product_attention_backward(g, q, **args)
