@@ -480,7 +480,8 @@ def test_mha_args_refuse_a_bad_inputs_half():
     rng = np.random.default_rng(0)
     x, _, w, kw = _mha_case(rng, np.float16, False, None)
     a = _prepared(x, **w, **kw)
-    out = np.empty((14, 16), np.float16).view(np.uint16)
+    # zeros, not np.empty: it is also the backward's grad_out below (garbage bits can be NaN)
+    out = np.zeros((14, 16), np.float16).view(np.uint16)
     with pytest.raises(ValueError, match=r"inputs_half: expected 0, or 1 .* got 2 with"):
         core.mha_forward(a._replace(inputs_half=2).core_args(), out, None)
     with pytest.raises(ValueError, match=r"inputs_half: .* got 1 with weights_half 0"):
