@@ -976,3 +976,33 @@ def test_logit_scale_and_bound_values():
         assert logit_scale(3 * q, k) == pytest.approx(3.0, rel=0.05)
     assert error_bound(2.0**-8, 1.0, 1) == FORWARD_C * (2.0**-7 + 2.0**-24)
     assert error_bound(2.0**-24, 0.0, 10_000, BACKWARD_C) == BACKWARD_C * 101 * 2.0**-24
+
+
+def test_byte_swapped_half_precision_is_converted_not_read_as_bits():
+    """A float16 array in the other byte order is not the kernels' float16: it is converted, as
+    a byte-swapped float32 is (to float64), never read as bits (which gave wrong values)."""
+    rng = np.random.default_rng(31)
+    swapped = np.dtype(np.float16).newbyteorder()
+    q = rng.standard_normal((1, 2, 3, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 40, 8)).astype(swapped) for _ in range(2))
+    g = rng.standard_normal((1, 2, 3, 8))
+
+    def wide(*xs):
+        return [x.astype(np.float64) for x in xs]
+
+    for qq in (q, q.astype(swapped)):  # beside float32 queries, or all byte-swapped
+        got = attnlab.scaled_dot_product_attention(qq, k, v)
+        assert got.dtype == np.float64
+        np.testing.assert_array_equal(got, attnlab.scaled_dot_product_attention(*wide(qq, k, v)))
+        got = attnlab.scaled_dot_product_attention_backward(g, qq, k, v)
+        want = attnlab.scaled_dot_product_attention_backward(g, *wide(qq, k, v))
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    x = rng.standard_normal((2, 5, 16)).astype(swapped)
+    w = {n: (rng.standard_normal((16, 16)) / 4).astype(swapped) for n in ("w_q", "w_k", "w_v")}
+    w["w_o"] = (rng.standard_normal((16, 16)) / 4).astype(swapped)
+    got = attnlab.multi_head_attention(x, num_heads=4, **w)
+    w64 = {n: a.astype(np.float64) for n, a in w.items()}
+    want = attnlab.multi_head_attention(*wide(x), num_heads=4, **w64)
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, want)

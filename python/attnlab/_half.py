@@ -43,14 +43,15 @@ COMPUTED = np.empty(0, np.float32)
 
 def is_half(dtype: np.dtype) -> bool:
     """Whether ``dtype`` is float16 or bfloat16 (``ml_dtypes``' is recognised by name, so that
-    attnlab does not import ``ml_dtypes`` itself)."""
+    attnlab does not import ``ml_dtypes`` itself) in this machine's byte order: the kernels read
+    their bits. A byte-swapped one is another dtype, converted as a big-endian float32 is."""
     if dtype.itemsize != 2:  # the common case, answered without a lookup
         return False
     found = _HALF_DTYPES.get(dtype)
     if found is None:
         if len(_HALF_DTYPES) >= 64:
             _HALF_DTYPES.clear()
-        found = _HALF_DTYPES[dtype] = dtype.name in HALF_NAMES
+        found = _HALF_DTYPES[dtype] = dtype.name in HALF_NAMES and dtype.isnative
     return found
 
 
