@@ -196,7 +196,8 @@ def test_refused_with_a_named_error(w, error, match):
 def test_core_checks_the_panels():
     """The binding's own checks (the Python layer sends only panels it made)."""
     w = np.ones((8, 96), np.float32)
-    x, y = np.ones((3, 8), np.float32), np.empty((3, 96), np.float32)
+    # zeros, not np.empty: y is cast below (uninitialised bits warned as NaN at random)
+    x, y = np.ones((3, 8), np.float32), np.zeros((3, 96), np.float32)
     with pytest.raises(ValueError, match=r"^packed"):
         core.linear_forward(x, w, None, y, packed=np.zeros(5, np.float32))
     with pytest.raises(TypeError, match=r"^packed: unexpected dtype float32"):
