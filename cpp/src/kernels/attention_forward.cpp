@@ -468,8 +468,8 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
             rounded ? scratch<float>(ScratchBuffer::kHalfOutput, static_cast<std::size_t>(mq * dv))
                     : p.out.at(b, h) + i0 * p.out.row_stride;
         const Index os = rounded ? dv : p.out.row_stride;
-        const float* qf = p.q.at(b, h) + i0 * p.q.row_stride;  // float queries are read in place
-        Index qs = p.q.row_stride;
+        const float* qf;  // half-precision queries widened per tile, float ones read in place
+        Index qs;
         if (p.q_half.data) {
             float* w =
                 scratch<float>(ScratchBuffer::kHalfQueries, static_cast<std::size_t>(mq * d));
@@ -477,6 +477,9 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
                                mq, d, p.half, w);
             qf = w;
             qs = d;
+        } else {
+            qf = p.q.at(b, h) + i0 * p.q.row_stride;
+            qs = p.q.row_stride;
         }
         // per-row flags, never null: whether V holds NaN/Inf is known only as rows are widened
         TileOperands<float> x{qf, qs, nullptr, d, nullptr, dv, of, os};
