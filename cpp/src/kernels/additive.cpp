@@ -98,6 +98,7 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     if (p.b_k) bkq.head(D) = ConstVecMap<T>(p.b_k, D);
     if (p.b_q) bkq.tail(D) = ConstVecMap<T>(p.b_q, D);
     const ConstRowMap<T> Wkq_map(Wkq.data(), din, ld, Eigen::OuterStride<>(ld));
+    const PackedBlock<T> Wkq_packed(Wkq_map), Wfinal_packed(Wfinal);
 
     T* score = st.score;
     const Index per = (n + kRowBlock - 1) / kRowBlock;  // row blocks per batch element
@@ -109,7 +110,7 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     //    a_n = s_n / max(||s||, eps), so G = (sum s_n Q_n) / max(||s||, eps)).
     for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
         const Index r0 = b * n + i0;
-        auto KQ = project_block<T>(p.x, r0, m, din, Wkq_map, bkq.data(), p.half);
+        auto KQ = project_block<T>(p.x, r0, m, din, Wkq_map, bkq.data(), p.half, Wkq_packed.get());
         auto K = KQ.leftCols(D);
         auto Q = KQ.rightCols(D);
         normalize_rows(K, p.eps, st.k_norm ? st.k_norm + r0 : nullptr);
@@ -141,7 +142,8 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
         Eigen::Map<Vec<double>>(partial.get() + task * D, D) = share.template cast<double>();
         if (out) {
             RowMap<T> Y(out + r0 * dout, m, dout, Eigen::OuterStride<>(dout));
-            block_product<T>(cview<T>(KQ.data() + D, m, D, ld), Wfinal, Y);
+            block_product<T>(cview<T>(KQ.data() + D, m, D, ld), Wfinal, Y, false,
+                             Wfinal_packed.get());
         }
     });
 
@@ -217,8 +219,8 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
 
     // 3. out += K (diag(G) M) + c.
     folded_rows<T>(B, n, D, dout, st.pooled, M, st.k, out, p.half,
-                   [&](const auto& K, auto& Y, const auto& W) {
-                       block_product<T>(K, cview<T>(W.data(), D, dout, dout), Y, true);
+                   [&](const auto& K, auto& Y, const auto& W, const T* packed) {
+                       block_product<T>(K, cview<T>(W.data(), D, dout, dout), Y, true, packed);
                        Y.rowwise() += c;
                    });
 }

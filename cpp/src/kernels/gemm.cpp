@@ -723,22 +723,31 @@ ATTNLAB_PANEL_ROWS_WIDE()
 
 template <typename T>
 void block_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,
-                   bool accumulate) {
+                   bool accumulate, const T* packed) {
     RowMap<T> dst = c;  // the view is const, not what it maps
-    const Index rows = c.rows(), cols = c.cols();
+    const Index rows = c.rows(), cols = c.cols(), depth = a.cols();
     if (rows <= 0 || cols <= 0) return;
     constexpr Index W = panel_width<T>();
-    const Index panels = (cols + W - 1) / W;
+    const Index panels = (cols + W - 1) / W, whole = cols / W;
     for (Index p = 0; p < panels; ++p)
-        gemm_panel<T>(rows, a.cols(), cols, a.data(), a.outerStride(), Index(1), HalfB{}, b.data(),
+        gemm_panel<T>(rows, depth, cols, a.data(), a.outerStride(), Index(1), HalfB{}, b.data(),
                       b.outerStride(), false, static_cast<const T*>(nullptr), dst.data(),
-                      dst.outerStride(), accumulate, p, p + 1 < panels);
+                      dst.outerStride(), accumulate, p, p + 1 < panels,
+                      packed && p < whole && depth > 0 ? packed + p * depth * W : nullptr);
+}
+
+template <typename T>
+void pack_block(const ConstRowMap<T>& b, T* packed) {
+    pack_rows(b.data(), HalfB{}, b.outerStride(), b.rows(), b.cols() / panel_width<T>(), 0,
+              b.rows(), packed);
 }
 
 template void block_product<float>(const ConstRowMap<float>&, const ConstRowMap<float>&,
-                                   const RowMap<float>&, bool);
+                                   const RowMap<float>&, bool, const float*);
 template void block_product<double>(const ConstRowMap<double>&, const ConstRowMap<double>&,
-                                    const RowMap<double>&, bool);
+                                    const RowMap<double>&, bool, const double*);
+template void pack_block<float>(const ConstRowMap<float>&, float*);
+template void pack_block<double>(const ConstRowMap<double>&, double*);
 
 template <typename T>
 void eigen_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,

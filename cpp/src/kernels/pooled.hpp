@@ -32,23 +32,43 @@ using VecMap = Eigen::Map<Vec<T>>;
 template <typename T>
 using ConstVecMap = Eigen::Map<const Vec<T>>;
 
-// Y = X W + b over a block of rows (W row-major (in, out), possibly a strided column block).
+// A weight that block_product reads for every block of rows of a call, its panels packed once
+// (in parallel) rather than by each block: the same bits, without a copy of W per block.
+template <typename T>
+class PackedBlock {
+  public:
+    // a strided view (a column block) is read in place by each block instead
+    explicit PackedBlock(const ConstRowMap<T>& w) {
+        if (w.outerStride() != w.cols()) return;
+        data_ = make_buffer<T>(packed_weight_size<T>(w.rows(), w.cols()));
+        pack_weight<T>(w.rows(), w.cols(), w.data(), data_.get());
+    }
+    const T* get() const { return data_.get(); }
+
+  private:
+    Buffer<T> data_;
+};
+
+// Y = X W + b over a block of rows (W row-major (in, out), possibly a strided column block;
+// packed: its panels, PackedBlock's, or null).
 template <typename T, typename XMap, typename YMap>
-void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y) {
+void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y,
+             const T* packed = nullptr) {
     if (X.cols() == 0) {
         Y.setZero();
     } else {
-        block_product<T>(X, W, Y);
+        block_product<T>(X, W, Y, false, packed);
     }
     if (b) Y.rowwise() += ConstVecMap<T>(b, Y.cols());
 }
 
 // Rows [r0, r0 + m) of x (width in) times W plus b, into this thread's kAdditiveRows block
 // (m x W.cols()): the first step of both forwards. With h.x, x's rows are those half-precision
-// bits, widened into a block of this thread first (exactly: the same products).
+// bits, widened into a block of this thread first (exactly: the same products). packed: W's
+// panels (PackedBlock), or null.
 template <typename T>
 auto project_block(const T* x, Index r0, Index m, Index in, const ConstRowMap<T>& W, const T* b,
-                   const HalfTokens& h) {
+                   const HalfTokens& h, const T* packed = nullptr) {
     if constexpr (std::is_same_v<T, float>) {
         if (h.x) {
             float* w = scratch<float>(ScratchBuffer::kAdditiveHalfRows,
@@ -60,7 +80,7 @@ auto project_block(const T* x, Index r0, Index m, Index in, const ConstRowMap<T>
     ConstRowMap<T> X(x + r0 * in, m, in, Eigen::OuterStride<>(std::max<Index>(in, 1)));
     auto Y = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, W.cols());
     RowMap<T> Ym(Y.data(), m, W.cols(), Eigen::OuterStride<>(W.cols()));
-    project<T>(X, W, b, Ym);
+    project<T>(X, W, b, Ym, packed);
     return Y;
 }
 
@@ -76,10 +96,11 @@ void for_batch_blocks(Index B, Index n, F fn) {
 }
 
 // The last step of both forwards. Per task of at most kRowsPerTask rows of batch element b: the
-// weights folded with b's pooled vector, Wb = diag(pooled_b) W (width x d_out), once per task;
-// then apply(X, Y, Wb) for each block of kRowBlock rows, X the block of x (rows x width) and Y
-// the same rows of y (rows x d_out). With h.out, Y's rows are then rounded to those
-// half-precision rows; y may then be null (Y is a block of this thread).
+// weights folded with b's pooled vector, Wb = diag(pooled_b) W (width x d_out), once per task,
+// and its panels packed (block_product's `packed`); then apply(X, Y, Wb, packed) for each block
+// of kRowBlock rows, X the block of x (rows x width) and Y the same rows of y (rows x d_out).
+// With h.out, Y's rows are then rounded to those half-precision rows; y may then be null (Y is
+// a block of this thread).
 template <typename T, typename WMatrix, typename F>
 void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, const WMatrix& W,
                  const T* x, T* y, const HalfTokens& h, F apply) {
@@ -89,6 +110,10 @@ void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, con
         const Index r1 = std::min(n, r0 + kRowsPerTask);
         auto Wb = scratch_matrix<T>(ScratchBuffer::kAdditiveFolded, width, dout);
         Wb = ConstVecMap<T>(pooled + b * width, width).asDiagonal() * W;
+        T* packed = scratch<T>(
+            ScratchBuffer::kAdditivePacked,
+            static_cast<std::size_t>(std::max<Index>(packed_weight_size<T>(width, dout), 1)));
+        pack_block<T>(cview<T>(Wb.data(), width, dout, dout), packed);
         for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
             const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
             ConstRowMap<T> X(x + row * width, m, width, Eigen::OuterStride<>(width));
@@ -96,7 +121,7 @@ void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, con
                       : scratch<T>(ScratchBuffer::kAdditiveHalfOut,
                                    static_cast<std::size_t>(std::max<Index>(m * dout, 1)));
             RowMap<T> Y(yb, m, dout, Eigen::OuterStride<>(dout));
-            apply(X, Y, Wb);
+            apply(X, Y, Wb, packed);
             if constexpr (std::is_same_v<T, float>)
                 if (h.out) narrow_block(yb, m * dout, h.format, h.out + row * dout);
         }

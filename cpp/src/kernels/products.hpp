@@ -24,9 +24,17 @@ void eigen_product_bt(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const Ro
 // C = A B, or C += A B when accumulate, on the panel kernel of the projections (gemm.cpp), in
 // this thread: for blocks of rows inside a parallel task. Each entry is one FMA chain over the
 // depth, in order (faster than Eigen's GEMM on these blocks: docs/performance.md).
+// packed: B's whole panels as pack_block() laid them out (B contiguous), or null (each call
+// then packs them as it goes): the same bits either way.
 template <typename T>
 void block_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,
-                   bool accumulate = false);
+                   bool accumulate = false, const T* packed = nullptr);
+
+// B's whole panels (B contiguous, rows x cols) packed in this thread into `packed`
+// (packed_weight_size(rows, cols) elements): for a B that block_product reads for many blocks
+// of rows, packed once instead of by each call.
+template <typename T>
+void pack_block(const ConstRowMap<T>& b, T* packed);
 
 // Row-major views of contiguous or strided blocks.
 template <typename T>

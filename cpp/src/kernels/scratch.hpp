@@ -69,6 +69,7 @@ enum class ScratchBuffer : int {
     kAdditiveWeights,    // additive/separable: a row block's token weights, a batch row's scores
     kAdditivePooled,     // additive/separable forward: a batch row's pooled vector, in double
     kAdditiveFolded,     // additive/separable forward: the weights folded with the pooled vector
+    kAdditivePacked,     // additive/separable forward: those folded weights' panels, packed
     kAdditiveHalfRows,   // additive/separable forward: a row block of half-precision x widened
     kAdditiveHalfOut,    // separable forward: a row block of the output before rounding to half
     kCount

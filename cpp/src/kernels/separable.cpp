@@ -25,6 +25,7 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st) {
     constexpr T kInf = std::numeric_limits<T>::infinity();
 
     const ConstRowMap<T> Wqkv(p.w_qkv, d, ld, Eigen::OuterStride<>(ld));
+    const PackedBlock<T> Wqkv_packed(Wqkv);
     const Index per = (n + kRowBlock - 1) / kRowBlock;
     // Per (batch element, block): the block's softmax state over its real tokens, as in an
     // online softmax: its max m_b, sum_n exp(s_n - m_b), sum_n exp(s_n - m_b) k_n.
@@ -37,7 +38,7 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st) {
     //    relu(v) (NaN stays NaN, as torch's relu).
     for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
         const Index r0 = b * n + i0;
-        auto P = project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv, p.half);
+        auto P = project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv, p.half, Wqkv_packed.get());
         RowMap<T>(st.v + r0 * d, m, d, Eigen::OuterStride<>(d)) =
             P.rightCols(d).unaryExpr([](T v) { return v < T(0) ? T(0) : v; });
         if (st.k) RowMap<T>(st.k + r0 * d, m, d, Eigen::OuterStride<>(d)) = P.middleCols(1, d);
@@ -142,11 +143,12 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
 
     // 3. out = relu(v) (diag(ctx) w_o) + b_o.
     folded_rows<T>(B, n, d, dout, st.context, Wo, st.v, p.out, p.half,
-                   [&](const auto& Vv, auto& Y, const auto& Wb) {
+                   [&](const auto& Vv, auto& Y, const auto& Wb, const T* packed) {
                        if (d == 0) {
                            Y.setZero();
                        } else {
-                           block_product<T>(Vv, cview<T>(Wb.data(), d, dout, dout), Y);
+                           block_product<T>(Vv, cview<T>(Wb.data(), d, dout, dout), Y, false,
+                                            packed);
                        }
                        if (p.b_o) Y.rowwise() += ConstVecMap<T>(p.b_o, dout);
                    });
