@@ -135,9 +135,10 @@ def test_sdpa_matches_torch(case):
         m[..., 0] = True  # SDPA's bool masks mean "may attend", as attnlab's
         kwargs = ours = dict(attn_mask=m)
         ours = dict(mask=m)
-    elif case == "float_mask":
+    elif case == "float_mask":  # a learned bias: its gradient too
         m = torch.randn(n_q, n_k, generator=gen)
-        kwargs, ours = dict(attn_mask=m), dict(mask=m)
+        m_ref, m_got = m.clone().requires_grad_(), m.clone().requires_grad_()
+        kwargs, ours = dict(attn_mask=m_ref), dict(mask=m_got)
     else:
         ours = {}
     if case == "gqa":
@@ -152,6 +153,8 @@ def test_sdpa_matches_torch(case):
     (out * g).sum().backward()
     for a, b in zip(leaves_ref, leaves, strict=True):
         assert_close(_np(b.grad), _np(a.grad), F32, "torch adapter SDPA grad")
+    if case == "float_mask":
+        assert_close(_np(m_got.grad), _np(m_ref.grad), F32, "torch adapter SDPA grad mask")
 
 
 # --------------------------------------------------------------------------- bilinear
@@ -392,6 +395,49 @@ def test_gradcheck_sdpa():
     )
 
 
+def test_gradcheck_float_masks():
+    """A float mask that requires grad is differentiated (summed back to its broadcast shape),
+    through every function that takes one; one that does not is a constant."""
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = _leaves(gen, (2, 2, 3, 4), (2, 1, 5, 4), (2, 1, 5, 3), scale=1.0)
+    (m_sdpa,) = _leaves(gen, (2, 1, 3, 5), scale=1.0)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, m: at.scaled_dot_product_attention(q, k, v, mask=m, causal=True),
+        (q, k, v, m_sdpa),
+        nondet_tol=NONDET,
+    )
+    x, wq, wk, wv, wo, wqk = _leaves(gen, (2, 3, 4), (4, 4), (4, 4), (4, 4), (4, 5), (2, 4, 4))
+    (m_heads,) = _leaves(gen, (2, 3, 3), scale=1.0)  # per head, shared by the batch
+    assert torch.autograd.gradcheck(
+        lambda x, m, wq: at.multi_head_attention(
+            x, w_q=wq, w_k=wk, w_v=wv, w_o=wo, num_heads=2, mask=m
+        ),
+        (x, m_heads, wq),
+        nondet_tol=NONDET,
+    )
+    assert torch.autograd.gradcheck(
+        lambda x, m: at.bilinear_attention(x, w_qk=wqk, w_v=wv, w_o=wo, num_heads=2, mask=m),
+        (x, m_heads),
+        nondet_tol=NONDET,
+    )
+    d, r, dr = 8, 4, 2
+    w_q, w_kv_a, w_kv_b, w_o, x8 = _leaves(
+        gen, (d, 2 * (2 + dr)), (d, r + dr), (r, 2 * (2 + 2)), (2 * 2, d), (2, 3, d)
+    )
+    (m_lat,) = _leaves(gen, (3, 3), scale=1.0)
+    norm = torch.ones(r, dtype=torch.float64)
+    lat = dict(w_q=w_q, w_kv_a=w_kv_a, kv_a_norm=norm, w_kv_b=w_kv_b, w_o=w_o, num_heads=2)
+    assert torch.autograd.gradcheck(
+        lambda x, m: at.latent_attention(x, **lat, rope_theta=1e4, mask=m),
+        (x8, m_lat),
+        nondet_tol=NONDET,
+    )
+    const = m_sdpa.detach()  # no requires_grad: a constant, as before
+    out = at.scaled_dot_product_attention(q, k, v, mask=const)
+    out.sum().backward()
+    assert const.grad is None and q.grad is not None
+
+
 def test_gradcheck_bilinear():
     gen = torch.Generator().manual_seed(12)
     xq, xk, wqk, uk, wv, wo, bv, bo = _leaves(
@@ -478,6 +524,10 @@ def test_errors():
     with pytest.raises(TypeError, match="mask: expected a bool or floating-point tensor"):
         at.scaled_dot_product_attention(
             x[None], x[None], x[None], mask=torch.ones(3, 3, dtype=torch.int32)
+        )
+    with pytest.raises(TypeError, match="mask: expected a float32 or float64 tensor"):
+        at.scaled_dot_product_attention(  # differentiated: the inputs' dtypes
+            x[None], x[None], x[None], mask=torch.ones(3, 3, dtype=torch.half, requires_grad=True)
         )
     with pytest.raises(ValueError, match="w_q"):  # attnlab's own validation still applies
         at.multi_head_attention(x, num_heads=3, **w)

@@ -918,6 +918,37 @@ def test_gradients_match_the_module_autograd(name):
             assert_close(a.numpy(), to_ours(b).numpy(), np.float32, f"{name} grad {n}", 2e-5)
 
 
+def test_t5_position_bias_table_trains_through_attnlab_torch():
+    """T5's bias computed by the module (compute_bias, a differentiable tensor) and given to
+    attnlab.torch as a float mask that requires grad: the table's gradient, and x's, are those of
+    the module's own backward."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    import attnlab.torch as at
+
+    cfg = T.T5Config(
+        vocab_size=50, d_model=32, d_kv=8, num_heads=4, d_ff=16, num_layers=2,
+        relative_attention_num_buckets=32, relative_attention_max_distance=64,
+    )  # fmt: skip
+    att = T5Attention(cfg, has_relative_attention_bias=True, layer_idx=0).eval()
+    _randomize(att)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(B, N, 32, generator=gen, requires_grad=True)
+    G = torch.randn(B, N, 32, generator=gen)
+    table = att.relative_attention_bias.weight
+    out = att(x)[0]
+    theirs = torch.autograd.grad((out * G).sum(), [x, table])
+    xa = x.detach().clone().requires_grad_(True)
+    bias = att.compute_bias(N, N)[0]  # (h, N, N), from the table
+    w = {f"w_{p}": getattr(att, p).weight.t() for p in "qkvo"}
+    ours_out = at.multi_head_attention(xa, num_heads=4, scale=1.0, mask=bias, **w)
+    ours = torch.autograd.grad((ours_out * G).sum(), [xa, table])
+    assert_close(ours_out.detach().numpy(), out.detach().numpy(), np.float32, "T5 out", 2e-5)
+    assert_close(ours[0].numpy(), theirs[0].numpy(), np.float32, "T5 grad x", 2e-5)
+    assert_close(ours[1].numpy(), theirs[1].numpy(), np.float32, "T5 grad table", 2e-5)
+    assert theirs[1].abs().sum() > 0  # the table is trained, not left at zero
+
+
 @pytest.mark.parametrize("decoder", [False, True])
 def test_t5_position_bias_is_the_modules(decoder):
     """The bias equals the module's compute_bias bucket for bucket (float32 bucketing, far

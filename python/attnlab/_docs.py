@@ -139,7 +139,8 @@ FRAGMENTS = {
         "Returns\n"
         "-------\n"
         "out : torch.Tensor, shape (..., n_q, d_out)\n"
-        "    Differentiable with respect to every tensor argument but the masks.\n"
+        "    Differentiable with respect to every tensor argument but a boolean ``mask`` and\n"
+        "    ``key_padding_mask`` (a float ``mask`` is when it requires grad).\n"
         "weights : torch.Tensor, optional\n"
         "    When ``return_weights`` is set; not differentiable."
     ),

@@ -10,12 +10,13 @@ and train with it::
     out = at.multi_head_attention(x, w_q=wq, w_k=wk, w_v=wv, w_o=wo, num_heads=8)
     out.sum().backward()          # gradients for x, wq, wk, wv, wo
 
-Gradients flow to every tensor argument except the masks (``mask``, ``key_padding_mask``),
-which are constants, as in attnlab. Weights follow attnlab's convention ``(in, out)``, the
-transpose of ``nn.Linear.weight`` (see :mod:`attnlab.interop`). Passing the same tensor as
-``query`` and ``key`` (and ``value``) takes attnlab's self-attention path. The backward is not
-itself differentiable (no double backward). Only this module imports torch; the rest of attnlab
-never does.
+Gradients flow to every tensor argument except boolean masks and ``key_padding_mask``, which are
+constants, as in attnlab; a float ``mask`` that requires grad is differentiated (a learned
+additive bias, such as T5's or Swin's relative position bias). Weights follow attnlab's
+convention ``(in, out)``, the transpose of ``nn.Linear.weight`` (see :mod:`attnlab.interop`).
+Passing the same tensor as ``query`` and ``key`` (and ``value``) takes attnlab's self-attention
+path. The backward is not itself differentiable (no double backward). Only this module imports
+torch; the rest of attnlab never does.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def _check(t: Any, name: str) -> torch.Tensor:
     if t.dtype not in _FLOATS:
         raise TypeError(f"{name}: expected a float32 or float64 tensor, got {t.dtype}")
     return t
+
+
+def _learned(m: Any) -> bool:
+    """A float mask that requires grad: an input of the autograd Function, differentiated."""
+    return isinstance(m, torch.Tensor) and m.requires_grad
 
 
 def _mask(m: Any, name: str) -> Any:
@@ -152,17 +158,21 @@ def _kv(query: Any, key: Any, value: Any) -> tuple[Any, Any]:
 
 def _apply(forward: Callable[..., Any], tensor_names: tuple[str, ...], args: dict[str, Any]) -> Any:
     """One call of ``forward`` on tensors: masks and positions become NumPy constants, the
-    tensor arguments given (in ``tensor_names`` order, the order they are checked in) become
-    the inputs of one autograd Function, everything else is passed as it is."""
+    tensor arguments given (in ``tensor_names`` order, the order they are checked in, then a
+    float ``mask`` that requires grad) become the inputs of one autograd Function, everything
+    else is passed as it is."""
     if "key" in args:
         args["key"], args["value"] = _kv(args["query"], args["key"], args["value"])
+    learned = "mask" in args and _learned(args["mask"])
     for name in _args.MASK_ARGS:
-        if name in args:
+        if name in args and not (name == "mask" and learned):
             args[name] = _mask(args[name], name)
     for name in ("positions", "rope_inv_freq"):  # constants
         if name in args:
             args[name] = _positions(args[name])
     names = [n for n in tensor_names if not isinstance(args[n], BilinearQK)]  # a constant
+    if learned:
+        names.append("mask")
     tensors = {n: args.pop(n) for n in names}
     return _Call(forward, tensors, args).apply()
 
@@ -227,7 +237,8 @@ _SDPA_DOC = """\
     Returns
     -------
     out : torch.Tensor, shape (..., h, n_q, d_v)
-        Differentiable with respect to ``q``, ``k``, ``v`` and ``sinks``.
+        Differentiable with respect to ``q``, ``k``, ``v``, ``sinks`` and a float ``mask``
+        that requires grad.
     weights : torch.Tensor, optional
         When ``return_weights`` is set; not differentiable.
 
@@ -398,7 +409,8 @@ _LATENT_DOC = """\
     Returns
     -------
     out : torch.Tensor, shape (..., n, d_out)
-        Differentiable with respect to every tensor argument but the masks.
+        Differentiable with respect to every tensor argument but a boolean ``mask`` (a float
+        ``mask`` is when it requires grad).
     weights, lse : torch.Tensor, optional
         With ``return_weights`` and ``return_lse``, as for :func:`attnlab.latent_attention`;
         not differentiable (``requires_grad`` is False: a loss through them gets no gradient
