@@ -1006,3 +1006,36 @@ def test_byte_swapped_half_precision_is_converted_not_read_as_bits():
     want = attnlab.multi_head_attention(*wide(x), num_heads=4, **w64)
     assert got.dtype == np.float64
     np.testing.assert_array_equal(got, want)
+
+
+@NO_ML_DTYPES
+def test_a_bfloat16_float_mask_is_a_float_mask():
+    """A bfloat16 mask is converted (exactly) as a float32 one is, wherever a mask is taken:
+    the same bits as that float32 mask, never refused as a non-float dtype."""
+    from attnlab.diagnostics import softmax_jacobian_norm
+    from attnlab.interop import torch_masks
+
+    rng = np.random.default_rng(30)
+    m16 = rng.standard_normal((2, 5, 6)).astype(bfloat16)
+    m32 = m16.astype(np.float32)
+    q, k = rng.standard_normal((2, 2, 5, 8)), rng.standard_normal((2, 2, 6, 8))
+    for x in (q.astype(np.float32), q.astype(bfloat16)):
+        y = k.astype(x.dtype)
+        got = attnlab.scaled_dot_product_attention(x, y, y, mask=m16)
+        want = attnlab.scaled_dot_product_attention(x, y, y, mask=m32)
+        assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
+        g16 = attnlab.scaled_dot_product_attention_backward(x, x, y, y, mask=m16)["mask"]
+        g32 = attnlab.scaled_dot_product_attention_backward(x, x, y, y, mask=m32)["mask"]
+        assert g16.dtype == bfloat16  # a gradient in its argument's dtype, rounded once
+        assert np.array_equal(g16.view(np.uint16), g32.astype(bfloat16).view(np.uint16))
+    z = rng.standard_normal((2, 5, 6))
+    assert np.array_equal(softmax_jacobian_norm(z, m16), softmax_jacobian_norm(z, m32))
+    assert torch_masks(attn_mask=m16[0])["mask"].dtype == bfloat16
+    da = pytest.importorskip("dask.array")
+    import attnlab.dask as ad
+
+    x = q.astype(np.float32)
+    got = ad.scaled_dot_product_attention(
+        da.from_array(x, chunks=(1, 2, 5, 8)), k, k, mask=da.from_array(m16)
+    ).compute()
+    assert np.array_equal(got, attnlab.scaled_dot_product_attention(x, k, k, mask=m32))

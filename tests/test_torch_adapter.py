@@ -505,18 +505,11 @@ def test_gradcheck_separable():
 def test_errors():
     w = {k: torch.randn(4, 4) for k in ("w_q", "w_k", "w_v", "w_o")}
     x = torch.randn(3, 4)
-    with pytest.raises(
-        TypeError,
-        match=r"query: expected a float32 or float64 tensor, got "
-        r"torch.int64",
-    ):
+    floats = r"expected a float32, float64, float16 or bfloat16 tensor, got "
+    with pytest.raises(TypeError, match=r"query: " + floats + "torch.int64"):
         at.multi_head_attention(torch.ones(3, 4, dtype=torch.int64), num_heads=2, **w)
-    with pytest.raises(
-        TypeError,
-        match=r"w_o: expected a float32 or float64 tensor, got "
-        r"torch.float16",
-    ):
-        at.multi_head_attention(x, num_heads=2, **{**w, "w_o": w["w_o"].half()})
+    with pytest.raises(TypeError, match=r"w_o: " + floats + "torch.complex64"):
+        at.multi_head_attention(x, num_heads=2, **{**w, "w_o": w["w_o"].to(torch.complex64)})
     with pytest.raises(TypeError, match=r"w_q: expected a torch.Tensor, got ndarray"):
         at.multi_head_attention(x, num_heads=2, **{**w, "w_q": np.ones((4, 4))})
     with pytest.raises(TypeError, match="q: expected a CPU tensor, got device meta"):
@@ -525,9 +518,9 @@ def test_errors():
         at.scaled_dot_product_attention(
             x[None], x[None], x[None], mask=torch.ones(3, 3, dtype=torch.int32)
         )
-    with pytest.raises(TypeError, match="mask: expected a float32 or float64 tensor"):
+    with pytest.raises(TypeError, match="mask: " + floats + "torch.complex64"):
         at.scaled_dot_product_attention(  # differentiated: the inputs' dtypes
-            x[None], x[None], x[None], mask=torch.ones(3, 3, dtype=torch.half, requires_grad=True)
+            x[None], x[None], x[None], mask=torch.ones(3, 3, dtype=torch.cfloat, requires_grad=True)
         )
     with pytest.raises(ValueError, match="w_q"):  # attnlab's own validation still applies
         at.multi_head_attention(x, num_heads=3, **w)
@@ -540,3 +533,86 @@ def test_mixed_dtypes_follow_attnlab_and_grads_keep_input_dtype():
     assert out.dtype == torch.float64
     out.sum().backward()
     assert x.grad.dtype == torch.float64 and w["w_q"].grad.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- half precision
+
+
+def _half_case(family, gen, dt):
+    """(function, tensor arguments, constants) of a small call of each family in dtype dt."""
+
+    def t(*shape, scale=0.5):
+        return (torch.randn(shape, generator=gen) * scale).to(dt).requires_grad_()
+
+    if family == "sdpa":
+        return (
+            at.scaled_dot_product_attention,
+            dict(q=t(2, 4, 5, 8), k=t(2, 2, 6, 8), v=t(2, 2, 6, 8), mask=t(5, 6)),
+            {},
+        )
+    if family == "mha":
+        w = {n: t(16, 16) for n in ("w_q", "w_k", "w_v", "w_o")}
+        return (
+            at.multi_head_attention,
+            dict(query=t(2, 5, 16), **w, b_o=t(16)),
+            dict(num_heads=4, causal=True),
+        )
+    if family == "bilinear":
+        return (
+            at.bilinear_attention,
+            dict(query=t(2, 5, 16), w_qk=t(2, 16, 16, scale=0.2), w_v=t(16, 16), w_o=t(16, 16)),
+            dict(num_heads=2),
+        )
+    if family == "latent":
+        w = dict(
+            w_q=t(16, 2 * 6),
+            w_kv_a=t(16, 4 + 2),
+            kv_a_norm=t(4),
+            w_kv_b=t(4, 2 * 8),
+            w_o=t(2 * 4, 16),
+        )
+        return at.latent_attention, dict(x=t(2, 5, 16), **w), dict(num_heads=2, rope_theta=1e4)
+    if family == "additive":
+        w = {n: t(16, 16) for n in ("w_q", "w_k", "w_proj", "w_final")}
+        return at.additive_attention, dict(x=t(2, 7, 16), **w, w_g=t(16)), {}
+    return at.separable_attention, dict(x=t(2, 7, 16), w_qkv=t(16, 33), w_o=t(16, 16)), {}
+
+
+def _bits(a):
+    return np.asarray(a).view(np.uint16)
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("family", ["sdpa", "mha", "bilinear", "latent", "additive", "separable"])
+def test_half_tensors_are_the_numpy_half_path(family, dt):
+    """float16 and bfloat16 tensors go to attnlab's half-precision kernels as stored: the output
+    and every gradient are, bit for bit, attnlab.vjp's on the same half arrays, in the
+    tensors' dtype (a learned float mask of that dtype too)."""
+    if dt == torch.bfloat16:
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+    f, tensors, consts = _half_case(family, torch.Generator().manual_seed(20), dt)
+
+    def array(x):
+        x = x.detach()
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return x.numpy()
+
+    out = f(**tensors, **consts)
+    G = (torch.randn(out.shape, generator=torch.Generator().manual_seed(21))).to(dt)
+    out.backward(G)
+    arrays = {n: array(x) for n, x in tensors.items()}
+    ref, pullback = attnlab.vjp(getattr(attnlab, f.__name__), **arrays, **consts)
+    grads = pullback(array(G))
+    assert out.dtype == dt and np.array_equal(_bits(array(out)), _bits(ref))
+    for name, x in tensors.items():
+        assert x.grad.dtype == dt and np.array_equal(_bits(array(x.grad)), _bits(grads[name])), name
+
+
+def test_bfloat16_tensors_without_ml_dtypes(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes raises ImportError
+    x = torch.randn(2, 3, 4, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"q: a torch.bfloat16 tensor needs the ml_dtypes package"):
+        at.scaled_dot_product_attention(x, x, x)

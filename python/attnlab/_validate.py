@@ -229,6 +229,11 @@ def vector(b: np.ndarray | None, name: str, dtype: np.dtype, n: int) -> np.ndarr
     return contiguous(b, dtype)
 
 
+def floating(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is a real floating type: NumPy's (kind ``"f"``) or bfloat16."""
+    return dtype.kind == "f" or is_half(dtype)
+
+
 def mask4(
     mask: Any, batch: tuple[int, ...], heads: int, n_q: int, n_k: int, dtype: np.dtype
 ) -> np.ndarray | None:
@@ -238,7 +243,7 @@ def mask4(
     m = np.asarray(mask)
     if m.dtype.kind == "b":
         pass
-    elif m.dtype.kind == "f":
+    elif floating(m.dtype):
         m = m.astype(dtype, copy=False)
     else:
         raise TypeError(f"mask: expected a bool or floating-point array, got dtype {m.dtype}")

@@ -408,7 +408,7 @@ def scaled_dot_product_attention(
     dtype = np.dtype(np.result_type(*dtypes))
     md = None if mask is None else _dask(mask, "mask")
     mask_dt = None if md is None else (np.bool_ if md.dtype.kind == "b" else dtype)
-    if md is not None and md.dtype.kind not in "bf":
+    if md is not None and not (md.dtype.kind == "b" or V.floating(md.dtype)):
         mask_dt = md.dtype  # refused by the check below, naming it
     args = dict(  # the call's options, its arrays as stand-ins
         call,
@@ -745,7 +745,7 @@ def multi_head_attention(
     md = None if mask is None else _dask(mask, "mask")
     kd = None if key_padding_mask is None else _dask(key_padding_mask, "key_padding_mask")
     mask_dt = None if md is None else (np.bool_ if md.dtype.kind == "b" else dtype)
-    if md is not None and md.dtype.kind not in "bf":
+    if md is not None and not (md.dtype.kind == "b" or V.floating(md.dtype)):
         mask_dt = md.dtype
     m = _args.masks(
         dict(  # the call's options, its masks as stand-ins

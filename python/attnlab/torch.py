@@ -1,10 +1,11 @@
 """attnlab's kernels as differentiable PyTorch operations on CPU tensors (optional; imports torch).
 
 Each function has the signature of its NumPy counterpart in :mod:`attnlab` but takes and
-returns CPU ``torch.Tensor`` s (float32 or float64). It is a ``torch.autograd.Function``: the
-forward calls attnlab's C++ forward through :func:`attnlab.vjp`, the backward its pullback (one
-forward per training step), so an attnlab kernel can replace the attention inside a torch model
-and train with it::
+returns CPU ``torch.Tensor`` s: float32, float64, float16 or bfloat16 (half-precision tensors
+are read and written as stored, as attnlab's half-precision arrays are; bfloat16 needs
+``ml_dtypes``). It is a ``torch.autograd.Function``: the forward calls attnlab's C++ forward
+through :func:`attnlab.vjp`, the backward its pullback (one forward per training step), so an
+attnlab kernel can replace the attention inside a torch model and train with it::
 
     import torch, attnlab.torch as at
     out = at.multi_head_attention(x, w_q=wq, w_k=wk, w_v=wv, w_o=wo, num_heads=8)
@@ -42,7 +43,19 @@ __all__ = [
     "separable_attention",
 ]
 
-_FLOATS = (torch.float32, torch.float64)
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _bfloat16(name: str) -> np.dtype:
+    """NumPy's bfloat16 (``ml_dtypes``, which NumPy needs to name it), or ``TypeError``."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(
+            f"{name}: a torch.bfloat16 tensor needs the ml_dtypes package (NumPy's bfloat16): "
+            f"pip install ml_dtypes, or pass .float()"
+        ) from None
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def _check(t: Any, name: str) -> torch.Tensor:
@@ -53,8 +66,20 @@ def _check(t: Any, name: str) -> torch.Tensor:
     if t.layout != torch.strided:
         raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     if t.dtype not in _FLOATS:
-        raise TypeError(f"{name}: expected a float32 or float64 tensor, got {t.dtype}")
+        raise TypeError(
+            f"{name}: expected a float32, float64, float16 or bfloat16 tensor, got {t.dtype}"
+        )
+    if t.dtype == torch.bfloat16:
+        _bfloat16(name)
     return t
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A checked tensor as a NumPy array sharing its memory (bfloat16 as ``ml_dtypes``')."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:  # no NumPy dtype of torch's: the same bits, viewed
+        return t.view(torch.int16).numpy().view(_bfloat16("tensor"))
+    return t.numpy()
 
 
 def _learned(m: Any) -> bool:
@@ -84,7 +109,10 @@ def _tensor(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
     a = np.asarray(a)
     if not (a.flags.c_contiguous and a.flags.writeable):
         a = np.array(a, order="C", copy=True)
-    t = torch.from_numpy(a)
+    if a.dtype.name == "bfloat16":  # ml_dtypes': its bits, viewed as torch's
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a)
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
@@ -107,7 +135,7 @@ class _Call:
         self.outputs = ("out",) + tuple(n for n in _EXTRA_OUTPUTS if consts.get(f"return_{n}"))
 
     def arrays(self, tensors: tuple[torch.Tensor, ...]) -> dict[str, np.ndarray]:
-        return {n: _plain(t) for n, t in zip(self.names, tensors, strict=True)}
+        return {n: _array(t) for n, t in zip(self.names, tensors, strict=True)}
 
     def apply(self) -> Any:
         inputs, self.inputs = self.inputs, []  # the autograd context keeps what it needs
@@ -134,10 +162,10 @@ class _Attention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor, *grad_extra: Any) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
-        g: Any = _plain(grad_out)
+        g: Any = _array(grad_out)
         if "cache" in call.outputs:  # the pair (grad_out, grad_cache) of latent attention
             gc = grad_extra[call.outputs.index("cache") - 1]
-            g = (g, None if gc is None else _plain(gc))
+            g = (g, None if gc is None else _array(gc))
         grads = ctx.pullback(g)
         result: list[torch.Tensor | None] = [None]
         for name, dtype, need in zip(call.names, ctx.dtypes, ctx.needs_input_grad[1:], strict=True):
@@ -225,7 +253,7 @@ _SDPA_DOC = """\
     q : torch.Tensor, shape (..., h, n_q, d)
     k : torch.Tensor, shape (..., h_kv, n_k, d)
     v : torch.Tensor, shape (..., h_kv, n_k, d_v)
-        float32 or float64, on the CPU.
+        float32, float64, float16 or bfloat16, on the CPU.
     {constants}
         As for :func:`attnlab.scaled_dot_product_attention` (``True`` in a boolean mask means
         *may attend*, as in ``F.scaled_dot_product_attention``, the opposite of

@@ -42,7 +42,7 @@ def _mask_array(
         a = np.asarray(_plain(value))
     except Exception as exc:  # noqa: BLE001 (any array-like: __array__ may raise anything)
         raise TypeError(f"{name}: could not be converted to an array ({exc})") from None
-    if a.dtype.kind not in kinds:
+    if a.dtype.kind not in kinds and not ("f" in kinds and V.floating(a.dtype)):
         raise TypeError(f"{name}: expected {expected}, got dtype {a.dtype}")
     return a
 
