@@ -156,6 +156,76 @@ def test_mha_blocks_match_one_machine(client, dtype, causal):
         close(lse, want_lse, dtype)
 
 
+try:
+    import ml_dtypes
+
+    HALVES = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+except ImportError:  # bfloat16 has no NumPy name without it
+    HALVES = [np.dtype(np.float16)]
+
+
+def bits_equal(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    return got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("half", HALVES, ids=lambda d: d.name)
+def test_half_precision_is_sent_as_stored_and_rounded_once(client, half):
+    """q, k, v (and multi-head inputs and weights) of one half dtype are sent as stored (no
+    conversion in the graph) and the result is stored in that dtype: bit for bit the same
+    graph on the widened float32 arrays, rounded once (so one block is the one-machine half
+    call); float32 queries against a half-precision cache give the float32 graph's bits."""
+    rng = np.random.default_rng(9)
+    q, k, v = (a.astype(half) for a in qkv(rng, np.float32))
+    q32, k32, v32 = (a.astype(np.float32) for a in (q, k, v))
+    todo = []
+    for cb, cq, ck in CHUNKS:
+        chunks = ((cb, 4, cq, 8), (cb, 2, ck, 8), (cb, 2, ck, 5))
+        got = ad.scaled_dot_product_attention(
+            *(da.from_array(a, chunks=c) for a, c in zip((q, k, v), chunks, strict=True)),
+            causal=True,
+            return_lse=True,
+        )
+        assert got[0].dtype == half and not any("astype" in n for n in got[0].dask.layers)
+        ref = ad.scaled_dot_product_attention(
+            *(da.from_array(a, chunks=c) for a, c in zip((q32, k32, v32), chunks, strict=True)),
+            causal=True,
+            return_lse=True,
+        )
+        mixed = ad.scaled_dot_product_attention(
+            da.from_array(q32, chunks=chunks[0]),
+            *(da.from_array(a, chunks=c) for a, c in zip((k, v), chunks[1:], strict=True)),
+            causal=True,
+        )
+        todo.append((*got, *ref, mixed))
+    results = client.compute(todo, sync=True)
+    for out, lse, ref, ref_lse, mixed in results:
+        assert bits_equal(out, ref.astype(half)) and bits_equal(lse, ref_lse)
+        assert bits_equal(mixed, ref)
+    whole = attnlab.scaled_dot_product_attention(q, k, v, causal=True)
+    assert bits_equal(results[0][0], whole)  # CHUNKS[0]: whole sequences, one call a block
+    x = rng.standard_normal((3, 37, 12)).astype(half)
+    y = rng.standard_normal((3, 53, 10)).astype(half)
+    w = {n: a.astype(half) for n, a in mha_weights(rng, np.float32).items()}
+    w32 = {n: a.astype(np.float32) for n, a in w.items()}
+    kw = dict(num_heads=4, num_kv_heads=2, causal=True)
+    todo = []
+    for cb, cq, ck in CHUNKS:
+        for xs, ws in (((x, y), w), ((x.astype(np.float32), y.astype(np.float32)), w32)):
+            todo.append(
+                ad.multi_head_attention(
+                    da.from_array(xs[0], chunks=(cb, cq, 12)),
+                    da.from_array(xs[1], chunks=(cb, ck, 10)),
+                    **ws,
+                    **kw,
+                )
+            )
+    results = client.compute(todo, sync=True)
+    for got, ref in zip(results[::2], results[1::2], strict=True):
+        assert bits_equal(got, ref.astype(half))
+    assert bits_equal(results[0], attnlab.multi_head_attention(x, y, **w, **kw))
+
+
 @pytest.mark.usefixtures("client")
 def test_mha_self_attention_rope_norms_sinks():
     rng = np.random.default_rng(4)

@@ -1039,3 +1039,19 @@ def test_a_bfloat16_float_mask_is_a_float_mask():
         da.from_array(x, chunks=(1, 2, 5, 8)), k, k, mask=da.from_array(m16)
     ).compute()
     assert np.array_equal(got, attnlab.scaled_dot_product_attention(x, k, k, mask=m32))
+
+
+def test_float32_queries_of_any_float32_dtype_instance_read_a_half_cache():
+    """A float32 array whose dtype is an equal but distinct instance (unpickled, as dask's
+    workers receive blocks) takes the float32-query path beside a half cache: the kernels'
+    dtype check compares dtypes by value (it refused such q with "unexpected dtype")."""
+    import pickle
+
+    rng = np.random.default_rng(31)
+    q = rng.standard_normal((2, 4, 3, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 9, 8)).astype(np.float16) for _ in range(2))
+    q2 = pickle.loads(pickle.dumps(q, protocol=5))
+    assert q2.dtype == np.float32 and q2.dtype is not q.dtype  # the case this test is about
+    want, want_lse = attnlab.scaled_dot_product_attention(q, k, v, return_lse=True)
+    got, got_lse = attnlab.scaled_dot_product_attention(q2, k, v, return_lse=True)
+    assert np.array_equal(got, want) and np.array_equal(got_lse, want_lse)

@@ -430,7 +430,7 @@ void projected_outputs(Problem& p, const py::array& out, const py::object& weigh
     const py::array w = weights.cast<py::array>();
     const Dims shape{p.batch, p.heads, p.n_q, p.n_k};
     if constexpr (!std::is_same_v<U, T>) {  // the weights as bits too, or float (their mean)
-        if (w.dtype().is(py::dtype::of<U>())) {
+        if (is_dtype<U>(w)) {
             p.weights_half = contiguous<U>(w, "weights", shape, true);
             return;
         }

@@ -99,13 +99,13 @@ AttentionProblem<float> half_problem(const py::array& q, const py::array& k, con
 // as bits or float32. q may be float32 (k and v a half-precision cache): out is then float32.
 void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::array out,
                        const MaskArgs& mask, double scale, py::object lse, py::object weights) {
-    const bool float_q = q.dtype().is(py::dtype::of<float>());
-    if (float_q && !out.dtype().is(py::dtype::of<float>()))
+    const bool float_q = is_dtype<float>(q);
+    if (float_q && !is_dtype<float>(out))
         throw py::type_error("out: float32 q writes a float32 out");
     AttentionProblem<float> p = half_problem(q, k, v, half, scale, float_q);
     const Index B = p.batch, H = p.heads, nq = p.n_q, nk = p.n_k, dv = p.d_v;
     using Bits = std::uint16_t;
-    if (out.dtype().is(py::dtype::of<float>())) {  // kept in float32 (attnlab.vjp's forward)
+    if (is_dtype<float>(out)) {  // kept in float32 (attnlab.vjp's forward)
         auto so = check<float>(out, "out", {B, H, nq, dv}, true);
         p.out = {static_cast<float*>(out.mutable_data()), so[0], so[1], so[2]};
     } else {
@@ -116,7 +116,7 @@ void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::arra
     if (!lse.is_none()) p.lse = contiguous<float>(lse.cast<py::array>(), "lse", {B, H, nq}, true);
     if (!weights.is_none()) {  // as bits, or float32 (their mean over the heads is taken so)
         py::array w = weights.cast<py::array>();
-        if (w.dtype().is(py::dtype::of<float>()))
+        if (is_dtype<float>(w))
             p.weights = contiguous<float>(w, "weights", {B, H, nq, nk}, true);
         else
             p.weights_half = contiguous<Bits>(w, "weights", {B, H, nq, nk}, true);

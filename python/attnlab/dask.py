@@ -14,6 +14,11 @@ where a pair may not attend), computed from the whole call's positions; blocks t
 may see are skipped; ``sinks`` join the merge once, as a part with no value. ``mask`` and
 ``key_padding_mask`` are chunked with the queries and keys.
 
+Half precision: inputs of one half dtype (float16 or bfloat16; for multi-head attention its
+weights too) are sent and read as stored, the parts of a key-chunked block computed in float32
+and the merged result rounded to that dtype once: bit for bit the float32 graph on the widened
+arrays, rounded. float32 ``q`` against a half-precision ``k``, ``v`` reads them as stored.
+
 Threads: a task that runs on a ``dask.distributed`` worker sets that worker process's kernels
 to one thread (unless ``ATTNLAB_NUM_THREADS`` or :func:`attnlab.set_num_threads` chose a count
 there), so a worker with ``T`` threads runs at most ``T`` kernel threads, one per task it runs,
@@ -33,7 +38,7 @@ import numpy as np
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from . import _args, _docs, _memory, _mha, _rope
+from . import _args, _docs, _half, _memory, _mha, _rope
 from . import _signature as _sig
 from . import _validate as V
 from ._loader import core
@@ -161,8 +166,12 @@ def _sdpa_part(
     span: _Span,
     opts: dict,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Attention of a query block over one key block: ``(out, lse)``."""
+    """Attention of a query block over one key block: ``(out, lse)``, in float32 for a
+    half-precision block (``q`` widened, ``k`` and ``v`` read as stored), so that the merge
+    sums float32 parts and the result is rounded once."""
     _limit_threads()
+    if _half.is_half(q.dtype):
+        q = _half.widen(q)
     dtype = np.result_type(q, k, v)
     m = _block_mask(span, mask, kp, alibi, dtype)
     out, lse = _mha.scaled_dot_product_attention(
@@ -181,6 +190,11 @@ def _sink_part(sinks: np.ndarray, out_shape: tuple[int, ...], dtype: np.dtype) -
 def _empty_part(out_shape: tuple[int, ...], dtype: np.dtype) -> tuple:
     """A query block that no key may attend: output 0, log-sum-exp -inf."""
     return np.zeros(out_shape, dtype), np.full(out_shape[:-1], -np.inf, dtype)
+
+
+def _stored(result: tuple[np.ndarray, ...], half: np.dtype | None) -> np.ndarray:
+    """The output of a block's ``(out, lse)``, rounded to the inputs' half dtype (if any)."""
+    return _half.store(result[0], half)
 
 
 def _merge(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -406,6 +420,8 @@ def scaled_dot_product_attention(
     lse_wanted = V.check_flag(return_lse, "return_lse")
     dtypes = [_native(x.dtype, n) for x, n in ((qd, "q"), (kd, "k"), (vd, "v"))]
     dtype = np.dtype(np.result_type(*dtypes))
+    # q, k, v of one half dtype: sent and read as stored, the result rounded to it once
+    half = _half.storage({"q": qd, "k": kd, "v": vd})
     md = None if mask is None else _dask(mask, "mask")
     mask_dt = None if md is None else (np.bool_ if md.dtype.kind == "b" else dtype)
     if md is not None and not (md.dtype.kind == "b" or V.floating(md.dtype)):
@@ -423,10 +439,14 @@ def scaled_dot_product_attention(
     batch, nb, h = a.batch, len(a.batch), a.h
     bro = tuple(("b", i) for i in range(nb))
 
+    stored = half or dtype
+    # float32 queries against a k, v cache of one half dtype read it as stored too
+    kv_half = _half.storage({"k": kd, "v": vd})
+    kv_stored = kv_half if kv_half is not None and dtype == np.float32 else stored
     ops = {
-        "q": _lead(qd.astype(dtype), nb, (None, "q", None)),
-        "k": _lead(kd.astype(dtype), nb, (None, "k", None)),
-        "v": _lead(vd.astype(dtype), nb, (None, "k", None)),
+        "q": _lead(qd.astype(stored), nb, (None, "q", None)),
+        "k": _lead(kd.astype(kv_stored), nb, (None, "k", None)),
+        "v": _lead(vd.astype(kv_stored), nb, (None, "k", None)),
     }
     if md is not None:
         ops["mask"] = _lead(md if md.dtype.kind == "b" else md.astype(dtype), nb, (None, "q", "k"))
@@ -489,12 +509,12 @@ def scaled_dot_product_attention(
     out_chunks = tuple(chunks[r] for r in bro) + ((h,), chunks["q"], (a.d_v,))
     for idx_, root in roots.items():
         dk: tuple[Any, ...] = (name, *idx_)
-        dsk[dk] = (operator.getitem, root, 0)
+        dsk[dk] = (_stored, root, half)
         if lse_wanted:
             dk = (f"{name}-lse", *idx_[:-1])
             dsk[dk] = (operator.getitem, root, 1)
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)  # type: ignore[arg-type]
-    out = da.Array(graph, name, out_chunks, meta=np.empty((0,) * len(out_chunks), dtype))
+    out = da.Array(graph, name, out_chunks, meta=np.empty((0,) * len(out_chunks), stored))
     if not lse_wanted:
         return out
     lse = da.Array(
@@ -716,6 +736,9 @@ def multi_head_attention(
     }
     in_dt = [_native(x.dtype, n) for x, n in ((xq, "query"), (xk, "key"), (xv, "value"))]
     dtype = np.dtype(np.result_type(*in_dt, *(w.dtype for w in ws.values() if w is not None)))
+    # inputs and weights of one half dtype: the inputs sent as stored (widened by the tasks that
+    # project them), the weights widened once, the result rounded to that dtype once
+    half = _half.storage({"query": xq, "key": xk, "value": xv, **given})
     std = {n: _standin(x, dtype) for n, x in (("query", xq), ("key", xk), ("value", xv))}
     x = _args.qkv(  # the inputs' own checks, on stand-ins: no data read or copied
         dict(
@@ -808,10 +831,11 @@ def multi_head_attention(
     nb = len(batch)
     bro = tuple(("b", i) for i in range(nb))
 
+    stored = half or dtype
     ops: dict[str, _Operand] = {
-        "query": _lead(xq.astype(dtype), nb, ("q", None)),
-        "key": _lead(xk.astype(dtype), nb, ("k", None)),
-        "value": _lead(xv.astype(dtype), nb, ("k", None)),
+        "query": _lead(xq.astype(stored), nb, ("q", None)),
+        "key": _lead(xk.astype(stored), nb, ("k", None)),
+        "value": _lead(xv.astype(stored), nb, ("k", None)),
     }
     if md is not None:
         ops["mask"] = _lead(md if md.dtype.kind == "b" else md.astype(dtype), nb, (None, "q", "k"))
@@ -937,7 +961,7 @@ def multi_head_attention(
             out_keys[at] = ok
     for idx_, src in out_keys.items():
         dk: tuple[Any, ...] = (name, *idx_, 0)
-        dsk[dk] = (operator.getitem, src, 0)
+        dsk[dk] = (_stored, src, half)
         if lse_wanted:
             dk = (f"{name}-lse", *idx_[:-1], 0, idx_[-1])
             dsk[dk] = (operator.getitem, src, 1)
@@ -945,7 +969,7 @@ def multi_head_attention(
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)  # type: ignore[arg-type]
     bchunks = tuple(chunks[r] for r in bro)
     out_chunks = bchunks + (chunks["q"], (d_out,))
-    out = da.Array(graph, name, out_chunks, meta=np.empty((0,) * len(out_chunks), dtype))
+    out = da.Array(graph, name, out_chunks, meta=np.empty((0,) * len(out_chunks), stored))
     if not lse_wanted:
         return out
     lse_chunks = bchunks + ((h,), chunks["q"])
