@@ -674,9 +674,10 @@ _BACKWARD_DOC = """\
         ``key``/``value`` default to ``query`` their gradients are summed into ``"query"``),
         ``"w_qk"`` as an ``(h, d_q, d_k)`` array (also when ``w_qk`` is a :class:`BilinearQK`),
         ``"u_k"`` of shape ``(h, d_k)`` when ``u_k`` is given or the BilinearQK carries a ``u``,
-        ``"w_v"``, ``"w_o"`` and each bias given. Masks are not differentiated; fully masked
-        query rows contribute zero gradient (except to ``b_o``, whose gradient is the sum of
-        ``grad_out`` over all rows).
+        ``"w_v"``, ``"w_o"``, each bias given, ``"mask"`` for a float mask and ``"sinks"``
+        when given. Boolean masks, key padding and ``alibi_slopes`` are not differentiated;
+        fully masked query rows contribute zero gradient (except to ``b_o``, whose gradient is
+        the sum of ``grad_out`` over all rows).
 
     Notes
     -----

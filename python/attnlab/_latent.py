@@ -1013,7 +1013,7 @@ _BACKWARD_DOC = """\
         gradients flow from the output, and from the returned cache when ``grad_out`` is the
         pair ``(grad_out, grad_cache)`` (``grad_cache`` shaped like the cache
         ``return_cache=True`` returns, ``(..., n_past + n, kv_lora_rank + d_rope)``).
-        Positions and masks are not differentiated.
+        Positions, boolean masks and key padding are not differentiated (a float mask is).
 
     Returns
     -------

@@ -634,13 +634,14 @@ _SDPA_BACKWARD_DOC = """\
         As for :func:`scaled_dot_product_attention`
         {mask_polarity}
         ``return_weights`` is accepted for symmetry and ignored: gradients flow from the output
-        only. Masks are not differentiated.
+        only. Boolean masks, ``alibi_slopes`` and positions are not differentiated.
 
     Returns
     -------
     dict
         ``{"q": ..., "k": ..., "v": ...}`` shaped like the inputs (summed over broadcast batch
-        axes). Fully masked query rows contribute zero gradient.
+        axes), with ``"mask"`` for a float mask and ``"sinks"`` when given (each summed back to
+        its shape). Fully masked query rows contribute zero gradient.
 
     Examples
     --------
@@ -730,8 +731,9 @@ _MHA_BACKWARD_DOC = """\
     dict
         Keyed by argument name: ``"query"``, ``"key"`` and ``"value"`` when given (when
         ``key``/``value`` default to ``query`` their gradients are summed into ``"query"``),
-        ``"w_q"``, ``"w_k"``, ``"w_v"``, ``"w_o"`` and each bias given. Masks are not
-        differentiated.
+        ``"w_q"``, ``"w_k"``, ``"w_v"``, ``"w_o"``, each bias and norm weight given,
+        ``"mask"`` for a float mask and ``"sinks"`` when given. Boolean masks, key padding and
+        ``alibi_slopes`` are not differentiated.
 
     {examples}
     >>> x = rng.standard_normal((5, 8))
