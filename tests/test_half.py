@@ -629,7 +629,7 @@ def _latent_case(shape: tuple) -> tuple[dict[str, Any], dict[str, Any], float, i
     return args, kw, rho, max(d, n, h * dv)
 
 
-@pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
+@pytest.mark.parametrize("path", HALF + BF16, ids=lambda p: p[0])
 @pytest.mark.parametrize("shape", LATENT_SHAPES, ids=str)
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
 def test_latent_within_bound(shape, path, form):
@@ -658,6 +658,26 @@ def test_latent_within_bound(shape, path, form):
         length,
     )
     _finish(fwd, bwd)
+
+
+def test_latent_bf16_decode_over_a_long_cache_within_bound():
+    """precision="bf16" on a decode step whose cache is long enough to be cut into parts (the
+    absorbed form's stacked heads, parts merged by their log-sum-exps) and on the expanded
+    form: both within the bound of the exact result; float64 inputs are refused."""
+    args, kw, rho, length = _latent_case((1, 1, {}))
+    rng = np.random.default_rng(40)
+    cache = rng.standard_normal((1, 1500, 22)).astype(np.float32)
+    cache[..., :16] /= np.sqrt(np.mean(cache[..., :16] ** 2, axis=-1, keepdims=True))
+    step = dict(kw, cache=cache, causal="bottom_right")
+    want = reference.latent_attention(**args, **step)
+    bound = error_bound(UNIT_ROUNDOFF["bfloat16"], rho, max(length, 1501), FORWARD_C)
+    for form in ("absorbed", "expanded"):
+        got = attnlab.latent_attention(**args, **step, form=form, precision="bf16")
+        assert got.dtype == np.float32
+        err = _rel(got, want)
+        assert 0.0 < err <= bound, (form, err, bound)
+    with pytest.raises(ValueError, match="precision: 'bf16' rounds float32 operands"):
+        attnlab.latent_attention(**_f64(args), **kw, precision="bf16")
 
 
 @pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])

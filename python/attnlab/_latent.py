@@ -62,6 +62,7 @@ class _Latent(NamedTuple):
     eps: float
     form: str  # "expanded" or "absorbed"
     stacked: bool  # absorbed, one query: heads as query rows of the one key head
+    bf16: bool = False  # precision="bf16": every product's operands rounded to bfloat16
 
     @property
     def B(self) -> int:
@@ -145,6 +146,7 @@ def _prepare(args: dict[str, Any], keep_half: np.dtype | None = None) -> _Latent
     cache_in = given("cache")
     x_half = _half.is_half(x.dtype)
     dtype = V.result_dtype(_half.COMPUTED if x_half else x, cache_in, *arrs.values())
+    bf16 = V.precision_bf16(args["precision"], dtype)
     for k in ("w_q", "w_q_a", "w_q_b", "w_kv_a", "w_kv_b", "w_o"):
         mat = arrs[k]
         if mat is not None:
@@ -294,6 +296,7 @@ def _prepare(args: dict[str, Any], keep_half: np.dtype | None = None) -> _Latent
         eps,
         form,
         stacked,
+        bf16,
     )
 
 
@@ -387,14 +390,21 @@ class _State(NamedTuple):
     ctx: np.ndarray  # (B*n, h*d_v)
 
 
-def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return _rope._gemm(a, b)
+def _gemm(a: np.ndarray, b: np.ndarray, bf16: bool = False) -> np.ndarray:
+    return _rope._gemm(a, b, bf16)
 
 
-def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, y_half: bool = False) -> np.ndarray:
+def _linear(
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None,
+    y_half: bool = False,
+    bf16: bool = False,
+) -> np.ndarray:
     """``x w + b``, with ``w`` float16 or bfloat16 read as stored (computed in float32), and so
     ``x`` when it is stored as ``w`` is; ``y_half``: ``y`` written in ``w``'s half dtype (rounded
-    once, as the GEMM finishes each block)."""
+    once, as the GEMM finishes each block); ``bf16``: both operands rounded to bfloat16, the
+    products summed in float32."""
     half = _half.is_half(w.dtype)
     x_half = half and x.dtype == w.dtype
     y_half = half and y_half
@@ -404,9 +414,9 @@ def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, y_half: bool = F
             x_in = _memory.contiguous(x).view(np.uint16) if x_half else _memory.contiguous(x)
             y_out = y.view(np.uint16) if y_half else y
             code = _half.code(w.dtype)
-            core.linear_forward(x_in, w.view(np.uint16), b, y_out, False, code, x_half, y_half)
+            core.linear_forward(x_in, w.view(np.uint16), b, y_out, bf16, code, x_half, y_half)
         else:
-            core.linear_forward(_memory.contiguous(x), w, b, y)
+            core.linear_forward(_memory.contiguous(x), w, b, y, bf16)
     return y
 
 
@@ -446,7 +456,9 @@ def _stacked_forward(
     cm = _stacked_mask(a)
     parts = n_k // _KEY_PART
     if weights is not None or cm.mask is not None or parts < 2:
-        core.sdpa_forward(qq, lat[:, None], lat[:, None, :, :r], out, cm, a.m.scale, weights, lse)
+        core.sdpa_forward(
+            qq, lat[:, None], lat[:, None, :, :r], out, cm, a.m.scale, weights, lse, a.bf16
+        )
         return
     whole = parts * _KEY_PART
     keys = lat[:, :whole].reshape(B * parts, 1, _KEY_PART, lat.shape[-1])
@@ -458,7 +470,15 @@ def _stacked_forward(
     s = _memory.empty((B * parts, 1, h), a.dtype)
     part_kp = None if kp is None else kp[:, :whole].reshape(B * parts, _KEY_PART)
     core.sdpa_forward(
-        rows, keys, keys[..., :r], o, cm._replace(key_padding_mask=part_kp), a.m.scale, None, s
+        rows,
+        keys,
+        keys[..., :r],
+        o,
+        cm._replace(key_padding_mask=part_kp),
+        a.m.scale,
+        None,
+        s,
+        a.bf16,
     )
     outs = list(o.reshape(B, parts, h, r).transpose(1, 0, 2, 3))
     lses = list(s.reshape(B, parts, h).transpose(1, 0, 2))
@@ -475,6 +495,7 @@ def _stacked_forward(
             a.m.scale,
             None,
             s_t,
+            a.bf16,
         )
         outs.append(o_t.reshape(B, h, r))
         lses.append(s_t.reshape(B, h))
@@ -489,15 +510,15 @@ def _run(a: _Latent, weights: np.ndarray | None) -> tuple[np.ndarray, _State]:
     w = a.w
     qa = None
     if w["w_q"] is not None:
-        q = _linear(a.x, _w(a, "w_q"), None)
+        q = _linear(a.x, _w(a, "w_q"), None, bf16=a.bf16)
     else:
-        pre = _linear(a.x, _w(a, "w_q_a"), w["b_q_a"])
+        pre = _linear(a.x, _w(a, "w_q_a"), w["b_q_a"], bf16=a.bf16)
         normed, rr = _rope.rms_norm(pre, _w(a, "q_a_norm"), a.eps)
         qa = (pre, rr, normed)
-        q = _linear(normed, _w(a, "w_q_b"), None)
+        q = _linear(normed, _w(a, "w_q_b"), None, bf16=a.bf16)
     q = q.reshape(B, n, h, dn + dr)
     _rotate(q[..., dn:], a.cos, a.sin, a.interleave)
-    ckv = _linear(a.x, _w(a, "w_kv_a"), w["b_kv_a"])  # (B*n, r + d_rope)
+    ckv = _linear(a.x, _w(a, "w_kv_a"), w["b_kv_a"], bf16=a.bf16)  # (B*n, r + d_rope)
     c_pre = _memory.copy(ckv[:, :r])
     c, rr_kv = _rope.rms_norm(c_pre, _w(a, "kv_a_norm"), a.eps)
     ckv[:, :r] = c
@@ -519,7 +540,7 @@ def _run(a: _Latent, weights: np.ndarray | None) -> tuple[np.ndarray, _State]:
     else:
         core_, lse, ctx = _absorbed(a, q, lat, weights)
     # inputs read as stored: the output written so (the call stores it in their half dtype)
-    out = _linear(ctx, _w(a, "w_o"), w["b_o"], y_half=_half.is_half(a.x.dtype))
+    out = _linear(ctx, _w(a, "w_o"), w["b_o"], y_half=_half.is_half(a.x.dtype), bf16=a.bf16)
     return out, _State(qa, q, kv_pre, lat, core_, lse, ctx)
 
 
@@ -527,7 +548,8 @@ def _expanded(
     a: _Latent, q: np.ndarray, lat: np.ndarray, weights: np.ndarray | None
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     B, n, n_k, h, r, dr, dn, dv, dtype = a.B, a.n, a.n_k, a.h, a.r, a.dr, a.dn, a.dv, a.dtype
-    kv = _gemm(lat[..., :r].reshape(B * n_k, r), _w(a, "w_kv_b")).reshape(B, n_k, h, dn + dv)
+    kv = _gemm(lat[..., :r].reshape(B * n_k, r), _w(a, "w_kv_b"), a.bf16)
+    kv = kv.reshape(B, n_k, h, dn + dv)
     k = _memory.empty((B, n_k, h, dn + dr), dtype)
     k[..., :dn] = kv[..., :dn]
     k[..., dn:] = lat[:, :, None, r:]
@@ -543,6 +565,7 @@ def _expanded(
             a.m.scale,
             weights,
             lse,
+            a.bf16,
         )
     else:
         out.fill(0)
@@ -575,7 +598,7 @@ def _absorbed(
     a: _Latent, q: np.ndarray, lat: np.ndarray, weights: np.ndarray | None
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     B, n, n_k, h, r, dr, dn, dv, dtype = a.B, a.n, a.n_k, a.h, a.r, a.dr, a.dn, a.dv, a.dtype
-    few = B * n * r * max(dn, dv) < _BLAS_SERIAL
+    few = B * n * r * max(dn, dv) < _BLAS_SERIAL and not a.bf16  # (bf16: attnlab's GEMM)
     w_uk, w_uv = _split_kv_b(a, views=few)
     qn = _per_head(q[..., :dn])  # (h, B*n, d_nope)
     qq = _memory.empty((B, n, h, r + dr), dtype)
@@ -583,7 +606,7 @@ def _absorbed(
         qq[..., :r] = np.matmul(qn, w_uk.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(B, n, h, r)
     else:
         for i in range(h):  # q_nope,i W_uk,i^T as (W_uk,i q_nope,i^T)^T: no transposed copy
-            qq[:, :, i, :r] = _gemm(w_uk[i], qn[i].T).T.reshape(B, n, r)
+            qq[:, :, i, :r] = _gemm(w_uk[i], qn[i].T, a.bf16).T.reshape(B, n, r)
     qq[..., r:] = q[..., dn:]
     keys = lat[:, None]
     values = lat[:, None, :, :r]
@@ -599,7 +622,7 @@ def _absorbed(
         lse = a.m.empty_lse(B, h, n, dtype)
         if n_k:
             core.sdpa_forward(
-                _heads(qq), keys, values, out, a.m.core_mask(), a.m.scale, weights, lse
+                _heads(qq), keys, values, out, a.m.core_mask(), a.m.scale, weights, lse, a.bf16
             )
         ctx_lat = _heads(out)  # (B, n, h, r) view
     if not n_k:
@@ -610,7 +633,7 @@ def _absorbed(
         ctx.reshape(B * n, h, dv)[...] = np.matmul(cl, w_uv).transpose(1, 0, 2)
     else:
         for i in range(h):
-            ctx[:, i * dv : (i + 1) * dv] = _gemm(cl[i], w_uv[i])
+            ctx[:, i * dv : (i + 1) * dv] = _gemm(cl[i], w_uv[i], a.bf16)
     return {"qq": qq, "out": out}, lse, ctx
 
 
@@ -653,6 +676,7 @@ def latent_attention(
     rope_interleave: bool = True,
     norm_eps: float | None = None,
     form: str = "auto",
+    precision: str | None = None,
     return_weights: bool | str = False,
     return_lse: bool = False,
     return_cache: bool = False,
@@ -732,6 +756,16 @@ def latent_attention(
         ``W_uv`` into the output, attending over the latents as multi-query attention (one key
         head of width ``kv_lora_rank + d_rope``). ``"auto"``: the one with fewer multiply-adds
         (:func:`attnlab.cost.plan_latent`): absorbed to decode, expanded for prefill.
+    precision : {None, "bf16"}, optional
+        ``None``: exact in the input dtype. ``"bf16"`` (float32 or half-precision inputs):
+        every product (the projections, ``w_kv_b``'s up-projection or the absorbed form's
+        per-head ``W_uk``, ``W_uv`` products, the attention core as
+        :func:`scaled_dot_product_attention`'s ``precision="bf16"``) rounds both operands to
+        bfloat16 and sums in float32, on ``VDPBF16PS`` or AMX tiles where the CPU has them
+        and emulated elsewhere; the norms and rotations stay float32. The rounding points are
+        the form's, so the two forms differ at the order of bfloat16's unit roundoff,
+        ``2**-8``. Gradients (``latent_attention_backward``, ``vjp``) take float32 products
+        over the bf16 forward's values, the attention's at its rounded operands.
     return_weights : bool or {"heads", "mean"}
         Also return the attention weights ``(..., h, n, n_past + n)`` (or their mean).
     return_cache : bool
@@ -908,8 +942,13 @@ def _core_backward(
 ) -> None:
     """The attention core's backward in either form: ``d_qkv`` from the gradient ``g`` of its
     output and its inputs ``qkv``, with the output and log-sum-exp the forward kept in ``st``;
-    ``d_logit``: the buffers of the mask's and the sinks' gradients (``None``: not wanted)."""
-    core.sdpa_backward(g, *qkv, mask, a.m.scale, st.core["out"], st.lse, *d_qkv, False, *d_logit)
+    ``d_logit``: the buffers of the mask's and the sinks' gradients (``None``: not wanted).
+    With bf16 products it recomputes the softmax at the rounded operands (in buffers of its
+    own: the forward's output and log-sum-exp, of rounded probabilities, stay as they are)."""
+    out, lse = st.core["out"], st.lse
+    if a.bf16:
+        out, lse = _memory.empty(out.shape, out.dtype), _memory.empty(lse.shape, lse.dtype)
+    core.sdpa_backward(g, *qkv, mask, a.m.scale, out, lse, *d_qkv, a.bf16, *d_logit, a.bf16)
 
 
 def _expanded_backward(

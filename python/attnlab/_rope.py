@@ -381,14 +381,15 @@ def rms_norm_backward(
     return dx, dw
 
 
-def _gemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _gemm(a: np.ndarray, b: np.ndarray, bf16: bool = False) -> np.ndarray:
     """``a @ b`` by attnlab's GEMM (its threads; NumPy's BLAS threads spin when the machine is
-    shared, which made this backward 2-3x slower); transposed operands are copied, O(n d)."""
+    shared, which made this backward 2-3x slower); transposed operands are copied, O(n d).
+    ``bf16``: both operands rounded to bfloat16, the products summed in float32."""
     a, b = _memory.contiguous(a), _memory.contiguous(b)
     y = _memory.empty((a.shape[0], b.shape[1]), b.dtype)
     if y.size:
         if a.shape[1]:
-            core.linear_forward(a, b, None, y)
+            core.linear_forward(a, b, None, y, bf16)
         else:
             y.fill(0)
     return y

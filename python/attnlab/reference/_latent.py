@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import _latent as _public
 from .. import _signature as _sig
-from ._mha import _bias, _context, _f64, _with_weights, attention_weights
+from ._mha import _bf16, _bias, _context, _f64, _with_weights, attention_weights
 
 __all__ = ["latent_attention"]
 
@@ -42,7 +42,8 @@ def _rotary(x: np.ndarray, angles: np.ndarray, scale: float, interleave: bool) -
 @_sig.reference_of(_public.latent_attention)
 def latent_attention(args: dict[str, Any]) -> Any:
     """Reference for :func:`attnlab.latent_attention` (float64): the expanded form, head by
-    head, whatever ``form`` says.
+    head, whatever ``form`` says (with ``precision="bf16"``, the expanded form's operands
+    rounded: every product's, not the probabilities).
 
     {parameters}
 
@@ -61,6 +62,8 @@ def latent_attention(args: dict[str, Any]) -> Any:
     (3, 16)
     """
     x = _f64(args["x"])
+    # precision="bf16": each product's operands rounded to bfloat16 (products exact here)
+    rnd = _bf16 if args["precision"] == "bf16" else (lambda a: a)
     h = int(args["num_heads"])
     eps = 1e-6 if args["norm_eps"] is None else float(args["norm_eps"])
     w_kv_b = _f64(args["w_kv_b"])
@@ -68,14 +71,15 @@ def latent_attention(args: dict[str, Any]) -> Any:
     w_kv_a = _f64(args["w_kv_a"])
     dr = w_kv_a.shape[1] - r
     if args["w_q"] is not None:
-        q = x @ _f64(args["w_q"])
+        q = rnd(x) @ rnd(_f64(args["w_q"]))
     else:
-        qa = _rms(x @ _f64(args["w_q_a"]) + _bias(args["b_q_a"]), args["q_a_norm"], eps)
-        q = qa @ _f64(args["w_q_b"])
+        pre = rnd(x) @ rnd(_f64(args["w_q_a"])) + _bias(args["b_q_a"])
+        qa = _rms(pre, args["q_a_norm"], eps)
+        q = rnd(qa) @ rnd(_f64(args["w_q_b"]))
     dq = q.shape[-1] // h
     dn = dq - dr
     dv = w_kv_b.shape[1] // h - dn
-    ckv = x @ w_kv_a + _bias(args["b_kv_a"])
+    ckv = rnd(x) @ rnd(w_kv_a) + _bias(args["b_kv_a"])
     c = _rms(ckv[..., :r], args["kv_a_norm"], eps)
     k_rope = ckv[..., r:]
     n = x.shape[-2]
@@ -104,7 +108,7 @@ def latent_attention(args: dict[str, Any]) -> Any:
         )
     else:
         lat = new
-    kv = lat[..., :r] @ w_kv_b
+    kv = rnd(lat[..., :r]) @ rnd(w_kv_b)
     scale = 1.0 / math.sqrt(dq) if args["scale"] is None else float(args["scale"])
     scores, values = [], []
     for i in range(h):
@@ -112,8 +116,8 @@ def latent_attention(args: dict[str, Any]) -> Any:
         q_i = np.concatenate([q_i[..., :dn], _rotary(q_i[..., dn:], angles, rs, inter)], axis=-1)
         kv_i = kv[..., i * (dn + dv) : (i + 1) * (dn + dv)]
         k_i = np.concatenate([kv_i[..., :dn], lat[..., r:]], axis=-1)
-        values.append(kv_i[..., dn:])
-        scores.append(scale * (q_i @ np.swapaxes(k_i, -1, -2)))
+        values.append(rnd(kv_i[..., dn:]))
+        scores.append(scale * (rnd(q_i) @ np.swapaxes(rnd(k_i), -1, -2)))
     batch = np.broadcast_shapes(q.shape[:-2], lat.shape[:-2])
     full = np.broadcast_to(np.stack(scores, axis=-3), batch + (h, n, lat.shape[-2]))
     logits, allowed, prob, lse = attention_weights(args, full)
@@ -121,7 +125,7 @@ def latent_attention(args: dict[str, Any]) -> Any:
     ctx = np.concatenate(
         [_context(prob[..., i, :, :], values[i], reads[..., i, :, :]) for i in range(h)], axis=-1
     )
-    out = ctx @ _f64(args["w_o"]) + _bias(args["b_o"])
+    out = rnd(ctx) @ rnd(_f64(args["w_o"])) + _bias(args["b_o"])
     result = _with_weights(out, prob, args, lse)
     if args["return_cache"]:
         result = (*result, lat) if isinstance(result, tuple) else (result, lat)
