@@ -46,6 +46,44 @@ def test_linear_bf16_is_the_rounded_product_to_float32_sums(shape):
     assert np.all(np.abs(y - (x.astype(np.float64) @ w + b)) <= loose + np.abs(b) * 2.0**-23)
 
 
+# rows up to kBf16StreamRows (4): the weight streamed and rounded as it is read
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (300, 70), (2500, 257), (256, 512)])
+def test_linear_bf16_of_few_rows_is_the_float32_gemm_on_rounded_operands(rows, shape):
+    """A decode step's few rows stream the weight (no packing): bit for bit the float32 GEMM
+    on the bf16-rounded copies (the emulated path's definition, chains of 256 products joined
+    in order, then the bias), for any thread count; half-precision weights, x and y too."""
+    K, N = shape
+    rng = np.random.default_rng(rows * K + N)
+    x = rng.standard_normal((rows, K)).astype(np.float32)
+    x[0, 0] = 1e-39  # a subnormal input: to zero, as the hardware rounding does
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    b = rng.standard_normal(N).astype(np.float32)
+    want = np.empty((rows, N), np.float32)
+    xr, wr = _bf16(x).astype(np.float32), _bf16(w).astype(np.float32)
+    core.linear_forward(xr, wr, b, want, False)
+    threads = attnlab.get_num_threads()
+    try:
+        for n in (1, threads):
+            attnlab.set_num_threads(n)
+            np.testing.assert_array_equal(_bf16_linear(x, w, b), want)
+    finally:
+        attnlab.set_num_threads(threads)
+    # half-precision weights (multi-head attention's projections read them as stored): the
+    # same bits as their float32 copies, rounded
+    xm = rng.standard_normal((1, rows, 32)).astype(np.float32)
+    wm = {
+        n: (rng.standard_normal((32, 32)) / 6).astype(np.float16)
+        for n in ("w_q", "w_k", "w_v", "w_o")
+    }
+    kw = dict(num_heads=2, precision="bf16")
+    got = attnlab.multi_head_attention(xm, **wm, **kw)
+    wide = attnlab.multi_head_attention(
+        xm, **{n: a.astype(np.float32) for n, a in wm.items()}, **kw
+    )
+    np.testing.assert_array_equal(got, wide)
+
+
 def test_linear_bf16_rounding_edges():
     """Ties to even, subnormals to zero, NaN and Inf through."""
     x = np.array([[1 + 2**-8, 1 + 3 * 2**-8, 1e-39, np.inf]], np.float32)

@@ -678,6 +678,16 @@ def test_latent_bf16_decode_over_a_long_cache_within_bound():
         assert 0.0 < err <= bound, (form, err, bound)
     with pytest.raises(ValueError, match="precision: 'bf16' rounds float32 operands"):
         attnlab.latent_attention(**_f64(args), **kw, precision="bf16")
+    # half-precision arrays with bf16 products: the widened float32 call's bits, rounded
+    half = _cast(dict(args, cache=cache), np.dtype(np.float16))
+    hstep = {k: v for k, v in step.items() if k != "cache"}
+    for form in ("absorbed", "expanded"):
+        got = attnlab.latent_attention(**half, **hstep, form=form, precision="bf16")
+        wide = attnlab.latent_attention(
+            **_cast(half, np.dtype(np.float32)), **hstep, form=form, precision="bf16"
+        )
+        assert got.dtype == np.float16
+        np.testing.assert_array_equal(got, wide.astype(np.float16))
 
 
 @pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])

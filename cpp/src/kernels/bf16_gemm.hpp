@@ -172,6 +172,100 @@ inline void linear_bf16_packed(Index rows, const float* x, Index ldx, const Line
 
 }  // namespace detail
 
+namespace detail {
+
+// Rows up to which a precision="bf16" product streams the weight, each row rounded to bf16 as
+// it is read, instead of packing both operands into blocks of 32 rows: a decode step's few rows
+// would pay for packing every weight on every call.
+inline constexpr Index kBf16StreamRows = 4;
+inline constexpr Index kBf16StreamCols = 256;  // columns per task: its sums stay in L1
+
+// dst = round_bf16(src) elementwise, branch-free so that the compiler vectorises it (the same
+// bits as round_bf16).
+inline void round_bf16_block(const float* src, Index n, float* dst) {
+    for (Index i = 0; i < n; ++i) {
+        std::uint32_t u;
+        std::memcpy(&u, src + i, 4);
+        const std::uint32_t even = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        const std::uint32_t quiet = (u | 0x00400000u) & 0xffff0000u;
+        std::uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? quiet : even;
+        r = (u & 0x7f800000u) == 0 ? (u & 0x80000000u) : r;
+        std::memcpy(dst + i, &r, 4);
+    }
+}
+
+// y = x w + b with bf16 operands for rows <= kBf16StreamRows, on any CPU: x's rows rounded once,
+// w read once, a row at a time, rounded as it is read. Each element sums chains of kChain
+// products (in order, as the float32 GEMM's panel kernel does), joined in order, then the bias:
+// bit for bit the emulated path below (the float32 GEMM on rounded copies). Tasks are blocks of
+// columns, so the result does not depend on the thread count.
+inline void linear_bf16_streamed(Index rows, const float* x, Index ldx, const Linear<float>& l,
+                                 float* y, Index ldy, const HalfOperands& h) {
+    namespace ei = Eigen::internal;
+    using Packet = PacketOf<float>;
+    constexpr Index L = packet_size<float>();
+    const Index in = l.in, out = l.out;
+    auto xr = make_buffer<float>(std::max<Index>(rows * in, 1));
+    for (Index r = 0; r < rows; ++r) {
+        float* row = xr.get() + r * in;
+        if (h.x)
+            half_to_float(h.x + r * ldx, in, h.format, row);
+        else
+            std::copy(x + r * ldx, x + r * ldx + in, row);
+        round_bf16_block(row, in, row);
+    }
+    parallel_for((out + kBf16StreamCols - 1) / kBf16StreamCols, [&](Index t) {
+        const Index j0 = t * kBf16StreamCols, nc = std::min(kBf16StreamCols, out - j0);
+        const Index np = (nc + L - 1) / L, width = np * L;  // whole packets, zero padded
+        float* wr = scratch<float>(ScratchBuffer::kBf16Streamed,
+                                   static_cast<std::size_t>((1 + 2 * rows) * width));
+        float* total = wr + width;            // rows x width: the joined chains
+        float* chain = total + rows * width;  // rows x width: the current chain
+        std::fill(wr + nc, wr + width, 0.0f);
+        for (Index k0 = 0; k0 < in; k0 += kChain) {
+            std::fill(chain, chain + rows * width, 0.0f);
+            for (Index k = k0; k < std::min(in, k0 + kChain); ++k) {
+                // the row kPrefetchAheadL2 on requested now: rows out apart, a stride the
+                // hardware prefetchers follow late (as the GEMM's panel kernel does)
+                if (k + kPrefetchAheadL2 < in) {
+                    if (l.w_half)
+                        prefetch_row<Fetch::l2>(l.w_half + (k + kPrefetchAheadL2) * out + j0, nc);
+                    else
+                        prefetch_row<Fetch::l2>(l.w + (k + kPrefetchAheadL2) * out + j0, nc);
+                }
+                if (l.w_half) {
+                    half_to_float(l.w_half + k * out + j0, nc, l.half, wr);
+                    round_bf16_block(wr, nc, wr);
+                } else {
+                    round_bf16_block(l.w + k * out + j0, nc, wr);
+                }
+                for (Index r = 0; r < rows; ++r) {
+                    const Packet xv = ei::pset1<Packet>(xr[r * in + k]);
+                    float* c = chain + r * width;
+                    for (Index q = 0; q < width; q += L)
+                        ei::pstoreu(c + q, ei::pmadd(xv, ei::ploadu<Packet>(wr + q),
+                                                     ei::ploadu<Packet>(c + q)));
+                }
+            }
+            for (Index i = 0; i < rows * width; i += L)
+                ei::pstoreu(total + i, k0 == 0 ? ei::ploadu<Packet>(chain + i)
+                                               : ei::padd(ei::ploadu<Packet>(total + i),
+                                                          ei::ploadu<Packet>(chain + i)));
+        }
+        for (Index r = 0; r < rows; ++r) {
+            float* sums = total + r * width;
+            if (l.b)
+                for (Index j = 0; j < nc; ++j) sums[j] += l.b[j0 + j];
+            if (h.y)
+                narrow_block(sums, nc, h.format, h.y + r * ldy + j0);
+            else
+                std::copy(sums, sums + nc, y + r * ldy + j0);
+        }
+    });
+}
+
+}  // namespace detail
+
 // Which kernel precision="bf16" runs here: "amx", "avx512_bf16" or "emulated".
 inline const char* bf16_kernel() {
 #if defined(ATTNLAB_AMX)
@@ -188,6 +282,10 @@ inline void linear_bf16(Index rows, const float* x, Index ldx, const Linear<floa
                         Index ldy, const HalfOperands& h = {}) {
     const Index in = l.in, out = l.out;
     if (rows <= 0 || out <= 0) return;
+    if (rows <= detail::kBf16StreamRows && in > 0) {
+        detail::linear_bf16_streamed(rows, x, ldx, l, y, ldy, h);
+        return;
+    }
 #if defined(ATTNLAB_AMX)
     // no features: the float32 path below writes y = b
     if (in > 0 && (detail::amx_usable() || detail::avx512_bf16_usable())) {

@@ -97,8 +97,8 @@ ATTNLAB_AMX_TARGET inline void transpose_values(const std::uint16_t* vs, Index n
 
 // The fused forward when it applies (AMX or else AVX512-BF16 usable, as the composed kernels
 // choose; self-attention, head widths multiples of 32, no weights or kept state asked for, not
-// the decode path); false (nothing written) otherwise or when a value holds NaN or Inf (the
-// attention's careful path then runs on the composed path).
+// the decode path, more rows than kBf16StreamRows); false (nothing written) otherwise or when a
+// value holds NaN or Inf (the attention's careful path then runs on the composed path).
 inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<float>& a) {
     const Index in = p.w_q.in, d = p.d_head, dv = p.d_vhead;
     const bool self = p.query == p.key && p.key == p.value && p.query_half == p.key_half &&
@@ -106,7 +106,8 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
                       p.w_v.in == in;
     const bool amx = amx_usable();
     if (!(amx || avx512_bf16_usable()) || !self || d % 32 != 0 || dv % 32 != 0 || p.weights ||
-        p.weights_half || p.state.q || p.state.lse || use_decode(a) || in <= 0)
+        p.weights_half || p.state.q || p.state.lse || use_decode(a) || in <= 0 ||
+        p.batch * p.n_q <= kBf16StreamRows)
         return false;
     const Index n = p.n_q, rows = p.batch * n, h = p.heads, hk = p.kv_heads;
     const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32;

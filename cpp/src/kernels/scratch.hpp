@@ -64,6 +64,7 @@ enum class ScratchBuffer : int {
     kGemmHalfRows,       // gemm: a row chunk of a half-precision X widened (rows x depth), kept
     kGemmHalfOut,        // gemm: a task's rows of Y before rounding to half (rows x cols)
     kGemmTiles,          // linear_bf16_packed, vdp_linear_block: the sums of a task's column blocks
+    kBf16Streamed,       // linear_bf16_streamed: a rounded weight row and a task's sums
     kAdditiveRows,       // additive/separable forward: one row block's projections
     kAdditiveShare,      // additive/separable forward: a row block's share of the pooled vector
     kAdditiveWeights,    // additive/separable: a row block's token weights, a batch row's scores
