@@ -46,11 +46,12 @@ def test_linear_bf16_is_the_rounded_product_to_float32_sums(shape):
     assert np.all(np.abs(y - (x.astype(np.float64) @ w + b)) <= loose + np.abs(b) * 2.0**-23)
 
 
-# rows up to kBf16StreamRows (4): the weight streamed and rounded as it is read
+# up to 4 rows (kBf16StreamRows) of a weight of 2**20 elements or more: the weight streamed
+# and rounded as it is read
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (300, 70), (2500, 257), (256, 512)])
+@pytest.mark.parametrize("shape", [(1024, 1024), (1100, 1000), (2500, 420), (4096, 257)])
 def test_linear_bf16_of_few_rows_is_the_float32_gemm_on_rounded_operands(rows, shape):
-    """A decode step's few rows stream the weight (no packing): bit for bit the float32 GEMM
+    """A decode step's few rows stream a large weight (no packing): bit for bit the float32 GEMM
     on the bf16-rounded copies (the emulated path's definition, chains of 256 products joined
     in order, then the bias), for any thread count; half-precision weights, x and y too."""
     K, N = shape
@@ -71,12 +72,12 @@ def test_linear_bf16_of_few_rows_is_the_float32_gemm_on_rounded_operands(rows, s
         attnlab.set_num_threads(threads)
     # half-precision weights (multi-head attention's projections read them as stored): the
     # same bits as their float32 copies, rounded
-    xm = rng.standard_normal((1, rows, 32)).astype(np.float32)
+    xm = rng.standard_normal((1, rows, 1024)).astype(np.float32)
     wm = {
-        n: (rng.standard_normal((32, 32)) / 6).astype(np.float16)
+        n: (rng.standard_normal((1024, 1024)) / 32).astype(np.float16)
         for n in ("w_q", "w_k", "w_v", "w_o")
     }
-    kw = dict(num_heads=2, precision="bf16")
+    kw = dict(num_heads=8, precision="bf16")
     got = attnlab.multi_head_attention(xm, **wm, **kw)
     wide = attnlab.multi_head_attention(
         xm, **{n: a.astype(np.float32) for n, a in wm.items()}, **kw

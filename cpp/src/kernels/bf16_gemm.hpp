@@ -174,11 +174,18 @@ inline void linear_bf16_packed(Index rows, const float* x, Index ldx, const Line
 
 namespace detail {
 
-// Rows up to which a precision="bf16" product streams the weight, each row rounded to bf16 as
-// it is read, instead of packing both operands into blocks of 32 rows: a decode step's few rows
-// would pay for packing every weight on every call.
+// A precision="bf16" product of few rows (a decode step) with a large weight streams the weight,
+// each row rounded to bf16 as it is read, instead of packing both operands into blocks of 32
+// rows: a weight of 4 MiB or more is read from memory on every call, and rounding it as it is
+// read costs less than packing it; smaller ones stay in cache, where packing is cheap and the
+// packed product faster (docs/performance.md, "bf16 products of few rows").
 inline constexpr Index kBf16StreamRows = 4;
+inline constexpr Index kBf16StreamElements = Index(1) << 20;
 inline constexpr Index kBf16StreamCols = 256;  // columns per task: its sums stay in L1
+
+inline bool bf16_streams(Index rows, Index in, Index out) {
+    return rows <= kBf16StreamRows && in > 0 && in * out >= kBf16StreamElements;
+}
 
 // dst = round_bf16(src) elementwise, branch-free so that the compiler vectorises it (the same
 // bits as round_bf16).
@@ -194,7 +201,7 @@ inline void round_bf16_block(const float* src, Index n, float* dst) {
     }
 }
 
-// y = x w + b with bf16 operands for rows <= kBf16StreamRows, on any CPU: x's rows rounded once,
+// y = x w + b with bf16 operands when bf16_streams, on any CPU: x's rows rounded once,
 // w read once, a row at a time, rounded as it is read. Each element sums chains of kChain
 // products (in order, as the float32 GEMM's panel kernel does), joined in order, then the bias:
 // bit for bit the emulated path below (the float32 GEMM on rounded copies). Tasks are blocks of
@@ -282,7 +289,7 @@ inline void linear_bf16(Index rows, const float* x, Index ldx, const Linear<floa
                         Index ldy, const HalfOperands& h = {}) {
     const Index in = l.in, out = l.out;
     if (rows <= 0 || out <= 0) return;
-    if (rows <= detail::kBf16StreamRows && in > 0) {
+    if (detail::bf16_streams(rows, in, out)) {
         detail::linear_bf16_streamed(rows, x, ldx, l, y, ldy, h);
         return;
     }

@@ -97,8 +97,16 @@ ATTNLAB_AMX_TARGET inline void transpose_values(const std::uint16_t* vs, Index n
 
 // The fused forward when it applies (AMX or else AVX512-BF16 usable, as the composed kernels
 // choose; self-attention, head widths multiples of 32, no weights or kept state asked for, not
-// the decode path, more rows than kBf16StreamRows); false (nothing written) otherwise or when a
-// value holds NaN or Inf (the attention's careful path then runs on the composed path).
+// the decode path, no projection that streams its weight); false (nothing written) otherwise or
+// when a value holds NaN or Inf (the attention's careful path then runs on the composed path).
+// Whether a projection of this call streams its weight (bf16_streams): the fused call then
+// leaves it to the composed kernels, whose bits it gives.
+inline bool streams_any(const MhaProblem<float>& p) {
+    const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
+    return bf16_streams(rq, p.w_q.in, p.w_q.out) || bf16_streams(rk, p.w_k.in, p.w_k.out) ||
+           bf16_streams(rk, p.w_v.in, p.w_v.out) || bf16_streams(rq, p.w_o.in, p.w_o.out);
+}
+
 inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<float>& a) {
     const Index in = p.w_q.in, d = p.d_head, dv = p.d_vhead;
     const bool self = p.query == p.key && p.key == p.value && p.query_half == p.key_half &&
@@ -106,8 +114,7 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
                       p.w_v.in == in;
     const bool amx = amx_usable();
     if (!(amx || avx512_bf16_usable()) || !self || d % 32 != 0 || dv % 32 != 0 || p.weights ||
-        p.weights_half || p.state.q || p.state.lse || use_decode(a) || in <= 0 ||
-        p.batch * p.n_q <= kBf16StreamRows)
+        p.weights_half || p.state.q || p.state.lse || use_decode(a) || in <= 0 || streams_any(p))
         return false;
     const Index n = p.n_q, rows = p.batch * n, h = p.heads, hk = p.kv_heads;
     const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32;
