@@ -606,6 +606,12 @@ void attention_forward(const AttentionProblem<T>& p) {
             return;
     }
 #endif
+    if constexpr (std::is_same_v<T, float>) {
+        if (detail::use_decode(p)) {  // rounds q and each block of K and V as it reads them
+            detail::decode_forward(p);
+            return;
+        }
+    }
     const detail::Bf16Operands<T> r = detail::bf16_operands(p);  // the emulation
     detail::forward_tiles(r.p);
 }

@@ -187,20 +187,6 @@ inline bool bf16_streams(Index rows, Index in, Index out) {
     return rows <= kBf16StreamRows && in > 0 && in * out >= kBf16StreamElements;
 }
 
-// dst = round_bf16(src) elementwise, branch-free so that the compiler vectorises it (the same
-// bits as round_bf16).
-inline void round_bf16_block(const float* src, Index n, float* dst) {
-    for (Index i = 0; i < n; ++i) {
-        std::uint32_t u;
-        std::memcpy(&u, src + i, 4);
-        const std::uint32_t even = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-        const std::uint32_t quiet = (u | 0x00400000u) & 0xffff0000u;
-        std::uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? quiet : even;
-        r = (u & 0x7f800000u) == 0 ? (u & 0x80000000u) : r;
-        std::memcpy(dst + i, &r, 4);
-    }
-}
-
 // y = x w + b with bf16 operands when bf16_streams, on any CPU: x's rows rounded once,
 // w read once, a row at a time, rounded as it is read. Each element sums chains of kChain
 // products (in order, as the float32 GEMM's panel kernel does), joined in order, then the bias:

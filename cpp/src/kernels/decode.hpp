@@ -263,10 +263,20 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     T* pr = sc + R * kbp;
     T* acc = scratch<T>(ScratchBuffer::kDecodeAccumulator, static_cast<std::size_t>(R * dvp));
     T m[kDecodeRows], l[kDecodeRows];
+    // precision="bf16" (float32 arrays): q, and each block of K and V as it is read, rounded to
+    // bf16 here (the same bits as rounded copies of the arrays, without copying the cache)
+    constexpr bool kCanRound = std::is_same_v<T, float> && F == HalfFormat::none;
+    const bool round = kCanRound && p.bf16 != Bf16::none;
     for (Index g = 0; g < group; ++g)
         for (Index i = 0; i < p.n_q; ++i) {
             const T* q = p.q.at(b, hk * group + g) + i * p.q.row_stride;
-            for (Index c = 0; c < d; ++c) qs[(g * p.n_q + i) * d + c] = p.scale * q[c];
+            T* qr = qs + (g * p.n_q + i) * d;
+            if constexpr (kCanRound)
+                if (round) {
+                    round_bf16_block(q, d, qr);
+                    q = qr;
+                }
+            for (Index c = 0; c < d; ++c) qr[c] = p.scale * q[c];
         }
     std::fill(acc, acc + R * dvp, T(0));
     std::fill(m, m + R, neg_inf<T>());
@@ -274,6 +284,9 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     using E = StoredElem<T, F>;
     const E *kbase, *vbase;
     Index ks, vs;
+    T* rounded =
+        round ? scratch<T>(ScratchBuffer::kDecodeRounded, static_cast<std::size_t>(kbp * (d + dv)))
+              : nullptr;
     if constexpr (F == HalfFormat::none) {
         kbase = p.k.at(b, hk);
         vbase = p.v.at(b, hk);
@@ -288,8 +301,9 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     const bool capped = p.mask.options.softcap > 0;
     // streamed rows (half the bytes when stored in half precision) are requested ahead
     const Index rows_bytes = R * std::max(d, dvp) * Index(sizeof(T));
-    const Index k_ahead = decode_ahead(d * Index(sizeof(E)), rows_bytes);
-    const Index v_ahead = decode_ahead(dv * Index(sizeof(E)), rows_bytes);
+    // (rounded blocks are read from L1: nothing to request)
+    const Index k_ahead = round ? 0 : decode_ahead(d * Index(sizeof(E)), rows_bytes);
+    const Index v_ahead = round ? 0 : decode_ahead(dv * Index(sizeof(E)), rows_bytes);
     const bool mask_arrays = p.mask.kind != MaskKind::none || p.mask.key_padding.data;
     for (Index j0 = j_lo; j0 < j_hi; j0 += kbp) {
         const Index kb = std::min(kbp, j_hi - j0);
@@ -298,6 +312,18 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         if (mask_arrays && block_unseen(p.mask, b, hk * group, group, 0, p.n_q, j0, kb)) continue;
         const E* kblock = kbase + j0 * ks;
         const E* vblock = vbase + j0 * vs;
+        Index kst = ks, vst = vs;  // the block's row strides
+        if constexpr (kCanRound)
+            if (round) {
+                for (Index u = 0; u < kb; ++u) {
+                    round_bf16_block(kblock + u * ks, d, rounded + u * d);
+                    round_bf16_block(vblock + u * vs, dv, rounded + kbp * d + u * dv);
+                }
+                kblock = rounded;
+                vblock = rounded + kbp * d;
+                kst = d;
+                vst = dv;
+            }
         // scores a few keys at a time for every row while those keys are in L1; the first
         // rows stream them from memory (and request those ahead as P says)
         const auto scores = [&](auto fetch) {
@@ -308,28 +334,28 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
             // rows read them again, from L1, for every further two rows)
             if constexpr (kDecodeRowBlock == 2) {  // not compiled where a block holds four
                 for (; R > 2 && j + 2 <= kb; j += 2) {
-                    decode_dots_rows<T, F, 4, 2, P>(std::min<Index>(4, R), qs, kblock + j * ks, ks,
-                                                    d, sc + j, kbp, k_ahead);
+                    decode_dots_rows<T, F, 4, 2, P>(std::min<Index>(4, R), qs, kblock + j * kst,
+                                                    kst, d, sc + j, kbp, k_ahead);
                     for (Index r0 = 4; r0 < R; r0 += 4)
-                        decode_dots_rows<T, F, 4, 2, Fetch::none>(std::min<Index>(4, R - r0),
-                                                                  qs + r0 * d, kblock + j * ks, ks,
-                                                                  d, sc + r0 * kbp + j, kbp, 0);
+                        decode_dots_rows<T, F, 4, 2, Fetch::none>(
+                            std::min<Index>(4, R - r0), qs + r0 * d, kblock + j * kst, kst, d,
+                            sc + r0 * kbp + j, kbp, 0);
                 }
             }
             for (; j + kDecodeKeys <= kb; j += kDecodeKeys) {
                 decode_dots_rows<T, F, kDecodeRowBlock, kDecodeKeys, P>(
-                    std::min<Index>(kDecodeRowBlock, R), qs, kblock + j * ks, ks, d, sc + j, kbp,
+                    std::min<Index>(kDecodeRowBlock, R), qs, kblock + j * kst, kst, d, sc + j, kbp,
                     k_ahead);
                 for (Index r0 = kDecodeRowBlock; r0 < R; r0 += kDecodeRowBlock)
                     decode_dots_rows<T, F, kDecodeRowBlock, kDecodeKeys, Fetch::none>(
-                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * ks, ks,
-                        d, sc + r0 * kbp + j, kbp, 0);
+                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * kst,
+                        kst, d, sc + r0 * kbp + j, kbp, 0);
             }
             for (; j < kb; ++j)
                 for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
                     decode_dots_rows<T, F, kDecodeRowBlock, 1, Fetch::none>(
-                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * ks, ks,
-                        d, sc + r0 * kbp + j, kbp, 0);
+                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * kst,
+                        kst, d, sc + r0 * kbp + j, kbp, 0);
         };
         if (k_ahead == 0)
             scores(std::integral_constant<Fetch, Fetch::none>{});
@@ -383,12 +409,12 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         const auto values = [&](auto skip) {
             constexpr bool S = decltype(skip)::value;
             if (v_ahead == 0)
-                return decode_values_all<T, F, S, Fetch::none>(R, sc, pr, kbp, vblock, vs, kb, acc,
+                return decode_values_all<T, F, S, Fetch::none>(R, sc, pr, kbp, vblock, vst, kb, acc,
                                                                dvp, dv, 0);
             if (kPrefetchToL2)
-                return decode_values_all<T, F, S, Fetch::l2>(R, sc, pr, kbp, vblock, vs, kb, acc,
+                return decode_values_all<T, F, S, Fetch::l2>(R, sc, pr, kbp, vblock, vst, kb, acc,
                                                              dvp, dv, v_ahead);
-            return decode_values_all<T, F, S, Fetch::l1>(R, sc, pr, kbp, vblock, vs, kb, acc, dvp,
+            return decode_values_all<T, F, S, Fetch::l1>(R, sc, pr, kbp, vblock, vst, kb, acc, dvp,
                                                          dv, v_ahead);
         };
         const Index c = masked ? values(std::true_type{}) : values(std::false_type{});
@@ -397,7 +423,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                 if (sc[r * kbp + j] != neg_inf<T>())
                     for (Index cc = c; cc < dv; ++cc)
                         acc[r * dvp + cc] =
-                            mul_add(pr[r * kbp + j], load_stored<T, F>(vblock + j * vs + cc),
+                            mul_add(pr[r * kbp + j], load_stored<T, F>(vblock + j * vst + cc),
                                     acc[r * dvp + cc]);
     }
     for (Index g = 0; g < group; ++g)
