@@ -4,7 +4,8 @@
 // hardware conversion does), their products summed in float32. With AMX (TDPBF16PS tiles) where
 // the CPU and the OS provide it, in the AVX-512 build, else with VDPBF16PS where the CPU has
 // AVX512-BF16 (bf16_gemm_avx512.hpp); elsewhere the same rounding emulated on the float32 GEMM,
-// so the answers agree across CPUs to the order of the float32 sums.
+// so the answers agree across CPUs to the order of the float32 sums. A few rows against a large
+// weight stream it instead (linear_bf16_streamed: the emulation's bits on every CPU).
 //
 // Shapes: x (rows x in, row stride ldx), w (in x out), b (out) or null, y (rows x out). A layer's
 // w may be stored as half-precision bits (Linear::w_half): read as stored, widened exactly and
@@ -169,10 +170,6 @@ inline void linear_bf16_packed(Index rows, const float* x, Index ldx, const Line
     linear_bf16_product(rows, out, kp, np, xp.get(), wp.get(), l.b, y, ldy, h.y, h.format);
 }
 #endif
-
-}  // namespace detail
-
-namespace detail {
 
 // A precision="bf16" product of few rows (a decode step) with a large weight streams the weight,
 // each row rounded to bf16 as it is read, instead of packing both operands into blocks of 32
