@@ -291,7 +291,7 @@ inline void linear_bf16(Index rows, const float* x, Index ldx, const Linear<floa
             detail::half_to_float(h.x + i * ldx, in, h.format, row);
         else
             std::copy(x + i * ldx, x + i * ldx + in, row);
-        for (Index k = 0; k < in; ++k) row[k] = detail::round_bf16(row[k]);
+        detail::round_bf16_block(row, in, row);
     });
     parallel_for(in, [&](Index k) {
         float* row = wr.get() + k * out;
@@ -299,7 +299,7 @@ inline void linear_bf16(Index rows, const float* x, Index ldx, const Linear<floa
             detail::half_to_float(l.w_half + k * out, out, l.half, row);
         else
             std::copy(l.w + k * out, l.w + (k + 1) * out, row);
-        for (Index j = 0; j < out; ++j) row[j] = detail::round_bf16(row[j]);
+        detail::round_bf16_block(row, out, row);
     });
     if (!h.y) {
         linear<float>(rows, in, out, xr.get(), in, wr.get(), l.b, y, ldy, false);
