@@ -50,7 +50,9 @@ def linear(x, w, b):
     core.linear_forward(x, w, b, y, True)
     return y
 fns = {"sdpa": attnlab.scaled_dot_product_attention, "mha": attnlab.multi_head_attention,
-       "mha_backward": attnlab.multi_head_attention_backward, "linear": linear}
+       "mha_backward": attnlab.multi_head_attention_backward, "linear": linear,
+       "additive_attention": attnlab.additive_attention,
+       "separable_attention": attnlab.separable_attention}
 with open(sys.argv[1], "rb") as f:
     calls = pickle.load(f)
 outs = [fns[name](*args, **kw) for name, args, kw in calls]

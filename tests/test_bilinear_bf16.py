@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import attnlab
-from attnlab import _bilinear, reference
+from attnlab import _bilinear, _half, reference
 from attnlab._loader import core
 from attnlab.reference._mha import _bf16
 from conftest import make_mha_weights
@@ -246,7 +246,7 @@ def test_bf16_empty_sums(widths):
 
 
 def test_rounding_is_the_kernels():
-    """The backward's rounding of the operands (``_rounded_bf16``) is the kernels': the bf16
+    """The backward's rounding of the operands (``_half.rounded_bf16``) is the kernels': the bf16
     product with a 1 x 1 one returns the rounded operand, ties
     to even, subnormals to zero, Inf and NaN through; arrays passed twice are rounded once."""
     rng = np.random.default_rng(8)
@@ -256,12 +256,12 @@ def test_rounding_is_the_kernels():
     y = np.empty((x.size, 1), np.float32)
     core.linear_forward(x.reshape(-1, 1), np.ones((1, 1), np.float32), None, y, True)
     y = y.reshape(x.shape)
-    r, r2 = _bilinear._rounded_bf16(x, x)
+    r, r2 = _half.rounded_bf16(x, x)
     assert r is r2
     np.testing.assert_array_equal(r, y)
     np.testing.assert_array_equal(r, _bf16(x).astype(np.float32))
     assert np.signbit(r[0, 3]) and r[0, 3] == 0 and np.isposinf(r[1, 0])
-    nan = _bilinear._rounded_bf16(np.array([np.nan, -np.nan], np.float32))[0]
+    nan = _half.rounded_bf16(np.array([np.nan, -np.nan], np.float32))[0]
     assert np.isnan(nan).all()
 
 

@@ -69,7 +69,20 @@ def _cases(dtype: Any, n: int = N, batch: int = 2) -> dict[str, Callable[[], Any
     sep = dict(w_qkv=u(D, 1 + 2 * D), b_qkv=r(1 + 2 * D), w_o=u(D, D), b_o=r(D))
     g = r(batch, n, D)
     gs = r(batch, H, n, 8)
-    return {
+    # precision="bf16" takes float32
+    bf16 = (
+        {
+            "additive_bf16": lambda: attnlab.additive_attention(
+                x, key_padding_mask=kpm, precision="bf16", **add
+            ),
+            "separable_bf16": lambda: attnlab.separable_attention(
+                x, key_padding_mask=kpm, precision="bf16", **sep
+            ),
+        }
+        if dtype == np.float32
+        else {}
+    )
+    return bf16 | {
         "sdpa": lambda: attnlab.scaled_dot_product_attention(
             q, k, v, mask=mask, return_weights=True
         ),

@@ -783,7 +783,7 @@ def _separable_case(shape: tuple) -> tuple[dict[str, Any], float]:
     return args, logit_scale(args["x"], args["w_qkv"][:, 0], 1.0)
 
 
-@pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
+@pytest.mark.parametrize("path", HALF + BF16, ids=lambda p: p[0])
 @pytest.mark.parametrize("shape", POOLED_SHAPES, ids=str)
 @pytest.mark.parametrize("variant", ["official", "hf"])
 def test_additive_within_bound(shape, path, variant):
@@ -814,7 +814,7 @@ def test_additive_within_bound(shape, path, variant):
     _finish(fwd, bwd)
 
 
-@pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
+@pytest.mark.parametrize("path", HALF + BF16, ids=lambda p: p[0])
 @pytest.mark.parametrize("shape", POOLED_SHAPES, ids=str)
 def test_separable_within_bound(shape, path):
     args, rho = _separable_case(shape)

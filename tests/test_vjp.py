@@ -98,8 +98,8 @@ def _count_kernels(
     fwd, bwd = getattr(core, prefix + "_forward"), getattr(core, prefix + "_backward")
 
     def count_fwd(*a):
-        # the state follows out and weights (mha_forward's last argument is its bf16 flag)
-        calls.append(("forward", a[3] if prefix == "mha" else a[-1]))
+        # the state follows out (and mha's weights); the bf16 flag after it
+        calls.append(("forward", a[3] if prefix == "mha" else a[2]))
         return fwd(*a)
 
     def count_bwd(*a):

@@ -93,12 +93,18 @@ void pooled_dispatch(const Args& a, F&& f) {
 // Forward and backward of either family (Family: Additive or Separable, with its Args). state:
 // only attnlab.vjp passes it, a dict of buffers the forward fills and the backward then reads.
 // a.half: x and out (the backward: x, x's gradient, and grad_out when it is uint16) are the
-// bits of that half dtype, computed in float32 (the state too).
+// bits of that half dtype, computed in float32 (the state too). bf16: precision="bf16" (float32
+// or half x; no state: its pullback runs the float32 backward at the rounded operands).
 template <typename Family>
-void pooled_forward(const typename Family::Args& a, py::array out, py::object state) {
+void pooled_forward(const typename Family::Args& a, py::array out, py::object state, bool bf16) {
     pooled_dispatch(a, [&](auto tag) {
         using T = decltype(tag);
+        if (bf16 && !std::is_same_v<T, float>)
+            throw py::type_error("bf16: bf16 products take float32 operands, got float64 x");
+        if (bf16 && !state.is_none())
+            throw py::value_error("state: precision='bf16' keeps no state");
         auto p = pooled_problem<Family, T>(a);
+        p.bf16 = bf16;
         const std::vector<Index> shape{a.batch * a.n, p.d_out};
         if (p.half.x)
             p.half.out = contiguous<std::uint16_t>(out, "out", shape, true);
@@ -131,13 +137,13 @@ void pooled_backward(py::array grad_out, const typename Family::Args& a, py::dic
     });
 }
 
-// <name>_forward(args, out, state=None), <name>_backward(grad_out, args, grads, state=None)
-// and the type of args, Family::Args bound as `type`.
+// <name>_forward(args, out, state=None, bf16=False), <name>_backward(grad_out, args, grads,
+// state=None) and the type of args, Family::Args bound as `type`.
 template <typename Family>
 void bind_pooled(py::module_& m, const std::string& name, const char* type) {
     bind_args<typename Family::Args>(m, type);
     m.def((name + "_forward").c_str(), &pooled_forward<Family>, py::arg("args"), py::arg("out"),
-          py::arg("state") = py::none());
+          py::arg("state") = py::none(), py::arg("bf16") = false);
     m.def((name + "_backward").c_str(), &pooled_backward<Family>, py::arg("grad_out"),
           py::arg("args"), py::arg("grads"), py::arg("state") = py::none());
 }

@@ -105,6 +105,7 @@ def _prepare_additive(args: dict[str, Any], keep_half: np.dtype | None = None) -
     bp = V.vector(bs["b_proj"], "b_proj", dtype, D)
     bf = V.vector(bs["b_final"], "b_final", dtype, d_out)
     s = V.check_scale(args["scale"], d_out**-0.5 if d_out else 1.0)
+    bf16 = V.precision_bf16(args["precision"], dtype)
 
     batch = tuple(xa.shape[:-2])
     kp = _args.pooled_padding(args, batch, n)
@@ -133,6 +134,7 @@ def _prepare_additive(args: dict[str, Any], keep_half: np.dtype | None = None) -
         # the other fields of core.AdditiveArgs
         options=dict(batch=B, n=n, scale=s, eps=e, variant=code, key_padding_mask=kp, half=half),
         half=xa.dtype if half else None,  # x's half dtype when x is passed as its bits
+        bf16=bf16,  # precision="bf16"
     )
 
 
@@ -153,6 +155,7 @@ def additive_attention(
     variant: str = "official",
     eps: float = 1e-12,
     key_padding_mask: Any = None,
+    precision: str | None = None,
     warn_empty_rows: bool = True,
     _keep: dict[str, Any] | None = None,
 ) -> np.ndarray:
@@ -207,6 +210,19 @@ def additive_attention(
         original offers this; it serves variable-length batches. ``nn.MultiheadAttention``'s
         ``key_padding_mask`` means the opposite (``True`` = padding): convert it with
         :func:`attnlab.interop.torch_masks`.
+    precision : {None, "bf16"}, optional
+        ``None``: exact in the input dtype. ``"bf16"`` (float32 or half-precision inputs): the
+        four weight products as the form above writes them, ``x w_q``, ``x w_k``,
+        ``(G * K) w_proj`` and ``H w_final`` with ``H = (G * K) w_proj + b_proj + Q``, on
+        operands rounded to bfloat16 (round to nearest even, subnormals to zero) and summed
+        in float32 (``VDPBF16PS`` or AMX tiles where the CPU has them,
+        ``build_info()["bf16_kernel"]``, else emulated); the biases, the norms, the scores
+        ``Q w_g`` and the pooling in float32 (``G`` is not folded into ``w_proj`` then).
+        :func:`attnlab.reference.additive_attention` rounds the same operands in float64.
+        The error against the exact result is of the order of bfloat16's unit roundoff
+        ``2**-8``, relative (``docs/guide.md``, "Precision"). Gradients (``*_backward``,
+        ``vjp``) are those of the float32 attention at ``x``, ``w_q``, ``w_k``, ``w_proj``
+        and ``w_final`` rounded to bfloat16 (``vjp``'s pullback recomputes them).
     warn_empty_rows : bool
         Warn (a ``UserWarning``, once per call, with the count) when ``key_padding_mask``
         leaves a sequence with no real token: the usual sign of a mask in PyTorch's polarity.
@@ -249,6 +265,7 @@ def additive_attention(
             core.AdditiveArgs(**a["arrays"], **a["options"]),
             out.view(np.uint16) if bits else out,
             state,
+            a["bf16"],
         )
     batch = a["batch"]
     return _half.store(out.reshape(batch + (n, d_out)), half)
@@ -256,7 +273,7 @@ def additive_attention(
 
 _ADDITIVE_BACKWARD_DOC = """\
     x, w_q, b_q, w_k, b_k, w_g, w_proj, b_proj, w_final, b_final, scale, variant, eps,
-    key_padding_mask, warn_empty_rows
+    key_padding_mask, precision, warn_empty_rows
         As for :func:`additive_attention`
         {padding_polarity}
 
@@ -279,9 +296,14 @@ _ADDITIVE_BACKWARD_DOC = """\
 
 
 def _additive_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
-    half = _half.storage(args)
-    # half-precision x (and grad_out) read, and x's gradient written, as stored
+    # half-precision x (and grad_out) read, and x's gradient written, as stored (widened
+    # first for precision="bf16", whose float32 backward reads the rounded copies)
+    half = _half.storage(args) if args["precision"] is None else None
     a = _prepare_additive(args, half)
+    if a["bf16"]:
+        a["arrays"] = _args.pooled_bf16_operands(
+            a["arrays"], ("x", "w_q", "w_k", "w_proj", "w_final")
+        )
     return _half.store_grads(_additive_grads(a, grad_out), _half.halves(args))
 
 

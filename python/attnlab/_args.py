@@ -320,6 +320,18 @@ def pooled_padding(args: Mapping[str, Any], batch: tuple[int, ...], n: int) -> n
     return kp
 
 
+def pooled_bf16_operands(
+    arrays: dict[str, np.ndarray], names: tuple[str, ...]
+) -> dict[str, np.ndarray]:
+    """The arrays a pooled family's kernels read, those ``names`` rounded to bfloat16 (float32
+    copies): where its float32 backward runs for ``precision="bf16"``."""
+    given = [n for n in names if arrays[n] is not None]  # no rows of x without features
+    return {
+        **arrays,
+        **dict(zip(given, _half.rounded_bf16(*(arrays[n] for n in given)), strict=True)),
+    }
+
+
 def with_weights(
     out: np.ndarray,
     weights: np.ndarray | None,

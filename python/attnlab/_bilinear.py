@@ -346,28 +346,12 @@ class _Prepared(NamedTuple):
         query, key, value = self.rows()
         wqk, wv, wo = self.wqk, self.wv, self.wo
         if self.bf16:
-            query, key, value, wqk, wv, wo = _rounded_bf16(query, key, value, wqk, wv, wo)
+            query, key, value, wqk, wv, wo = _half.rounded_bf16(query, key, value, wqk, wv, wo)
         layers = {"w_v": wv, "b_v": self.bv, "w_o": wo, "b_o": self.bo}
         return _args.projected_args(
             core.BilinearArgs, self, layers, query=query, key=key, value=value,
             w_qk=wqk, u_k=self.uk, weights_half=self.weights_half, out_half=int(self.out_half),
         )  # fmt: skip
-
-
-def _rounded_bf16(*arrays: np.ndarray) -> list[np.ndarray]:
-    """float32 ``arrays`` rounded to the nearest bfloat16 (ties to even), as float32 copies:
-    subnormals to signed zero, NaN and Inf kept (the kernels' rounding, ``round_bf16`` in
-    cpp/src/kernels/bf16.hpp). An array passed twice is rounded once (shared rows stay so)."""
-    done: dict[int, np.ndarray] = {}
-    for x in arrays:
-        if id(x) not in done:
-            u = x.view(np.uint32)
-            r = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) & np.uint32(
-                0xFFFF0000
-            )
-            r = np.where((u & np.uint32(0x7F800000)) == 0, u & np.uint32(0x80000000), r)
-            done[id(x)] = np.where(np.isnan(x), x, r.view(np.float32))
-    return [done[id(x)] for x in arrays]
 
 
 def _half_weights(w_qk: Any, args: dict[str, Any]) -> np.dtype | None:

@@ -138,3 +138,19 @@ def store_grads(grads: dict[str, np.ndarray], hs: Mapping[str, np.dtype]) -> dic
     call's :func:`halves`), as autograd gives a float16 parameter a float16 gradient; the
     others as computed."""
     return {n: store(g, hs[n]) if n in hs else g for n, g in grads.items()}
+
+
+def rounded_bf16(*arrays: np.ndarray) -> list[np.ndarray]:
+    """float32 ``arrays`` rounded to the nearest bfloat16 (ties to even), as float32 copies:
+    subnormals to signed zero, NaN and Inf kept (the kernels' rounding, ``round_bf16`` in
+    cpp/src/kernels/bf16.hpp). An array passed twice is rounded once (shared rows stay so)."""
+    done: dict[int, np.ndarray] = {}
+    for x in arrays:
+        if id(x) not in done:
+            u = x.view(np.uint32)
+            r = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) & np.uint32(
+                0xFFFF0000
+            )
+            r = np.where((u & np.uint32(0x7F800000)) == 0, u & np.uint32(0x80000000), r)
+            done[id(x)] = np.where(np.isnan(x), x, r.view(np.float32))
+    return [done[id(x)] for x in arrays]

@@ -67,6 +67,7 @@ def _prepare_separable(args: dict[str, Any], keep_half: np.dtype | None = None) 
     d_out = wo.shape[1]
     bqkv = V.vector(bqkv_, "b_qkv", dtype, 1 + 2 * d)
     bo = V.vector(bo_, "b_o", dtype, d_out)
+    bf16 = V.precision_bf16(args["precision"], dtype)
 
     batch = tuple(xa.shape[:-2])
     kp = _args.pooled_padding(args, batch, n)
@@ -86,6 +87,7 @@ def _prepare_separable(args: dict[str, Any], keep_half: np.dtype | None = None) 
         # the other fields of core.SeparableArgs
         options=dict(batch=B, n=n, key_padding_mask=kp, half=half),
         half=xa.dtype if half else None,  # x's half dtype when x is passed as its bits
+        bf16=bf16,  # precision="bf16"
     )
 
 
@@ -98,6 +100,7 @@ def separable_attention(
     w_o: Any,
     b_o: Any = None,
     key_padding_mask: Any = None,
+    precision: str | None = None,
     warn_empty_rows: bool = True,
     _keep: dict[str, Any] | None = None,
 ) -> np.ndarray:
@@ -131,6 +134,18 @@ def separable_attention(
         addition: the original has no mask). Padded tokens still get an output row.
         ``nn.MultiheadAttention``'s ``key_padding_mask`` means the opposite (``True`` =
         padding): convert it with :func:`attnlab.interop.torch_masks`.
+    precision : {None, "bf16"}, optional
+        ``None``: exact in the input dtype. ``"bf16"`` (float32 or half-precision inputs): the
+        two weight products as the form above writes them, ``x w_qkv`` and
+        ``(relu(v) * ctx) w_o``, on operands rounded to bfloat16 (round to nearest even,
+        subnormals to zero) and summed in float32 (``VDPBF16PS`` or AMX tiles where the CPU
+        has them, ``build_info()["bf16_kernel"]``, else emulated); the biases, the softmax and
+        ``ctx`` in float32 (``ctx`` is not folded into ``w_o`` then).
+        :func:`attnlab.reference.separable_attention` rounds the same operands in float64. The
+        error against the exact result is of the order of bfloat16's unit roundoff ``2**-8``,
+        relative (``docs/guide.md``, "Precision"). Gradients (``*_backward``, ``vjp``) are
+        those of the float32 attention at ``x``, ``w_qkv`` and ``w_o`` rounded to bfloat16
+        (``vjp``'s pullback recomputes them).
     warn_empty_rows : bool
         Warn (a ``UserWarning``, once per call, with the count) when ``key_padding_mask``
         leaves a sequence with no real token. Pass ``False`` when such sequences are intended.
@@ -177,12 +192,13 @@ def separable_attention(
                 core.SeparableArgs(**a["arrays"], **a["options"]),
                 out.view(np.uint16) if bits else out,
                 state,
+                a["bf16"],
             )
     return _half.store(out.reshape(batch + (n, d_out)), half)
 
 
 _SEPARABLE_BACKWARD_DOC = """\
-    x, w_qkv, b_qkv, w_o, b_o, key_padding_mask, warn_empty_rows
+    x, w_qkv, b_qkv, w_o, b_o, key_padding_mask, precision, warn_empty_rows
         As for :func:`separable_attention`
         {padding_polarity}
 
@@ -202,9 +218,12 @@ _SEPARABLE_BACKWARD_DOC = """\
 
 
 def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
-    half = _half.storage(args)
-    # half-precision x (and grad_out) read, and x's gradient written, as stored
+    # half-precision x (and grad_out) read, and x's gradient written, as stored (widened
+    # first for precision="bf16", whose float32 backward reads the rounded copies)
+    half = _half.storage(args) if args["precision"] is None else None
     a = _prepare_separable(args, half)
+    if a["bf16"]:
+        a["arrays"] = _args.pooled_bf16_operands(a["arrays"], ("x", "w_qkv", "w_o"))
     return _half.store_grads(_separable_grads(a, grad_out), _half.halves(args))
 
 

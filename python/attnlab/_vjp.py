@@ -32,6 +32,13 @@ KEPT: dict[Any, Callable[[dict[str, Any], Any], dict[str, np.ndarray]]] = {
     ),
     _latent.latent_attention: lambda k, g: _latent._grads(k["prepared"], k["state"], g),
 }
+# The families whose precision="bf16" forward keeps nothing, and the backward their pullback
+# recomputes it with (its gradients are the float32 function's at the rounded operands).
+_RECOMPUTED_BF16: dict[Any, Callable[..., dict[str, np.ndarray]]] = {
+    _mha.multi_head_attention: _mha.multi_head_attention_backward,
+    _additive.additive_attention: _additive.additive_attention_backward,
+    _separable.separable_attention: _separable.separable_attention_backward,
+}
 for _forward in KEPT:  # ``_keep`` is vjp's, not the caller's: help() and the docs omit it
     _sig.hide_private(_forward)
 
@@ -39,13 +46,14 @@ for _forward in KEPT:  # ``_keep`` is vjp's, not the caller's: help() and the do
 def _recomputing(
     f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, Pullback]:
-    """Multi-head attention with bf16 products, which keeps no state yet: the forward on a
-    private copy of the arguments (later in-place changes of the caller's arrays do not reach
-    the pullback), the pullback through ``multi_head_attention_backward``."""
+    """A family of ``_RECOMPUTED_BF16`` with bf16 products, which keeps no state: the forward
+    on a private copy of the arguments (later in-place changes of the caller's arrays do not
+    reach the pullback), the pullback through the family's backward."""
     own = copy.deepcopy(dict(inspect.signature(f).bind(*args, **kwargs).arguments))
     out = f(**own)
     again = {**own, "warn_empty_rows": False}  # the forward warned already
-    return out, lambda grad_out: _mha.multi_head_attention_backward(grad_out, **again)
+    backward = _RECOMPUTED_BF16[f]
+    return out, lambda grad_out: backward(grad_out, **again)
 
 
 @_docs.filled
@@ -91,9 +99,10 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
 
     ``bilinear_attention`` keeps its state when the cost model evaluates it in the query order
     (the backward's); in the key order (many more queries than keys) its pullback recomputes
-    the forward in the query order. ``multi_head_attention`` with ``precision="bf16"`` keeps
-    copies of its arguments and its pullback recomputes the forward (its gradients are those of
-    the attention at the rounded operands, without the probabilities' rounding).
+    the forward in the query order. ``multi_head_attention``, ``additive_attention`` and
+    ``separable_attention`` with ``precision="bf16"`` keep copies of their arguments and their
+    pullback recomputes the forward (their gradients are those of the float32 function at the
+    rounded operands; for multi-head attention without the probabilities' rounding).
 
     {examples}
     >>> x = rng.standard_normal((2, 5, 8))
@@ -109,9 +118,9 @@ def vjp(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Pullback
     if f not in KEPT:
         names = ", ".join(f"attnlab.{g.__name__}" for g in KEPT)
         raise TypeError(f"f: expected one of {names}, got {f!r}")
-    # precision="bf16" with multi-head attention keeps no state yet (keyword-only: no
-    # signature binding, a cost on every training step, docs/performance.md)
-    if f is _mha.multi_head_attention and kwargs.get("precision") is not None:
+    # precision="bf16" with multi-head, additive and separable attention keeps no state
+    # (keyword-only: no signature binding, a cost on every training step, docs/performance.md)
+    if f in _RECOMPUTED_BF16 and kwargs.get("precision") is not None:
         return _recomputing(f, args, kwargs)
     keep: dict[str, Any] = {}
     out = f(*args, **kwargs, _keep=keep)

@@ -71,6 +71,10 @@ struct AdditiveProblem : AdditiveTensors<const T*> {
     T* out = nullptr;        // (batch * n, d_out) row-major contiguous
     AdditiveState<T> state;  // optional (attnlab.vjp)
     HalfTokens half;         // tokens in half precision instead (float)
+    // precision="bf16" (float, the forward): the four weight products on bf16 operands with
+    // float32 sums, as the form above reads (x w_q, x w_k, (G * K) w_proj, H w_final with
+    // H = (G * K) w_proj + b_proj + Q); the norms, scores and pooling in float32
+    bool bf16 = false;
 };
 
 // Per batch element, x (n, d), [s | k | v] = x w_qkv + b_qkv with widths 1, d, d:
@@ -103,6 +107,9 @@ struct SeparableProblem : SeparableTensors<const T*> {
     T* out = nullptr;         // (batch * n, d_out)
     SeparableState<T> state;  // optional (attnlab.vjp)
     HalfTokens half;          // tokens in half precision instead (float)
+    // precision="bf16" (float, the forward): x w_qkv and (relu(v) * ctx) w_o on bf16 operands
+    // with float32 sums; the softmax and ctx in float32
+    bool bf16 = false;
 };
 
 // Gradients of the two forwards, written to caller-owned buffers shaped like the arguments

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "bf16_gemm.hpp"
 #include "entry_points.hpp"
 #include "pooled.hpp"
 #include "products.hpp"
@@ -79,26 +81,43 @@ void normalize_backward(R1&& du, const R2& u, T nrm, T eps) {
 namespace detail {
 namespace {
 
-// Steps 1 and 2 of the additive forward, which the backward runs too when it has no kept state
-// (one code path, so the two agree bitwise). Writes st.k, st.score and st.pooled; st.q and the
-// norms when set (the forward without state keeps only K); with `out`, out = Q w_final (the
-// forward's first term, while Q is in cache).
+// [w_k | w_q] (d_in x 2D) and [b_k | b_q]: both projections in one product.
 template <typename T>
-void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* out) {
+struct StackedKQ {
+    RowMatrix<T> w;
+    Vec<T> b;
+    explicit StackedKQ(const AdditiveProblem<T>& p) : w(p.d_in, 2 * p.width), b(2 * p.width) {
+        const Index din = p.d_in, D = p.width;
+        w.leftCols(D) = ConstRowMap<T>(p.w_k, din, D, Eigen::OuterStride<>(D));
+        w.rightCols(D) = ConstRowMap<T>(p.w_q, din, D, Eigen::OuterStride<>(D));
+        b.setZero();
+        if (p.b_k) b.head(D) = ConstVecMap<T>(p.b_k, D);
+        if (p.b_q) b.tail(D) = ConstVecMap<T>(p.b_q, D);
+    }
+};
+
+// Steps 1 and 2 of the additive forward, which the backward runs too when it has no kept state
+// (one code path, so the two agree bitwise). Writes st.score and st.pooled; st.k, st.q and the
+// norms when set (the float forward without state keeps only K); with `out`, out = Q w_final
+// (the forward's first term, while Q is in cache). projected (rows x 2D, the bf16 forward's):
+// [K | Q] before their normalisation, which then happens there, in place, instead of a GEMM
+// per block.
+template <typename T>
+void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* out,
+                   T* projected = nullptr) {
     const Index B = p.batch, n = p.n, din = p.d_in, D = p.width, dout = p.d_out;
     const bool official = p.variant == AdditiveVariant::official;
     const Index ld = 2 * D;
     const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
 
-    // [w_k | w_q] and [b_k | b_q]: both projections in one GEMM per block.
-    RowMatrix<T> Wkq(din, ld);
-    Wkq.leftCols(D) = ConstRowMap<T>(p.w_k, din, D, Eigen::OuterStride<>(D));
-    Wkq.rightCols(D) = ConstRowMap<T>(p.w_q, din, D, Eigen::OuterStride<>(D));
-    Vec<T> bkq = Vec<T>::Zero(ld);
-    if (p.b_k) bkq.head(D) = ConstVecMap<T>(p.b_k, D);
-    if (p.b_q) bkq.tail(D) = ConstVecMap<T>(p.b_q, D);
-    const ConstRowMap<T> Wkq_map(Wkq.data(), din, ld, Eigen::OuterStride<>(ld));
-    const PackedBlock<T> Wkq_packed(Wkq_map), Wfinal_packed(Wfinal);
+    // the weights' panels, packed once for the products this call runs
+    std::optional<StackedKQ<T>> kq;
+    PackedBlock<T> Wkq_packed, Wfinal_packed;
+    if (!projected) {
+        kq.emplace(p);
+        Wkq_packed = PackedBlock<T>(cview<T>(kq->w.data(), din, ld, ld));
+    }
+    if (out) Wfinal_packed = PackedBlock<T>(Wfinal);
 
     T* score = st.score;
     const Index per = (n + kRowBlock - 1) / kRowBlock;  // row blocks per batch element
@@ -108,14 +127,13 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     //    official scores s = (Q w_g) * scale; the block's share of the pooling, the sum over
     //    its real tokens of s_n Q_n (official) or Q_n (hf) (the token weights are
     //    a_n = s_n / max(||s||, eps), so G = (sum s_n Q_n) / max(||s||, eps)).
-    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
+    auto pool_block = [&](auto& KQ, Index task, Index b, Index i0, Index m) {
         const Index r0 = b * n + i0;
-        auto KQ = project_block<T>(p.x, r0, m, din, Wkq_map, bkq.data(), p.half, Wkq_packed.get());
         auto K = KQ.leftCols(D);
         auto Q = KQ.rightCols(D);
         normalize_rows(K, p.eps, st.k_norm ? st.k_norm + r0 : nullptr);
         normalize_rows(Q, p.eps, st.q_norm ? st.q_norm + r0 : nullptr);
-        RowMap<T>(st.k + r0 * D, m, D, Eigen::OuterStride<>(D)) = K;
+        if (st.k) RowMap<T>(st.k + r0 * D, m, D, Eigen::OuterStride<>(D)) = K;
         if (st.q) RowMap<T>(st.q + r0 * D, m, D, Eigen::OuterStride<>(D)) = Q;
         if (official) {
             ConstVecMap<T> wg(p.w_g, D);
@@ -144,6 +162,17 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
             RowMap<T> Y(out + r0 * dout, m, dout, Eigen::OuterStride<>(dout));
             block_product<T>(cview<T>(KQ.data() + D, m, D, ld), Wfinal, Y, false,
                              Wfinal_packed.get());
+        }
+    };
+    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
+        const Index r0 = b * n + i0;
+        if (projected) {
+            RowMap<T> KQ(projected + r0 * ld, m, ld, Eigen::OuterStride<>(ld));
+            pool_block(KQ, task, b, i0, m);
+        } else {
+            auto KQ = project_block<T>(p.x, r0, m, din, cview<T>(kq->w.data(), din, ld, ld),
+                                       kq->b.data(), p.half, Wkq_packed.get());
+            pool_block(KQ, task, b, i0, m);
         }
     });
 
@@ -176,6 +205,44 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     });
 }
 
+// precision="bf16": the module's four weight products, each over all rows (linear_bf16: bf16
+// operands, float32 sums), the norms, scores and pooling between them in float32. Not folded as
+// the float forward is: the rounded operands are the ones the form names.
+void additive_forward_bf16(const AdditiveProblem<float>& p) {
+    const Index B = p.batch, n = p.n, din = p.d_in, D = p.width, dout = p.d_out;
+    const Index rows = B * n, ld = 2 * D;
+    // [K | Q] before their normalisation, which additive_pool does in place
+    const StackedKQ<float> kq(p);
+    auto KQ = make_buffer<float>(rows * ld);
+    linear_bf16(rows, p.x, din, Linear<float>{kq.w.data(), kq.b.data(), din, ld}, KQ.get(), ld,
+                HalfOperands{p.half.x, nullptr, nullptr, p.half.format});
+    auto score = make_buffer<float>(rows), pooled = make_buffer<float>(B * D);
+    AdditiveState<float> st;
+    st.score = score.get();
+    st.pooled = pooled.get();
+    additive_pool(p, st, static_cast<float*>(nullptr), KQ.get());
+
+    // Z = G * K in place of K; H = Z w_proj + b_proj + Q; out = H w_final + b_final
+    for_row_blocks(rows, [&](Index r0, Index m) {
+        for (Index r = r0; r < r0 + m; ++r) {
+            float* k = KQ.get() + r * ld;
+            const float* g = st.pooled + (r / n) * D;
+            for (Index j = 0; j < D; ++j) k[j] *= g[j];
+        }
+    });
+    auto H = make_buffer<float>(rows * D);
+    linear_bf16(rows, KQ.get(), ld, Linear<float>{p.w_proj, p.b_proj, D, D}, H.get(), D);
+    for_row_blocks(rows, [&](Index r0, Index m) {
+        for (Index r = r0; r < r0 + m; ++r) {
+            float* h = H.get() + r * D;
+            const float* q = KQ.get() + r * ld + D;
+            for (Index j = 0; j < D; ++j) h[j] += q[j];
+        }
+    });
+    linear_bf16(rows, H.get(), D, Linear<float>{p.w_final, p.b_final, D, dout}, p.out, dout,
+                HalfOperands{nullptr, nullptr, p.half.out, p.half.format});
+}
+
 }  // namespace
 }  // namespace detail
 
@@ -185,6 +252,12 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     const Index B = p.batch, n = p.n, D = p.width, dout = p.d_out;
     const Index rows = B * n;
     if (rows <= 0 || dout <= 0) return;
+    if constexpr (std::is_same_v<T, float>) {
+        if (p.bf16) {
+            additive_forward_bf16(p);
+            return;
+        }
+    }
 
     // With M = w_proj w_final and c = b_proj w_final + b_final,
     //   out = (K diag(G) w_proj + b_proj + Q) w_final + b_final = K (diag(G) M) + Q w_final + c:

@@ -37,6 +37,7 @@ using ConstVecMap = Eigen::Map<const Vec<T>>;
 template <typename T>
 class PackedBlock {
   public:
+    PackedBlock() = default;  // none: each block packs (or reads) W itself
     // a strided view (a column block) is read in place by each block instead
     explicit PackedBlock(const ConstRowMap<T>& w) {
         if (w.outerStride() != w.cols()) return;

@@ -5,6 +5,7 @@
 #include "attnlab/additive.hpp"
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
+#include "bf16_gemm.hpp"
 #include "entry_points.hpp"
 #include "pooled.hpp"
 #include "products.hpp"
@@ -16,16 +17,18 @@ namespace detail {
 namespace {
 
 // Steps 1 and 2 of the separable forward, which the backward runs too when it has no kept
-// state (one code path: the two agree bitwise). Writes st.v (relu(v)) and st.context; st.s and
-// st.k when set (the forward without state keeps only relu(v)).
+// state (one code path: the two agree bitwise). Writes st.context; st.v (relu(v)), st.s and
+// st.k when set (the float forward without state keeps only relu(v)). projected (rows x
+// (1 + 2d), the bf16 forward's): [s | k | v] instead of a GEMM per block, v made relu(v) there.
 template <typename T>
-void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st) {
+void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st,
+                    T* projected = nullptr) {
     const Index B = p.batch, n = p.n, d = p.d;
     const Index ld = 1 + 2 * d;  // block rows are [s | k | v]
     constexpr T kInf = std::numeric_limits<T>::infinity();
 
     const ConstRowMap<T> Wqkv(p.w_qkv, d, ld, Eigen::OuterStride<>(ld));
-    const PackedBlock<T> Wqkv_packed(Wqkv);
+    const PackedBlock<T> Wqkv_packed = projected ? PackedBlock<T>() : PackedBlock<T>(Wqkv);
     const Index per = (n + kRowBlock - 1) / kRowBlock;
     // Per (batch element, block): the block's softmax state over its real tokens, as in an
     // online softmax: its max m_b, sum_n exp(s_n - m_b), sum_n exp(s_n - m_b) k_n.
@@ -36,11 +39,13 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st) {
 
     // 1. [s | k | v] in one GEMM per block, the block's softmax state while k is in cache, and
     //    relu(v) (NaN stays NaN, as torch's relu).
-    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
+    auto pool_block = [&](auto& P, Index task, Index b, Index i0, Index m) {
         const Index r0 = b * n + i0;
-        auto P = project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv, p.half, Wqkv_packed.get());
-        RowMap<T>(st.v + r0 * d, m, d, Eigen::OuterStride<>(d)) =
-            P.rightCols(d).unaryExpr([](T v) { return v < T(0) ? T(0) : v; });
+        const auto relu = P.rightCols(d).unaryExpr([](T v) { return v < T(0) ? T(0) : v; });
+        if (st.v)
+            RowMap<T>(st.v + r0 * d, m, d, Eigen::OuterStride<>(d)) = relu;
+        else
+            P.rightCols(d) = relu;  // elementwise: in place is safe
         if (st.k) RowMap<T>(st.k + r0 * d, m, d, Eigen::OuterStride<>(d)) = P.middleCols(1, d);
         if (st.s)
             for (Index i = 0; i < m; ++i) st.s[r0 + i] = P(i, 0);
@@ -80,6 +85,16 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st) {
                 if (p.key_padding.real(b, i0 + i)) acc += e[i] * P.row(i).segment(1, d);
             ctx = acc.template cast<double>();
         }
+    };
+    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
+        const Index r0 = b * n + i0;
+        if (projected) {
+            RowMap<T> P(projected + r0 * ld, m, ld, Eigen::OuterStride<>(ld));
+            pool_block(P, task, b, i0, m);
+        } else {
+            auto P = project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv, p.half, Wqkv_packed.get());
+            pool_block(P, task, b, i0, m);
+        }
     });
 
     // 2. Per batch element: merge the blocks' states into ctx = sum_n c_n k_n, c the softmax
@@ -117,6 +132,31 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st) {
     });
 }
 
+// precision="bf16": x w_qkv + b_qkv and (relu(v) * ctx) w_o + b_o over all rows (linear_bf16:
+// bf16 operands, float32 sums), the softmax and ctx between them in float32; ctx is not folded
+// into w_o, so the rounded operands are the ones the form names.
+void separable_forward_bf16(const SeparableProblem<float>& p) {
+    const Index B = p.batch, n = p.n, d = p.d, dout = p.d_out;
+    const Index rows = B * n, ld = 1 + 2 * d;
+    auto P = make_buffer<float>(rows * ld);
+    linear_bf16(rows, p.x, d, Linear<float>{p.w_qkv, p.b_qkv, d, ld}, P.get(), ld,
+                HalfOperands{p.half.x, nullptr, nullptr, p.half.format});
+    auto context = make_buffer<float>(B * d);
+    SeparableState<float> st;
+    st.context = context.get();
+    separable_pool(p, st, P.get());
+    // U = relu(v) * ctx in place of v
+    for_row_blocks(rows, [&](Index r0, Index m) {
+        for (Index r = r0; r < r0 + m; ++r) {
+            float* u = P.get() + r * ld + 1 + d;
+            const float* c = st.context + (r / n) * d;
+            for (Index j = 0; j < d; ++j) u[j] *= c[j];
+        }
+    });
+    linear_bf16(rows, P.get() + 1 + d, ld, Linear<float>{p.w_o, p.b_o, d, dout}, p.out, dout,
+                HalfOperands{nullptr, nullptr, p.half.out, p.half.format});
+}
+
 }  // namespace
 }  // namespace detail
 
@@ -126,6 +166,12 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
     const Index B = p.batch, n = p.n, d = p.d, dout = p.d_out;
     const Index rows = B * n;
     if (rows <= 0 || dout <= 0) return;
+    if constexpr (std::is_same_v<T, float>) {
+        if (p.bf16) {
+            separable_forward_bf16(p);
+            return;
+        }
+    }
     const ConstRowMap<T> Wo(p.w_o, d, dout, Eigen::OuterStride<>(dout));
 
     // Without a state to fill, only relu(v) (all the output needs) and ctx, in buffers of this

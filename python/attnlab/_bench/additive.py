@@ -1,5 +1,6 @@
 """Efficient additive attention (SwiftFormer) and separable self-attention (MobileViT-v2):
-attnlab against the NumPy reference and a PyTorch eager module, over n = 49 .. 12544 tokens.
+attnlab (float32, and ``precision="bf16"`` against it) against the NumPy reference and a PyTorch
+eager module, over n = 49 .. 12544 tokens.
 
 The rows of the largest n carry ``extra["slope"]``: the least-squares slope of log(time) against
 log(n) over the n >= 784 points (where fixed per-call costs no longer dominate; all points with
@@ -222,11 +223,15 @@ def run(quick: bool, threads: int) -> list[Row]:
     def family_fns(
         ours: Callable[..., Any], ref: Callable[..., Any], w: dict[str, Any], module: Any
     ) -> Callable[[int], dict[str, Any]]:
-        """The implementations timed at each n: attnlab, the reference (small n), torch."""
+        """The implementations timed at each n: attnlab (float32, and precision="bf16"), the
+        reference (small n), torch."""
 
         def fns_at(n: int) -> dict[str, Any]:
             x = xs[n]
-            fns: dict[str, Any] = {"attnlab": lambda: ours(x, **w)}
+            fns: dict[str, Any] = {
+                "attnlab": lambda: ours(x, **w),
+                "attnlab bf16": lambda: ours(x, **w, precision="bf16"),
+            }
             if n <= ref_max_n:
                 fns["reference"] = lambda: ref(x, **w)
             if module is not None:

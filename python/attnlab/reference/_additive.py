@@ -14,7 +14,7 @@ import numpy as np
 from .. import _additive as _public
 from .. import _signature as _sig
 from .._validate import POOLED_ROWS, warn_empty
-from ._mha import _bias, _f64
+from ._mha import _bf16, _bias, _f64
 
 __all__ = ["additive_attention"]
 
@@ -57,8 +57,10 @@ def additive_attention(args: dict[str, Any]) -> np.ndarray:
     """
     x, w_final, eps, scale = _f64(args["x"]), _f64(args["w_final"]), args["eps"], args["scale"]
     n = x.shape[-2]
-    query = x @ _f64(args["w_q"]) + _bias(args["b_q"])
-    key = x @ _f64(args["w_k"]) + _bias(args["b_k"])
+    # precision="bf16": each weight product's operands rounded to bfloat16 (products exact here)
+    rnd = _bf16 if args["precision"] == "bf16" else (lambda a: a)
+    query = rnd(x) @ rnd(_f64(args["w_q"])) + _bias(args["b_q"])
+    key = rnd(x) @ rnd(_f64(args["w_k"])) + _bias(args["b_k"])
     query = _normalize(query, -1, eps)  # (..., n, D)
     key = _normalize(key, -1, eps)
     real = _real_tokens(args, x.shape[:-2], n)  # (..., n, 1)
@@ -73,5 +75,5 @@ def additive_attention(args: dict[str, Any]) -> np.ndarray:
     else:
         raise ValueError(f"variant: expected 'official' or 'hf', got {variant!r}")
     G = np.sum(np.where(real, a * query, 0.0), axis=-2, keepdims=True)  # (..., 1, D)
-    out = (G * key) @ _f64(args["w_proj"]) + _bias(args["b_proj"]) + query
-    return out @ w_final + _bias(args["b_final"])
+    out = rnd(G * key) @ rnd(_f64(args["w_proj"])) + _bias(args["b_proj"]) + query
+    return rnd(out) @ rnd(w_final) + _bias(args["b_final"])

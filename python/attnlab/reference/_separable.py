@@ -12,7 +12,7 @@ import numpy as np
 from .. import _separable as _public
 from .. import _signature as _sig
 from ._additive import _real_tokens
-from ._mha import _bias, _f64
+from ._mha import _bf16, _bias, _f64
 
 __all__ = ["separable_attention"]
 
@@ -35,7 +35,9 @@ def separable_attention(args: dict[str, Any]) -> np.ndarray:
     x = _f64(args["x"])
     d = x.shape[-1]
     n = x.shape[-2]
-    qkv = x @ _f64(args["w_qkv"]) + _bias(args["b_qkv"])
+    # precision="bf16": each weight product's operands rounded to bfloat16 (products exact here)
+    rnd = _bf16 if args["precision"] == "bf16" else (lambda a: a)
+    qkv = rnd(x) @ rnd(_f64(args["w_qkv"])) + _bias(args["b_qkv"])
     s, k, v = qkv[..., :1], qkv[..., 1 : 1 + d], qkv[..., 1 + d :]
     real = _real_tokens(args, x.shape[:-2], n)  # (..., n, 1)
     s = np.where(real, s, -np.inf)
@@ -47,4 +49,4 @@ def separable_attention(args: dict[str, Any]) -> np.ndarray:
         c = np.where(z > 0, e / np.where(z > 0, z, 1.0), 0.0)
     c = np.where(np.isnan(z), np.nan, c)
     ctx = np.sum(np.where(real, c * k, 0.0), axis=-2, keepdims=True)  # (..., 1, d)
-    return (np.maximum(v, 0.0) * ctx) @ _f64(args["w_o"]) + _bias(args["b_o"])
+    return rnd(np.maximum(v, 0.0) * ctx) @ rnd(_f64(args["w_o"])) + _bias(args["b_o"])
