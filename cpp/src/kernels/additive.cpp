@@ -2,12 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <optional>
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
-#include "bf16_gemm.hpp"
+#include "bf16_block.hpp"
 #include "entry_points.hpp"
 #include "pooled.hpp"
 #include "products.hpp"
@@ -100,11 +101,11 @@ struct StackedKQ {
 // (one code path, so the two agree bitwise). Writes st.score and st.pooled; st.k, st.q and the
 // norms when set (the float forward without state keeps only K); with `out`, out = Q w_final
 // (the forward's first term, while Q is in cache). projected (rows x 2D, the bf16 forward's):
-// [K | Q] before their normalisation, which then happens there, in place, instead of a GEMM
-// per block.
+// where each task has fill(r0, m) write its rows [K | Q] before their normalisation, which
+// then happens there, in place (the float forwards project into a block of the thread).
 template <typename T>
 void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* out,
-                   T* projected = nullptr) {
+                   T* projected = nullptr, const std::function<void(Index, Index)>& fill = {}) {
     const Index B = p.batch, n = p.n, din = p.d_in, D = p.width, dout = p.d_out;
     const bool official = p.variant == AdditiveVariant::official;
     const Index ld = 2 * D;
@@ -167,6 +168,7 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
         const Index r0 = b * n + i0;
         if (projected) {
+            fill(r0, m);
             RowMap<T> KQ(projected + r0 * ld, m, ld, Eigen::OuterStride<>(ld));
             pool_block(KQ, task, b, i0, m);
         } else {
@@ -205,42 +207,47 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     });
 }
 
-// precision="bf16": the module's four weight products, each over all rows (linear_bf16: bf16
-// operands, float32 sums), the norms, scores and pooling between them in float32. Not folded as
-// the float forward is: the rounded operands are the ones the form names.
+// precision="bf16": the module's four weight products as bf16 products of row blocks
+// (Bf16Weight), the norms, scores and pooling between them in float32, each block's
+// intermediates in cache. Not folded as the float forward is: the rounded operands are the
+// ones the form names.
 void additive_forward_bf16(const AdditiveProblem<float>& p) {
     const Index B = p.batch, n = p.n, din = p.d_in, D = p.width, dout = p.d_out;
     const Index rows = B * n, ld = 2 * D;
-    // [K | Q] before their normalisation, which additive_pool does in place
     const StackedKQ<float> kq(p);
+    const Bf16Weight w_kq(kq.w.data(), din, ld), w_proj(p.w_proj, D, D),
+        w_final(p.w_final, D, dout);
+    // 1. [K | Q] of every block, normalised in place; the scores and G
     auto KQ = make_buffer<float>(rows * ld);
-    linear_bf16(rows, p.x, din, Linear<float>{kq.w.data(), kq.b.data(), din, ld}, KQ.get(), ld,
-                HalfOperands{p.half.x, nullptr, nullptr, p.half.format});
     auto score = make_buffer<float>(rows), pooled = make_buffer<float>(B * D);
     AdditiveState<float> st;
     st.score = score.get();
     st.pooled = pooled.get();
-    additive_pool(p, st, static_cast<float*>(nullptr), KQ.get());
+    additive_pool(p, st, static_cast<float*>(nullptr), KQ.get(), [&](Index r0, Index m) {
+        w_kq.product(m, p.x ? p.x + r0 * din : nullptr, p.half.x ? p.half.x + r0 * din : nullptr,
+                     p.half.format, din, kq.b.data(), KQ.get() + r0 * ld, ld);
+    });
 
-    // Z = G * K in place of K; H = Z w_proj + b_proj + Q; out = H w_final + b_final
+    // 2. Per block: Z = G * K; H = Z w_proj + b_proj + Q; out = H w_final + b_final
     for_row_blocks(rows, [&](Index r0, Index m) {
-        for (Index r = r0; r < r0 + m; ++r) {
-            float* k = KQ.get() + r * ld;
-            const float* g = st.pooled + (r / n) * D;
-            for (Index j = 0; j < D; ++j) k[j] *= g[j];
+        float* z = scratch<float>(ScratchBuffer::kAdditiveRows, static_cast<std::size_t>(m * D));
+        float* h = scratch<float>(ScratchBuffer::kAdditiveFolded, static_cast<std::size_t>(m * D));
+        for (Index i = 0; i < m; ++i) {
+            const float* k = KQ.get() + (r0 + i) * ld;
+            const float* g = st.pooled + ((r0 + i) / n) * D;
+            for (Index j = 0; j < D; ++j) z[i * D + j] = g[j] * k[j];
         }
-    });
-    auto H = make_buffer<float>(rows * D);
-    linear_bf16(rows, KQ.get(), ld, Linear<float>{p.w_proj, p.b_proj, D, D}, H.get(), D);
-    for_row_blocks(rows, [&](Index r0, Index m) {
-        for (Index r = r0; r < r0 + m; ++r) {
-            float* h = H.get() + r * D;
-            const float* q = KQ.get() + r * ld + D;
-            for (Index j = 0; j < D; ++j) h[j] += q[j];
+        w_proj.product(m, z, nullptr, HalfFormat::none, D, p.b_proj, h, D);
+        for (Index i = 0; i < m; ++i) {
+            const float* q = KQ.get() + (r0 + i) * ld + D;
+            for (Index j = 0; j < D; ++j) h[i * D + j] += q[j];
         }
+        float* y = p.out ? p.out + r0 * dout
+                         : scratch<float>(ScratchBuffer::kAdditiveHalfOut,
+                                          static_cast<std::size_t>(m * dout));
+        w_final.product(m, h, nullptr, HalfFormat::none, D, p.b_final, y, dout);
+        if (p.half.out) narrow_block(y, m * dout, p.half.format, p.half.out + r0 * dout);
     });
-    linear_bf16(rows, H.get(), D, Linear<float>{p.w_final, p.b_final, D, dout}, p.out, dout,
-                HalfOperands{nullptr, nullptr, p.half.out, p.half.format});
 }
 
 }  // namespace

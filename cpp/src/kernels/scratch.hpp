@@ -66,6 +66,8 @@ enum class ScratchBuffer : int {
     kGemmHalfOut,        // gemm: a task's rows of Y before rounding to half (rows x cols)
     kGemmTiles,          // linear_bf16_packed, vdp_linear_block: the sums of a task's column blocks
     kBf16Streamed,       // linear_bf16_streamed: a rounded weight row and a task's sums
+    kBf16BlockRows,      // Bf16Weight::product: the block's rows rounded (packed, or floats)
+    kBf16BlockSums,      // Bf16Weight::product: a 32-row block's sums (32 x padded columns)
     kAdditiveRows,       // additive/separable forward: one row block's projections
     kAdditiveShare,      // additive/separable forward: a row block's share of the pooled vector
     kAdditiveWeights,    // additive/separable: a row block's token weights, a batch row's scores

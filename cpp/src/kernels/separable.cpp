@@ -1,11 +1,12 @@
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 
 #include "attnlab/additive.hpp"
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
-#include "bf16_gemm.hpp"
+#include "bf16_block.hpp"
 #include "entry_points.hpp"
 #include "pooled.hpp"
 #include "products.hpp"
@@ -19,10 +20,11 @@ namespace {
 // Steps 1 and 2 of the separable forward, which the backward runs too when it has no kept
 // state (one code path: the two agree bitwise). Writes st.context; st.v (relu(v)), st.s and
 // st.k when set (the float forward without state keeps only relu(v)). projected (rows x
-// (1 + 2d), the bf16 forward's): [s | k | v] instead of a GEMM per block, v made relu(v) there.
+// (1 + 2d), the bf16 forward's): where each task has fill(r0, m) write its rows [s | k | v]
+// (then v made relu(v) there) instead of a GEMM into a block of the thread.
 template <typename T>
 void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st,
-                    T* projected = nullptr) {
+                    T* projected = nullptr, const std::function<void(Index, Index)>& fill = {}) {
     const Index B = p.batch, n = p.n, d = p.d;
     const Index ld = 1 + 2 * d;  // block rows are [s | k | v]
     constexpr T kInf = std::numeric_limits<T>::infinity();
@@ -89,6 +91,7 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st,
     for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
         const Index r0 = b * n + i0;
         if (projected) {
+            fill(r0, m);
             RowMap<T> P(projected + r0 * ld, m, ld, Eigen::OuterStride<>(ld));
             pool_block(P, task, b, i0, m);
         } else {
@@ -132,29 +135,35 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st,
     });
 }
 
-// precision="bf16": x w_qkv + b_qkv and (relu(v) * ctx) w_o + b_o over all rows (linear_bf16:
-// bf16 operands, float32 sums), the softmax and ctx between them in float32; ctx is not folded
-// into w_o, so the rounded operands are the ones the form names.
+// precision="bf16": x w_qkv + b_qkv and (relu(v) * ctx) w_o + b_o as bf16 products of row blocks
+// (Bf16Weight), the softmax and ctx between them in float32; ctx is not folded into w_o, so the
+// rounded operands are the ones the form names.
 void separable_forward_bf16(const SeparableProblem<float>& p) {
     const Index B = p.batch, n = p.n, d = p.d, dout = p.d_out;
     const Index rows = B * n, ld = 1 + 2 * d;
+    const Bf16Weight w_qkv(p.w_qkv, d, ld), w_o(p.w_o, d, dout);
     auto P = make_buffer<float>(rows * ld);
-    linear_bf16(rows, p.x, d, Linear<float>{p.w_qkv, p.b_qkv, d, ld}, P.get(), ld,
-                HalfOperands{p.half.x, nullptr, nullptr, p.half.format});
     auto context = make_buffer<float>(B * d);
     SeparableState<float> st;
     st.context = context.get();
-    separable_pool(p, st, P.get());
-    // U = relu(v) * ctx in place of v
-    for_row_blocks(rows, [&](Index r0, Index m) {
-        for (Index r = r0; r < r0 + m; ++r) {
-            float* u = P.get() + r * ld + 1 + d;
-            const float* c = st.context + (r / n) * d;
-            for (Index j = 0; j < d; ++j) u[j] *= c[j];
-        }
+    separable_pool(p, st, P.get(), [&](Index r0, Index m) {
+        w_qkv.product(m, p.x ? p.x + r0 * d : nullptr, p.half.x ? p.half.x + r0 * d : nullptr,
+                      p.half.format, d, p.b_qkv, P.get() + r0 * ld, ld);
     });
-    linear_bf16(rows, P.get() + 1 + d, ld, Linear<float>{p.w_o, p.b_o, d, dout}, p.out, dout,
-                HalfOperands{nullptr, nullptr, p.half.out, p.half.format});
+    // per block: U = relu(v) * ctx; out = U w_o + b_o
+    for_row_blocks(rows, [&](Index r0, Index m) {
+        float* u = scratch<float>(ScratchBuffer::kAdditiveRows, static_cast<std::size_t>(m * d));
+        for (Index i = 0; i < m; ++i) {
+            const float* v = P.get() + (r0 + i) * ld + 1 + d;
+            const float* c = st.context + ((r0 + i) / n) * d;
+            for (Index j = 0; j < d; ++j) u[i * d + j] = v[j] * c[j];
+        }
+        float* y = p.out ? p.out + r0 * dout
+                         : scratch<float>(ScratchBuffer::kAdditiveHalfOut,
+                                          static_cast<std::size_t>(m * dout));
+        w_o.product(m, u, nullptr, HalfFormat::none, d, p.b_o, y, dout);
+        if (p.half.out) narrow_block(y, m * dout, p.half.format, p.half.out + r0 * dout);
+    });
 }
 
 }  // namespace
