@@ -269,12 +269,12 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     // With M = w_proj w_final and c = b_proj w_final + b_final,
     //   out = (K diag(G) w_proj + b_proj + Q) w_final + b_final = K (diag(G) M) + Q w_final + c:
     // G is folded into the weights (G * K is never formed), Q w_final is computed while Q is in
-    // cache, and only K has to be kept until G is known. For d_out <= D (SwiftFormer has
-    // d_out = D / num_heads) this costs no more operations than the two-step form.
-    const ConstRowMap<T> Wproj(p.w_proj, D, D, Eigen::OuterStride<>(D));
+    // cache, and only K has to be kept until G is known. For d_out <= D this costs no more
+    // operations a row than the two-step form, and M once (the two-step form, with both
+    // blocks' products in cache, measured slower: docs/performance.md).
     const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
-    RowMatrix<T> M(D, dout);
-    eigen_product<T>(Wproj, Wfinal, view<T>(M.data(), D, dout, dout));
+    RowMatrix<T> M(D, dout);  // on the threads: serially it held the call's start back
+    linear<T>(D, D, dout, p.w_proj, D, p.w_final, nullptr, M.data(), dout, false);
     Vec<T> c = p.b_final ? Vec<T>(ConstVecMap<T>(p.b_final, dout)) : Vec<T>(Vec<T>::Zero(dout));
     if (p.b_proj)
         eigen_product<T>(cview<T>(p.b_proj, 1, D, D), Wfinal, view<T>(c.data(), 1, dout, dout),
