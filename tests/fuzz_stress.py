@@ -27,7 +27,10 @@ Mutations turn a case into
 * a **vjp** variant (the attention families): ``attnlab.vjp`` of the forward, its arrays stored
   in float16 or bfloat16 three times in ten, gives the forward's output and, although the
   caller's arrays are overwritten before the pullback, the backward's gradients, bit for bit
-  (to rounding with ``return_weights``).
+  (to rounding with ``return_weights``);
+* a **bf16** variant (the attention families' float32 forwards): ``precision="bf16"`` against
+  the reference with the same operands rounded, within twice the rounding's own effect plus
+  ``2**-6`` (``check_bf16``).
 
 As a script: ``python fuzz_stress.py [--calls N] [--seed S]`` makes N random calls (default
 10,000) and prints one JSON line of counts: calls, by kind, results, errors by type, wrong
@@ -468,6 +471,8 @@ def build(c: Chooser, family: str, dtype: Any) -> Case:
 FAMILIES = (
     list(FORWARD_BUILDERS) + [f + "_backward" for f in FORWARD_BUILDERS] + list(OTHER_BUILDERS)
 )
+# the forwards with precision="bf16" (the "bf16" kind): every attention family
+BF16_FAMILIES = tuple(FORWARD_BUILDERS)
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -1161,6 +1166,33 @@ def check_vjp(c: Chooser, case: Case) -> None:
         compare(got[k], np.asarray(want[k], np.float64), dt, tol, floor)
 
 
+def _parts(result: Any) -> list[np.ndarray]:
+    return [np.asarray(r) for r in (result if isinstance(result, tuple) else (result,))]
+
+
+def check_bf16(case: Case) -> float:
+    """``precision="bf16"`` on a float32 forward: every output float32, NaN where the reference
+    with the same operands rounded (in float64) has NaN, and normwise within twice that
+    reference's distance to the exact one (the rounding's own effect) plus ``2**-6``: the
+    float32 sums' order can round an intermediate at a boundary to its neighbour, and the
+    kernels round the probabilities, which the reference leaves out. Returns the error."""
+    kw = {**case.kwargs, "precision": "bf16"}
+    got, same, exact = case.fn(**kw), case.ref(**kw), case.ref(**case.kwargs)  # type: ignore[misc]
+    err = 0.0
+    for g, sm, ex in zip(_parts(got), _parts(same), _parts(exact), strict=True):
+        assert g.dtype == np.float32 and g.shape == sm.shape, (g.dtype, g.shape, sm.shape)
+        assert np.array_equal(np.isnan(g), np.isnan(sm)), "NaN positions differ"
+        fin = np.isfinite(sm) & np.isfinite(ex)
+        norm = float(np.linalg.norm(sm[fin]))
+        if norm == 0.0:
+            continue
+        effect = float(np.linalg.norm(sm[fin] - ex[fin])) / norm
+        e = float(np.linalg.norm(g[fin].astype(np.float64) - sm[fin])) / norm
+        assert e <= 2 * effect + 2.0**-6, f"bf16 error {e:.3e}, the rounding's effect {effect:.3e}"
+        err = max(err, e)
+    return err
+
+
 def snapshot(kw: dict[str, Any]) -> dict[str, Any]:
     return {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
 
@@ -1174,8 +1206,8 @@ def unchanged(before: dict[str, Any], kw: dict[str, Any]) -> bool:
 
 # ----------------------------------------------------------------------------- stress run
 
-KINDS = ("valid", "layout", "invalid", "nonfinite", "huge", "half", "vjp")
-_KIND_P = (0.23, 0.18, 0.36, 0.1, 0.02, 0.06, 0.05)
+KINDS = ("valid", "layout", "invalid", "nonfinite", "huge", "half", "vjp", "bf16")
+_KIND_P = (0.21, 0.17, 0.31, 0.1, 0.02, 0.06, 0.05, 0.08)
 
 
 def _checked(
@@ -1202,6 +1234,9 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
     case = build(c, family, dtype)
     kind = KINDS[int(np.searchsorted(np.cumsum(_KIND_P), c.rng.random()))]
     if kind in ("half", "vjp") and family in OTHER_BUILDERS:  # collapse_qk, factorize_qk
+        kind = "valid"
+    # precision="bf16": the forwards that have it, on float32
+    if kind == "bf16" and (np.dtype(dtype) != np.float32 or family not in BF16_FAMILIES):
         kind = "valid"
     if kind == "vjp" and case.grad_of is None:  # a forward: vjp against its backward
         case = backward_case(c, case)
@@ -1234,6 +1269,14 @@ def one_call(c: Chooser, counts: Counter, problems: list[str]) -> None:
         return
     if kind == "vjp":
         _checked(lambda: check_vjp(c, case), "vjp_checked", where, counts, problems)
+        return
+    if kind == "bf16":
+
+        def bf16() -> None:
+            key = f"max_err:{family} bf16"
+            counts[key] = max(counts.get(key, 0.0), check_bf16(case))
+
+        _checked(bf16, "bf16_checked", where, counts, problems)
         return
     if kind == "nonfinite":
         kw = nonfinite_variant(c, case)

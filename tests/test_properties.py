@@ -71,6 +71,16 @@ def test_forward_matches_reference(family: str, data: st.DataObject) -> None:
     _note(f"{family} {dtype.name}", err)
 
 
+@pytest.mark.parametrize("family", F.BF16_FAMILIES)
+@SLOW
+@given(data=st.data())
+def test_bf16_forward_matches_the_rounded_reference(family: str, data: st.DataObject) -> None:
+    """precision="bf16" on float32 cases: within the fuzzer's bound of the reference with the
+    same operands rounded (``F.check_bf16``)."""
+    case = F.build(F.HypothesisChooser(data), family, np.dtype(np.float32))
+    _note(f"{family} bf16", F.check_bf16(case))
+
+
 @pytest.mark.parametrize("dtype", F.DTYPES)
 @FAST
 @given(data=st.data())
