@@ -119,6 +119,11 @@ def test_share_is_never_above_100_percent():
     table = runner.format_table(_result([fast, ok], peak))
     assert _shares(table) == [85]
     assert "ABOVE PEAK" in table and "1 rows flagged" in table
+    # bf16 products are not measured against the float32 FMA peak: no share, no flag
+    bf16 = Row("additive", "c", "s", "attnlab bf16", Timing(1.0), 2.7e8, "attnlab")
+    bf16.extra["precision"] = "bf16"
+    assert runner.share(bf16, peak) == "-"
+    assert "ABOVE PEAK" not in runner.format_table(_result([ok, bf16], peak))
 
 
 def test_noisy_timings_are_flagged_on_the_row_and_the_ratio():

@@ -191,7 +191,9 @@ def _sweep(
                     ms=ms,
                     flops=flops_at(n),
                     baseline=None if impl == "attnlab" else "attnlab",
-                    extra={"n": n} | ({"error": errors[impl]} if impl in errors else {}),
+                    extra={"n": n}
+                    | ({"error": errors[impl]} if impl in errors else {})
+                    | ({"precision": "bf16"} if impl.endswith("bf16") else {}),
                 )
             )
     for impl, (ns_i, ms_i) in series.items():

@@ -194,8 +194,9 @@ def _noisy(row: Row) -> bool:
 def share(row: Row, peak: float | None) -> str:
     """The row's GFLOP/s as a share of the FMA peak, never above 100%: "-" without a peak or a
     FLOP count, "n/a" when the row ran faster than the measured peak (then the peak was timed
-    while other processes took the cores, or it is wrong)."""
-    if not peak or not row.gflops:
+    while other processes took the cores, or it is wrong); "-" for a row of bf16 products
+    (``extra["precision"]``: they run on AMX tiles or VDPBF16PS, not against that peak)."""
+    if not peak or not row.gflops or row.extra.get("precision") == "bf16":
         return "-"
     s = row.gflops / peak
     return "n/a" if s > 1.0 else f"{100 * s:.0f}%"
