@@ -624,6 +624,23 @@ def test_verbose_and_targets_carry_the_bookkeeping():
     assert "NOISY" not in targets and targets.splitlines()[-1] == report.NEXT
 
 
+def test_pooled_targets_against_torch_eager_and_compiled():
+    """The additive rows' targets: the largest n against torch eager (>= 1.5x) and, where it
+    was timed, torch.compile (> 1.0x), each from the rows of that n."""
+    rows = [
+        Row("additive", "SwiftFormer fwd fp32", "B=8 n=196", "attnlab", Timing(5.0), 1e8),
+        Row("additive", "SwiftFormer fwd fp32", "B=8 n=196", "torch", Timing(9.0), 1e8),
+        Row("additive", "SwiftFormer fwd fp32", "B=8 n=784", "attnlab", Timing(20.0), 4e8),
+        Row("additive", "SwiftFormer fwd fp32", "B=8 n=784", "torch", Timing(36.0), 4e8),
+        Row("additive", "SwiftFormer fwd fp32", "B=8 n=784", "torch.compile", Timing(19.0), 4e8),
+    ]
+    got = {t["target"]: t for t in runner.targets(_result(rows, 200.0))}
+    eager = got["additive (SwiftFormer) B=8 n=784 vs torch eager"]
+    compiled = got["additive (SwiftFormer) B=8 n=784 vs torch.compile"]
+    assert eager["value"] == 1.8 and eager["met"]
+    assert compiled["value"] == 0.95 and not compiled["met"] and compiled["goal"] == "> 1.0x"
+
+
 def test_json_round_trip():
     result = _every_family(True)
     back = runner.from_json(runner.to_json(result))

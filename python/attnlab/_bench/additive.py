@@ -1,6 +1,7 @@
 """Efficient additive attention (SwiftFormer) and separable self-attention (MobileViT-v2):
 attnlab (float32, and ``precision="bf16"`` against it) against the NumPy reference and a PyTorch
-eager module, over n = 49 .. 12544 tokens.
+eager module (and, at the largest n, that module under ``torch.compile``), over n = 49 .. 12544
+tokens.
 
 The rows of the largest n carry ``extra["slope"]``: the least-squares slope of log(time) against
 log(n) over the n >= 784 points (where fixed per-call costs no longer dominate; all points with
@@ -144,6 +145,17 @@ def _torch_separable(torch: Any, w: dict[str, np.ndarray]) -> Callable[[Any], An
     return LinearSelfAttention().eval()
 
 
+def _torch_compiled(torch: Any, module: Any, x: np.ndarray) -> Callable[[], Any] | None:
+    """``torch.compile`` of the module (inductor's C++ code for this CPU), compiled for ``x``'s
+    shape by a first call (seconds), or None where it cannot compile here (no C++ compiler)."""
+    try:
+        compiled = torch.compile(module, dynamic=False)
+        _torch_call(torch, compiled, x)()
+    except Exception:  # noqa: BLE001 (any failure to compile: the row is left out)
+        return None
+    return _torch_call(torch, compiled, x)
+
+
 def _torch_call(torch: Any, module: Any, x: np.ndarray) -> Callable[[], Any]:
     xt = torch.from_numpy(x)
 
@@ -226,7 +238,8 @@ def run(quick: bool, threads: int) -> list[Row]:
         ours: Callable[..., Any], ref: Callable[..., Any], w: dict[str, Any], module: Any
     ) -> Callable[[int], dict[str, Any]]:
         """The implementations timed at each n: attnlab (float32, and precision="bf16"), the
-        reference (small n), torch."""
+        reference (small n), torch eager, and torch.compile at the largest n (not with
+        --quick: each compile takes seconds)."""
 
         def fns_at(n: int) -> dict[str, Any]:
             x = xs[n]
@@ -238,6 +251,9 @@ def run(quick: bool, threads: int) -> list[Row]:
                 fns["reference"] = lambda: ref(x, **w)
             if module is not None:
                 fns["torch"] = _torch_call(torch, module, x)
+                compiled = None if quick or n != max(ns) else _torch_compiled(torch, module, x)
+                if compiled is not None:
+                    fns["torch.compile"] = compiled
             return fns
 
         return fns_at

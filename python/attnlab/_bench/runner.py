@@ -141,6 +141,9 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         r = speedup(fam, case, "torch")
         if r:
             add(f"{label} {r[1].shape} vs torch eager", r[0], ">= 1.5x", r[0] >= 1.5)
+        r = speedup(fam, case, "torch.compile")
+        if r:
+            add(f"{label} {r[1].shape} vs torch.compile", r[0], "> 1.0x", r[0] > 1.0)
     out += latent_targets(rows)
     plans = [p for p in rows if p.family == "bilinear" and "plan_within_10pct" in p.extra]
     if plans:
@@ -215,7 +218,7 @@ def format_table(result: dict[str, Any]) -> str:
         *peak_lines(result),
         "",
         (
-            f"{'family':<9} {'case':<24} {'shape':<28} {'impl':<12} {'ms':>10} {'GFLOP/s':>8} "
+            f"{'family':<9} {'case':<24} {'shape':<28} {'impl':<13} {'ms':>10} {'GFLOP/s':>8} "
             f"{'%peak':>6} {'attnlab':>8} {'vs best':>8}  notes"
         ),
     ]
@@ -233,7 +236,7 @@ def format_table(result: dict[str, Any]) -> str:
             notes = noisy + ("ABOVE PEAK " if pk == "n/a" else "") + notes
         b = best_other(r, rows)
         lines.append(
-            f"{r.family:<9} {r.case:<24.24} {r.shape:<28.28} {r.impl:<12.12} {r.ms:>10.3f} "
+            f"{r.family:<9} {r.case:<24.24} {r.shape:<28.28} {r.impl:<13.13} {r.ms:>10.3f} "
             f"{gf:>8.1f} {pk:>6} {_ratio(r, rows):>8} {f'{b[0]:.2f}x' if b else '':>8}  {notes}"
         )
     lines.append("")
