@@ -304,6 +304,8 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     // (rounded blocks are read from L1: nothing to request)
     const Index k_ahead = round ? 0 : decode_ahead(d * Index(sizeof(E)), rows_bytes);
     const Index v_ahead = round ? 0 : decode_ahead(dv * Index(sizeof(E)), rows_bytes);
+    const Index round_ahead_k = round ? decode_ahead(d * Index(sizeof(E)), rows_bytes) : 0;
+    const Index round_ahead_v = round ? decode_ahead(dv * Index(sizeof(E)), rows_bytes) : 0;
     const bool mask_arrays = p.mask.kind != MaskKind::none || p.mask.key_padding.data;
     for (Index j0 = j_lo; j0 < j_hi; j0 += kbp) {
         const Index kb = std::min(kbp, j_hi - j0);
@@ -315,7 +317,22 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         Index kst = ks, vst = vs;  // the block's row strides
         if constexpr (kCanRound)
             if (round) {
+                // the rounding is the block's first read of the cache: rows ahead requested
+                const auto fetch = [&](const E* row, Index ahead, Index bytes) {
+                    const char* at = reinterpret_cast<const char*>(row) + ahead;
+                    for (Index b = 0; b < bytes; b += 64)
+                        if (kPrefetchToL2)
+                            prefetch_to<Fetch::l2>(at + b);
+                        else
+                            prefetch_to<Fetch::l1>(at + b);
+                };
                 for (Index u = 0; u < kb; ++u) {
+                    if (round_ahead_k)
+                        fetch(kblock + u * ks, round_ahead_k * ks * Index(sizeof(E)),
+                              d * Index(sizeof(E)));
+                    if (round_ahead_v)
+                        fetch(vblock + u * vs, round_ahead_v * vs * Index(sizeof(E)),
+                              dv * Index(sizeof(E)));
                     round_bf16_block(kblock + u * ks, d, rounded + u * d);
                     round_bf16_block(vblock + u * vs, dv, rounded + kbp * d + u * dv);
                 }
