@@ -455,11 +455,14 @@ def _stacked_forward(
 
     Many keys are cut into parts of :data:`_KEY_PART` that run as one batch (the parts in
     parallel) and are merged by their log-sum-exps in a fixed order, whatever the thread
-    count; a call that asks for the weights or carries a mask array runs whole."""
+    count; a call that asks for the weights, carries a mask array or has bf16 products runs
+    whole."""
     B, n_k, r, h = a.B, a.n_k, a.r, a.h
     cm = _stacked_mask(a)
     parts = n_k // _KEY_PART
-    if weights is not None or cm.mask is not None or parts < 2:
+    # bf16 runs whole: the kernel's decode split rounds each key block as it reads it, where
+    # the tiles of parts would pack every part's keys to bf16 first
+    if weights is not None or cm.mask is not None or parts < 2 or a.bf16:
         core.sdpa_forward(
             qq, lat[:, None], lat[:, None, :, :r], out, cm, a.m.scale, weights, lse, a.bf16
         )

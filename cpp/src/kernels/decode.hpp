@@ -304,8 +304,9 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     // (rounded blocks are read from L1: nothing to request)
     const Index k_ahead = round ? 0 : decode_ahead(d * Index(sizeof(E)), rows_bytes);
     const Index v_ahead = round ? 0 : decode_ahead(dv * Index(sizeof(E)), rows_bytes);
-    const Index round_ahead_k = round ? decode_ahead(d * Index(sizeof(E)), rows_bytes) : 0;
-    const Index round_ahead_v = round ? decode_ahead(dv * Index(sizeof(E)), rows_bytes) : 0;
+    // (the rounding touches no query row or accumulator: L1 has room for the rows requested)
+    const Index round_ahead_k = round ? decode_ahead(d * Index(sizeof(E)), 0) : 0;
+    const Index round_ahead_v = round ? decode_ahead(dv * Index(sizeof(E)), 0) : 0;
     const bool mask_arrays = p.mask.kind != MaskKind::none || p.mask.key_padding.data;
     for (Index j0 = j_lo; j0 < j_hi; j0 += kbp) {
         const Index kb = std::min(kbp, j_hi - j0);
