@@ -165,18 +165,13 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
                              Wfinal_packed.get());
         }
     };
-    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
-        const Index r0 = b * n + i0;
-        if (projected) {
-            fill(r0, m);
-            RowMap<T> KQ(projected + r0 * ld, m, ld, Eigen::OuterStride<>(ld));
-            pool_block(KQ, task, b, i0, m);
-        } else {
-            auto KQ = project_block<T>(p.x, r0, m, din, cview<T>(kq->w.data(), din, ld, ld),
-                                       kq->b.data(), p.half, Wkq_packed.get());
-            pool_block(KQ, task, b, i0, m);
-        }
-    });
+    pool_blocks<T>(
+        B, n, ld, projected, fill,
+        [&](Index r0, Index m) {
+            return project_block<T>(p.x, r0, m, din, cview<T>(kq->w.data(), din, ld, ld),
+                                    kq->b.data(), p.half, Wkq_packed.get());
+        },
+        pool_block);
 
     // 2. Per batch element: the norm of the real tokens' scores and G, summing the blocks'
     //    shares in a fixed order, in double. No real token: G = 0.

@@ -5,6 +5,7 @@
 // vector, per-element sums over blocks.
 
 #include <algorithm>
+#include <functional>
 #include <type_traits>
 
 #include "attnlab/additive.hpp"
@@ -125,6 +126,26 @@ void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, con
             apply(X, Y, Wb, packed);
             if constexpr (std::is_same_v<T, float>)
                 if (h.out) narrow_block(yb, m * dout, h.format, h.out + row * dout);
+        }
+    });
+}
+
+// Step 1 of both forwards over every block of rows (for_batch_blocks): pool(P, task, b, i0, m)
+// with P the block's projected rows (width wide), project(r0, m)'s block of this thread, or,
+// with `projected` (rows x width, the bf16 forwards'), those rows there once fill(r0, m) wrote
+// them.
+template <typename T, typename Project, typename Pool>
+void pool_blocks(Index B, Index n, Index width, T* projected,
+                 const std::function<void(Index, Index)>& fill, Project project, Pool pool) {
+    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
+        const Index r0 = b * n + i0;
+        if (projected) {
+            fill(r0, m);
+            RowMap<T> P(projected + r0 * width, m, width, Eigen::OuterStride<>(width));
+            pool(P, task, b, i0, m);
+        } else {
+            auto P = project(r0, m);
+            pool(P, task, b, i0, m);
         }
     });
 }

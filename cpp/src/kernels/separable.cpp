@@ -88,17 +88,12 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st,
             ctx = acc.template cast<double>();
         }
     };
-    for_batch_blocks(B, n, [&](Index task, Index b, Index i0, Index m) {
-        const Index r0 = b * n + i0;
-        if (projected) {
-            fill(r0, m);
-            RowMap<T> P(projected + r0 * ld, m, ld, Eigen::OuterStride<>(ld));
-            pool_block(P, task, b, i0, m);
-        } else {
-            auto P = project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv, p.half, Wqkv_packed.get());
-            pool_block(P, task, b, i0, m);
-        }
-    });
+    pool_blocks<T>(
+        B, n, ld, projected, fill,
+        [&](Index r0, Index m) {
+            return project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv, p.half, Wqkv_packed.get());
+        },
+        pool_block);
 
     // 2. Per batch element: merge the blocks' states into ctx = sum_n c_n k_n, c the softmax
     //    over the real tokens. No real token: ctx = 0.
