@@ -321,11 +321,10 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                 // the rounding is the block's first read of the cache: rows ahead requested
                 const auto fetch = [&](const E* row, Index ahead, Index bytes) {
                     const char* at = reinterpret_cast<const char*>(row) + ahead;
-                    for (Index b = 0; b < bytes; b += 64)
-                        if (kPrefetchToL2)
-                            prefetch_to<Fetch::l2>(at + b);
-                        else
-                            prefetch_to<Fetch::l1>(at + b);
+                    if (kPrefetchToL2)
+                        for (Index b = 0; b < bytes; b += 64) prefetch_to<Fetch::l2>(at + b);
+                    else
+                        for (Index b = 0; b < bytes; b += 64) prefetch_to<Fetch::l1>(at + b);
                 };
                 for (Index u = 0; u < kb; ++u) {
                     if (round_ahead_k)
