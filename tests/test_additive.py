@@ -304,6 +304,46 @@ def test_padding_across_blocks(rng, close, variant):
     close(got[kp], expect[kp], np.float64, f"{variant} padded vs reference")
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16], ids=["f64", "f32", "f16"])
+@pytest.mark.parametrize("variant", ["official", "hf", "separable"])
+@pytest.mark.parametrize("few", [True, False], ids=["written", "folded"])
+def test_output_forms(rng, close, dtype, variant, few):
+    """Both forms of the output pass against the reference: with few tokens per batch element
+    (additive n < D, separable 16 n <= d) the module's own order, else the weights folded with
+    the pooled vector; with padding, d_out != D, blocks of uneven rows, half-precision x."""
+    D, d_out = 64, 40
+    n = (D // 16 if variant == "separable" else D - 1) + (0 if few else 1)
+    wdt = np.float32 if dtype == np.float16 else dtype  # float16: every array (below)
+    if variant == "separable":
+        w = separable_weights(rng, D, d_out, dtype=wdt)
+        f, ref = attnlab.separable_attention, R.separable_attention
+    else:
+        w = dict(additive_weights(rng, 24, D, d_out, dtype=wdt), variant=variant)
+        f, ref = attnlab.additive_attention, R.additive_attention
+    x = rng.standard_normal((5, n, D if variant == "separable" else 24)).astype(dtype)
+    kp = np.ones((5, n), bool)
+    kp[1, n // 2 :] = False
+    kp[3, 1:] = False
+    w64 = {k: v.astype(np.float64) if isinstance(v, np.ndarray) else v for k, v in w.items()}
+    label = f"{variant} {'written' if few else 'folded'}"
+    for mask in (None, kp):
+        if dtype == np.float16:  # read and written as stored: the float32 call, rounded
+            w16 = {
+                k: v.astype(np.float16) if isinstance(v, np.ndarray) else v for k, v in w.items()
+            }
+            w32 = {
+                k: v.astype(np.float32) if isinstance(v, np.ndarray) else v for k, v in w16.items()
+            }
+            got = f(x, key_padding_mask=mask, **w16)
+            wide = f(x.astype(np.float32), key_padding_mask=mask, **w32)
+            assert got.dtype == np.float16
+            np.testing.assert_array_equal(got, wide.astype(np.float16), err_msg=label)
+            continue
+        got = f(x, key_padding_mask=mask, **w)
+        expect = ref(x.astype(np.float64), key_padding_mask=mask, **w64)
+        close(got, expect, wdt, f"{label} vs reference")
+
+
 @pytest.mark.empty_rows
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
 @pytest.mark.parametrize("variant", ["official", "hf"])

@@ -202,6 +202,31 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     });
 }
 
+// The output as the module writes it, over fixed blocks of rows: Z = G * K; H = Z w_proj +
+// b_proj + Q; out = H w_final + b_final (rounded into p.half.out's rows when set). K and Q:
+// normalised rows, ld apart; G: pooled (B x D). product(step, m, in, bias, y): the block's
+// product with w_proj (step 0, into H) or w_final (step 1, into y), its bias added.
+template <typename T, typename Product>
+void as_written_rows(const AdditiveProblem<T>& p, const T* K, const T* Q, Index ld, const T* pooled,
+                     Product product) {
+    const Index n = p.n, D = p.width, dout = p.d_out;
+    for_row_blocks(
+        p.batch * n,
+        [&](Index r0, Index m) {
+            const T* z = pooled_times_rows(K, ld, pooled, n, D, r0, m);
+            T* h = scratch<T>(ScratchBuffer::kAdditiveFolded, static_cast<std::size_t>(m * D));
+            product(0, m, z, p.b_proj, h);
+            for (Index i = 0; i < m; ++i) {
+                const T* q = Q + (r0 + i) * ld;
+                for (Index j = 0; j < D; ++j) h[i * D + j] += q[j];
+            }
+            T* y = output_rows(p.out, r0, m, dout);
+            product(1, m, h, p.b_final, y);
+            finish_output_rows(y, p.half, r0, m, dout);
+        },
+        2 * static_cast<Index>(get_num_threads()));  // (each row's result is the same in any block)
+}
+
 // precision="bf16": the module's four weight products as bf16 products of row blocks
 // (Bf16Weight), the norms, scores and pooling between them in float32, each block's
 // intermediates in cache. Not folded as the float forward is: the rounded operands are the
@@ -224,25 +249,43 @@ void additive_forward_bf16(const AdditiveProblem<float>& p) {
     });
 
     // 2. Per block: Z = G * K; H = Z w_proj + b_proj + Q; out = H w_final + b_final
-    for_row_blocks(rows, [&](Index r0, Index m) {
-        float* z = scratch<float>(ScratchBuffer::kAdditiveRows, static_cast<std::size_t>(m * D));
-        float* h = scratch<float>(ScratchBuffer::kAdditiveFolded, static_cast<std::size_t>(m * D));
-        for (Index i = 0; i < m; ++i) {
-            const float* k = KQ.get() + (r0 + i) * ld;
-            const float* g = st.pooled + ((r0 + i) / n) * D;
-            for (Index j = 0; j < D; ++j) z[i * D + j] = g[j] * k[j];
-        }
-        w_proj.product(m, z, nullptr, HalfFormat::none, D, p.b_proj, h, D);
-        for (Index i = 0; i < m; ++i) {
-            const float* q = KQ.get() + (r0 + i) * ld + D;
-            for (Index j = 0; j < D; ++j) h[i * D + j] += q[j];
-        }
-        float* y = p.out ? p.out + r0 * dout
-                         : scratch<float>(ScratchBuffer::kAdditiveHalfOut,
-                                          static_cast<std::size_t>(m * dout));
-        w_final.product(m, h, nullptr, HalfFormat::none, D, p.b_final, y, dout);
-        if (p.half.out) narrow_block(y, m * dout, p.half.format, p.half.out + r0 * dout);
-    });
+    as_written_rows(p, KQ.get(), KQ.get() + D, ld, st.pooled,
+                    [&](int step, Index m, const float* in, const float* bias, float* y) {
+                        const Bf16Weight& w = step == 0 ? w_proj : w_final;
+                        w.product(m, in, nullptr, HalfFormat::none, D, bias, y,
+                                  step == 0 ? D : dout);
+                    });
+}
+
+// The float forward as the module writes it (as_written_rows), its weights packed once: for
+// few rows per batch element, where the folded form's M = w_proj w_final and its per-element
+// diag(G) M would cost more than the rows' own products.
+template <typename T>
+void additive_forward_as_written(const AdditiveProblem<T>& p) {
+    const Index rows = p.batch * p.n, D = p.width, dout = p.d_out;
+    Buffer<T> keys, queries, score, pooled;
+    AdditiveState<T> st = p.state;
+    if (!st.k) {
+        keys = make_buffer<T>(rows * D);
+        score = make_buffer<T>(rows);
+        pooled = make_buffer<T>(p.batch * D);
+        st = AdditiveState<T>{};
+        st.k = keys.get();
+        st.score = score.get();
+        st.pooled = pooled.get();
+    }
+    if (!st.q) st.q = (queries = make_buffer<T>(rows * D)).get();  // (a state without Q)
+    additive_pool(p, st, static_cast<T*>(nullptr));
+    const ConstRowMap<T> Wproj(p.w_proj, D, D, Eigen::OuterStride<>(D));
+    const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
+    const PackedBlock<T> proj_packed(Wproj), final_packed(Wfinal);
+    as_written_rows(p, st.k, st.q, D, st.pooled,
+                    [&](int step, Index m, const T* in, const T* bias, T* y) {
+                        const Index cols = step == 0 ? D : dout;
+                        RowMap<T> Y(y, m, cols, Eigen::OuterStride<>(cols));
+                        project<T>(cview<T>(in, m, D, D), step == 0 ? Wproj : Wfinal, bias, Y,
+                                   (step == 0 ? proj_packed : final_packed).get());
+                    });
 }
 
 }  // namespace
@@ -261,12 +304,16 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         }
     }
 
+    if (p.n < p.width) {  // few rows a batch element: see additive_forward_as_written
+        additive_forward_as_written(p);
+        return;
+    }
     // With M = w_proj w_final and c = b_proj w_final + b_final,
     //   out = (K diag(G) w_proj + b_proj + Q) w_final + b_final = K (diag(G) M) + Q w_final + c:
     // G is folded into the weights (G * K is never formed), Q w_final is computed while Q is in
     // cache, and only K has to be kept until G is known. For d_out <= D this costs no more
     // operations a row than the two-step form, and M once (the two-step form, with both
-    // blocks' products in cache, measured slower: docs/performance.md).
+    // blocks' products in cache, measured slower where n >= D: docs/performance.md).
     const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
     RowMatrix<T> M(D, dout);  // on the threads: serially it held the call's start back
     linear<T>(D, D, dout, p.w_proj, D, p.w_final, nullptr, M.data(), dout, false);

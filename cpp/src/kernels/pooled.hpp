@@ -97,6 +97,21 @@ void for_batch_blocks(Index B, Index n, F fn) {
     });
 }
 
+// Rows [r0, r0 + m) of a forward's output (d_out wide): out's own rows, or, when out is null
+// (written in half precision, h.out), this thread's block, which finish_output_rows rounds.
+template <typename T>
+T* output_rows(T* out, Index r0, Index m, Index dout) {
+    return out ? out + r0 * dout
+               : scratch<T>(ScratchBuffer::kAdditiveHalfOut,
+                            static_cast<std::size_t>(std::max<Index>(m * dout, 1)));
+}
+
+template <typename T>
+void finish_output_rows(const T* y, const HalfTokens& h, Index r0, Index m, Index dout) {
+    if constexpr (std::is_same_v<T, float>)
+        if (h.out) narrow_block(y, m * dout, h.format, h.out + r0 * dout);
+}
+
 // The last step of both forwards. Per task of at most kRowsPerTask rows of batch element b: the
 // weights folded with b's pooled vector, Wb = diag(pooled_b) W (width x d_out), once per task,
 // and its panels packed (block_product's `packed`); then apply(X, Y, Wb, packed) for each block
@@ -106,10 +121,15 @@ void for_batch_blocks(Index B, Index n, F fn) {
 template <typename T, typename WMatrix, typename F>
 void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, const WMatrix& W,
                  const T* x, T* y, const HalfTokens& h, F apply) {
-    const Index per = (n + kRowsPerTask - 1) / kRowsPerTask;
+    const auto ceil_div = [](Index a, Index b) { return (a + b - 1) / b; };
+    const Index wanted =
+        2 * static_cast<Index>(get_num_threads());  // (results do not depend on it)
+    const Index per =
+        std::max(ceil_div(n, kRowsPerTask), std::min(ceil_div(wanted, B), ceil_div(n, kRowBlock)));
+    const Index len = ceil_div(n, std::max<Index>(per, 1));
     parallel_for(B * per, [&](Index t) {
-        const Index b = t / per, r0 = (t % per) * kRowsPerTask;
-        const Index r1 = std::min(n, r0 + kRowsPerTask);
+        const Index b = t / per, r0 = (t % per) * len;
+        const Index r1 = std::min(n, r0 + len);
         auto Wb = scratch_matrix<T>(ScratchBuffer::kAdditiveFolded, width, dout);
         Wb = ConstVecMap<T>(pooled + b * width, width).asDiagonal() * W;
         T* packed = scratch<T>(
@@ -119,13 +139,10 @@ void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, con
         for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
             const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
             ConstRowMap<T> X(x + row * width, m, width, Eigen::OuterStride<>(width));
-            T* yb = y ? y + row * dout
-                      : scratch<T>(ScratchBuffer::kAdditiveHalfOut,
-                                   static_cast<std::size_t>(std::max<Index>(m * dout, 1)));
+            T* yb = output_rows(y, row, m, dout);
             RowMap<T> Y(yb, m, dout, Eigen::OuterStride<>(dout));
             apply(X, Y, Wb, packed);
-            if constexpr (std::is_same_v<T, float>)
-                if (h.out) narrow_block(yb, m * dout, h.format, h.out + row * dout);
+            finish_output_rows(yb, h, row, m, dout);
         }
     });
 }
@@ -171,12 +188,34 @@ RowMatrix<double> block_sums(Index B, Index n, Index width, F fn) {
 }
 
 // Calls fn(r0, m) for fixed blocks of kRowBlock rows of [0, rows), in parallel (row-local work).
+// With min_blocks (for work whose results do not depend on the blocks): that many blocks of
+// equal size at least, so that few rows still keep every thread busy.
 template <typename F>
-void for_row_blocks(Index rows, F fn) {
-    parallel_for((rows + kRowBlock - 1) / kRowBlock, [&](Index c) {
-        const Index r0 = c * kRowBlock;
-        fn(r0, std::min(kRowBlock, rows - r0));
+void for_row_blocks(Index rows, F fn, Index min_blocks = 1) {
+    Index count = (rows + kRowBlock - 1) / kRowBlock, len = kRowBlock;
+    if (count < min_blocks && rows > 0) {
+        count = std::min(min_blocks, rows);
+        len = (rows + count - 1) / count;
+        count = (rows + len - 1) / len;
+    }
+    parallel_for(count, [&](Index c) {
+        const Index r0 = c * len;
+        fn(r0, std::min(len, rows - r0));
     });
+}
+
+// Rows [r0, r0 + m) of X (ld apart, width wide), each times the pooled vector of its batch
+// element (pooled: B x width, n rows an element), into this thread's kAdditiveRows block.
+template <typename T>
+T* pooled_times_rows(const T* X, Index ld, const T* pooled, Index n, Index width, Index r0,
+                     Index m) {
+    T* z = scratch<T>(ScratchBuffer::kAdditiveRows, static_cast<std::size_t>(m * width));
+    for (Index i = 0; i < m; ++i) {
+        const T* x = X + (r0 + i) * ld;
+        const T* g = pooled + ((r0 + i) / n) * width;
+        for (Index j = 0; j < width; ++j) z[i * width + j] = g[j] * x[j];
+    }
+    return z;
 }
 
 template <typename T>
