@@ -4,7 +4,6 @@
 #include <cmath>
 #include <functional>
 #include <limits>
-#include <optional>
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
@@ -82,7 +81,7 @@ void normalize_backward(R1&& du, const R2& u, T nrm, T eps) {
 namespace detail {
 namespace {
 
-// [w_k | w_q] (d_in x 2D) and [b_k | b_q]: both projections in one product.
+// [w_k | w_q] (d_in x 2D) and [b_k | b_q]: both projections in one bf16 product (Bf16Weight).
 template <typename T>
 struct StackedKQ {
     RowMatrix<T> w;
@@ -112,11 +111,12 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
 
     // the weights' panels, packed once for the products this call runs
-    std::optional<StackedKQ<T>> kq;
-    PackedBlock<T> Wkq_packed, Wfinal_packed;
+    const ConstRowMap<T> Wk(p.w_k, din, D, Eigen::OuterStride<>(D));
+    const ConstRowMap<T> Wq(p.w_q, din, D, Eigen::OuterStride<>(D));
+    PackedBlock<T> Wk_packed, Wq_packed, Wfinal_packed;
     if (!projected) {
-        kq.emplace(p);
-        Wkq_packed = PackedBlock<T>(cview<T>(kq->w.data(), din, ld, ld));
+        Wk_packed = PackedBlock<T>(Wk);
+        Wq_packed = PackedBlock<T>(Wq);
     }
     if (out) Wfinal_packed = PackedBlock<T>(Wfinal);
 
@@ -168,8 +168,9 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     pool_blocks<T>(
         B, n, ld, projected, fill,
         [&](Index r0, Index m) {
-            return project_block<T>(p.x, r0, m, din, cview<T>(kq->w.data(), din, ld, ld),
-                                    kq->b.data(), p.half, Wkq_packed.get());
+            return project_block<T>(p.x, r0, m, din,
+                                    {{Wk, p.b_k, Wk_packed.get()}, {Wq, p.b_q, Wq_packed.get()}},
+                                    p.half);
         },
         pool_block);
 

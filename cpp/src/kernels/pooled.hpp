@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <initializer_list>
 #include <type_traits>
 
 #include "attnlab/additive.hpp"
@@ -64,13 +65,23 @@ void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y,
     if (b) Y.rowwise() += ConstVecMap<T>(b, Y.cols());
 }
 
-// Rows [r0, r0 + m) of x (width in) times W plus b, into this thread's kAdditiveRows block
-// (m x W.cols()): the first step of both forwards. With h.x, x's rows are those half-precision
-// bits, widened into a block of this thread first (exactly: the same products). packed: W's
-// panels (PackedBlock), or null.
+// One product of project_block: X W + b (W row-major (in, out); packed: its panels, a
+// PackedBlock's, or null).
 template <typename T>
-auto project_block(const T* x, Index r0, Index m, Index in, const ConstRowMap<T>& W, const T* b,
-                   const HalfTokens& h, const T* packed = nullptr) {
+struct Projection {
+    ConstRowMap<T> w;
+    const T* b = nullptr;
+    const T* packed = nullptr;
+};
+
+// Rows [r0, r0 + m) of x (width in) times each projection, side by side, into this thread's
+// kAdditiveRows block (m x the sum of their widths): the first step of both forwards (the
+// additive one's [K | Q] from w_k and w_q as given: no stacked copy of them). With h.x, x's
+// rows are those half-precision bits, widened into a block of this thread first (exactly: the
+// same products).
+template <typename T>
+auto project_block(const T* x, Index r0, Index m, Index in,
+                   std::initializer_list<Projection<T>> products, const HalfTokens& h) {
     if constexpr (std::is_same_v<T, float>) {
         if (h.x) {
             float* w = scratch<float>(ScratchBuffer::kAdditiveHalfRows,
@@ -80,9 +91,15 @@ auto project_block(const T* x, Index r0, Index m, Index in, const ConstRowMap<T>
         }
     }
     ConstRowMap<T> X(x + r0 * in, m, in, Eigen::OuterStride<>(std::max<Index>(in, 1)));
-    auto Y = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, W.cols());
-    RowMap<T> Ym(Y.data(), m, W.cols(), Eigen::OuterStride<>(W.cols()));
-    project<T>(X, W, b, Ym, packed);
+    Index width = 0;
+    for (const Projection<T>& q : products) width += q.w.cols();
+    auto Y = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, width);
+    Index c0 = 0;
+    for (const Projection<T>& q : products) {
+        RowMap<T> Ym(Y.data() + c0, m, q.w.cols(), Eigen::OuterStride<>(width));
+        project<T>(X, q.w, q.b, Ym, q.packed);
+        c0 += q.w.cols();
+    }
     return Y;
 }
 

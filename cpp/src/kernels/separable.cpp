@@ -91,7 +91,7 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st,
     pool_blocks<T>(
         B, n, ld, projected, fill,
         [&](Index r0, Index m) {
-            return project_block<T>(p.x, r0, m, d, Wqkv, p.b_qkv, p.half, Wqkv_packed.get());
+            return project_block<T>(p.x, r0, m, d, {{Wqkv, p.b_qkv, Wqkv_packed.get()}}, p.half);
         },
         pool_block);
 
