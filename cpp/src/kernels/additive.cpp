@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <optional>
 
 #include "attnlab/gemm.hpp"
 #include "attnlab/threading.hpp"
@@ -81,7 +82,10 @@ void normalize_backward(R1&& du, const R2& u, T nrm, T eps) {
 namespace detail {
 namespace {
 
-// [w_k | w_q] (d_in x 2D) and [b_k | b_q]: both projections in one bf16 product (Bf16Weight).
+// Rows of a call from which additive_pool stacks w_k and w_q (docs/performance.md).
+inline constexpr Index kStackedRows = 2048;
+
+// [w_k | w_q] (d_in x 2D) and [b_k | b_q]: both projections in one product.
 template <typename T>
 struct StackedKQ {
     RowMatrix<T> w;
@@ -110,11 +114,18 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     const Index ld = 2 * D;
     const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
 
-    // the weights' panels, packed once for the products this call runs
+    // the weights' panels, packed once for the products this call runs: [w_k | w_q] stacked
+    // into one product, or, for few rows (where copying the weights costs more than the edge
+    // columns of two products), w_k and w_q as given
+    const bool stacked = B * n >= kStackedRows;
+    std::optional<StackedKQ<T>> kq;
     const ConstRowMap<T> Wk(p.w_k, din, D, Eigen::OuterStride<>(D));
     const ConstRowMap<T> Wq(p.w_q, din, D, Eigen::OuterStride<>(D));
-    PackedBlock<T> Wk_packed, Wq_packed, Wfinal_packed;
-    if (!projected) {
+    PackedBlock<T> Wkq_packed, Wk_packed, Wq_packed, Wfinal_packed;
+    if (!projected && stacked) {
+        kq.emplace(p);
+        Wkq_packed = PackedBlock<T>(cview<T>(kq->w.data(), din, ld, ld));
+    } else if (!projected) {
         Wk_packed = PackedBlock<T>(Wk);
         Wq_packed = PackedBlock<T>(Wq);
     }
@@ -168,6 +179,11 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     pool_blocks<T>(
         B, n, ld, projected, fill,
         [&](Index r0, Index m) {
+            if (stacked)
+                return project_block<T>(
+                    p.x, r0, m, din,
+                    {{cview<T>(kq->w.data(), din, ld, ld), kq->b.data(), Wkq_packed.get()}},
+                    p.half);
             return project_block<T>(p.x, r0, m, din,
                                     {{Wk, p.b_k, Wk_packed.get()}, {Wq, p.b_q, Wq_packed.get()}},
                                     p.half);
