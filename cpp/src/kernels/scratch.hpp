@@ -20,6 +20,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 #if defined(_MSC_VER)
 #include <malloc.h>
 #endif
@@ -81,9 +84,23 @@ enum class ScratchBuffer : int {
 
 namespace detail {
 
+// Blocks from this size on are placed on 2 MiB boundaries and asked for transparent huge
+// pages, as NumPy and attnlab's Python arrays are (where the system's setting is "madvise").
+inline constexpr std::size_t kHugePageBytes = std::size_t(4) << 20;
+
 inline void* aligned_bytes(std::size_t bytes) {
 #if defined(_MSC_VER)
     void* p = _aligned_malloc(bytes, 64);  // the MSVC runtime has no std::aligned_alloc
+#elif defined(MADV_HUGEPAGE)
+    constexpr std::size_t kHuge = std::size_t(2) << 20;
+    void* p = nullptr;
+    if (bytes >= kHugePageBytes) {
+        const std::size_t whole = (bytes + kHuge - 1) / kHuge * kHuge;
+        p = std::aligned_alloc(kHuge, whole);
+        if (p) madvise(p, whole, MADV_HUGEPAGE);  // a hint: ignored where it cannot apply
+    } else {
+        p = std::aligned_alloc(64, bytes);
+    }
 #else
     void* p = std::aligned_alloc(64, bytes);
 #endif
@@ -149,7 +166,7 @@ class BufferPool {
     }
 
   private:
-    static constexpr std::size_t kCapBytes = std::size_t(64) << 20;
+    static constexpr std::size_t kCapBytes = std::size_t(256) << 20;  // as Python's arrays
     std::mutex mutex_;
     std::multimap<std::size_t, void*> free_;
     std::size_t cached_ = 0;
