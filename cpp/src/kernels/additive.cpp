@@ -84,6 +84,8 @@ namespace {
 
 // Rows of a call from which additive_pool stacks w_k and w_q (docs/performance.md).
 inline constexpr Index kStackedRows = 2048;
+// D from which the float forwards take the form as written (docs/performance.md).
+inline constexpr Index kWrittenWidth = 256;
 
 // [w_k | w_q] (d_in x 2D) and [b_k | b_q]: both projections in one product.
 template <typename T>
@@ -321,7 +323,10 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
         }
     }
 
-    if (p.n < p.width) {  // few rows a batch element: see additive_forward_as_written
+    // Few rows a batch element (see additive_forward_as_written), or wide rows, where the two
+    // forms cost the same in float32 and a half-precision output is summed in a block of the
+    // thread rather than in a float32 copy of the whole output (docs/performance.md).
+    if (p.n < p.width || p.width >= kWrittenWidth) {
         additive_forward_as_written(p);
         return;
     }
@@ -330,7 +335,7 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     // G is folded into the weights (G * K is never formed), Q w_final is computed while Q is in
     // cache, and only K has to be kept until G is known. For d_out <= D this costs no more
     // operations a row than the two-step form, and M once (the two-step form, with both
-    // blocks' products in cache, measured slower where n >= D: docs/performance.md).
+    // blocks' products in cache, measured slower where D < 256: docs/performance.md).
     const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
     RowMatrix<T> M(D, dout);  // on the threads: serially it held the call's start back
     linear<T>(D, D, dout, p.w_proj, D, p.w_final, nullptr, M.data(), dout, false);
