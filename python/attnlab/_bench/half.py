@@ -105,11 +105,13 @@ def _mha(B: int, n: int, d: int, h: int, step: str = "", **kw: Any) -> Callable[
     return build
 
 
-def _pooled(family: str, backward: bool = False) -> Callable[[Any, bool], Call]:
+def _pooled(family: str, backward: bool = False, D: int = 256) -> Callable[[Any, bool], Call]:
+    """A pooled family's forward (or backward) of width ``D``."""
+
     def build(dt: Any, quick: bool) -> Call:
         import attnlab
 
-        rng, D = _rng(), 256
+        rng = _rng()
         x = rng.standard_normal((2 if quick else 8, 784 if quick else 3136, D)).astype(dt)
         if family == "additive":
             wq, wk, wp, wf, wg = _weights(rng, dt, (D, D), (D, D), (D, D), (D, D), (D,))
@@ -236,6 +238,12 @@ CASES: dict[str, tuple[str, str, str, Callable[[Any, bool], Call]]] = {
         "B=8 n=3136 d=256",
         "B=2 n=784 d=256",
         _pooled("additive"),
+    ),
+    "additive-narrow": (  # SwiftFormer-XS's first stage
+        "SwiftFormer additive, narrow",
+        "B=8 n=3136 d=48",
+        "B=2 n=784 d=48",
+        _pooled("additive", D=48),
     ),
     "separable": (
         "MobileViT-v2 separable",
