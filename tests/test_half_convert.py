@@ -67,32 +67,6 @@ def test_widen_and_store_keep_shapes_and_strides(dtype, shape):
     np.testing.assert_array_equal(s.view(np.uint16), h.astype(dtype).view(np.uint16))
 
 
-def test_widened_converts_several_arrays_in_one_call():
-    """_half.widened: each named float16/bfloat16 ndarray as float32, exactly (mixed formats,
-    strided ones, empty ones); anything else passed through as it is."""
-    rng = np.random.default_rng(5)
-    f16, b16 = (np.dtype(d) for _, d in FORMATS)
-    args = {
-        "a": rng.standard_normal((5, 7)).astype(f16),
-        "b": rng.standard_normal((9, 4)).astype(b16).T,  # not C-contiguous
-        "c": np.zeros((0, 3), f16),
-        "d": rng.standard_normal(3).astype(np.float32),
-        "e": None,
-        "f": rng.standard_normal(4).astype(f16),  # not named: kept
-    }
-    got = _half.widened(args, ("a", "b", "c", "d", "e"))
-    for n in ("a", "b", "c"):
-        assert got[n].dtype == np.float32 and got[n].shape == args[n].shape
-        np.testing.assert_array_equal(got[n], args[n].astype(np.float32))
-    assert got["d"] is args["d"] and got["e"] is None and got["f"] is args["f"]
-    with pytest.raises(TypeError, match="srcs: expected C-contiguous half-precision arrays"):
-        core.widen_halves([np.zeros(3, np.float32)], [1])
-    with pytest.raises(ValueError, match="srcs, halves: expected lists of one length"):
-        core.widen_halves([np.zeros(3, f16)], [1, 2])
-    with pytest.raises(ValueError, match="half: expected 1"):
-        core.widen_halves([np.zeros(3, f16)], [0])
-
-
 def test_conversions_refuse_wrong_arrays():
     f, u = np.zeros(4, np.float32), np.zeros(4, np.uint16)
     with pytest.raises(ValueError, match="half: expected 1"):

@@ -4,8 +4,6 @@
 #include <pybind11/pybind11.h>
 
 #include <string>
-#include <tuple>
-#include <vector>
 
 #include "attnlab/kernels.hpp"
 #include "common.hpp"
@@ -43,32 +41,6 @@ void widen_half(const py::array& src, const py::array& dst, int half) {
     kernels().widen_half(s, static_cast<Index>(src.size()), format, d);
 }
 
-// srcs[i] (C-contiguous float16 or bfloat16 arrays, of the formats halves[i]) as new float32
-// arrays of their shapes: several small arrays (a layer's weights) in one call.
-py::list widen_halves(const py::list& srcs, const py::list& halves) {
-    if (srcs.size() != halves.size())
-        throw py::value_error("srcs, halves: expected lists of one length");
-    std::vector<std::tuple<const std::uint16_t*, Index, HalfFormat, float*>> parts;
-    py::list out;
-    for (std::size_t i = 0; i < srcs.size(); ++i) {
-        const auto a = srcs[i].cast<py::array>();
-        if (a.itemsize() != 2 || !(a.flags() & py::array::c_style))
-            throw py::type_error("srcs: expected C-contiguous half-precision arrays, got " +
-                                 py::str(a.dtype()).cast<std::string>());
-        std::vector<py::ssize_t> shape(a.shape(), a.shape() + a.ndim());
-        py::array_t<float> w(shape);
-        parts.emplace_back(static_cast<const std::uint16_t*>(a.data()),
-                           static_cast<Index>(a.size()), half_format(halves[i].cast<int>()),
-                           w.mutable_data());
-        out.append(w);
-    }
-    {
-        ReleaseGil release;
-        for (const auto& [s, n, format, d] : parts) kernels().widen_half(s, n, format, d);
-    }
-    return out;
-}
-
 // dst (uint16 bits of the half format) = src (float32) rounded, elementwise
 void narrow_half(const py::array& src, const py::array& dst, int half) {
     const HalfFormat format = half_format(half);
@@ -82,7 +54,6 @@ void narrow_half(const py::array& src, const py::array& dst, int half) {
 
 void bind_half(py::module_& m) {
     m.def("widen_half", &widen_half, py::arg("src"), py::arg("dst"), py::arg("half"));
-    m.def("widen_halves", &widen_halves, py::arg("srcs"), py::arg("halves"));
     m.def("narrow_half", &narrow_half, py::arg("src"), py::arg("dst"), py::arg("half"));
 }
 

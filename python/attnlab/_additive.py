@@ -24,7 +24,6 @@ from ._separable import separable_attention as separable_attention
 __all__ = ["additive_attention", "additive_attention_backward"]
 
 _VARIANTS = {"official": 0, "hf": 1}
-_PARAMS = ("w_q", "b_q", "w_k", "b_k", "w_g", "w_proj", "b_proj", "w_final", "b_final")
 
 
 def _check_eps(eps: Any) -> float:
@@ -67,7 +66,6 @@ def _prepare_additive(args: dict[str, Any], keep_half: np.dtype | None = None) -
     e = _check_eps(args["eps"])
     xa = _args.pooled_tokens(args["x"], keep_half)
     n, d_in = xa.shape[-2:]
-    args = _half.widened(args, _PARAMS)
     ws = {k: V.as_array(args[k], k) for k in ("w_q", "w_k", "w_g", "w_proj", "w_final")}
     bs = {k: V.optional_array(args[k], k) for k in ("b_q", "b_k", "b_proj", "b_final")}
     dtype = V.result_dtype(xa, *ws.values(), *bs.values())

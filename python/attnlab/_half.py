@@ -110,18 +110,6 @@ def widen_into(a: np.ndarray, out: np.ndarray) -> None:
         core.widen_half(src.view(np.uint16), out, code(src.dtype))
 
 
-def widened(args: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
-    """``args`` with those of ``names`` that are float16 or bfloat16 ndarrays as float32 (exact),
-    all converted in one call: a layer's weights one by one through :func:`widen` cost a small
-    call more than their conversions (docs/performance.md)."""
-    found = {n: args[n] for n in names if type(args[n]) is np.ndarray and is_half(args[n].dtype)}
-    if not found:
-        return dict(args)
-    srcs = [a if a.flags.c_contiguous else a.copy(order="C") for a in found.values()]
-    wide = core.widen_halves(srcs, [code(a.dtype) for a in srcs])
-    return {**args, **dict(zip(found, wide, strict=True))}
-
-
 def store(x: np.ndarray, half: np.dtype | None) -> np.ndarray:
     """``x`` rounded to the storage dtype ``half`` (round to nearest even, as ``astype``), or
     ``x`` itself (also when it is stored so already)."""

@@ -136,11 +136,6 @@ def _prepare(args: dict[str, Any], keep_half: np.dtype | None = None) -> _Latent
     if d < 1:
         raise ValueError(f"x: the feature axis must be >= 1, got shape {V.shape_str(x.shape)}")
 
-    # the half-precision arrays the forward does not read as stored, widened in one call
-    args = _half.widened(
-        args, (k for k in WEIGHTS if keep_half is None or k not in _READ_AS_STORED)
-    )
-
     def given(k: str) -> np.ndarray | None:
         return V.optional_array(args[k], k, keep_half if k in _READ_AS_STORED else None)
 

@@ -369,7 +369,6 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
         ws = {n: V.as_array(args[n], n) for n in _WEIGHTS}
     else:
         ws = {n: args[n] for n in _WEIGHTS}
-    args = _half.widened(args, ("b_q", "b_k", "b_v", "b_o"))  # (in one call)
     bs = {n: V.optional_array(args[n], n) for n in ("b_q", "b_k", "b_v", "b_o")}
     as_float = (_half.COMPUTED,) if half is not None else ws.values()
     xs = (_half.COMPUTED,) if inputs_half else (x.xq, x.xk, x.xv)

@@ -39,7 +39,6 @@ def _prepare_separable(args: dict[str, Any], keep_half: np.dtype | None = None) 
     not without features)."""
     xa = _args.pooled_tokens(args["x"], keep_half)
     n, d = xa.shape[-2:]
-    args = _half.widened(args, ("w_qkv", "b_qkv", "w_o", "b_o"))
     wqkv_ = V.as_array(args["w_qkv"], "w_qkv")
     wo_ = V.as_array(args["w_o"], "w_o")
     bqkv_ = V.optional_array(args["b_qkv"], "b_qkv")
