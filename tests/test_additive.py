@@ -305,13 +305,18 @@ def test_padding_across_blocks(rng, close, variant):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16], ids=["f64", "f32", "f16"])
-@pytest.mark.parametrize("variant", ["official", "hf", "separable"])
-@pytest.mark.parametrize("few", [True, False], ids=["written", "folded"])
-def test_output_forms(rng, close, dtype, variant, few):
+@pytest.mark.parametrize(
+    "variant,form",
+    [(v, f) for v in ("official", "hf", "separable") for f in ("written", "folded")]
+    + [("official", "wide"), ("hf", "wide")],  # the wide-row rule is the additive family's
+)
+def test_output_forms(rng, close, dtype, variant, form):
     """Both forms of the output pass against the reference: with few tokens per batch element
-    (additive n < D, separable 16 n <= d) the module's own order, else the weights folded with
-    the pooled vector; with padding, d_out != D, blocks of uneven rows, half-precision x."""
-    D, d_out = 64, 40
+    (additive n < D, separable 16 n <= d) and wide rows (additive D >= 256) the module's own
+    order, else the weights folded with the pooled vector; with padding, d_out != D, blocks of
+    uneven rows, half-precision x."""
+    D, d_out = (256, 200) if form == "wide" else (64, 40)
+    few = form == "written"
     n = (D // 16 if variant == "separable" else D - 1) + (0 if few else 1)
     wdt = np.float32 if dtype == np.float16 else dtype  # float16: every array (below)
     if variant == "separable":
@@ -325,7 +330,7 @@ def test_output_forms(rng, close, dtype, variant, few):
     kp[1, n // 2 :] = False
     kp[3, 1:] = False
     w64 = {k: v.astype(np.float64) if isinstance(v, np.ndarray) else v for k, v in w.items()}
-    label = f"{variant} {'written' if few else 'folded'}"
+    label = f"{variant} {form}"
     for mask in (None, kp):
         if dtype == np.float16:  # read and written as stored: the float32 call, rounded
             w16 = {

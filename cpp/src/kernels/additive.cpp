@@ -221,7 +221,7 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     });
 }
 
-// The output as the module writes it, over fixed blocks of rows: Z = G * K; H = Z w_proj +
+// The output as the module writes it, over blocks of rows: Z = G * K; H = Z w_proj +
 // b_proj + Q; out = H w_final + b_final (rounded into p.half.out's rows when set). K and Q:
 // normalised rows, ld apart; G: pooled (B x D). product(step, m, in, bias, y): the block's
 // product with w_proj (step 0, into H) or w_final (step 1, into y), its bias added.
@@ -278,7 +278,8 @@ void additive_forward_bf16(const AdditiveProblem<float>& p) {
 
 // The float forward as the module writes it (as_written_rows), its weights packed once: for
 // few rows per batch element, where the folded form's M = w_proj w_final and its per-element
-// diag(G) M would cost more than the rows' own products.
+// diag(G) M would cost more than the rows' own products, and for wide rows (the caller says
+// why).
 template <typename T>
 void additive_forward_as_written(const AdditiveProblem<T>& p) {
     const Index rows = p.batch * p.n, D = p.width, dout = p.d_out;
