@@ -123,8 +123,10 @@ class Bf16Weight {
 #endif
 
     Index in_ = 0, out_ = 0;
-    Index kp_ = 0, np_ = 0;           // the tiles' padded sizes
-    Buffer<std::uint16_t> tiles_;     // AMX / VDPBF16PS: w in the VNNI layout (pack_weight_block)
+#if defined(ATTNLAB_AMX)
+    Index kp_ = 0, np_ = 0;        // the tiles' padded sizes
+    Buffer<std::uint16_t> tiles_;  // AMX / VDPBF16PS: w in the VNNI layout (pack_weight_block)
+#endif
     Buffer<float> rounded_, panels_;  // the emulation: w rounded, and its panels (pack_weight)
 };
 
