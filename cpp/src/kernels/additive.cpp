@@ -228,22 +228,18 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
 template <typename T, typename Product>
 void as_written_rows(const AdditiveProblem<T>& p, const T* K, const T* Q, Index ld, const T* pooled,
                      Product product) {
-    const Index n = p.n, D = p.width, dout = p.d_out;
-    for_row_blocks(
-        p.batch * n,
-        [&](Index r0, Index m) {
-            const T* z = pooled_times_rows(K, ld, pooled, n, D, r0, m);
-            T* h = scratch<T>(ScratchBuffer::kAdditiveFolded, static_cast<std::size_t>(m * D));
-            product(0, m, z, p.b_proj, h);
-            for (Index i = 0; i < m; ++i) {
-                const T* q = Q + (r0 + i) * ld;
-                for (Index j = 0; j < D; ++j) h[i * D + j] += q[j];
-            }
-            T* y = output_rows(p.out, r0, m, dout);
-            product(1, m, h, p.b_final, y);
-            finish_output_rows(y, p.half, r0, m, dout);
-        },
-        2 * static_cast<Index>(get_num_threads()));  // (each row's result is the same in any block)
+    const Index D = p.width;
+    written_rows(p.batch, p.n, D, p.d_out, K, ld, pooled, p.out, p.half,
+                 [&](Index r0, Index m, const T* z, T* y) {
+                     T* h = scratch<T>(ScratchBuffer::kAdditiveFolded,
+                                       static_cast<std::size_t>(m * D));
+                     product(0, m, z, p.b_proj, h);
+                     for (Index i = 0; i < m; ++i) {
+                         const T* q = Q + (r0 + i) * ld;
+                         for (Index j = 0; j < D; ++j) h[i * D + j] += q[j];
+                     }
+                     product(1, m, h, p.b_final, y);
+                 });
 }
 
 // precision="bf16": the module's four weight products as bf16 products of row blocks

@@ -221,18 +221,28 @@ void for_row_blocks(Index rows, F fn, Index min_blocks = 1) {
     });
 }
 
-// Rows [r0, r0 + m) of X (ld apart, width wide), each times the pooled vector of its batch
-// element (pooled: B x width, n rows an element), into this thread's kAdditiveRows block.
-template <typename T>
-T* pooled_times_rows(const T* X, Index ld, const T* pooled, Index n, Index width, Index r0,
-                     Index m) {
-    T* z = scratch<T>(ScratchBuffer::kAdditiveRows, static_cast<std::size_t>(m * width));
-    for (Index i = 0; i < m; ++i) {
-        const T* x = X + (r0 + i) * ld;
-        const T* g = pooled + ((r0 + i) / n) * width;
-        for (Index j = 0; j < width; ++j) z[i * width + j] = g[j] * x[j];
-    }
-    return z;
+// The output pass of both forms as written, over blocks of the B n rows (equal, at least two a
+// thread: each row's result is the same in any block): per block, Z = its rows of X (ld apart,
+// width wide) each times its batch element's pooled vector (pooled: B x width, n rows an
+// element), then rows(r0, m, Z, Y) writes the block's output Y (m x d_out: out's rows, or a
+// block of this thread rounded into h.out's rows).
+template <typename T, typename F>
+void written_rows(Index B, Index n, Index width, Index dout, const T* X, Index ld, const T* pooled,
+                  T* out, const HalfTokens& h, F rows) {
+    for_row_blocks(
+        B * n,
+        [&](Index r0, Index m) {
+            T* z = scratch<T>(ScratchBuffer::kAdditiveRows, static_cast<std::size_t>(m * width));
+            for (Index i = 0; i < m; ++i) {
+                const T* x = X + (r0 + i) * ld;
+                const T* g = pooled + ((r0 + i) / n) * width;
+                for (Index j = 0; j < width; ++j) z[i * width + j] = g[j] * x[j];
+            }
+            T* y = output_rows(out, r0, m, dout);
+            rows(r0, m, static_cast<const T*>(z), y);
+            finish_output_rows(y, h, r0, m, dout);
+        },
+        2 * static_cast<Index>(get_num_threads()));
 }
 
 template <typename T>

@@ -130,24 +130,6 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st,
     });
 }
 
-// The output as the module writes it, over blocks of rows: U = relu(v) * ctx, out = U w_o +
-// b_o (rounded into p.half.out's rows when set). V: relu(v)'s rows, ld apart; ctx: (B x d).
-// product(m, U, y): the block's product with w_o, its bias added (y: m x d_out).
-template <typename T, typename Product>
-void separable_as_written_rows(const SeparableProblem<T>& p, const T* V, Index ld, const T* ctx,
-                               Product product) {
-    const Index n = p.n, d = p.d, dout = p.d_out;
-    for_row_blocks(
-        p.batch * n,
-        [&](Index r0, Index m) {
-            const T* u = pooled_times_rows(V, ld, ctx, n, d, r0, m);
-            T* y = output_rows(p.out, r0, m, dout);
-            product(m, u, y);
-            finish_output_rows(y, p.half, r0, m, dout);
-        },
-        2 * static_cast<Index>(get_num_threads()));  // (each row's result is the same in any block)
-}
-
 // precision="bf16": x w_qkv + b_qkv and (relu(v) * ctx) w_o + b_o as bf16 products of row blocks
 // (Bf16Weight), the softmax and ctx between them in float32; ctx is not folded into w_o, so the
 // rounded operands are the ones the form names.
@@ -163,10 +145,11 @@ void separable_forward_bf16(const SeparableProblem<float>& p) {
         w_qkv.product(m, p.x ? p.x + r0 * d : nullptr, p.half.x ? p.half.x + r0 * d : nullptr,
                       p.half.format, d, p.b_qkv, P.get() + r0 * ld, ld);
     });
-    separable_as_written_rows(p, P.get() + 1 + d, ld, st.context,
-                              [&](Index m, const float* u, float* y) {
-                                  w_o.product(m, u, nullptr, HalfFormat::none, d, p.b_o, y, dout);
-                              });
+    // per block: U = relu(v) * ctx; out = U w_o + b_o
+    written_rows(B, n, d, dout, P.get() + 1 + d, ld, st.context, p.out, p.half,
+                 [&](Index, Index m, const float* u, float* y) {
+                     w_o.product(m, u, nullptr, HalfFormat::none, d, p.b_o, y, dout);
+                 });
 }
 
 }  // namespace
@@ -202,10 +185,11 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
     if (16 * n <= d) {
         // few rows a batch element: per element, diag(ctx) w_o costs more than its rows
         const PackedBlock<T> packed(Wo);
-        separable_as_written_rows(p, st.v, d, st.context, [&](Index m, const T* u, T* y) {
-            RowMap<T> Y(y, m, dout, Eigen::OuterStride<>(dout));
-            project<T>(cview<T>(u, m, d, d), Wo, p.b_o, Y, packed.get());
-        });
+        written_rows(B, n, d, dout, st.v, d, st.context, p.out, p.half,
+                     [&](Index, Index m, const T* u, T* y) {
+                         RowMap<T> Y(y, m, dout, Eigen::OuterStride<>(dout));
+                         project<T>(cview<T>(u, m, d, d), Wo, p.b_o, Y, packed.get());
+                     });
         return;
     }
     // 3. out = relu(v) (diag(ctx) w_o) + b_o.
