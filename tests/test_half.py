@@ -846,23 +846,30 @@ def test_separable_within_bound(shape, path):
 
 @pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
 @pytest.mark.parametrize("family", ["additive-official", "additive-hf", "separable"])
-def test_pooled_forward_reads_and_writes_half_as_the_float32_call_rounds(family, path):
-    """The pooled forwards read half-precision x as stored, a row block at a time, and round
-    their output a row block at a time: the same bits as the float32 call on the widened arrays,
-    rounded once (widening is exact). Two batch elements of 1100 tokens (blocks of 128 rows,
-    output tasks of 1024), with padded tokens."""
+@pytest.mark.parametrize("B,n,d,D", [(2, 1100, 24, 32), (3, 40, 70, 100)], ids=str)
+def test_pooled_forward_reads_and_writes_half_as_the_float32_call_rounds(
+    B, n, d, D, family, path, monkeypatch
+):
+    """The pooled forwards read half-precision x as stored, a row block at a time, and the
+    weight matrices as stored, widened as their panels are packed; they round their output a
+    row block at a time: the same bits as the float32 call on the widened arrays, rounded once
+    (widening is exact), with none of them converted in Python. Two batch elements of 1100
+    tokens (blocks of 128 rows, output tasks of 1024, w_k and w_q stacked), with padded tokens;
+    few tokens of odd widths (the form as written, the weights' last panels partial)."""
     _, dtype, _, _ = path
-    B, n, d = 2, 1100, 24
     if family == "separable":
         args, _ = _separable_case((B, n, d, d))
         fn, kw = attnlab.separable_attention, {}
     else:
-        args, kw = _additive_case((B, n, d, 32), family.split("-")[1])
+        args, kw = _additive_case((B, n, d, D), family.split("-")[1])
         fn = attnlab.additive_attention
     mask = np.random.default_rng(5).random((B, n)) > 0.25
     half = _cast(args, dtype)
-    got = fn(**half, **kw, key_padding_mask=mask)
     want = fn(**_cast(half, np.dtype(np.float32)), **kw, key_padding_mask=mask).astype(dtype)
+    kept = {a.shape for k, a in half.items() if a.ndim >= 2 and k != "w_g"}  # w_g: widened
+    refuse_conversions(monkeypatch, kept | {(B * n, d)})
+    got = fn(**half, **kw, key_padding_mask=mask)
+    monkeypatch.undo()
     assert got.dtype == dtype
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
@@ -932,6 +939,22 @@ def test_pooled_half_bits_are_refused_where_not_read():
         core.additive_forward(core.AdditiveArgs(**good, half=1), out, {})
     with pytest.raises(TypeError, match=r"^x: "):
         core.additive_forward(core.AdditiveArgs(**dict(good, x=x.view(np.float16)), half=1), out)
+    # the forward's weight matrices as bits too (as float32 ones, the same bits); not with
+    # precision="bf16", nor the vectors, nor without half
+    bits = {k: np.full((8, 8), 0.5, np.float16).view(np.uint16) for k in w}
+    halves = np.empty_like(out)
+    core.additive_forward(core.AdditiveArgs(**dict(good, **bits), half=1), halves)
+    widened = {k: np.full((8, 8), 0.5, np.float32) for k in w}
+    core.additive_forward(core.AdditiveArgs(**dict(good, **widened), half=1), out)
+    np.testing.assert_array_equal(halves, out)
+    with pytest.raises(TypeError, match=r"^w_q: "):
+        core.additive_forward(core.AdditiveArgs(**dict(good, **bits), half=1), out, None, True)
+    with pytest.raises(TypeError, match=r"^w_g: "):
+        core.additive_forward(
+            core.AdditiveArgs(**dict(good, w_g=np.ones(8, np.uint16)), half=1), out
+        )
+    with pytest.raises(TypeError, match=r"^x: "):  # half=0: x and the weights as float32
+        core.additive_forward(core.AdditiveArgs(**dict(good, **bits), half=0), out)
     go = np.ones((10, 8), np.float32)
     grads = {k: np.empty_like(v) for k, v in w.items()}
     grads.update(w_g=np.empty(8, np.float32), x=np.empty((10, 8), np.uint16))
@@ -946,6 +969,8 @@ def test_pooled_half_bits_are_refused_where_not_read():
         core.additive_backward(go.astype(np.float16), core.AdditiveArgs(**good, half=1), grads)
     with pytest.raises(ValueError, match=r"^grads: expected buffers for x, "):
         core.additive_backward(go, core.AdditiveArgs(**good, half=1), {})
+    with pytest.raises(TypeError, match=r"^w_q: "):  # the backward reads float32 weights
+        core.additive_backward(go, core.AdditiveArgs(**dict(good, **bits), half=1), grads)
 
 
 # ----------------------------------------------------------------- the bound itself

@@ -25,14 +25,20 @@ void check_input(const T*& ptr, const py::object& arg, const char* name, std::ve
 
 // The problem (forward and backward; out is set by the forward): the sizes, the family's own
 // checks and widths, every buffer through the family's visitor in argument order, the padding.
-// a.half (1 float16, 2 bfloat16; T float): x is given as the bits of that dtype.
+// a.half (1 float16, 2 bfloat16; T float): x is given as the bits of that dtype, and, with
+// half_weights (the float forward), so may each weight matrix (uint16: p.half_weights).
 template <typename Family, typename T>
-auto pooled_problem(const typename Family::Args& a) {
+auto pooled_problem(const typename Family::Args& a, bool half_weights = false) {
     if (a.batch < 0 || a.n < 0) throw py::value_error("negative sizes");
     typename Family::template Problem<T> p;
     p.batch = a.batch;
     p.n = a.n;
     Family::widths(a, p);
+    // a weight matrix given as bits (the vectors never are)
+    const auto bits = [&](const py::object& arg, const std::vector<Index>& shape) {
+        return a.half != 0 && half_weights && shape.size() == 2 &&
+               is_dtype<std::uint16_t>(arg.cast<py::array>());
+    };
     Family::visit(a, p, p,
                   [&](const T*& ptr, const py::object& arg, const char* name,
                       std::vector<Index> shape, bool optional) {
@@ -41,7 +47,15 @@ auto pooled_problem(const typename Family::Args& a) {
                                                                std::move(shape));
                           return;
                       }
+                      if (&ptr != &p.x && bits(arg, shape)) return;  // p.half_weights, below
                       check_input<T>(ptr, arg, name, std::move(shape), optional);
+                  });
+    Family::visit(a, p, p.half_weights,
+                  [&](const std::uint16_t*& ptr, const py::object& arg, const char* name,
+                      std::vector<Index> shape, bool) {
+                      if (&ptr != &p.half_weights.x && bits(arg, shape))
+                          ptr = contiguous<std::uint16_t>(arg.cast<py::array>(), name,
+                                                          std::move(shape));
                   });
     if (a.half != 0) p.half.format = static_cast<HalfFormat>(a.half);
     p.key_padding = token_mask(a.key_padding_mask, a.batch, a.n);
@@ -103,7 +117,7 @@ void pooled_forward(const typename Family::Args& a, py::array out, py::object st
             throw py::type_error("bf16: bf16 products take float32 operands, got float64 x");
         if (bf16 && !state.is_none())
             throw py::value_error("state: precision='bf16' keeps no state");
-        auto p = pooled_problem<Family, T>(a);
+        auto p = pooled_problem<Family, T>(a, /*half_weights=*/!bf16);
         p.bf16 = bf16;
         const std::vector<Index> shape{a.batch * a.n, p.d_out};
         if (p.half.x)

@@ -58,16 +58,24 @@ def _additive_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
     )
 
 
-def _prepare_additive(args: dict[str, Any], keep_half: np.dtype | None = None) -> dict[str, Any]:
+_WEIGHTS = ("w_q", "w_k", "w_g", "w_proj", "w_final")
+
+
+def _prepare_additive(
+    args: dict[str, Any], keep_half: np.dtype | None = None, half_weights: bool = False
+) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward. ``keep_half``:
     ``x`` of that half dtype is passed as its bits (``options["half"]``, and ``half`` its dtype;
-    not without features)."""
+    not without features); with ``half_weights`` (the float32 forward), so are the weight
+    matrices of that dtype."""
     code = _variant_code(args["variant"])
     e = _check_eps(args["eps"])
     xa = _args.pooled_tokens(args["x"], keep_half)
     n, d_in = xa.shape[-2:]
-    ws = {k: V.as_array(args[k], k) for k in ("w_q", "w_k", "w_g", "w_proj", "w_final")}
+    keep_w = keep_half if half_weights and _half.is_half(xa.dtype) else None
+    ws = {k: V.as_array(args[k], k, None if k == "w_g" else keep_w) for k in _WEIGHTS}
     bs = {k: V.optional_array(args[k], k) for k in ("b_q", "b_k", "b_proj", "b_final")}
+    # w_g, never kept, makes a kept half dtype float32
     dtype = V.result_dtype(xa, *ws.values(), *bs.values())
     wq_, wk_, wp_ = ws["w_q"], ws["w_k"], ws["w_proj"]
     for name, layout in (
@@ -91,14 +99,14 @@ def _prepare_additive(args: dict[str, Any], keep_half: np.dtype | None = None) -
             f"{V.shape_str(ws[bad].shape)}"
         )
     D = wq_.shape[1]
-    wq = _memory.contiguous(wq_, dtype)
-    wk = _memory.contiguous(wk_, dtype)
+    wq = _args.pooled_weight(wq_, "w_q", dtype, None, None, "(d_in, D)")
+    wk = _args.pooled_weight(wk_, "w_k", dtype, None, None, "(d_in, D)")
     wg_ = ws["w_g"]
     if wg_.shape not in ((D,), (D, 1)):
         raise ValueError(f"w_g: expected shape ({D},) or ({D}, 1), got {V.shape_str(wg_.shape)}")
     wg = _memory.contiguous(wg_.reshape(D), dtype)
-    wp = V.matrix(ws["w_proj"], "w_proj", dtype, D, D, f"(D, D) = ({D}, {D})")
-    wf = V.matrix(ws["w_final"], "w_final", dtype, D, None, f"(D, d_out) = ({D}, d_out)")
+    wp = _args.pooled_weight(ws["w_proj"], "w_proj", dtype, D, D, f"(D, D) = ({D}, {D})")
+    wf = _args.pooled_weight(ws["w_final"], "w_final", dtype, D, None, f"(D, d_out) = ({D}, d_out)")
     d_out = wf.shape[1]
     bq = V.vector(bs["b_q"], "b_q", dtype, D)
     bk = V.vector(bs["b_k"], "b_k", dtype, D)
@@ -249,9 +257,9 @@ def additive_attention(
     """
     args = _sig.arguments(locals())
     half = _half.storage(args)
-    # half-precision x is read, and out written, as stored (no float32 copies of either; the
-    # state attnlab.vjp keeps is float32)
-    a = _prepare_additive(args, half)
+    # half-precision x and weight matrices are read, and out written, as stored (no float32
+    # copies of them; the state attnlab.vjp keeps is float32, its pullback reads float32 weights)
+    a = _prepare_additive(args, half, half_weights=_keep is None and precision is None)
     B, n, d_out = a["B"], a["n"], a["d_out"]
     bits = a["options"]["half"] != 0
     out = _memory.empty((B * n, d_out), half if bits else a["dtype"])

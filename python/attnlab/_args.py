@@ -311,6 +311,16 @@ def pooled_rows(xa: np.ndarray, batch: tuple[int, ...], dtype: np.dtype) -> tupl
     return V.rows(xa, batch, dtype), 0
 
 
+def pooled_weight(
+    w: np.ndarray, name: str, dtype: np.dtype, rows: int | None, cols: int | None, layout: str
+) -> np.ndarray:
+    """A pooled family's weight matrix as its kernels read it: checked as ``V.matrix`` does, a
+    half-precision one kept by ``V.as_array`` as its (contiguous) bits, else in ``dtype``."""
+    if _half.is_half(w.dtype):
+        return V.matrix(w, name, w.dtype, rows, cols, layout).view(np.uint16)
+    return V.matrix(w, name, dtype, rows, cols, layout)
+
+
 def pooled_padding(args: Mapping[str, Any], batch: tuple[int, ...], n: int) -> np.ndarray | None:
     """``key_padding_mask`` of a pooled family (additive, separable) as ``(B, n)``, with the
     warning when it leaves a sequence with no real token (unless ``warn_empty_rows=False``)."""

@@ -33,17 +33,23 @@ def _separable_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
     )
 
 
-def _prepare_separable(args: dict[str, Any], keep_half: np.dtype | None = None) -> dict[str, Any]:
+def _prepare_separable(
+    args: dict[str, Any], keep_half: np.dtype | None = None, half_weights: bool = False
+) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward. ``keep_half``:
     ``x`` of that half dtype is passed as its bits (``options["half"]``, and ``half`` its dtype;
-    not without features)."""
+    not without features); with ``half_weights`` (the float32 forward), so are the weight
+    matrices of that dtype."""
     xa = _args.pooled_tokens(args["x"], keep_half)
     n, d = xa.shape[-2:]
-    wqkv_ = V.as_array(args["w_qkv"], "w_qkv")
-    wo_ = V.as_array(args["w_o"], "w_o")
+    keep_w = keep_half if half_weights and _half.is_half(xa.dtype) else None
+    wqkv_ = V.as_array(args["w_qkv"], "w_qkv", keep_w)
+    wo_ = V.as_array(args["w_o"], "w_o", keep_w)
     bqkv_ = V.optional_array(args["b_qkv"], "b_qkv")
     bo_ = V.optional_array(args["b_o"], "b_o")
     dtype = V.result_dtype(xa, wqkv_, wo_, bqkv_, bo_)
+    if _half.is_half(dtype):  # every array kept in half precision: computed in float32
+        dtype = np.dtype(np.float32)
     V.check_matrix(wqkv_, "w_qkv", "(d, 1 + 2 d)")
     V.check_matrix(wo_, "w_o", "(d, d_out)", 0)
     # its own shape, as long as it is not (out, in)
@@ -57,13 +63,13 @@ def _prepare_separable(args: dict[str, Any], keep_half: np.dtype | None = None) 
         V.reader(wqkv_, "w_qkv", f"(d, 1 + 2 d) = ({d}, {1 + 2 * d})", lambda c: c == 1 + 2 * d, d)
     ]
     V.check_readers([("x", xa, readers)], "from_mobilevitv2")
-    wqkv = _memory.contiguous(wqkv_, dtype)
+    wqkv = _args.pooled_weight(wqkv_, "w_qkv", dtype, None, None, "(d, 1 + 2 d)")
     if wo_.shape[0] != d:  # w_o reads the d value features
         r_o = V.reader(wo_, "w_o", f"(d, d_out) = ({d}, d_out)", lambda _c: True, d)
         if r_o.transposed_fits:
             raise V.transposed(r_o, "from_mobilevitv2")
         raise ValueError(f"w_o: expected shape {r_o.layout}, got {V.shape_str(wo_.shape)}")
-    wo = _memory.contiguous(wo_, dtype)
+    wo = _args.pooled_weight(wo_, "w_o", dtype, None, None, "(d, d_out)")
     d_out = wo.shape[1]
     bqkv = V.vector(bqkv_, "b_qkv", dtype, 1 + 2 * d)
     bo = V.vector(bo_, "b_o", dtype, d_out)
@@ -171,9 +177,9 @@ def separable_attention(
     """
     args = _sig.arguments(locals())
     half = _half.storage(args)
-    # half-precision x is read, and out written, as stored (no float32 copies of either; the
-    # state attnlab.vjp keeps is float32)
-    a = _prepare_separable(args, half)
+    # half-precision x and weight matrices are read, and out written, as stored (no float32
+    # copies of them; the state attnlab.vjp keeps is float32, its pullback reads float32 weights)
+    a = _prepare_separable(args, half, half_weights=_keep is None and precision is None)
     B, n, d, d_out = a["B"], a["n"], a["d"], a["d_out"]
     batch, dtype = a["batch"], a["dtype"]
     bits = a["options"]["half"] != 0

@@ -87,15 +87,27 @@ inline constexpr Index kStackedRows = 2048;
 // D from which the float forwards take the form as written (docs/performance.md).
 inline constexpr Index kWrittenWidth = 256;
 
+// The problem's weight matrices as PooledWeights (floats, or p.half_weights' bits).
+template <typename T>
+struct AdditiveWeights {
+    PooledWeight<T> w_q, w_k, w_proj, w_final;
+    explicit AdditiveWeights(const AdditiveProblem<T>& p)
+        : w_q(p.w_q, p.half_weights.w_q, p.half.format, p.d_in, p.width),
+          w_k(p.w_k, p.half_weights.w_k, p.half.format, p.d_in, p.width),
+          w_proj(p.w_proj, p.half_weights.w_proj, p.half.format, p.width, p.width),
+          w_final(p.w_final, p.half_weights.w_final, p.half.format, p.width, p.d_out) {}
+};
+
 // [w_k | w_q] (d_in x 2D) and [b_k | b_q]: both projections in one product.
 template <typename T>
 struct StackedKQ {
     RowMatrix<T> w;
     Vec<T> b;
     explicit StackedKQ(const AdditiveProblem<T>& p) : w(p.d_in, 2 * p.width), b(2 * p.width) {
-        const Index din = p.d_in, D = p.width;
-        w.leftCols(D) = ConstRowMap<T>(p.w_k, din, D, Eigen::OuterStride<>(D));
-        w.rightCols(D) = ConstRowMap<T>(p.w_q, din, D, Eigen::OuterStride<>(D));
+        const Index D = p.width;
+        const AdditiveWeights<T> given(p);
+        given.w_k.copy_to(w.data(), 2 * D);
+        given.w_q.copy_to(w.data() + D, 2 * D);
         b.setZero();
         if (p.b_k) b.head(D) = ConstVecMap<T>(p.b_k, D);
         if (p.b_q) b.tail(D) = ConstVecMap<T>(p.b_q, D);
@@ -114,24 +126,23 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
     const Index B = p.batch, n = p.n, din = p.d_in, D = p.width, dout = p.d_out;
     const bool official = p.variant == AdditiveVariant::official;
     const Index ld = 2 * D;
-    const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
 
     // the weights' panels, packed once for the products this call runs: [w_k | w_q] stacked
     // into one product, or, for few rows (where copying the weights costs more than the edge
     // columns of two products), w_k and w_q as given
     const bool stacked = B * n >= kStackedRows;
     std::optional<StackedKQ<T>> kq;
-    const ConstRowMap<T> Wk(p.w_k, din, D, Eigen::OuterStride<>(D));
-    const ConstRowMap<T> Wq(p.w_q, din, D, Eigen::OuterStride<>(D));
-    PackedBlock<T> Wkq_packed, Wk_packed, Wq_packed, Wfinal_packed;
+    std::optional<PooledWeight<T>> Wkq;
+    AdditiveWeights<T> w(p);
     if (!projected && stacked) {
         kq.emplace(p);
-        Wkq_packed = PackedBlock<T>(cview<T>(kq->w.data(), din, ld, ld));
+        Wkq.emplace(kq->w.data(), din, ld, ld);
+        Wkq->pack();
     } else if (!projected) {
-        Wk_packed = PackedBlock<T>(Wk);
-        Wq_packed = PackedBlock<T>(Wq);
+        w.w_k.pack();
+        w.w_q.pack();
     }
-    if (out) Wfinal_packed = PackedBlock<T>(Wfinal);
+    if (out) w.w_final.pack();
 
     T* score = st.score;
     const Index per = (n + kRowBlock - 1) / kRowBlock;  // row blocks per batch element
@@ -173,22 +184,15 @@ void additive_pool(const AdditiveProblem<T>& p, const AdditiveState<T>& st, T* o
         }
         Eigen::Map<Vec<double>>(partial.get() + task * D, D) = share.template cast<double>();
         if (out) {
-            RowMap<T> Y(out + r0 * dout, m, dout, Eigen::OuterStride<>(dout));
-            block_product<T>(cview<T>(KQ.data() + D, m, D, ld), Wfinal, Y, false,
-                             Wfinal_packed.get());
+            w.w_final.product(cview<T>(KQ.data() + D, m, D, ld),
+                              view<T>(out + r0 * dout, m, dout, dout));
         }
     };
     pool_blocks<T>(
         B, n, ld, projected, fill,
         [&](Index r0, Index m) {
-            if (stacked)
-                return project_block<T>(
-                    p.x, r0, m, din,
-                    {{cview<T>(kq->w.data(), din, ld, ld), kq->b.data(), Wkq_packed.get()}},
-                    p.half);
-            return project_block<T>(p.x, r0, m, din,
-                                    {{Wk, p.b_k, Wk_packed.get()}, {Wq, p.b_q, Wq_packed.get()}},
-                                    p.half);
+            if (stacked) return project_block<T>(p.x, r0, m, din, {{&*Wkq, kq->b.data()}}, p.half);
+            return project_block<T>(p.x, r0, m, din, {{&w.w_k, p.b_k}, {&w.w_q, p.b_q}}, p.half);
         },
         pool_block);
 
@@ -292,15 +296,14 @@ void additive_forward_as_written(const AdditiveProblem<T>& p) {
     }
     if (!st.q) st.q = (queries = make_buffer<T>(rows * D)).get();  // (a state without Q)
     additive_pool(p, st, static_cast<T*>(nullptr));
-    const ConstRowMap<T> Wproj(p.w_proj, D, D, Eigen::OuterStride<>(D));
-    const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
-    const PackedBlock<T> proj_packed(Wproj), final_packed(Wfinal);
+    AdditiveWeights<T> w(p);
+    w.w_proj.pack();
+    w.w_final.pack();
     as_written_rows(p, st.k, st.q, D, st.pooled,
                     [&](int step, Index m, const T* in, const T* bias, T* y) {
                         const Index cols = step == 0 ? D : dout;
-                        RowMap<T> Y(y, m, cols, Eigen::OuterStride<>(cols));
-                        project<T>(cview<T>(in, m, D, D), step == 0 ? Wproj : Wfinal, bias, Y,
-                                   (step == 0 ? proj_packed : final_packed).get());
+                        project<T>(cview<T>(in, m, D, D), step == 0 ? w.w_proj : w.w_final, bias,
+                                   view<T>(y, m, cols, cols));
                     });
 }
 
@@ -333,13 +336,19 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     // cache, and only K has to be kept until G is known. For d_out <= D this costs no more
     // operations a row than the two-step form, and M once (the two-step form, with both
     // blocks' products in cache, measured slower where D < 256: docs/performance.md).
-    const ConstRowMap<T> Wfinal(p.w_final, D, dout, Eigen::OuterStride<>(dout));
     RowMatrix<T> M(D, dout);  // on the threads: serially it held the call's start back
-    linear<T>(D, D, dout, p.w_proj, D, p.w_final, nullptr, M.data(), dout, false);
+    const AdditiveTensors<const std::uint16_t*>& bits = p.half_weights;
+    if (bits.w_proj || bits.w_final) {
+        if constexpr (std::is_same_v<T, float>)
+            linear_half(D, D, dout, p.w_proj, D, p.w_final, nullptr, M.data(), dout,
+                        HalfOperands{bits.w_proj, bits.w_final, nullptr, p.half.format});
+    } else {
+        linear<T>(D, D, dout, p.w_proj, D, p.w_final, nullptr, M.data(), dout, false);
+    }
     Vec<T> c = p.b_final ? Vec<T>(ConstVecMap<T>(p.b_final, dout)) : Vec<T>(Vec<T>::Zero(dout));
     if (p.b_proj)
-        eigen_product<T>(cview<T>(p.b_proj, 1, D, D), Wfinal, view<T>(c.data(), 1, dout, dout),
-                         true);
+        AdditiveWeights<T>(p).w_final.product(cview<T>(p.b_proj, 1, D, D),
+                                              view<T>(c.data(), 1, dout, dout), true);
 
     // Without a state to fill, only K, the scores and G, in buffers of this call.
     Buffer<T> keys, score, pooled;
@@ -359,8 +368,8 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     additive_pool(p, st, out);
 
     // 3. out += K (diag(G) M) + c.
-    folded_rows<T>(B, n, D, dout, st.pooled, M, st.k, out, p.half,
-                   [&](const auto& K, auto& Y, const auto& W, const T* packed) {
+    folded_rows<T>(B, n, D, dout, st.pooled, PooledWeight<T>(M.data(), D, dout, dout), st.k, out,
+                   p.half, [&](const auto& K, auto& Y, const auto& W, const T* packed) {
                        block_product<T>(K, cview<T>(W.data(), D, dout, dout), Y, true, packed);
                        Y.rowwise() += c;
                    });

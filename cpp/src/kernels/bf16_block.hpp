@@ -43,8 +43,9 @@ class Bf16Weight {
         rounded_ = make_buffer<float>(in * out);
         parallel_for(
             in, [&](Index k) { round_bf16_block(w + k * out, out, rounded_.get() + k * out); });
-        panels_ = make_buffer<float>(std::max<Index>(packed_weight_size<float>(in, out), 1));
-        pack_weight<float>(in, out, rounded_.get(), panels_.get());
+        panels_ = make_buffer<float>(std::max<Index>(packed_block_size<float>(in, out), 1));
+        pack_block<float>(in, out, rounded_.get(), nullptr, HalfFormat::none, panels_.get(),
+                          /*parallel=*/true);
     }
 
     // y (m x out, row stride ldy) = x w + b for m rows of x (row stride ldx: float32, or the
@@ -127,7 +128,7 @@ class Bf16Weight {
     Index kp_ = 0, np_ = 0;        // the tiles' padded sizes
     Buffer<std::uint16_t> tiles_;  // AMX / VDPBF16PS: w in the VNNI layout (pack_weight_block)
 #endif
-    Buffer<float> rounded_, panels_;  // the emulation: w rounded, and its panels (pack_weight)
+    Buffer<float> rounded_, panels_;  // the emulation: w rounded, and its panels (pack_block)
 };
 
 }  // namespace detail

@@ -288,10 +288,10 @@ void gemm_panel(Index m, Index depth, Index cols, const T* a, Index a_rs, Index 
                          zero_start, next_panel, packed, pb);
     } else if (np == 2) {
         panel_gemm<T, 2>(m, depth, a, a_rs, a_ts, bh, b, ldb, b_transposed, j0, nw, yb, ldb_y,
-                         zero_start, next_panel, nullptr, pb);
+                         zero_start, next_panel, packed, pb);
     } else {
         panel_gemm<T, 1>(m, depth, a, a_rs, a_ts, bh, b, ldb, b_transposed, j0, nw, yb, ldb_y,
-                         zero_start, next_panel, nullptr, pb);
+                         zero_start, next_panel, packed, pb);
     }
     if (bias && !accumulate && depth <= 0)
         for (Index r = 0; r < m; ++r) {
@@ -721,33 +721,81 @@ namespace detail {
 ATTNLAB_PANEL_ROWS_ALL()  // the definitions the other sources link to (see microkernel.hpp)
 ATTNLAB_PANEL_ROWS_WIDE()
 
+// block_product of B's floats b (row stride ldb) or of the half-precision bits bh names
+// (contiguous, T float).
 template <typename T>
-void block_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,
-                   bool accumulate, const T* packed) {
+void block_product_of(const ConstRowMap<T>& a, const T* b, Index ldb, const HalfB& bh,
+                      const RowMap<T>& c, bool accumulate, const T* packed) {
     RowMap<T> dst = c;  // the view is const, not what it maps
     const Index rows = c.rows(), cols = c.cols(), depth = a.cols();
     if (rows <= 0 || cols <= 0) return;
     constexpr Index W = panel_width<T>();
-    const Index panels = (cols + W - 1) / W, whole = cols / W;
+    const Index panels = (cols + W - 1) / W;
     for (Index p = 0; p < panels; ++p)
-        gemm_panel<T>(rows, depth, cols, a.data(), a.outerStride(), Index(1), HalfB{}, b.data(),
-                      b.outerStride(), false, static_cast<const T*>(nullptr), dst.data(),
-                      dst.outerStride(), accumulate, p, p + 1 < panels,
-                      packed && p < whole && depth > 0 ? packed + p * depth * W : nullptr);
+        gemm_panel<T>(rows, depth, cols, a.data(), a.outerStride(), Index(1), bh, b, ldb, false,
+                      static_cast<const T*>(nullptr), dst.data(), dst.outerStride(), accumulate, p,
+                      p + 1 < panels, packed && depth > 0 ? packed + p * depth * W : nullptr);
 }
 
 template <typename T>
-void pack_block(const ConstRowMap<T>& b, T* packed) {
-    pack_rows(b.data(), HalfB{}, b.outerStride(), b.rows(), b.cols() / panel_width<T>(), 0,
-              b.rows(), packed);
+void block_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,
+                   bool accumulate, const T* packed) {
+    block_product_of(a, b.data(), b.outerStride(), HalfB{}, c, accumulate, packed);
+}
+
+void block_product_half(const ConstRowMap<float>& a, const std::uint16_t* b, HalfFormat format,
+                        const RowMap<float>& c, bool accumulate, const float* packed) {
+    block_product_of(a, static_cast<const float*>(nullptr), c.cols(), HalfB{b, format}, c,
+                     accumulate, packed);
+}
+
+template <typename T>
+Index packed_block_size(Index rows, Index cols) {
+    constexpr Index W = panel_width<T>(), L = packet_size<T>();
+    const Index whole = cols / W, rest = cols - whole * W;
+    return (whole * W + (rest + L - 1) / L * L) * rows;
+}
+
+template <typename T>
+void pack_block(Index rows, Index cols, const T* b, const std::uint16_t* bits, HalfFormat format,
+                T* packed, bool parallel) {
+    constexpr Index W = panel_width<T>(), L = packet_size<T>();
+    const Index whole = cols / W, rest = cols - whole * W, wp = (rest + L - 1) / L * L;
+    T* edge = packed + whole * W * rows;  // the last panel: rows of wp columns
+    const auto pack = [&](Index t0, Index t1) {
+        pack_rows(b, HalfB{bits, format}, cols, rows, whole, t0, t1, packed);
+        for (Index t = rest ? t0 : t1; t < t1; ++t) {
+            T* d = edge + t * wp;
+            if constexpr (std::is_same_v<T, float>) {
+                if (bits) {
+                    half_to_float(bits + t * cols + whole * W, rest, format, d);
+                    std::fill(d + rest, d + wp, T(0));
+                    continue;
+                }
+            }
+            std::copy(b + t * cols + whole * W, b + t * cols + cols, d);
+            std::fill(d + rest, d + wp, T(0));
+        }
+    };
+    if (!parallel) {
+        pack(0, rows);
+        return;
+    }
+    constexpr Index kRows = GemmPlan<T>::kPackRows;
+    parallel_for((rows + kRows - 1) / kRows,
+                 [&](Index i) { pack(i * kRows, std::min(rows, (i + 1) * kRows)); });
 }
 
 template void block_product<float>(const ConstRowMap<float>&, const ConstRowMap<float>&,
                                    const RowMap<float>&, bool, const float*);
 template void block_product<double>(const ConstRowMap<double>&, const ConstRowMap<double>&,
                                     const RowMap<double>&, bool, const double*);
-template void pack_block<float>(const ConstRowMap<float>&, float*);
-template void pack_block<double>(const ConstRowMap<double>&, double*);
+template Index packed_block_size<float>(Index, Index);
+template Index packed_block_size<double>(Index, Index);
+template void pack_block<float>(Index, Index, const float*, const std::uint16_t*, HalfFormat,
+                                float*, bool);
+template void pack_block<double>(Index, Index, const double*, const std::uint16_t*, HalfFormat,
+                                 double*, bool);
 
 template <typename T>
 void eigen_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,

@@ -34,44 +34,95 @@ using VecMap = Eigen::Map<Vec<T>>;
 template <typename T>
 using ConstVecMap = Eigen::Map<const Vec<T>>;
 
-// A weight that block_product reads for every block of rows of a call, its panels packed once
-// (in parallel) rather than by each block: the same bits, without a copy of W per block.
+// A weight of the pooled forwards (rows x cols, row-major): its floats (contiguous, or a strided
+// column block), or, in the float kernels, the bits of a half dtype as the caller stored them
+// (contiguous), widened exactly as they are read: so a half-precision weight is never copied
+// whole in float32. pack(): its whole panels packed once (in parallel) for the products of
+// every block of rows, rather than by each block (the same bits, without a copy of W per block).
 template <typename T>
-class PackedBlock {
+class PooledWeight {
   public:
-    PackedBlock() = default;  // none: each block packs (or reads) W itself
+    PooledWeight(const T* w, Index rows, Index cols, Index stride)
+        : w_(w), rows_(rows), cols_(cols), stride_(stride) {}
+    // the floats w, or the bits when set (T float)
+    PooledWeight(const T* w, const std::uint16_t* bits, HalfFormat format, Index rows, Index cols)
+        : w_(w), bits_(bits), format_(format), rows_(rows), cols_(cols), stride_(cols) {}
+
+    Index rows() const { return rows_; }
+    Index cols() const { return cols_; }
+
     // a strided view (a column block) is read in place by each block instead
-    explicit PackedBlock(const ConstRowMap<T>& w) {
-        if (w.outerStride() != w.cols()) return;
-        data_ = make_buffer<T>(packed_weight_size<T>(w.rows(), w.cols()));
-        pack_weight<T>(w.rows(), w.cols(), w.data(), data_.get());
+    void pack() {
+        if (stride_ != cols_ || rows_ == 0) return;
+        packed_ = make_buffer<T>(packed_block_size<T>(rows_, cols_));
+        pack_block<T>(rows_, cols_, w_, bits_, format_, packed_.get(), /*parallel=*/true);
     }
-    const T* get() const { return data_.get(); }
+
+    // Y = X W, or Y += X W when accumulate (X: m x rows; in this thread)
+    void product(const ConstRowMap<T>& X, const RowMap<T>& Y, bool accumulate = false) const {
+        if constexpr (std::is_same_v<T, float>) {
+            if (bits_) {
+                block_product_half(X, bits_, format_, Y, accumulate, packed_.get());
+                return;
+            }
+        }
+        block_product<T>(X, ConstRowMap<T>(w_, rows_, cols_, Eigen::OuterStride<>(stride_)), Y,
+                         accumulate, packed_.get());
+    }
+
+    // dst (rows x cols, row stride ld) = diag(scale) W: each element one product, as Eigen's
+    void scaled_to(const T* scale, T* dst, Index ld) const {
+        for (Index i = 0; i < rows_; ++i) {
+            T* d = dst + i * ld;
+            if constexpr (std::is_same_v<T, float>) {
+                if (bits_) {
+                    half_to_float(bits_ + i * cols_, cols_, format_, d);
+                    VecMap<T>(d, cols_) *= scale[i];
+                    continue;
+                }
+            }
+            VecMap<T>(d, cols_) = scale[i] * ConstVecMap<T>(w_ + i * stride_, cols_);
+        }
+    }
+
+    // dst (rows x cols, row stride ld) = W
+    void copy_to(T* dst, Index ld) const {
+        for (Index i = 0; i < rows_; ++i) {
+            if constexpr (std::is_same_v<T, float>) {
+                if (bits_) {
+                    half_to_float(bits_ + i * cols_, cols_, format_, dst + i * ld);
+                    continue;
+                }
+            }
+            std::copy(w_ + i * stride_, w_ + i * stride_ + cols_, dst + i * ld);
+        }
+    }
 
   private:
-    Buffer<T> data_;
+    const T* w_ = nullptr;
+    const std::uint16_t* bits_ = nullptr;
+    HalfFormat format_ = HalfFormat::none;
+    Index rows_ = 0, cols_ = 0, stride_ = 0;
+    Buffer<T> packed_;
 };
 
-// Y = X W + b over a block of rows (W row-major (in, out), possibly a strided column block;
-// packed: its panels, PackedBlock's, or null).
-template <typename T, typename XMap, typename YMap>
-void project(const XMap& X, const ConstRowMap<T>& W, const T* b, YMap& Y,
-             const T* packed = nullptr) {
+// Y = X W + b over a block of rows (X: m x W.rows()).
+template <typename T>
+void project(const ConstRowMap<T>& X, const PooledWeight<T>& W, const T* b, const RowMap<T>& Y) {
+    RowMap<T> dst = Y;  // the view is const, not what it maps
     if (X.cols() == 0) {
-        Y.setZero();
+        dst.setZero();
     } else {
-        block_product<T>(X, W, Y, false, packed);
+        W.product(X, Y);
     }
-    if (b) Y.rowwise() += ConstVecMap<T>(b, Y.cols());
+    if (b) dst.rowwise() += ConstVecMap<T>(b, Y.cols());
 }
 
-// One product of project_block: X W + b (W row-major (in, out); packed: its panels, a
-// PackedBlock's, or null).
+// One product of project_block: X W + b.
 template <typename T>
 struct Projection {
-    ConstRowMap<T> w;
+    const PooledWeight<T>* w;
     const T* b = nullptr;
-    const T* packed = nullptr;
 };
 
 // Rows [r0, r0 + m) of x (width in) times each projection, side by side, into this thread's
@@ -92,13 +143,12 @@ auto project_block(const T* x, Index r0, Index m, Index in,
     }
     ConstRowMap<T> X(x + r0 * in, m, in, Eigen::OuterStride<>(std::max<Index>(in, 1)));
     Index width = 0;
-    for (const Projection<T>& q : products) width += q.w.cols();
+    for (const Projection<T>& q : products) width += q.w->cols();
     auto Y = scratch_matrix<T>(ScratchBuffer::kAdditiveRows, m, width);
     Index c0 = 0;
     for (const Projection<T>& q : products) {
-        RowMap<T> Ym(Y.data() + c0, m, q.w.cols(), Eigen::OuterStride<>(width));
-        project<T>(X, q.w, q.b, Ym, q.packed);
-        c0 += q.w.cols();
+        project<T>(X, *q.w, q.b, view<T>(Y.data() + c0, m, q.w->cols(), width));
+        c0 += q.w->cols();
     }
     return Y;
 }
@@ -135,9 +185,9 @@ void finish_output_rows(const T* y, const HalfTokens& h, Index r0, Index m, Inde
 // of kRowBlock rows, X the block of x (rows x width) and Y the same rows of y (rows x d_out).
 // With h.out, Y's rows are then rounded to those half-precision rows; y may then be null (Y is
 // a block of this thread).
-template <typename T, typename WMatrix, typename F>
-void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, const WMatrix& W,
-                 const T* x, T* y, const HalfTokens& h, F apply) {
+template <typename T, typename F>
+void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled,
+                 const PooledWeight<T>& W, const T* x, T* y, const HalfTokens& h, F apply) {
     const auto ceil_div = [](Index a, Index b) { return (a + b - 1) / b; };
     const Index wanted =
         2 * static_cast<Index>(get_num_threads());  // (results do not depend on it)
@@ -148,11 +198,11 @@ void folded_rows(Index B, Index n, Index width, Index dout, const T* pooled, con
         const Index b = t / per, r0 = (t % per) * len;
         const Index r1 = std::min(n, r0 + len);
         auto Wb = scratch_matrix<T>(ScratchBuffer::kAdditiveFolded, width, dout);
-        Wb = ConstVecMap<T>(pooled + b * width, width).asDiagonal() * W;
+        W.scaled_to(pooled + b * width, Wb.data(), dout);
         T* packed = scratch<T>(
             ScratchBuffer::kAdditivePacked,
-            static_cast<std::size_t>(std::max<Index>(packed_weight_size<T>(width, dout), 1)));
-        pack_block<T>(cview<T>(Wb.data(), width, dout, dout), packed);
+            static_cast<std::size_t>(std::max<Index>(packed_block_size<T>(width, dout), 1)));
+        pack_block<T>(width, dout, Wb.data(), nullptr, HalfFormat::none, packed);
         for (Index i0 = r0; i0 < r1; i0 += kRowBlock) {
             const Index m = std::min(kRowBlock, r1 - i0), row = b * n + i0;
             ConstRowMap<T> X(x + row * width, m, width, Eigen::OuterStride<>(width));

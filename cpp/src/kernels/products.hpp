@@ -24,17 +24,31 @@ void eigen_product_bt(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const Ro
 // C = A B, or C += A B when accumulate, on the panel kernel of the projections (gemm.cpp), in
 // this thread: for blocks of rows inside a parallel task. Each entry is one FMA chain over the
 // depth, in order (faster than Eigen's GEMM on these blocks: docs/performance.md).
-// packed: B's whole panels as pack_block() laid them out (B contiguous), or null (each call
-// then packs them as it goes): the same bits either way.
+// packed: B's panels as pack_block() laid them out (B contiguous), or null (each call then
+// packs them as it goes): the same bits either way.
 template <typename T>
 void block_product(const ConstRowMap<T>& a, const ConstRowMap<T>& b, const RowMap<T>& c,
                    bool accumulate = false, const T* packed = nullptr);
 
-// B's whole panels (B contiguous, rows x cols) packed in this thread into `packed`
-// (packed_weight_size(rows, cols) elements): for a B that block_product reads for many blocks
-// of rows, packed once instead of by each call.
+// block_product with B (a.cols() x c.cols(), contiguous) given as half-precision bits
+// (`format`), widened as they are read: the same bits as block_product on the widened B.
+void block_product_half(const ConstRowMap<float>& a, const std::uint16_t* b, HalfFormat format,
+                        const RowMap<float>& c, bool accumulate = false,
+                        const float* packed = nullptr);
+
+// The length of pack_block's copy of a (rows x cols) B.
 template <typename T>
-void pack_block(const ConstRowMap<T>& b, T* packed);
+Index packed_block_size(Index rows, Index cols);
+
+// B (rows x cols, contiguous: b, or its half-precision bits when set, widened; T float) packed
+// into `packed` (packed_block_size(rows, cols)): its whole panels, each contiguous, row after
+// row (as pack_weight lays them out), then the last, partial one, its rows padded with zeros to
+// whole packets: for a B that block_product reads for many blocks of rows, packed once instead
+// of by each call. In this thread, or over the threads when `parallel` (outside a parallel
+// region).
+template <typename T>
+void pack_block(Index rows, Index cols, const T* b, const std::uint16_t* bits, HalfFormat format,
+                T* packed, bool parallel = false);
 
 // Row-major views of contiguous or strided blocks.
 template <typename T>

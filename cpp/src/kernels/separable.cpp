@@ -29,8 +29,8 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st,
     const Index ld = 1 + 2 * d;  // block rows are [s | k | v]
     constexpr T kInf = std::numeric_limits<T>::infinity();
 
-    const ConstRowMap<T> Wqkv(p.w_qkv, d, ld, Eigen::OuterStride<>(ld));
-    const PackedBlock<T> Wqkv_packed = projected ? PackedBlock<T>() : PackedBlock<T>(Wqkv);
+    PooledWeight<T> Wqkv(p.w_qkv, p.half_weights.w_qkv, p.half.format, d, ld);
+    if (!projected) Wqkv.pack();
     const Index per = (n + kRowBlock - 1) / kRowBlock;
     // Per (batch element, block): the block's softmax state over its real tokens, as in an
     // online softmax: its max m_b, sum_n exp(s_n - m_b), sum_n exp(s_n - m_b) k_n.
@@ -91,7 +91,7 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st,
     pool_blocks<T>(
         B, n, ld, projected, fill,
         [&](Index r0, Index m) {
-            return project_block<T>(p.x, r0, m, d, {{Wqkv, p.b_qkv, Wqkv_packed.get()}}, p.half);
+            return project_block<T>(p.x, r0, m, d, {{&Wqkv, p.b_qkv}}, p.half);
         },
         pool_block);
 
@@ -167,7 +167,7 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
             return;
         }
     }
-    const ConstRowMap<T> Wo(p.w_o, d, dout, Eigen::OuterStride<>(dout));
+    PooledWeight<T> Wo(p.w_o, p.half_weights.w_o, p.half.format, d, dout);
 
     // Without a state to fill, only relu(v) (all the output needs) and ctx, in buffers of this
     // call.
@@ -184,11 +184,10 @@ void separable_attention_forward(const SeparableProblem<T>& p) {
 
     if (16 * n <= d) {
         // few rows a batch element: per element, diag(ctx) w_o costs more than its rows
-        const PackedBlock<T> packed(Wo);
+        Wo.pack();
         written_rows(B, n, d, dout, st.v, d, st.context, p.out, p.half,
                      [&](Index, Index m, const T* u, T* y) {
-                         RowMap<T> Y(y, m, dout, Eigen::OuterStride<>(dout));
-                         project<T>(cview<T>(u, m, d, d), Wo, p.b_o, Y, packed.get());
+                         project<T>(cview<T>(u, m, d, d), Wo, p.b_o, view<T>(y, m, dout, dout));
                      });
         return;
     }
