@@ -105,14 +105,17 @@ def _mha(B: int, n: int, d: int, h: int, step: str = "", **kw: Any) -> Callable[
     return build
 
 
-def _pooled(family: str, backward: bool = False, D: int = 256) -> Callable[[Any, bool], Call]:
-    """A pooled family's forward (or backward) of width ``D``."""
+def _pooled(
+    family: str, backward: bool = False, D: int = 256, n: int = 3136
+) -> Callable[[Any, bool], Call]:
+    """A pooled family's forward (or backward) of width ``D`` over ``n`` tokens (``n // 4``
+    quick)."""
 
     def build(dt: Any, quick: bool) -> Call:
         import attnlab
 
         rng = _rng()
-        x = rng.standard_normal((2 if quick else 8, 784 if quick else 3136, D)).astype(dt)
+        x = rng.standard_normal((2 if quick else 8, n // 4 if quick else n, D)).astype(dt)
         if family == "additive":
             wq, wk, wp, wf, wg = _weights(rng, dt, (D, D), (D, D), (D, D), (D, D), (D,))
             w: dict[str, Any] = dict(w_q=wq, w_k=wk, w_g=wg, w_proj=wp, w_final=wf)
@@ -244,6 +247,12 @@ CASES: dict[str, tuple[str, str, str, Callable[[Any, bool], Call]]] = {
         "B=8 n=3136 d=48",
         "B=2 n=784 d=48",
         _pooled("additive", D=48),
+    ),
+    "additive-last": (  # SwiftFormer-L3's last stage: few tokens, wide (the form as written)
+        "SwiftFormer additive, last stage",
+        "B=8 n=49 d=512",
+        "B=2 n=12 d=512",
+        _pooled("additive", D=512, n=49),
     ),
     "separable": (
         "MobileViT-v2 separable",
