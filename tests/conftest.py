@@ -195,21 +195,25 @@ def in_fresh_process(code: str, **env_vars: str | None) -> str:
     return proc.stdout
 
 
-def refuse_conversions(monkeypatch: Any, shapes: set[tuple[int, ...]]) -> None:
+def refuse_conversions(
+    monkeypatch: Any, shapes: set[tuple[int, ...]], read: set[tuple[int, ...]] = frozenset()
+) -> None:
     """Make any widening (``_half.widen``, ``_validate.widen``) or rounding (``_half.store``) in
-    Python of an array of one of ``shapes`` fail: a path that reads half-precision arrays as
-    stored makes none. ``monkeypatch.undo()`` lifts it."""
+    Python of an array of one of ``shapes`` fail, and any widening of one of ``read`` (arrays
+    read as stored whose results are still rounded in Python: weights and their gradients): a
+    path that reads half-precision arrays as stored makes none. ``monkeypatch.undo()`` lifts
+    it."""
     import attnlab
 
-    def refuse(real: Any) -> Any:
+    def refuse(real: Any, refused: set[tuple[int, ...]]) -> Any:
         def check(a: np.ndarray, *rest: Any) -> np.ndarray:
             # widen(a) converts; store(a, half) unless half is None or a's own dtype
-            if a.shape in shapes and (not rest or rest[0] not in (None, a.dtype)):
+            if a.shape in refused and (not rest or rest[0] not in (None, a.dtype)):
                 raise AssertionError(f"an array of {a.shape} converted in Python")
             return real(a, *rest)
 
         return check
 
     for module in (attnlab._half, attnlab._validate):
-        monkeypatch.setattr(module, "widen", refuse(module.widen))
-    monkeypatch.setattr(attnlab._half, "store", refuse(attnlab._half.store))
+        monkeypatch.setattr(module, "widen", refuse(module.widen, set(shapes) | set(read)))
+    monkeypatch.setattr(attnlab._half, "store", refuse(attnlab._half.store, set(shapes)))

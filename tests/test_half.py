@@ -882,8 +882,9 @@ def test_pooled_backward_reads_and_writes_half_as_the_float32_call_rounds(
     family, B, n, d, go_half, path, monkeypatch
 ):
     """The pooled backwards read half-precision x (widened as their pooling reads it and as it
-    is transposed) and ``grad_out`` (widened by the products that read it) as stored, and round
-    x's gradient as its last product writes it: every gradient is the float32 call's on the
+    is transposed), the weight matrices (widened as the products pack them) and ``grad_out``
+    (widened by the products that read it) as stored, and round x's gradient as its last
+    product writes it: every gradient is the float32 call's on the
     widened arrays, rounded, bit for bit (one row chunk or several, a width above a packet
     multiple, padded tokens, a float32 ``grad_out``), and so is ``attnlab.vjp``'s pullback
     (its forward keeps a float32 state); nothing of x's size widened or rounded in Python."""
@@ -901,8 +902,10 @@ def test_pooled_backward_reads_and_writes_half_as_the_float32_call_rounds(
     half = _cast(args, dtype)
     widened = _cast(half, np.dtype(np.float32))
     want = fn(g.astype(np.float32), **widened, **kw, key_padding_mask=mask)
-    # x, grad_out and their rows
-    refuse_conversions(monkeypatch, {(B, n, d), (B * n, d), (B, n, d_out), (B * n, d_out)})
+    # x, grad_out and their rows; the weight matrices read as stored (their gradients are
+    # rounded in Python)
+    weights = {a.shape for k, a in half.items() if a.ndim == 2 and k != "w_g"}
+    refuse_conversions(monkeypatch, {(B, n, d), (B * n, d), (B, n, d_out), (B * n, d_out)}, weights)
     got = fn(g, **half, **kw, key_padding_mask=mask)
     forward = attnlab.separable_attention if family == "separable" else attnlab.additive_attention
     out, pullback = attnlab.vjp(forward, **half, **kw, key_padding_mask=mask)
@@ -939,8 +942,8 @@ def test_pooled_half_bits_are_refused_where_not_read():
         core.additive_forward(core.AdditiveArgs(**good, half=1), out, {})
     with pytest.raises(TypeError, match=r"^x: "):
         core.additive_forward(core.AdditiveArgs(**dict(good, x=x.view(np.float16)), half=1), out)
-    # the forward's weight matrices as bits too (as float32 ones, the same bits); not with
-    # precision="bf16", nor the vectors, nor without half
+    # the weight matrices as bits too (as float32 ones, the same bits); not with the bf16
+    # forward, nor the vectors, nor without half
     bits = {k: np.full((8, 8), 0.5, np.float16).view(np.uint16) for k in w}
     halves = np.empty_like(out)
     core.additive_forward(core.AdditiveArgs(**dict(good, **bits), half=1), halves)
@@ -969,8 +972,12 @@ def test_pooled_half_bits_are_refused_where_not_read():
         core.additive_backward(go.astype(np.float16), core.AdditiveArgs(**good, half=1), grads)
     with pytest.raises(ValueError, match=r"^grads: expected buffers for x, "):
         core.additive_backward(go, core.AdditiveArgs(**good, half=1), {})
-    with pytest.raises(TypeError, match=r"^w_q: "):  # the backward reads float32 weights
-        core.additive_backward(go, core.AdditiveArgs(**dict(good, **bits), half=1), grads)
+    # the backward reads bits of the weight matrices too: the same gradients
+    got = {k: np.empty_like(v) for k, v in grads.items()}
+    core.additive_backward(go, core.AdditiveArgs(**dict(good, **bits), half=1), got)
+    core.additive_backward(go, core.AdditiveArgs(**dict(good, **widened), half=1), grads)
+    for k in grads:
+        np.testing.assert_array_equal(got[k], grads[k], err_msg=k)
 
 
 # ----------------------------------------------------------------- the bound itself

@@ -26,7 +26,7 @@ void check_input(const T*& ptr, const py::object& arg, const char* name, std::ve
 // The problem (forward and backward; out is set by the forward): the sizes, the family's own
 // checks and widths, every buffer through the family's visitor in argument order, the padding.
 // a.half (1 float16, 2 bfloat16; T float): x is given as the bits of that dtype, and, with
-// half_weights (the float forward), so may each weight matrix (uint16: p.half_weights).
+// half_weights (not the bf16 forward), so may each weight matrix (uint16: p.half_weights).
 template <typename Family, typename T>
 auto pooled_problem(const typename Family::Args& a, bool half_weights = false) {
     if (a.batch < 0 || a.n < 0) throw py::value_error("negative sizes");
@@ -136,7 +136,7 @@ void pooled_backward(py::array grad_out, const typename Family::Args& a, py::dic
                      py::object state) {
     pooled_dispatch(a, [&](auto tag) {
         using T = decltype(tag);
-        auto p = pooled_problem<Family, T>(a);
+        auto p = pooled_problem<Family, T>(a, /*half_weights=*/true);
         Family::set_state(p, state);
         p.state.filled = !state.is_none();
         const std::vector<Index> shape{a.batch * a.n, p.d_out};

@@ -16,7 +16,7 @@ struct SeparableArgs {
     py::object b_o;
     Index batch, n;
     py::object key_padding_mask;
-    int half;  // 0; 1, 2: x and out (the forward: and any weight matrix) as float16, bfloat16 bits
+    int half;  // 0; 1, 2: x and out (and any weight matrix) as float16, bfloat16 bits
 
     static constexpr auto fields() {
         return std::make_tuple(field("x", &SeparableArgs::x), field("w_qkv", &SeparableArgs::w_qkv),

@@ -66,8 +66,8 @@ def _prepare_additive(
 ) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward. ``keep_half``:
     ``x`` of that half dtype is passed as its bits (``options["half"]``, and ``half`` its dtype;
-    not without features); with ``half_weights`` (the float32 forward), so are the weight
-    matrices of that dtype."""
+    not without features); with ``half_weights`` (the float32 kernels, not bf16 products), so
+    are the weight matrices of that dtype."""
     code = _variant_code(args["variant"])
     e = _check_eps(args["eps"])
     xa = _args.pooled_tokens(args["x"], keep_half)
@@ -258,8 +258,8 @@ def additive_attention(
     args = _sig.arguments(locals())
     half = _half.storage(args)
     # half-precision x and weight matrices are read, and out written, as stored (no float32
-    # copies of them; the state attnlab.vjp keeps is float32, its pullback reads float32 weights)
-    a = _prepare_additive(args, half, half_weights=_keep is None and precision is None)
+    # copies of them; the state attnlab.vjp keeps is float32)
+    a = _prepare_additive(args, half, half_weights=precision is None)
     B, n, d_out = a["B"], a["n"], a["d_out"]
     bits = a["options"]["half"] != 0
     out = _memory.empty((B * n, d_out), half if bits else a["dtype"])
@@ -304,10 +304,11 @@ _ADDITIVE_BACKWARD_DOC = """\
 
 
 def _additive_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
-    # half-precision x (and grad_out) read, and x's gradient written, as stored (widened
-    # first for precision="bf16", whose float32 backward reads the rounded copies)
+    # half-precision x, weight matrices (and grad_out) read, and x's gradient written, as
+    # stored (widened first for precision="bf16", whose float32 backward reads the rounded
+    # copies)
     half = _half.storage(args) if args["precision"] is None else None
-    a = _prepare_additive(args, half)
+    a = _prepare_additive(args, half, half_weights=True)
     if a["bf16"]:
         a["arrays"] = _args.pooled_bf16_operands(
             a["arrays"], ("x", "w_q", "w_k", "w_proj", "w_final")

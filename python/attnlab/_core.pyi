@@ -246,8 +246,8 @@ class BilinearArgs(_SharedArgs):
 @dataclass(frozen=True, kw_only=True)
 class AdditiveArgs:
     """variant: 0 official, 1 hf. half (both families): 0, or 1 / 2 when x (and the forward's
-    out) are float16 / bfloat16 bits (uint16 arrays), computed in float32; the forward (without
-    bf16) also takes any weight matrix as such bits (the vectors stay float32)."""
+    out) are float16 / bfloat16 bits (uint16 arrays), computed in float32; any weight matrix may
+    be given as such bits too (not to the bf16 forward; the vectors stay float32)."""
 
     x: _Array
     w_q: _Array

@@ -38,8 +38,8 @@ def _prepare_separable(
 ) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward. ``keep_half``:
     ``x`` of that half dtype is passed as its bits (``options["half"]``, and ``half`` its dtype;
-    not without features); with ``half_weights`` (the float32 forward), so are the weight
-    matrices of that dtype."""
+    not without features); with ``half_weights`` (the float32 kernels, not bf16 products), so
+    are the weight matrices of that dtype."""
     xa = _args.pooled_tokens(args["x"], keep_half)
     n, d = xa.shape[-2:]
     keep_w = keep_half if half_weights and _half.is_half(xa.dtype) else None
@@ -178,8 +178,8 @@ def separable_attention(
     args = _sig.arguments(locals())
     half = _half.storage(args)
     # half-precision x and weight matrices are read, and out written, as stored (no float32
-    # copies of them; the state attnlab.vjp keeps is float32, its pullback reads float32 weights)
-    a = _prepare_separable(args, half, half_weights=_keep is None and precision is None)
+    # copies of them; the state attnlab.vjp keeps is float32)
+    a = _prepare_separable(args, half, half_weights=precision is None)
     B, n, d, d_out = a["B"], a["n"], a["d"], a["d_out"]
     batch, dtype = a["batch"], a["dtype"]
     bits = a["options"]["half"] != 0
@@ -224,10 +224,11 @@ _SEPARABLE_BACKWARD_DOC = """\
 
 
 def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
-    # half-precision x (and grad_out) read, and x's gradient written, as stored (widened
-    # first for precision="bf16", whose float32 backward reads the rounded copies)
+    # half-precision x, weight matrices (and grad_out) read, and x's gradient written, as
+    # stored (widened first for precision="bf16", whose float32 backward reads the rounded
+    # copies)
     half = _half.storage(args) if args["precision"] is None else None
-    a = _prepare_separable(args, half)
+    a = _prepare_separable(args, half, half_weights=True)
     if a["bf16"]:
         a["arrays"] = _args.pooled_bf16_operands(a["arrays"], ("x", "w_qkv", "w_o"))
     return _half.store_grads(_separable_grads(a, grad_out), _half.halves(args))

@@ -71,9 +71,9 @@ struct AdditiveProblem : AdditiveTensors<const T*> {
     T* out = nullptr;        // (batch * n, d_out) row-major contiguous
     AdditiveState<T> state;  // optional (attnlab.vjp)
     HalfTokens half;         // tokens in half precision instead (float)
-    // The forward's weight matrices (w_q, w_k, w_proj, w_final) stored as half-precision bits
+    // The weight matrices (w_q, w_k, w_proj, w_final) stored as half-precision bits
     // (half.format) instead, each set one in place of its float pointer, which is null (float,
-    // not with bf16); the vectors stay float, x's bits are half.x.
+    // not the bf16 forward); the vectors stay float, x's bits are half.x.
     AdditiveTensors<const std::uint16_t*> half_weights;
     // precision="bf16" (float, the forward): the four weight products on bf16 operands with
     // float32 sums, as the form above reads (x w_q, x w_k, (G * K) w_proj, H w_final with
@@ -111,7 +111,7 @@ struct SeparableProblem : SeparableTensors<const T*> {
     T* out = nullptr;         // (batch * n, d_out)
     SeparableState<T> state;  // optional (attnlab.vjp)
     HalfTokens half;          // tokens in half precision instead (float)
-    // The forward's weight matrices (w_qkv, w_o) as half-precision bits instead, as
+    // The weight matrices (w_qkv, w_o) as half-precision bits instead, as
     // AdditiveProblem::half_weights.
     SeparableTensors<const std::uint16_t*> half_weights;
     // precision="bf16" (float, the forward): x w_qkv and (relu(v) * ctx) w_o on bf16 operands

@@ -448,15 +448,24 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
         for (Index r = r0; r < r0 + m; ++r)
             row_map(Zb.get(), r, 1) = crow(Kb, r, 1).cwiseProduct(G.row(r / n));
     });
-    linear(rows, D, D, Zb.get(), D, p.w_proj, p.b_proj, Hb.get(), D);
+    const AdditiveTensors<const std::uint16_t*>& bits = p.half_weights;
+    if (bits.w_proj) {
+        if constexpr (std::is_same_v<T, float>)
+            linear_half(rows, D, D, Zb.get(), D, nullptr, p.b_proj, Hb.get(), D,
+                        HalfOperands{nullptr, bits.w_proj, nullptr, p.half.format});
+    } else {
+        linear(rows, D, D, Zb.get(), D, p.w_proj, p.b_proj, Hb.get(), D);
+    }
     for_row_blocks(rows, [&](Index r0, Index m) { row_map(Hb.get(), r0, m) += crow(Qb, r0, m); });
     const HalfGradOperands half_go = half_grad_out(p.half);
     linear_weight_grad(rows, D, dout, Hb.get(), D, grad_out, dout, g.w_final, g.b_final,
                        static_cast<const T*>(nullptr), half_go);
-    linear_input_grad(rows, D, dout, grad_out, dout, p.w_final, dH.get(), D, false, half_go);
+    linear_input_grad(rows, D, dout, grad_out, dout, p.w_final, dH.get(), D, false,
+                      with_weight(half_go, bits.w_final, p.half.format));
     linear_weight_grad(rows, D, D, Zb.get(), D, dH.get(), D, g.w_proj, g.b_proj);
     T* dZ = Hb.get();  // H is no longer needed
-    linear_input_grad(rows, D, D, dH.get(), D, p.w_proj, dZ, D);
+    linear_input_grad(rows, D, D, dH.get(), D, p.w_proj, dZ, D, false,
+                      with_weight({}, bits.w_proj, p.half.format));
 
     // dG = sum over every token (padded ones too: they have an output) of K * dZ; dK = G * dZ.
     const RowMatrix<double> dGd =
@@ -527,9 +536,11 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     // The input projections; a half-precision dx summed in float32 here, rounded by the second.
     Buffer<T> dx_sums = p.half.grad_x ? make_buffer<T>(rows * din) : Buffer<T>();
     T* dx = p.half.grad_x ? dx_sums.get() : g.x;
-    linear_input_grad(rows, din, D, dH.get(), D, p.w_q, dx, din);
-    linear_input_grad(rows, din, D, dZ, D, p.w_k, dx, din, true,
-                      HalfGradOperands{nullptr, nullptr, p.half.grad_x, p.half.format});
+    linear_input_grad(rows, din, D, dH.get(), D, p.w_q, dx, din, false,
+                      with_weight({}, bits.w_q, p.half.format));
+    linear_input_grad(
+        rows, din, D, dZ, D, p.w_k, dx, din, true,
+        with_weight({nullptr, nullptr, p.half.grad_x, p.half.format}, bits.w_k, p.half.format));
     Buffer<T> xt;  // X^T once for both weight gradients
     if (((g.w_q && g.w_k) || p.half.x) && din > 0) {
         xt = make_buffer<T>(din * rows);

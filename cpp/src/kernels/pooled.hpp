@@ -306,6 +306,15 @@ inline HalfGradOperands half_grad_out(const HalfTokens& h) {
     return {nullptr, h.grad_out, nullptr, h.format};
 }
 
+// h with the weight w given as half-precision bits (null: float, h unchanged).
+inline HalfGradOperands with_weight(HalfGradOperands h, const std::uint16_t* w, HalfFormat format) {
+    if (w) {
+        h.w = w;
+        h.format = format;
+    }
+    return h;
+}
+
 // Row r of grad_out (d_out wide) as T: in place, or widened from h.grad_out into `row`.
 template <typename T>
 const T* grad_out_row(const T* grad_out, const HalfTokens& h, Index r, Index dout, T* row) {
