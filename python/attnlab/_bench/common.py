@@ -77,6 +77,10 @@ def target(name: str, value: float, goal: str, met: bool) -> dict[str, Any]:
 # slowed whatever ran next in the same process. They are timed apart, after the
 # others, so that they disturb nobody.
 APART = ("reference", "numpy-blas")
+# Seconds of untimed calls of an implementation before its timed one, in a round of several:
+# torch's OpenMP threads spin for about 10 ms after a call, and an attnlab call among them ran
+# 1.6x slower (docs/performance.md, "Other runtimes' spinning threads").
+SETTLE = 0.02
 
 
 def interleaved(
@@ -91,9 +95,10 @@ def interleaved(
     round-robin.
 
     ``repeat`` rounds (more, up to ``max_time`` seconds in all, while a round is shorter than
-    ``min_time``); the first ``warmup`` calls of each are not timed. Each timed call follows an
-    untimed call of the same implementation (torch's OpenMP threads also spin briefly after a
-    call). Implementations named in ``APART`` are timed after the others, on their own.
+    ``min_time``); the first ``warmup`` calls of each are not timed. Each timed call follows
+    untimed calls of the same implementation, at least one and for at least :data:`SETTLE`
+    seconds (torch's OpenMP threads spin for a while after a call). Implementations named in
+    ``APART`` are timed after the others, on their own.
     """
     main = {k: f for k, f in fns.items() if k not in APART}
     out = _round_robin(main, repeat, warmup, min_time, max_time) if main else {}
@@ -106,7 +111,7 @@ def interleaved(
 def _round_robin(
     fns: dict[str, Callable[[], Any]], repeat: int, warmup: int, min_time: float, max_time: float
 ) -> dict[str, Timing]:
-    times = _rounds(fns, repeat, warmup, min_time, max_time)
+    times = _rounds(fns, repeat, warmup, min_time, max_time, settle=SETTLE)
     return {
         k: Timing(float(np.median(v)) * 1e3, max(v) / min(v) if min(v) > 0 else 1.0)
         for k, v in times.items()
@@ -120,9 +125,11 @@ def _rounds(
     min_time: float,
     max_time: float,
     alternate: bool = False,
+    settle: float = 0.0,
 ) -> dict[str, list[float]]:
     """Seconds of each callable, one call each per round (``alternate``: the order reversed
-    every other round); see :func:`interleaved`."""
+    every other round), each timed call after untimed ones for ``settle`` seconds (at least
+    one); see :func:`interleaved`."""
     for _ in range(warmup):
         for f in fns.values():
             f()
@@ -132,8 +139,11 @@ def _rounds(
     while True:
         order = list(fns.items())
         for k, f in order[::-1] if alternate and rounds % 2 else order:
-            if len(fns) > 1:
-                f()  # untimed: lets the previous implementation's threads go quiet
+            if len(fns) > 1:  # untimed: lets the previous implementation's threads go quiet
+                until = time.perf_counter() + settle
+                f()
+                while time.perf_counter() < until:
+                    f()
             t0 = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t0)
