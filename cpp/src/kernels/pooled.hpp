@@ -1,8 +1,8 @@
 #pragma once
 // What the two pooled families' kernels (additive.cpp: SwiftFormer's additive attention,
-// separable.cpp: MobileViT-v2's separable self-attention) share: their row blocks and tasks,
-// the projection of a block of rows, the output pass with the weights folded with the pooled
-// vector, per-element sums over blocks.
+// separable.cpp: MobileViT-v2's separable self-attention) share: their weights as given
+// (PooledWeight), their row blocks and tasks, the projection of a block of rows, the output
+// pass with the weights folded with the pooled vector, per-element sums over blocks.
 
 #include <algorithm>
 #include <functional>
@@ -37,8 +37,8 @@ using ConstVecMap = Eigen::Map<const Vec<T>>;
 // A weight of the pooled forwards (rows x cols, row-major): its floats (contiguous, or a strided
 // column block), or, in the float kernels, the bits of a half dtype as the caller stored them
 // (contiguous), widened exactly as they are read: so a half-precision weight is never copied
-// whole in float32. pack(): its whole panels packed once (in parallel) for the products of
-// every block of rows, rather than by each block (the same bits, without a copy of W per block).
+// whole in float32. pack(): its panels (the last, partial one padded) packed once, in parallel,
+// for the products of every block of rows, rather than by each block (the same bits).
 template <typename T>
 class PooledWeight {
   public:
