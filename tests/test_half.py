@@ -956,8 +956,9 @@ def test_pooled_half_bits_are_refused_where_not_read():
         core.additive_forward(
             core.AdditiveArgs(**dict(good, w_g=np.ones(8, np.uint16)), half=1), out
         )
-    with pytest.raises(TypeError, match=r"^x: "):  # half=0: x and the weights as float32
-        core.additive_forward(core.AdditiveArgs(**dict(good, **bits), half=0), out)
+    x32 = np.ones((10, 8), np.float32)
+    with pytest.raises(TypeError, match=r"^w_q: "):  # half=0: the weights as float32 too
+        core.additive_forward(core.AdditiveArgs(**dict(good, **bits, x=x32), half=0), x32)
     go = np.ones((10, 8), np.float32)
     grads = {k: np.empty_like(v) for k, v in w.items()}
     grads.update(w_g=np.empty(8, np.float32), x=np.empty((10, 8), np.uint16))
