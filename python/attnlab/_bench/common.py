@@ -78,8 +78,8 @@ def target(name: str, value: float, goal: str, met: bool) -> dict[str, Any]:
 # others, so that they disturb nobody.
 APART = ("reference", "numpy-blas")
 # Seconds of untimed calls of an implementation before its timed one, in a round of several:
-# torch's OpenMP threads spin for about 10 ms after a call, and an attnlab call among them ran
-# 1.6x slower (docs/performance.md, "Other runtimes' spinning threads").
+# the previous one's threads (torch's OpenMP pool) keep spinning for a while after its call and
+# slow whatever runs among them (docs/performance.md, "Other runtimes' spinning threads").
 SETTLE = 0.02
 
 
