@@ -337,14 +337,9 @@ void additive_attention_forward(const AdditiveProblem<T>& p) {
     // operations a row than the two-step form, and M once (the two-step form, with both
     // blocks' products in cache, measured slower where D < 256: docs/performance.md).
     RowMatrix<T> M(D, dout);  // on the threads: serially it held the call's start back
-    const AdditiveTensors<const std::uint16_t*>& bits = p.half_weights;
-    if (bits.w_proj || bits.w_final) {
-        if constexpr (std::is_same_v<T, float>)
-            linear_half(D, D, dout, p.w_proj, D, p.w_final, nullptr, M.data(), dout,
-                        HalfOperands{bits.w_proj, bits.w_final, nullptr, p.half.format});
-    } else {
-        linear<T>(D, D, dout, p.w_proj, D, p.w_final, nullptr, M.data(), dout, false);
-    }
+    project<T>(D, p.w_proj,
+               Linear<T>{p.w_final, nullptr, D, dout, p.half_weights.w_final, p.half.format},
+               M.data(), /*bf16=*/false, p.half_weights.w_proj);
     Vec<T> c = p.b_final ? Vec<T>(ConstVecMap<T>(p.b_final, dout)) : Vec<T>(Vec<T>::Zero(dout));
     if (p.b_proj)
         AdditiveWeights<T>(p).w_final.product(cview<T>(p.b_proj, 1, D, D),
@@ -448,24 +443,21 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
         for (Index r = r0; r < r0 + m; ++r)
             row_map(Zb.get(), r, 1) = crow(Kb, r, 1).cwiseProduct(G.row(r / n));
     });
+    // the layers, each weight float or half-precision bits (p.half_weights)
     const AdditiveTensors<const std::uint16_t*>& bits = p.half_weights;
-    if (bits.w_proj) {
-        if constexpr (std::is_same_v<T, float>)
-            linear_half(rows, D, D, Zb.get(), D, nullptr, p.b_proj, Hb.get(), D,
-                        HalfOperands{nullptr, bits.w_proj, nullptr, p.half.format});
-    } else {
-        linear(rows, D, D, Zb.get(), D, p.w_proj, p.b_proj, Hb.get(), D);
-    }
+    const HalfFormat f = p.half.format;
+    const Linear<T> proj{p.w_proj, p.b_proj, D, D, bits.w_proj, f};
+    const Linear<T> final{p.w_final, nullptr, D, dout, bits.w_final, f};
+    project<T>(rows, Zb.get(), proj, Hb.get(), /*bf16=*/false);
     for_row_blocks(rows, [&](Index r0, Index m) { row_map(Hb.get(), r0, m) += crow(Qb, r0, m); });
     const HalfGradOperands half_go = half_grad_out(p.half);
     linear_weight_grad(rows, D, dout, Hb.get(), D, grad_out, dout, g.w_final, g.b_final,
                        static_cast<const T*>(nullptr), half_go);
     linear_input_grad(rows, D, dout, grad_out, dout, p.w_final, dH.get(), D, false,
-                      with_weight(half_go, bits.w_final, p.half.format));
+                      layer_half(final, nullptr, p.half.grad_out));
     linear_weight_grad(rows, D, D, Zb.get(), D, dH.get(), D, g.w_proj, g.b_proj);
     T* dZ = Hb.get();  // H is no longer needed
-    linear_input_grad(rows, D, D, dH.get(), D, p.w_proj, dZ, D, false,
-                      with_weight({}, bits.w_proj, p.half.format));
+    linear_input_grad(rows, D, D, dH.get(), D, p.w_proj, dZ, D, false, layer_half(proj));
 
     // dG = sum over every token (padded ones too: they have an output) of K * dZ; dK = G * dZ.
     const RowMatrix<double> dGd =
@@ -537,10 +529,10 @@ void additive_attention_backward(const AdditiveProblem<T>& p, const T* grad_out,
     Buffer<T> dx_sums = p.half.grad_x ? make_buffer<T>(rows * din) : Buffer<T>();
     T* dx = p.half.grad_x ? dx_sums.get() : g.x;
     linear_input_grad(rows, din, D, dH.get(), D, p.w_q, dx, din, false,
-                      with_weight({}, bits.w_q, p.half.format));
-    linear_input_grad(
-        rows, din, D, dZ, D, p.w_k, dx, din, true,
-        with_weight({nullptr, nullptr, p.half.grad_x, p.half.format}, bits.w_k, p.half.format));
+                      layer_half(Linear<T>{p.w_q, nullptr, din, D, bits.w_q, f}));
+    HalfGradOperands via_k = layer_half(Linear<T>{p.w_k, nullptr, din, D, bits.w_k, f});
+    via_k.dx = p.half.grad_x;
+    linear_input_grad(rows, din, D, dZ, D, p.w_k, dx, din, true, via_k);
     Buffer<T> xt;  // X^T once for both weight gradients
     if (((g.w_q && g.w_k) || p.half.x) && din > 0) {
         xt = make_buffer<T>(din * rows);

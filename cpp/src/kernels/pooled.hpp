@@ -15,6 +15,7 @@
 #include "attnlab/threading.hpp"
 #include "half_convert.hpp"
 #include "products.hpp"
+#include "project.hpp"
 #include "scratch.hpp"
 
 namespace attnlab::ATTNLAB_ISA_NS {  // per instruction set: see common.hpp
@@ -70,35 +71,31 @@ class PooledWeight {
                          accumulate, packed_.get());
     }
 
+    // dst (rows x cols, row stride ld) = W
+    void copy_to(T* dst, Index ld) const {
+        for (Index i = 0; i < rows_; ++i) row_to(i, dst + i * ld);
+    }
+
     // dst (rows x cols, row stride ld) = diag(scale) W: each element one product, as Eigen's
     void scaled_to(const T* scale, T* dst, Index ld) const {
         for (Index i = 0; i < rows_; ++i) {
-            T* d = dst + i * ld;
-            if constexpr (std::is_same_v<T, float>) {
-                if (bits_) {
-                    half_to_float(bits_ + i * cols_, cols_, format_, d);
-                    VecMap<T>(d, cols_) *= scale[i];
-                    continue;
-                }
-            }
-            VecMap<T>(d, cols_) = scale[i] * ConstVecMap<T>(w_ + i * stride_, cols_);
-        }
-    }
-
-    // dst (rows x cols, row stride ld) = W
-    void copy_to(T* dst, Index ld) const {
-        for (Index i = 0; i < rows_; ++i) {
-            if constexpr (std::is_same_v<T, float>) {
-                if (bits_) {
-                    half_to_float(bits_ + i * cols_, cols_, format_, dst + i * ld);
-                    continue;
-                }
-            }
-            std::copy(w_ + i * stride_, w_ + i * stride_ + cols_, dst + i * ld);
+            row_to(i, dst + i * ld);
+            VecMap<T>(dst + i * ld, cols_) *= scale[i];
         }
     }
 
   private:
+    // row i of W into dst (cols floats)
+    void row_to(Index i, T* dst) const {
+        if constexpr (std::is_same_v<T, float>) {
+            if (bits_) {
+                half_to_float(bits_ + i * cols_, cols_, format_, dst);
+                return;
+            }
+        }
+        std::copy(w_ + i * stride_, w_ + i * stride_ + cols_, dst);
+    }
+
     const T* w_ = nullptr;
     const std::uint16_t* bits_ = nullptr;
     HalfFormat format_ = HalfFormat::none;
@@ -304,15 +301,6 @@ void fill_zero(T* p, Index count) {
 // h has them.
 inline HalfGradOperands half_grad_out(const HalfTokens& h) {
     return {nullptr, h.grad_out, nullptr, h.format};
-}
-
-// h with the weight w given as half-precision bits (null: float, h unchanged).
-inline HalfGradOperands with_weight(HalfGradOperands h, const std::uint16_t* w, HalfFormat format) {
-    if (w) {
-        h.w = w;
-        h.format = format;
-    }
-    return h;
 }
 
 // Row r of grad_out (d_out wide) as T: in place, or widened from h.grad_out into `row`.

@@ -285,8 +285,10 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
     const HalfGradOperands half_go = half_grad_out(p.half);
     linear_weight_grad(rows, d, dout, Ub.get(), d, grad_out, dout, g.w_o, g.b_o,
                        static_cast<const T*>(nullptr), half_go);
-    linear_input_grad(rows, d, dout, grad_out, dout, p.w_o, dU.get(), d, false,
-                      with_weight(half_go, p.half_weights.w_o, p.half.format));
+    linear_input_grad(
+        rows, d, dout, grad_out, dout, p.w_o, dU.get(), d, false,
+        layer_half(Linear<T>{p.w_o, nullptr, d, dout, p.half_weights.w_o, p.half.format}, nullptr,
+                   p.half.grad_out));
 
     // dctx = sum over every token of relu(v) * dU.
     const RowMatrix<T> dctx = block_sums<T>(B, n, d, [&](Index b, Index i0, Index m, auto& share) {
@@ -327,9 +329,10 @@ void separable_attention_backward(const SeparableProblem<T>& p, const T* grad_ou
             dP[r * ld] = real(r) ? c[r] * (dc[r] - static_cast<T>(cdot(r / n, 0))) : T(0);
     });
 
-    linear_input_grad(rows, d, ld, dP.get(), ld, p.w_qkv, g.x, d, false,
-                      with_weight({nullptr, nullptr, p.half.grad_x, p.half.format},
-                                  p.half_weights.w_qkv, p.half.format));
+    HalfGradOperands via_qkv =
+        layer_half(Linear<T>{p.w_qkv, nullptr, d, ld, p.half_weights.w_qkv, p.half.format});
+    via_qkv.dx = p.half.grad_x;  // x's gradient rounded as this product writes it
+    linear_input_grad(rows, d, ld, dP.get(), ld, p.w_qkv, g.x, d, false, via_qkv);
     linear_weight_grad(rows, d, ld, p.x, d, dP.get(), ld, g.w_qkv, g.b_qkv,
                        static_cast<const T*>(nullptr),
                        HalfGradOperands{p.half.x, nullptr, nullptr, p.half.format});
