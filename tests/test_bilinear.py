@@ -427,7 +427,7 @@ def test_core_rejects_bad_buffers():
         mask=CoreMask(None, None, 0),
         scale=1.0,
         weights_half=0,
-        out_half=0,
+        inputs_half=0,
     )
 
     def forward(order=0, out=out, weights=None, **changed):
@@ -454,15 +454,93 @@ def test_core_rejects_bad_buffers():
         dict(mask=[None, None, 0]),
         dict(batch=-1),
         dict(weights_half=3),
-        dict(out_half=1),  # without half-precision weights
+        dict(inputs_half=1),  # without half-precision weights
         dict(weights_half=1),  # float64 query, and weights that are not uint16 bits
     ):
         with pytest.raises((ValueError, TypeError)):
             forward(**bad)
     with pytest.raises(TypeError, match=r"^w_qk: half-precision weights go with float32"):
         core.bilinear_backward(out, core.BilinearArgs(**dict(args, weights_half=1)), {})
-    with pytest.raises(ValueError, match=r"^out_half: expected 0, or 1 with the weights in half"):
-        core.bilinear_backward(out, core.BilinearArgs(**dict(args, out_half=1)), {})
+    with pytest.raises(ValueError, match=r"^inputs_half: expected 0, or 1 with the weights"):
+        core.bilinear_backward(out, core.BilinearArgs(**dict(args, inputs_half=1)), {})
+
+
+def test_core_half_inputs():
+    """core.BilinearArgs' inputs_half: query, key, value and out as float16 bits beside float16
+    weights, computed in float32 (the forward and the backward); refused, by name, for float32
+    rows, and uint16 rows without it."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((10, 4)).astype(np.float16)
+    w = {n: (rng.standard_normal(s) / 2).astype(np.float16) for n, s in
+         (("w_qk", (2, 4, 4)), ("w_v", (4, 4)), ("w_o", (4, 4)))}  # fmt: skip
+    bits = {n: a.view(np.uint16) for n, a in w.items()}
+    args = dict(
+        query=x.view(np.uint16), key=x.view(np.uint16), value=x.view(np.uint16), u_k=None,
+        b_v=None, b_o=None, batch=2, n_q=5, n_k=5, heads=2, kv_heads=2,
+        mask=CoreMask(None, None, 0), scale=0.5, weights_half=1, inputs_half=1, **bits,
+    )  # fmt: skip
+    out = np.empty((10, 4), np.float16)
+    core.bilinear_forward(core.BilinearArgs(**args), 0, out.view(np.uint16), None)
+    want = attnlab.bilinear_attention(
+        x.reshape(2, 5, 4).astype(np.float32), num_heads=2, scale=0.5,
+        **{n: a.astype(np.float32) for n, a in w.items()},
+    )  # fmt: skip
+    np.testing.assert_array_equal(out.reshape(2, 5, 4), want.astype(np.float16))
+    grads = {"query": np.empty((10, 4), np.uint16), "w_qk": np.empty((2, 4, 4), np.float32)}
+    core.bilinear_backward(np.ones((10, 4), np.float16).view(np.uint16),
+                           core.BilinearArgs(**args), grads)  # fmt: skip
+    assert np.isfinite(grads["query"].view(np.float16)).all()
+    with pytest.raises(TypeError, match=r"^query: "):
+        core.bilinear_forward(
+            core.BilinearArgs(**dict(args, query=x.astype(np.float32))), 0, out, None
+        )
+    with pytest.raises(TypeError, match=r"^query: "):
+        core.bilinear_forward(core.BilinearArgs(**dict(args, inputs_half=0)), 0, out, None)
+    bad = {"query": np.empty((10, 4), np.float32)}  # float32 where bits are written
+    with pytest.raises(TypeError, match=r"^grads\['query'\]|^query"):
+        core.bilinear_backward(np.ones((10, 4), np.uint16), core.BilinearArgs(**args), bad)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("order", ["query", "key"])
+@pytest.mark.parametrize("cross", [False, True])
+def test_half_inputs_with_u_k(dtype, order, cross, monkeypatch):
+    """Every array in one half dtype, u_k too (the key order pads the queries with a 1 as it
+    widens them): the kernel reads the inputs as stored, and the output and every gradient are
+    the float32 call's on the widened arrays, rounded, bit for bit."""
+    from conftest import refuse_conversions
+
+    dt = np.dtype(dtype) if dtype == "float16" else pytest.importorskip("ml_dtypes").bfloat16
+    rng = np.random.default_rng(11)
+    B, n, m, d, h = 2, 21, 13, 12, 3
+    x = rng.standard_normal((B, n, d)).astype(dt)
+    y = rng.standard_normal((B, m, d)).astype(dt) if cross else None
+    w = {
+        "w_qk": (rng.standard_normal((h, d, d)) / 4).astype(dt),
+        "u_k": rng.standard_normal((h, d)).astype(dt),
+        "w_v": (rng.standard_normal((d, d)) / 4).astype(dt),
+        "w_o": (rng.standard_normal((d, d)) / 4).astype(dt),
+        "b_v": rng.standard_normal(d).astype(dt),
+    }
+    f32 = {k: v.astype(np.float32) for k, v in w.items()}
+    y32 = None if y is None else y.astype(np.float32)
+    want = attnlab.bilinear_attention(x.astype(np.float32), y32, num_heads=h, _order=order, **f32)
+    go = rng.standard_normal(want.shape).astype(dt)
+    want_g = attnlab.bilinear_attention_backward(
+        go.astype(np.float32), x.astype(np.float32), y32, num_heads=h, **f32
+    )
+    shapes = {x.shape, (B * n, d)} | ({y.shape, (B * m, d)} if cross else set())
+    refuse_conversions(monkeypatch, shapes)
+    got = attnlab.bilinear_attention(x, y, num_heads=h, _order=order, **w)
+    assert got.dtype == dt
+    np.testing.assert_array_equal(got.view(np.uint16), want.astype(dt).view(np.uint16))
+    got_g = attnlab.bilinear_attention_backward(go, x, y, num_heads=h, **w)
+    assert sorted(got_g) == sorted(want_g)
+    for name, value in want_g.items():
+        assert got_g[name].dtype == dt, name
+        np.testing.assert_array_equal(
+            got_g[name].view(np.uint16), value.astype(dt).view(np.uint16), err_msg=name
+        )
 
 
 def test_doctests():

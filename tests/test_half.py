@@ -507,9 +507,10 @@ def test_bilinear_half_weights_read_as_stored(case, path, monkeypatch):
     """Half-precision ``w_qk``, ``w_v``, ``w_o`` read by the kernel as stored (``w_qk`` widened a
     head at a time, the others as the GEMMs pack them) and the output rounded as the last GEMM
     writes it: bit for bit the float32 call on the widened arrays, rounded; with ``u_k`` and
-    biases in float32 (then so is the result), without them in the half dtype. So are the
-    backward's gradients and the vjp pullback's, which read the weights and ``grad_out`` as
-    stored."""
+    biases in float32 (then so is the result), without them in the half dtype, and then the
+    inputs read as stored too (no conversion of theirs in Python). So are the backward's
+    gradients and the vjp pullback's, which read the weights, the inputs and ``grad_out`` as
+    stored and write the inputs' gradients so."""
     import attnlab._validate
 
     _, dtype, _, _ = path
@@ -536,6 +537,9 @@ def test_bilinear_half_weights_read_as_stored(case, path, monkeypatch):
     }
     want_b = attnlab.bilinear_attention(**widened, **biased, **opts)
     widen = attnlab._validate.widen
+    half_widen, half_store = attnlab._half.widen, attnlab._half.store
+    # the inputs' shapes, and their rows': converted in Python only beside float32 arrays
+    rows = {a.shape for a in inputs.values()} | {(a.size // d, d) for a in inputs.values()}
 
     def refuse(a: np.ndarray) -> np.ndarray:
         if a.ndim >= 2 and any(a is w_ for w_ in w.values()):
@@ -544,7 +548,12 @@ def test_bilinear_half_weights_read_as_stored(case, path, monkeypatch):
 
     monkeypatch.setattr(attnlab._validate, "widen", refuse)
     for args, expected in (({}, want), (biased, want_b)):
+        if not args and not x32:
+            refuse_conversions(monkeypatch, rows)
         got = attnlab.bilinear_attention(**inputs, **w, **args, **opts)
+        monkeypatch.setattr(attnlab._half, "widen", half_widen)  # (the inputs' refusal lifted)
+        monkeypatch.setattr(attnlab._half, "store", half_store)
+        monkeypatch.setattr(attnlab._validate, "widen", refuse)
         got_t = got if isinstance(got, tuple) else (got,)
         exp_t = expected if isinstance(expected, tuple) else (expected,)
         stored = np.float32 if (x32 or args) else dtype
@@ -563,6 +572,8 @@ def test_bilinear_half_weights_read_as_stored(case, path, monkeypatch):
             raise AssertionError("grad_out widened in Python")
         return refuse(a)
 
+    if not x32:
+        refuse_conversions(monkeypatch, rows)
     monkeypatch.setattr(attnlab._validate, "widen", refuse_go)
     got_g = attnlab.bilinear_attention_backward(go, **inputs, **w, **plain)
     _, pullback = attnlab.vjp(attnlab.bilinear_attention, **inputs, **w, **plain)

@@ -15,7 +15,7 @@ struct BilinearArgs : SharedArgs {
     Array w_qk;
     py::object u_k;
     int weights_half;  // 0: w_qk, w_v, w_o in the inputs' dtype; 1, 2: float16, bfloat16 bits
-    int out_half;      // 1: the forward's out as bits of weights_half
+    int inputs_half;   // 1: query, key, value (and the forward's out) as bits of weights_half
 
     static constexpr auto fields() {
         return std::tuple_cat(
@@ -23,7 +23,7 @@ struct BilinearArgs : SharedArgs {
                             field("value", &BilinearArgs::value),
                             field("w_qk", &BilinearArgs::w_qk), field("u_k", &BilinearArgs::u_k),
                             field("weights_half", &BilinearArgs::weights_half),
-                            field("out_half", &BilinearArgs::out_half)),
+                            field("inputs_half", &BilinearArgs::inputs_half)),
             SharedArgs::fields());
     }
 };
@@ -40,12 +40,12 @@ BilinearProblem<T> bilinear_problem(const BilinearArgs& a, int order, const py::
         throw py::value_error("w_qk, w_v, w_o: expected 3-d, 2-d and 2-d arrays");
     if (batch < 0 || n_q < 0 || n_k < 0) throw py::value_error("negative sizes");
     if (order != 0 && order != 1) throw py::value_error("order: expected 0 or 1");
-    check_half_codes(a.weights_half, "out_half", a.out_half);
+    check_half_codes(a.weights_half, "inputs_half", a.inputs_half);
     const Index d_q = a.w_qk.shape(1), d_k = a.w_qk.shape(2), d_v = s.w_v.shape(0);
     if (s.w_v.shape(1) % kv_heads != 0)
         throw py::value_error("w_v: width must divide into kv heads");
     BilinearProblem<T> p;
-    projected_inputs<T>(p, a, d_q, d_k, d_v);
+    projected_inputs<T>(p, a, d_q, d_k, d_v, a.inputs_half != 0);
     p.d_q = d_q;
     p.d_k = d_k;
     const auto half = static_cast<HalfFormat>(a.weights_half);
@@ -66,17 +66,17 @@ BilinearProblem<T> bilinear_problem(const BilinearArgs& a, int order, const py::
 
 void bilinear_forward(const BilinearArgs& a, int order, py::array out, py::object weights,
                       py::object state) {
+    if (a.inputs_half) {  // computed in float32, out written as bits
+        BilinearProblem<float> p = bilinear_problem<float>(a, order, state);
+        projected_outputs<float, BilinearProblem<float>, std::uint16_t>(p, out, weights);
+        ReleaseGil release;
+        kernels_for<float>().bilinear_attention_forward(p);
+        return;
+    }
     dispatch(a.query, "query", [&](auto tag) {
         using T = decltype(tag);
         BilinearProblem<T> p = bilinear_problem<T>(a, order, state);
-        if constexpr (std::is_same_v<T, float>) {
-            if (a.out_half)  // computed in float32, out written as bits
-                projected_outputs<float, BilinearProblem<float>, std::uint16_t>(p, out, weights);
-            else
-                projected_outputs<T>(p, out, weights);
-        } else {
-            projected_outputs<T>(p, out, weights);
-        }
+        projected_outputs<T>(p, out, weights);
         ReleaseGil release;
         kernels_for<T>().bilinear_attention_forward(p);
         return 0;
@@ -86,11 +86,12 @@ void bilinear_forward(const BilinearArgs& a, int order, py::array out, py::objec
 // grads: dict of preallocated outputs keyed by argument name; only the keys present are
 // computed ("query", "key", "value", "w_qk", "u_k", "w_v", "b_v", "w_o", "b_o"). state: only
 // vjp passes it, after its forward filled it.
-// Half-precision weights (weights_half): computed in float32, grad_out read as bits when it is
-// uint16 (with out_half: the call's result stored in that dtype), every gradient float32.
+// Half-precision weights (weights_half; and inputs, inputs_half): computed in float32, the
+// input gradients written as bits when the inputs are, grad_out read as bits when it is uint16
+// (with half-precision inputs), the weight and bias gradients float32.
 void bilinear_backward(py::array grad_out, const BilinearArgs& a, py::dict grads,
                        py::object state) {
-    check_half_codes(a.weights_half, "out_half", a.out_half);  // before query's dtype
+    check_half_codes(a.weights_half, "inputs_half", a.inputs_half);  // before query's dtype
     const auto run = [&](auto tag) {
         using T = decltype(tag);
         BilinearProblem<T> p = bilinear_problem<T>(a, 0, state);
@@ -99,12 +100,13 @@ void bilinear_backward(py::array grad_out, const BilinearArgs& a, py::dict grads
         BilinearGrads<T> g;
         const T* gout = nullptr;
         if (a.weights_half != 0 && is_dtype<std::uint16_t>(grad_out)) {
-            if (!a.out_half) throw py::type_error("grad_out: half-precision bits go with out_half");
+            if (!a.inputs_half)
+                throw py::type_error("grad_out: half-precision bits go with inputs_half");
             g.grad_out_half = contiguous<std::uint16_t>(grad_out, "grad_out", rows);
         } else {
             gout = contiguous<T>(grad_out, "grad_out", rows);
         }
-        projected_grads<T>(g, grads, p, p.d_q, p.d_k);
+        projected_grads<T>(g, grads, p, p.d_q, p.d_k, a.inputs_half != 0);
         g.w_qk = grad_buffer<T>(grads, "w_qk", {p.heads, p.d_q, p.d_k});
         if (grads.contains("u_k")) {
             if (!p.u_k) throw py::value_error("u_k: a gradient was requested but u_k is None");
@@ -114,6 +116,10 @@ void bilinear_backward(py::array grad_out, const BilinearArgs& a, py::dict grads
         kernels_for<T>().bilinear_attention_backward(p, gout, g);
         return 0;
     };
+    if (a.inputs_half) {  // uint16 bits: computed in float32
+        run(float{});
+        return;
+    }
     dispatch(a.query, "query", run);
 }
 

@@ -380,24 +380,27 @@ struct SharedArgs {
 // The fields of MhaProblem and BilinearProblem filled from their common arguments, checked in
 // argument order by both builders (Problem: MhaProblem or BilinearProblem).
 
-// The sizes.
-template <typename Problem>
-void projected_sizes(Problem& p, const SharedArgs& s) {
+// Sizes and the three inputs (Args: MhaArgs or BilinearArgs), rows of widths d_q, d_k, d_v;
+// with `half`, as the bits of a half format (their float pointers stay null).
+template <typename T, typename Problem, typename Args>
+void projected_inputs(Problem& p, const Args& a, Index d_q, Index d_k, Index d_v,
+                      bool half = false) {
+    const SharedArgs& s = a;
     p.batch = s.batch;
     p.n_q = s.n_q;
     p.n_k = s.n_k;
     p.heads = s.heads;
     p.kv_heads = s.kv_heads;
-}
-
-// Sizes and the three inputs (Args: MhaArgs or BilinearArgs), rows of widths d_q, d_k, d_v.
-template <typename T, typename Problem, typename Args>
-void projected_inputs(Problem& p, const Args& a, Index d_q, Index d_k, Index d_v) {
-    const SharedArgs& s = a;
-    projected_sizes(p, s);
-    p.query = contiguous<T>(a.query, "query", {s.batch * s.n_q, d_q});
-    p.key = contiguous<T>(a.key, "key", {s.batch * s.n_k, d_k});
-    p.value = contiguous<T>(a.value, "value", {s.batch * s.n_k, d_v});
+    const Dims q{s.batch * s.n_q, d_q}, k{s.batch * s.n_k, d_k}, v{s.batch * s.n_k, d_v};
+    if (half) {
+        p.query_half = contiguous<std::uint16_t>(a.query, "query", q);
+        p.key_half = contiguous<std::uint16_t>(a.key, "key", k);
+        p.value_half = contiguous<std::uint16_t>(a.value, "value", v);
+        return;
+    }
+    p.query = contiguous<T>(a.query, "query", q);
+    p.key = contiguous<T>(a.key, "key", k);
+    p.value = contiguous<T>(a.value, "value", v);
 }
 
 // The value and output projections, the scale, the mask and vjp's buffers both keep (values,

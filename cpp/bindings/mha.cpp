@@ -356,15 +356,7 @@ MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
     const Index wq = heads * d_head, wk = kv_heads * d_head;
     MhaProblem<T> p;
     check_half_codes(a.weights_half, "inputs_half", a.inputs_half);
-    if (a.inputs_half) {  // their bits: the float pointers stay null
-        using Bits = std::uint16_t;
-        projected_sizes(p, s);
-        p.query_half = contiguous<Bits>(a.query, "query", {batch * n_q, d_q});
-        p.key_half = contiguous<Bits>(a.key, "key", {batch * n_k, d_k});
-        p.value_half = contiguous<Bits>(a.value, "value", {batch * n_k, d_v});
-    } else {
-        projected_inputs<T>(p, a, d_q, d_k, d_v);
-    }
+    projected_inputs<T>(p, a, d_q, d_k, d_v, a.inputs_half != 0);
     p.d_head = d_head;
     const auto half = static_cast<HalfFormat>(a.weights_half);
     p.w_q = linear_arg<T>(a.w_q, a.b_q, "w_q", "b_q", d_q, wq, half);

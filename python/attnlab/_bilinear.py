@@ -333,12 +333,18 @@ class _Prepared(NamedTuple):
     order: str
     bf16: bool  # precision="bf16" (the query order)
     weights_half: int = 0  # w_qk, w_v, w_o as float16 (1) / bfloat16 (2) bits, or 0
-    out_half: bool = False  # the forward's out written as bits of that half too
+    inputs_half: bool = False  # query, key, value (and the forward's out) as bits of that half
     half: np.dtype | None = None  # the half dtype of weights_half
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """query, key, value as contiguous (B * n, d) rows (shared when key/value default)."""
-        return self.x.rows(self.batch, self.dtype)
+        """query, key, value as contiguous (B * n, d) rows (shared when key/value default), as
+        the bits of their half dtype with ``inputs_half``."""
+        if not self.inputs_half:
+            return self.x.rows(self.batch, self.dtype)
+        assert self.half is not None
+        rows = self.x.rows(self.batch, self.half)
+        bits = {id(r): r.view(np.uint16) for r in rows}  # shared rows stay one array
+        return bits[id(rows[0])], bits[id(rows[1])], bits[id(rows[2])]
 
     def core_args(self) -> core.BilinearArgs:
         """The arguments core.bilinear_forward / bilinear_backward share; with ``bf16`` (the
@@ -349,8 +355,8 @@ class _Prepared(NamedTuple):
             query, key, value, wqk, wv, wo = _half.rounded_bf16(query, key, value, wqk, wv, wo)
         layers = {"w_v": wv, "b_v": self.bv, "w_o": wo, "b_o": self.bo}
         return _args.projected_args(
-            core.BilinearArgs, self, layers, query=query, key=key, value=value,
-            w_qk=wqk, u_k=self.uk, weights_half=self.weights_half, out_half=int(self.out_half),
+            core.BilinearArgs, self, layers, query=query, key=key, value=value, w_qk=wqk,
+            u_k=self.uk, weights_half=self.weights_half, inputs_half=int(self.inputs_half),
         )  # fmt: skip
 
 
@@ -368,7 +374,8 @@ def _prepare(args: dict[str, Any], keep_half: bool = False) -> _Prepared:
     """The validated arguments of a bilinear_attention call (forward and backward).
     ``keep_half``: ``w_qk``, ``w_v`` and ``w_o`` stored in one half dtype stay so when the call
     computes in float32 (the kernel widens ``w_qk`` a head at a time, the GEMMs the others as
-    they pack them: no float32 copies), and the output is written so when stored so."""
+    they pack them: no float32 copies), and so do ``query``, ``key``, ``value`` and the output
+    when every array of the call is stored so."""
     h, h_kv, kv_arg = _args.heads(args["num_heads"], args["num_kv_heads"])
     w_qk, u_k, _order = args["w_qk"], args["u_k"], args["_order"]
     d_head: float | None = None
@@ -387,18 +394,22 @@ def _prepare(args: dict[str, Any], keep_half: bool = False) -> _Prepared:
         u_k = w_qk.u
         d_head = float(w_qk.d_head)
         w_qk = w_qk.w
-    x = _args.qkv(args)
+    half = _half_weights(w_qk, args) if keep_half else None
+    x = _args.qkv(args, keep=half)
     n_q, n_k = x.n_q, x.n_k
     d_q, d_k, d_v = x.widths
-    half = _half_weights(w_qk, args) if keep_half else None
+    # (the inputs' bits only when the output is stored so too: a float32 bias makes it float32)
+    inputs_half = half is not None and x.xq.dtype == half and _half.storage(args) == half
     uk_ = V.optional_array(u_k, "u_k")
     bv_ = V.optional_array(args["b_v"], "b_v")
     bo_ = V.optional_array(args["b_o"], "b_o")
     if half is not None:
         wqk_, wv_, wo_ = w_qk, args["w_v"], args["w_o"]
-        dtype = V.result_dtype(x.xq, x.xk, x.xv, _half.COMPUTED, uk_, bv_, bo_)
+        xs = (_half.COMPUTED,) if inputs_half else (x.xq, x.xk, x.xv)
+        dtype = V.result_dtype(*xs, _half.COMPUTED, uk_, bv_, bo_)
         if dtype != np.float32:  # float64 inputs: the weights widen with them
             half = None
+            inputs_half = False
     if half is None:
         wqk_ = V.as_array(w_qk, "w_qk")
         wv_ = V.as_array(args["w_v"], "w_v")
@@ -466,7 +477,7 @@ def _prepare(args: dict[str, Any], keep_half: bool = False) -> _Prepared:
     return _Prepared(
         dtype, batch, B, n_q, n_k, d_out, h, h_kv, x, wqk, uk, wv, bv, wo, bo, m, mode, order, bf16,
         0 if half is None else _half.code(half),
-        half is not None and _half.storage(args) == half,
+        inputs_half,
         half,
     )  # fmt: skip
 
@@ -582,8 +593,8 @@ def bilinear_attention(
     B, n_q, n_k, h, d_out, dtype, mode = a.B, a.n_q, a.n_k, a.h, a.d_out, a.dtype, a.mode
     batch = a.batch
     half = _half.storage(args)
-    out = _memory.empty((B * n_q, d_out), half if a.out_half else dtype)  # rounded in C++
-    w_dtype = half if a.out_half and mode != "mean" else dtype  # (their mean in float32)
+    out = _memory.empty((B * n_q, d_out), half if a.inputs_half else dtype)  # rounded in C++
+    w_dtype = half if a.inputs_half and mode != "mean" else dtype  # (their mean in float32)
     weights = _memory.empty((B, h, n_q, n_k), w_dtype) if mode else None
     if a.bf16:
         lse = a.m.empty_lse(B, h, n_q, dtype) if lse_wanted else None  # what no key leaves
@@ -604,7 +615,7 @@ def bilinear_attention(
     if lse_wanted and state is None:
         state = _bilinear_state(a)
     if B * n_q > 0:
-        out_arg = out.view(np.uint16) if a.out_half else out
+        out_arg = out.view(np.uint16) if a.inputs_half else out
         core.bilinear_forward(a.core_args(), _ORDERS[a.order], out_arg, _half.bits(weights), state)
     lse = None
     if lse_wanted:
@@ -700,18 +711,21 @@ def _bilinear_grads(
     """The gradients of a prepared call; with ``state`` (what the forward kept for
     attnlab.vjp) the forward is not recomputed."""
     dtype, batch, B = a.dtype, a.batch, a.B
-    # half-precision weights are read as stored, and grad_out when stored as the result is
-    keep = a.half if a.out_half else None
+    # half-precision weights are read as stored; with half-precision inputs grad_out in their
+    # dtype read, and their gradients written, as stored (the weights' gradients in float32)
+    keep = a.half if a.inputs_half else None
     go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype, keep=keep)
     kernel = B * a.n_q > 0  # it writes every element: buffers need no zeros when it runs
     params = {"w_qk": a.wqk, "u_k": a.uk, "w_v": a.wv, "b_v": a.bv, "w_o": a.wo, "b_o": a.bo}
     grads = _grad.grad_buffers(params, dtype, zeroed=not kernel)
     shapes, x = a.x.shapes, a.x
     rows = {name: (B * shp[-2], shp[-1]) for name, shp in shapes.items()}
-    buffers = _grad.input_buffers(rows, x.key_omitted, x.value_omitted, dtype, not kernel)
+    in_dtype = dtype if keep is None else keep
+    buffers = _grad.input_buffers(rows, x.key_omitted, x.value_omitted, in_dtype, not kernel)
     logit = _grad.logit_buffers(a.m, B, a.h, a.n_q, a.n_k, dtype)
     if kernel:
-        core.bilinear_backward(go2, a.core_args(), {**grads, **buffers, **logit}, state)
+        bits = {n: _half.bits(g) for n, g in buffers.items()}  # shared buffers stay shared
+        core.bilinear_backward(go2, a.core_args(), {**grads, **bits, **logit}, state)
     inputs = _grad.input_grads(buffers, batch, shapes, x.key_omitted, x.value_omitted)
     return {**inputs, **grads, **_grad.logit_grads(logit, a.m, batch)}
 

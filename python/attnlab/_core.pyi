@@ -240,8 +240,8 @@ class BilinearArgs(_SharedArgs):
     value: _Array
     w_qk: _Array
     u_k: _Optional
-    weights_half: _Int  # 0, or 1 / 2: w_qk, w_v, w_o as float16 / bfloat16 bits (forward only)
-    out_half: _Int  # 1: the forward's out as bits of that format too
+    weights_half: _Int  # 0, or 1 / 2: w_qk, w_v, w_o as float16 / bfloat16 bits
+    inputs_half: _Int  # 1: query, key, value (and the forward's out) as bits of that format
 
 @dataclass(frozen=True, kw_only=True)
 class AdditiveArgs:

@@ -150,6 +150,10 @@ struct ProjectedAttention {
     T* weights = nullptr;  // optional (batch, heads, n_q, n_k)
     // or the weights as bits of w_o's half format (float only, with half-precision weights)
     std::uint16_t* weights_half = nullptr;
+    // Half-precision arrays (float only, float32 products, the weights' half format): query,
+    // key, value and the forward's out as bits, instead of their float pointers (null)
+    const std::uint16_t *query_half = nullptr, *key_half = nullptr, *value_half = nullptr;
+    std::uint16_t* out_half = nullptr;
 };
 
 template <typename T>
@@ -161,10 +165,6 @@ struct MhaProblem : ProjectedAttention<T> {
     // precision="bf16" (float only): the forward's products in bf16 (in the backward, its
     // recomputed forward's; the gradient products stay float32)
     bool bf16 = false;
-    // Half-precision arrays (float only, float32 products, the weights' half format): query,
-    // key, value and the forward's out as bits, instead of their float pointers (null)
-    const std::uint16_t *query_half = nullptr, *key_half = nullptr, *value_half = nullptr;
-    std::uint16_t* out_half = nullptr;
 };
 
 // Gradient of a dense projection: weight and bias gradients, input gradient (any may be null).

@@ -30,12 +30,10 @@ struct BilinearProblem : ProjectedAttention<T> {
     const T* u_k = nullptr;   // optional (heads, d_k): the key-side term W_k,i b_q,i
     BilinearOrder order = BilinearOrder::query;
     BilinearState<T> state;  // optional: all four buffers or none
-    // The forward of half-precision weights (float only): w_qk's bits instead of w_qk (null),
-    // w_v and w_o's in their Linear::w_half, all of format `half`; with out_half, the output
-    // written as bits of that format instead of into out
+    // Half-precision weights (float only): w_qk's bits instead of w_qk (null), w_v and w_o's
+    // in their Linear::w_half, all of format `half` (and so the inputs' *_half bits, if given)
     const std::uint16_t* w_qk_half = nullptr;
     HalfFormat half = HalfFormat::none;
-    std::uint16_t* out_half = nullptr;
 };
 
 // Gradients of bilinear_attention_forward; any pointer may be null (not computed).

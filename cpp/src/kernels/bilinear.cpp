@@ -37,9 +37,11 @@ inline std::atomic<std::uint64_t> g_bilinear_half_calls{0};
 // numbers, which for decode would cost as much as the product itself).
 //   query order: Y_i = X W_i + u_i              (X: rows x d_q, Y_i: rows x d_k)
 //   key order:   Y_i = [X W_i^T | X u_i]         (X: rows x d_k, Y_i: rows x (d_q + has_u))
+// X as float, or as the half-precision bits x_half (T float), a task's row chunk widened (exact)
+// into its thread's scratch: 1 / d_k of the task's multiply-adds.
 template <typename T>
-void project_heads(const BilinearProblem<T>& p, BilinearOrder order, Index rows, const T* x, T* y,
-                   Index ldh) {
+void project_heads(const BilinearProblem<T>& p, BilinearOrder order, Index rows, const T* x,
+                   const std::uint16_t* x_half, T* y, Index ldh) {
     const Index heads = p.heads, dq = p.d_q, dk = p.d_k;
     const Index in = order == BilinearOrder::query ? dq : dk;
     const Index ldy = heads * ldh;
@@ -78,7 +80,16 @@ void project_heads(const BilinearProblem<T>& p, BilinearOrder order, Index rows,
                 wi = wf;
             }
         }
-        ConstRowMap<T> X(x + r0 * in, m, in, Eigen::OuterStride<>(in));
+        const T* xr = x ? x + r0 * in : nullptr;
+        if constexpr (std::is_same_v<T, float>) {
+            if (x_half) {
+                float* xf =
+                    scratch<float>(ScratchBuffer::kBilinearRows, static_cast<std::size_t>(m * in));
+                half_to_float(x_half + r0 * in, m * in, p.half, xf);
+                xr = xf;
+            }
+        }
+        ConstRowMap<T> X(xr, m, in, Eigen::OuterStride<>(in));
         ConstRowMap<T> W(wi, dq, dk, Eigen::OuterStride<>(dk));
         T* yb = y + r0 * ldy + i * ldh;
         if (order == BilinearOrder::query) {
@@ -99,6 +110,22 @@ void project_heads(const BilinearProblem<T>& p, BilinearOrder order, Index rows,
     });
 }
 
+// The raw rows every head reads (the query order's keys, the key order's queries): x itself,
+// or its half-precision bits widened once for the call into `own` (one copy for all heads,
+// where the half-precision tiles would widen them per head).
+template <typename T>
+const T* shared_rows(const T* x, const std::uint16_t* x_half, Index n, HalfFormat half,
+                     Buffer<T>& own) {
+    if constexpr (std::is_same_v<T, float>) {
+        if (x_half) {
+            own = make_buffer<T>(n);
+            widen_half(x_half, n, half, own.get());
+            return own.get();
+        }
+    }
+    return x;
+}
+
 }  // namespace detail
 
 template <typename T>
@@ -111,7 +138,8 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
     Buffer<T> own_v, own_ctx;
     T* v = keep ? p.state.v : (own_v = make_buffer<T>(rk * wv)).get();
     T* ctx = keep ? p.state.ctx : (own_ctx = make_buffer<T>(rq * wc)).get();
-    detail::project(rk, p.value, p.w_v, v, false);  // w_v as stored (float or half bits)
+    // w_v and value as stored (float or half bits)
+    detail::project(rk, p.value, p.w_v, v, false, p.value_half);
 
     AttentionProblem<T> a;
     a.batch = p.batch;
@@ -127,32 +155,40 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
     a.weights_format = p.w_o.half;
     a.lse = p.state.lse;
 
-    Buffer<T> proj, qpad, vexp;
+    Buffer<T> proj, qpad, vexp, raw;
     if (order == BilinearOrder::query) {
         // Q'_i = X_q W_i + u_i for all heads; every head reads the raw keys (head stride 0).
         T* pq = keep ? p.state.proj : (proj = make_buffer<T>(rq * H * dk)).get();
-        detail::project_heads(p, BilinearOrder::query, rq, p.query, pq, dk);
+        detail::project_heads(p, BilinearOrder::query, rq, p.query, p.query_half, pq, dk);
         a.kv_heads = Hk;
         a.d = dk;
         a.q = {pq, p.n_q * H * dk, dk, H * dk};
-        a.k = {p.key, p.n_k * dk, 0, dk};
+        a.k = {detail::shared_rows(p.key, p.key_half, rk * dk, p.half, raw), p.n_k * dk, 0, dk};
         a.v = {v, p.n_k * wv, dvh, wv};
     } else {
         // K'_i = [X_k W_i^T | X_k u_i]; every head reads the raw queries, padded with a 1.
         const Index e = p.u_k ? 1 : 0, w = dq + e;
         proj = make_buffer<T>(rk * H * w);
-        detail::project_heads(p, BilinearOrder::key, rk, p.key, proj.get(), w);
+        detail::project_heads(p, BilinearOrder::key, rk, p.key, p.key_half, proj.get(), w);
         const T* q = p.query;
         if (e) {
             qpad = make_buffer<T>(rq * w);
             parallel_for((rq + 1023) / 1024, [&](Index c) {
                 const Index r1 = std::min(rq, (c + 1) * 1024);
                 for (Index r = c * 1024; r < r1; ++r) {
-                    std::copy(p.query + r * dq, p.query + (r + 1) * dq, qpad.get() + r * w);
-                    qpad[r * w + dq] = T(1);
+                    T* dst = qpad.get() + r * w;
+                    bool widened = false;
+                    if constexpr (std::is_same_v<T, float>) {
+                        if ((widened = p.query_half != nullptr))
+                            detail::half_to_float(p.query_half + r * dq, dq, p.half, dst);
+                    }
+                    if (!widened) std::copy(p.query + r * dq, p.query + (r + 1) * dq, dst);
+                    dst[dq] = T(1);
                 }
             });
             q = qpad.get();
+        } else {
+            q = detail::shared_rows(p.query, p.query_half, rq * dq, p.half, raw);
         }
         a.kv_heads = H;  // keys now differ per query head
         a.d = w;
@@ -183,11 +219,23 @@ void bilinear_attention_forward(const BilinearProblem<T>& p) {
 
 template <typename T>
 void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
-                                 const BilinearGrads<T>& g) {
+                                 const BilinearGrads<T>& given) {
     const Index H = p.heads, Hk = p.kv_heads, dq = p.d_q, dk = p.d_k, dvh = p.d_vhead;
     const Index rq = p.batch * p.n_q, rk = p.batch * p.n_k;
     const Index wv = Hk * dvh, wc = H * dvh, wp = H * dk, d_out = p.w_o.out;
     const Index d_v = p.w_v.in;
+    // Half-precision input gradients: computed in float32 below (in buffers shared as their
+    // bits are), then rounded into place
+    BilinearGrads<T> g = given;
+    std::uint16_t* const bits[3] = {g.query_half, g.key_half, g.value_half};
+    T** const wide[3] = {&g.query, &g.key, &g.value};
+    const Index sizes[3] = {rq * dq, rk * dk, rk * d_v};
+    Buffer<T> own[3];
+    for (int i = 0; i < 3; ++i) {
+        if (!bits[i]) continue;
+        const int first = bits[0] == bits[i] ? 0 : bits[1] == bits[i] ? 1 : 2;
+        *wide[i] = first < i ? *wide[first] : (own[i] = make_buffer<T>(sizes[i])).get();
+    }
 
     // Forward in the query order, keeping the log-sum-exp (or what vjp's forward kept).
     const bool kept = p.state.filled;
@@ -196,10 +244,11 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     T* ctx = kept ? p.state.ctx : (own_ctx = make_buffer<T>(rq * wc)).get();
     T* proj = kept ? p.state.proj : (own_proj = make_buffer<T>(rq * wp)).get();
     T* lse = kept ? p.state.lse : (own_lse = make_buffer<T>(p.batch * H * p.n_q)).get();
-    if (!kept) {
-        detail::project(rk, p.value, p.w_v, v, false);  // w_v as stored (float or half bits)
-        detail::project_heads(p, BilinearOrder::query, rq, p.query, proj, dk);
+    if (!kept) {  // the weights and inputs as stored (float or half bits)
+        detail::project(rk, p.value, p.w_v, v, false, p.value_half);
+        detail::project_heads(p, BilinearOrder::query, rq, p.query, p.query_half, proj, dk);
     }
+    Buffer<T> raw;
 
     AttentionProblem<T> a;
     a.batch = p.batch;
@@ -211,7 +260,7 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     a.d_v = dvh;
     a.scale = p.scale;
     a.q = {proj, p.n_q * wp, dk, wp};
-    a.k = {p.key, p.n_k * dk, 0, dk};
+    a.k = {detail::shared_rows(p.key, p.key_half, rk * dk, p.half, raw), p.n_k * dk, 0, dk};
     a.v = {v, p.n_k * wv, dvh, wv};
     a.out = {ctx, p.n_q * wc, dvh, wc};
     a.mask = p.mask;
@@ -240,7 +289,8 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     attention_backward(a, ag);
 
     // Values.
-    linear_weight_grad(rk, d_v, wv, p.value, d_v, dv.get(), wv, g.w_v.w, g.w_v.b);
+    linear_weight_grad(rk, d_v, wv, p.value, d_v, dv.get(), wv, g.w_v.w, g.w_v.b,
+                       static_cast<const T*>(nullptr), detail::layer_half(p.w_v, p.value_half));
     if (g.value)
         linear_input_grad(rk, d_v, wv, dv.get(), wv, p.w_v.w, g.value, d_v, false,
                           detail::layer_half(p.w_v));
@@ -272,7 +322,9 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     if (g.w_qk || g.u_k) {
         // db of the packed layer is laid out exactly as (h, d_k): the u_k gradient
         auto packed = g.w_qk ? make_buffer<T>(dq * wp) : nullptr;
-        linear_weight_grad(rq, dq, wp, p.query, dq, dproj.get(), wp, packed.get(), g.u_k);
+        linear_weight_grad(rq, dq, wp, p.query, dq, dproj.get(), wp, packed.get(), g.u_k,
+                           static_cast<const T*>(nullptr),
+                           HalfGradOperands{p.query_half, nullptr, nullptr, p.half});
         if (g.w_qk)
             parallel_for(H, [&](Index i) {
                 for (Index r = 0; r < dq; ++r) {
@@ -298,6 +350,10 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
         });
         linear_input_grad(rq, dq, wp, dproj.get(), wp, packed.get(), g.query, dq,
                           g.query == g.key || g.query == g.value);
+    }
+    if constexpr (std::is_same_v<T, float>) {
+        for (int i = 0; i < 3; ++i)
+            if (own[i]) narrow_half(own[i].get(), sizes[i], p.half, bits[i]);
     }
 }
 

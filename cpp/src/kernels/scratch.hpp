@@ -61,6 +61,7 @@ enum class ScratchBuffer : int {
     kHalfOutput,         // forward_half_tiles: the output tile before rounding (rows x d_v)
     kHalfWeights,        // forward_half_tiles: the tile's weights before rounding (rows x n_k)
     kBilinearWeight,     // project_heads: a head's half-precision W_i widened (d_q x d_k), kept
+    kBilinearRows,       // project_heads: a row chunk of half-precision X widened (rows x d)
     kMergeRows,          // merge_attention: a row's sum (rounded into a half-precision output)
     kBackwardTiles,      // backward_task: K^T, V^T, padded K, dK^T, dV^T, S/P, dP/dS of a tile
     kGemmPanel,          // panel_gemm: a depth chunk of the B panel, zero-padded

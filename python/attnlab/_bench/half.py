@@ -5,8 +5,8 @@ median of the rounds' ratios, with a 95% interval that says whether a verdict is
 machine's noise.
 
 The float16 call reads and writes its arrays in float16 where the call does so (every forward,
-backward and vjp, but bilinear attention's inputs, which it widens first) and computes in
-float32 everywhere, so the two calls do the same arithmetic; what differs is the memory they
+backward and vjp but those the README lists as widening first) and computes in float32
+everywhere, so the two calls do the same arithmetic; what differs is the memory they
 move and the conversions.
 """
 
