@@ -347,6 +347,36 @@ def test_half_cache_is_not_widened_in_python(dtype: np.dtype, monkeypatch) -> No
     assert wide.dtype == np.float64
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_of_float32_queries_against_a_half_cache(
+    shape: tuple[int, ...], dtype: np.dtype, monkeypatch
+) -> None:
+    """The backward reads the cache as stored too (no conversion of k, v or of their gradients
+    in Python) and writes dk, dv in the cache's dtype, dq (and a float mask's and the sinks'
+    gradients) in float32: bit for bit the float32 call on the widened cache, rounded."""
+    from conftest import refuse_conversions
+
+    q, k, v = _inputs(shape, dtype, seed=24)
+    q = q.astype(np.float32)
+    rng = np.random.default_rng(25)
+    go = rng.standard_normal(q.shape[:-1] + v.shape[-1:]).astype(np.float32)
+    kws = [{}, {"causal": "bottom_right"}, {"window": (40, 3)}]
+    kws += [_options(kw, shape, seed=26) for kw in ({"mask": "additive"}, {"sinks": "sinks"})]
+    wide = (k.astype(np.float32), v.astype(np.float32))
+    wants = [attnlab.scaled_dot_product_attention_backward(go, q, *wide, **kw) for kw in kws]
+    refuse_conversions(monkeypatch, {k.shape, v.shape})
+    for kw, want in zip(kws, wants, strict=True):
+        got = attnlab.scaled_dot_product_attention_backward(go, q, k, v, **kw)
+        assert sorted(got) == sorted(want)
+        for name, w in want.items():
+            kind = dtype if name in ("k", "v") else np.dtype(np.float32)
+            assert got[name].dtype == kind, name
+            np.testing.assert_array_equal(
+                got[name].view(np.uint8), w.astype(kind).view(np.uint8), err_msg=name
+            )
+
+
 def test_same_bits_for_any_thread_count() -> None:
     code = (
         "import numpy as np, attnlab, hashlib\n"
@@ -438,6 +468,12 @@ def test_backward_half_binding_refuses_what_it_does_not_read() -> None:
         run(d_k=np.zeros((1, 2, 4, 4), np.uint16))
     with pytest.raises(TypeError, match="out"):
         run(out=u.copy())
+    # float32 queries: a float32 d_q and grad_out, half-precision d_k, d_v
+    run(q=f, d_q=f.copy(), grad_out=f, grad_out_half=False)
+    with pytest.raises(TypeError, match=r"^grad_out: float32 q's output"):
+        run(q=f, d_q=f.copy())
+    with pytest.raises(TypeError, match="d_q"):
+        run(q=f, grad_out=f, grad_out_half=False)
     # the forward: float32 queries read a half-precision k, v and write a float32 out
     fwd = dict(q=f, k=u, v=u, half=1, mask=m, scale=0.5, lse=None)
     core.sdpa_forward_half(out=f.copy(), **fwd)

@@ -125,18 +125,26 @@ void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::arra
     kernels_for<float>().attention_forward(p);
 }
 
+// An SDPA backward's gradient buffer (B, heads, n, d) of elements U (T, or the bits of a half
+// format), checked, as a stack.
+template <typename U>
+MatrixStack<U> grad_stack(const py::array& a, const char* name, Index B, Index heads, Index n,
+                          Index d) {
+    return {contiguous<U>(a, name, {B, heads, n, d}, true), heads * n * d, n * d, d};
+}
+
 // An SDPA backward's buffers, checked against the problem's sizes: d_q, d_k, d_v (elements U:
-// T, or the bits of a half format) into the stacks gq, gk, gv, and the optional gradients of
-// an additive mask and of the sinks (T) into g.
-template <typename U, typename T>
+// T, or the bits of a half format; d_q's UQ) into the stacks gq, gk, gv, and the optional
+// gradients of an additive mask and of the sinks (T) into g.
+template <typename U, typename T, typename UQ = U>
 void grad_buffers(const AttentionProblem<T>& p, const py::array& d_q, const py::array& d_k,
                   const py::array& d_v, const py::object& d_mask, const py::object& d_sinks,
-                  AttentionGrad<T>& g, MatrixStack<U>& gq, MatrixStack<U>& gk, MatrixStack<U>& gv) {
+                  AttentionGrad<T>& g, MatrixStack<UQ>& gq, MatrixStack<U>& gk,
+                  MatrixStack<U>& gv) {
     const Index B = p.batch, H = p.heads, Hk = p.kv_heads, nq = p.n_q, nk = p.n_k;
-    const Index d = p.d, dv = p.d_v;
-    gq = {contiguous<U>(d_q, "d_q", {B, H, nq, d}, true), H * nq * d, nq * d, d};
-    gk = {contiguous<U>(d_k, "d_k", {B, Hk, nk, d}, true), Hk * nk * d, nk * d, d};
-    gv = {contiguous<U>(d_v, "d_v", {B, Hk, nk, dv}, true), Hk * nk * dv, nk * dv, dv};
+    gq = grad_stack<UQ>(d_q, "d_q", B, H, nq, p.d);
+    gk = grad_stack<U>(d_k, "d_k", B, Hk, nk, p.d);
+    gv = grad_stack<U>(d_v, "d_v", B, Hk, nk, p.d_v);
     if (!d_mask.is_none())
         g.d_mask = contiguous<T>(d_mask.cast<py::array>(), "d_mask", {B, H, nq, nk}, true);
     if (!d_sinks.is_none())
@@ -174,12 +182,16 @@ void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, co
 
 // sdpa_backward with q, k, v and the gradients d_q, d_k, d_v in half precision (their bits as
 // uint16 arrays; half 1: float16, 2: bfloat16), computed in float32: grad_out as bits of the
-// same format when grad_out_half, else float32; out, lse, d_mask and d_sinks float32.
+// same format when grad_out_half, else float32; out, lse, d_mask and d_sinks float32. q may be
+// float32 (k and v a half-precision cache): d_q is then float32, and so is grad_out.
 void sdpa_backward_half(py::array grad_out, py::array q, py::array k, py::array v, int half,
                         const MaskArgs& mask, double scale, py::array out, py::array lse,
                         py::array d_q, py::array d_k, py::array d_v, bool grad_out_half,
                         bool recompute, py::object d_mask, py::object d_sinks) {
-    AttentionProblem<float> p = half_problem(q, k, v, half, scale);
+    const bool float_q = is_dtype<float>(q);
+    if (float_q && grad_out_half)
+        throw py::type_error("grad_out: float32 q's output, and so its gradient, is float32");
+    AttentionProblem<float> p = half_problem(q, k, v, half, scale, float_q);
     const Index B = p.batch, H = p.heads, nq = p.n_q, nk = p.n_k, dv = p.d_v;
     using Bits = std::uint16_t;
     float* po = contiguous<float>(out, "out", {B, H, nq, dv}, true);
@@ -192,7 +204,10 @@ void sdpa_backward_half(py::array grad_out, py::array q, py::array k, py::array 
             const_stack<Bits>(check<Bits>(grad_out, "grad_out", {B, H, nq, dv}), grad_out);
     else
         g.d_out = const_stack<float>(check<float>(grad_out, "grad_out", {B, H, nq, dv}), grad_out);
-    grad_buffers(p, d_q, d_k, d_v, d_mask, d_sinks, g, g.d_q_half, g.d_k_half, g.d_v_half);
+    if (float_q)
+        grad_buffers(p, d_q, d_k, d_v, d_mask, d_sinks, g, g.d_q, g.d_k_half, g.d_v_half);
+    else
+        grad_buffers(p, d_q, d_k, d_v, d_mask, d_sinks, g, g.d_q_half, g.d_k_half, g.d_v_half);
     ReleaseGil release;
     const KernelSet<float>& kernels = kernels_for<float>();
     if (recompute) kernels.attention_forward(p);  // out in float32: out_half is not set

@@ -666,7 +666,8 @@ def _sdpa_grads(
     attnlab.vjp) the forward is not recomputed. When ``q``, ``k`` and ``v`` were prepared as
     stored in one half dtype (not broadcast), the kernel reads them (and ``grad_out`` when it
     is stored so) and writes ``dq``, ``dk``, ``dv`` in that dtype, computed as the float32 call
-    on the widened arrays would be."""
+    on the widened arrays would be; so too ``k`` and ``v`` (with ``dk``, ``dv``) prepared so
+    beside float32 ``q`` (whose ``dq`` is float32)."""
     batch, dtype, h, h_kv, n_q, n_k, d, d_v = (
         a.batch,
         a.dtype,
@@ -678,14 +679,14 @@ def _sdpa_grads(
         a.d_v,
     )
     half = a.q4.dtype if _half.is_half(a.q4.dtype) else None
+    kv_half = a.k4.dtype if _half.is_half(a.k4.dtype) else None  # (also beside float32 q)
     go = _grad.grad_out(grad_out, batch + (h, n_q, d_v), dtype, keep=half)
     B = V.count(batch)
     kernel = B * n_q * n_k > 0
     new = _memory.empty if kernel else _memory.zeros  # the kernel writes every element
-    stored = dtype if half is None else half
-    dq = new((B, h, n_q, d), stored)
-    dk = new((B, h_kv, n_k, d), stored)
-    dv = new((B, h_kv, n_k, d_v), stored)
+    dq = new((B, h, n_q, d), dtype if half is None else half)
+    dk = new((B, h_kv, n_k, d), dtype if kv_half is None else kv_half)
+    dv = new((B, h_kv, n_k, d_v), dtype if kv_half is None else kv_half)
     logit = _grad.logit_buffers(a.m, B, h, n_q, n_k, dtype)
     if kernel:
         go4 = _memory.kernel_ready(go.reshape((B, h, n_q, d_v)))
@@ -697,18 +698,18 @@ def _sdpa_grads(
         else:
             out, lse = kept["out"], kept["lse"]
         d_logit = (logit.get("mask"), logit.get("sinks"))
-        if half is None:
+        if kv_half is None:
             core.sdpa_backward(
                 go4, a.q4, a.k4, a.v4, a.m.core_mask(), a.m.scale, out, lse, dq, dk, dv,
                 kept is None, *d_logit, a.bf16,
             )  # fmt: skip
-        else:
+        else:  # (q and dq float32 beside a half-precision k, v: as they are)
             q16, k16, v16, dq16, dk16, dv16 = (
-                x.view(np.uint16) for x in (a.q4, a.k4, a.v4, dq, dk, dv)
+                _half.bits(x) for x in (a.q4, a.k4, a.v4, dq, dk, dv)
             )
-            go_half = go4.dtype == half
+            go_half = go4.dtype == kv_half
             core.sdpa_backward_half(
-                go4.view(np.uint16) if go_half else go4, q16, k16, v16, _half.code(half),
+                go4.view(np.uint16) if go_half else go4, q16, k16, v16, _half.code(kv_half),
                 a.m.core_mask(), a.m.scale, out, lse, dq16, dk16, dv16, go_half, kept is None,
                 *d_logit,
             )  # fmt: skip
@@ -812,12 +813,12 @@ def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]
     V.weights_mode(args["return_weights"])
     # half-precision q, k, v read and dq, dk, dv written as stored, unless a gradient is summed
     # over broadcast batch axes (in float32, then rounded)
-    half_qkv = (
-        _half.storage(args) is not None
-        and args["precision"] is None
-        and _stacked(args["q"], args["k"], args["v"])
-    )
-    grads = _sdpa_grads(_prepare_sdpa(args, half_qkv), grad_out)
+    exact = args["precision"] is None
+    qkv = (args["q"], args["k"], args["v"])
+    half_qkv = exact and _half.storage(args) is not None and _stacked(*qkv)
+    # float32 q beside a half-precision k, v: those read, and dk, dv written, as stored
+    half_kv = exact and not half_qkv and _half_cache(args) and _stacked(*qkv)
+    grads = _sdpa_grads(_prepare_sdpa(args, half_qkv, half_kv), grad_out)
     return _half.store_grads(grads, _half.halves(args))
 
 

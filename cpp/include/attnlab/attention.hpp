@@ -59,9 +59,10 @@ struct AttentionGrad {
     // written where a key tile is visited (zero it first), and the sinks' (batch, heads)
     T* d_mask = nullptr;
     T* d_sinks = nullptr;
-    // Half-precision storage (float only, with AttentionProblem::half set: q, k, v read from
-    // its *_half views): d_q, d_k, d_v written as bits of that format through these views
-    // (their float views unused), and d_out read from d_out_half when its data is set.
+    // Half-precision storage (float only, with AttentionProblem::half set: k, v read from its
+    // *_half views, and q when q_half is given): d_k, d_v written as bits of that format through
+    // these views (their float views unused), d_q so when q is (else into d_q), and d_out read
+    // from d_out_half when its data is set.
     MatrixStack<const std::uint16_t> d_out_half;
     MatrixStack<std::uint16_t> d_q_half, d_k_half, d_v_half;
 };

@@ -323,23 +323,25 @@ template <typename T>
 void backward_prepare(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
                       const BackwardPlan<T>& plan, Index b, Index h, Index qt) {
     const Index i0 = qt * kBwdTileQ, mq = plan.q_rows(p.n_q, qt);
-    const bool half = p.half != HalfFormat::none;
-    const T* q = half ? nullptr : p.q.at(b, h);
+    // half-precision Q and dO when their bits are given (Q float beside a half-precision K, V)
+    const bool half_q = p.half != HalfFormat::none && p.q_half.data;
+    const bool half_dout = p.half != HalfFormat::none && g.d_out_half.data;
+    const T* q = half_q ? nullptr : p.q.at(b, h);
     const T* o = p.out.at(b, h);
     const T* dout = g.d_out.at(b, h);
     T* qs = plan.qs + plan.head(p, b, h) * p.d;
     for (Index i = i0; i < i0 + mq; ++i) {
         if constexpr (std::is_same_v<T, float>) {
-            if (half) {  // widened, then the same products as below
+            if (half_q) {  // widened, then the same products as below
                 half_to_float(p.q_half.at(b, h) + i * p.q_half.row_stride, p.d, p.half,
                               qs + i * p.d);
                 for (Index c = 0; c < p.d; ++c) qs[i * p.d + c] *= p.scale;
-                if (g.d_out_half.data)  // into plan.dout, which g.d_out views
-                    half_to_float(g.d_out_half.at(b, h) + i * g.d_out_half.row_stride, p.d_v,
-                                  p.half, plan.dout + (plan.head(p, b, h) + i) * p.d_v);
             }
+            if (half_dout)  // into plan.dout, which g.d_out views
+                half_to_float(g.d_out_half.at(b, h) + i * g.d_out_half.row_stride, p.d_v, p.half,
+                              plan.dout + (plan.head(p, b, h) + i) * p.d_v);
         }
-        if (!half)
+        if (!half_q)
             for (Index c = 0; c < p.d; ++c) qs[i * p.d + c] = p.scale * q[i * p.q.row_stride + c];
         plan.dsum[plan.head(p, b, h) + i] =
             dot(dout + i * g.d_out.row_stride, o + i * p.out.row_stride, p.d_v);
@@ -370,7 +372,7 @@ void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
         if (plan.segment_sees(s, qt)) parts[count++] = plan.part(p, s, b, h) + i0 * plan.dp;
     // row by row (in L1), each element 0 + its shares in order, times the scale; with
     // half-precision storage summed in place of the first share, then rounded into d_q_half
-    const bool half = p.half != HalfFormat::none;
+    const bool half = p.half != HalfFormat::none && g.d_q_half.data;
     T* dq = half ? nullptr : g.d_q.at(b, h) + i0 * g.d_q.row_stride;
     std::uint16_t* dq_half = half ? g.d_q_half.at(b, h) + i0 * g.d_q_half.row_stride : nullptr;
     for (Index i = 0; i < mq; ++i) {
