@@ -738,6 +738,79 @@ def test_latent_forward_reads_half_weights_and_cache_as_the_float32_call(
     np.testing.assert_array_equal(cache.view(np.uint16), want_cache.astype(dtype).view(np.uint16))
 
 
+@pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("lora", [False, True])
+def test_latent_backward_reads_half_arrays_as_the_float32_call(path, form, n, lora, monkeypatch):
+    """The backward and the ``vjp`` pullback read ``x``, the projections' matrices, the cache
+    and a ``grad_out`` stored as the output is as stored too (no widening of theirs in Python;
+    the gradients are rounded on exit): every gradient is the float32 call's on the widened
+    arrays, rounded, bit for bit."""
+    _, dtype, _, _ = path
+    args, kw, _, _ = _latent_case((2, n, {}))
+    rng = np.random.default_rng(8)
+    if lora:
+        d, hq = args["x"].shape[-1], args.pop("w_q").shape[1]
+        args.update(
+            w_q_a=_uniform(rng, d, (d, 12)),
+            q_a_norm=(1 + 0.1 * rng.standard_normal(12)).astype(np.float32),
+            w_q_b=_uniform(rng, 12, (12, hq)),
+        )
+    args["cache"] = rng.standard_normal((2, 9, args["w_kv_a"].shape[1])).astype(np.float32)
+    kw = dict(kw, form=form, causal="bottom_right")
+    half = _cast(args, dtype)
+    wide = _cast(half, np.dtype(np.float32))
+    go = rng.standard_normal((2, n, args["w_o"].shape[1])).astype(dtype)
+    want = attnlab.latent_attention_backward(go.astype(np.float32), **wide, **kw)
+    B, d = 2, args["x"].shape[-1]
+    stored = ("w_q", "w_q_a", "w_q_b", "w_kv_a", "w_o", "cache")
+    read = {half[k].shape for k in stored if k in half} | {(B, n, d), (B * n, d), go.shape}
+    read |= {(B * n, go.shape[-1])}
+    refuse_conversions(monkeypatch, set(), read=read)
+    got = attnlab.latent_attention_backward(go, **half, **kw)
+    _, pullback = attnlab.vjp(attnlab.latent_attention, **half, **kw)
+    pulled = pullback(go)
+    monkeypatch.undo()
+    assert sorted(got) == sorted(want) == sorted(pulled)
+    for name, value in want.items():
+        kind = half[name].dtype if name in half else np.dtype(np.float32)
+        assert got[name].dtype == kind, name
+        np.testing.assert_array_equal(
+            got[name].view(np.uint8), value.astype(kind).view(np.uint8), err_msg=name
+        )
+        np.testing.assert_array_equal(pulled[name].view(np.uint8), got[name].view(np.uint8))
+
+
+def test_linear_backward_half_operands():
+    """core.linear_backward's half: x, w, dy given as uint16 read as bits of that format (any
+    of them), the gradients float32: the float32 call's on the widened arrays, bit for bit."""
+    from attnlab._loader import core
+
+    rng = np.random.default_rng(4)
+    shapes = ((300, 20), (20, 36), (300, 36))
+    x, w, dy = (rng.standard_normal(s).astype(np.float16) for s in shapes)
+    want = [np.empty(s, np.float32) for s in ((300, 20), (20, 36), (36,))]  # dx, dw, db
+    core.linear_backward(*(a.astype(np.float32) for a in (x, w, dy)), *want)
+    for which in itertools.product([False, True], repeat=3):
+        ops = [
+            a.view(np.uint16) if h else a.astype(np.float32)
+            for a, h in zip((x, w, dy), which, strict=True)
+        ]
+        got = [np.empty_like(g) for g in want]
+        core.linear_backward(*ops, *got, False, 1)
+        for g, e in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, e)
+    bits = (x.view(np.uint16), w.view(np.uint16), dy.view(np.uint16))
+    with pytest.raises(ValueError, match=r"^half: expected 0, 1 \(float16\) or 2"):
+        core.linear_backward(*bits, *want, False, 3)
+    with pytest.raises(TypeError, match=r"^dy: "):
+        core.linear_backward(*bits, *want)  # uint16 without half
+    with pytest.raises(TypeError, match=r"^x: "):
+        core.linear_backward(x.astype(np.float64), w.view(np.uint16), dy.view(np.uint16), *want,
+                             False, 1)  # fmt: skip
+
+
 def test_linear_forward_half_weights_refused_where_not_read():
     """core.linear_forward's w_half: float16 / bfloat16 bits of w, float32 x; nothing else."""
     from attnlab._loader import core

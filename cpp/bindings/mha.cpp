@@ -529,24 +529,37 @@ py::array pack_weight(py::array w) {
 
 // The gradients of y = x w + b for dy (2-d arrays of one float dtype): dx = dy w^T (added to
 // dx when accumulate), dw = x^T dy, db = column sums of dy; each output None when not wanted;
-// x and dx may have row strides of their own (latent attention's backward: no copies).
+// x and dx may have row strides of their own (latent attention's backward: no copies). With
+// half 1 / 2, computed in float32, any of x, w, dy given as uint16 read as float16 / bfloat16
+// bits (widened as the products read them; the outputs float32).
 void linear_backward(py::array x, py::array w, py::array dy, py::object dx, py::object dw,
-                     py::object db, bool accumulate) {
-    dispatch(dy, "dy", [&](auto tag) {
+                     py::object db, bool accumulate, int half) {
+    if (half < 0 || half > 2)
+        throw py::value_error("half: expected 0, 1 (float16) or 2 (bfloat16), got " +
+                              std::to_string(half));
+    const auto run = [&](auto tag) {
         using T = decltype(tag);
+        using Bits = std::uint16_t;
         if (x.ndim() != 2 || w.ndim() != 2 || dy.ndim() != 2)
             throw py::value_error("x, w, dy: expected 2-d arrays");
         const Index rows = dy.shape(0), out = dy.shape(1), in = w.shape(0);
-        const T* pdy = contiguous<T>(dy, "dy", {rows, out});
-        const T* px = nullptr;
+        // with `half`, each of x, w, dy given as uint16 is read as bits of that format
+        const bool x16 = half && is_dtype<Bits>(x), w16 = half && is_dtype<Bits>(w);
+        const bool dy16 = half && is_dtype<Bits>(dy);
+        const T* pdy = dy16 ? nullptr : contiguous<T>(dy, "dy", {rows, out});
+        const Bits* pdy16 = dy16 ? contiguous<Bits>(dy, "dy", {rows, out}) : nullptr;
+        const void* px = nullptr;
         Index ldx = in;
         if (!dw.is_none()) {
-            const auto st = check<T>(x, "x", {rows, in});
-            px = static_cast<const T*>(x.data());
+            const auto st = x16 ? check<Bits>(x, "x", {rows, in}) : check<T>(x, "x", {rows, in});
+            px = x.data();
             ldx = rows > 1 ? st[0] : in;
             if (ldx < in) throw py::value_error("x: rows overlap (row stride below in)");
         }
-        const T* pw = dx.is_none() ? nullptr : contiguous<T>(w, "w", {in, out});
+        const void* pw = nullptr;
+        if (!dx.is_none())
+            pw = w16 ? static_cast<const void*>(contiguous<Bits>(w, "w", {in, out}))
+                     : static_cast<const void*>(contiguous<T>(w, "w", {in, out}));
         T* pdw =
             dw.is_none() ? nullptr : contiguous<T>(dw.cast<py::array>(), "dw", {in, out}, true);
         T* pdb = db.is_none() ? nullptr : contiguous<T>(db.cast<py::array>(), "db", {out}, true);
@@ -560,11 +573,30 @@ void linear_backward(py::array x, py::array w, py::array dy, py::object dx, py::
             if (lddx < in) throw py::value_error("dx: rows overlap (row stride below in)");
         }
         ReleaseGil release;
+        if constexpr (std::is_same_v<T, float>) {
+            if (half) {
+                kernels().linear_half_grads(
+                    rows, in, out, x16 ? nullptr : static_cast<const float*>(px),
+                    x16 ? static_cast<const Bits*>(px) : nullptr, ldx,
+                    w16 ? nullptr : static_cast<const float*>(pw),
+                    w16 ? static_cast<const Bits*>(pw) : nullptr, pdy, pdy16,
+                    static_cast<HalfFormat>(half), pdx, lddx, accumulate, pdw, pdb);
+                return 0;
+            }
+        }
         const KernelSet<T>& k = kernels_for<T>();
-        if (pdw || pdb) k.linear_weight_grad(rows, in, out, px, ldx, pdy, out, pdw, pdb);
-        if (pdx) k.linear_input_grad(rows, in, out, pdy, out, pw, pdx, lddx, accumulate);
+        const T* xt = static_cast<const T*>(px);
+        if (pdw || pdb) k.linear_weight_grad(rows, in, out, xt, ldx, pdy, out, pdw, pdb);
+        if (pdx)
+            k.linear_input_grad(rows, in, out, pdy, out, static_cast<const T*>(pw), pdx, lddx,
+                                accumulate);
         return 0;
-    });
+    };
+    if (half) {  // computed in float32
+        run(float{});
+        return;
+    }
+    dispatch(dy, "dy", run);
 }
 
 void bind_mha(py::module_& m) {
@@ -594,7 +626,8 @@ void bind_mha(py::module_& m) {
     m.def("mha_backward", &mha_backward, py::arg("grad_out"), py::arg("args"), py::arg("grads"),
           py::arg("state") = py::none(), py::arg("qk") = py::none(), py::arg("bf16") = false);
     m.def("linear_backward", &linear_backward, py::arg("x"), py::arg("w"), py::arg("dy"),
-          py::arg("dx"), py::arg("dw"), py::arg("db"), py::arg("accumulate") = false);
+          py::arg("dx"), py::arg("dw"), py::arg("db"), py::arg("accumulate") = false,
+          py::arg("half") = 0);
     m.def("linear_forward", &linear_forward, py::arg("x"), py::arg("w"), py::arg("b"), py::arg("y"),
           py::arg("bf16") = false, py::arg("w_half") = 0, py::arg("x_half") = false,
           py::arg("y_half") = false, py::arg("packed") = py::none());

@@ -130,6 +130,7 @@ def linear_backward(
     dw: _Optional,
     db: _Optional,
     accumulate: bool = ...,
+    half: _Int = ...,  # 1 / 2: x, w, dy given as uint16 read as float16 / bfloat16 bits
 ) -> None: ...
 def linear_forward(
     x: _Array,

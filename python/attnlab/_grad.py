@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _memory
+from . import _half, _memory
 from . import _validate as V
 
 if TYPE_CHECKING:
@@ -138,9 +138,21 @@ def linear_grads(
     """The gradients of ``y = x w + b`` (2-d, one float dtype) for ``dy``, by the C++ GEMM
     without transposed copies: ``dx = dy w^T`` (``+=`` with ``accumulate``), ``dw = x^T dy``,
     ``db`` the column sums of ``dy``, each written when given; ``x`` and ``dx`` may be views of
-    rows with a stride of their own."""
+    rows with a stride of their own. Any of ``x``, ``w``, ``dy`` in one half dtype (float16 or
+    bfloat16) is read as stored, the others float32, the outputs float32."""
     from ._loader import core
 
     if x.strides[-1] != x.itemsize:  # (rows of their own stride are read in place)
         x = _memory.contiguous(x)
-    core.linear_backward(x, _memory.contiguous(w), _memory.contiguous(dy), dx, dw, db, accumulate)
+    w, dy = _memory.contiguous(w), _memory.contiguous(dy)
+    half = next((a.dtype for a in (x, w, dy) if _half.is_half(a.dtype)), None)
+    if half is None:
+        core.linear_backward(x, w, dy, dx, dw, db, accumulate)
+        return
+
+    def stored(a: np.ndarray) -> np.ndarray:  # its bits; another half dtype widened
+        if a.dtype == half:
+            return a.view(np.uint16)
+        return _half.widen(a) if _half.is_half(a.dtype) else a
+
+    core.linear_backward(stored(x), stored(w), stored(dy), dx, dw, db, accumulate, _half.code(half))

@@ -811,7 +811,7 @@ def latent_attention(
     """
     args = _sig.arguments(locals())
     half = _half.storage(args)
-    a = _prepare(args, half if _keep is None else None)
+    a = _prepare(args, half)
     mode = V.weights_mode(return_weights)
     lse_wanted = V.check_flag(return_lse, "return_lse")
     cache_wanted = V.check_flag(return_cache, "return_cache")
@@ -869,14 +869,20 @@ def _grads(a: _Latent, st: _State | None, grad_out: Any) -> dict[str, np.ndarray
     may carry the cache's cotangent too (:func:`_cotangents`)."""
     B, n, h, dtype = a.B, a.n, a.h, a.dtype
     grad_out, g_cache = _cotangents(grad_out, a)
-    go = _grad.grad_out_rows(grad_out, a.batch + (n, a.d_out), dtype)
+    # read as stored when it is in the half dtype the output is stored in
+    out_half = a.x.dtype if _half.is_half(a.x.dtype) else None
+    go = _grad.grad_out_rows(grad_out, a.batch + (n, a.d_out), dtype, keep=out_half)
+    go = _half.from_bits(go, out_half if go.dtype == np.uint16 else None)
     given = {k: v for k, v in a.w.items() if v is not None}
-    grads = {k: _memory.zeros(v.shape, dtype) for k, v in given.items()}
-    grads["x"] = _memory.zeros(a.x.shape, dtype)
+    kernel = B * n > 0
+    new = _memory.empty if kernel else _memory.zeros  # _backward writes every element
+    grads = {k: new(v.shape, dtype) for k, v in given.items()}
+    if not kernel:
+        grads["x"] = _memory.zeros(a.x.shape, dtype)  # (else _backward's own)
     if a.cache is not None:
-        grads["cache"] = _memory.zeros(a.cache.shape, dtype)
+        grads["cache"] = new(a.cache.shape, dtype)
     logit = _grad.logit_buffers(a.m, B, h, n, a.n_k, dtype)
-    if B * n:
+    if kernel:
         if st is None:
             st = _run(a, None)[1]
         _backward(a, st, go, grads, logit, g_cache)
@@ -935,7 +941,7 @@ def _backward(
         dpre, grads["q_a_norm"][...] = _rope.rms_norm_backward(dn_, pre, rr, _w(a, "q_a_norm"))
         w_q_a = _w(a, "w_q_a")
         _grad.linear_grads(a.x, w_q_a, dpre, dx, grads["w_q_a"], grads.get("b_q_a"), True)
-    grads["x"][...] = dx
+    grads["x"] = dx
 
 
 def _core_backward(
@@ -1084,7 +1090,8 @@ def _latent_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarra
     V.weights_mode(args["return_weights"])
     V.check_flag(args["return_lse"], "return_lse")
     V.check_flag(args["return_cache"], "return_cache")
-    return _half.store_grads(_grads(_prepare(args), None, grad_out), _half.halves(args))
+    a = _prepare(args, _half.storage(args))  # half-precision arrays read as stored
+    return _half.store_grads(_grads(a, None, grad_out), _half.halves(args))
 
 
 latent_attention_backward = _sig.backward_of(
