@@ -782,15 +782,16 @@ def test_latent_backward_reads_half_arrays_as_the_float32_call(path, form, n, lo
         np.testing.assert_array_equal(pulled[name].view(np.uint8), got[name].view(np.uint8))
 
 
-def test_linear_backward_half_operands():
+@pytest.mark.parametrize("rows", [50, 300])  # within one row chunk (W^T read in blocks), and not
+def test_linear_backward_half_operands(rows):
     """core.linear_backward's half: x, w, dy given as uint16 read as bits of that format (any
     of them), the gradients float32: the float32 call's on the widened arrays, bit for bit."""
     from attnlab._loader import core
 
     rng = np.random.default_rng(4)
-    shapes = ((300, 20), (20, 36), (300, 36))
+    shapes = ((rows, 20), (20, 36), (rows, 36))
     x, w, dy = (rng.standard_normal(s).astype(np.float16) for s in shapes)
-    want = [np.empty(s, np.float32) for s in ((300, 20), (20, 36), (36,))]  # dx, dw, db
+    want = [np.empty(s, np.float32) for s in ((rows, 20), (20, 36), (36,))]  # dx, dw, db
     core.linear_backward(*(a.astype(np.float32) for a in (x, w, dy)), *want)
     for which in itertools.product([False, True], repeat=3):
         ops = [

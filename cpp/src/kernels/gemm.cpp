@@ -216,7 +216,7 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                 return;
             }
             if constexpr (std::is_same_v<T, float>) {  // so for half-precision weights too,
-                if (bh.bits && nw == W && m < MR) {    // widened as the kernel loads them
+                if (!b_transposed && bh.bits && nw == W && m < MR) {  // widened as loaded
                     const std::uint16_t* bb = bh.bits + k0 * ldb + j0;
                     if (bh.format == HalfFormat::float16)
                         detail::panel_rows<T, NP, MR, Acc, HalfFormat::float16, true>(
@@ -230,7 +230,15 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
             }
             // B^T blocks by packet transposes (a scalar gather dominated this function in the
             // attention backward)
-            if (b_transposed) {
+            if (b_transposed && bh.bits) {  // (float only) widened as transposed
+                if constexpr (std::is_same_v<T, float>) {
+                    const std::uint16_t* bb = bh.bits + j0 * ldb + k0;
+                    if (bh.format == HalfFormat::float16)
+                        detail::transpose<T, HalfFormat::float16>(nw, kc, bb, ldb, bp, W);
+                    else
+                        detail::transpose<T, HalfFormat::bfloat16>(nw, kc, bb, ldb, bp, W);
+                }
+            } else if (b_transposed) {
                 detail::transpose(nw, kc, b + j0 * ldb + k0, ldb, bp, W);
             } else if (bh.bits) {  // float only: half weights are computed in float32
                 if constexpr (std::is_same_v<T, float>)
@@ -605,7 +613,13 @@ void linear_input_grad(Index rows, Index in, Index out, const T* dy, Index lddy,
     const HalfOperands half{h.dy, nullptr, h.dx, h.format};
     if (h.dy) dy = nullptr;
     if constexpr (std::is_same_v<T, float>) {
-        if (h.w && in > 0 && out > 0) {  // W^T widened as it is transposed, for any row count
+        if (h.w && in > 0 && out > 0 && rows <= kRowChunk) {  // blocks widened as transposed
+            gemm(rows, out, in, dy, lddy, Index(1), static_cast<const T*>(nullptr), out, true,
+                 static_cast<const T*>(nullptr), dx, lddx, accumulate,
+                 HalfOperands{h.dy, h.w, h.dx, h.format});
+            return;
+        }
+        if (h.w && in > 0 && out > 0) {  // W^T once, widened as it is transposed
             auto wt = make_buffer<T>(out * in);
             transpose_rows(in, out, h.w, out, h.format, wt.get());
             gemm(rows, out, in, dy, lddy, Index(1), static_cast<const T*>(wt.get()), in, false,
