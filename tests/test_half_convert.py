@@ -425,7 +425,8 @@ def test_mha_backward_reads_half_as_stored(case, dtype, monkeypatch):
     """The MHA backward reads half-precision weights (W^T widened as it is transposed), inputs
     (widened as the forward's projections read them and as X^T is made) and ``grad_out``
     (widened by the products that read it) as stored, and rounds the inputs' gradients as
-    their last product writes them (summed in float32 first when self-attention shares them):
+    their last product writes them (summed in float32 first when self-attention shares them),
+    and the weights' gradients as their product writes them:
     every gradient is the float32 call's on the widened arrays, rounded, bit for bit, and so
     is ``attnlab.vjp``'s pullback; nothing of an input's size widened or rounded in Python."""
     import attnlab
@@ -457,6 +458,8 @@ def test_mha_backward_reads_half_as_stored(case, dtype, monkeypatch):
     )
     if "kv_batch" in case:  # broadcast inputs: the call is prepared widened, as documented
         tokens = set()
+    else:  # the weights' gradients are written in their dtype by the kernel, not rounded here
+        tokens |= {shapes[k] for k in ("w_q", "w_k", "w_v", "w_o")}
     refuse_conversions(monkeypatch, tokens)
     got = attnlab.multi_head_attention_backward(g, *inputs, **w, **kw)
     out, pullback = attnlab.vjp(attnlab.multi_head_attention, *inputs, **w, **kw)
@@ -499,6 +502,9 @@ def test_mha_args_refuse_a_bad_inputs_half():
     grads = {"query": np.empty((14, 32), np.uint16), "w_o": np.empty((32, 16), np.float32)}
     core.mha_backward(out, a.core_args(), grads)  # the backward itself runs
     assert np.isfinite(grads["query"].view(np.float16)).all()
+    bits = {"w_o": np.empty((32, 16), np.uint16)}  # a half weight's gradient as its bits too
+    core.mha_backward(out, a.core_args(), bits)
+    np.testing.assert_array_equal(bits["w_o"].view(np.float16), grads["w_o"].astype(np.float16))
     core.mha_forward(a.core_args(), out, None)  # the call itself runs, with bf16 products too
     core.mha_forward(a.core_args(), out, None, None, True)
 

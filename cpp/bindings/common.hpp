@@ -324,7 +324,16 @@ T* grad_buffer(const py::dict& grads, const char* name, const Dims& shape) {
 template <typename T>
 LinearGrad<T> linear_grad(const py::dict& grads, const Linear<T>& l, const char* wname,
                           const char* bname) {
-    return {grad_buffer<T>(grads, wname, {l.in, l.out}), grad_buffer<T>(grads, bname, {l.out})};
+    LinearGrad<T> g;
+    // a half-precision weight's gradient may be its format's bits, rounded as it is written
+    const py::object w = grads.contains(wname) ? py::object(grads[wname]) : py::none();
+    if (l.half != HalfFormat::none && py::isinstance<py::array>(w) &&
+        is_dtype<std::uint16_t>(w.cast<py::array>()))
+        g.w_half = grad_buffer<std::uint16_t>(grads, wname, {l.in, l.out});
+    else
+        g.w = grad_buffer<T>(grads, wname, {l.in, l.out});
+    g.b = grad_buffer<T>(grads, bname, {l.out});
+    return g;
 }
 
 // Calls f.template operator()<float>() or <double>() by the dtype of `a`.

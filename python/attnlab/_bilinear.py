@@ -717,15 +717,18 @@ def _bilinear_grads(
     go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype, keep=keep)
     kernel = B * a.n_q > 0  # it writes every element: buffers need no zeros when it runs
     params = {"w_qk": a.wqk, "u_k": a.uk, "w_v": a.wv, "b_v": a.bv, "w_o": a.wo, "b_o": a.bo}
-    grads = _grad.grad_buffers(params, dtype, zeroed=not kernel)
+    # half-precision w_v's and w_o's gradients written in their dtype (rounded as written)
+    in_half = {"w_v": a.half, "w_o": a.half} if a.half is not None else None
+    grads = _grad.grad_buffers(params, dtype, zeroed=not kernel, stored=in_half)
     shapes, x = a.x.shapes, a.x
     rows = {name: (B * shp[-2], shp[-1]) for name, shp in shapes.items()}
     in_dtype = dtype if keep is None else keep
     buffers = _grad.input_buffers(rows, x.key_omitted, x.value_omitted, in_dtype, not kernel)
     logit = _grad.logit_buffers(a.m, B, a.h, a.n_q, a.n_k, dtype)
     if kernel:
-        bits = {n: _half.bits(g) for n, g in buffers.items()}  # shared buffers stay shared
-        core.bilinear_backward(go2, a.core_args(), {**grads, **bits, **logit}, state)
+        # as their bits where stored in half precision (shared buffers stay shared)
+        bits = {n: _half.bits(g) for n, g in {**grads, **buffers}.items()}
+        core.bilinear_backward(go2, a.core_args(), {**bits, **logit}, state)
     inputs = _grad.input_grads(buffers, batch, shapes, x.key_omitted, x.value_omitted)
     return {**inputs, **grads, **_grad.logit_grads(logit, a.m, batch)}
 

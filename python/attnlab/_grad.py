@@ -93,13 +93,18 @@ def input_buffers(
 
 
 def grad_buffers(
-    arrays: dict[str, np.ndarray | None], dtype: np.dtype, zeroed: bool = True
+    arrays: dict[str, np.ndarray | None],
+    dtype: np.dtype,
+    zeroed: bool = True,
+    stored: Mapping[str, np.dtype] | None = None,
 ) -> dict[str, np.ndarray]:
     """Gradient buffers for the arrays given (``None``: an omitted bias, no entry); zeroed
     unless ``zeroed`` is False (for a kernel that writes every element: filling them first is a
-    cost on every training step, docs/performance.md)."""
+    cost on every training step, docs/performance.md); ``stored``: names whose gradient the
+    kernel writes in another dtype (a half-precision weight's, rounded as it is written)."""
     new = _memory.zeros if zeroed else _memory.empty
-    return {name: new(a.shape, dtype) for name, a in arrays.items() if a is not None}
+    other = stored or {}
+    return {n: new(a.shape, other.get(n, dtype)) for n, a in arrays.items() if a is not None}
 
 
 def logit_buffers(

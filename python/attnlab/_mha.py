@@ -786,7 +786,9 @@ def _mha_grads(
     inputs = {"query": a.rq, "key": a.rk, "value": a.rv}
     kernel = B * a.n_q > 0
     # the kernel writes every element: buffers need no zeros when it runs
-    grads = _grad.grad_buffers(a.w, dtype, zeroed=not kernel)
+    # half-precision weights' gradients written in their dtype (rounded as the GEMM writes them)
+    in_half = dict.fromkeys(_WEIGHTS, a.half) if a.half is not None else None
+    grads = _grad.grad_buffers(a.w, dtype, zeroed=not kernel, stored=in_half)
     shapes = {n: r.shape for n, r in inputs.items()}
     in_dtype = dtype if half is None else half
     grads.update(_grad.input_buffers(shapes, a.key_omitted, a.value_omitted, in_dtype, not kernel))

@@ -173,6 +173,8 @@ template <typename T>
 struct LinearGrad {
     T* w = nullptr;  // (in, out)
     T* b = nullptr;  // (out)
+    // or w as bits of the layer's half format (float only, half-precision weights; w null)
+    std::uint16_t* w_half = nullptr;
 };
 
 // The gradients of what ProjectedAttention holds, and those of each family; any may be null.

@@ -93,6 +93,7 @@ struct HalfGradOperands {
     std::uint16_t* dx = nullptr;        // linear_input_grad's dX (rows x in, row stride lddx)
     HalfFormat format = HalfFormat::none;
     const std::uint16_t* w = nullptr;  // linear_input_grad's W (in x out, contiguous)
+    std::uint16_t* dw = nullptr;       // linear_weight_grad's dW, written as bits (dw null)
 };
 
 // Backward of linear(): dX = dY W^T (rows x in, row stride lddx), or dX += dY W^T.

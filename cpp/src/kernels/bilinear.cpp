@@ -270,7 +270,7 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
     // Output projection.
     linear_weight_grad(rq, wc, d_out, ctx, wc, grad_out, d_out, g.w_o.w, g.w_o.b,
                        static_cast<const T*>(nullptr),
-                       detail::layer_half(p.w_o, nullptr, g.grad_out_half));
+                       detail::layer_half(p.w_o, nullptr, g.grad_out_half, g.w_o));
     auto dctx = make_buffer<T>(rq * wc);
     linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc, false,
                       detail::layer_half(p.w_o, nullptr, g.grad_out_half));
@@ -290,7 +290,8 @@ void bilinear_attention_backward(const BilinearProblem<T>& p, const T* grad_out,
 
     // Values.
     linear_weight_grad(rk, d_v, wv, p.value, d_v, dv.get(), wv, g.w_v.w, g.w_v.b,
-                       static_cast<const T*>(nullptr), detail::layer_half(p.w_v, p.value_half));
+                       static_cast<const T*>(nullptr),
+                       detail::layer_half(p.w_v, p.value_half, nullptr, g.w_v));
     if (g.value)
         linear_input_grad(rk, d_v, wv, dv.get(), wv, p.w_v.w, g.value, d_v, false,
                           detail::layer_half(p.w_v));

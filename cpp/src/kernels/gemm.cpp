@@ -660,18 +660,20 @@ void linear_weight_grad(Index rows, Index in, Index out, const T* x, Index ldx, 
     // of the depth; docs/performance.md, "Weight gradients on X^T"). The same products in the
     // same order either way: bitwise the same.
     Buffer<T> own;
-    if (dw && in > 0 && !xt && (rows > kRowChunk || h.x)) {
+    const bool want_dw = (dw || h.dw) && in > 0;  // (h.dw: rounded as each task writes it)
+    if (want_dw && !xt && (rows > kRowChunk || h.x)) {
         own = make_buffer<T>(in * rows);
         transpose_rows(rows, in, x, h.x, ldx, h.format, own.get());
         xt = own.get();
     }
-    const HalfOperands half{nullptr, h.dy, nullptr, h.format};  // dY is the B operand
+    const HalfOperands half{nullptr, h.dy, h.dw, h.format};  // dY is the B operand
     const T* b = h.dy ? nullptr : dy;
-    if (dw && in > 0 && xt)
-        gemm(in, rows, out, xt, rows, Index(1), b, lddy, false, static_cast<const T*>(nullptr), dw,
+    T* y = h.dw ? nullptr : dw;
+    if (want_dw && xt)
+        gemm(in, rows, out, xt, rows, Index(1), b, lddy, false, static_cast<const T*>(nullptr), y,
              out, false, half);
-    else if (dw && in > 0)
-        gemm(in, rows, out, x, Index(1), ldx, b, lddy, false, static_cast<const T*>(nullptr), dw,
+    else if (want_dw)
+        gemm(in, rows, out, x, Index(1), ldx, b, lddy, false, static_cast<const T*>(nullptr), y,
              out, false, half);
     if (db) {  // column sums in row order, in blocks of columns (the order does not change)
         constexpr Index kCols = 128;

@@ -155,7 +155,7 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
     // output projection: dW_o = ctx^T dY, db_o = sum dY, dctx = dY W_o^T
     linear_weight_grad(rq, wc, d_out, ctx, wc, grad_out, d_out, g.w_o.w, g.w_o.b,
                        static_cast<const T*>(nullptr),
-                       detail::layer_half(p.w_o, nullptr, g.grad_out_half));
+                       detail::layer_half(p.w_o, nullptr, g.grad_out_half, g.w_o));
     auto dctx = make_buffer<T>(rq * wc);
     linear_input_grad(rq, wc, d_out, grad_out, d_out, p.w_o.w, dctx.get(), wc, false,
                       detail::layer_half(p.w_o, nullptr, g.grad_out_half));
@@ -178,17 +178,18 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
     Buffer<T> xt;
     const bool shared = p.query == p.key && p.key == p.value && p.query_half == p.key_half &&
                         p.key_half == p.value_half;
-    if (shared && (g.w_q.w ? 1 : 0) + (g.w_k.w ? 1 : 0) + (g.w_v.w ? 1 : 0) > 1 && p.w_q.in > 0) {
+    const auto wanted = [](const LinearGrad<T>& l) { return l.w || l.w_half ? 1 : 0; };
+    if (shared && wanted(g.w_q) + wanted(g.w_k) + wanted(g.w_v) > 1 && p.w_q.in > 0) {
         xt = make_buffer<T>(p.w_q.in * rq);
         transpose_rows(rq, p.w_q.in, p.query, p.query_half, p.w_q.in, p.w_q.half, xt.get());
     }
     const T* x_t = xt.get();
     linear_weight_grad(rq, p.w_q.in, wq, p.query, p.w_q.in, dq.get(), wq, g.w_q.w, g.w_q.b, x_t,
-                       detail::layer_half(p.w_q, p.query_half));
+                       detail::layer_half(p.w_q, p.query_half, nullptr, g.w_q));
     linear_weight_grad(rk, p.w_k.in, wk, p.key, p.w_k.in, dk.get(), wk, g.w_k.w, g.w_k.b, x_t,
-                       detail::layer_half(p.w_k, p.key_half));
+                       detail::layer_half(p.w_k, p.key_half, nullptr, g.w_k));
     linear_weight_grad(rk, p.w_v.in, wv, p.value, p.w_v.in, dv.get(), wv, g.w_v.w, g.w_v.b, x_t,
-                       detail::layer_half(p.w_v, p.value_half));
+                       detail::layer_half(p.w_v, p.value_half, nullptr, g.w_v));
 
     // dX = dY W^T for value, key, query in that order. An input that is another one
     // (self-attention: key = value = query) may share its gradient buffer: the later products

@@ -29,12 +29,13 @@ void project(Index rows, const T* x, const Linear<T>& l, T* y, bool bf16,
 }
 
 // The half-precision operands of a layer's gradient products: its W as stored (widened as
-// transposed) and, when given, X's and dY's bits, in the layer's format.
+// transposed) and, when given, X's and dY's bits, in the layer's format, and g's dW as bits.
 template <typename T>
 HalfGradOperands layer_half(const Linear<T>& l, const std::uint16_t* x = nullptr,
-                            const std::uint16_t* dy = nullptr) {
+                            const std::uint16_t* dy = nullptr, const LinearGrad<T>& g = {}) {
     HalfGradOperands h{x, dy, nullptr, l.half};
     h.w = l.w_half;
+    h.dw = g.w_half;
     return h;
 }
 

@@ -205,6 +205,12 @@ CASES: dict[str, tuple[str, str, str, Callable[[Any, bool], Call]]] = {
         "B=1 n=128 d=768 h=12",
         _mha(1, 128, 768, 12),
     ),
+    "bert-backward": (  # few rows: the weights' gradients are a large share of the work
+        "BERT-base backward",
+        "B=1 n=128 d=768 h=12",
+        "B=1 n=128 d=768 h=12",
+        _mha(1, 128, 768, 12, "backward"),
+    ),
     "vit-s": ("ViT-S layer", "B=8 n=197 d=384 h=6", "B=2 n=197 d=384 h=6", _mha(8, 197, 384, 6)),
     "vit-s-weights": (
         "ViT-S + weights",
