@@ -88,7 +88,8 @@ void bilinear_forward(const BilinearArgs& a, int order, py::array out, py::objec
 // vjp passes it, after its forward filled it.
 // Half-precision weights (weights_half; and inputs, inputs_half): computed in float32, the
 // input gradients written as bits when the inputs are, grad_out read as bits when it is uint16
-// (with half-precision inputs), the weight and bias gradients float32.
+// (with half-precision inputs), the bias gradients and w_qk's float32, w_v's and w_o's written
+// as bits when given as uint16 (linear_grad), else float32.
 void bilinear_backward(py::array grad_out, const BilinearArgs& a, py::dict grads,
                        py::object state) {
     check_half_codes(a.weights_half, "inputs_half", a.inputs_half);  // before query's dtype

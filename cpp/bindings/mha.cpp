@@ -412,7 +412,8 @@ void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object
 // computed. state: only vjp passes it, after its forward filled it.
 // Half-precision weights (weights_half; and inputs, inputs_half): computed in float32, the
 // input gradients written as bits when the inputs are, grad_out read as bits when it is uint16
-// (with half-precision inputs), the weight and bias gradients float32.
+// (with half-precision inputs), the bias gradients float32, the weights' written as bits when
+// given as uint16 (linear_grad), else float32.
 // bf16 (precision="bf16", float32, no state): the recomputed forward's projections and
 // attention in bf16 as in the forward, the gradient products in float32.
 void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::object state,

@@ -712,7 +712,7 @@ def _bilinear_grads(
     attnlab.vjp) the forward is not recomputed."""
     dtype, batch, B = a.dtype, a.batch, a.B
     # half-precision weights are read as stored; with half-precision inputs grad_out in their
-    # dtype read, and their gradients written, as stored (the weights' gradients in float32)
+    # dtype read, and their gradients written, as stored (the weights' gradients: below)
     keep = a.half if a.inputs_half else None
     go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype, keep=keep)
     kernel = B * a.n_q > 0  # it writes every element: buffers need no zeros when it runs

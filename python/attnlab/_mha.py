@@ -780,7 +780,7 @@ def _mha_grads(
     bf16 products (``_rope.QkOptions``)."""
     dtype, batch, B = a.dtype, a.batch, a.B
     # half-precision inputs: grad_out in their dtype read, and their gradients written, as
-    # stored (the weights' gradients in float32)
+    # stored (the weights' gradients: below)
     half = a.half if a.inputs_half else None
     go2 = _grad.grad_out_rows(grad_out, batch + (a.n_q, a.d_out), dtype, keep=half)
     inputs = {"query": a.rq, "key": a.rk, "value": a.rv}
