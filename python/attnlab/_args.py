@@ -82,15 +82,19 @@ class Qkv(NamedTuple):
         return list(out.values())
 
     def rows(
-        self, batch: tuple[int, ...], dtype: np.dtype
+        self, batch: tuple[int, ...], dtype: np.dtype, bits: bool = False
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Contiguous ``(B * n, d)`` rows of the result dtype, shared where the inputs are."""
+        """Contiguous ``(B * n, d)`` rows of the result dtype, shared where the inputs are;
+        ``bits``: those of a half dtype as their bits (uint16), as the kernels take them."""
         B = V.count(batch)
 
         def rows_of(x: np.ndarray) -> np.ndarray:
             n, d = x.shape[-2:]
-            return V.rows(x, batch, dtype) if B * n else _memory.empty((0, d), dtype)
+            r = V.rows(x, batch, dtype) if B * n else _memory.empty((0, d), dtype)
+            return r.view(np.uint16) if bits else r
 
+        # one object per distinct input: self-attention's rows stay one array, so that vjp
+        # keeps one copy and its pullback transposes X once (not once per projection)
         rq = rows_of(self.xq)
         rk = rq if self.xk is self.xq else rows_of(self.xk)
         rv = rk if self.xv is self.xk else rows_of(self.xv)

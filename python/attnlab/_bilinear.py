@@ -342,9 +342,7 @@ class _Prepared(NamedTuple):
         if not self.inputs_half:
             return self.x.rows(self.batch, self.dtype)
         assert self.half is not None
-        rows = self.x.rows(self.batch, self.half)
-        bits = {id(r): r.view(np.uint16) for r in rows}  # shared rows stay one array
-        return bits[id(rows[0])], bits[id(rows[1])], bits[id(rows[2])]
+        return self.x.rows(self.batch, self.half, bits=True)
 
     def core_args(self) -> core.BilinearArgs:
         """The arguments core.bilinear_forward / bilinear_backward share; with ``bf16`` (the

@@ -144,7 +144,8 @@ def linear_grads(
     without transposed copies: ``dx = dy w^T`` (``+=`` with ``accumulate``), ``dw = x^T dy``,
     ``db`` the column sums of ``dy``, each written when given; ``x`` and ``dx`` may be views of
     rows with a stride of their own. Any of ``x``, ``w``, ``dy`` in one half dtype (float16 or
-    bfloat16) is read as stored, the others float32, the outputs float32."""
+    bfloat16) is read as stored, the others float32 (one of a second half dtype is refused by
+    name), the outputs float32."""
     from ._loader import core
 
     if x.strides[-1] != x.itemsize:  # (rows of their own stride are read in place)
@@ -155,9 +156,7 @@ def linear_grads(
         core.linear_backward(x, w, dy, dx, dw, db, accumulate)
         return
 
-    def stored(a: np.ndarray) -> np.ndarray:  # its bits; another half dtype widened
-        if a.dtype == half:
-            return a.view(np.uint16)
-        return _half.widen(a) if _half.is_half(a.dtype) else a
+    def stored(a: np.ndarray) -> np.ndarray:  # (another half dtype: refused by the binding)
+        return a.view(np.uint16) if a.dtype == half else a
 
     core.linear_backward(stored(x), stored(w), stored(dy), dx, dw, db, accumulate, _half.code(half))

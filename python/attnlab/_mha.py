@@ -397,11 +397,7 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     m = _args.masks(args, batch, h, n_q, n_k, dtype, 1.0 / math.sqrt(d_head))
     w = {"w_q": wq, "b_q": bq, "w_k": wk, "b_k": bk, "w_v": wv, "b_v": bv, "w_o": wo, "b_o": bo}
     if inputs_half and half is not None:  # their bits, as the kernels take them
-        rows = x.rows(batch, half)
-        # one view per distinct array: self-attention's rows stay one object, so that vjp keeps
-        # one copy and its pullback transposes X once (not once per projection)
-        bits = {id(r): r.view(np.uint16) for r in rows}
-        rq, rk, rv = (bits[id(r)] for r in rows)
+        rq, rk, rv = x.rows(batch, half, bits=True)
     else:
         rq, rk, rv = x.rows(batch, dtype)
     # Gradient keys follow the arguments given, not object identity (the rows may be shared
