@@ -421,14 +421,16 @@ def test_half_input_shared_by_q_k_v_is_the_widened_call(dtype, h_kv):
         "partial-rope-cross",
     ],
 )
-def test_mha_backward_reads_half_as_stored(case, dtype, monkeypatch):
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_mha_backward_reads_half_as_stored(case, dtype, precision, monkeypatch):
     """The MHA backward reads half-precision weights (W^T widened as it is transposed), inputs
     (widened as the forward's projections read them and as X^T is made) and ``grad_out``
     (widened by the products that read it) as stored, and rounds the inputs' gradients as
     their last product writes them (summed in float32 first when self-attention shares them),
     and the weights' gradients as their product writes them:
     every gradient is the float32 call's on the widened arrays, rounded, bit for bit, and so
-    is ``attnlab.vjp``'s pullback; nothing of an input's size widened or rounded in Python."""
+    is ``attnlab.vjp``'s pullback; nothing of an input's size widened or rounded in Python.
+    With ``precision="bf16"`` too (its forward's products round what they read)."""
     import attnlab
 
     B, n, d, h, h_kv = case["B"], case["n"], case["d"], case["h"], case["h_kv"]
@@ -444,6 +446,8 @@ def test_mha_backward_reads_half_as_stored(case, dtype, monkeypatch):
     w = {k: (rng.standard_normal(s) / 5).astype(dtype) for k, s in shapes.items()}
     g = rng.standard_normal((B, n, d)).astype(dtype if case["go"] == "half" else np.float32)
     kw = dict(num_heads=h, num_kv_heads=h_kv, causal=case.get("causal", False))
+    if precision is not None:
+        kw["precision"] = precision
     if "rope" in case:
         kw.update(rope_theta=case["rope"][0], rope_dim=case["rope"][1])
     if case.get("qk_norm"):

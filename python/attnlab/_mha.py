@@ -823,9 +823,9 @@ def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]
 def _mha_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
     # weights stored in one half dtype read as stored by the one C++ backward (and inputs stored
-    # so too, with their gradients written so, unless summed over broadcast batch axes)
-    # (precision="bf16": widened, as its products round them)
-    a = _prepare_mha(args, keep_half=args["precision"] is None)
+    # so too, with their gradients written so, unless summed over broadcast batch axes), with
+    # float32 or bf16 products alike (the forward's bf16 products round what they read)
+    a = _prepare_mha(args, keep_half=True)
     if _summed_half(a):
         a = _prepare_mha(args)
     grads = _mha_grads(a, grad_out, qk=_rope.prepare_for(a, args))
