@@ -168,14 +168,9 @@ void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, co
         AttentionGrad<T> g;
         g.d_out = const_stack<T>(check<T>(grad_out, "grad_out", {B, H, nq, dv}), grad_out);
         grad_buffers(p, d_q, d_k, d_v, d_mask, d_sinks, g, g.d_q, g.d_k, g.d_v);
+        g.recompute = recompute;  // else out and lse are the forward's (vjp)
         ReleaseGil release;
-        const KernelSet<T>& kernels = kernels_for<T>();
-        if (recompute) {                // else out and lse are the forward's (vjp)
-            AttentionProblem<T> f = p;  // bf16: the forward of the function differentiated
-            if (f.bf16 != Bf16::none) f.bf16 = Bf16::operands;
-            kernels.attention_forward(f);
-        }
-        kernels.attention_backward(p, g);
+        kernels_for<T>().attention_backward(p, g);
         return 0;
     });
 }
@@ -208,10 +203,9 @@ void sdpa_backward_half(py::array grad_out, py::array q, py::array k, py::array 
         grad_buffers(p, d_q, d_k, d_v, d_mask, d_sinks, g, g.d_q, g.d_k_half, g.d_v_half);
     else
         grad_buffers(p, d_q, d_k, d_v, d_mask, d_sinks, g, g.d_q_half, g.d_k_half, g.d_v_half);
+    g.recompute = recompute;  // out in float32: out_half is not set
     ReleaseGil release;
-    const KernelSet<float>& kernels = kernels_for<float>();
-    if (recompute) kernels.attention_forward(p);  // out in float32: out_half is not set
-    kernels.attention_backward(p, g);
+    kernels_for<float>().attention_backward(p, g);
 }
 
 // merge_attention's weighted sum: parts, a list of (rows, d) arrays of frac's dtype (or, with

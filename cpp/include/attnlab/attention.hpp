@@ -18,9 +18,10 @@ inline std::atomic<std::uint64_t> attention_copied_calls{0};
 
 // softmax(scale * q k^T + mask) v for every (batch, head); query head j reads kv head
 // j / (heads / kv_heads). Fully masked rows give a zero output row, zero weights and lse = -inf.
-// precision="bf16" (float only): q, k and v rounded to bfloat16 (operands), and in the forward
-// the probabilities too before their product with V (cpp/src/kernels/attention_bf16.hpp)
-enum class Bf16 : int { none = 0, operands = 1, probabilities = 2 };
+// precision="bf16" (float only): q, k and v rounded to bfloat16, and in the forward the
+// probabilities too before their product with V (cpp/src/kernels/attention_bf16.hpp); the
+// backward differentiates the float32 function at the rounded operands
+enum class Bf16 : int { none = 0, probabilities = 1 };
 
 // Q, K, V and the output may be stored in half precision (HalfFormat, common.hpp): read
 // converted to float (the decode path as its kernels load them, half the bytes of a float cache;
@@ -59,6 +60,9 @@ struct AttentionGrad {
     // written where a key tile is visited (zero it first), and the sinks' (batch, heads)
     T* d_mask = nullptr;
     T* d_sinks = nullptr;
+    // run attention_forward first (p.out, p.lse) at the operands differentiated: with bf16,
+    // q, k and v are rounded once for both
+    bool recompute = false;
     // Half-precision storage (float only, with AttentionProblem::half set: k, v read from its
     // *_half views, and q when q_half is given): d_k, d_v written as bits of that format through
     // these views (their float views unused), d_q so when q is (else into d_q), and d_out read

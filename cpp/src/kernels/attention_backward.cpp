@@ -405,6 +405,7 @@ void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& gi
         attention_backward(r.p, given);
         return;
     }
+    if (given.recompute) attention_forward(p);
     detail::BackwardPlan<T> plan = detail::backward_plan(p);
     const Index rows = p.batch * p.heads * p.n_q;
     auto dq_part = make_buffer<T>(plan.segments * rows * plan.dp);

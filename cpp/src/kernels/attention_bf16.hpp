@@ -46,8 +46,11 @@ void round_stack(const AttentionProblem<T>& p, Index heads, Index rows, Index co
         const T* s = src.at(t / heads, t % heads);
         T* d = base + t * rows * cols;
         for (Index i = 0; i < rows; ++i) {
-            std::copy(s + i * src.row_stride, s + i * src.row_stride + cols, d + i * cols);
-            round_bf16_inplace(d + i * cols, cols);
+            if constexpr (std::is_same_v<T, float>) {
+                round_bf16_block(s + i * src.row_stride, cols, d + i * cols);  // one pass
+            } else {
+                std::copy(s + i * src.row_stride, s + i * src.row_stride + cols, d + i * cols);
+            }
         }
     });
     dst = {base, heads * rows * cols, rows * cols, cols};
@@ -58,7 +61,6 @@ template <typename T>
 Bf16Operands<T> bf16_operands(const AttentionProblem<T>& p) {
     Bf16Operands<T> r;
     r.p = p;
-    r.p.bf16 = p.bf16 == Bf16::probabilities ? Bf16::probabilities : Bf16::none;
     round_stack(p, p.heads, p.n_q, p.d, p.q, r.q, r.p.q);
     round_stack(p, p.kv_heads, p.n_k, p.d, p.k, r.k, r.p.k);
     round_stack(p, p.kv_heads, p.n_k, p.d_v, p.v, r.v, r.p.v);

@@ -147,10 +147,15 @@ void multi_head_attention_backward(const MhaProblem<T>& p, const T* grad_out,
         a.lse = b.lse;
     } else {
         a = detail::mha_core_forward(p, b);
-        AttentionProblem<T> f = a;  // bf16: the forward of the function differentiated rounds
-        if (f.bf16 != Bf16::none) f.bf16 = Bf16::operands;  // Q, K, V only (as sdpa_backward)
-        attention_forward(f);
     }
+    // bf16: the function differentiated rounds Q, K, V only, once for its forward and backward
+    detail::Bf16Operands<T> rounded;
+    if (a.bf16 != Bf16::none) {
+        rounded = detail::bf16_operands(a);
+        rounded.p.bf16 = Bf16::none;
+        a = rounded.p;
+    }
+    if (!p.state.filled) attention_forward(a);
     const T* ctx = b.ctx;
     // output projection: dW_o = ctx^T dY, db_o = sum dY, dctx = dY W_o^T
     linear_weight_grad(rq, wc, d_out, ctx, wc, grad_out, d_out, g.w_o.w, g.w_o.b,
