@@ -744,9 +744,10 @@ def test_latent_forward_reads_half_weights_and_cache_as_the_float32_call(
 @pytest.mark.parametrize("lora", [False, True])
 def test_latent_backward_reads_half_arrays_as_the_float32_call(path, form, n, lora, monkeypatch):
     """The backward and the ``vjp`` pullback read ``x``, the projections' matrices, the cache
-    and a ``grad_out`` stored as the output is as stored too (no widening of theirs in Python;
-    the gradients are rounded on exit): every gradient is the float32 call's on the widened
-    arrays, rounded, bit for bit."""
+    and a ``grad_out`` stored as the output is as stored too (no widening of theirs in Python),
+    and the matrices' gradients that one GEMM writes are written in their dtype (not rounded in
+    Python; the others are rounded on exit): every gradient is the float32 call's on the
+    widened arrays, rounded, bit for bit."""
     _, dtype, _, _ = path
     args, kw, _, _ = _latent_case((2, n, {}))
     rng = np.random.default_rng(8)
@@ -767,7 +768,18 @@ def test_latent_backward_reads_half_arrays_as_the_float32_call(path, form, n, lo
     stored = ("w_q", "w_q_a", "w_q_b", "w_kv_a", "w_o", "cache")
     read = {half[k].shape for k in stored if k in half} | {(B, n, d), (B * n, d), go.shape}
     read |= {(B * n, go.shape[-1])}
+    by_gemm = {"w_q", "w_q_a", "w_q_b", "w_kv_a", "w_o"}  # (w_kv_b is widened on entry)
+    rounded = {a.shape for k, a in half.items() if k not in by_gemm} | {(B, n, d), (B * n, d)}
+    written = {half[k].shape for k in by_gemm if k in half} - rounded  # (shapes told apart)
+    assert written
     refuse_conversions(monkeypatch, set(), read=read)
+    store = attnlab._half.store
+
+    def refuse_store(a: np.ndarray, dt: Any) -> np.ndarray:
+        assert a.shape not in written or dt in (None, a.dtype), f"{a.shape} rounded in Python"
+        return store(a, dt)
+
+    monkeypatch.setattr(attnlab._half, "store", refuse_store)
     got = attnlab.latent_attention_backward(go, **half, **kw)
     _, pullback = attnlab.vjp(attnlab.latent_attention, **half, **kw)
     pulled = pullback(go)
@@ -785,7 +797,8 @@ def test_latent_backward_reads_half_arrays_as_the_float32_call(path, form, n, lo
 @pytest.mark.parametrize("rows", [50, 300])  # within one row chunk (W^T read in blocks), and not
 def test_linear_backward_half_operands(rows):
     """core.linear_backward's half: x, w, dy given as uint16 read as bits of that format (any
-    of them), the gradients float32: the float32 call's on the widened arrays, bit for bit."""
+    of them), the gradients float32, or dw as uint16 bits of that format: the float32 call's on
+    the widened arrays (rounded), bit for bit."""
     from attnlab._loader import core
 
     rng = np.random.default_rng(4)
@@ -802,6 +815,19 @@ def test_linear_backward_half_operands(rows):
         core.linear_backward(*ops, *got, False, 1)
         for g, e in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, e)
+        # dw as float16 bits: rounded as written, the float32 dw's bits rounded
+        dw16 = np.empty((20, 36), np.float16)
+        core.linear_backward(*ops, None, dw16.view(np.uint16), None, False, 1)
+        np.testing.assert_array_equal(
+            dw16.view(np.uint16), want[1].astype(np.float16).view(np.uint16)
+        )
+    dw16 = np.empty((20, 36), np.uint16)  # with float32 operands only the half code says how
+    core.linear_backward(*(a.astype(np.float32) for a in (x, w, dy)), None, dw16, None, False, 1)
+    np.testing.assert_array_equal(dw16, want[1].astype(np.float16).view(np.uint16))
+    with pytest.raises(TypeError, match=r"^dw: "):  # uint16 without half
+        core.linear_backward(*(a.astype(np.float32) for a in (x, w, dy)), None, dw16, None)
+    with pytest.raises(ValueError, match=r"^dw: "):
+        core.linear_backward(*ops, None, np.empty((20, 35), np.uint16), None, False, 1)
     bits = (x.view(np.uint16), w.view(np.uint16), dy.view(np.uint16))
     with pytest.raises(ValueError, match=r"^half: expected 0, 1 \(float16\) or 2"):
         core.linear_backward(*bits, *want, False, 3)

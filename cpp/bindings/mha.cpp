@@ -526,7 +526,8 @@ py::array pack_weight(py::array w) {
 // dx when accumulate), dw = x^T dy, db = column sums of dy; each output None when not wanted;
 // x and dx may have row strides of their own (latent attention's backward: no copies). With
 // half 1 / 2, computed in float32, any of x, w, dy given as uint16 read as float16 / bfloat16
-// bits (widened as the products read them; the outputs float32).
+// bits (widened as the products read them), and a uint16 dw written as such bits (rounded as
+// its tasks write it; dx and db float32).
 void linear_backward(py::array x, py::array w, py::array dy, py::object dx, py::object dw,
                      py::object db, bool accumulate, int half) {
     if (half < 0 || half > 2)
@@ -555,8 +556,12 @@ void linear_backward(py::array x, py::array w, py::array dy, py::object dx, py::
         if (!dx.is_none())
             pw = w16 ? static_cast<const void*>(contiguous<Bits>(w, "w", {in, out}))
                      : static_cast<const void*>(contiguous<T>(w, "w", {in, out}));
-        T* pdw =
-            dw.is_none() ? nullptr : contiguous<T>(dw.cast<py::array>(), "dw", {in, out}, true);
+        // with `half`, a uint16 dw is written as bits of that format (rounded as it is written)
+        const bool dw16 = half && !dw.is_none() && is_dtype<Bits>(dw.cast<py::array>());
+        T* pdw = dw.is_none() || dw16 ? nullptr
+                                      : contiguous<T>(dw.cast<py::array>(), "dw", {in, out}, true);
+        Bits* pdw16 =
+            dw16 ? contiguous<Bits>(dw.cast<py::array>(), "dw", {in, out}, true) : nullptr;
         T* pdb = db.is_none() ? nullptr : contiguous<T>(db.cast<py::array>(), "db", {out}, true);
         T* pdx = nullptr;
         Index lddx = in;
@@ -575,7 +580,7 @@ void linear_backward(py::array x, py::array w, py::array dy, py::object dx, py::
                     x16 ? static_cast<const Bits*>(px) : nullptr, ldx,
                     w16 ? nullptr : static_cast<const float*>(pw),
                     w16 ? static_cast<const Bits*>(pw) : nullptr, pdy, pdy16,
-                    static_cast<HalfFormat>(half), pdx, lddx, accumulate, pdw, pdb);
+                    static_cast<HalfFormat>(half), pdx, lddx, accumulate, pdw, pdw16, pdb);
                 return 0;
             }
         }

@@ -145,13 +145,14 @@ def linear_grads(
     ``db`` the column sums of ``dy``, each written when given; ``x`` and ``dx`` may be views of
     rows with a stride of their own. Any of ``x``, ``w``, ``dy`` in one half dtype (float16 or
     bfloat16) is read as stored, the others float32 (one of a second half dtype is refused by
-    name), the outputs float32."""
+    name); a ``dw`` of that dtype is written so (rounded as the GEMM writes it), ``dx`` and
+    ``db`` float32."""
     from ._loader import core
 
     if x.strides[-1] != x.itemsize:  # (rows of their own stride are read in place)
         x = _memory.contiguous(x)
     w, dy = _memory.contiguous(w), _memory.contiguous(dy)
-    half = next((a.dtype for a in (x, w, dy) if _half.is_half(a.dtype)), None)
+    half = next((a.dtype for a in (x, w, dy, dw) if a is not None and _half.is_half(a.dtype)), None)
     if half is None:
         core.linear_backward(x, w, dy, dx, dw, db, accumulate)
         return
@@ -159,4 +160,7 @@ def linear_grads(
     def stored(a: np.ndarray) -> np.ndarray:  # (another half dtype: refused by the binding)
         return a.view(np.uint16) if a.dtype == half else a
 
-    core.linear_backward(stored(x), stored(w), stored(dy), dx, dw, db, accumulate, _half.code(half))
+    dw_ = None if dw is None else stored(dw)
+    core.linear_backward(
+        stored(x), stored(w), stored(dy), dx, dw_, db, accumulate, _half.code(half)
+    )

@@ -876,7 +876,9 @@ def _grads(a: _Latent, st: _State | None, grad_out: Any) -> dict[str, np.ndarray
     given = {k: v for k, v in a.w.items() if v is not None}
     kernel = B * n > 0
     new = _memory.empty if kernel else _memory.zeros  # _backward writes every element
-    grads = {k: new(v.shape, dtype) for k, v in given.items()}
+    # the matrices kept in a half dtype (_READ_AS_STORED): their gradients written so by the
+    # one GEMM that makes each (linear_grads); the others rounded on exit
+    grads = {k: new(v.shape, _stored(v, dtype)) for k, v in given.items()}
     if not kernel:
         grads["x"] = _memory.zeros(a.x.shape, dtype)  # (else _backward's own)
     if a.cache is not None:

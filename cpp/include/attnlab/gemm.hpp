@@ -72,14 +72,15 @@ void linear_half_weights(Index rows, Index in, Index out, const float* x,
                          HalfFormat format, const float* b, float* y, std::uint16_t* y_half,
                          Index ldy);
 
-// linear()'s gradients, dW = X^T dY and db (when dw, db are given), then dX = dY W^T (or +=;
-// when dx is), with any of X, W, dY given as half-precision bits of `format` instead of as
-// floats (x_half, w_half, dy_half; the float pointer then null): the kernel table's entry. dY
-// contiguous (rows x out), W contiguous (in x out), X and dX rows ldx, lddx apart.
+// linear()'s gradients, dW = X^T dY and db (when dw or dw_half, db are given), then dX = dY W^T
+// (or +=; when dx is), with any of X, W, dY given as half-precision bits of `format` instead of
+// as floats (x_half, w_half, dy_half; the float pointer then null) and dW written as such bits
+// (dw_half: rounded as each task writes it): the kernel table's entry. dY contiguous (rows x
+// out), W and dW contiguous (in x out), X and dX rows ldx, lddx apart.
 void linear_half_grads(Index rows, Index in, Index out, const float* x, const std::uint16_t* x_half,
                        Index ldx, const float* w, const std::uint16_t* w_half, const float* dy,
                        const std::uint16_t* dy_half, HalfFormat format, float* dx, Index lddx,
-                       bool accumulate, float* dw, float* db);
+                       bool accumulate, float* dw, std::uint16_t* dw_half, float* db);
 
 // The operands of the gradients of linear() stored as half-precision bits (`format`), each in
 // place of its float pointer (null when that operand is float32; float kernels only): dY widened

@@ -72,12 +72,13 @@ struct KernelTable {
                                 HalfFormat format, const float* b, float* y, std::uint16_t* y_half,
                                 Index ldy);
     // linear()'s gradients in float32 with X, W, dY each given as floats or as bits of
-    // `format` (attnlab/gemm.hpp, linear_half_grads)
+    // `format`, dW written as either (attnlab/gemm.hpp, linear_half_grads)
     void (*linear_half_grads)(Index rows, Index in, Index out, const float* x,
                               const std::uint16_t* x_half, Index ldx, const float* w,
                               const std::uint16_t* w_half, const float* dy,
                               const std::uint16_t* dy_half, HalfFormat format, float* dx,
-                              Index lddx, bool accumulate, float* dw, float* db);
+                              Index lddx, bool accumulate, float* dw, std::uint16_t* dw_half,
+                              float* db);
 
     template <typename T>
     const KernelSet<T>& get() const {

@@ -599,9 +599,9 @@ void linear_half_weights(Index rows, Index in, Index out, const float* x,
 void linear_half_grads(Index rows, Index in, Index out, const float* x, const std::uint16_t* x_half,
                        Index ldx, const float* w, const std::uint16_t* w_half, const float* dy,
                        const std::uint16_t* dy_half, HalfFormat format, float* dx, Index lddx,
-                       bool accumulate, float* dw, float* db) {
-    const HalfGradOperands h{x_half, dy_half, nullptr, format, w_half};
-    if (dw || db)
+                       bool accumulate, float* dw, std::uint16_t* dw_half, float* db) {
+    const HalfGradOperands h{x_half, dy_half, nullptr, format, w_half, dw_half};
+    if (dw || dw_half || db)
         linear_weight_grad<float>(rows, in, out, x, ldx, dy, out, dw, db,
                                   static_cast<const float*>(nullptr), h);
     if (dx) linear_input_grad<float>(rows, in, out, dy, out, w, dx, lddx, accumulate, h);

@@ -142,7 +142,7 @@ def _bilinear(dt: Any, quick: bool, backward: bool = False) -> Call:
     return lambda: attnlab.bilinear_attention(x, **w)
 
 
-def _latent(dt: Any, quick: bool) -> Call:
+def _latent(dt: Any, quick: bool, backward: bool = False) -> Call:
     import attnlab
 
     from .latent import SIZES
@@ -152,6 +152,15 @@ def _latent(dt: Any, quick: bool) -> Call:
     w_q, w_kv_a, w_kv_b, w_o = _weights(
         rng, dt, (d, h * (dn + dr)), (d, r + dr), (r, h * (dn + dv)), (h * dv, d)
     )
+    if backward:  # a prefill's gradients (the weights' dominate at few tokens)
+        n = 16 if quick else 64
+        xs = rng.standard_normal((1, n, d)).astype(dt)
+        w: dict[str, Any] = dict(
+            w_q=w_q, w_kv_a=w_kv_a, kv_a_norm=np.ones(r, dt), w_kv_b=w_kv_b, w_o=w_o
+        )
+        return lambda: attnlab.latent_attention_backward(
+            xs, xs, **w, num_heads=h, rope_theta=1e4, causal=True
+        )
     cache = rng.standard_normal((1, (1024 if quick else 4096) - 1, r + dr)).astype(dt)
     x = rng.standard_normal((1, 1, d)).astype(dt)
     norm = np.ones(r, dt)
@@ -286,6 +295,12 @@ CASES: dict[str, tuple[str, str, str, Callable[[Any, bool], Call]]] = {
         lambda dt, quick: _bilinear(dt, quick, backward=True),
     ),
     "latent-decode": ("MLA decode step", "1 token after 4095", "1 token after 1023", _latent),
+    "latent-backward": (
+        "MLA backward",
+        "64 tokens",
+        "16 tokens",
+        lambda dt, quick: _latent(dt, quick, backward=True),
+    ),
 }
 
 
