@@ -705,16 +705,19 @@ def test_latent_bf16_decode_over_a_long_cache_within_bound():
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
 @pytest.mark.parametrize("n", [1, 5])  # a decoding step (one query: stacked heads), a prefill
 @pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("precision", [None, "bf16"])
 def test_latent_forward_reads_half_weights_and_cache_as_the_float32_call(
-    path, form, n, lora, monkeypatch
+    path, form, n, lora, precision, monkeypatch
 ):
     """The forward reads ``x``, its projections' matrices and the cache as stored (the GEMM
     widens ``x``'s rows as it reads them and the weights as it packs them, the cache is widened
     into the keys' array) and writes the output so (no conversion of either in Python): the
     output and the returned cache are the float32 call's on the widened arrays, rounded, bit for
-    bit."""
+    bit; with ``precision="bf16"`` too (its products round the stored values as they pack
+    them)."""
     _, dtype, _, _ = path
     args, kw, _, _ = _latent_case((2, n, {}))
+    kw = dict(kw, precision=precision)
     rng = np.random.default_rng(7)
     if lora:  # queries through w_q_a, q_a_norm, w_q_b
         d, hq = args["x"].shape[-1], args.pop("w_q").shape[1]
@@ -742,14 +745,18 @@ def test_latent_forward_reads_half_weights_and_cache_as_the_float32_call(
 @pytest.mark.parametrize("form", ["expanded", "absorbed"])
 @pytest.mark.parametrize("n", [1, 5])
 @pytest.mark.parametrize("lora", [False, True])
-def test_latent_backward_reads_half_arrays_as_the_float32_call(path, form, n, lora, monkeypatch):
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_latent_backward_reads_half_arrays_as_the_float32_call(
+    path, form, n, lora, precision, monkeypatch
+):
     """The backward and the ``vjp`` pullback read ``x``, the projections' matrices, the cache
     and a ``grad_out`` stored as the output is as stored too (no widening of theirs in Python),
     and the matrices' gradients that one GEMM writes are written in their dtype (not rounded in
     Python; the others are rounded on exit): every gradient is the float32 call's on the
-    widened arrays, rounded, bit for bit."""
+    widened arrays, rounded, bit for bit (with ``precision="bf16"`` too)."""
     _, dtype, _, _ = path
     args, kw, _, _ = _latent_case((2, n, {}))
+    kw = dict(kw, precision=precision)
     rng = np.random.default_rng(8)
     if lora:
         d, hq = args["x"].shape[-1], args.pop("w_q").shape[1]
@@ -838,6 +845,31 @@ def test_linear_backward_half_operands(rows):
                              False, 1)  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [np.float16, pytest.param("bfloat16", marks=NO_ML_DTYPES)])
+@pytest.mark.parametrize("shape", [(3, 40, 24), (70, 300, 130), (2, 1500, 900)])  # (streamed)
+def test_linear_forward_bf16_products_of_half_arrays(dtype, shape):
+    """core.linear_forward with bf16 products reads a half-precision w (and x, writes y when
+    x_half, y_half) as stored: bit for bit the bf16 products of the widened arrays, y rounded."""
+    from attnlab._loader import core
+
+    dt = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    code = 1 if dt == np.float16 else 2
+    rows, d_in, d_out = shape
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, d_in)).astype(dt)
+    w = (rng.standard_normal((d_in, d_out)) / 9).astype(dt)
+    b = rng.standard_normal(d_out).astype(np.float32)
+    want = np.empty((rows, d_out), np.float32)
+    core.linear_forward(x.astype(np.float32), w.astype(np.float32), b, want, True)
+    y = np.empty((rows, d_out), np.float32)
+    core.linear_forward(x.astype(np.float32), w.view(np.uint16), b, y, True, code)
+    np.testing.assert_array_equal(y, want)
+    y16 = np.empty((rows, d_out), dt)
+    core.linear_forward(x.view(np.uint16), w.view(np.uint16), b, y16.view(np.uint16), True,
+                        code, True, True)  # fmt: skip
+    np.testing.assert_array_equal(y16.view(np.uint16), want.astype(dt).view(np.uint16))
+
+
 def test_linear_forward_half_weights_refused_where_not_read():
     """core.linear_forward's w_half: float16 / bfloat16 bits of w, float32 x; nothing else."""
     from attnlab._loader import core
@@ -848,8 +880,6 @@ def test_linear_forward_half_weights_refused_where_not_read():
     np.testing.assert_array_equal(y, np.full((3, 5), 2.0, np.float32))
     with pytest.raises(ValueError, match=r"^w_half: expected 0, 1 \(float16\) or 2"):
         core.linear_forward(x, w.view(np.uint16), None, y, False, 3)
-    with pytest.raises(ValueError, match=r"^w_half: not with bf16"):
-        core.linear_forward(x, w.view(np.uint16), None, y, True, 1)
     with pytest.raises(TypeError, match=r"^w: "):
         core.linear_forward(x, w, None, y, False, 1)
     with pytest.raises(TypeError, match=r"^x: "):

@@ -454,7 +454,8 @@ void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::obje
 }
 
 // y = x w + b over all rows (the bench's GEMM peak and projection timings; latent attention's
-// projections). w_half 1 / 2: w given as float16 / bfloat16 bits (uint16), x, b, y float32.
+// projections). w_half 1 / 2: w given as float16 / bfloat16 bits (uint16), x, b, y float32
+// (or x, y such bits with x_half, y_half), with float32 or bf16 products.
 void linear_forward(py::array x, py::array w, py::object b, py::array y, bool bf16, int w_half,
                     bool x_half, bool y_half, py::object packed) {
     if (!packed.is_none() && (bf16 || w_half))
@@ -466,7 +467,6 @@ void linear_forward(py::array x, py::array w, py::object b, py::array y, bool bf
         if (w_half != 1 && w_half != 2)
             throw py::value_error("w_half: expected 0, 1 (float16) or 2 (bfloat16), got " +
                                   std::to_string(w_half));
-        if (bf16) throw py::value_error("w_half: not with bf16 products");
         if (x.ndim() != 2 || w.ndim() != 2) throw py::value_error("x, w: expected 2-d arrays");
         const Index rows = x.shape(0), in = x.shape(1), out = w.shape(1);
         const float* px = x_half ? nullptr : contiguous<float>(x, "x", {rows, in});
@@ -476,8 +476,8 @@ void linear_forward(py::array x, py::array w, py::object b, py::array y, bool bf
         float* py_ = y_half ? nullptr : contiguous<float>(y, "y", {rows, out}, true);
         Bits* py16 = y_half ? contiguous<Bits>(y, "y", {rows, out}, true) : nullptr;
         ReleaseGil release;
-        kernels().linear_half_weights(rows, in, out, px, px16, in, pw,
-                                      static_cast<HalfFormat>(w_half), pb, py_, py16, out);
+        (bf16 ? kernels().linear_bf16_half_weights : kernels().linear_half_weights)(
+            rows, in, out, px, px16, in, pw, static_cast<HalfFormat>(w_half), pb, py_, py16, out);
         return;
     }
     dispatch(x, "x", [&](auto tag) {

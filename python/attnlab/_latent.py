@@ -403,13 +403,9 @@ def _linear(
 ) -> np.ndarray:
     """``x w + b``, with ``w`` float16 or bfloat16 read as stored (computed in float32), and so
     ``x`` when it is stored as ``w`` is; ``y_half``: ``y`` written in ``w``'s half dtype (rounded
-    once, as the GEMM finishes each block); ``bf16``: both operands rounded to bfloat16, the
-    products summed in float32."""
+    once, as the GEMM finishes each block); ``bf16``: both operands rounded to bfloat16 (from
+    their stored values), the products summed in float32."""
     half = _half.is_half(w.dtype)
-    if half and bf16:  # bf16 products of half-precision arrays: widened (exactly) first
-        xf = _half.widen(_memory.contiguous(x)) if x.dtype == w.dtype else x
-        y = _linear(xf, _half.widen(w), b, bf16=True)
-        return _half.store(y, w.dtype) if y_half else y
     x_half = half and x.dtype == w.dtype
     y_half = half and y_half
     y = _memory.empty((x.shape[0], w.shape[1]), np.float32 if half and not y_half else w.dtype)

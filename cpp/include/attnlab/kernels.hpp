@@ -71,6 +71,11 @@ struct KernelTable {
                                 const std::uint16_t* x_half, Index ldx, const std::uint16_t* w,
                                 HalfFormat format, const float* b, float* y, std::uint16_t* y_half,
                                 Index ldy);
+    // the same with bf16 products (precision="bf16": linear_bf16's roundings)
+    void (*linear_bf16_half_weights)(Index rows, Index in, Index out, const float* x,
+                                     const std::uint16_t* x_half, Index ldx, const std::uint16_t* w,
+                                     HalfFormat format, const float* b, float* y,
+                                     std::uint16_t* y_half, Index ldy);
     // linear()'s gradients in float32 with X, W, dY each given as floats or as bits of
     // `format`, dW written as either (attnlab/gemm.hpp, linear_half_grads)
     void (*linear_half_grads)(Index rows, Index in, Index out, const float* x,

@@ -83,6 +83,7 @@ constexpr KernelTable kernel_table = {ATTNLAB_ISA_NAME,
                                       &widen_half,
                                       &narrow_half,
                                       &linear_half_weights,
+                                      &linear_bf16_half_weights,
                                       &linear_half_grads};
 
 }  // namespace attnlab::ATTNLAB_ISA_NS
