@@ -377,6 +377,46 @@ def test_backward_of_float32_queries_against_a_half_cache(
             )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"causal": "bottom_right", "return_lse": True}, {"window": (40, 3)}, {"sinks": "sinks"}],
+    ids=["plain", "causal-lse", "window", "sinks"],
+)
+def test_bf16_products_of_half_arrays_as_stored(
+    shape: tuple[int, ...], dtype: np.dtype, kw: dict[str, Any], monkeypatch
+) -> None:
+    """``precision="bf16"`` on half-precision q, k, v (and on float32 q against a half-precision
+    cache) makes no float32 copy of them in Python: the decode path rounds a bfloat16 cache's
+    blocks as it reads them, the other paths widen in C++. Bit for bit the bf16 call on the
+    widened arrays, rounded; so the weights (as stored, or their mean)."""
+    from conftest import refuse_conversions
+
+    q, k, v = _inputs(shape, dtype, seed=27)
+    if dtype != np.float16 and k.size >= 4:
+        k.reshape(-1).view(np.uint16)[:4] = [0x0001, 0x8003, 0x7FC1, 0x0000]  # subnormal, NaN
+    kw = dict(_options(kw, shape, seed=28), precision="bf16")
+    calls = [((q, k, v), kw, dtype)]
+    calls.append(((q.astype(np.float32), k, v), kw, np.dtype(np.float32)))
+    if shape[3] * shape[4]:
+        calls.extend(((q, k, v), dict(kw, return_weights=m), dtype) for m in (True, "mean"))
+    wants = [
+        attnlab.scaled_dot_product_attention(*(x.astype(np.float32) for x in a), **o)
+        for a, o, _ in calls
+    ]
+    refuse_conversions(monkeypatch, {q.shape, k.shape, v.shape})
+    gots = [attnlab.scaled_dot_product_attention(*a, **o) for a, o, _ in calls]
+    monkeypatch.undo()
+    for (_, o, stored), got, want in zip(calls, gots, wants, strict=True):
+        got_t = got if isinstance(got, tuple) else (got,)
+        want_t = want if isinstance(want, tuple) else (want,)
+        for i, (g, w) in enumerate(zip(got_t, want_t, strict=True)):
+            kind = np.dtype(np.float32) if o.get("return_lse") and i == len(got_t) - 1 else stored
+            assert g.dtype == kind and g.shape == w.shape
+            np.testing.assert_array_equal(g.view(np.uint8), w.astype(kind).view(np.uint8))
+
+
 def test_same_bits_for_any_thread_count() -> None:
     code = (
         "import numpy as np, attnlab, hashlib\n"

@@ -95,14 +95,17 @@ AttentionProblem<float> half_problem(const py::array& q, const py::array& k, con
 }
 
 // The forward with q, k, v and out in half precision (their bits as uint16 arrays; half 1:
-// float16, 2: bfloat16), computed in float32; lse float32; out and the weights, when wanted,
-// as bits or float32. q may be float32 (k and v a half-precision cache): out is then float32.
+// float16, 2: bfloat16), computed in float32 (bf16: with bf16 products); lse float32; out and
+// the weights, when wanted, as bits or float32. q may be float32 (k and v a half-precision
+// cache): out is then float32.
 void sdpa_forward_half(py::array q, py::array k, py::array v, int half, py::array out,
-                       const MaskArgs& mask, double scale, py::object lse, py::object weights) {
+                       const MaskArgs& mask, double scale, py::object lse, py::object weights,
+                       bool bf16) {
     const bool float_q = is_dtype<float>(q);
     if (float_q && !is_dtype<float>(out))
         throw py::type_error("out: float32 q writes a float32 out");
     AttentionProblem<float> p = half_problem(q, k, v, half, scale, float_q);
+    if (bf16) p.bf16 = Bf16::probabilities;
     const Index B = p.batch, H = p.heads, nq = p.n_q, nk = p.n_k, dv = p.d_v;
     using Bits = std::uint16_t;
     if (is_dtype<float>(out)) {  // kept in float32 (attnlab.vjp's forward)
@@ -605,7 +608,7 @@ void bind_mha(py::module_& m) {
           py::arg("bf16") = false);
     m.def("sdpa_forward_half", &sdpa_forward_half, py::arg("q"), py::arg("k"), py::arg("v"),
           py::arg("half"), py::arg("out"), py::arg("mask"), py::arg("scale"), py::arg("lse"),
-          py::arg("weights") = py::none());
+          py::arg("weights") = py::none(), py::arg("bf16") = false);
     m.def("sdpa_backward", &sdpa_backward, py::arg("grad_out"), py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("out"), py::arg("lse"),
           py::arg("d_q"), py::arg("d_k"), py::arg("d_v"), py::arg("recompute") = true,

@@ -67,6 +67,7 @@ def sdpa_forward_half(
     scale: _Float,
     lse: _Optional,
     weights: _Optional = ...,
+    bf16: bool = ...,
 ) -> None: ...
 def mha_bf16_fused_calls() -> int: ...  # calls of the fused bf16 MHA forward (for the tests)
 def attention_copied_calls() -> int: ...  # attention forwards on contiguous K/V copies (tests)

@@ -197,14 +197,15 @@ def scaled_dot_product_attention(
     # half-precision q, k, v are read and the output (and each head's weights) written as
     # stored (no float32 copies); for their mean over the heads the weights are kept in float32;
     # attnlab.vjp keeps the output in float32, then rounds it, for a pullback that reads q, k, v
-    # as stored too (without weights, and when no gradient is summed over broadcast batch axes)
-    half_qkv = (
-        half is not None
-        and precision is None
-        and (_keep is None or (not mode and _stacked(args["q"], args["k"], args["v"])))
+    # as stored too (without weights, and when no gradient is summed over broadcast batch axes).
+    # precision="bf16" too outside vjp (the kernel reads a bfloat16 cache as stored when
+    # decoding, and widens the arrays itself elsewhere)
+    half_qkv = half is not None and (
+        _keep is None
+        or (precision is None and not mode and _stacked(args["q"], args["k"], args["v"]))
     )
     # float32 queries against a half-precision cache: k and v read as stored, float32 result
-    half_kv = half is None and precision is None and _keep is None and _half_cache(args)
+    half_kv = half is None and _keep is None and _half_cache(args)
     a = _prepare_sdpa(args, half_qkv, half_kv)
     lse_wanted = V.check_flag(return_lse, "return_lse")
     batch, dtype, h, n_q, n_k, d_v = a.batch, a.dtype, a.h, a.n_q, a.n_k, a.d_v
@@ -226,8 +227,9 @@ def scaled_dot_product_attention(
         # the weights as bits, or in float32 (for their mean over the heads, or with float q)
         w16 = weights if weights is None or weights.dtype == dtype else weights.view(np.uint16)
         core.sdpa_forward_half(
-            q16, k16, v16, _half.code(a.k4.dtype), out16, a.m.core_mask(), a.m.scale, lse, w16
-        )
+            q16, k16, v16, _half.code(a.k4.dtype), out16, a.m.core_mask(), a.m.scale, lse, w16,
+            a.bf16,
+        )  # fmt: skip
     elif out.size or (weights is not None and weights.size) or (lse is not None and lse.size):
         core.sdpa_forward(a.q4, a.k4, a.v4, out, a.m.core_mask(), a.m.scale, weights, lse, a.bf16)
     if _keep is not None:  # (with half_qkv the caller gets a rounded copy of out: kept as is)

@@ -263,9 +263,11 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     T* pr = sc + R * kbp;
     T* acc = scratch<T>(ScratchBuffer::kDecodeAccumulator, static_cast<std::size_t>(R * dvp));
     T m[kDecodeRows], l[kDecodeRows];
-    // precision="bf16" (float32 arrays): q, and each block of K and V as it is read, rounded to
-    // bf16 here (the same bits as rounded copies of the arrays, without copying the cache)
-    constexpr bool kCanRound = std::is_same_v<T, float> && F == HalfFormat::none;
+    // precision="bf16" (float32 arrays or a bfloat16 cache): q, and each block of K and V as it
+    // is read, rounded to bf16 here (the same bits as rounded copies of the arrays, without
+    // copying the cache)
+    constexpr bool kCanRound =
+        std::is_same_v<T, float> && (F == HalfFormat::none || F == HalfFormat::bfloat16);
     const bool round = kCanRound && p.bf16 != Bf16::none;
     for (Index g = 0; g < group; ++g)
         for (Index i = 0; i < p.n_q; ++i) {
@@ -284,8 +286,8 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     using E = StoredElem<T, F>;
     const E *kbase, *vbase;
     Index ks, vs;
-    T* rounded =
-        round ? scratch<T>(ScratchBuffer::kDecodeRounded, static_cast<std::size_t>(kbp * (d + dv)))
+    E* rounded =
+        round ? scratch<E>(ScratchBuffer::kDecodeRounded, static_cast<std::size_t>(kbp * (d + dv)))
               : nullptr;
     if constexpr (F == HalfFormat::none) {
         kbase = p.k.at(b, hk);
@@ -333,8 +335,13 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                     if (round_ahead_v)
                         fetch(vblock + u * vs, round_ahead_v * vs * Index(sizeof(E)),
                               dv * Index(sizeof(E)));
-                    round_bf16_block(kblock + u * ks, d, rounded + u * d);
-                    round_bf16_block(vblock + u * vs, dv, rounded + kbp * d + u * dv);
+                    if constexpr (F == HalfFormat::none) {
+                        round_bf16_block(kblock + u * ks, d, rounded + u * d);
+                        round_bf16_block(vblock + u * vs, dv, rounded + kbp * d + u * dv);
+                    } else {  // (a bfloat16 cache: only its subnormals and NaN change)
+                        round_bf16_bits(kblock + u * ks, d, rounded + u * d);
+                        round_bf16_bits(vblock + u * vs, dv, rounded + kbp * d + u * dv);
+                    }
                 }
                 kblock = rounded;
                 vblock = rounded + kbp * d;
