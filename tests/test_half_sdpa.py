@@ -417,6 +417,52 @@ def test_bf16_products_of_half_arrays_as_stored(
             np.testing.assert_array_equal(g.view(np.uint8), w.astype(kind).view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES[:2] + SHAPES[4:7])
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "subnormal"])
+def test_bf16_backward_of_half_arrays_as_stored(
+    shape: tuple[int, ...], dtype: np.dtype, special: bool, monkeypatch
+) -> None:
+    """The ``precision="bf16"`` backward and ``vjp`` pullback of half-precision q, k, v (and the
+    backward of float32 q against a half-precision cache) make no float32 copy of them in
+    Python: bfloat16 arrays are read as stored, their own rounding (a kernel scan finds the
+    subnormals and NaN the rounding would change: then, and for float16, the kernel widens
+    them). Bit for bit the bf16 backward on the widened arrays, rounded."""
+    from conftest import refuse_conversions
+
+    q, k, v = _inputs(shape, dtype, seed=29)
+    if special:  # q's first feature subnormal (rounded to bf16: zero, and so k's gradient there)
+        q[..., 0] = np.float32(1e-39) if dtype != np.float16 else np.float16(1e-7)
+    rng = np.random.default_rng(30)
+    go = rng.standard_normal(q.shape[:-1] + v.shape[-1:]).astype(np.float32).astype(dtype)
+    kws = [{}, {"causal": "bottom_right"}, _options({"sinks": "sinks"}, shape, seed=31)]
+    calls = [(go, q, kw) for kw in kws] + [(go.astype(np.float32), q.astype(np.float32), {})]
+    wants = [
+        attnlab.scaled_dot_product_attention_backward(
+            *(a.astype(np.float32) for a in (g, qq, k, v)), **kw, precision="bf16"
+        )
+        for g, qq, kw in calls
+    ]
+    # (q's shape may be the output's, which the vjp forward keeps in float32 and rounds)
+    refuse_conversions(monkeypatch, {k.shape, v.shape}, read={q.shape})
+    for (g, qq, kw), want in zip(calls, wants, strict=True):
+        got = attnlab.scaled_dot_product_attention_backward(g, qq, k, v, **kw, precision="bf16")
+        pulled = got  # (vjp of float32 q against a half cache widens it, as without bf16)
+        if qq.dtype == dtype:
+            _, pullback = attnlab.vjp(
+                attnlab.scaled_dot_product_attention, qq, k, v, **kw, precision="bf16"
+            )
+            pulled = pullback(g)
+        assert sorted(got) == sorted(want) == sorted(pulled)
+        for name, w in want.items():
+            kind = dtype if name in ("k", "v") or (name == "q" and qq.dtype == dtype) else w.dtype
+            assert got[name].dtype == kind, name
+            np.testing.assert_array_equal(
+                got[name].view(np.uint8), w.astype(kind).view(np.uint8), err_msg=name
+            )
+            np.testing.assert_array_equal(pulled[name].view(np.uint8), got[name].view(np.uint8))
+
+
 def test_same_bits_for_any_thread_count() -> None:
     code = (
         "import numpy as np, attnlab, hashlib\n"

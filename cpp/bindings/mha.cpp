@@ -181,15 +181,17 @@ void sdpa_backward(py::array grad_out, py::array q, py::array k, py::array v, co
 // sdpa_backward with q, k, v and the gradients d_q, d_k, d_v in half precision (their bits as
 // uint16 arrays; half 1: float16, 2: bfloat16), computed in float32: grad_out as bits of the
 // same format when grad_out_half, else float32; out, lse, d_mask and d_sinks float32. q may be
-// float32 (k and v a half-precision cache): d_q is then float32, and so is grad_out.
+// float32 (k and v a half-precision cache): d_q is then float32, and so is grad_out. bf16: the
+// gradients of precision="bf16" (the float32 function at q, k, v rounded to bf16).
 void sdpa_backward_half(py::array grad_out, py::array q, py::array k, py::array v, int half,
                         const MaskArgs& mask, double scale, py::array out, py::array lse,
                         py::array d_q, py::array d_k, py::array d_v, bool grad_out_half,
-                        bool recompute, py::object d_mask, py::object d_sinks) {
+                        bool recompute, py::object d_mask, py::object d_sinks, bool bf16) {
     const bool float_q = is_dtype<float>(q);
     if (float_q && grad_out_half)
         throw py::type_error("grad_out: float32 q's output, and so its gradient, is float32");
     AttentionProblem<float> p = half_problem(q, k, v, half, scale, float_q);
+    if (bf16) p.bf16 = Bf16::probabilities;
     const Index B = p.batch, H = p.heads, nq = p.n_q, nk = p.n_k, dv = p.d_v;
     using Bits = std::uint16_t;
     float* po = contiguous<float>(out, "out", {B, H, nq, dv}, true);
@@ -617,7 +619,7 @@ void bind_mha(py::module_& m) {
           py::arg("k"), py::arg("v"), py::arg("half"), py::arg("mask"), py::arg("scale"),
           py::arg("out"), py::arg("lse"), py::arg("d_q"), py::arg("d_k"), py::arg("d_v"),
           py::arg("grad_out_half"), py::arg("recompute") = true, py::arg("d_mask") = py::none(),
-          py::arg("d_sinks") = py::none());
+          py::arg("d_sinks") = py::none(), py::arg("bf16") = false);
     m.def("merge_parts", &merge_parts, py::arg("parts"), py::arg("half"), py::arg("frac"),
           py::arg("out"));
     bind_args<MhaArgs>(m, "MhaArgs");

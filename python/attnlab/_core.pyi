@@ -113,6 +113,7 @@ def sdpa_backward_half(
     recompute: bool = ...,
     d_mask: _Optional = ...,
     d_sinks: _Optional = ...,
+    bf16: bool = ...,
 ) -> None: ...
 def merge_parts(parts: list[_Array], half: _Int, frac: _Array, out: _Array) -> None: ...
 def mha_backward(

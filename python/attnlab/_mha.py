@@ -198,11 +198,10 @@ def scaled_dot_product_attention(
     # stored (no float32 copies); for their mean over the heads the weights are kept in float32;
     # attnlab.vjp keeps the output in float32, then rounds it, for a pullback that reads q, k, v
     # as stored too (without weights, and when no gradient is summed over broadcast batch axes).
-    # precision="bf16" too outside vjp (the kernel reads a bfloat16 cache as stored when
-    # decoding, and widens the arrays itself elsewhere)
+    # precision="bf16" too (the kernel reads a bfloat16 cache as stored when decoding, and
+    # widens the arrays itself elsewhere)
     half_qkv = half is not None and (
-        _keep is None
-        or (precision is None and not mode and _stacked(args["q"], args["k"], args["v"]))
+        _keep is None or (not mode and _stacked(args["q"], args["k"], args["v"]))
     )
     # float32 queries against a half-precision cache: k and v read as stored, float32 result
     half_kv = half is None and _keep is None and _half_cache(args)
@@ -709,7 +708,7 @@ def _sdpa_grads(
             core.sdpa_backward_half(
                 go4.view(np.uint16) if go_half else go4, q16, k16, v16, _half.code(kv_half),
                 a.m.core_mask(), a.m.scale, out, lse, dq16, dk16, dv16, go_half, kept is None,
-                *d_logit,
+                *d_logit, a.bf16,
             )  # fmt: skip
     return {
         "q": _grad.unbroadcast(dq.reshape(batch + dq.shape[1:]), a.q.shape),
@@ -812,12 +811,12 @@ def _mha_grads(
 def _sdpa_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     V.weights_mode(args["return_weights"])
     # half-precision q, k, v read and dq, dk, dv written as stored, unless a gradient is summed
-    # over broadcast batch axes (in float32, then rounded)
-    exact = args["precision"] is None
+    # over broadcast batch axes (in float32, then rounded); precision="bf16" too (the kernel
+    # reads bfloat16 arrays as their own rounding, and widens the others itself)
     qkv = (args["q"], args["k"], args["v"])
-    half_qkv = exact and _half.storage(args) is not None and _stacked(*qkv)
+    half_qkv = _half.storage(args) is not None and _stacked(*qkv)
     # float32 q beside a half-precision k, v: those read, and dk, dv written, as stored
-    half_kv = exact and not half_qkv and _half_cache(args) and _stacked(*qkv)
+    half_kv = not half_qkv and _half_cache(args) and _stacked(*qkv)
     grads = _sdpa_grads(_prepare_sdpa(args, half_qkv, half_kv), grad_out)
     return _half.store_grads(grads, _half.halves(args))
 

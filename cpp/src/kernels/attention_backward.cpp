@@ -394,11 +394,66 @@ void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
     }
 }
 
+// precision="bf16" on half-precision arrays: q, k, v (and a half-precision dO) widened into
+// floats, the float32 backward at their bf16 rounding, the gradients rounded as stored: the bits
+// of the same call on the widened arrays
+inline void backward_half_widened(const AttentionProblem<float>& p,
+                                  const AttentionGrad<float>& given) {
+    const Index B = p.batch, H = p.heads, Hk = p.kv_heads;
+    AttentionProblem<float> r = p;
+    r.half = HalfFormat::none;
+    r.q_half = {};
+    r.k_half = {};
+    r.v_half = {};
+    Buffer<float> q, k, v, dout, dq, dk, dv;
+    if (p.q_half.data) widened_stack(B, H, p.n_q, p.d, p.q_half, p.half, q, r.q);
+    widened_stack(B, Hk, p.n_k, p.d, p.k_half, p.half, k, r.k);
+    widened_stack(B, Hk, p.n_k, p.d_v, p.v_half, p.half, v, r.v);
+    AttentionGrad<float> g = given;
+    g.d_out_half = {};
+    g.d_q_half = {};
+    g.d_k_half = {};
+    g.d_v_half = {};
+    if (given.d_out_half.data)
+        widened_stack(B, H, p.n_q, p.d_v, given.d_out_half, p.half, dout, g.d_out);
+    if (given.d_q_half.data) {
+        dq = make_buffer<float>(B * H * p.n_q * p.d);
+        g.d_q = {dq.get(), H * p.n_q * p.d, p.n_q * p.d, p.d};
+    }
+    dk = make_buffer<float>(B * Hk * p.n_k * p.d);
+    g.d_k = {dk.get(), Hk * p.n_k * p.d, p.n_k * p.d, p.d};
+    dv = make_buffer<float>(B * Hk * p.n_k * p.d_v);
+    g.d_v = {dv.get(), Hk * p.n_k * p.d_v, p.n_k * p.d_v, p.d_v};
+    attention_backward(r, g);
+    if (given.d_q_half.data) narrowed_stack(B, H, p.n_q, p.d, dq.get(), p.half, given.d_q_half);
+    narrowed_stack(B, Hk, p.n_k, p.d, dk.get(), p.half, given.d_k_half);
+    narrowed_stack(B, Hk, p.n_k, p.d_v, dv.get(), p.half, given.d_v_half);
+}
+
 }  // namespace detail
 
 template <typename T>
 void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& given) {
     if (p.batch <= 0 || p.kv_heads <= 0) return;
+    if constexpr (std::is_same_v<T, float>) {
+        if (p.bf16 != Bf16::none && p.half != HalfFormat::none) {
+            // bfloat16 q, k, v are their own rounding but for subnormals and NaN: read as
+            // stored when they hold none (the scan is O(n d), the backward O(n^2 d))
+            const bool as_stored =
+                p.half == HalfFormat::bfloat16 && p.q_half.data &&
+                !detail::bf16_special(p.batch, p.heads, p.n_q, p.d, p.q_half) &&
+                !detail::bf16_special(p.batch, p.kv_heads, p.n_k, p.d, p.k_half) &&
+                !detail::bf16_special(p.batch, p.kv_heads, p.n_k, p.d_v, p.v_half);
+            if (as_stored) {
+                AttentionProblem<T> e = p;
+                e.bf16 = Bf16::none;
+                attention_backward(e, given);
+            } else {
+                detail::backward_half_widened(p, given);
+            }
+            return;
+        }
+    }
     if (p.bf16 != Bf16::none) {  // differentiated in float32 at the operands rounded to bf16
         detail::Bf16Operands<T> r = detail::bf16_operands(p);
         r.p.bf16 = Bf16::none;

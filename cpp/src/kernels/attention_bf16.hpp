@@ -22,6 +22,7 @@
 #include "attnlab/attention.hpp"
 #include "attnlab/threading.hpp"
 #include "bf16.hpp"
+#include "half_convert.hpp"
 #include "nonfinite.hpp"
 #include "scratch.hpp"
 #include "softmax.hpp"
@@ -54,6 +55,49 @@ void round_stack(const AttentionProblem<T>& p, Index heads, Index rows, Index co
         }
     });
     dst = {base, heads * rows * cols, rows * cols, cols};
+}
+
+// A stack of half-precision bits (heads x rows x cols per batch element) widened exactly into a
+// contiguous float buffer, and the stack that reads it: what the bf16 kernels take in place of
+// half-precision arrays they do not read as stored.
+inline void widened_stack(Index batch, Index heads, Index rows, Index cols,
+                          const MatrixStack<const std::uint16_t>& src, HalfFormat format,
+                          Buffer<float>& buf, MatrixStack<const float>& dst) {
+    buf = make_buffer<float>(batch * heads * rows * cols);
+    parallel_for(batch * heads, [&](Index t) {
+        half_rows_to_float(src.at(t / heads, t % heads), src.row_stride, rows, cols, format,
+                           buf.get() + t * rows * cols);
+    });
+    dst = {buf.get(), heads * rows * cols, rows * cols, cols};
+}
+
+// A contiguous float stack (heads x rows x cols per batch element) rounded into half-precision
+// bits as stored.
+inline void narrowed_stack(Index batch, Index heads, Index rows, Index cols, const float* src,
+                           HalfFormat format, const MatrixStack<std::uint16_t>& dst) {
+    parallel_for(batch * heads, [&](Index t) {
+        for (Index i = 0; i < rows; ++i)
+            narrow_block(src + (t * rows + i) * cols, cols, format,
+                         dst.at(t / heads, t % heads) + i * dst.row_stride);
+    });
+}
+
+// Whether bfloat16 bits hold a subnormal or a NaN, the values rounding to bf16 changes
+inline bool bf16_special(Index batch, Index heads, Index rows, Index cols,
+                         const MatrixStack<const std::uint16_t>& s) {
+    std::atomic<bool> found{false};
+    parallel_for(batch * heads, [&](Index t) {
+        unsigned special = 0;  // (no early exit: the loop vectorises)
+        for (Index i = 0; i < rows; ++i) {
+            const std::uint16_t* row = s.at(t / heads, t % heads) + i * s.row_stride;
+            for (Index c = 0; c < cols; ++c) {
+                const unsigned e = row[c] & 0x7f80u, m = row[c] & 0x007fu;
+                special |= unsigned((e == 0 || e == 0x7f80u) && m != 0);
+            }
+        }
+        if (special) found.store(true, std::memory_order_relaxed);
+    });
+    return found.load();
 }
 
 // (r.p rounds the probabilities when p does: its operands are rounded already)

@@ -581,15 +581,6 @@ inline void decode_half(const AttentionProblem<float>& p) {
 // v widened (exactly) into floats, the float32 bf16 kernels on them, the output (and weights)
 // rounded as stored: the bits of the same call on the widened arrays
 inline void forward_half_widened(const AttentionProblem<float>& p) {
-    const auto widened = [&](const MatrixStack<const std::uint16_t>& s, Index heads, Index rows,
-                             Index cols, Buffer<float>& buf, MatrixStack<const float>& dst) {
-        buf = make_buffer<float>(p.batch * heads * rows * cols);
-        parallel_for(p.batch * heads, [&](Index t) {
-            half_rows_to_float(s.at(t / heads, t % heads), s.row_stride, rows, cols, p.half,
-                               buf.get() + t * rows * cols);
-        });
-        dst = {buf.get(), heads * rows * cols, rows * cols, cols};
-    };
     AttentionProblem<float> r = p;
     r.half = HalfFormat::none;
     r.q_half = {};
@@ -598,9 +589,9 @@ inline void forward_half_widened(const AttentionProblem<float>& p) {
     r.out_half = {};
     r.weights_half = nullptr;
     Buffer<float> q, k, v, out, weights;
-    if (p.q_half.data) widened(p.q_half, p.heads, p.n_q, p.d, q, r.q);
-    widened(p.k_half, p.kv_heads, p.n_k, p.d, k, r.k);
-    widened(p.v_half, p.kv_heads, p.n_k, p.d_v, v, r.v);
+    if (p.q_half.data) widened_stack(p.batch, p.heads, p.n_q, p.d, p.q_half, p.half, q, r.q);
+    widened_stack(p.batch, p.kv_heads, p.n_k, p.d, p.k_half, p.half, k, r.k);
+    widened_stack(p.batch, p.kv_heads, p.n_k, p.d_v, p.v_half, p.half, v, r.v);
     const Index rows = p.batch * p.heads * p.n_q;
     if (p.out_half.data) {
         out = make_buffer<float>(rows * p.d_v);
@@ -612,12 +603,7 @@ inline void forward_half_widened(const AttentionProblem<float>& p) {
     }
     attention_forward(r);
     if (p.out_half.data)
-        parallel_for(p.batch * p.heads, [&](Index t) {
-            const Index b = t / p.heads, h = t % p.heads;
-            for (Index i = 0; i < p.n_q; ++i)
-                narrow_block(r.out.at(b, h) + i * p.d_v, p.d_v, p.half,
-                             p.out_half.at(b, h) + i * p.out_half.row_stride);
-        });
+        narrowed_stack(p.batch, p.heads, p.n_q, p.d_v, out.get(), p.half, p.out_half);
     if (p.weights_half)
         parallel_for(rows, [&](Index i) {
             narrow_block(weights.get() + i * p.n_k, p.n_k, p.half, p.weights_half + i * p.n_k);
