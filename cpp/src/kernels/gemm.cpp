@@ -317,18 +317,32 @@ template <typename T>
 void pack_rows(const T* b, const HalfB& bh, Index ldb, Index depth, Index whole, Index t0, Index t1,
                T* dst) {
     constexpr Index W = detail::panel_width<T>();
-    for (Index t = t0; t < t1; ++t)
-        for (Index p = 0; p < whole; ++p) {
-            if constexpr (std::is_same_v<T, float>) {
-                if (bh.bits) {  // half-precision weights widened as they are packed
-                    detail::half_to_float(bh.bits + t * ldb + p * W, W, bh.format,
-                                          dst + (p * depth + t) * W);
-                    continue;
-                }
-            }
-            // a copy of constant size, inlined (std::copy called memmove for each panel row)
-            std::memcpy(dst + (p * depth + t) * W, b + t * ldb + p * W, sizeof(T) * W);
+    if constexpr (std::is_same_v<T, float>) {
+        // half-precision weights widened as they are packed, a packet at a time (the format
+        // chosen once, not per panel row)
+        const auto widened = [&](auto format) {
+            constexpr HalfFormat F = decltype(format)::value;
+            constexpr Index L = detail::packet_size<T>();
+            for (Index t = t0; t < t1; ++t)
+                for (Index p = 0; p < whole; ++p)
+                    for (Index c = 0; c < W; c += L)
+                        Eigen::internal::pstoreu(
+                            dst + (p * depth + t) * W + c,
+                            detail::load_stored_packet<T, F>(bh.bits + t * ldb + p * W + c));
+        };
+        if (bh.bits && bh.format == HalfFormat::float16) {
+            widened(std::integral_constant<HalfFormat, HalfFormat::float16>{});
+            return;
         }
+        if (bh.bits) {
+            widened(std::integral_constant<HalfFormat, HalfFormat::bfloat16>{});
+            return;
+        }
+    }
+    // a copy of constant size, inlined (std::copy called memmove for each panel row)
+    for (Index t = t0; t < t1; ++t)
+        for (Index p = 0; p < whole; ++p)
+            std::memcpy(dst + (p * depth + t) * W, b + t * ldb + p * W, sizeof(T) * W);
 }
 
 // Y (rows x cols, row stride ldy) = A B (+ bias), or Y += A B when accumulate. Tasks:
