@@ -318,23 +318,13 @@ inline void linear_bf16_half_weights(Index rows, Index in, Index out, const floa
                                      const std::uint16_t* x_half, Index ldx, const std::uint16_t* w,
                                      HalfFormat format, const float* b, float* y,
                                      std::uint16_t* y_half, Index ldy) {
-    Linear<float> l;
-    l.w_half = w;
-    l.half = format;
-    l.b = b;
-    l.in = in;
-    l.out = out;
+    const Linear<float> l{/*w=*/nullptr, b, in, out, /*w_half=*/w, format};
     linear_bf16(rows, x, ldx, l, y, ldy, HalfOperands{x_half, nullptr, y_half, format});
 }
 
 inline void linear_bf16(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,
                         const float* b, float* y, Index ldy) {
-    Linear<float> l;
-    l.w = w;
-    l.b = b;
-    l.in = in;
-    l.out = out;
-    linear_bf16(rows, x, ldx, l, y, ldy);
+    linear_bf16(rows, x, ldx, Linear<float>{w, b, in, out}, y, ldy);
 }
 
 }  // namespace attnlab::ATTNLAB_ISA_NS
