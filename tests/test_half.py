@@ -1065,6 +1065,60 @@ def test_pooled_backward_reads_and_writes_half_as_the_float32_call_rounds(
         )
 
 
+@NO_ML_DTYPES
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "subnormal"])
+@pytest.mark.parametrize("family", ["additive-official", "additive-hf", "separable"])
+def test_pooled_bf16_backward_of_bfloat16_arrays_as_stored(family, special, monkeypatch):
+    """``precision="bf16"`` differentiates the float32 function at x and the weight matrices
+    rounded to bfloat16: bfloat16 ones without subnormals or NaN are their own rounding and are
+    read as stored (no conversion in Python); with a subnormal (which the rounding flushes) they
+    are widened and rounded first. Either way the bits of the call on the widened arrays."""
+    from attnlab._loader import core
+
+    dtype = np.dtype(ml_dtypes.bfloat16)
+    B, n, d = 2, 129, 40
+    if family == "separable":
+        args, _ = _separable_case((B, n, d, d))
+        fn, kw = attnlab.separable_attention_backward, {}
+    else:
+        args, kw = _additive_case((B, n, d, 32), family.split("-")[1])
+        fn = attnlab.additive_attention_backward
+    half = _cast(args, dtype)
+    if special:
+        half["x"].reshape(-1)[7] = np.float32(1e-39)
+    bits = half["x"].view(np.uint16)
+    assert core.bf16_special(bits) == special
+    g = np.random.default_rng(6).standard_normal((B, n, d)).astype(dtype)
+    want = fn(g.astype(np.float32), **_cast(half, np.dtype(np.float32)), **kw, precision="bf16")
+    if not special:
+        refuse_conversions(monkeypatch, {(B, n, d), (B * n, d)})
+    got = fn(g, **half, **kw, precision="bf16")
+    monkeypatch.undo()
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == dtype, name
+        np.testing.assert_array_equal(
+            got[name].view(np.uint16), want[name].astype(dtype).view(np.uint16), err_msg=name
+        )
+
+
+def test_bf16_special_finds_subnormals_and_nan():
+    """core.bf16_special: bfloat16 bits holding a subnormal or a NaN (what rounding to bf16
+    changes); zeros, infinities and normal numbers are their own rounding."""
+    from attnlab._loader import core
+
+    ordinary = np.array([0x0000, 0x8000, 0x7F80, 0xFF80, 0x0080, 0x3F80, 0x7F7F] * 300, np.uint16)
+    assert not core.bf16_special(ordinary)
+    for odd in (0x0001, 0x807F, 0x7FC0, 0xFF81, 0x7F81):
+        for at in (0, 1000, ordinary.size - 1):
+            a = ordinary.copy()
+            a[at] = odd
+            assert core.bf16_special(a), (hex(odd), at)
+    assert not core.bf16_special(np.empty(0, np.uint16))
+    with pytest.raises(TypeError, match=r"^bits: expected a C-contiguous uint16"):
+        core.bf16_special(ordinary.astype(np.int32))
+
+
 def test_pooled_half_bits_are_refused_where_not_read():
     """The bindings' ``half`` field: x (and the backward's x gradient) as bits; a state, when
     given, complete."""

@@ -50,9 +50,18 @@ void narrow_half(const py::array& src, const py::array& dst, int half) {
     kernels().narrow_half(s, static_cast<Index>(src.size()), format, d);
 }
 
+// whether bits (uint16 of bfloat16) hold a subnormal or a NaN, the values rounding to bf16
+// changes: the others are their own rounding
+bool bf16_special(const py::array& bits) {
+    const auto* s = flat<std::uint16_t>(bits, "bits", bits.size());
+    ReleaseGil release;
+    return kernels().bf16_special(s, static_cast<Index>(bits.size()));
+}
+
 }  // namespace
 
 void bind_half(py::module_& m) {
+    m.def("bf16_special", &bf16_special, py::arg("bits"));
     m.def("widen_half", &widen_half, py::arg("src"), py::arg("dst"), py::arg("half"));
     m.def("narrow_half", &narrow_half, py::arg("src"), py::arg("dst"), py::arg("half"));
 }

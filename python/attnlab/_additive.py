@@ -305,14 +305,15 @@ _ADDITIVE_BACKWARD_DOC = """\
 
 def _additive_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     # half-precision x, weight matrices (and grad_out) read, and x's gradient written, as
-    # stored (widened first for precision="bf16", whose float32 backward reads the rounded
-    # copies)
-    half = _half.storage(args) if args["precision"] is None else None
+    # stored; precision="bf16" differentiates the float32 function at x and the matrices
+    # rounded to bfloat16: bfloat16 ones are their own rounding (without subnormals and NaN),
+    # others are widened and rounded first
+    rounded = ("x", "w_q", "w_k", "w_proj", "w_final")
+    own = args["precision"] is not None and _half.own_bf16_rounding(args, rounded)
+    half = _half.storage(args) if args["precision"] is None or own else None
     a = _prepare_additive(args, half, half_weights=True)
-    if a["bf16"]:
-        a["arrays"] = _args.pooled_bf16_operands(
-            a["arrays"], ("x", "w_q", "w_k", "w_proj", "w_final")
-        )
+    if a["bf16"] and not own:
+        a["arrays"] = _args.pooled_bf16_operands(a["arrays"], rounded)
     return _half.store_grads(_additive_grads(a, grad_out), _half.halves(args))
 
 

@@ -140,6 +140,18 @@ def store_grads(grads: dict[str, np.ndarray], hs: Mapping[str, np.dtype]) -> dic
     return {n: store(g, hs[n]) if n in hs else g for n, g in grads.items()}
 
 
+def own_bf16_rounding(args: Mapping[str, Any], names: Iterable[str]) -> bool:
+    """Whether the arrays ``names`` of ``args`` (those given) are bfloat16 ndarrays holding no
+    subnormal and no NaN: then rounding them to bfloat16 (``precision="bf16"``, as
+    :func:`rounded_bf16`) leaves every value as it is, and they are read as stored."""
+    given = [args[n] for n in names if args[n] is not None]
+    if not given or not all(type(a) is np.ndarray and is_half(a.dtype) for a in given):
+        return False
+    if any(code(a.dtype) != 2 for a in given):  # float16 is rounded
+        return False
+    return not any(core.bf16_special(np.ascontiguousarray(a).view(np.uint16)) for a in given)
+
+
 def rounded_bf16(*arrays: np.ndarray) -> list[np.ndarray]:
     """float32 ``arrays`` rounded to the nearest bfloat16 (ties to even), as float32 copies:
     subnormals to signed zero, NaN and Inf kept (the kernels' rounding, ``round_bf16`` in

@@ -225,12 +225,13 @@ _SEPARABLE_BACKWARD_DOC = """\
 
 def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     # half-precision x, weight matrices (and grad_out) read, and x's gradient written, as
-    # stored (widened first for precision="bf16", whose float32 backward reads the rounded
-    # copies)
-    half = _half.storage(args) if args["precision"] is None else None
+    # stored; precision="bf16" as in additive attention's backward
+    rounded = ("x", "w_qkv", "w_o")
+    own = args["precision"] is not None and _half.own_bf16_rounding(args, rounded)
+    half = _half.storage(args) if args["precision"] is None or own else None
     a = _prepare_separable(args, half, half_weights=True)
-    if a["bf16"]:
-        a["arrays"] = _args.pooled_bf16_operands(a["arrays"], ("x", "w_qkv", "w_o"))
+    if a["bf16"] and not own:
+        a["arrays"] = _args.pooled_bf16_operands(a["arrays"], rounded)
     return _half.store_grads(_separable_grads(a, grad_out), _half.halves(args))
 
 

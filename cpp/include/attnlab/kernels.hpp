@@ -65,6 +65,8 @@ struct KernelTable {
     // float16 / bfloat16 bits (format) to float32 and back, n elements, as NumPy casts them
     void (*widen_half)(const std::uint16_t* src, Index n, HalfFormat format, float* dst);
     void (*narrow_half)(const float* src, Index n, HalfFormat format, std::uint16_t* dst);
+    // whether n bfloat16 bits hold a subnormal or a NaN (what rounding to bf16 changes)
+    bool (*bf16_special)(const std::uint16_t* src, Index n);
     // y = x w + b in float32 with w given as float16 / bfloat16 bits (format), widened as
     // packed; x and y as bits of that format too when x_half, y_half are given (x, y null)
     void (*linear_half_weights)(Index rows, Index in, Index out, const float* x,

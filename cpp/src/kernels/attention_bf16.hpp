@@ -87,14 +87,10 @@ inline bool bf16_special(Index batch, Index heads, Index rows, Index cols,
                          const MatrixStack<const std::uint16_t>& s) {
     std::atomic<bool> found{false};
     parallel_for(batch * heads, [&](Index t) {
-        unsigned special = 0;  // (no early exit: the loop vectorises)
-        for (Index i = 0; i < rows; ++i) {
-            const std::uint16_t* row = s.at(t / heads, t % heads) + i * s.row_stride;
-            for (Index c = 0; c < cols; ++c) {
-                const unsigned e = row[c] & 0x7f80u, m = row[c] & 0x007fu;
-                special |= unsigned((e == 0 || e == 0x7f80u) && m != 0);
-            }
-        }
+        bool special = false;
+        for (Index i = 0; i < rows; ++i)
+            special =
+                bf16_bits_special(s.at(t / heads, t % heads) + i * s.row_stride, cols) || special;
         if (special) found.store(true, std::memory_order_relaxed);
     });
     return found.load();

@@ -57,6 +57,17 @@ inline void round_bf16_bits(const std::uint16_t* src, Index n, std::uint16_t* ds
     }
 }
 
+// Whether n bfloat16 bits hold a subnormal or a NaN, the values round_bf16_bits changes (no
+// early exit, so that the loop vectorises)
+inline bool bf16_bits_special(const std::uint16_t* src, Index n) {
+    unsigned special = 0;
+    for (Index i = 0; i < n; ++i) {
+        const unsigned e = src[i] & 0x7f80u, m = src[i] & 0x007fu;
+        special |= unsigned((e == 0 || e == 0x7f80u) && m != 0);
+    }
+    return special != 0;
+}
+
 // x[0, n) rounded in place (float only: precision="bf16" takes float32 operands)
 template <typename T>
 void round_bf16_inplace(T* x, Index n) {

@@ -3,6 +3,7 @@
 // (exact one way; round to nearest even the other, subnormals kept, NaN kept as NaN): the way in
 // of half-precision arrays and the way out of their results, on the thread pool.
 
+#include <atomic>
 #include <cstdint>
 
 #include "attnlab/attention.hpp"
@@ -82,6 +83,18 @@ inline void widen_half(const std::uint16_t* src, Index n, HalfFormat format, flo
         const Index i0 = t * detail::kConvertBlock;
         detail::half_to_float(src + i0, std::min(detail::kConvertBlock, n - i0), format, dst + i0);
     });
+}
+
+// Whether n bfloat16 bits hold a subnormal or a NaN (what rounding to bf16 would change)
+inline bool bf16_special(const std::uint16_t* src, Index n) {
+    const Index tasks = (n + detail::kConvertBlock - 1) / detail::kConvertBlock;
+    std::atomic<bool> found{false};
+    parallel_for(tasks, [&](Index t) {
+        const Index i0 = t * detail::kConvertBlock;
+        if (detail::bf16_bits_special(src + i0, std::min(detail::kConvertBlock, n - i0)))
+            found.store(true, std::memory_order_relaxed);
+    });
+    return found.load();
 }
 
 // dst[i] = src[i] rounded to the half format, for i < n

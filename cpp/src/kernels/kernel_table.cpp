@@ -82,6 +82,7 @@ constexpr KernelTable kernel_table = {ATTNLAB_ISA_NAME,
                                       &decode_prefetch,
                                       &widen_half,
                                       &narrow_half,
+                                      &bf16_special,
                                       &linear_half_weights,
                                       &linear_bf16_half_weights,
                                       &linear_half_grads};
