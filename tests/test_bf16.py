@@ -116,6 +116,28 @@ def test_bf16_decode_rounds_the_cache_as_it_reads_it(shape):
         attnlab.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("shape", [(1, 8, 8, 1, 1500, 64), (2, 8, 2, 3, 300, 40)])
+def test_bf16_decode_is_the_call_on_rounded_arrays(shape):
+    """The decode kernels round K and V as they load them: the same bits as the call on the
+    arrays rounded first (rounding twice is rounding once), with ties, subnormals, NaN and
+    infinities among the keys and values."""
+    B, h, hk, n_q, n_k, d = shape
+    rng = np.random.default_rng(n_k + d)
+    q, k, v = (
+        rng.standard_normal(s).astype(np.float32)
+        for s in ((B, h, n_q, d), (B, hk, n_k, d), (B, hk, n_k, d))
+    )
+    odd = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1e-39, -3e-40, 3.4e38], np.float32)
+    for a in (k, v):
+        a[0, 0, :6, 0] = odd  # ties to even, subnormals, a finite value that rounds to inf
+        a[0, 0, 7, 1] = np.nan
+        a[0, -1, 9, 2] = -np.inf
+    got = attnlab.scaled_dot_product_attention(q, k, v, precision="bf16")
+    rounded = [np.asarray(_bf16(a), np.float32) for a in (q, k, v)]
+    want = attnlab.scaled_dot_product_attention(*rounded, precision="bf16")
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_linear_bf16_rounding_edges():
     """Ties to even, subnormals to zero, NaN and Inf through."""
     x = np.array([[1 + 2**-8, 1 + 3 * 2**-8, 1e-39, np.inf]], np.float32)

@@ -388,14 +388,17 @@ def test_bf16_products_of_half_arrays_as_stored(
     shape: tuple[int, ...], dtype: np.dtype, kw: dict[str, Any], monkeypatch
 ) -> None:
     """``precision="bf16"`` on half-precision q, k, v (and on float32 q against a half-precision
-    cache) makes no float32 copy of them in Python: the decode path rounds a bfloat16 cache's
-    blocks as it reads them, the other paths widen in C++. Bit for bit the bf16 call on the
+    cache) makes no float32 copy of them in Python: the decode path rounds a half-precision
+    cache's blocks as it reads them, the other paths widen in C++. Bit for bit the bf16 call on the
     widened arrays, rounded; so the weights (as stored, or their mean)."""
     from conftest import refuse_conversions
 
     q, k, v = _inputs(shape, dtype, seed=27)
-    if dtype != np.float16 and k.size >= 4:
-        k.reshape(-1).view(np.uint16)[:4] = [0x0001, 0x8003, 0x7FC1, 0x0000]  # subnormal, NaN
+    if k.size >= 4:  # subnormals, a NaN, and float16's largest (65504: 65536 in bf16)
+        odd = (
+            [0x0001, 0x8003, 0x7FC1, 0x0000] if dtype != np.float16 else [1, 0x8003, 0x7E01, 0x7BFF]
+        )
+        k.reshape(-1).view(np.uint16)[:4] = odd
     kw = dict(_options(kw, shape, seed=28), precision="bf16")
     calls = [((q, k, v), kw, dtype)]
     calls.append(((q.astype(np.float32), k, v), kw, np.dtype(np.float32)))

@@ -577,9 +577,9 @@ inline void decode_half(const AttentionProblem<float>& p) {
                              p.out_half.at(b, h) + i * p.out_half.row_stride);
 }
 
-// precision="bf16" on half-precision arrays outside the decode path of a bfloat16 cache: q, k,
-// v widened (exactly) into floats, the float32 bf16 kernels on them, the output (and weights)
-// rounded as stored: the bits of the same call on the widened arrays
+// precision="bf16" on half-precision arrays outside the decode path: q, k, v widened (exactly)
+// into floats, the float32 bf16 kernels on them, the output (and weights) rounded as stored:
+// the bits of the same call on the widened arrays
 inline void forward_half_widened(const AttentionProblem<float>& p) {
     AttentionProblem<float> r = p;
     r.half = HalfFormat::none;
@@ -617,10 +617,9 @@ void attention_forward(const AttentionProblem<T>& p) {
     if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
     if constexpr (std::is_same_v<T, float>) {
         if (p.half != HalfFormat::none) {
-            // bf16 products read a bfloat16 cache as stored on the decode path (it rounds each
-            // block as it reads it); elsewhere the half-precision arrays are widened first
-            if (p.bf16 != Bf16::none &&
-                !(p.half == HalfFormat::bfloat16 && detail::use_decode(p))) {
+            // bf16 products read a half-precision cache as stored on the decode path (it rounds
+            // each block as it reads it); elsewhere the half-precision arrays are widened first
+            if (p.bf16 != Bf16::none && !detail::use_decode(p)) {
                 detail::forward_half_widened(p);
                 return;
             }

@@ -47,18 +47,8 @@ inline void round_bf16_block(const float* src, Index n, float* dst) {
     for (Index i = 0; i < n; ++i) dst[i] = round_bf16(src[i]);
 }
 
-// dst = round_bf16(src) on bfloat16 bits: the identity but for subnormals (to signed zero) and
-// NaN (quietened), as round_bf16 treats the same values given as floats
-inline void round_bf16_bits(const std::uint16_t* src, Index n, std::uint16_t* dst) {
-    for (Index i = 0; i < n; ++i) {
-        const std::uint16_t b = src[i];
-        const std::uint16_t r = (b & 0x7fffu) > 0x7f80u ? std::uint16_t(b | 0x0040u) : b;
-        dst[i] = (b & 0x7f80u) == 0 ? std::uint16_t(b & 0x8000u) : r;
-    }
-}
-
-// Whether n bfloat16 bits hold a subnormal or a NaN, the values round_bf16_bits changes (no
-// early exit, so that the loop vectorises)
+// Whether n bfloat16 bits hold a subnormal or a NaN, the values round_bf16 changes (no early
+// exit, so that the loop vectorises)
 inline bool bf16_bits_special(const std::uint16_t* src, Index n) {
     unsigned special = 0;
     for (Index i = 0; i < n; ++i) {
@@ -66,6 +56,70 @@ inline bool bf16_bits_special(const std::uint16_t* src, Index n) {
         special |= unsigned((e == 0 || e == 0x7f80u) && m != 0);
     }
     return special != 0;
+}
+
+// round_bf16 of each lane of a packet of floats, widened from F: bfloat16 values change only
+// where subnormal or NaN, float16 ones are never float32 subnormals
+template <HalfFormat F>
+PacketOf<float> round_bf16_packet(PacketOf<float> x) {
+#if defined(__AVX512F__)
+    static_assert(packet_size<float>() == 16);
+    const __m512i u = _mm512_castps_si512(x), high = _mm512_set1_epi32(int(0xffff0000u));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    __m512i r = u;
+    if constexpr (F != HalfFormat::bfloat16) {
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
+        r = _mm512_and_si512(_mm512_add_epi32(u, bias), high);
+    }
+    r = _mm512_mask_and_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), high);
+    if constexpr (F != HalfFormat::float16) {
+        const __mmask16 tiny = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000));
+        r = _mm512_mask_and_epi32(r, tiny, u, _mm512_set1_epi32(int(0x80000000u)));
+    }
+    return _mm512_castsi512_ps(r);
+#elif defined(__AVX2__)
+    static_assert(packet_size<float>() == 8);
+    const __m256i u = _mm256_castps_si256(x), high = _mm256_set1_epi32(int(0xffff0000u));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    __m256i r = u;
+    if constexpr (F != HalfFormat::bfloat16) {
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff));
+        r = _mm256_and_si256(_mm256_add_epi32(u, bias), high);
+    }
+    const __m256i quiet = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), high);
+    r = _mm256_blendv_epi8(r, quiet, nan);
+    if constexpr (F != HalfFormat::float16) {
+        const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f800000)),
+                                                _mm256_setzero_si256());
+        const __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32(int(0x80000000u)));
+        r = _mm256_blendv_epi8(r, sign, tiny);
+    }
+    return _mm256_castsi256_ps(r);
+#else
+    constexpr Index L = packet_size<float>();
+    alignas(64) float lanes[L];
+    Eigen::internal::pstore(lanes, x);
+    for (Index i = 0; i < L; ++i) lanes[i] = round_bf16(lanes[i]);
+    return Eigen::internal::pload<PacketOf<float> >(lanes);
+#endif
+}
+
+// An operand as stored (load_stored_packet, load_stored), rounded to bf16 with B (float only:
+// precision="bf16" reads an array so where it is, without a rounded copy)
+template <typename T, HalfFormat F, bool B>
+PacketOf<T> load_operand_packet(const StoredElem<T, F>* x) {
+    if constexpr (B) return round_bf16_packet<F>(load_stored_packet<T, F>(x));
+    return load_stored_packet<T, F>(x);
+}
+
+template <typename T, HalfFormat F, bool B>
+T load_operand(const StoredElem<T, F>* x) {
+    if constexpr (B) return round_bf16(load_stored<T, F>(x));
+    return load_stored<T, F>(x);
 }
 
 // x[0, n) rounded in place (float only: precision="bf16" takes float32 operands)

@@ -84,7 +84,7 @@ struct DecodeParts {
 // s[r * ss + u] = q_r . k_u for RB rows (q_r at q + r * d) and KB keys (k_u at k + u * ks):
 // RB x KB independent FMA chains over the head width; the sum of each is the same whatever
 // the block, so every row gets the same scores however the rows are grouped.
-template <typename T, HalfFormat F, int RB, int KB, Fetch P>
+template <typename T, HalfFormat F, bool B, int RB, int KB, Fetch P>
 void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s, Index ss,
                  Index ahead) {
     namespace ei = Eigen::internal;
@@ -101,7 +101,7 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
         for (int u = 0; u < KB; ++u) a[r][u] = ei::pset1<Packet>(T(0));
     for (Index c = 0; c < dw; c += L) {
         Packet x[KB];
-        for (int u = 0; u < KB; ++u) x[u] = load_stored_packet<T, F>(k + u * ks + c);
+        for (int u = 0; u < KB; ++u) x[u] = load_operand_packet<T, F, B>(k + u * ks + c);
         for (int r = 0; r < RB; ++r) {
             const Packet y = ei::ploadu<Packet>(q + r * d + c);
             for (int u = 0; u < KB; ++u) a[r][u] = ei::pmadd(y, x[u], a[r][u]);
@@ -135,7 +135,7 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
                 for (int u = 0; u < 4; ++u) {
                     T tail = s[r * ss + u];
                     for (Index c = dw; c < d; ++c)
-                        tail = mul_add(q[r * d + c], load_stored<T, F>(k + u * ks + c), tail);
+                        tail = mul_add(q[r * d + c], load_operand<T, F, B>(k + u * ks + c), tail);
                     s[r * ss + u] = tail;
                 }
         return;
@@ -145,7 +145,7 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
         for (int u = 0; u < KB; ++u) {
             T t = ei::predux(a[r][u]);
             for (Index c = dw; c < d; ++c)
-                t = mul_add(q[r * d + c], load_stored<T, F>(k + u * ks + c), t);
+                t = mul_add(q[r * d + c], load_operand<T, F, B>(k + u * ks + c), t);
             s[r * ss + u] = t;
         }
 }
@@ -155,13 +155,13 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
 #endif
 
 // decode_dots for `rows` <= RB rows
-template <typename T, HalfFormat F, int RB, int KB, Fetch P>
+template <typename T, HalfFormat F, bool B, int RB, int KB, Fetch P>
 void decode_dots_rows(Index rows, const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
                       Index ss, Index ahead) {
     if constexpr (RB > 1)
         if (rows < RB)
-            return decode_dots_rows<T, F, RB - 1, KB, P>(rows, q, k, ks, d, s, ss, ahead);
-    decode_dots<T, F, RB, KB, P>(q, k, ks, d, s, ss, ahead);
+            return decode_dots_rows<T, F, B, RB - 1, KB, P>(rows, q, k, ks, d, s, ss, ahead);
+    decode_dots<T, F, B, RB, KB, P>(q, k, ks, d, s, ss, ahead);
 }
 
 // acc_r[c0, c0 + NP L) += sum_{j < kb} p_rj v_j[c0, c0 + NP L) for RB rows (p_r at pr + r * ss,
@@ -169,7 +169,7 @@ void decode_dots_rows(Index rows, const T* q, const StoredElem<T, F>* k, Index k
 // may not see (score -inf) is skipped for it, so its value (even NaN) never reaches that row.
 // The row `ahead` on is requested as P says, the choice a template argument: a branch in this
 // loop made GCC 12 keep the sums on the stack (docs/performance.md, "Decode sums in registers").
-template <typename T, HalfFormat F, int RB, int NP, bool Skip, Fetch P>
+template <typename T, HalfFormat F, bool B, int RB, int NP, bool Skip, Fetch P>
 void decode_values(const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v, Index vs,
                    Index kb, T* acc, Index as, Index c0, Index ahead) {
     namespace ei = Eigen::internal;
@@ -185,7 +185,7 @@ void decode_values(const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v
             for (Index b = 0; b < kLineBytes; b += 64)
                 prefetch_to<P>(reinterpret_cast<const char*>(vj + ahead * vs) + b);
         Packet x[NP];
-        for (int u = 0; u < NP; ++u) x[u] = load_stored_packet<T, F>(vj + u * L);
+        for (int u = 0; u < NP; ++u) x[u] = load_operand_packet<T, F, B>(vj + u * L);
         for (int r = 0; r < RB; ++r) {
             if (Skip && sc[r * ss + j] == neg_inf<T>()) continue;
             const Packet w = ei::pset1<Packet>(pr[r * ss + j]);
@@ -197,36 +197,36 @@ void decode_values(const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v
 }
 
 // decode_values for `rows` <= RB rows
-template <typename T, HalfFormat F, int RB, int NP, bool Skip, Fetch P>
+template <typename T, HalfFormat F, bool B, int RB, int NP, bool Skip, Fetch P>
 void decode_values_rows(Index rows, const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v,
                         Index vs, Index kb, T* acc, Index as, Index c0, Index ahead) {
     if constexpr (RB > 1)
         if (rows < RB)
-            return decode_values_rows<T, F, RB - 1, NP, Skip, P>(rows, sc, pr, ss, v, vs, kb, acc,
-                                                                 as, c0, ahead);
-    decode_values<T, F, RB, NP, Skip, P>(sc, pr, ss, v, vs, kb, acc, as, c0, ahead);
+            return decode_values_rows<T, F, B, RB - 1, NP, Skip, P>(rows, sc, pr, ss, v, vs, kb,
+                                                                    acc, as, c0, ahead);
+    decode_values<T, F, B, RB, NP, Skip, P>(sc, pr, ss, v, vs, kb, acc, as, c0, ahead);
 }
 
 // decode_values for the R rows over the whole packets of [c, dv), in chunks of NP, NP / 2, ...,
 // 1 packets, each chunk through every row block while its values are in L1 (the first block
 // streams them); returns the first column after them
-template <typename T, HalfFormat F, int NP, bool Skip, Fetch P>
+template <typename T, HalfFormat F, bool B, int NP, bool Skip, Fetch P>
 Index decode_values_cols(Index R, const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v,
                          Index vs, Index kb, T* acc, Index as, Index c, Index dv, Index ahead) {
     constexpr Index W = NP * packet_size<T>();
     for (; c + W <= dv; c += W) {
         // the first row block streams the values (and requests those ahead), the others
         // read them from L1
-        decode_values_rows<T, F, kDecodeRowBlock, NP, Skip, P>(
+        decode_values_rows<T, F, B, kDecodeRowBlock, NP, Skip, P>(
             std::min<Index>(kDecodeRowBlock, R), sc, pr, ss, v, vs, kb, acc, as, c, ahead);
         for (Index r0 = kDecodeRowBlock; r0 < R; r0 += kDecodeRowBlock)
-            decode_values_rows<T, F, kDecodeRowBlock, NP, Skip, Fetch::none>(
+            decode_values_rows<T, F, B, kDecodeRowBlock, NP, Skip, Fetch::none>(
                 std::min<Index>(kDecodeRowBlock, R - r0), sc + r0 * ss, pr + r0 * ss, ss, v, vs, kb,
                 acc + r0 * as, as, c, 0);
     }
     if constexpr (NP > 1)
-        c = decode_values_cols<T, F, NP / 2, Skip, P>(R, sc, pr, ss, v, vs, kb, acc, as, c, dv,
-                                                      ahead);
+        c = decode_values_cols<T, F, B, NP / 2, Skip, P>(R, sc, pr, ss, v, vs, kb, acc, as, c, dv,
+                                                         ahead);
     return c;
 }
 
@@ -234,22 +234,24 @@ Index decode_values_cols(Index R, const T* sc, const T* pr, Index ss, const Stor
 // value packets per row as many as leave the registers to the accumulators of a row block; a
 // single row takes all of them (AVX2 and SSE2 then stream a value row of 128 in two passes,
 // not four: docs/performance.md, "Decode of one query row on AVX2")
-template <typename T, HalfFormat F, bool Skip, Fetch P>
+template <typename T, HalfFormat F, bool B, bool Skip, Fetch P>
 Index decode_values_all(Index R, const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v,
                         Index vs, Index kb, T* acc, Index as, Index dv, Index ahead) {
     constexpr int wide = kDecodeAccumulators / 2, narrow = kDecodeAccumulators / kDecodeRowBlock;
     if (R == 1)
-        return decode_values_cols<T, F, kDecodeAccumulators, Skip, P>(R, sc, pr, ss, v, vs, kb, acc,
-                                                                      as, 0, dv, ahead);
+        return decode_values_cols<T, F, B, kDecodeAccumulators, Skip, P>(R, sc, pr, ss, v, vs, kb,
+                                                                         acc, as, 0, dv, ahead);
     if (R <= 2)
-        return decode_values_cols<T, F, wide, Skip, P>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv,
-                                                       ahead);
-    return decode_values_cols<T, F, narrow, Skip, P>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv,
-                                                     ahead);
+        return decode_values_cols<T, F, B, wide, Skip, P>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv,
+                                                          ahead);
+    return decode_values_cols<T, F, B, narrow, Skip, P>(R, sc, pr, ss, v, vs, kb, acc, as, 0, dv,
+                                                        ahead);
 }
 
-// One task: rows of (b, hk) against keys [j_lo, j_hi) of split sp; K and V stored as F says.
-template <typename T, HalfFormat F>
+// One task: rows of (b, hk) against keys [j_lo, j_hi) of split sp; K and V stored as F says, and
+// with B (precision="bf16", float only) q, K and V rounded to bf16: q here, K and V as the
+// kernels load them (the same bits as rounded copies of the arrays, none made)
+template <typename T, HalfFormat F, bool B>
 void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Index sp, Index b,
                   Index hk, Index j_lo, Index j_hi) {
     namespace ei = Eigen::internal;
@@ -263,21 +265,14 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     T* pr = sc + R * kbp;
     T* acc = scratch<T>(ScratchBuffer::kDecodeAccumulator, static_cast<std::size_t>(R * dvp));
     T m[kDecodeRows], l[kDecodeRows];
-    // precision="bf16" (float32 arrays or a bfloat16 cache): q, and each block of K and V as it
-    // is read, rounded to bf16 here (the same bits as rounded copies of the arrays, without
-    // copying the cache)
-    constexpr bool kCanRound =
-        std::is_same_v<T, float> && (F == HalfFormat::none || F == HalfFormat::bfloat16);
-    const bool round = kCanRound && p.bf16 != Bf16::none;
     for (Index g = 0; g < group; ++g)
         for (Index i = 0; i < p.n_q; ++i) {
             const T* q = p.q.at(b, hk * group + g) + i * p.q.row_stride;
             T* qr = qs + (g * p.n_q + i) * d;
-            if constexpr (kCanRound)
-                if (round) {
-                    round_bf16_block(q, d, qr);
-                    q = qr;
-                }
+            if constexpr (B) {
+                round_bf16_block(q, d, qr);
+                q = qr;
+            }
             for (Index c = 0; c < d; ++c) qr[c] = p.scale * q[c];
         }
     std::fill(acc, acc + R * dvp, T(0));
@@ -286,9 +281,6 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     using E = StoredElem<T, F>;
     const E *kbase, *vbase;
     Index ks, vs;
-    E* rounded =
-        round ? scratch<E>(ScratchBuffer::kDecodeRounded, static_cast<std::size_t>(kbp * (d + dv)))
-              : nullptr;
     if constexpr (F == HalfFormat::none) {
         kbase = p.k.at(b, hk);
         vbase = p.v.at(b, hk);
@@ -303,12 +295,8 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     const bool capped = p.mask.options.softcap > 0;
     // streamed rows (half the bytes when stored in half precision) are requested ahead
     const Index rows_bytes = R * std::max(d, dvp) * Index(sizeof(T));
-    // (rounded blocks are read from L1: nothing to request)
-    const Index k_ahead = round ? 0 : decode_ahead(d * Index(sizeof(E)), rows_bytes);
-    const Index v_ahead = round ? 0 : decode_ahead(dv * Index(sizeof(E)), rows_bytes);
-    // (the rounding touches no query row or accumulator: L1 has room for the rows requested)
-    const Index round_ahead_k = round ? decode_ahead(d * Index(sizeof(E)), 0) : 0;
-    const Index round_ahead_v = round ? decode_ahead(dv * Index(sizeof(E)), 0) : 0;
+    const Index k_ahead = decode_ahead(d * Index(sizeof(E)), rows_bytes);
+    const Index v_ahead = decode_ahead(dv * Index(sizeof(E)), rows_bytes);
     const bool mask_arrays = p.mask.kind != MaskKind::none || p.mask.key_padding.data;
     for (Index j0 = j_lo; j0 < j_hi; j0 += kbp) {
         const Index kb = std::min(kbp, j_hi - j0);
@@ -317,37 +305,6 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         if (mask_arrays && block_unseen(p.mask, b, hk * group, group, 0, p.n_q, j0, kb)) continue;
         const E* kblock = kbase + j0 * ks;
         const E* vblock = vbase + j0 * vs;
-        Index kst = ks, vst = vs;  // the block's row strides
-        if constexpr (kCanRound)
-            if (round) {
-                // the rounding is the block's first read of the cache: rows ahead requested
-                const auto fetch = [&](const E* row, Index ahead, Index bytes) {
-                    const char* at = reinterpret_cast<const char*>(row) + ahead;
-                    if (kPrefetchToL2)
-                        for (Index b = 0; b < bytes; b += 64) prefetch_to<Fetch::l2>(at + b);
-                    else
-                        for (Index b = 0; b < bytes; b += 64) prefetch_to<Fetch::l1>(at + b);
-                };
-                for (Index u = 0; u < kb; ++u) {
-                    if (round_ahead_k)
-                        fetch(kblock + u * ks, round_ahead_k * ks * Index(sizeof(E)),
-                              d * Index(sizeof(E)));
-                    if (round_ahead_v)
-                        fetch(vblock + u * vs, round_ahead_v * vs * Index(sizeof(E)),
-                              dv * Index(sizeof(E)));
-                    if constexpr (F == HalfFormat::none) {
-                        round_bf16_block(kblock + u * ks, d, rounded + u * d);
-                        round_bf16_block(vblock + u * vs, dv, rounded + kbp * d + u * dv);
-                    } else {  // (a bfloat16 cache: only its subnormals and NaN change)
-                        round_bf16_bits(kblock + u * ks, d, rounded + u * d);
-                        round_bf16_bits(vblock + u * vs, dv, rounded + kbp * d + u * dv);
-                    }
-                }
-                kblock = rounded;
-                vblock = rounded + kbp * d;
-                kst = d;
-                vst = dv;
-            }
         // scores a few keys at a time for every row while those keys are in L1; the first
         // rows stream them from memory (and request those ahead as P says)
         const auto scores = [&](auto fetch) {
@@ -358,28 +315,28 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
             // rows read them again, from L1, for every further two rows)
             if constexpr (kDecodeRowBlock == 2) {  // not compiled where a block holds four
                 for (; R > 2 && j + 2 <= kb; j += 2) {
-                    decode_dots_rows<T, F, 4, 2, P>(std::min<Index>(4, R), qs, kblock + j * kst,
-                                                    kst, d, sc + j, kbp, k_ahead);
+                    decode_dots_rows<T, F, B, 4, 2, P>(std::min<Index>(4, R), qs, kblock + j * ks,
+                                                       ks, d, sc + j, kbp, k_ahead);
                     for (Index r0 = 4; r0 < R; r0 += 4)
-                        decode_dots_rows<T, F, 4, 2, Fetch::none>(
-                            std::min<Index>(4, R - r0), qs + r0 * d, kblock + j * kst, kst, d,
+                        decode_dots_rows<T, F, B, 4, 2, Fetch::none>(
+                            std::min<Index>(4, R - r0), qs + r0 * d, kblock + j * ks, ks, d,
                             sc + r0 * kbp + j, kbp, 0);
                 }
             }
             for (; j + kDecodeKeys <= kb; j += kDecodeKeys) {
-                decode_dots_rows<T, F, kDecodeRowBlock, kDecodeKeys, P>(
-                    std::min<Index>(kDecodeRowBlock, R), qs, kblock + j * kst, kst, d, sc + j, kbp,
+                decode_dots_rows<T, F, B, kDecodeRowBlock, kDecodeKeys, P>(
+                    std::min<Index>(kDecodeRowBlock, R), qs, kblock + j * ks, ks, d, sc + j, kbp,
                     k_ahead);
                 for (Index r0 = kDecodeRowBlock; r0 < R; r0 += kDecodeRowBlock)
-                    decode_dots_rows<T, F, kDecodeRowBlock, kDecodeKeys, Fetch::none>(
-                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * kst,
-                        kst, d, sc + r0 * kbp + j, kbp, 0);
+                    decode_dots_rows<T, F, B, kDecodeRowBlock, kDecodeKeys, Fetch::none>(
+                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * ks, ks,
+                        d, sc + r0 * kbp + j, kbp, 0);
             }
             for (; j < kb; ++j)
                 for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
-                    decode_dots_rows<T, F, kDecodeRowBlock, 1, Fetch::none>(
-                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * kst,
-                        kst, d, sc + r0 * kbp + j, kbp, 0);
+                    decode_dots_rows<T, F, B, kDecodeRowBlock, 1, Fetch::none>(
+                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * ks, ks,
+                        d, sc + r0 * kbp + j, kbp, 0);
         };
         if (k_ahead == 0)
             scores(std::integral_constant<Fetch, Fetch::none>{});
@@ -433,13 +390,13 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         const auto values = [&](auto skip) {
             constexpr bool S = decltype(skip)::value;
             if (v_ahead == 0)
-                return decode_values_all<T, F, S, Fetch::none>(R, sc, pr, kbp, vblock, vst, kb, acc,
-                                                               dvp, dv, 0);
+                return decode_values_all<T, F, B, S, Fetch::none>(R, sc, pr, kbp, vblock, vs, kb,
+                                                                  acc, dvp, dv, 0);
             if (kPrefetchToL2)
-                return decode_values_all<T, F, S, Fetch::l2>(R, sc, pr, kbp, vblock, vst, kb, acc,
-                                                             dvp, dv, v_ahead);
-            return decode_values_all<T, F, S, Fetch::l1>(R, sc, pr, kbp, vblock, vst, kb, acc, dvp,
-                                                         dv, v_ahead);
+                return decode_values_all<T, F, B, S, Fetch::l2>(R, sc, pr, kbp, vblock, vs, kb, acc,
+                                                                dvp, dv, v_ahead);
+            return decode_values_all<T, F, B, S, Fetch::l1>(R, sc, pr, kbp, vblock, vs, kb, acc,
+                                                            dvp, dv, v_ahead);
         };
         const Index c = masked ? values(std::true_type{}) : values(std::false_type{});
         for (Index j = 0; j < kb && c < dv; ++j)  // the columns after the last whole packet
@@ -447,7 +404,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                 if (sc[r * kbp + j] != neg_inf<T>())
                     for (Index cc = c; cc < dv; ++cc)
                         acc[r * dvp + cc] =
-                            mul_add(pr[r * kbp + j], load_stored<T, F>(vblock + j * vst + cc),
+                            mul_add(pr[r * kbp + j], load_operand<T, F, B>(vblock + j * vs + cc),
                                     acc[r * dvp + cc]);
     }
     for (Index g = 0; g < group; ++g)
@@ -512,17 +469,24 @@ void decode_forward(const AttentionProblem<T>& p) {
         const Index sp = t / pairs, b = (t % pairs) / p.kv_heads, hk = t % p.kv_heads;
         const Index lo = keys.lo + sp * split;
         const Index hi = std::min(keys.hi, lo + split);
-        if constexpr (std::is_same_v<T, float>) {
-            if (p.half == HalfFormat::float16) {
-                decode_split<T, HalfFormat::float16>(p, parts, sp, b, hk, lo, hi);
-            } else if (p.half == HalfFormat::bfloat16) {
-                decode_split<T, HalfFormat::bfloat16>(p, parts, sp, b, hk, lo, hi);
-            } else {
-                decode_split<T, HalfFormat::none>(p, parts, sp, b, hk, lo, hi);
+        const auto split_as = [&](auto format) {
+            constexpr HalfFormat F = decltype(format)::value;
+            // (half formats and bf16 products: float only)
+            if constexpr (std::is_same_v<T, float>) {
+                if (p.bf16 != Bf16::none)
+                    decode_split<T, F, true>(p, parts, sp, b, hk, lo, hi);
+                else
+                    decode_split<T, F, false>(p, parts, sp, b, hk, lo, hi);
+            } else if constexpr (F == HalfFormat::none) {
+                decode_split<T, F, false>(p, parts, sp, b, hk, lo, hi);
             }
-        } else {
-            decode_split<T, HalfFormat::none>(p, parts, sp, b, hk, lo, hi);
-        }
+        };
+        if (std::is_same_v<T, float> && p.half == HalfFormat::float16)
+            split_as(std::integral_constant<HalfFormat, HalfFormat::float16>{});
+        else if (std::is_same_v<T, float> && p.half == HalfFormat::bfloat16)
+            split_as(std::integral_constant<HalfFormat, HalfFormat::bfloat16>{});
+        else
+            split_as(std::integral_constant<HalfFormat, HalfFormat::none>{});
         if (splits == 1)  // the task holds its rows whole: merged here, with no second pass
             for (Index h = hk * group; h < (hk + 1) * group; ++h)
                 for (Index i = 0; i < p.n_q; ++i) decode_merge(p, parts, splits, b, h, i);
