@@ -430,9 +430,11 @@ inline void widen_key_rows(const AttentionProblem<float>& p, Index b, Index hk, 
     const Index d = p.d, dv = p.d_v;
     half_rows_to_float(p.k_half.at(b, hk) + j0 * p.k_half.row_stride, p.k_half.row_stride, j1 - j0,
                        d, p.half, kf + j0 * d);
+    if (p.bf16 != Bf16::none) round_bf16_block(kf + j0 * d, (j1 - j0) * d, kf + j0 * d);
     const std::uint16_t* v16 = p.v_half.at(b, hk);
     for (Index j = j0; j < j1; ++j) {
         half_to_float(v16 + j * p.v_half.row_stride, dv, p.half, vf + j * dv);
+        if (p.bf16 != Bf16::none) round_bf16_block(vf + j * dv, dv, vf + j * dv);
         flags[j] = nonfinite_row(vf + j * dv, dv);
     }
 }
@@ -470,11 +472,16 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
         const Index os = rounded ? dv : p.out.row_stride;
         const float* qf;  // half-precision queries widened per tile, float ones read in place
         Index qs;
-        if (p.q_half.data) {
+        if (p.q_half.data || p.bf16 != Bf16::none) {
             float* w =
                 scratch<float>(ScratchBuffer::kHalfQueries, static_cast<std::size_t>(mq * d));
-            half_rows_to_float(p.q_half.at(b, h) + i0 * p.q_half.row_stride, p.q_half.row_stride,
-                               mq, d, p.half, w);
+            if (p.q_half.data)
+                half_rows_to_float(p.q_half.at(b, h) + i0 * p.q_half.row_stride,
+                                   p.q_half.row_stride, mq, d, p.half, w);
+            else
+                for (Index i = 0; i < mq; ++i)
+                    std::copy_n(p.q.at(b, h) + (i0 + i) * p.q.row_stride, d, w + i * d);
+            if (p.bf16 != Bf16::none) round_bf16_block(w, mq * d, w);  // as the emulation's copies
             qf = w;
             qs = d;
         } else {
@@ -577,9 +584,18 @@ inline void decode_half(const AttentionProblem<float>& p) {
                              p.out_half.at(b, h) + i * p.out_half.row_stride);
 }
 
-// precision="bf16" on half-precision arrays outside the decode path: q, k, v widened (exactly)
-// into floats, the float32 bf16 kernels on them, the output (and weights) rounded as stored:
-// the bits of the same call on the widened arrays
+// Whether precision="bf16" on p runs the emulation (the float32 tiles on operands rounded to
+// bf16): with the attention weights, or where neither AMX nor VDPBF16PS tiles run
+inline bool bf16_emulated(const AttentionProblem<float>& p) {
+#if defined(ATTNLAB_AMX)
+    if (!p.weights && !p.weights_half && (amx_usable() || avx512_bf16_usable())) return false;
+#endif
+    return true;
+}
+
+// precision="bf16" on half-precision arrays for the AMX or VDPBF16PS tiles: q, k, v widened
+// (exactly) into floats, the float32 bf16 kernels on them, the output rounded as stored: the
+// bits of the same call on the widened arrays
 inline void forward_half_widened(const AttentionProblem<float>& p) {
     AttentionProblem<float> r = p;
     r.half = HalfFormat::none;
@@ -617,9 +633,9 @@ void attention_forward(const AttentionProblem<T>& p) {
     if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
     if constexpr (std::is_same_v<T, float>) {
         if (p.half != HalfFormat::none) {
-            // bf16 products read a half-precision cache as stored on the decode path (it rounds
-            // each block as it reads it); elsewhere the half-precision arrays are widened first
-            if (p.bf16 != Bf16::none && !detail::use_decode(p)) {
+            // bf16 products read a half-precision cache as stored on the decode path and in the
+            // emulation (both round what they widen); the AMX and VDPBF16PS tiles on copies
+            if (p.bf16 != Bf16::none && !detail::use_decode(p) && !detail::bf16_emulated(p)) {
                 detail::forward_half_widened(p);
                 return;
             }
