@@ -20,8 +20,10 @@ inline std::atomic<std::uint64_t> attention_copied_calls{0};
 // j / (heads / kv_heads). Fully masked rows give a zero output row, zero weights and lse = -inf.
 // precision="bf16" (float only): q, k and v rounded to bfloat16, and in the forward the
 // probabilities too before their product with V (cpp/src/kernels/attention_bf16.hpp); the
-// backward differentiates the float32 function at the rounded operands
-enum class Bf16 : int { none = 0, probabilities = 1 };
+// backward differentiates the float32 function at the rounded operands. `operands`: q, k, v
+// rounded where the kernels read them, nothing else (the backward on half-precision arrays: the
+// float32 function at their rounding, with no rounded copies made)
+enum class Bf16 : int { none = 0, probabilities = 1, operands = 2 };
 
 // Q, K, V and the output may be stored in half precision (HalfFormat, common.hpp): read
 // converted to float (the decode path as its kernels load them, half the bytes of a float cache;

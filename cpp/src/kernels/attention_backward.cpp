@@ -256,6 +256,10 @@ void backward_task(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
                                kb, d, p.half, w.kr);
             half_rows_to_float(p.v_half.at(b, hk) + j0 * p.v_half.row_stride, p.v_half.row_stride,
                                kb, dv, p.half, w.vr);
+            if (p.bf16 == Bf16::operands) {
+                round_bf16_block(w.kr, kb * d, w.kr);
+                round_bf16_block(w.vr, kb * dv, w.vr);
+            }
         }
         key_tile_transposed(krows, ks, 0, kb, kbp, d, w.kt);
         key_tile_transposed(vrows, vs, 0, kb, kbp, dv, w.vt);
@@ -335,14 +339,23 @@ void backward_prepare(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
             if (half_q) {  // widened, then the same products as below
                 half_to_float(p.q_half.at(b, h) + i * p.q_half.row_stride, p.d, p.half,
                               qs + i * p.d);
+                if (p.bf16 == Bf16::operands) round_bf16_block(qs + i * p.d, p.d, qs + i * p.d);
                 for (Index c = 0; c < p.d; ++c) qs[i * p.d + c] *= p.scale;
             }
             if (half_dout)  // into plan.dout, which g.d_out views
                 half_to_float(g.d_out_half.at(b, h) + i * g.d_out_half.row_stride, p.d_v, p.half,
                               plan.dout + (plan.head(p, b, h) + i) * p.d_v);
         }
-        if (!half_q)
-            for (Index c = 0; c < p.d; ++c) qs[i * p.d + c] = p.scale * q[i * p.q.row_stride + c];
+        if (!half_q) {
+            const T* qi = q + i * p.q.row_stride;
+            T* si = qs + i * p.d;
+            if constexpr (std::is_same_v<T, float>)
+                if (p.bf16 == Bf16::operands) {  // float q beside a half-precision cache
+                    round_bf16_block(qi, p.d, si);
+                    qi = si;
+                }
+            for (Index c = 0; c < p.d; ++c) si[c] = p.scale * qi[c];
+        }
         plan.dsum[plan.head(p, b, h) + i] =
             dot(dout + i * g.d_out.row_stride, o + i * p.out.row_stride, p.d_v);
     }
@@ -394,67 +407,28 @@ void backward_dq(const AttentionProblem<T>& p, const AttentionGrad<T>& g,
     }
 }
 
-// precision="bf16" on half-precision arrays: q, k, v (and a half-precision dO) widened into
-// floats, the float32 backward at their bf16 rounding, the gradients rounded as stored: the bits
-// of the same call on the widened arrays
-inline void backward_half_widened(const AttentionProblem<float>& p,
-                                  const AttentionGrad<float>& given) {
-    const Index B = p.batch, H = p.heads, Hk = p.kv_heads;
-    AttentionProblem<float> r = p;
-    r.half = HalfFormat::none;
-    r.q_half = {};
-    r.k_half = {};
-    r.v_half = {};
-    Buffer<float> q, k, v, dout, dq, dk, dv;
-    if (p.q_half.data) widened_stack(B, H, p.n_q, p.d, p.q_half, p.half, q, r.q);
-    widened_stack(B, Hk, p.n_k, p.d, p.k_half, p.half, k, r.k);
-    widened_stack(B, Hk, p.n_k, p.d_v, p.v_half, p.half, v, r.v);
-    AttentionGrad<float> g = given;
-    g.d_out_half = {};
-    g.d_q_half = {};
-    g.d_k_half = {};
-    g.d_v_half = {};
-    if (given.d_out_half.data)
-        widened_stack(B, H, p.n_q, p.d_v, given.d_out_half, p.half, dout, g.d_out);
-    if (given.d_q_half.data) {
-        dq = make_buffer<float>(B * H * p.n_q * p.d);
-        g.d_q = {dq.get(), H * p.n_q * p.d, p.n_q * p.d, p.d};
-    }
-    dk = make_buffer<float>(B * Hk * p.n_k * p.d);
-    g.d_k = {dk.get(), Hk * p.n_k * p.d, p.n_k * p.d, p.d};
-    dv = make_buffer<float>(B * Hk * p.n_k * p.d_v);
-    g.d_v = {dv.get(), Hk * p.n_k * p.d_v, p.n_k * p.d_v, p.d_v};
-    attention_backward(r, g);
-    if (given.d_q_half.data) narrowed_stack(B, H, p.n_q, p.d, dq.get(), p.half, given.d_q_half);
-    narrowed_stack(B, Hk, p.n_k, p.d, dk.get(), p.half, given.d_k_half);
-    narrowed_stack(B, Hk, p.n_k, p.d_v, dv.get(), p.half, given.d_v_half);
-}
-
 }  // namespace detail
 
 template <typename T>
 void attention_backward(const AttentionProblem<T>& p, const AttentionGrad<T>& given) {
     if (p.batch <= 0 || p.kv_heads <= 0) return;
     if constexpr (std::is_same_v<T, float>) {
-        if (p.bf16 != Bf16::none && p.half != HalfFormat::none) {
+        if (p.bf16 == Bf16::probabilities && p.half != HalfFormat::none) {
             // bfloat16 q, k, v are their own rounding but for subnormals and NaN: read as
-            // stored when they hold none (the scan is O(n d), the backward O(n^2 d))
+            // stored when they hold none (the scan is O(n d), the backward O(n^2 d)); else
+            // rounded where they are widened
             const bool as_stored =
                 p.half == HalfFormat::bfloat16 && p.q_half.data &&
                 !detail::bf16_special(p.batch, p.heads, p.n_q, p.d, p.q_half) &&
                 !detail::bf16_special(p.batch, p.kv_heads, p.n_k, p.d, p.k_half) &&
                 !detail::bf16_special(p.batch, p.kv_heads, p.n_k, p.d_v, p.v_half);
-            if (as_stored) {
-                AttentionProblem<T> e = p;
-                e.bf16 = Bf16::none;
-                attention_backward(e, given);
-            } else {
-                detail::backward_half_widened(p, given);
-            }
+            AttentionProblem<T> e = p;
+            e.bf16 = as_stored ? Bf16::none : Bf16::operands;
+            attention_backward(e, given);
             return;
         }
     }
-    if (p.bf16 != Bf16::none) {  // differentiated in float32 at the operands rounded to bf16
+    if (p.bf16 == Bf16::probabilities) {  // differentiated in float32 at the operands rounded
         detail::Bf16Operands<T> r = detail::bf16_operands(p);
         r.p.bf16 = Bf16::none;
         attention_backward(r.p, given);

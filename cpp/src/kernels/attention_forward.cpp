@@ -588,7 +588,9 @@ inline void decode_half(const AttentionProblem<float>& p) {
 // bf16): with the attention weights, or where neither AMX nor VDPBF16PS tiles run
 inline bool bf16_emulated(const AttentionProblem<float>& p) {
 #if defined(ATTNLAB_AMX)
-    if (!p.weights && !p.weights_half && (amx_usable() || avx512_bf16_usable())) return false;
+    if (p.bf16 == Bf16::probabilities && !p.weights && !p.weights_half &&
+        (amx_usable() || avx512_bf16_usable()))
+        return false;
 #endif
     return true;
 }
