@@ -57,31 +57,6 @@ void round_stack(const AttentionProblem<T>& p, Index heads, Index rows, Index co
     dst = {base, heads * rows * cols, rows * cols, cols};
 }
 
-// A stack of half-precision bits (heads x rows x cols per batch element) widened exactly into a
-// contiguous float buffer, and the stack that reads it: what the bf16 kernels take in place of
-// half-precision arrays they do not read as stored.
-inline void widened_stack(Index batch, Index heads, Index rows, Index cols,
-                          const MatrixStack<const std::uint16_t>& src, HalfFormat format,
-                          Buffer<float>& buf, MatrixStack<const float>& dst) {
-    buf = make_buffer<float>(batch * heads * rows * cols);
-    parallel_for(batch * heads, [&](Index t) {
-        half_rows_to_float(src.at(t / heads, t % heads), src.row_stride, rows, cols, format,
-                           buf.get() + t * rows * cols);
-    });
-    dst = {buf.get(), heads * rows * cols, rows * cols, cols};
-}
-
-// A contiguous float stack (heads x rows x cols per batch element) rounded into half-precision
-// bits as stored.
-inline void narrowed_stack(Index batch, Index heads, Index rows, Index cols, const float* src,
-                           HalfFormat format, const MatrixStack<std::uint16_t>& dst) {
-    parallel_for(batch * heads, [&](Index t) {
-        for (Index i = 0; i < rows; ++i)
-            narrow_block(src + (t * rows + i) * cols, cols, format,
-                         dst.at(t / heads, t % heads) + i * dst.row_stride);
-    });
-}
-
 // Whether bfloat16 bits hold a subnormal or a NaN, the values rounding to bf16 changes
 inline bool bf16_special(Index batch, Index heads, Index rows, Index cols,
                          const MatrixStack<const std::uint16_t>& s) {
@@ -134,12 +109,13 @@ inline AmxPacked amx_layout(Index n_k, Index d, Index dv) {
     return a;
 }
 
-// Packs K and V of one (batch, kv head); false when a value row holds NaN or Inf.
-ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index b, Index hk,
-                                        const AmxPacked& L, std::uint16_t* kt, std::uint16_t* vt) {
-    const float* k = p.k.at(b, hk);
-    const float* v = p.v.at(b, hk);
-    const Index ks = p.k.row_stride, vs = p.v.row_stride, d = p.d, dv = p.d_v, nk = p.n_k;
+// Packs K and V of one (batch, kv head), float32 or half-precision bits of p.half (S); false
+// when a value row holds NaN or Inf.
+template <typename S>
+ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, const S* k, Index ks,
+                                        const S* v, Index vs, const AmxPacked& L, std::uint16_t* kt,
+                                        std::uint16_t* vt) {
+    const Index d = p.d, dv = p.d_v, nk = p.n_k;
     // V^T row c: value column c of keys j0 .. j0 + 31, from two 16 x 16 transposes of V
     // (zero beyond the keys and the value columns); NaN and Inf are looked for in the same read
     const __m512i exponent = _mm512_set1_epi32(0x7f800000);
@@ -153,9 +129,9 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
             const __mmask16 cols = first_lanes(dv - c0);
             __m512 lo[16], hi[16];
             for (Index r = 0; r < 16; ++r) {
-                lo[r] = j0 + r < nk ? _mm512_maskz_loadu_ps(cols, v + (j0 + r) * vs + c0)
+                lo[r] = j0 + r < nk ? load_lanes(v + (j0 + r) * vs + c0, cols, p.half)
                                     : _mm512_setzero_ps();
-                hi[r] = j0 + 16 + r < nk ? _mm512_maskz_loadu_ps(cols, v + (j0 + 16 + r) * vs + c0)
+                hi[r] = j0 + 16 + r < nk ? load_lanes(v + (j0 + 16 + r) * vs + c0, cols, p.half)
                                          : _mm512_setzero_ps();
             }
             for (Index r = 0; r < 16; ++r) {
@@ -170,8 +146,16 @@ ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index 
             }
         }
     if (nonfinite) return false;
-    pack_rows(0, L.n_pad, nk, d, k, ks, L.kp, kt);
+    pack_rows(0, L.n_pad, nk, d, k, ks, L.kp, kt, p.half);
     return true;
+}
+
+ATTNLAB_AMX_TARGET inline bool amx_pack(const AttentionProblem<float>& p, Index b, Index hk,
+                                        const AmxPacked& L, std::uint16_t* kt, std::uint16_t* vt) {
+    if (p.half != HalfFormat::none)
+        return amx_pack(p, p.k_half.at(b, hk), p.k_half.row_stride, p.v_half.at(b, hk),
+                        p.v_half.row_stride, L, kt, vt);
+    return amx_pack(p, p.k.at(b, hk), p.k.row_stride, p.v.at(b, hk), p.v.row_stride, L, kt, vt);
 }
 
 // 2^t for the probabilities that are rounded to bf16 next: 2^n 2^f with f = t - n in [-1/2, 1/2]
@@ -229,6 +213,9 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
     const std::uint16_t* qrows = qb;
     if (io.q)
         qrows = io.q + ((b * p.heads + h) * io.q_rows + i0) * kp;
+    else if (p.q_half.data)
+        pack_rows(0, Q, mq, d, p.q_half.at(b, h) + i0 * p.q_half.row_stride, p.q_half.row_stride,
+                  kp, qb, p.half);
     else
         pack_rows(0, Q, mq, d, p.q.at(b, h) + i0 * p.q.row_stride, p.q.row_stride, kp, qb);
     for (Index c = 0; c < kp / 32; ++c)  // 16 x 16 blocks of feature-pair words, transposed
@@ -399,11 +386,17 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
             transpose_16x16(o);
             for (Index n = 0; n < std::min<Index>(16, mq - g * 16); ++n) {
                 const Index i = i0 + g * 16 + n;
-                if (io.out)
+                if (io.out) {
                     _mm256_mask_storeu_epi16(io.out + (b * p.n_q + i) * io.ld_out + h * dv + c0, in,
                                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(o[n])));
-                else
+                } else if (p.out_half.data) {  // rounded as stored, as narrow_block rounds
+                    alignas(64) float row[16];
+                    _mm512_store_ps(row, o[n]);
+                    narrow_block(row, std::min<Index>(16, dv - c0), p.half,
+                                 p.out_half.at(b, h) + i * p.out_half.row_stride + c0);
+                } else {
                     _mm512_mask_storeu_ps(p.out.at(b, h) + i * p.out.row_stride + c0, in, o[n]);
+                }
             }
         }
     }

@@ -595,39 +595,6 @@ inline bool bf16_emulated(const AttentionProblem<float>& p) {
     return true;
 }
 
-// precision="bf16" on half-precision arrays for the AMX or VDPBF16PS tiles: q, k, v widened
-// (exactly) into floats, the float32 bf16 kernels on them, the output rounded as stored: the
-// bits of the same call on the widened arrays
-inline void forward_half_widened(const AttentionProblem<float>& p) {
-    AttentionProblem<float> r = p;
-    r.half = HalfFormat::none;
-    r.q_half = {};
-    r.k_half = {};
-    r.v_half = {};
-    r.out_half = {};
-    r.weights_half = nullptr;
-    Buffer<float> q, k, v, out, weights;
-    if (p.q_half.data) widened_stack(p.batch, p.heads, p.n_q, p.d, p.q_half, p.half, q, r.q);
-    widened_stack(p.batch, p.kv_heads, p.n_k, p.d, p.k_half, p.half, k, r.k);
-    widened_stack(p.batch, p.kv_heads, p.n_k, p.d_v, p.v_half, p.half, v, r.v);
-    const Index rows = p.batch * p.heads * p.n_q;
-    if (p.out_half.data) {
-        out = make_buffer<float>(rows * p.d_v);
-        r.out = {out.get(), p.heads * p.n_q * p.d_v, p.n_q * p.d_v, p.d_v};
-    }
-    if (p.weights_half) {
-        weights = make_buffer<float>(rows * p.n_k);
-        r.weights = weights.get();
-    }
-    attention_forward(r);
-    if (p.out_half.data)
-        narrowed_stack(p.batch, p.heads, p.n_q, p.d_v, out.get(), p.half, p.out_half);
-    if (p.weights_half)
-        parallel_for(rows, [&](Index i) {
-            narrow_block(weights.get() + i * p.n_k, p.n_k, p.half, p.weights_half + i * p.n_k);
-        });
-}
-
 }  // namespace detail
 
 template <typename T>
@@ -635,12 +602,16 @@ void attention_forward(const AttentionProblem<T>& p) {
     if (p.batch <= 0 || p.heads <= 0 || p.n_q <= 0) return;
     if constexpr (std::is_same_v<T, float>) {
         if (p.half != HalfFormat::none) {
-            // bf16 products read a half-precision cache as stored on the decode path and in the
-            // emulation (both round what they widen); the AMX and VDPBF16PS tiles on copies
+            // bf16 products: the AMX or VDPBF16PS tiles pack half-precision operands as they
+            // pack floats (a value row holding NaN or Inf: the emulation, as for floats); the
+            // decode path and the emulation round what they widen
+#if defined(ATTNLAB_AMX)
             if (p.bf16 != Bf16::none && !detail::use_decode(p) && !detail::bf16_emulated(p)) {
-                detail::forward_half_widened(p);
-                return;
+                if (detail::amx_usable() ? detail::amx_forward(p)
+                                         : detail::amx_forward<detail::Bf16Products::vdp>(p))
+                    return;
             }
+#endif
             if (detail::use_decode(p)) {
                 detail::decode_half(p);
             } else {
