@@ -1137,16 +1137,17 @@ def test_pooled_half_bits_are_refused_where_not_read():
         core.additive_forward(core.AdditiveArgs(**good, half=1), out, {})
     with pytest.raises(TypeError, match=r"^x: "):
         core.additive_forward(core.AdditiveArgs(**dict(good, x=x.view(np.float16)), half=1), out)
-    # the weight matrices as bits too (as float32 ones, the same bits); not with the bf16
-    # forward, nor the vectors, nor without half
+    # the weight matrices as bits too (as float32 ones, the same bits; the bf16 forward too);
+    # not the vectors, nor without half
     bits = {k: np.full((8, 8), 0.5, np.float16).view(np.uint16) for k in w}
     halves = np.empty_like(out)
     core.additive_forward(core.AdditiveArgs(**dict(good, **bits), half=1), halves)
     widened = {k: np.full((8, 8), 0.5, np.float32) for k in w}
     core.additive_forward(core.AdditiveArgs(**dict(good, **widened), half=1), out)
     np.testing.assert_array_equal(halves, out)
-    with pytest.raises(TypeError, match=r"^w_q: "):
-        core.additive_forward(core.AdditiveArgs(**dict(good, **bits), half=1), out, None, True)
+    core.additive_forward(core.AdditiveArgs(**dict(good, **bits), half=1), halves, None, True)
+    core.additive_forward(core.AdditiveArgs(**dict(good, **widened), half=1), out, None, True)
+    np.testing.assert_array_equal(halves, out)
     with pytest.raises(TypeError, match=r"^w_g: "):
         core.additive_forward(
             core.AdditiveArgs(**dict(good, w_g=np.ones(8, np.uint16)), half=1), out

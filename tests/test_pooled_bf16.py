@@ -109,11 +109,14 @@ def test_forward_rounds_the_documented_operands(family, shape, padded):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_half_x_is_the_widened_call(family):
+def test_half_x_is_the_widened_call(family, monkeypatch):
     """float16 or bfloat16 x (read as stored, rounded to bf16 as its products pack it): the
     float32 call on the widened x, bit for bit; with every array half, the result is that call's
-    rounded to the inputs' dtype."""
+    rounded to the inputs' dtype, x and the weight matrices read as stored (no float32 copy)."""
+    from conftest import refuse_conversions
+
     fn, arrays, kw = _case(family, 2, 150, 24, 24, seed=5)
+    matrices = {v.shape for k, v in arrays.items() if k.startswith("w_") and v.ndim == 2}
     for dtype in HALVES:
         x = arrays["x"].astype(dtype)
         got = fn(**{**arrays, "x": x}, **kw, precision="bf16")
@@ -121,7 +124,9 @@ def test_half_x_is_the_widened_call(family):
         assert got.dtype == np.float32
         np.testing.assert_array_equal(got, want)
         half = {k: v.astype(dtype) for k, v in arrays.items()}
+        refuse_conversions(monkeypatch, {x.shape} | matrices)
         got = fn(**half, **kw, precision="bf16")
+        monkeypatch.undo()
         widened = {k: v.astype(np.float32) for k, v in half.items()}
         want = fn(**widened, **kw, precision="bf16").astype(dtype)
         assert got.dtype == dtype

@@ -25,10 +25,10 @@ void check_input(const T*& ptr, const py::object& arg, const char* name, std::ve
 
 // The problem (forward and backward; out is set by the forward): the sizes, the family's own
 // checks and widths, every buffer through the family's visitor in argument order, the padding.
-// a.half (1 float16, 2 bfloat16; T float): x is given as the bits of that dtype, and, with
-// half_weights (not the bf16 forward), so may each weight matrix (uint16: p.half_weights).
+// a.half (1 float16, 2 bfloat16; T float): x is given as the bits of that dtype, and so may each
+// weight matrix be (uint16: p.half_weights).
 template <typename Family, typename T>
-auto pooled_problem(const typename Family::Args& a, bool half_weights = false) {
+auto pooled_problem(const typename Family::Args& a) {
     if (a.batch < 0 || a.n < 0) throw py::value_error("negative sizes");
     typename Family::template Problem<T> p;
     p.batch = a.batch;
@@ -36,8 +36,7 @@ auto pooled_problem(const typename Family::Args& a, bool half_weights = false) {
     Family::widths(a, p);
     // a weight matrix given as bits (the vectors never are)
     const auto bits = [&](const py::object& arg, const std::vector<Index>& shape) {
-        return a.half != 0 && half_weights && shape.size() == 2 &&
-               is_dtype<std::uint16_t>(arg.cast<py::array>());
+        return a.half != 0 && shape.size() == 2 && is_dtype<std::uint16_t>(arg.cast<py::array>());
     };
     Family::visit(a, p, p,
                   [&](const T*& ptr, const py::object& arg, const char* name,
@@ -117,7 +116,7 @@ void pooled_forward(const typename Family::Args& a, py::array out, py::object st
             throw py::type_error("bf16: bf16 products take float32 operands, got float64 x");
         if (bf16 && !state.is_none())
             throw py::value_error("state: precision='bf16' keeps no state");
-        auto p = pooled_problem<Family, T>(a, /*half_weights=*/!bf16);
+        auto p = pooled_problem<Family, T>(a);
         p.bf16 = bf16;
         const std::vector<Index> shape{a.batch * a.n, p.d_out};
         if (p.half.x)
@@ -136,7 +135,7 @@ void pooled_backward(py::array grad_out, const typename Family::Args& a, py::dic
                      py::object state) {
     pooled_dispatch(a, [&](auto tag) {
         using T = decltype(tag);
-        auto p = pooled_problem<Family, T>(a, /*half_weights=*/true);
+        auto p = pooled_problem<Family, T>(a);
         Family::set_state(p, state);
         p.state.filled = !state.is_none();
         const std::vector<Index> shape{a.batch * a.n, p.d_out};

@@ -61,18 +61,15 @@ def _additive_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
 _WEIGHTS = ("w_q", "w_k", "w_g", "w_proj", "w_final")
 
 
-def _prepare_additive(
-    args: dict[str, Any], keep_half: np.dtype | None = None, half_weights: bool = False
-) -> dict[str, Any]:
+def _prepare_additive(args: dict[str, Any], keep_half: np.dtype | None = None) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward. ``keep_half``:
     ``x`` of that half dtype is passed as its bits (``options["half"]``, and ``half`` its dtype;
-    not without features); with ``half_weights`` (the float32 kernels, not bf16 products), so
-    are the weight matrices of that dtype."""
+    not without features), and so are the weight matrices of that dtype."""
     code = _variant_code(args["variant"])
     e = _check_eps(args["eps"])
     xa = _args.pooled_tokens(args["x"], keep_half)
     n, d_in = xa.shape[-2:]
-    keep_w = keep_half if half_weights and _half.is_half(xa.dtype) else None
+    keep_w = keep_half if _half.is_half(xa.dtype) else None
     ws = {k: V.as_array(args[k], k, None if k == "w_g" else keep_w) for k in _WEIGHTS}
     bs = {k: V.optional_array(args[k], k) for k in ("b_q", "b_k", "b_proj", "b_final")}
     # w_g, never kept, makes a kept half dtype float32
@@ -259,7 +256,7 @@ def additive_attention(
     half = _half.storage(args)
     # half-precision x and weight matrices are read, and out written, as stored (no float32
     # copies of them; the state attnlab.vjp keeps is float32)
-    a = _prepare_additive(args, half, half_weights=precision is None)
+    a = _prepare_additive(args, half)
     B, n, d_out = a["B"], a["n"], a["d_out"]
     bits = a["options"]["half"] != 0
     out = _memory.empty((B * n, d_out), half if bits else a["dtype"])
@@ -311,7 +308,7 @@ def _additive_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndar
     rounded = ("x", "w_q", "w_k", "w_proj", "w_final")
     own = args["precision"] is not None and _half.own_bf16_rounding(args, rounded)
     half = _half.storage(args) if args["precision"] is None or own else None
-    a = _prepare_additive(args, half, half_weights=True)
+    a = _prepare_additive(args, half)
     if a["bf16"] and not own:
         a["arrays"] = _args.pooled_bf16_operands(a["arrays"], rounded)
     return _half.store_grads(_additive_grads(a, grad_out), _half.halves(args))

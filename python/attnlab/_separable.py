@@ -33,16 +33,13 @@ def _separable_state(a: dict[str, Any]) -> dict[str, np.ndarray]:
     )
 
 
-def _prepare_separable(
-    args: dict[str, Any], keep_half: np.dtype | None = None, half_weights: bool = False
-) -> dict[str, Any]:
+def _prepare_separable(args: dict[str, Any], keep_half: np.dtype | None = None) -> dict[str, Any]:
     """Validated, converted arguments shared by the forward and the backward. ``keep_half``:
     ``x`` of that half dtype is passed as its bits (``options["half"]``, and ``half`` its dtype;
-    not without features); with ``half_weights`` (the float32 kernels, not bf16 products), so
-    are the weight matrices of that dtype."""
+    not without features), and so are the weight matrices of that dtype."""
     xa = _args.pooled_tokens(args["x"], keep_half)
     n, d = xa.shape[-2:]
-    keep_w = keep_half if half_weights and _half.is_half(xa.dtype) else None
+    keep_w = keep_half if _half.is_half(xa.dtype) else None
     wqkv_ = V.as_array(args["w_qkv"], "w_qkv", keep_w)
     wo_ = V.as_array(args["w_o"], "w_o", keep_w)
     bqkv_ = V.optional_array(args["b_qkv"], "b_qkv")
@@ -179,7 +176,7 @@ def separable_attention(
     half = _half.storage(args)
     # half-precision x and weight matrices are read, and out written, as stored (no float32
     # copies of them; the state attnlab.vjp keeps is float32)
-    a = _prepare_separable(args, half, half_weights=precision is None)
+    a = _prepare_separable(args, half)
     B, n, d, d_out = a["B"], a["n"], a["d"], a["d_out"]
     batch, dtype = a["batch"], a["dtype"]
     bits = a["options"]["half"] != 0
@@ -229,7 +226,7 @@ def _separable_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.nda
     rounded = ("x", "w_qkv", "w_o")
     own = args["precision"] is not None and _half.own_bf16_rounding(args, rounded)
     half = _half.storage(args) if args["precision"] is None or own else None
-    a = _prepare_separable(args, half, half_weights=True)
+    a = _prepare_separable(args, half)
     if a["bf16"] and not own:
         a["arrays"] = _args.pooled_bf16_operands(a["arrays"], rounded)
     return _half.store_grads(_separable_grads(a, grad_out), _half.halves(args))

@@ -254,8 +254,9 @@ void additive_forward_bf16(const AdditiveProblem<float>& p) {
     const Index B = p.batch, n = p.n, din = p.d_in, D = p.width, dout = p.d_out;
     const Index rows = B * n, ld = 2 * D;
     const StackedKQ<float> kq(p);
-    const Bf16Weight w_kq(kq.w.data(), din, ld), w_proj(p.w_proj, D, D),
-        w_final(p.w_final, D, dout);
+    const Bf16Weight w_kq(kq.w.data(), din, ld),
+        w_proj(p.w_proj, D, D, p.half_weights.w_proj, p.half.format),
+        w_final(p.w_final, D, dout, p.half_weights.w_final, p.half.format);
     // 1. [K | Q] of every block, normalised in place; the scores and G
     auto KQ = make_buffer<float>(rows * ld);
     auto score = make_buffer<float>(rows), pooled = make_buffer<float>(B * D);

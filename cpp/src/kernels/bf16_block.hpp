@@ -25,8 +25,11 @@ namespace detail {
 
 class Bf16Weight {
   public:
-    // w: (in x out) float32, row-major contiguous; packed in parallel (call it outside tasks)
-    Bf16Weight(const float* w, Index in, Index out) : in_(in), out_(out) {
+    // w: (in x out) float32, or with w_half its half-precision bits of `format` (read as
+    // stored), row-major contiguous; packed in parallel (call it outside tasks)
+    Bf16Weight(const float* w, Index in, Index out, const std::uint16_t* w_half = nullptr,
+               HalfFormat format = HalfFormat::none)
+        : in_(in), out_(out) {
         if (in <= 0 || out <= 0) return;  // the product is its bias (or zero)
 #if defined(ATTNLAB_AMX)
         if (amx_usable() || avx512_bf16_usable()) {
@@ -34,15 +37,22 @@ class Bf16Weight {
             np_ = (out + 31) / 32 * 32;
             tiles_ = make_buffer<std::uint16_t>(kp_ * np_);
             parallel_for(kp_ / 32, [&](Index kb) {
-                pack_weight_block(kb, in, out, w, out, HalfFormat::none, np_, 0, np_ / 16,
-                                  tiles_.get());
+                if (w_half)
+                    pack_weight_block(kb, in, out, w_half, out, format, np_, 0, np_ / 16,
+                                      tiles_.get());
+                else
+                    pack_weight_block(kb, in, out, w, out, HalfFormat::none, np_, 0, np_ / 16,
+                                      tiles_.get());
             });
             return;
         }
 #endif
         rounded_ = make_buffer<float>(in * out);
-        parallel_for(
-            in, [&](Index k) { round_bf16_block(w + k * out, out, rounded_.get() + k * out); });
+        parallel_for(in, [&](Index k) {
+            float* row = rounded_.get() + k * out;
+            if (w_half) half_to_float(w_half + k * out, out, format, row);
+            round_bf16_block(w_half ? row : w + k * out, out, row);
+        });
         panels_ = make_buffer<float>(std::max<Index>(packed_block_size<float>(in, out), 1));
         pack_block<float>(in, out, rounded_.get(), nullptr, HalfFormat::none, panels_.get(),
                           /*parallel=*/true);

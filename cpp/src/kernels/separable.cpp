@@ -136,7 +136,8 @@ void separable_pool(const SeparableProblem<T>& p, const SeparableState<T>& st,
 void separable_forward_bf16(const SeparableProblem<float>& p) {
     const Index B = p.batch, n = p.n, d = p.d, dout = p.d_out;
     const Index rows = B * n, ld = 1 + 2 * d;
-    const Bf16Weight w_qkv(p.w_qkv, d, ld), w_o(p.w_o, d, dout);
+    const Bf16Weight w_qkv(p.w_qkv, d, ld, p.half_weights.w_qkv, p.half.format),
+        w_o(p.w_o, d, dout, p.half_weights.w_o, p.half.format);
     auto P = make_buffer<float>(rows * ld);
     auto context = make_buffer<float>(B * d);
     SeparableState<float> st;
