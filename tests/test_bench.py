@@ -420,9 +420,38 @@ def test_bench_half_times_both_dtypes_and_states_the_target(tmp_path):
         lo, hi = r["interval"]  # the median of the rounds' ratios, inside its interval
         assert 0 < lo <= r["ratio"] <= hi
         assert t["met"] == (r["ratio"] <= 1.0) and f"{lo:.3f}-{hi:.3f}" in t["note"]
-    for args, word in ((["--case", "nope"], "unknown nope"), (["--peers"], "--half takes")):
+    for args, word in (
+        (["--case", "nope"], "unknown nope"),
+        (["--peers"], "--half takes"),
+        (["--bf16", "--case", "merge"], "merge takes no precision"),
+    ):
         bad = _bench("--half", *args)
         assert bad.returncode == 2 and word in bad.stderr, bad.stderr
+
+
+def test_bench_half_cases_pass_the_precision(monkeypatch):
+    """``bench --half --bf16``: every case's call (but the merge's, which has no products)
+    gets ``precision="bf16"``, forwards, backwards and ``vjp`` alike; none without it."""
+    from attnlab._bench import half
+
+    seen: list[object] = []
+
+    def recorder(name: str) -> object:
+        def call(*_args: object, precision: object = "missing", **_kw: object) -> object:
+            seen.append(precision)
+            return (None, lambda _g: None) if name == "vjp" else None
+
+        return call
+
+    names = [n for n in attnlab.__all__ if n.endswith(("_attention", "_attention_backward"))]
+    for name in [*names, "vjp"]:
+        monkeypatch.setattr(attnlab, name, recorder(name))
+    for case, (_, _, _, build) in half.CASES.items():
+        for precision in ("bf16", None):
+            seen.clear()
+            build(np.float32, True, precision)()
+            want = ["missing"] if case in half._NO_PRECISION else [precision]
+            assert seen == want, (case, precision, seen)
 
 
 def test_gradient_error():

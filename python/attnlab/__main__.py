@@ -2,7 +2,8 @@
 [--plot PATH]``,
 ``python -m attnlab bench --peers [--train] [--case NAME] [--runtime NAME]``,
 ``python -m attnlab bench --accuracy [--quick] [--case NAME] [--runtime NAME]``,
-``python -m attnlab bench --half [--quick] [--case NAME]`` and ``python -m attnlab info``."""
+``python -m attnlab bench --half [--quick] [--case NAME] [--bf16]`` and
+``python -m attnlab info``."""
 
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --peers: bf16 products against the peers' (cases vit-b, sdpa, decode, "
         "decode-gqa; runtimes attnlab (float32: the check), attnlab-bf16 (precision='bf16'; "
-        "a bfloat16 cache when decoding), torch-bf16, openvino-default)",
+        "a bfloat16 cache when decoding), torch-bf16, openvino-default); with --half: "
+        "precision='bf16' on both calls of every case that takes it",
     )
     b.add_argument(
         "--train",
@@ -144,18 +146,20 @@ def main(argv: list[str] | None = None) -> int:
             or args.targets
             or args.runtime
             or args.train
-            or args.bf16
         ):
-            parser.error("--half takes --quick, --case, --json and --progress only")
+            parser.error("--half takes --quick, --case, --bf16, --json and --progress only")
         from ._bench.half import format_half, run_half
 
-        return _table(parser, args, lambda show: run_half(args.quick, cases, show), format_half)
+        precision = "bf16" if args.bf16 else None
+        return _table(
+            parser, args, lambda show: run_half(args.quick, cases, show, precision), format_half
+        )
     if (args.case or args.runtime) and not (args.peers or args.accuracy):
         parser.error("--case and --runtime go with --peers, --accuracy or --half")
     if args.train and not args.peers:
         parser.error("--train goes with --peers")
     if args.bf16 and (not args.peers or args.train):
-        parser.error("--bf16 goes with --peers (inference cases)")
+        parser.error("--bf16 goes with --peers (inference cases) or --half")
     if args.accuracy:
         if args.peers or args.only or args.plot or args.verbose or args.targets or args.train:
             parser.error("--accuracy takes --quick, --case, --runtime, --json and --progress only")
