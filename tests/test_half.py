@@ -488,6 +488,10 @@ def test_bilinear_forward_within_bound(shape, path):
     _finish(fwd)
 
 
+def _tuple(x: Any) -> tuple[Any, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
 @pytest.mark.parametrize("path", HALF, ids=lambda p: p[0])
 @pytest.mark.parametrize(
     "case",
@@ -510,7 +514,8 @@ def test_bilinear_half_weights_read_as_stored(case, path, monkeypatch):
     biases in float32 (then so is the result), without them in the half dtype, and then the
     inputs read as stored too (no conversion of theirs in Python). So are the backward's
     gradients and the vjp pullback's, which read the weights, the inputs and ``grad_out`` as
-    stored and write the inputs' gradients so."""
+    stored and write the inputs' gradients so. With ``precision="bf16"`` the forward reads the
+    weights as stored too: bit for bit its call on the widened arrays."""
     import attnlab._validate
 
     _, dtype, _, _ = path
@@ -554,6 +559,25 @@ def test_bilinear_half_weights_read_as_stored(case, path, monkeypatch):
         monkeypatch.setattr(attnlab._half, "widen", half_widen)  # (the inputs' refusal lifted)
         monkeypatch.setattr(attnlab._half, "store", half_store)
         monkeypatch.setattr(attnlab._validate, "widen", refuse)
+        if not kw.get("_order"):  # precision="bf16" (the query order) reads the weights so too
+            rounded = attnlab.bilinear_attention(**inputs, **w, **args, **opts, precision="bf16")
+            wide_bf16 = attnlab.bilinear_attention(**widened, **args, **opts, precision="bf16")
+            for g, e in zip(_tuple(rounded), _tuple(wide_bf16), strict=True):
+                np.testing.assert_array_equal(g.view(np.uint8), e.astype(g.dtype).view(np.uint8))
+            if not args:  # and its backward (which rounds float32 copies) on half arrays
+                monkeypatch.setattr(attnlab._validate, "widen", widen)
+                plain_bf16 = {k: v for k, v in opts.items() if k.startswith("num")}
+                go = np.ones(want_b.shape if isinstance(want_b, np.ndarray) else want_b[0].shape)
+                got_g = attnlab.bilinear_attention_backward(
+                    go.astype(dtype), **inputs, **w, **plain_bf16, precision="bf16"
+                )
+                want_g = attnlab.bilinear_attention_backward(
+                    go.astype(np.float32), **widened, **plain_bf16, precision="bf16"
+                )
+                for name, value in want_g.items():
+                    g = got_g[name]
+                    np.testing.assert_array_equal(g, value.astype(g.dtype), err_msg=name)
+                monkeypatch.setattr(attnlab._validate, "widen", refuse)
         got_t = got if isinstance(got, tuple) else (got,)
         exp_t = expected if isinstance(expected, tuple) else (expected,)
         stored = np.float32 if (x32 or args) else dtype

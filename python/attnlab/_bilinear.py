@@ -359,10 +359,9 @@ class _Prepared(NamedTuple):
 
 
 def _half_weights(w_qk: Any, args: dict[str, Any]) -> np.dtype | None:
-    """The half dtype ``w_qk``, ``w_v`` and ``w_o`` are all stored in (ndarrays), for a forward
-    with float32 products, or None."""
+    """The half dtype ``w_qk``, ``w_v`` and ``w_o`` are all stored in (ndarrays), or None."""
     dt = getattr(w_qk, "dtype", None)
-    if not isinstance(dt, np.dtype) or not _half.is_half(dt) or args["precision"] is not None:
+    if not isinstance(dt, np.dtype) or not _half.is_half(dt):
         return None
     ws = (w_qk, args["w_v"], args["w_o"])
     return dt if all(isinstance(w, np.ndarray) and w.dtype == dt for w in ws) else None
@@ -370,10 +369,10 @@ def _half_weights(w_qk: Any, args: dict[str, Any]) -> np.dtype | None:
 
 def _prepare(args: dict[str, Any], keep_half: bool = False) -> _Prepared:
     """The validated arguments of a bilinear_attention call (forward and backward).
-    ``keep_half``: ``w_qk``, ``w_v`` and ``w_o`` stored in one half dtype stay so when the call
-    computes in float32 (the kernel widens ``w_qk`` a head at a time, the GEMMs the others as
-    they pack them: no float32 copies), and so do ``query``, ``key``, ``value`` and the output
-    when every array of the call is stored so."""
+    ``keep_half``: ``w_qk``, ``w_v`` and ``w_o`` stored in one half dtype stay so (the kernel
+    widens ``w_qk`` a head at a time, the GEMMs the others as they pack them, or round them
+    with bf16 products: no float32 copies), and so do ``query``, ``key``, ``value`` and the
+    output when every array of the call is stored so."""
     h, h_kv, kv_arg = _args.heads(args["num_heads"], args["num_kv_heads"])
     w_qk, u_k, _order = args["w_qk"], args["u_k"], args["_order"]
     d_head: float | None = None
@@ -587,12 +586,14 @@ def bilinear_attention(
     lse_wanted = V.check_flag(return_lse, "return_lse")
     if lse_wanted and _order is None:  # the log-sum-exp is kept by the query order's kernel
         args["_order"] = "query"
-    a = _prepare(args, keep_half=True)
+    # (the bf16 pullback recomputes from float32 copies, rounded as the backward rounds them)
+    a = _prepare(args, keep_half=precision is None or _keep is None)
     B, n_q, n_k, h, d_out, dtype, mode = a.B, a.n_q, a.n_k, a.h, a.d_out, a.dtype, a.mode
     batch = a.batch
     half = _half.storage(args)
     out = _memory.empty((B * n_q, d_out), half if a.inputs_half else dtype)  # rounded in C++
-    w_dtype = half if a.inputs_half and mode != "mean" else dtype  # (their mean in float32)
+    # (their mean in float32; the bf16 composition's rounded in Python)
+    w_dtype = half if a.inputs_half and mode != "mean" and not a.bf16 else dtype
     weights = _memory.empty((B, h, n_q, n_k), w_dtype) if mode else None
     if a.bf16:
         lse = a.m.empty_lse(B, h, n_q, dtype) if lse_wanted else None  # what no key leaves
@@ -629,16 +630,23 @@ def _bf16_forward(
     of the bf16 kernels: the projections ``X_q W_i + u_i`` (head by head: no copy of ``w_qk``
     side by side), ``X_v w_v + b_v`` and the output's by
     ``linear_forward``, the attention core by ``sdpa_forward`` with the key rows as every
-    value head's keys (a zero-stride view: the rows are not copied per head)."""
+    value head's keys (a zero-stride view: the rows are not copied per head). Half-precision
+    weights and inputs are read as stored but for the key rows, widened: the attention core
+    takes no half-precision keys beside float32 values."""
     B, h, h_kv, n_q, n_k, dtype = a.B, a.h, a.h_kv, a.n_q, a.n_k, a.dtype
     query, key, value = a.rows()
+    wh, xh = a.weights_half, a.inputs_half  # weights as bits of that format; inputs too with xh
+    if xh:
+        assert a.half is not None
+        key = _half.widen(key.view(a.half))
     d_k = a.wqk.shape[2]
     d_vhead = a.wv.shape[1] // h_kv
     proj = _memory.empty((h, B * n_q, d_k), dtype)
     for i in range(h):
-        core.linear_forward(query, a.wqk[i], None if a.uk is None else a.uk[i], proj[i], True)
+        uk = None if a.uk is None else a.uk[i]
+        core.linear_forward(query, a.wqk[i], uk, proj[i], True, wh, xh)
     vals = _memory.empty((B * n_k, h_kv * d_vhead), dtype)
-    core.linear_forward(value, a.wv, a.bv, vals, True)
+    core.linear_forward(value, a.wv, a.bv, vals, True, wh, xh)
     ctx = _memory.empty((B, n_q, h, d_vhead), dtype)
     core.sdpa_forward(
         proj.reshape(h, B, n_q, d_k).transpose(1, 0, 2, 3),
@@ -651,7 +659,8 @@ def _bf16_forward(
         lse,
         True,
     )
-    core.linear_forward(ctx.reshape(B * n_q, h * d_vhead), a.wo, a.bo, out, True)
+    y = out.view(np.uint16) if xh else out
+    core.linear_forward(ctx.reshape(B * n_q, h * d_vhead), a.wo, a.bo, y, True, wh, False, xh)
 
 
 _BACKWARD_DOC = """\
@@ -733,7 +742,9 @@ def _bilinear_grads(
 
 def _bilinear_backward(grad_out: Any, args: dict[str, Any]) -> dict[str, np.ndarray]:
     # the query order, whatever order the forward chose: the gradient is the same function
-    grads = _bilinear_grads(_prepare({**args, "_order": "query"}, keep_half=True), grad_out)
+    # (bf16: the operands rounded in Python, from float32 copies)
+    keep = args["precision"] is None
+    grads = _bilinear_grads(_prepare({**args, "_order": "query"}, keep_half=keep), grad_out)
     return _half.store_grads(grads, _half.halves(args))
 
 
