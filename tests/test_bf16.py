@@ -116,24 +116,28 @@ def test_bf16_decode_rounds_the_cache_as_it_reads_it(shape):
         attnlab.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "token-major"])
 @pytest.mark.parametrize("shape", [(1, 8, 8, 1, 1500, 64), (2, 8, 2, 3, 300, 40)])
-def test_bf16_decode_is_the_call_on_rounded_arrays(shape):
-    """The decode kernels round K and V as they load them: the same bits as the call on the
-    arrays rounded first (rounding twice is rounding once), with ties, subnormals, NaN and
-    infinities among the keys and values."""
+def test_bf16_decode_is_the_call_on_rounded_arrays(shape, strided):
+    """The decode kernels round K and V as they load them (AVX-512) or a block at a time
+    (AVX2, the baseline): the same bits as the call on the arrays rounded first (rounding twice
+    is rounding once), with ties, subnormals, NaN and infinities among the keys and values;
+    also for a cache laid out token-major (rows of K a head's width times the heads apart)."""
     B, h, hk, n_q, n_k, d = shape
     rng = np.random.default_rng(n_k + d)
-    q, k, v = (
-        rng.standard_normal(s).astype(np.float32)
-        for s in ((B, h, n_q, d), (B, hk, n_k, d), (B, hk, n_k, d))
-    )
+    q = rng.standard_normal((B, h, n_q, d)).astype(np.float32)
+    if strided:  # (B, n_k, hk, d) storage viewed as (B, hk, n_k, d)
+        k, v = (rng.standard_normal((B, n_k, hk, d)).astype(np.float32) for _ in range(2))
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    else:
+        k, v = (rng.standard_normal((B, hk, n_k, d)).astype(np.float32) for _ in range(2))
     odd = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1e-39, -3e-40, 3.4e38], np.float32)
     for a in (k, v):
         a[0, 0, :6, 0] = odd  # ties to even, subnormals, a finite value that rounds to inf
         a[0, 0, 7, 1] = np.nan
         a[0, -1, 9, 2] = -np.inf
     got = attnlab.scaled_dot_product_attention(q, k, v, precision="bf16")
-    rounded = [np.asarray(_bf16(a), np.float32) for a in (q, k, v)]
+    rounded = [np.ascontiguousarray(_bf16(a), np.float32) for a in (q, k, v)]  # (rows d apart)
     want = attnlab.scaled_dot_product_attention(*rounded, precision="bf16")
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 

@@ -47,6 +47,16 @@ inline void round_bf16_block(const float* src, Index n, float* dst) {
     for (Index i = 0; i < n; ++i) dst[i] = round_bf16(src[i]);
 }
 
+// dst = round_bf16(src) on bfloat16 bits: the identity but for subnormals (to signed zero) and
+// NaN (quietened), as round_bf16 treats the same values given as floats
+inline void round_bf16_bits(const std::uint16_t* src, Index n, std::uint16_t* dst) {
+    for (Index i = 0; i < n; ++i) {
+        const std::uint16_t b = src[i];
+        const std::uint16_t r = (b & 0x7fffu) > 0x7f80u ? std::uint16_t(b | 0x0040u) : b;
+        dst[i] = (b & 0x7f80u) == 0 ? std::uint16_t(b & 0x8000u) : r;
+    }
+}
+
 // Whether n bfloat16 bits hold a subnormal or a NaN, the values round_bf16 changes (no early
 // exit, so that the loop vectorises)
 inline bool bf16_bits_special(const std::uint16_t* src, Index n) {

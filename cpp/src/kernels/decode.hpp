@@ -249,8 +249,10 @@ Index decode_values_all(Index R, const T* sc, const T* pr, Index ss, const Store
 }
 
 // One task: rows of (b, hk) against keys [j_lo, j_hi) of split sp; K and V stored as F says, and
-// with B (precision="bf16", float only) q, K and V rounded to bf16: q here, K and V as the
-// kernels load them (the same bits as rounded copies of the arrays, none made)
+// with B (precision="bf16", float only) q, K and V rounded to bf16 (the same bits as rounded
+// copies of the arrays, none made): q here; K and V with AVX-512 as the kernels load them, with
+// 16 registers a block at a time into scratch first, which the kernels then read (their row
+// blocks of two would round each value twice: docs/performance.md)
 template <typename T, HalfFormat F, bool B>
 void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Index sp, Index b,
                   Index hk, Index j_lo, Index j_hi) {
@@ -279,6 +281,13 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     std::fill(m, m + R, neg_inf<T>());
     std::fill(l, l + R, T(0));
     using E = StoredElem<T, F>;
+    constexpr bool kRoundLoads = B && kDecodeRowBlock == 4, kRoundBlocks = B && !kRoundLoads;
+    // what the kernels read: the cache, or its rounded block (floats; a bfloat16 cache's bits)
+    constexpr HalfFormat FK = kRoundBlocks && F != HalfFormat::bfloat16 ? HalfFormat::none : F;
+    using EK = StoredElem<T, FK>;
+    EK* rounded = kRoundBlocks ? scratch<EK>(ScratchBuffer::kDecodeRounded,
+                                             static_cast<std::size_t>(kbp * (d + dv)))
+                               : nullptr;
     const E *kbase, *vbase;
     Index ks, vs;
     if constexpr (F == HalfFormat::none) {
@@ -295,16 +304,58 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     const bool capped = p.mask.options.softcap > 0;
     // streamed rows (half the bytes when stored in half precision) are requested ahead
     const Index rows_bytes = R * std::max(d, dvp) * Index(sizeof(T));
-    const Index k_ahead = decode_ahead(d * Index(sizeof(E)), rows_bytes);
-    const Index v_ahead = decode_ahead(dv * Index(sizeof(E)), rows_bytes);
+    // (rounded blocks are read from L1 or L2: nothing to request)
+    const Index k_ahead = kRoundBlocks ? 0 : decode_ahead(d * Index(sizeof(E)), rows_bytes);
+    const Index v_ahead = kRoundBlocks ? 0 : decode_ahead(dv * Index(sizeof(E)), rows_bytes);
+    // (the rounding touches no query row or accumulator: L1 has room for the rows requested)
+    const Index round_ahead_k = kRoundBlocks ? decode_ahead(d * Index(sizeof(E)), 0) : 0;
+    const Index round_ahead_v = kRoundBlocks ? decode_ahead(dv * Index(sizeof(E)), 0) : 0;
     const bool mask_arrays = p.mask.kind != MaskKind::none || p.mask.key_padding.data;
     for (Index j0 = j_lo; j0 < j_hi; j0 += kbp) {
         const Index kb = std::min(kbp, j_hi - j0);
         // keys no row may see by the mask arrays (a padded batch element's cache past its
         // length): not read at all
         if (mask_arrays && block_unseen(p.mask, b, hk * group, group, 0, p.n_q, j0, kb)) continue;
-        const E* kblock = kbase + j0 * ks;
-        const E* vblock = vbase + j0 * vs;
+        const EK* kblock;
+        const EK* vblock;
+        Index kst = ks, vst = vs;  // the block's row strides
+        if constexpr (kRoundBlocks) {
+            // the rounding is the block's first read of the cache: rows ahead requested
+            const auto fetch = [&](const E* row, Index ahead, Index bytes) {
+                const char* at = reinterpret_cast<const char*>(row) + ahead;
+                if (kPrefetchToL2)
+                    for (Index c = 0; c < bytes; c += 64) prefetch_to<Fetch::l2>(at + c);
+                else
+                    for (Index c = 0; c < bytes; c += 64) prefetch_to<Fetch::l1>(at + c);
+            };
+            const auto round_row = [&](const E* src, Index n, EK* dst) {
+                if constexpr (F == HalfFormat::bfloat16) {
+                    round_bf16_bits(src, n, dst);  // only subnormals and NaN change
+                } else if constexpr (F == HalfFormat::float16) {
+                    half_to_float(src, n, F, dst);
+                    round_bf16_block(dst, n, dst);
+                } else {
+                    round_bf16_block(src, n, dst);
+                }
+            };
+            for (Index u = 0; u < kb; ++u) {
+                const E* krow = kbase + (j0 + u) * ks;
+                const E* vrow = vbase + (j0 + u) * vs;
+                if (round_ahead_k)
+                    fetch(krow, round_ahead_k * ks * Index(sizeof(E)), d * Index(sizeof(E)));
+                if (round_ahead_v)
+                    fetch(vrow, round_ahead_v * vs * Index(sizeof(E)), dv * Index(sizeof(E)));
+                round_row(krow, d, rounded + u * d);
+                round_row(vrow, dv, rounded + kbp * d + u * dv);
+            }
+            kblock = rounded;
+            vblock = rounded + kbp * d;
+            kst = d;
+            vst = dv;
+        } else {
+            kblock = kbase + j0 * ks;
+            vblock = vbase + j0 * vs;
+        }
         // scores a few keys at a time for every row while those keys are in L1; the first
         // rows stream them from memory (and request those ahead as P says)
         const auto scores = [&](auto fetch) {
@@ -315,28 +366,28 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
             // rows read them again, from L1, for every further two rows)
             if constexpr (kDecodeRowBlock == 2) {  // not compiled where a block holds four
                 for (; R > 2 && j + 2 <= kb; j += 2) {
-                    decode_dots_rows<T, F, B, 4, 2, P>(std::min<Index>(4, R), qs, kblock + j * ks,
-                                                       ks, d, sc + j, kbp, k_ahead);
+                    decode_dots_rows<T, FK, kRoundLoads, 4, 2, P>(
+                        std::min<Index>(4, R), qs, kblock + j * kst, kst, d, sc + j, kbp, k_ahead);
                     for (Index r0 = 4; r0 < R; r0 += 4)
-                        decode_dots_rows<T, F, B, 4, 2, Fetch::none>(
-                            std::min<Index>(4, R - r0), qs + r0 * d, kblock + j * ks, ks, d,
+                        decode_dots_rows<T, FK, kRoundLoads, 4, 2, Fetch::none>(
+                            std::min<Index>(4, R - r0), qs + r0 * d, kblock + j * kst, kst, d,
                             sc + r0 * kbp + j, kbp, 0);
                 }
             }
             for (; j + kDecodeKeys <= kb; j += kDecodeKeys) {
-                decode_dots_rows<T, F, B, kDecodeRowBlock, kDecodeKeys, P>(
-                    std::min<Index>(kDecodeRowBlock, R), qs, kblock + j * ks, ks, d, sc + j, kbp,
+                decode_dots_rows<T, FK, kRoundLoads, kDecodeRowBlock, kDecodeKeys, P>(
+                    std::min<Index>(kDecodeRowBlock, R), qs, kblock + j * kst, kst, d, sc + j, kbp,
                     k_ahead);
                 for (Index r0 = kDecodeRowBlock; r0 < R; r0 += kDecodeRowBlock)
-                    decode_dots_rows<T, F, B, kDecodeRowBlock, kDecodeKeys, Fetch::none>(
-                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * ks, ks,
-                        d, sc + r0 * kbp + j, kbp, 0);
+                    decode_dots_rows<T, FK, kRoundLoads, kDecodeRowBlock, kDecodeKeys, Fetch::none>(
+                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * kst,
+                        kst, d, sc + r0 * kbp + j, kbp, 0);
             }
             for (; j < kb; ++j)
                 for (Index r0 = 0; r0 < R; r0 += kDecodeRowBlock)
-                    decode_dots_rows<T, F, B, kDecodeRowBlock, 1, Fetch::none>(
-                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * ks, ks,
-                        d, sc + r0 * kbp + j, kbp, 0);
+                    decode_dots_rows<T, FK, kRoundLoads, kDecodeRowBlock, 1, Fetch::none>(
+                        std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * kst,
+                        kst, d, sc + r0 * kbp + j, kbp, 0);
         };
         if (k_ahead == 0)
             scores(std::integral_constant<Fetch, Fetch::none>{});
@@ -390,13 +441,13 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         const auto values = [&](auto skip) {
             constexpr bool S = decltype(skip)::value;
             if (v_ahead == 0)
-                return decode_values_all<T, F, B, S, Fetch::none>(R, sc, pr, kbp, vblock, vs, kb,
-                                                                  acc, dvp, dv, 0);
+                return decode_values_all<T, FK, kRoundLoads, S, Fetch::none>(
+                    R, sc, pr, kbp, vblock, vst, kb, acc, dvp, dv, 0);
             if (kPrefetchToL2)
-                return decode_values_all<T, F, B, S, Fetch::l2>(R, sc, pr, kbp, vblock, vs, kb, acc,
-                                                                dvp, dv, v_ahead);
-            return decode_values_all<T, F, B, S, Fetch::l1>(R, sc, pr, kbp, vblock, vs, kb, acc,
-                                                            dvp, dv, v_ahead);
+                return decode_values_all<T, FK, kRoundLoads, S, Fetch::l2>(
+                    R, sc, pr, kbp, vblock, vst, kb, acc, dvp, dv, v_ahead);
+            return decode_values_all<T, FK, kRoundLoads, S, Fetch::l1>(R, sc, pr, kbp, vblock, vst,
+                                                                       kb, acc, dvp, dv, v_ahead);
         };
         const Index c = masked ? values(std::true_type{}) : values(std::false_type{});
         for (Index j = 0; j < kb && c < dv; ++j)  // the columns after the last whole packet
@@ -404,7 +455,8 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                 if (sc[r * kbp + j] != neg_inf<T>())
                     for (Index cc = c; cc < dv; ++cc)
                         acc[r * dvp + cc] =
-                            mul_add(pr[r * kbp + j], load_operand<T, F, B>(vblock + j * vs + cc),
+                            mul_add(pr[r * kbp + j],
+                                    load_operand<T, FK, kRoundLoads>(vblock + j * vst + cc),
                                     acc[r * dvp + cc]);
     }
     for (Index g = 0; g < group; ++g)

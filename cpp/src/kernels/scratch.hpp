@@ -53,6 +53,7 @@ enum class ScratchBuffer : int {
     kDecodeQueries,      // decode_split: scale * q of the rows of a kv head group
     kDecodeScores,       // decode_split: scores and probabilities of a key block (rows x keys)
     kDecodeAccumulator,  // decode_split: unnormalised context of the rows (rows x padded d_v)
+    kDecodeRounded,      // decode_split: a block of K and V rounded to bf16 (precision="bf16")
     kHalfKeys,           // forward_half_tiles: a kv head's keys widened (n_k x d), kept
     kHalfValues,         // forward_half_tiles: its values widened (n_k x d_v)
     kHalfFlags,          // forward_half_tiles: which of its value rows hold NaN/Inf
