@@ -250,10 +250,11 @@ Index decode_values_all(Index R, const T* sc, const T* pr, Index ss, const Store
 
 // One task: rows of (b, hk) against keys [j_lo, j_hi) of split sp; K and V stored as F says, and
 // with B (precision="bf16", float only) q, K and V rounded to bf16 (the same bits as rounded
-// copies of the arrays, none made): q here; K and V with AVX-512 as the kernels load them, with
-// 16 registers a block at a time into scratch first, which the kernels then read (their row
-// blocks of two would round each value twice: docs/performance.md)
-template <typename T, HalfFormat F, bool B>
+// copies of the arrays, none made): q here; K and V with Loads as the kernels load them (rows
+// that fit one row block: each value is loaded once), else a block at a time into scratch
+// first, which the kernels then read (more rows would round each value again for every row
+// block: docs/performance.md)
+template <typename T, HalfFormat F, bool B, bool Loads>
 void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Index sp, Index b,
                   Index hk, Index j_lo, Index j_hi) {
     namespace ei = Eigen::internal;
@@ -281,7 +282,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
     std::fill(m, m + R, neg_inf<T>());
     std::fill(l, l + R, T(0));
     using E = StoredElem<T, F>;
-    constexpr bool kRoundLoads = B && kDecodeRowBlock == 4, kRoundBlocks = B && !kRoundLoads;
+    constexpr bool kRoundLoads = B && Loads, kRoundBlocks = B && !Loads;
     // what the kernels read: the cache, or its rounded block (floats; a bfloat16 cache's bits)
     constexpr HalfFormat FK = kRoundBlocks && F != HalfFormat::bfloat16 ? HalfFormat::none : F;
     using EK = StoredElem<T, FK>;
@@ -525,12 +526,14 @@ void decode_forward(const AttentionProblem<T>& p) {
             constexpr HalfFormat F = decltype(format)::value;
             // (half formats and bf16 products: float only)
             if constexpr (std::is_same_v<T, float>) {
-                if (p.bf16 != Bf16::none)
-                    decode_split<T, F, true>(p, parts, sp, b, hk, lo, hi);
+                if (p.bf16 == Bf16::none)
+                    decode_split<T, F, false, false>(p, parts, sp, b, hk, lo, hi);
+                else if (group * p.n_q <= kDecodeRowBlock)
+                    decode_split<T, F, true, true>(p, parts, sp, b, hk, lo, hi);
                 else
-                    decode_split<T, F, false>(p, parts, sp, b, hk, lo, hi);
+                    decode_split<T, F, true, false>(p, parts, sp, b, hk, lo, hi);
             } else if constexpr (F == HalfFormat::none) {
-                decode_split<T, F, false>(p, parts, sp, b, hk, lo, hi);
+                decode_split<T, F, false, false>(p, parts, sp, b, hk, lo, hi);
             }
         };
         if (std::is_same_v<T, float> && p.half == HalfFormat::float16)
