@@ -578,10 +578,9 @@ def test_bilinear_half_weights_read_as_stored(case, path, monkeypatch):
                     g = got_g[name]
                     np.testing.assert_array_equal(g, value.astype(g.dtype), err_msg=name)
                 monkeypatch.setattr(attnlab._validate, "widen", refuse)
-        got_t = got if isinstance(got, tuple) else (got,)
-        exp_t = expected if isinstance(expected, tuple) else (expected,)
+        got_t = _tuple(got)
         stored = np.float32 if (x32 or args) else dtype
-        for i, (g, e) in enumerate(zip(got_t, exp_t, strict=True)):
+        for i, (g, e) in enumerate(zip(got_t, _tuple(expected), strict=True)):
             kind = np.float32 if kw.get("return_lse") and i == len(got_t) - 1 else stored
             assert g.dtype == kind and g.shape == e.shape
             np.testing.assert_array_equal(g.view(np.uint8), e.astype(kind).view(np.uint8))

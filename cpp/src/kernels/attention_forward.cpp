@@ -584,16 +584,14 @@ inline void decode_half(const AttentionProblem<float>& p) {
                              p.out_half.at(b, h) + i * p.out_half.row_stride);
 }
 
+#if defined(ATTNLAB_AMX)
 // Whether precision="bf16" on p runs the emulation (the float32 tiles on operands rounded to
 // bf16): with the attention weights, or where neither AMX nor VDPBF16PS tiles run
 inline bool bf16_emulated(const AttentionProblem<float>& p) {
-#if defined(ATTNLAB_AMX)
-    if (p.bf16 == Bf16::probabilities && !p.weights && !p.weights_half &&
-        (amx_usable() || avx512_bf16_usable()))
-        return false;
-#endif
-    return true;
+    return !(p.bf16 == Bf16::probabilities && !p.weights && !p.weights_half &&
+             (amx_usable() || avx512_bf16_usable()));
 }
+#endif
 
 }  // namespace detail
 

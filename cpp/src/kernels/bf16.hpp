@@ -156,6 +156,12 @@ inline void half_to_float(const std::uint16_t* s, Index n, HalfFormat format, fl
         widen(std::integral_constant<HalfFormat, HalfFormat::bfloat16>{});
 }
 
+// n half-precision bits widened, then rounded as round_bf16_block rounds floats
+inline void half_to_bf16_block(const std::uint16_t* s, Index n, HalfFormat format, float* o) {
+    half_to_float(s, n, format, o);
+    round_bf16_block(o, n, o);
+}
+
 // Rows of half-precision bits (row stride ld) to float rows (row stride cols), each row
 // kPrefetchRows ahead requested as one is converted: the decode path streams a cache through
 // this.

@@ -50,8 +50,10 @@ class Bf16Weight {
         rounded_ = make_buffer<float>(in * out);
         parallel_for(in, [&](Index k) {
             float* row = rounded_.get() + k * out;
-            if (w_half) half_to_float(w_half + k * out, out, format, row);
-            round_bf16_block(w_half ? row : w + k * out, out, row);
+            if (w_half)
+                half_to_bf16_block(w_half + k * out, out, format, row);
+            else
+                round_bf16_block(w + k * out, out, row);
         });
         panels_ = make_buffer<float>(std::max<Index>(packed_block_size<float>(in, out), 1));
         pack_block<float>(in, out, rounded_.get(), nullptr, HalfFormat::none, panels_.get(),

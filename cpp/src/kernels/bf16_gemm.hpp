@@ -223,12 +223,10 @@ inline void linear_bf16_streamed(Index rows, const float* x, Index ldx, const Li
                     else
                         prefetch_row<Fetch::l2>(l.w + (k + kPrefetchAheadL2) * out + j0, nc);
                 }
-                if (l.w_half) {
-                    half_to_float(l.w_half + k * out + j0, nc, l.half, wr);
-                    round_bf16_block(wr, nc, wr);
-                } else {
+                if (l.w_half)
+                    half_to_bf16_block(l.w_half + k * out + j0, nc, l.half, wr);
+                else
                     round_bf16_block(l.w + k * out + j0, nc, wr);
-                }
                 for (Index r = 0; r < rows; ++r) {
                     const Packet xv = ei::pset1<Packet>(xr[r * in + k]);
                     float* c = chain + r * width;

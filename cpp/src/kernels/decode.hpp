@@ -333,8 +333,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                 if constexpr (F == HalfFormat::bfloat16) {
                     round_bf16_bits(src, n, dst);  // only subnormals and NaN change
                 } else if constexpr (F == HalfFormat::float16) {
-                    half_to_float(src, n, F, dst);
-                    round_bf16_block(dst, n, dst);
+                    half_to_bf16_block(src, n, F, dst);
                 } else {
                     round_bf16_block(src, n, dst);
                 }
