@@ -41,6 +41,7 @@ struct Blocking {
     Index depth_strided;  // the same, A read across its rows (X^T of a weight gradient)
     bool pack_once;       // whole B panels packed before the products when more than 2 row chunks
     const char* name;
+    bool fetch_packed = false;  // packed B rows requested into L1 ahead of the products
 };
 
 // AVX-512 (Intel with two 512-bit FMA ports and AMD Zen 4 alike): the kernel streams B panels
@@ -51,8 +52,10 @@ struct Blocking {
 // forced to AVX2): the same, in chunks of 512 (a row chunk of A, 256 KiB, stays in L2). AVX2
 // with a smaller L2 (Zen 2 and 3: 512 KiB) and generic: chunks of 256 keep the B panel chunk in
 // a 32 KiB L1, each row chunk's task packing its own copy (docs/performance.md, issue 30).
+// On Intel with AVX-512 the kernels reading a packed block also request its rows
+// detail::kPackedAhead ahead into L1 (docs/performance.md, "Packed B rows requested ahead").
 // ATTNLAB_GEMM_BLOCKING=default forces the default (the same bits: every chunk is whole chains
-// of kChain products).
+// of kChain products, and a prefetch changes no arithmetic).
 const Blocking& blocking() {
     static const Blocking chosen = [] {
         const Blocking standard{256, 256, false,
@@ -60,6 +63,11 @@ const Blocking& blocking() {
         const char* env = std::getenv("ATTNLAB_GEMM_BLOCKING");
         if (env && std::strcmp(env, "default") == 0) return standard;
 #if defined(__AVX512F__)
+        if (detail::cpu_vendor_is("GenuineIntel"))
+            return Blocking{2048, 256, true,
+                            "avx512-intel: depth chunks of 2048 (256 for A^T), B packed once per "
+                            "call, its rows requested into L1 16 ahead",
+                            true};
         return Blocking{2048, 256, true,
                         "avx512: depth chunks of 2048 (256 for A^T), B packed once per call"};
 #elif defined(__AVX2__)
@@ -122,13 +130,22 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                 for (Index j = 0; j < nw; ++j) yr[j] += bias[j];
             }
         };
-        // rows [0, m) from the packed block bk (rows W apart), kSlice at a time
-        const auto sliced = [&](auto acc, const T* bk) {
+        // rows [r, r + n) from the packed block bk (rows W apart), its rows requested ahead
+        // where the blocking says so
+        const auto packed_rows = [&](auto acc, Index r, Index n, const T* bk) {
             constexpr bool Acc = decltype(acc)::value;
-            for (Index r = 0; r < m; r += kSlice) {
-                const Index n = std::min(kSlice, m - r);
+            if (blocking().fetch_packed)
+                detail::panel_rows<T, NP, MR, Acc, HalfFormat::none, true, detail::Fetch::l1>(
+                    n, kc, ak + r * a_rs, a_rs, a_ts, bk, W, y + r * ldy, ldy);
+            else
                 detail::panel_rows<T, NP, MR, Acc, HalfFormat::none, true>(
                     n, kc, ak + r * a_rs, a_rs, a_ts, bk, W, y + r * ldy, ldy);
+        };
+        // rows [0, m) from the packed block bk, kSlice at a time
+        const auto sliced = [&](auto acc, const T* bk) {
+            for (Index r = 0; r < m; r += kSlice) {
+                const Index n = std::min(kSlice, m - r);
+                packed_rows(acc, r, n, bk);
                 finish(r, r + n);
             }
         };
@@ -156,9 +173,7 @@ void panel_gemm(Index m, Index depth, const T* a, Index a_rs, Index a_ts, const 
                 const Index per_slice = slices > 0 ? (next_rows + slices - 1) / slices : 0;
                 Index fetched = 0;
                 for (Index r = r0; r < m; r += kSlice) {
-                    detail::panel_rows<T, NP, MR, Acc, HalfFormat::none, true>(
-                        std::min(kSlice, m - r), kc, ak + r * a_rs, a_rs, a_ts, bp, W, y + r * ldy,
-                        ldy);
+                    packed_rows(std::bool_constant<Acc>{}, r, std::min(kSlice, m - r), bp);
                     finish(r, std::min(m, r + kSlice));
                     if (!next) continue;
                     const Index upto = std::min(next_rows, fetched + per_slice);

@@ -132,8 +132,13 @@ constexpr Index kPrefetchAheadL2 = 64;
 // same bits wherever the tiles start (the backward's dK and dV chains of 256 query rows).
 constexpr Index kChain = 256;
 
+// Rows ahead a packed B block's rows are requested when its reader asks for it (PB, the GEMM on
+// Intel: Blocking::fetch_packed in gemm.cpp): contiguous rows the L1 prefetchers fetch too late.
+constexpr Index kPackedAhead = 16;
+
 template <typename T, int MR, int NP, bool Accumulate, bool PackB = false,
-          HalfFormat F = HalfFormat::none, bool Join = false, Fetch P = Fetch::l1>
+          HalfFormat F = HalfFormat::none, bool Join = false, Fetch P = Fetch::l1,
+          Fetch PB = Fetch::none>
 EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index a_ts,
                                       const StoredElem<T, F>* b, Index ldb, T* c, Index ldc,
                                       T* packed = nullptr, Index ldp = 0) {
@@ -158,6 +163,8 @@ EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index
                 constexpr Index kAhead = P == Fetch::l2 ? kPrefetchAheadL2 : kPrefetchAhead;
                 prefetch_row<P>(b + (t + kAhead) * ldb, NP * L);
             }
+            if constexpr (PB != Fetch::none)  // past the end: a hint, no access
+                for (int q = 0; q < NP; ++q) prefetch_to<PB>(b + (t + kPackedAhead) * ldb + q * L);
             const T* at = a + t * a_ts;
             for (int r = 0; r < MR; ++r) {
                 const Packet ar = ei::pset1<Packet>(at[r * a_rs]);
@@ -175,9 +182,9 @@ EIGEN_ALWAYS_INLINE void panel_kernel(Index depth, const T* a, Index a_rs, Index
 }
 
 // Rows [0, rows) of C for one panel of NP packets, MR rows at a time, the rest with fewer; B as
-// stored (F: half-precision bits, widened as loaded); Join as panel_kernel.
+// stored (F: half-precision bits, widened as loaded); Join and PB as panel_kernel.
 template <typename T, int NP, int MR, bool Accumulate, HalfFormat F = HalfFormat::none,
-          bool Join = false>
+          bool Join = false, Fetch PB = Fetch::none>
 void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts,
                 const StoredElem<T, F>* b, Index ldb, T* c, Index ldc) {
     Index r = 0;
@@ -192,13 +199,13 @@ void panel_rows(Index rows, Index depth, const T* a, Index a_rs, Index a_ts,
                 const T* next = a + (r + MR + i) * a_rs;
                 for (Index t = 0; t < depth; t += 64 / Index(sizeof(T))) prefetch_read(next + t);
             }
-        panel_kernel<T, MR, NP, Accumulate, false, F, Join>(depth, a + r * a_rs, a_rs, a_ts, b, ldb,
-                                                            c + r * ldc, ldc);
+        panel_kernel<T, MR, NP, Accumulate, false, F, Join, Fetch::l1, PB>(
+            depth, a + r * a_rs, a_rs, a_ts, b, ldb, c + r * ldc, ldc);
     }
     if constexpr (MR > 1) {
         if (r < rows)
-            panel_rows<T, NP, MR - 1, Accumulate, F, Join>(rows - r, depth, a + r * a_rs, a_rs,
-                                                           a_ts, b, ldb, c + r * ldc, ldc);
+            panel_rows<T, NP, MR - 1, Accumulate, F, Join, PB>(rows - r, depth, a + r * a_rs, a_rs,
+                                                               a_ts, b, ldb, c + r * ldc, ldc);
     }
 }
 
