@@ -325,13 +325,6 @@ def test_decode_gradients_and_vjp(case):
 
 
 def test_build_info_names_the_decode_prefetch():
-    """The decode path requests the rows it streams into L2 on AMD CPUs, into L1 elsewhere
-    (results are the same either way: the decode tests above run with the one chosen here)."""
-    vendor = ""
-    if Path("/proc/cpuinfo").exists():
-        line = next(
-            (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if "vendor_id" in ln), ""
-        )
-        vendor = line.split(":")[-1].strip()
-    name = attnlab.build_info()["decode_prefetch"]
-    assert name.startswith("l2:" if vendor == "AuthenticAMD" else "l1:"), (vendor, name)
+    """The decode path requests the rows it streams into L2 on every CPU (AMD and Intel alike;
+    the results would be the same with any level: a prefetch changes no arithmetic)."""
+    assert attnlab.build_info()["decode_prefetch"].startswith("l2:")

@@ -137,13 +137,14 @@ def build_info() -> dict[str, Any]:
         ``ATTNLAB_AVX512_BF16=1`` or ``0`` forces it on or off) or ``"emulated"`` (the same
         roundings on the float32 kernels); ``ATTNLAB_AMX=0`` turns AMX off;
         ``gemm_blocking``, the blocking of the float32/float64 GEMM (projections and their
-        gradients) of the variant in use: ``"avx512: ..."`` in the AVX-512 variant (Intel
-        and AMD Zen 4 alike), ``"avx2-large-l2: ..."`` in the AVX2 variant on a CPU whose L2
-        holds 1 MiB or more per core (``l2_cache_bytes``, from cpuid; 0 when unknown), else
-        ``"default: ..."``; ``ATTNLAB_GEMM_BLOCKING=default`` forces the default (results
-        are bitwise the same either way); ``decode_prefetch``, where the decode path requests
-        the keys and values it streams: ``"l2: ..."`` on AMD CPUs, ``"l1: ..."`` elsewhere
-        (the GEMM requests the weight rows it packs into the same level; the same results).
+        gradients) of the variant in use: ``"avx512: ..."`` in the AVX-512 variant
+        (``"avx512-intel: ..."`` on Intel, whose kernels also request packed weight rows
+        ahead), ``"avx2-large-l2: ..."`` in the AVX2 variant on a CPU whose L2 holds 1 MiB or
+        more per core (``l2_cache_bytes``, from cpuid; 0 when unknown), else ``"default:
+        ..."``; ``ATTNLAB_GEMM_BLOCKING=default`` forces the default (results are bitwise the
+        same either way); ``decode_prefetch``, where the decode
+        path requests the keys and values it streams: ``"l2: ..."`` (the GEMM requests the
+        weight rows it packs into L2 on AMD CPUs, into L1 elsewhere; the same results).
 
     Examples
     --------

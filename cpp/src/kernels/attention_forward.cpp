@@ -643,8 +643,8 @@ void attention_forward(const AttentionProblem<T>& p) {
 }
 
 const char* decode_prefetch() {
-    return detail::kPrefetchToL2 ? "l2: K and V rows requested into L2 (AMD)"
-                                 : "l1: K and V rows requested into L1";
+    static_assert(detail::kDecodeFetch == detail::Fetch::l2, "the name below says L2");
+    return "l2: K and V rows requested into L2";
 }
 
 namespace detail {

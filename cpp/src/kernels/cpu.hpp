@@ -33,11 +33,11 @@ inline bool cpu_vendor_is(const char* name) {
 #endif
 }
 
-// Whether rows streamed from memory (decode's K and V rows, the GEMM's weight rows ldb apart as a
-// row block packs them) are requested into L2 rather than L1: on AMD (Zen 4) requests into L1
-// held the loads' miss buffers; Intel keeps L1, as measured there (docs/performance.md, "Decode
-// prefetch", "Weight rows requested into L2"). Decided when the module loads: a function-local
-// static made GCC call a function per request, spilling the kernels' accumulators around it.
+// Whether the GEMM's weight rows, ldb apart as a row block packs them, are requested into L2
+// rather than L1: on AMD (Zen 4) requests into L1 held the loads' miss buffers; Intel keeps L1,
+// as measured there (docs/performance.md, "Weight rows requested into L2"). Decided when the
+// module loads: a function-local static made GCC call a function per request, spilling the
+// kernels' accumulators around it.
 inline const bool kPrefetchToL2 = cpu_vendor_is("AuthenticAMD");
 
 // A read prefetch into all cache levels, always inlined: GCC 12 finds a plain inline wrapper of
@@ -54,6 +54,10 @@ EIGEN_ALWAYS_INLINE void prefetch_read(const void* p) {
 
 // The request with the level fixed at compile time, for loops that must stay free of branches.
 enum class Fetch { none, l1, l2 };
+
+// Where decode requests the K and V rows it streams: L2, whose requests hold no L1 miss buffer,
+// so more of them are in flight, on AMD and Intel alike (docs/performance.md, "Decode prefetch").
+inline constexpr Fetch kDecodeFetch = Fetch::l2;
 template <Fetch P>
 EIGEN_ALWAYS_INLINE void prefetch_to(const void* p) {
     if constexpr (P == Fetch::l1) {

@@ -324,10 +324,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
             // the rounding is the block's first read of the cache: rows ahead requested
             const auto fetch = [&](const E* row, Index ahead, Index bytes) {
                 const char* at = reinterpret_cast<const char*>(row) + ahead;
-                if (kPrefetchToL2)
-                    for (Index c = 0; c < bytes; c += 64) prefetch_to<Fetch::l2>(at + c);
-                else
-                    for (Index c = 0; c < bytes; c += 64) prefetch_to<Fetch::l1>(at + c);
+                for (Index c = 0; c < bytes; c += 64) prefetch_to<kDecodeFetch>(at + c);
             };
             const auto round_row = [&](const E* src, Index n, EK* dst) {
                 if constexpr (F == HalfFormat::bfloat16) {
@@ -391,10 +388,8 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         };
         if (k_ahead == 0)
             scores(std::integral_constant<Fetch, Fetch::none>{});
-        else if (kPrefetchToL2)
-            scores(std::integral_constant<Fetch, Fetch::l2>{});
         else
-            scores(std::integral_constant<Fetch, Fetch::l1>{});
+            scores(std::integral_constant<Fetch, kDecodeFetch>{});
         for (Index g = 0; g < group; ++g) {
             T* sg = sc + g * p.n_q * kbp;
             if (capped)
@@ -443,11 +438,8 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
             if (v_ahead == 0)
                 return decode_values_all<T, FK, kRoundLoads, S, Fetch::none>(
                     R, sc, pr, kbp, vblock, vst, kb, acc, dvp, dv, 0);
-            if (kPrefetchToL2)
-                return decode_values_all<T, FK, kRoundLoads, S, Fetch::l2>(
-                    R, sc, pr, kbp, vblock, vst, kb, acc, dvp, dv, v_ahead);
-            return decode_values_all<T, FK, kRoundLoads, S, Fetch::l1>(R, sc, pr, kbp, vblock, vst,
-                                                                       kb, acc, dvp, dv, v_ahead);
+            return decode_values_all<T, FK, kRoundLoads, S, kDecodeFetch>(
+                R, sc, pr, kbp, vblock, vst, kb, acc, dvp, dv, v_ahead);
         };
         const Index c = masked ? values(std::true_type{}) : values(std::false_type{});
         for (Index j = 0; j < kb && c < dv; ++j)  // the columns after the last whole packet
