@@ -120,7 +120,7 @@ constexpr int rows_for_packets() {
 // being ldb apart, a stride the hardware prefetchers follow late, the row kPrefetchAhead on is
 // requested early into L1 (P = Fetch::l1), or the row kPrefetchAheadL2 on into L2 (Fetch::l2,
 // kPrefetchToL2: AMD), where requests hold no L1 miss buffer, so more of them may be in flight.
-constexpr Index kPrefetchAhead = 8;
+constexpr Index kPrefetchAhead = 16;
 constexpr Index kPrefetchAheadL2 = 64;
 
 // Blocked summation (Join): each element sums at most kChain products in one chain, each chain
