@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -164,6 +165,23 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     if b.size == 0:
         return 0.0
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1.0))
+
+
+def cpuinfo() -> tuple[str, set[str]]:
+    """The vendor ("GenuineIntel", "AuthenticAMD") and the flags of the first CPU in
+    /proc/cpuinfo; ("", set()) where there is none (not Linux)."""
+    vendor, flags = "", set()
+    path = Path("/proc/cpuinfo")
+    if not path.exists():
+        return vendor, flags
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id" and not vendor:
+            vendor = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+            break
+    return vendor, flags
 
 
 def in_fresh_process(code: str, **env_vars: str | None) -> str:

@@ -21,7 +21,7 @@ import attnlab
 from attnlab import reference
 from attnlab._bench.accuracy import UNIT_ROUNDOFF, error_bound, logit_scale
 from attnlab.reference._mha import _bf16
-from conftest import make_mha_weights
+from conftest import cpuinfo, make_mha_weights
 from test_bf16 import SDPA_BF16_CASES, SHAPES, _logit_error_bound
 from test_bf16 import _sdpa_case as _bf16_case
 from test_half import SDPA_SHAPES, _rel
@@ -264,25 +264,12 @@ def test_mha_vdpbf16ps_within_its_bounds(runs, index):
     assert not np.array_equal(got, emulated)  # other sums: the kernels really ran
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    """The vendor and the flags of the first CPU in /proc/cpuinfo (Linux)."""
-    vendor, flags = "", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id" and not vendor:
-            vendor = value.strip()
-        elif key.strip() == "flags":
-            flags = set(value.split())
-            break
-    return vendor, flags
-
-
 def test_default_kernel_without_amx():
     """With AMX off and no ATTNLAB_AVX512_BF16: VDPBF16PS on AMD CPUs that have AVX512-BF16
     (on the Intel cores measured it is slower than the emulation), the emulation elsewhere."""
     if not Path("/proc/cpuinfo").exists() or attnlab.build_info()["isa"] != "avx512":
         pytest.skip("needs /proc/cpuinfo and the avx512 variant in use")
-    vendor, flags = _cpuinfo()
+    vendor, flags = cpuinfo()
     env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_AVX512_BF16"}
     env["ATTNLAB_AMX"] = "0"
     pkg = str(Path(attnlab.__file__).resolve().parents[1])

@@ -14,7 +14,7 @@ import pytest
 
 import attnlab
 from attnlab._loader import core
-from conftest import in_fresh_process
+from conftest import cpuinfo, in_fresh_process
 
 DTYPES = [np.float32, np.float64]
 
@@ -43,18 +43,6 @@ def _same_at_thread_counts(counts: tuple[int, ...], call: Callable[[], np.ndarra
     return results[0]
 
 
-def _cpu_vendor() -> str | None:
-    """cpuid's vendor string as Linux reports it ("GenuineIntel", "AuthenticAMD"), else None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def test_build_info_names_the_blocking():
     """The AVX-512 variant packs B once in long depth chunks (Intel and Zen 4 alike; on Intel
     its kernels also request the packed rows ahead), so does AVX2 on a CPU whose L2 holds 1 MiB
@@ -64,7 +52,7 @@ def test_build_info_names_the_blocking():
     name = info["gemm_blocking"]
     assert isinstance(info["l2_cache_bytes"], int) and info["l2_cache_bytes"] >= 0
     avx2 = "avx2-large-l2:" if info["l2_cache_bytes"] >= 1 << 20 else "default:"
-    vendor = _cpu_vendor()
+    vendor = cpuinfo()[0] or None
     avx512 = (
         ("avx512-intel:",)
         if vendor == "GenuineIntel"

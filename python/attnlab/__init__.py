@@ -142,9 +142,9 @@ def build_info() -> dict[str, Any]:
         ahead), ``"avx2-large-l2: ..."`` in the AVX2 variant on a CPU whose L2 holds 1 MiB or
         more per core (``l2_cache_bytes``, from cpuid; 0 when unknown), else ``"default:
         ..."``; ``ATTNLAB_GEMM_BLOCKING=default`` forces the default (results are bitwise the
-        same either way); ``decode_prefetch``, where the decode
-        path requests the keys and values it streams: ``"l2: ..."`` (the GEMM requests the
-        weight rows it packs into L2 on AMD CPUs, into L1 elsewhere; the same results).
+        same either way); ``decode_prefetch``, where the decode path requests the keys and
+        values it streams: ``"l2: ..."`` (the GEMM requests the weight rows it packs into L2
+        on AMD CPUs, into L1 elsewhere; the same results).
 
     Examples
     --------

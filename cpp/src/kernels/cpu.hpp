@@ -58,6 +58,7 @@ enum class Fetch { none, l1, l2 };
 // Where decode requests the K and V rows it streams: L2, whose requests hold no L1 miss buffer,
 // so more of them are in flight, on AMD and Intel alike (docs/performance.md, "Decode prefetch").
 inline constexpr Fetch kDecodeFetch = Fetch::l2;
+
 template <Fetch P>
 EIGEN_ALWAYS_INLINE void prefetch_to(const void* p) {
     if constexpr (P == Fetch::l1) {

@@ -53,7 +53,8 @@ struct Blocking {
 // with a smaller L2 (Zen 2 and 3: 512 KiB) and generic: chunks of 256 keep the B panel chunk in
 // a 32 KiB L1, each row chunk's task packing its own copy (docs/performance.md, issue 30).
 // On Intel with AVX-512 the kernels reading a packed block also request its rows
-// detail::kPackedAhead ahead into L1 (docs/performance.md, "Packed B rows requested ahead").
+// detail::kPackedAhead ahead into L1 (docs/performance.md, "Intel again: prefetches chosen for
+// it").
 // ATTNLAB_GEMM_BLOCKING=default forces the default (the same bits: every chunk is whole chains
 // of kChain products, and a prefetch changes no arithmetic).
 const Blocking& blocking() {
