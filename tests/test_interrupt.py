@@ -207,7 +207,8 @@ def _memory_check(rng: np.random.Generator) -> None:
         lambda: attnlab.scaled_dot_product_attention(q, k, v),
         lambda: attnlab.multi_head_attention_backward(grad, x, num_heads=4, **w),
     ]
-    for call in calls * 2:  # the buffer pools fill up
+    # the buffer pools fill up (calls stopped at different points first touch different buffers)
+    for call in calls * 5:
         interrupted(call, delay=0.1)
     before = _rss_bytes()
     for i in range(20):
