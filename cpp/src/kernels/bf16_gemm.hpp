@@ -73,10 +73,11 @@ ATTNLAB_AMX_TARGET inline void tile_block(Index kp, Index np, const std::uint16_
     store_2x2(c_out, ldc_out);
 }
 
-// The task shape of the tile product: input features per span of one accumulation in the tiles
-// (the span of a 32-row panel, 48 KB, about L1), blocks of 32 columns per task (wide when at
-// least kWideRows row blocks keep the threads busy).
-constexpr Index kSpan = 24, kWideGroup = 24, kNarrowGroup = 8, kWideRows = 16;
+// The task shape of the tile product: k-blocks (32 input features each) per span of one
+// accumulation in the tiles (a 32-row panel's span, 16 KB, stays in L1 while the weight's tiles
+// stream through it from L2: a whole-L1 panel is evicted by them and reloaded per column block),
+// blocks of 32 columns per task (wide when at least kWideRows row blocks keep the threads busy).
+constexpr Index kSpan = 8, kWideGroup = 24, kNarrowGroup = 8, kWideRows = 16;
 
 // The tile product of packed operands, xp (mp rows of kp bf16, zero padded to whole 32-row
 // blocks) times wp (kp x np, pack_weight_block), the sums starting from bp (np floats) or zero:
