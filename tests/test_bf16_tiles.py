@@ -38,10 +38,10 @@ def test_linear_rows_agree_across_task_shapes(threads):
     assert np.isfinite(whole).all()
 
 
-@pytest.mark.parametrize("n_q", [197, 69, 32, 33])
+@pytest.mark.parametrize("n_q", [197, 69, 32, 33, 80, 81, 208])
 def test_sdpa_queries_agree_in_full_and_half_tiles(n_q):
-    """The first n_q queries alone (a last block of at most 32 queries takes half the tiles)
-    against the same queries among 240 (all in full tiles): bitwise equal."""
+    """The first n_q queries alone (a last block of at most 32 or 16 queries takes a half or a
+    quarter of the tiles) against the same queries among 240 (all in full tiles): bitwise equal."""
     rng = np.random.default_rng(n_q)
     q = rng.standard_normal((2, 3, 240, 64)).astype(np.float32)
     k = rng.standard_normal((2, 3, 150, 64)).astype(np.float32)

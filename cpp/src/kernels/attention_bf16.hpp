@@ -4,14 +4,14 @@
 // bfloat16 for the value product (their sum stays float32), the context summed in float32.
 //
 // With AMX (amx_forward): per (batch, kv head) K and V are packed once into bf16; each task
-// (batch, head, 64 queries; a last block of at most 32 on half the tiles) runs an online softmax
-// over blocks of 128 keys with both products on TDPBF16PS tiles, transposed (S^T = K Q^T, O^T = V^T
-// P^T) so that the queries sit in vector lanes as in the float tiles. Elsewhere, or when a value
-// row holds NaN/Inf (the float tiles' careful path), bf16_operands gives the float32 kernels the
-// rounded operands and they round P themselves (AttentionProblem::bf16): the same numbers but for
-// the order of the float32 sums, the keys where the running maximum moves and the AMX exponential's
-// polynomial (exp2_for_bf16): a probability may round to the neighbouring bf16, within 2**-8 max|v|
-// of the output (tested).
+// (batch, head, 64 queries; a last block of at most 32 or 16 on a half or a quarter of the tiles)
+// runs an online softmax over blocks of 128 keys with both products on TDPBF16PS tiles, transposed
+// (S^T = K Q^T, O^T = V^T P^T) so that the queries sit in vector lanes as in the float tiles.
+// Elsewhere, or when a value row holds NaN/Inf (the float tiles' careful path), bf16_operands gives
+// the float32 kernels the rounded operands and they round P themselves (AttentionProblem::bf16):
+// the same numbers but for the order of the float32 sums, the keys where the running maximum moves
+// and the AMX exponential's polynomial (exp2_for_bf16): a probability may round to the neighbouring
+// bf16, within 2**-8 max|v| of the output (tested).
 
 #include <algorithm>
 #include <atomic>
@@ -249,6 +249,13 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
             return vdp_scores(kt, kp, qt, G, Q, j0, kbp, sb);
         for (Index jc = 0; jc < kbp; jc += 32)
             for (Index g = 0; g < G; g += 2) {  // the K tiles stay in L1 for the next g
+                if constexpr (G == 1) {
+                    zero_2x1();
+                    for (Index c = 0; c < kp / 32; ++c)
+                        dp_2x1(kt + (j0 + jc) * kp + c * 32, kp, qt + c * 512);
+                    store_2x1(sb + jc * Q, Q);
+                    continue;
+                }
                 zero_2x2();
                 for (Index c = 0; c < kp / 32; ++c)
                     dp_2x2(kt + (j0 + jc) * kp + c * 32, kp, qt + (c * G + g) * 512,
@@ -263,6 +270,13 @@ ATTNLAB_AMX_TARGET inline void amx_tile(const AttentionProblem<float>& p, const 
             return vdp_values(vt, np, vp, pb, G, Q, j0, kbp, acc);
         for (Index cb = 0; cb < vp; cb += 32)
             for (Index g = 0; g < G; g += 2) {  // the V^T tiles stay in L1 for the next g
+                if constexpr (G == 1) {
+                    load_2x1(acc + cb * Q, Q);
+                    for (Index jc = 0; jc < kbp; jc += 32)
+                        dp_2x1(vt + cb * np + j0 + jc, np, pb + (jc / 32) * 512);
+                    store_2x1(acc + cb * Q, Q);
+                    continue;
+                }
                 load_2x2(acc + cb * Q + g * 16, Q);
                 for (Index jc = 0; jc < kbp; jc += 32)
                     dp_2x2(vt + cb * np + j0 + jc, np, pb + ((jc / 32) * G + g) * 512,
@@ -418,7 +432,10 @@ inline void amx_run(const AttentionProblem<float>& p, const AmxPacked& L, const 
         const Index slot = b * p.kv_heads + h / group;
         const Index i0 = qt * kAmxQ, mq = std::min(kAmxQ, p.n_q - i0);
         const std::uint16_t *k = kt + slot * L.k_size, *v = vt + slot * L.v_size;
-        if (mq <= kAmxQ / 2)  // a last block of few queries: half the tiles, the same sums
+        // a last block of few queries: a half or a quarter of the tiles, the same sums
+        if (mq <= kAmxQ / 4)
+            amx_tile<products, 1>(p, L, k, v, io, b, h, i0, mq);
+        else if (mq <= kAmxQ / 2)
             amx_tile<products, kAmxQ / 32>(p, L, k, v, io, b, h, i0, mq);
         else
             amx_tile<products>(p, L, k, v, io, b, h, i0, mq);

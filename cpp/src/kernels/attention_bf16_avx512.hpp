@@ -22,11 +22,14 @@ enum class Bf16Products { amx, vdp };
 ATTNLAB_BF16_TARGET inline void vdp_scores(const std::uint16_t* kt, Index kp,
                                            const std::uint16_t* qt, Index g_tiles, Index q,
                                            Index j0, Index kbp, float* sb) {
-    for (Index j = 0; j < kbp; j += kVdpRows)
-        for (Index g = 0; g < g_tiles; g += 2)
-            vdp_block<kVdpRows, 2>(sb + j * q + g * 16, q, false,
-                                   reinterpret_cast<const std::uint32_t*>(kt + (j0 + j) * kp),
-                                   kp / 2, qt + g * 512, g_tiles * 512, kp / 2);
+    for (Index j = 0; j < kbp; j += kVdpRows) {
+        const auto* a = reinterpret_cast<const std::uint32_t*>(kt + (j0 + j) * kp);
+        if (g_tiles == 1)  // 16 queries
+            vdp_block<kVdpRows, 1>(sb + j * q, q, false, a, kp / 2, qt, 512, kp / 2);
+        for (Index g = 0; g + 1 < g_tiles; g += 2)
+            vdp_block<kVdpRows, 2>(sb + j * q + g * 16, q, false, a, kp / 2, qt + g * 512,
+                                   g_tiles * 512, kp / 2);
+    }
 }
 
 // O^T += V^T P^T for the keys [j0, j0 + kbp) into acc (vp value columns, row stride q): V^T
@@ -34,11 +37,14 @@ ATTNLAB_BF16_TARGET inline void vdp_scores(const std::uint16_t* kt, Index kp,
 ATTNLAB_BF16_TARGET inline void vdp_values(const std::uint16_t* vt, Index np, Index vp,
                                            const std::uint16_t* pb, Index g_tiles, Index q,
                                            Index j0, Index kbp, float* acc) {
-    for (Index c = 0; c < vp; c += kVdpRows)
-        for (Index g = 0; g < g_tiles; g += 2)
-            vdp_block<kVdpRows, 2>(acc + c * q + g * 16, q, true,
-                                   reinterpret_cast<const std::uint32_t*>(vt + c * np + j0), np / 2,
-                                   pb + g * 512, g_tiles * 512, kbp / 2);
+    for (Index c = 0; c < vp; c += kVdpRows) {
+        const auto* a = reinterpret_cast<const std::uint32_t*>(vt + c * np + j0);
+        if (g_tiles == 1)  // 16 queries
+            vdp_block<kVdpRows, 1>(acc + c * q, q, true, a, np / 2, pb, 512, kbp / 2);
+        for (Index g = 0; g + 1 < g_tiles; g += 2)
+            vdp_block<kVdpRows, 2>(acc + c * q + g * 16, q, true, a, np / 2, pb + g * 512,
+                                   g_tiles * 512, kbp / 2);
+    }
 }
 #endif
 

@@ -257,6 +257,28 @@ ATTNLAB_AMX_TARGET inline void dp_2x2(const std::uint16_t* a, Index lda, const s
     _tile_dpbf16ps(3, 5, 7);
 }
 
+// The 2 x 1 block of accumulator tiles 0 and 2 (32 x 16 floats): C += A B with A's two 16-row
+// tiles as in dp_2x2 and one B tile b0, through tiles 4, 5 and 6 (a block of 16 queries).
+ATTNLAB_AMX_TARGET inline void dp_2x1(const std::uint16_t* a, Index lda, const std::uint16_t* b0) {
+    _tile_loadd(4, a, lda * 2);
+    _tile_loadd(6, b0, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, a + 16 * lda, lda * 2);
+    _tile_dpbf16ps(2, 5, 6);
+}
+ATTNLAB_AMX_TARGET inline void zero_2x1() {
+    _tile_zero(0);
+    _tile_zero(2);
+}
+ATTNLAB_AMX_TARGET inline void load_2x1(const float* c, Index ldc) {
+    _tile_loadd(0, c, ldc * 4);
+    _tile_loadd(2, c + 16 * ldc, ldc * 4);
+}
+ATTNLAB_AMX_TARGET inline void store_2x1(float* c, Index ldc) {
+    _tile_stored(0, c, ldc * 4);
+    _tile_stored(2, c + 16 * ldc, ldc * 4);
+}
+
 // Accumulator tiles 0-3 zeroed, loaded from or stored to a 32 x 32 float block (row stride ldc).
 ATTNLAB_AMX_TARGET inline void zero_2x2() {
     _tile_zero(0);
