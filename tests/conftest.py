@@ -213,6 +213,39 @@ def in_fresh_process(code: str, **env_vars: str | None) -> str:
     return proc.stdout
 
 
+def rerun_tests(test_file: str, selection: str, **env_vars: str) -> None:
+    """The tests of ``test_file`` (a path) chosen by ``-k selection`` again in a pytest
+    subprocess with the environment variables ``env_vars`` set (choices made once per process):
+    all pass, none skipped."""
+    import os
+    import subprocess
+    import sys
+
+    here = Path(test_file)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", here.name, "-k",
+         selection],
+        check=False, env=dict(os.environ, **env_vars), cwd=here.parent, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-500:]
+
+
+# The switches that turn AMX off and the VDPBF16PS kernel on (read once per process)
+VDPBF16PS = {"ATTNLAB_AMX": "0", "ATTNLAB_AVX512_BF16": "1"}
+
+
+def require_vdpbf16ps() -> None:
+    """Skips unless the VDPBF16PS kernel runs with VDPBF16PS's switches (the CPU has
+    AVX512-BF16), probed in a subprocess."""
+    kernel = in_fresh_process(
+        "import attnlab; print(attnlab.build_info()['bf16_kernel'])", **VDPBF16PS
+    ).strip()
+    if kernel != "avx512_bf16":
+        pytest.skip(f"no AVX512-BF16 kernel here (bf16_kernel={kernel!r})")
+
+
 def refuse_conversions(
     monkeypatch: Any, shapes: set[tuple[int, ...]], read: set[tuple[int, ...]] = frozenset()
 ) -> None:

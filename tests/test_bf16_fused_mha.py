@@ -8,10 +8,6 @@ attention core, the bf16 output projection."""
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +15,7 @@ import pytest
 
 import attnlab
 from attnlab._loader import core
+from conftest import VDPBF16PS, require_vdpbf16ps, rerun_tests
 
 # the fused forward runs on the bf16 hardware kernels (not on the emulation)
 FUSES = attnlab.build_info()["bf16_kernel"] in ("amx", "avx512_bf16")
@@ -206,27 +203,8 @@ def test_core_refuses_bf16_with_float64():
 def test_fused_on_vdpbf16ps_without_amx():
     """This file's tests again with AMX off and the VDPBF16PS kernel on (the switches are read
     once per process: a subprocess), where the CPU has AVX512-BF16."""
-    env = dict(os.environ, ATTNLAB_AMX="0", ATTNLAB_AVX512_BF16="1")
-    probe = "import attnlab; print(attnlab.build_info()['bf16_kernel'])"
-    kernel = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    if kernel != "avx512_bf16":
-        pytest.skip(f"no AVX512-BF16 kernel here (bf16_kernel={kernel!r})")
-    _rerun(env, "not without_amx and not on_the_emulation")
-
-
-def _rerun(env: dict[str, str], selection: str) -> None:
-    """This file's tests chosen by ``-k selection`` in a subprocess with ``env``: all pass, none
-    skipped."""
-    here = Path(__file__)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", here.name, "-k",
-         selection],
-        check=False, env=env, cwd=here.parent, capture_output=True, text=True,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-500:]
+    require_vdpbf16ps()
+    rerun_tests(__file__, "not without_amx and not on_the_emulation", **VDPBF16PS)
 
 
 try:
@@ -327,7 +305,8 @@ def test_half_weights_on_the_emulation():
     the float32 GEMM): the AVX2 build, in a subprocess (the build is chosen once per process)."""
     if "avx2" not in attnlab.build_info()["available_isas"]:
         pytest.skip("no AVX2 build in this module (another CPU family)")
-    _rerun(
-        dict(os.environ, ATTNLAB_ISA="avx2"),
+    rerun_tests(
+        __file__,
         "half_weights_read_as_stored or half_inputs_read_as_stored or half_inputs_and_weights",
+        ATTNLAB_ISA="avx2",
     )

@@ -1,9 +1,9 @@
-"""attnlab.PackedWeight (issue 30): weights packed once for the projections of many calls.
+"""attnlab.PackedWeight (issues 30, 31): weights packed once for the projections of many calls.
 
-The packed panels are the layout every call's GEMM makes from the weight anyway, so a call given
-them must give the array call's bits; the tests below also prove that the kernel reads the
-panels (altered panels change exactly the columns they cover) and that every other use of a
-PackedWeight reads its array."""
+The packed panels (and, for precision="bf16" on AMX or AVX512-BF16, the bf16 tiles) are the
+layout every call's GEMM makes from the weight anyway, so a call given them must give the array
+call's bits; the tests below also prove that the kernels read them (altered panels or tiles
+change exactly what they cover) and that every other use of a PackedWeight reads its array."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 import attnlab
 from attnlab._loader import core
+from conftest import VDPBF16PS, require_vdpbf16ps, rerun_tests
 
 NAMES = ("w_q", "w_k", "w_v", "w_o")
 
@@ -193,6 +194,99 @@ def test_refused_with_a_named_error(w, error, match):
         attnlab.PackedWeight(w)
 
 
+def _bf16_tiles_here() -> bool:
+    return attnlab.build_info()["bf16_kernel"] != "emulated"
+
+
+# (batch, tokens, features, heads, kv heads, d_head, d_vhead, d_out, options): the fused forward
+# (self-attention, head widths multiples of 32), then the composed kernels
+BF16_CASES = [
+    (2, 197, 192, 3, 3, 64, 64, 192, {}),
+    (2, 50, 96, 2, 1, 32, 64, 70, {"causal": True}),
+    (1, 33, 40, 2, 2, 48, 40, 33, {}),
+    (3, 17, 100, 4, 2, 32, 32, 100, {"cross": True}),
+    (1, 9, 64, 2, 2, 32, 32, 64, {"return_weights": True}),
+]
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=lambda c: "x".join(map(str, c[:8])))
+def test_bf16_same_bits_as_the_arrays(rng, case):
+    """precision="bf16" with PackedWeight (its bf16 tiles where the products run on AMX or
+    AVX512-BF16; the array on the emulation): the array call's bits, forward and backward."""
+    B, n, d, h, hk, dh, dv, d_out, opts = case
+    shapes = {"w_q": (d, h * dh), "w_k": (d, hk * dh), "w_v": (d, hk * dv), "w_o": (h * dv, d_out)}
+    w = {k: (rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for k, s in shapes.items()}
+    w["b_q"] = rng.standard_normal(h * dh).astype(np.float32)
+    w["b_v"] = rng.standard_normal(hk * dv).astype(np.float32)
+    p = {k: attnlab.PackedWeight(a) if k in NAMES else a for k, a in w.items()}
+    x = rng.standard_normal((B, n, d)).astype(np.float32)
+    kw = dict(num_heads=h, num_kv_heads=hk, precision="bf16")
+    opts = dict(opts)
+    if opts.pop("cross", False):
+        kv = rng.standard_normal((B, n + 5, d)).astype(np.float32)
+        kw.update(key=kv, value=kv)
+    kw.update(opts)
+    got = attnlab.multi_head_attention(x, **kw, **p)
+    want = attnlab.multi_head_attention(x, **kw, **w)
+    got, want = (r[0] if isinstance(r, tuple) else r for r in (got, want))
+    assert got.tobytes() == want.tobytes()
+    assert all((p[k]._tiles is not None) == _bf16_tiles_here() for k in NAMES)
+    kw.pop("return_weights", None)
+    g = rng.standard_normal(got.shape).astype(np.float32)
+    gp = attnlab.multi_head_attention_backward(g, x, **kw, **p)
+    ga = attnlab.multi_head_attention_backward(g, x, **kw, **w)
+    assert gp.keys() == ga.keys() and all(gp[k].tobytes() == ga[k].tobytes() for k in ga)
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["fused", "composed"])
+@pytest.mark.parametrize("name", ["w_q", "w_v", "w_o"])
+def test_the_bf16_products_read_the_tiles(rng, cross, name):
+    """Altered tiles give the result of the weight they were packed from: the tiles are read
+    (the fused forward's three projections from their own tiles, and the composed kernels')."""
+    if not _bf16_tiles_here():
+        pytest.skip("the bf16 products are emulated here: they read the array (no tiles)")
+    d, h, dh = 64, 2, 32
+    w = {n: (rng.standard_normal((d, d)) / 8).astype(np.float32) for n in NAMES}
+    p = _packed(w)
+    other = (rng.standard_normal((d, d)) / 8).astype(np.float32)
+    p[name]._tiles = core.pack_bf16_tiles(other)
+    x = rng.standard_normal((2, 40, d)).astype(np.float32)
+    kw = dict(num_heads=h, precision="bf16")
+    if cross:
+        kv = rng.standard_normal((2, 23, d)).astype(np.float32)
+        kw.update(key=kv, value=kv)
+    got = attnlab.multi_head_attention(x, **kw, **p)
+    want = attnlab.multi_head_attention(x, **kw, **{**w, name: other})
+    assert got.tobytes() == want.tobytes()
+    assert dh % 32 == 0  # (self-attention with these widths takes the fused forward)
+
+
+def test_bf16_tiles_packed_once_and_counted(rng):
+    w = rng.standard_normal((96, 64)).astype(np.float32)
+    p = attnlab.PackedWeight(w)
+    before = p.nbytes
+    x = rng.standard_normal((1, 40, 96)).astype(np.float32)
+    ws = dict(w_q=p, w_k=p, w_v=p, w_o=rng.standard_normal((64, 96)).astype(np.float32))
+    attnlab.multi_head_attention(x, num_heads=2, precision="bf16", **ws)
+    tiles = p._tiles
+    attnlab.multi_head_attention(x, num_heads=2, precision="bf16", **ws)
+    assert p._tiles is tiles  # the same array: packed at the first call only
+    if _bf16_tiles_here():
+        assert p.nbytes == before + tiles.nbytes and not tiles.flags.writeable
+    else:
+        assert tiles is None and p.nbytes == before
+    # the packed layouts start on a cache line (NumPy aligns to 16 bytes only)
+    assert p._panels.ctypes.data % 64 == 0
+    assert tiles is None or tiles.ctypes.data % 64 == 0
+
+
+def test_bf16_tiles_on_vdpbf16ps_without_amx():
+    """The bf16 tests above again with AMX off and the VDPBF16PS kernel on (the switches are read
+    once per process: a subprocess), where the CPU has AVX512-BF16."""
+    require_vdpbf16ps()
+    rerun_tests(__file__, "bf16 and not without_amx", **VDPBF16PS)
+
+
 def test_core_checks_the_panels():
     """The binding's own checks (the Python layer sends only panels it made)."""
     w = np.ones((8, 96), np.float32)
@@ -209,6 +303,10 @@ def test_core_checks_the_panels():
         core.pack_weight(np.ones(3, np.float32))
     with pytest.raises(TypeError, match=r"^w: expected float32 or float64"):
         core.pack_weight(np.ones((3, 3), np.int64))
+    with pytest.raises(ValueError, match=r"^w: expected a 2-d array"):
+        core.pack_bf16_tiles(np.ones(3, np.float32))
+    with pytest.raises(TypeError, match=r"^w: unexpected dtype float64"):
+        core.pack_bf16_tiles(np.ones((3, 3)))
 
 
 def test_core_checks_the_layer_panels():
@@ -228,6 +326,15 @@ def test_core_checks_the_layer_panels():
     bad = np.zeros(pw.size + 1, np.float32)
     with pytest.raises(ValueError, match=r"^packed\[3\] \(w_o\)"):
         core.mha_forward(core.MhaArgs(**{**kw, "packed": (None, None, None, bad)}), out, None)
+    if _bf16_tiles_here():  # precision="bf16": the tiles, checked against the layer's size
+        tiles = core.pack_bf16_tiles(w)
+        bf16 = (None, None, True)  # (weights, state, bf16) after the output
+        with pytest.raises(ValueError, match=r"^packed\[1\] \(w_k\)"):
+            core.mha_forward(core.MhaArgs(**{**kw, "packed": (tiles, tiles[1:], None, None)}),
+                             out, *bf16)  # fmt: skip
+        with pytest.raises(TypeError, match=r"^packed\[0\] \(w_q\): unexpected dtype float32"):
+            core.mha_forward(core.MhaArgs(**{**kw, "packed": (pw, None, None, None)}), out, *bf16)
+        core.mha_forward(core.MhaArgs(**{**kw, "packed": (tiles,) * 4}), out, *bf16)
     halves = {n: w.astype(np.float16).view(np.uint16) for n in NAMES}
     with pytest.raises(ValueError, match=r"^packed: not with half-precision weights"):
         core.mha_forward(

@@ -113,6 +113,19 @@ T* contiguous(const py::array& a, const char* name, const Dims& shape, bool writ
     return static_cast<T*>(const_cast<void*>(a.data()));
 }
 
+// A 1-d array of n elements whose data starts on a 64-byte boundary (a view into a slightly
+// longer one): packed weights are read by whole-cache-line vector and tile loads, which NumPy's
+// 16-byte alignment would split across two lines.
+template <typename T>
+py::array_t<T> aligned_array(Index n) {
+    constexpr Index extra = 64 / sizeof(T);
+    py::array_t<T> base(static_cast<py::ssize_t>(n + extra));
+    const auto at = reinterpret_cast<std::uintptr_t>(base.data());
+    const auto skip = static_cast<Index>((64 - at % 64) % 64 / sizeof(T));
+    return py::array_t<T>({static_cast<py::ssize_t>(n)}, {static_cast<py::ssize_t>(sizeof(T))},
+                          base.mutable_data() + skip, base);
+}
+
 template <typename T>
 const T* optional_vector(const py::object& o, const char* name, Index n) {
     if (o.is_none()) return nullptr;

@@ -263,9 +263,11 @@ struct MhaArgs : SharedArgs {
     py::object b_q;
     Array w_k;
     py::object b_k;
-    int weights_half;   // 0: the weights in the inputs' dtype; 1, 2: float16, bfloat16 bits
-    int inputs_half;    // 1: query, key, value (and the forward's out) as bits of weights_half
-    py::object packed;  // None, or (w_q, w_k, w_v, w_o)'s core.pack_weight arrays or None each
+    int weights_half;  // 0: the weights in the inputs' dtype; 1, 2: float16, bfloat16 bits
+    int inputs_half;   // 1: query, key, value (and the forward's out) as bits of weights_half
+    // None, or (w_q, w_k, w_v, w_o)'s core.pack_weight arrays or None each (with bf16 products:
+    // their core.pack_bf16_tiles arrays)
+    py::object packed;
 
     static constexpr auto fields() {
         return std::tuple_cat(
@@ -289,9 +291,10 @@ const T* packed_panels(const py::handle& o, const char* name, Index in, Index ou
                          {kernels_for<T>().packed_weight_size(in, out)});
 }
 
-// p's projections read the panels a.packed holds (float weights only).
+// p's projections read the panels a.packed holds (float weights only): float panels, or with
+// bf16 products (float32) the bf16 tiles.
 template <typename T>
-void attach_packed(MhaProblem<T>& p, const MhaArgs& a) {
+void attach_packed(MhaProblem<T>& p, const MhaArgs& a, bool bf16) {
     if (a.packed.is_none()) return;
     if (!py::isinstance<py::tuple>(a.packed) || py::len(a.packed) != 4)
         throw py::type_error("packed: expected None or a tuple of 4 (w_q, w_k, w_v, w_o)");
@@ -300,8 +303,19 @@ void attach_packed(MhaProblem<T>& p, const MhaArgs& a) {
     Linear<T>* layers[4] = {&p.w_q, &p.w_k, &p.w_v, &p.w_o};
     const char* names[4] = {"packed[0] (w_q)", "packed[1] (w_k)", "packed[2] (w_v)",
                             "packed[3] (w_o)"};
-    for (int i = 0; i < 4; ++i)
-        layers[i]->packed = packed_panels<T>(t[i], names[i], layers[i]->in, layers[i]->out);
+    for (int i = 0; i < 4; ++i) {
+        Linear<T>& l = *layers[i];
+        if (!bf16) {
+            l.packed = packed_panels<T>(t[i], names[i], l.in, l.out);
+        } else if (!t[i].is_none()) {
+            const Index size = kernels().bf16_tiles_size(l.in, l.out);
+            if (size == 0)
+                throw py::value_error(std::string(names[i]) +
+                                      ": bf16 tiles given where the bf16 products run emulated");
+            l.tiles = contiguous<std::uint16_t>(py::reinterpret_borrow<py::array>(t[i]), names[i],
+                                                {size});
+        }
+    }
 }
 
 // The q/k norms and rotary embeddings of a multi-head call: core.QkArgs (QkTransform).
@@ -356,7 +370,7 @@ void qk_transform(MhaProblem<T>& p, const py::object& qk) {
 // outputs are set by the callers). `state`: vjp's buffers, the projections, the attention
 // output and the log-sum-exp (or none).
 template <typename T>
-MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
+MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state, bool bf16 = false) {
     const SharedArgs& s = a;
     const Index batch = s.batch, n_q = s.n_q, n_k = s.n_k, heads = s.heads, kv_heads = s.kv_heads;
     check_heads(heads, kv_heads);
@@ -376,7 +390,7 @@ MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
     p.w_q = linear_arg<T>(a.w_q, a.b_q, "w_q", "b_q", d_q, wq, half);
     p.w_k = linear_arg<T>(a.w_k, a.b_k, "w_k", "b_k", d_k, wk, half);
     projected_values<T>(p, s, d_vhead, state, half);
-    attach_packed(p, a);
+    attach_packed(p, a, bf16);
     p.state.q = state_array<T>(state, "q", {batch * n_q, wq});
     p.state.k = state_array<T>(state, "k", {batch * n_k, wk});
     return p;
@@ -385,7 +399,7 @@ MhaProblem<T> mha_problem(const MhaArgs& a, const py::object& state) {
 void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object state, bool bf16,
                  py::object qk) {
     if (a.inputs_half) {  // computed in float32 (bf16 products), out written as bits
-        MhaProblem<float> p = mha_problem<float>(a, state);
+        MhaProblem<float> p = mha_problem<float>(a, state, bf16);
         qk_transform(p, qk);
         p.bf16 = bf16;
         projected_outputs<float, MhaProblem<float>, std::uint16_t>(p, out, weights);
@@ -397,7 +411,7 @@ void mha_forward(const MhaArgs& a, py::array out, py::object weights, py::object
         using T = decltype(tag);
         if (bf16 && !std::is_same_v<T, float>)
             throw py::type_error("bf16: bf16 products take float32 operands, got float64 query");
-        MhaProblem<T> p = mha_problem<T>(a, state);
+        MhaProblem<T> p = mha_problem<T>(a, state, bf16);
         qk_transform(p, qk);
         p.bf16 = bf16;
         projected_outputs<T>(p, out, weights);
@@ -424,7 +438,7 @@ void mha_backward(py::array grad_out, const MhaArgs& a, py::dict grads, py::obje
             throw py::type_error("bf16: bf16 products take float32 operands, got float64 query");
         if (bf16 && !state.is_none())
             throw py::value_error("bf16: the backward recomputes its forward (no state)");
-        MhaProblem<T> p = mha_problem<T>(a, state);
+        MhaProblem<T> p = mha_problem<T>(a, state, bf16);
         qk_transform(p, qk);
         p.bf16 = bf16;
         p.state.filled = !state.is_none();
@@ -517,12 +531,27 @@ py::array pack_weight(py::array w) {
         const Index in = w.shape(0), out = w.shape(1);
         const T* pw = contiguous<T>(w, "w", {in, out});
         const KernelSet<T>& k = kernels_for<T>();
-        py::array_t<T> packed(static_cast<py::ssize_t>(k.packed_weight_size(in, out)));
+        py::array_t<T> packed = aligned_array<T>(k.packed_weight_size(in, out));
         T* dst = packed.mutable_data();
         ReleaseGil release;
         k.pack_weight(in, out, pw, dst);
         return std::move(packed);
     });
+}
+
+// w (in, out; float32) as the bf16 tiles precision="bf16" products read (Linear::tiles): a 1-d
+// uint16 array, or None where those products run emulated (they then read w itself).
+py::object pack_bf16_tiles(py::array w) {
+    if (w.ndim() != 2) throw py::value_error("w: expected a 2-d array");
+    const Index in = w.shape(0), out = w.shape(1);
+    const float* pw = contiguous<float>(w, "w", {in, out});
+    const Index size = kernels().bf16_tiles_size(in, out);
+    if (size == 0) return py::none();
+    py::array_t<std::uint16_t> tiles = aligned_array<std::uint16_t>(size);
+    std::uint16_t* dst = tiles.mutable_data();
+    ReleaseGil release;
+    kernels().pack_bf16_tiles(in, out, pw, dst);
+    return std::move(tiles);
 }
 
 }  // namespace
@@ -637,6 +666,7 @@ void bind_mha(py::module_& m) {
           py::arg("bf16") = false, py::arg("w_half") = 0, py::arg("x_half") = false,
           py::arg("y_half") = false, py::arg("packed") = py::none());
     m.def("pack_weight", &pack_weight, py::arg("w"));
+    m.def("pack_bf16_tiles", &pack_bf16_tiles, py::arg("w"));
 }
 
 }  // namespace bind

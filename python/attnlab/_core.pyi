@@ -147,6 +147,7 @@ def linear_forward(
     packed: _Optional = ...,  # pack_weight(w), float weights and products only
 ) -> None: ...
 def pack_weight(w: _Array) -> _Array: ...  # w's whole column panels as linear reads them
+def pack_bf16_tiles(w: _Array) -> _Array | None: ...  # float32 w as precision="bf16" reads it
 
 # Bilinear-collapsed attention (cpp/bindings/bilinear.cpp). order: 0 query, 1 key.
 def bilinear_forward(
@@ -218,7 +219,8 @@ class MhaArgs(_SharedArgs):
     b_k: _Optional
     weights_half: _Int  # 0; 1 or 2: the four weights as float16 or bfloat16 bits (uint16)
     inputs_half: _Int  # 0; 1: query, key, value and mha_forward's out as bits of weights_half
-    # None, or pack_weight's panels (or None) for each of w_q, w_k, w_v, w_o
+    # None, or pack_weight's panels (bf16 products: pack_bf16_tiles') or None for each of w_q,
+    # w_k, w_v, w_o
     packed: tuple[_Optional, _Optional, _Optional, _Optional] | None
 
 @dataclass(frozen=True, kw_only=True)

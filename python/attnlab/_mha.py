@@ -388,7 +388,9 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
     else:  # their bits, as the kernels take them
         wq, wk, wv, wo = (_memory.contiguous(w_).view(np.uint16) for w_ in (wq_, wk_, wv_, wo_))
     d_out = wo.shape[1]
-    packed = _packed_panels(args, (wq, wk, wv, wo), dtype) if half is None else None
+    # (precision="bf16" on float32: the bf16 tiles; a wrong precision is refused with the options)
+    bf16 = dtype == np.float32 and args.get("precision") == "bf16"
+    packed = _packed_panels(args, (wq, wk, wv, wo), dtype, bf16) if half is None else None
     bq = V.vector(bs["b_q"], "b_q", dtype, h * d_head)
     bk = V.vector(bs["b_k"], "b_k", dtype, h_kv * d_head)
     bv = V.vector(bs["b_v"], "b_v", dtype, h_kv * d_vhead)
@@ -427,12 +429,12 @@ def _prepare_mha(args: dict[str, Any], keep_half: bool = False) -> _Mha:
 
 
 def _packed_panels(
-    args: dict[str, Any], ws: tuple[np.ndarray, ...], dtype: np.dtype
+    args: dict[str, Any], ws: tuple[np.ndarray, ...], dtype: np.dtype, bf16: bool
 ) -> tuple[np.ndarray | None, ...] | None:
-    """The panels of the weights given as :class:`PackedWeight` that the call reads as they are
-    (its dtype), for core.MhaArgs.packed; None when there are none."""
+    """The panels (``bf16``: the bf16 tiles) of the weights given as :class:`PackedWeight` that
+    the call reads as they are (its dtype), for core.MhaArgs.packed; None when there are none."""
     found = [
-        p._panels_for(dtype) if isinstance(p, PackedWeight) and w is p.array else None
+        p._panels_for(dtype, bf16) if isinstance(p, PackedWeight) and w is p.array else None
         for p, w in zip((args[n] for n in _WEIGHTS), ws, strict=True)
     ]
     return tuple(found) if any(f is not None for f in found) else None

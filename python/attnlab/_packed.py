@@ -42,10 +42,13 @@ class PackedWeight:
     -----
     The packed panels are read by :func:`multi_head_attention`'s projections (forward, and the
     forward a backward recomputes) when the call computes in the weight's dtype with
-    ``precision=None``. Every other use reads ``array`` (the same result, no gain): calls
-    promoted to another dtype, ``precision="bf16"``, weight gradients, the other families. The
-    panels depend on the instruction set the module chose at import; a pickled
-    ``PackedWeight`` stores the array and packs it again when loaded.
+    ``precision=None``. With ``precision="bf16"`` (a float32 weight), where the bf16 products
+    run on AMX or AVX512-BF16 (``build_info()["bf16_kernel"]``), they read the weight rounded
+    to bfloat16 in their own tile layout, packed at the first such call and kept (``nbytes``
+    then counts it). Every other use reads ``array`` (the same result, no gain): calls
+    promoted to another dtype, the emulated bf16 products, weight gradients, the other
+    families. The packed layouts depend on the instruction set the module chose at import; a
+    pickled ``PackedWeight`` stores the array and packs it again when loaded.
 
     {examples}
     >>> x = rng.standard_normal((1, 128, 64), dtype=np.float32)
@@ -57,7 +60,7 @@ class PackedWeight:
     True
     """
 
-    __slots__ = ("_array", "_panels")
+    __slots__ = ("_array", "_panels", "_tiles")
 
     def __init__(self, w: Any) -> None:
         if isinstance(w, PackedWeight):
@@ -77,6 +80,7 @@ class PackedWeight:
         panels.flags.writeable = False
         self._array: np.ndarray = copy
         self._panels: np.ndarray = panels
+        self._tiles: np.ndarray | bool | None = False  # False: not packed yet (_tiles_bf16)
 
     @property
     def array(self) -> np.ndarray:
@@ -96,11 +100,26 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return int(self._array.nbytes + self._panels.nbytes)
+        tiles = self._tiles.nbytes if isinstance(self._tiles, np.ndarray) else 0
+        return int(self._array.nbytes + self._panels.nbytes + tiles)
 
-    def _panels_for(self, dtype: np.dtype) -> np.ndarray | None:
-        """The packed panels for a call computing in ``dtype`` (None for another dtype)."""
-        return self._panels if dtype == self._array.dtype else None
+    def _panels_for(self, dtype: np.dtype, bf16: bool = False) -> np.ndarray | None:
+        """The packed panels for a call computing in ``dtype`` (None for another dtype), or
+        with ``bf16`` (``precision="bf16"``) the bf16 tiles (None where the products are
+        emulated)."""
+        if dtype != self._array.dtype:
+            return None
+        return self._tiles_bf16() if bf16 else self._panels
+
+    def _tiles_bf16(self) -> np.ndarray | None:
+        """The weight as the bf16 products' tiles, packed at the first call that asks (two
+        threads packing at once make the same array)."""
+        if self._tiles is False:
+            tiles = core.pack_bf16_tiles(self._array) if self._array.dtype == np.float32 else None
+            if tiles is not None:
+                tiles.flags.writeable = False
+            self._tiles = tiles
+        return self._tiles if isinstance(self._tiles, np.ndarray) else None
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         if copy:

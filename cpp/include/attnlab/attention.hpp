@@ -97,6 +97,8 @@ struct Linear {
     const std::uint16_t* w_half = nullptr;  // or w's half bits (w null): MHA
     HalfFormat half = HalfFormat::none;
     const T* packed = nullptr;  // w's column panels packed once (pack_weight), or null
+    // w's bf16 tiles packed once for precision="bf16" (pack_bf16_tiles; float only), or null
+    const std::uint16_t* tiles = nullptr;
 };
 
 // What a forward can keep for its backward (attnlab.vjp): the values, the attention output

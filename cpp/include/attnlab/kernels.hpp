@@ -60,6 +60,11 @@ struct KernelTable {
     void (*linear_bf16)(Index rows, Index in, Index out, const float* x, Index ldx, const float* w,
                         const float* b, float* y, Index ldy);
     const char* (*bf16_kernel)();
+    // a float32 weight (in x out, contiguous) as the bf16 tiles precision="bf16" reads from
+    // Linear::tiles: their element count here (0 where bf16_kernel() is "emulated", whose
+    // products read the weight itself), and the packing
+    Index (*bf16_tiles_size)(Index in, Index out);
+    void (*pack_bf16_tiles)(Index in, Index out, const float* w, std::uint16_t* tiles);
     const char* (*gemm_blocking)();    // the float GEMM's blocking chosen here (attnlab/gemm.hpp)
     const char* (*decode_prefetch)();  // where decoding requests K and V (attnlab/attention.hpp)
     // float16 / bfloat16 bits (format) to float32 and back, n elements, as NumPy casts them

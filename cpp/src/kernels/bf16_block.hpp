@@ -112,15 +112,16 @@ class Bf16Weight {
         float* c =
             scratch<float>(ScratchBuffer::kBf16BlockSums, static_cast<std::size_t>(32 * np_));
         const bool amx = amx_usable();
+        const TileColumns columns{tiles_.get(), np_};
         if (amx) tiles_on();
         for (Index mb = 0; mb < mp / 32; ++mb) {
             const Index rows = std::min<Index>(32, m - mb * 32);
             if (amx) {
                 for (Index nb = 0; nb < np_ / 32; ++nb)
-                    tile_block(kp_, np_, xp, tiles_.get(), mb, nb, 0, kp_ / 32, nullptr, 0,
-                               c + nb * 32, np_);
+                    tile_block(kp_, xp, mb, columns.column(nb), columns.stride(nb), 0, kp_ / 32,
+                               nullptr, 0, c + nb * 32, np_);
             } else {
-                vdp_sums(rows, kp_, np_, xp, tiles_.get(), mb, 0, np_ / 32, c);
+                vdp_sums(rows, kp_, columns, xp, mb, 0, np_ / 32, c);
             }
             for (Index i = 0; i < rows; ++i) {
                 float* yr = y + (mb * 32 + i) * ldy;

@@ -55,11 +55,11 @@ inline void pack_weight_block(Index kb, const Linear<float>& l, Index np, Index 
 }
 
 // C (32 x 32 floats) = c_in (row stride ldc_in; 0: one row for all, null: zero) + rows
-// [32 mb, 32 mb + 32) of xp times columns [32 nb, 32 nb + 32) of the packed weight over the
-// k-blocks [kb0, kb1), stored to c_out (row stride ldc_out): the tiles sum the input features in
-// order, so splitting them is exact.
-ATTNLAB_AMX_TARGET inline void tile_block(Index kp, Index np, const std::uint16_t* xp,
-                                          const std::uint16_t* wp, Index mb, Index nb, Index kb0,
+// [32 mb, 32 mb + 32) of xp times a packed weight's column block over the k-blocks [kb0, kb1)
+// (its two B tiles of k-block kb at b + kb b_stride), stored to c_out (row stride ldc_out): the
+// tiles sum the input features in order, so splitting them is exact.
+ATTNLAB_AMX_TARGET inline void tile_block(Index kp, const std::uint16_t* xp, Index mb,
+                                          const std::uint16_t* b, Index b_stride, Index kb0,
                                           Index kb1, const float* c_in, Index ldc_in, float* c_out,
                                           Index ldc_out) {
     if (c_in)
@@ -67,8 +67,8 @@ ATTNLAB_AMX_TARGET inline void tile_block(Index kp, Index np, const std::uint16_
     else
         zero_2x2();
     for (Index kb = kb0; kb < kb1; ++kb) {
-        const std::uint16_t* b = wp + (kb * (np / 16) + 2 * nb) * 512;
-        dp_2x2(xp + mb * 32 * kp + kb * 32, kp, b, b + 512);
+        const std::uint16_t* bk = b + kb * b_stride;
+        dp_2x2(xp + mb * 32 * kp + kb * 32, kp, bk, bk + 512);
     }
     store_2x2(c_out, ldc_out);
 }
@@ -80,14 +80,15 @@ ATTNLAB_AMX_TARGET inline void tile_block(Index kp, Index np, const std::uint16_
 constexpr Index kSpan = 8, kWideGroup = 24, kNarrowGroup = 8, kWideRows = 16;
 
 // The tile product of packed operands, xp (mp rows of kp bf16, zero padded to whole 32-row
-// blocks) times wp (kp x np, pack_weight_block), the sums starting from bp (np floats) or zero:
+// blocks) times w (kp x np in blocks of 32 columns, each where w.column(nb) says: TileColumns,
+// or the three weights of the fused projections), the sums starting from bp (np floats) or zero:
 // 32 x 32 blocks of the result as tasks (the grid depends on the shapes alone; each element is
 // one chain of tile sums over the input features, so the result does not depend on the thread
 // count). A finished block goes to blocks.direct(mb, nb) (row stride ld) when that is not null,
 // else to blocks.finish(mb, nb, c, 32, nullptr) from the task's sums (32 x 32, the bias in them)
 // after the task's tiles.
-template <typename Blocks>
-void tile_product(Index mp, Index kp, Index np, const std::uint16_t* xp, const std::uint16_t* wp,
+template <typename Blocks, typename Columns>
+void tile_product(Index mp, Index kp, Index np, const std::uint16_t* xp, const Columns& w,
                   const float* bp, Index ld, const Blocks& blocks) {
     const Index mblocks = mp / 32, nblocks = np / 32;
     // a task: 32 rows by up to `group` blocks of 32 columns, the tiles configured once and the
@@ -114,8 +115,8 @@ void tile_product(Index mp, Index kp, Index np, const std::uint16_t* xp, const s
                 const float* c_in = !first ? c : bp ? bp + nb * 32 : nullptr;
                 float* direct = last ? blocks.direct(mb, nb) : nullptr;
                 float* c_out = direct ? direct : c;
-                tile_block(kp, np, xp, wp, mb, nb, kb0, kb1, c_in, first ? 0 : 32, c_out,
-                           direct ? ld : 32);
+                tile_block(kp, xp, mb, w.column(nb), w.stride(nb), kb0, kb1, c_in, first ? 0 : 32,
+                           c_out, direct ? ld : 32);
             }
         }
         tiles_off();
@@ -147,28 +148,29 @@ inline void linear_bf16_product(Index rows, Index out, Index kp, Index np, const
     const float* bias = b ? bp.get() : nullptr;
     const LinearBlocks blocks{rows, out, y, ldy, y_half, format};
     if (amx_usable())
-        tile_product((rows + 31) / 32 * 32, kp, np, xp, wp, bias, ldy, blocks);
+        tile_product((rows + 31) / 32 * 32, kp, np, xp, TileColumns{wp, np}, bias, ldy, blocks);
     else
-        vdp_product(rows, kp, np, xp, wp, bias, blocks);
+        vdp_product(rows, kp, TileColumns{wp, np}, xp, bias, blocks);
 }
 
 // The product with both operands packed to bf16 first, in one parallel pass (h.x, h.y: x and y
-// as half-precision bits, as in linear_bf16).
+// as half-precision bits, as in linear_bf16); w as l.tiles holds it when given.
 inline void linear_bf16_packed(Index rows, const float* x, Index ldx, const Linear<float>& l,
                                float* y, Index ldy, const HalfOperands& h) {
     const Index in = l.in, out = l.out;
     const Index mp = (rows + 31) / 32 * 32, kp = (in + 31) / 32 * 32, np = (out + 31) / 32 * 32;
     auto xp = make_buffer<std::uint16_t>(mp * kp);
-    auto wp = make_buffer<std::uint16_t>(kp * np);
-    parallel_for(mp / 32 + kp / 32, [&](Index t) {
+    auto packed = make_buffer<std::uint16_t>(l.tiles ? 0 : kp * np);
+    const std::uint16_t* wp = l.tiles ? l.tiles : packed.get();
+    parallel_for(mp / 32 + (l.tiles ? 0 : kp / 32), [&](Index t) {
         if (t >= mp / 32)
-            pack_weight_block(t - mp / 32, l, np, 0, np / 16, wp.get());
+            pack_weight_block(t - mp / 32, l, np, 0, np / 16, packed.get());
         else if (h.x)
             pack_rows(t * 32, t * 32 + 32, rows, in, h.x, ldx, kp, xp.get(), h.format);
         else
             pack_rows(t * 32, t * 32 + 32, rows, in, x, ldx, kp, xp.get());
     });
-    linear_bf16_product(rows, out, kp, np, xp.get(), wp.get(), l.b, y, ldy, h.y, h.format);
+    linear_bf16_product(rows, out, kp, np, xp.get(), wp, l.b, y, ldy, h.y, h.format);
 }
 #endif
 
@@ -262,6 +264,31 @@ inline const char* bf16_kernel() {
     if (detail::avx512_bf16_usable()) return "avx512_bf16";
 #endif
     return "emulated";
+}
+
+// The element count of a float32 weight's bf16 tiles (Linear::tiles) where the products read
+// them, else 0 (the emulation reads the weight).
+inline Index bf16_tiles_size(Index in, Index out) {
+#if defined(ATTNLAB_AMX)
+    if (in > 0 && out > 0 && (detail::amx_usable() || detail::avx512_bf16_usable()))
+        return (in + 31) / 32 * 32 * ((out + 31) / 32 * 32);
+#endif
+    (void)in, (void)out;
+    return 0;
+}
+
+// w (in x out, contiguous) as bf16 tiles (bf16_tiles_size elements): what a precision="bf16"
+// product packs of its weight on every call, packed once.
+inline void pack_bf16_tiles(Index in, Index out, const float* w, std::uint16_t* tiles) {
+#if defined(ATTNLAB_AMX)
+    if (bf16_tiles_size(in, out) == 0) return;
+    const Index np = (out + 31) / 32 * 32;
+    parallel_for((in + 31) / 32, [&](Index kb) {
+        detail::pack_weight_block(kb, in, out, w, out, HalfFormat::none, np, 0, np / 16, tiles);
+    });
+#else
+    (void)in, (void)out, (void)w, (void)tiles;
+#endif
 }
 
 // y = x l.w + l.b, l.w float32 or stored as half-precision bits. h.x, h.y (not null): x and y

@@ -53,12 +53,23 @@ struct LinearBlocks {
     }
 };
 
+// A packed weight of np columns (pack_weight_block): column block nb's B tiles (the VNNI
+// layout) start at column(nb), k-block after k-block stride() elements apart.
+struct TileColumns {
+    const std::uint16_t* w;
+    Index np;
+    const std::uint16_t* column(Index nb) const { return w + nb * 1024; }
+    Index stride(Index) const { return np / 16 * 512; }
+};
+
 // The sums of rows [32 mb, 32 mb + 32) by column blocks [nb0, nb1) of 32 into c (row stride
-// (nb1 - nb0) 32), from the packed xp (rows of kp bf16, zero padded to whole 32-row blocks) and wp
-// (np columns): each element one chain of float32 sums over the input features in order (the
-// chunks only store and reload it).
-ATTNLAB_BF16_TARGET inline void vdp_sums(Index m_rows, Index kp, Index np, const std::uint16_t* xp,
-                                         const std::uint16_t* wp, Index mb, Index nb0, Index nb1,
+// (nb1 - nb0) 32), from the packed xp (rows of kp bf16, zero padded to whole 32-row blocks) and a
+// packed weight's column blocks (w: TileColumns, or the fused projections' three): each element
+// one chain of float32 sums over the input features in order (the chunks only store and reload
+// it).
+template <typename Columns>
+ATTNLAB_BF16_TARGET inline void vdp_sums(Index m_rows, Index kp, const Columns& w,
+                                         const std::uint16_t* xp, Index mb, Index nb0, Index nb1,
                                          float* c) {
     const Index ldc = (nb1 - nb0) * 32;
     const Index mr = (m_rows + kVdpRows - 1) / kVdpRows * kVdpRows;
@@ -69,7 +80,7 @@ ATTNLAB_BF16_TARGET inline void vdp_sums(Index m_rows, Index kp, Index np, const
             for (Index g = 0; g < mr; g += kVdpRows)
                 vdp_block<kVdpRows, 2>(
                     c + g * ldc + (nb - nb0) * 32, ldc, k0 > 0, a + g * (kp / 2) + k0 / 2, kp / 2,
-                    wp + ((k0 / 32) * (np / 16) + 2 * nb) * 512, (np / 16) * 512, kc / 2);
+                    w.column(nb) + (k0 / 32) * w.stride(nb), w.stride(nb), kc / 2);
     }
 }
 
@@ -77,17 +88,17 @@ ATTNLAB_BF16_TARGET inline void vdp_sums(Index m_rows, Index kp, Index np, const
 // blocks per task (the grid depends on the shapes alone: the result does not depend on the
 // thread count); each 32 x 32 block of sums goes to blocks.finish with its 32 columns of bp (the
 // bias padded to np columns), or of zeros without one: y = sums + 0, as the product always gave.
-template <typename Blocks>
-void vdp_product(Index rows, Index kp, Index np, const std::uint16_t* xp, const std::uint16_t* wp,
-                 const float* bp, const Blocks& blocks) {
-    const Index mblocks = (rows + 31) / 32, nblocks = np / 32;
+template <typename Blocks, typename Columns>
+void vdp_product(Index rows, Index kp, const Columns& w, const std::uint16_t* xp, const float* bp,
+                 const Blocks& blocks) {
+    const Index mblocks = (rows + 31) / 32, nblocks = w.np / 32;
     const Index groups = (nblocks + kVdpGroup - 1) / kVdpGroup;
     parallel_for(mblocks * groups, [&](Index t) {
         const Index mb = t / groups, nb0 = (t % groups) * kVdpGroup;
         const Index nb1 = std::min(nblocks, nb0 + kVdpGroup), ldc = (nb1 - nb0) * 32;
         float* c =
             scratch<float>(ScratchBuffer::kGemmTiles, static_cast<std::size_t>(kVdpGroup * 1024));
-        vdp_sums(std::min<Index>(32, rows - mb * 32), kp, np, xp, wp, mb, nb0, nb1, c);
+        vdp_sums(std::min<Index>(32, rows - mb * 32), kp, w, xp, mb, nb0, nb1, c);
         alignas(64) static const float zeros[32] = {};
         for (Index nb = nb0; nb < nb1; ++nb)
             blocks.finish(mb, nb, c + (nb - nb0) * 32, ldc, bp ? bp + nb * 32 : zeros);

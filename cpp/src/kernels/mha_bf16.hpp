@@ -95,6 +95,20 @@ ATTNLAB_AMX_TARGET inline void transpose_values(const std::uint16_t* vs, Index n
         }
 }
 
+// The column blocks of [w_q | w_k | w_v] for the tile product from the three weights' own tiles
+// (Linear::tiles, packed once: their widths are multiples of 32 here), in place of one packed copy.
+struct QkvColumns {
+    const std::uint16_t *q, *k, *v;
+    Index bq, bk, bv;  // each weight's column blocks of 32
+    Index np;          // all three's columns
+    const std::uint16_t* column(Index nb) const {
+        return nb < bq        ? q + nb * 1024
+               : nb < bq + bk ? k + (nb - bq) * 1024
+                              : v + (nb - bq - bk) * 1024;
+    }
+    Index stride(Index nb) const { return (nb < bq ? bq : nb < bq + bk ? bk : bv) * 1024; }
+};
+
 // The fused forward when it applies (AMX or else AVX512-BF16 usable, as the composed kernels
 // choose; self-attention, head widths multiples of 32, no weights or kept state asked for, not
 // the decode path, no projection that streams its weight); false (nothing written) otherwise or
@@ -144,7 +158,10 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
     auto vs = make_buffer<std::uint16_t>(p.batch * hk * n * dv);
     auto ctx = make_buffer<std::uint16_t>(mp * wc);
     auto xp = make_buffer<std::uint16_t>(mp * kp);  // x, once for the three projections
-    auto wp = make_buffer<std::uint16_t>(kp * np), wpo = make_buffer<std::uint16_t>(wc * npo);
+    // the weights' tiles packed once, when all three are, read where they are; w_o's when it is
+    const bool qkv_tiles = p.w_q.tiles && p.w_k.tiles && p.w_v.tiles;
+    auto wp = make_buffer<std::uint16_t>(qkv_tiles ? 0 : kp * np);
+    auto wpo = make_buffer<std::uint16_t>(p.w_o.tiles ? 0 : wc * npo);
     // one pass (one wait for the threads) packs x and both weights and zeroes the padding the
     // products read: queries past n, keys past n (K's rows; V^T is written whole), the context
     // rows past the last
@@ -158,11 +175,12 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
                 pack_rows(t * 32, t * 32 + 32, rows, in, p.query, in, kp, xp.get());
         } else if (t < t_w) {
             const Index kb = t - t_x;
+            if (qkv_tiles) return;
             pack_weight_block(kb, p.w_q, np, 0, wq / 16, wp.get());
             pack_weight_block(kb, p.w_k, np, wq / 16, wk / 16, wp.get());
             pack_weight_block(kb, p.w_v, np, (wq + wk) / 16, wv / 16, wp.get());
         } else if (t < t_o) {
-            pack_weight_block(t - t_w, p.w_o, npo, 0, npo / 16, wpo.get());
+            if (!p.w_o.tiles) pack_weight_block(t - t_w, p.w_o, npo, 0, npo / 16, wpo.get());
         } else if (t < t_o + p.batch * heads) {
             const Index b = (t - t_o) / heads, head = (t - t_o) % heads;
             if (head < h) {
@@ -179,10 +197,16 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
     });
     std::atomic<bool> finite{true};
     const QkvBlocks blocks{rows, n, h, hk, d, dv, q_rows, L, q.get(), kt.get(), vs.get(), &finite};
-    if (amx)
-        tile_product(mp, kp, np, xp.get(), wp.get(), biased ? bp.get() : nullptr, 0, blocks);
+    const auto product = [&](const auto& columns) {
+        if (amx)
+            tile_product(mp, kp, np, xp.get(), columns, biased ? bp.get() : nullptr, 0, blocks);
+        else
+            vdp_product(rows, kp, columns, xp.get(), biased ? bp.get() : nullptr, blocks);
+    };
+    if (qkv_tiles)
+        product(QkvColumns{p.w_q.tiles, p.w_k.tiles, p.w_v.tiles, wq / 32, wk / 32, wv / 32, np});
     else
-        vdp_product(rows, kp, np, xp.get(), wp.get(), biased ? bp.get() : nullptr, blocks);
+        product(TileColumns{wp.get(), np});
     if (!finite.load()) return false;
     parallel_for(slots, [&](Index t) {
         transpose_values(vs.get() + t * n * dv, n, dv, L, vt.get() + t * L.v_size);
@@ -197,8 +221,8 @@ inline bool mha_bf16_fused(const MhaProblem<float>& p, const AttentionProblem<fl
         amx_run<Bf16Products::amx>(a, L, kt.get(), vt.get(), io);
     else
         amx_run<Bf16Products::vdp>(a, L, kt.get(), vt.get(), io);
-    linear_bf16_product(rows, d_out, wc, npo, ctx.get(), wpo.get(), p.w_o.b, p.out, d_out,
-                        p.out_half, p.w_o.half);
+    linear_bf16_product(rows, d_out, wc, npo, ctx.get(), p.w_o.tiles ? p.w_o.tiles : wpo.get(),
+                        p.w_o.b, p.out, d_out, p.out_half, p.w_o.half);
     mha_bf16_fused_calls.fetch_add(1, std::memory_order_relaxed);
     return true;
 }
