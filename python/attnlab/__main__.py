@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --peers: bf16 products against the peers' (cases vit-b, sdpa, decode, "
         "decode-gqa; runtimes attnlab (float32: the check), attnlab-bf16 (precision='bf16'; "
-        "a bfloat16 cache when decoding), torch-bf16, openvino-default); with --half: "
+        "a bfloat16 cache when decoding), attnlab-bf16-packed (the same with PackedWeight "
+        "weights), torch-bf16, openvino-default); with --half: "
         "precision='bf16' on both calls of every case that takes it",
     )
     b.add_argument(

@@ -143,8 +143,10 @@ RUNTIMES = (
 )
 # what a user gets without asking for float32: torch-sdpa under torch.autocast(bfloat16), and
 # OpenVINO at its default inference precision (bf16 on AMX and AVX512-BF16 CPUs); measured by
-# bench --accuracy, not in bench --peers' float32 check
-LOW_PRECISION_RUNTIMES = ("attnlab-bf16", "torch-bf16", "openvino-default")
+# bench --accuracy, not in bench --peers' float32 check. attnlab-bf16-packed: precision="bf16"
+# with the layer's weights as attnlab.PackedWeight (their bf16 tiles packed once, as OpenVINO
+# compiles its constant weights)
+LOW_PRECISION_RUNTIMES = ("attnlab-bf16", "attnlab-bf16-packed", "torch-bf16", "openvino-default")
 # the runtimes whose attention-core cases take bfloat16 q, k, v (a decode reads half the bytes)
 HALF_CACHE_RUNTIMES = ("attnlab-bf16", "torch-bf16")
 
@@ -287,6 +289,27 @@ def _attnlab_bf16(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
 
     kernel = attnlab.build_info()["bf16_kernel"]
     return f, lambda o: np.asarray(o, np.float32), f"attnlab {attnlab.__version__} bf16={kernel}"
+
+
+def _attnlab_bf16_packed(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
+    """attnlab-bf16 on the layer cases with the weights as PackedWeight (bf16 tiles kept)."""
+    import attnlab
+
+    if case.core_only:
+        raise Skip("an attention-core case has no weights to pack")
+    attnlab.set_num_threads(threads)
+    w: dict[str, Any] = {
+        n: attnlab.PackedWeight(v) if n.startswith("w_") else v
+        for n, v in _layer_weights(a).items()
+    }
+
+    def f() -> Any:
+        return attnlab.multi_head_attention(
+            a["x"], num_heads=case.h, causal=case.causal, precision="bf16", **w
+        )
+
+    kernel = attnlab.build_info()["bf16_kernel"]
+    return f, np.asarray, f"attnlab {attnlab.__version__} bf16={kernel} PackedWeight"
 
 
 def _torch_bf16(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
@@ -489,6 +512,7 @@ BUILDERS: dict[str, Callable[[Case, dict[str, np.ndarray], int], Built]] = {
     "openvino": _openvino,
     "jax": _jax,
     "attnlab-bf16": _attnlab_bf16,
+    "attnlab-bf16-packed": _attnlab_bf16_packed,
     "torch-bf16": _torch_bf16,
     "openvino-default": partial(_openvino, precision=None),
 }
