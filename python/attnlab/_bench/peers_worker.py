@@ -211,7 +211,11 @@ def _attnlab(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
     return f, np.asarray, f"attnlab {attnlab.__version__} isa={attnlab.build_info()['isa']}"
 
 
-def _attnlab_packed(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
+def _attnlab_packed(
+    case: Case, a: dict[str, np.ndarray], threads: int, precision: str | None = None
+) -> Built:
+    """The layer with its weights as PackedWeight (panels, and with ``precision="bf16"`` the
+    bf16 tiles, packed once)."""
     import attnlab
 
     if case.core_only:
@@ -223,9 +227,12 @@ def _attnlab_packed(case: Case, a: dict[str, np.ndarray], threads: int) -> Built
     }
 
     def f() -> Any:
-        return attnlab.multi_head_attention(a["x"], num_heads=case.h, causal=case.causal, **w)
+        return attnlab.multi_head_attention(
+            a["x"], num_heads=case.h, causal=case.causal, precision=precision, **w
+        )
 
-    return f, np.asarray, f"attnlab {attnlab.__version__} PackedWeight"
+    bf16 = f" bf16={attnlab.build_info()['bf16_kernel']}" if precision else ""
+    return f, np.asarray, f"attnlab {attnlab.__version__}{bf16} PackedWeight"
 
 
 def _torch_fn(torch: Any, case: Case, a: dict[str, np.ndarray]) -> Callable[..., Any]:
@@ -289,27 +296,6 @@ def _attnlab_bf16(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
 
     kernel = attnlab.build_info()["bf16_kernel"]
     return f, lambda o: np.asarray(o, np.float32), f"attnlab {attnlab.__version__} bf16={kernel}"
-
-
-def _attnlab_bf16_packed(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
-    """attnlab-bf16 on the layer cases with the weights as PackedWeight (bf16 tiles kept)."""
-    import attnlab
-
-    if case.core_only:
-        raise Skip("an attention-core case has no weights to pack")
-    attnlab.set_num_threads(threads)
-    w: dict[str, Any] = {
-        n: attnlab.PackedWeight(v) if n.startswith("w_") else v
-        for n, v in _layer_weights(a).items()
-    }
-
-    def f() -> Any:
-        return attnlab.multi_head_attention(
-            a["x"], num_heads=case.h, causal=case.causal, precision="bf16", **w
-        )
-
-    kernel = attnlab.build_info()["bf16_kernel"]
-    return f, np.asarray, f"attnlab {attnlab.__version__} bf16={kernel} PackedWeight"
 
 
 def _torch_bf16(case: Case, a: dict[str, np.ndarray], threads: int) -> Built:
@@ -512,7 +498,7 @@ BUILDERS: dict[str, Callable[[Case, dict[str, np.ndarray], int], Built]] = {
     "openvino": _openvino,
     "jax": _jax,
     "attnlab-bf16": _attnlab_bf16,
-    "attnlab-bf16-packed": _attnlab_bf16_packed,
+    "attnlab-bf16-packed": partial(_attnlab_packed, precision="bf16"),
     "torch-bf16": _torch_bf16,
     "openvino-default": partial(_openvino, precision=None),
 }
