@@ -1,9 +1,11 @@
 """Heads whose rows lie apart in memory: transposed views of (B, n, h, d) arrays, and the heads of
-``multi_head_attention`` (column blocks of its projections). With many query tiles per head the
-forward copies K and V to contiguous rows first (their rows, a power-of-two multiple of 512 bytes
-apart, would share a few L1 sets); the products then read the same values in the same order, so
-the result is bit for bit that of contiguous arrays. A counter (``attention_copied_calls``) says
-whether the copy ran, so that each test knows which path it checked."""
+``multi_head_attention`` (column blocks of its projections); and rows of whole cache lines that
+do not start on one (NumPy aligns arrays to 16 bytes). With many query tiles per head the
+forward copies K and V to contiguous rows first (rows a power-of-two multiple of 512 bytes apart
+would share a few L1 sets; rows off a line are loaded two lines at a time); the products then
+read the same values in the same order, so the result is bit for bit that of aligned contiguous
+arrays. A counter (``attention_copied_calls``) says whether the copy ran, so that each test
+knows which path it checked."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 import attnlab
+from attnlab import _memory
 from attnlab._loader import core
 
 N_COPY = 8 * 96  # queries from which the copy runs: 8 tiles of 96 (attention_forward.cpp)
@@ -24,11 +27,12 @@ def _heads(rng: np.random.Generator, b: int, n: int, h: int, d: int, dtype: Any)
 
 
 def _both(q: np.ndarray, k: np.ndarray, v: np.ndarray, copies: int, **kw: Any) -> None:
-    """The call on the strided views against the call on contiguous copies: bitwise."""
+    """The call on the strided views against the call on contiguous copies (on a cache line):
+    bitwise."""
     before = core.attention_copied_calls()
     got = attnlab.scaled_dot_product_attention(q, k, v, **kw)
     assert core.attention_copied_calls() - before == copies
-    dense = [np.ascontiguousarray(a) for a in (q, k, v)]
+    dense = [_memory.copy(a) for a in (q, k, v)]
     before = core.attention_copied_calls()
     ref = attnlab.scaled_dot_product_attention(*dense, **kw)
     assert core.attention_copied_calls() == before  # contiguous rows: nothing to copy
@@ -81,6 +85,32 @@ def test_only_values_strided():
     k = rng.standard_normal((1, 2, N_COPY, 32)).astype(np.float32)
     v = _heads(rng, 1, N_COPY, 2, 32, np.float32)
     _both(q, k, v, 1)
+
+
+def _off_line(a: np.ndarray, offset: int) -> np.ndarray:
+    """A contiguous copy of ``a`` whose data starts ``offset`` bytes past a cache line."""
+    buf = np.empty(a.nbytes + 128, np.uint8)
+    start = -buf.ctypes.data % 64 + offset
+    out = buf[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    assert out.ctypes.data % 64 == offset
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_rows_off_a_cache_line_copied(dtype, which):
+    """Contiguous K or V whose rows are whole cache lines starting 16 bytes past one (where
+    NumPy puts large arrays): copied onto lines, the aligned arrays' bits; rows that are not
+    whole lines (40 float32: copying would not align them) are read where they are."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, 2, N_COPY, 32)).astype(dtype) for _ in range(3))
+    args = {"k": k, "v": v}
+    args[which] = _off_line(args[which], 16)
+    _both(q, args["k"], args["v"], 1, causal=True)
+    narrow = {n: _off_line(rng.standard_normal((1, 2, N_COPY, 40)).astype(np.float32), 16)
+              for n in ("q", "k", "v")}  # fmt: skip
+    _both(narrow["q"], narrow["k"], narrow["v"], 0)
 
 
 @pytest.mark.parametrize("masked", [False, True])

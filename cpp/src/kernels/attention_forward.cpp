@@ -44,10 +44,20 @@ constexpr Index kScanInTilesMax = 8;
 // transposed views of (B, n, h, d) arrays) are copied to contiguous rows before the tiles when at
 // least this many query tiles read each head: rows a power-of-two multiple of 512 bytes apart
 // share a few L1 sets, so a key block's rows evict one another between the products' passes
-// over them (docs/performance.md, "Strided heads"). The copies in groups of kv heads of up to
-// kCopyGroupBytes (a larger head is read where it is: no copy that size).
+// over them (docs/performance.md, "Strided heads"). So are rows of whole cache lines that do not
+// start on one (NumPy aligns arrays to 16 bytes): every vector load of them spans two lines. The
+// copies in groups of kv heads of up to kCopyGroupBytes (a larger head is read where it is: no
+// copy that size).
 constexpr Index kCopyMinTiles = 8;
 constexpr Index kCopyGroupBytes = Index(64) << 20;
+
+// Whether some row of a stack does not start on a cache line (its data or a stride off 64 bytes)
+template <typename T>
+bool rows_off_line(const MatrixStack<const T>& s) {
+    const auto off = [](Index elements) { return elements * Index(sizeof(T)) % 64 != 0; };
+    return reinterpret_cast<std::uintptr_t>(s.data) % 64 != 0 || off(s.row_stride) ||
+           off(s.head_stride) || off(s.batch_stride);
+}
 
 template <typename T>
 struct TileOperands {  // where a flash tile reads Q (from its first query), K and V, and writes O
@@ -350,9 +360,12 @@ void forward_tiles(const AttentionProblem<T>& p) {
         scan_in_tiles ? Buffer<std::uint8_t>() : detail::nonfinite_rows(p);
     const Index nk = p.n_k, d = p.d, dv = p.d_v, group = p.heads / p.kv_heads;
     const Index kv_all = p.batch * p.kv_heads, per_head = nk * (d + dv);
+    // (rows of whole lines, as copied, where they start off one)
+    const bool lines = d * Index(sizeof(T)) % 64 == 0 && dv * Index(sizeof(T)) % 64 == 0;
     const bool copy = !weights_wanted && q_tiles >= detail::kCopyMinTiles && per_head > 0 &&
                       per_head <= detail::kCopyGroupBytes / Index(sizeof(T)) &&
-                      (p.k.row_stride != d || p.v.row_stride != dv);
+                      (p.k.row_stride != d || p.v.row_stride != dv ||
+                       (lines && (detail::rows_off_line(p.k) || detail::rows_off_line(p.v))));
     const Index span =
         copy ? std::clamp<Index>(detail::kCopyGroupBytes / Index(sizeof(T)) / per_head, 1, kv_all)
              : kv_all;
