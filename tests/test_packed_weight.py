@@ -245,7 +245,7 @@ def test_the_bf16_products_read_the_tiles(rng, cross, name):
     (the fused forward's three projections from their own tiles, and the composed kernels')."""
     if not _bf16_tiles_here():
         pytest.skip("the bf16 products are emulated here: they read the array (no tiles)")
-    d, h, dh = 64, 2, 32
+    d, h = 64, 2  # heads of 32: self-attention takes the fused forward
     w = {n: (rng.standard_normal((d, d)) / 8).astype(np.float32) for n in NAMES}
     p = _packed(w)
     other = (rng.standard_normal((d, d)) / 8).astype(np.float32)
@@ -255,10 +255,11 @@ def test_the_bf16_products_read_the_tiles(rng, cross, name):
     if cross:
         kv = rng.standard_normal((2, 23, d)).astype(np.float32)
         kw.update(key=kv, value=kv)
+    fused = core.mha_bf16_fused_calls()
     got = attnlab.multi_head_attention(x, **kw, **p)
+    assert core.mha_bf16_fused_calls() - fused == (0 if cross else 1)
     want = attnlab.multi_head_attention(x, **kw, **{**w, name: other})
     assert got.tobytes() == want.tobytes()
-    assert dh % 32 == 0  # (self-attention with these widths takes the fused forward)
 
 
 def test_bf16_tiles_packed_once_and_counted(rng):

@@ -115,7 +115,7 @@ class PackedWeight:
         """The weight as the bf16 products' tiles, packed at the first call that asks (two
         threads packing at once make the same array)."""
         if self._tiles is False:
-            tiles = core.pack_bf16_tiles(self._array) if self._array.dtype == np.float32 else None
+            tiles = core.pack_bf16_tiles(self._array)  # (bf16 calls compute in float32)
             if tiles is not None:
                 tiles.flags.writeable = False
             self._tiles = tiles
