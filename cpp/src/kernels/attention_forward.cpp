@@ -32,6 +32,10 @@ namespace detail {
 // keeps 128-key blocks, those of its AMX and VDPBF16PS kernels (kAmxK), so that the emulation
 // rounds the same probabilities. Backward: see backward_pair.
 constexpr Index kTileQ = 96;
+// A last query tile shorter than kTileQ / kTileQJoin joins the one before (n = 128: one tile of
+// 128, not 96 and 32: a short tile's own passes over K and V, in narrow panels, cost more than
+// the longer tile's wider ones; docs/performance.md, "Query tiles of BERT's 128 tokens")
+constexpr Index kTileQJoin = 2;
 constexpr Index kTileK = 256;
 constexpr Index kTileKBf16 = 128;
 constexpr Index kDepth = 256;  // head-width chunk of the score product
@@ -351,7 +355,7 @@ void forward_tiles(const AttentionProblem<T>& p) {
         detail::decode_forward(p);  // few queries per kv head: split along the keys
         return;
     }
-    const Index q_tiles = detail::tile_count(p.n_q, detail::kTileQ);
+    const Index q_tiles = detail::tile_count(p.n_q, detail::kTileQ, detail::kTileQJoin);
     // Value rows holding NaN/Inf: scanned per key block in the flash tiles when each head has few
     // query tiles (value_flags), else once for the call (each block would be scanned too often).
     const bool weights_wanted = p.weights || p.weights_half;
@@ -467,7 +471,7 @@ inline void forward_half_tiles(const AttentionProblem<float>& p) {
         });
     }
     const std::uint64_t call = ++g_half_calls;
-    const Index q_tiles = tile_count(p.n_q, kTileQ);
+    const Index q_tiles = tile_count(p.n_q, kTileQ, kTileQJoin);
     const auto tile = [&](Index t) {
         const Index qt = t % q_tiles;
         const Index h = (t / q_tiles) % p.heads;
