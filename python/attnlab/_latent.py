@@ -534,6 +534,9 @@ def _run(a: _Latent, weights: np.ndarray | None) -> tuple[np.ndarray, _State]:
         if _half.is_half(a.cache.dtype):  # read as stored: widened into place
             for b in range(B):
                 _half.widen_into(a.cache[b], lat[b, : a.n_past])
+        elif a.cache.dtype == dtype:  # on the threads: one thread's copy held a decoding step back
+            cache = _memory.contiguous(a.cache)
+            core.copy_arrays([(lat[b, : a.n_past], cache[b]) for b in range(B)])
         else:
             lat[:, : a.n_past] = a.cache
         lat[:, a.n_past :] = new
