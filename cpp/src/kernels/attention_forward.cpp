@@ -9,7 +9,9 @@
 
 #include "attention_bf16.hpp"
 #include "attnlab/attention.hpp"
+#include "attnlab/kernels.hpp"
 #include "attnlab/threading.hpp"
+#include "cpu.hpp"
 #include "decode.hpp"
 #include "half_convert.hpp"
 #include "microkernel.hpp"
@@ -425,13 +427,23 @@ void forward_tiles(const AttentionProblem<T>& p) {
 // Half-precision Q, K, V and output. A thread widens the key blocks of a kv head as its tiles
 // first read them, with the flags of nonfinite value rows, into its scratch, and keeps them while
 // its tasks stay on that head: the tiles read K and V from cache, and the widening overlaps the
-// products instead of being a pass before them (so also for heads of 4096 keys x 128 features:
-// faster than one pass from memory, docs/performance.md). A task is a kv head's tiles (a strided
-// share of them when kv heads are fewer than four a thread), so that each head is widened by one
-// thread, not by every thread that claims one of its tiles. Q is widened per tile, O rounded
+// products instead of being a pass before them (on Zen 4 so also for heads of 4096 keys x 128
+// features: faster than one pass from memory, docs/performance.md). A task is a kv head's tiles (a
+// strided share of them when kv heads are fewer than four a thread), so that each head is widened
+// by one thread, not by every thread that claims one of its tiles. Q is widened per tile, O rounded
 // as it is written. Heads too large to keep (the thread scratch never shrinks: 4 MiB here) are
 // widened once for the call instead.
 constexpr Index kHalfHeadFloats = Index(1) << 20;  // K + V floats of a head kept per thread
+
+// The K + V floats of a head a thread keeps: kHalfHeadFloats, or on Intel at most half its L2
+// (a head that fills the L2 evicts the tiles' own rows from it there, and the widening for the
+// call is the faster; Zen 4 measured the opposite: docs/performance.md, "Half-precision heads
+// widened for the call on Intel"). Decided when the module loads.
+inline const Index kHalfHeadFloatsHere = cpu_vendor_is("GenuineIntel") && l2_cache_bytes() > 0
+                                             ? std::min<Index>(kHalfHeadFloats,
+                                                               Index(l2_cache_bytes() / 2 /
+                                                                     sizeof(float)))
+                                             : kHalfHeadFloats;
 
 struct WidenedHead {  // which kv head of which call this thread's scratch holds, and which rows
     std::uint64_t call = 0;
@@ -458,7 +470,7 @@ inline void widen_key_rows(const AttentionProblem<float>& p, Index b, Index hk, 
 
 inline void forward_half_tiles(const AttentionProblem<float>& p) {
     const Index nk = p.n_k, d = p.d, dv = p.d_v, heads_kv = p.batch * p.kv_heads;
-    const bool per_thread = nk * (d + dv) <= kHalfHeadFloats;
+    const bool per_thread = nk * (d + dv) <= kHalfHeadFloatsHere;
     Buffer<float> kw, vw;  // the call-wide copies (large heads)
     Buffer<std::uint8_t> flags_all;
     if (!per_thread) {
