@@ -35,10 +35,12 @@ DTYPES = [
 ]
 
 # (batch, heads, kv heads, n_q, n_k, d, d_v): tiles with per-thread K/V (small heads, several
-# query tiles), the per-call copies (n_k (d + d_v) above 2**20 floats), the decode path
+# query tiles), the per-call copies (n_k (d + d_v) above 2**20 floats; on Intel above half the
+# L2: 2100 x 128 floats there), the decode path
 SHAPES = [
     pytest.param((2, 4, 4, 200, 150, 32, 32), id="tiles"),
     pytest.param((1, 4, 2, 97, 300, 64, 48), id="tiles-gqa"),
+    pytest.param((1, 2, 2, 100, 1000, 64, 64), id="tiles-head-in-l2"),
     pytest.param((1, 2, 2, 100, 2100, 64, 64), id="tiles-large-head"),
     pytest.param((1, 2, 1, 100, 8300, 64, 64), id="tiles-call-copy"),
     pytest.param((2, 8, 2, 1, 700, 64, 64), id="decode"),
