@@ -46,12 +46,12 @@ def _same_at_thread_counts(counts: tuple[int, ...], call: Callable[[], np.ndarra
 def test_build_info_names_the_blocking():
     """The AVX-512 variant packs B once in long depth chunks (Intel and Zen 4 alike; on Intel
     its kernels also request the packed rows ahead), so does AVX2 on a CPU whose L2 holds 1 MiB
-    or more per core; AVX2 with a smaller L2 and the generic build keep the default; a native
-    build may be any of them."""
+    or more per core, and in chunks of 256 with a smaller L2; the generic build keeps the
+    default; a native build may be any of them."""
     info = attnlab.build_info()
     name = info["gemm_blocking"]
     assert isinstance(info["l2_cache_bytes"], int) and info["l2_cache_bytes"] >= 0
-    avx2 = "avx2-large-l2:" if info["l2_cache_bytes"] >= 1 << 20 else "default:"
+    avx2 = "avx2-large-l2:" if info["l2_cache_bytes"] >= 1 << 20 else "avx2:"
     vendor = cpuinfo()[0] or None
     avx512 = (
         ("avx512-intel:",)

@@ -140,8 +140,9 @@ def build_info() -> dict[str, Any]:
         gradients) of the variant in use: ``"avx512: ..."`` in the AVX-512 variant
         (``"avx512-intel: ..."`` on Intel, whose kernels also request packed weight rows
         ahead), ``"avx2-large-l2: ..."`` in the AVX2 variant on a CPU whose L2 holds 1 MiB or
-        more per core (``l2_cache_bytes``, from cpuid; 0 when unknown), else ``"default:
-        ..."``; ``ATTNLAB_GEMM_BLOCKING=default`` forces the default (results are bitwise the
+        more per core (``l2_cache_bytes``, from cpuid; 0 when unknown), ``"avx2: ..."`` with a
+        smaller one, ``"default: ..."`` in the generic variant;
+        ``ATTNLAB_GEMM_BLOCKING=default`` forces the default (results are bitwise the
         same either way); ``decode_prefetch``, where the decode path requests the keys and
         values it streams: ``"l2: ..."`` (the GEMM requests the weight rows it packs into L2
         on AMD CPUs, into L1 elsewhere; the same results).

@@ -435,11 +435,17 @@ void forward_tiles(const AttentionProblem<T>& p) {
 // widened once for the call instead.
 constexpr Index kHalfHeadFloats = Index(1) << 20;  // K + V floats of a head kept per thread
 
-// The K + V floats of a head a thread keeps: kHalfHeadFloats, or on Intel at most half its L2
-// (a head that fills the L2 evicts the tiles' own rows from it there, and the widening for the
-// call is the faster; Zen 4 measured the opposite: docs/performance.md, "Half-precision heads
-// widened for the call on Intel"). Decided when the module loads.
-inline const Index kHalfHeadFloatsHere = cpu_vendor_is("GenuineIntel") && l2_cache_bytes() > 0
+// The K + V floats of a head a thread keeps: kHalfHeadFloats on Zen 4 (AMD with AVX-512), else
+// at most half the L2 (a head that fills the L2 evicts the tiles' own rows from it on Intel and
+// on the AVX2 EPYC's 512 KiB, where the widening for the call is the faster; Zen 4 measured the
+// opposite: docs/performance.md, "Half-precision heads widened for the call on Intel").
+// Decided when the module loads.
+#if defined(__AVX512F__)
+inline const bool kHalfHeadsOfL2 = !cpu_vendor_is("AuthenticAMD");
+#else
+inline const bool kHalfHeadsOfL2 = true;
+#endif
+inline const Index kHalfHeadFloatsHere = kHalfHeadsOfL2 && l2_cache_bytes() > 0
                                              ? std::min<Index>(kHalfHeadFloats,
                                                                Index(l2_cache_bytes() / 2 /
                                                                      sizeof(float)))

@@ -50,8 +50,10 @@ struct Blocking {
 // rows takes a cache line per step of the depth, which long chunks evict before the next row
 // block reuses them. AVX2 with an L2 of 1 MiB or more per core (Intel client cores, Zen 4 when
 // forced to AVX2): the same, in chunks of 512 (a row chunk of A, 256 KiB, stays in L2). AVX2
-// with a smaller L2 (Zen 2 and 3: 512 KiB) and generic: chunks of 256 keep the B panel chunk in
-// a 32 KiB L1, each row chunk's task packing its own copy (docs/performance.md, issue 30).
+// with a smaller L2 (Zen 2 and 3: 512 KiB): chunks of 256 keep the B panel chunk in a 32 KiB L1,
+// B packed once too (a copy per row chunk's task re-read the weights' strided rows from L3).
+// Generic: chunks of 256, each row chunk's task packing its own copy (docs/performance.md,
+// issue 30).
 // On Intel with AVX-512 the kernels reading a packed block also request its rows
 // detail::kPackedAhead ahead into L1 (docs/performance.md, "Intel again: prefetches chosen for
 // it").
@@ -77,7 +79,8 @@ const Blocking& blocking() {
             return Blocking{512, 256, true,
                             "avx2-large-l2: depth chunks of 512 (256 for A^T), B packed once per "
                             "call (an L2 of 1 MiB or more per core)"};
-        return standard;
+        return Blocking{256, 256, true,
+                        "avx2: depth chunks of 256, B packed once per call (an L2 under 1 MiB)"};
 #else
         return standard;
 #endif
