@@ -35,8 +35,8 @@ DTYPES = [
 ]
 
 # (batch, heads, kv heads, n_q, n_k, d, d_v): tiles with per-thread K/V (small heads, several
-# query tiles), the per-call copies (n_k (d + d_v) above 2**20 floats; but on Zen 4 above half
-# the L2: 2100 x 128 floats on Intel, 1000 x 128 too on the AVX2 EPYC), the decode path
+# query tiles), the per-call copies (n_k (d + d_v) above 2**20 floats on Zen 4, elsewhere above
+# half the L2: 2100 x 128 floats on Intel, 1000 x 128 too on the AVX2 EPYC), the decode path
 SHAPES = [
     pytest.param((2, 4, 4, 200, 150, 32, 32), id="tiles"),
     pytest.param((1, 4, 2, 97, 300, 64, 48), id="tiles-gqa"),
