@@ -85,6 +85,47 @@ def test_the_variant_needs_what_the_cpu_reports():
         assert all(feats[f] for f in ("avx512f", "avx512bw", "avx512vl", "os_avx512"))
 
 
+def _proc_cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ({} where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def test_the_cpu_is_named_as_the_kernel_reports_it():
+    info = attnlab.build_info()
+    proc = _proc_cpuinfo()
+    if "vendor_id" not in proc or platform.machine().lower() not in ("x86_64", "amd64"):
+        assert info["cpu"] == "unknown (not x86-64)" or info["cpu_vendor"]
+        return
+    # Linux prints cpuid's displayed family and model in decimal
+    assert info["cpu_vendor"] == proc["vendor_id"]
+    assert info["cpu_family"] == int(proc["cpu family"])
+    assert info["cpu_model"] == int(proc["model"])
+    assert f"family 0x{info['cpu_family']:02x}, model 0x{info['cpu_model']:02x}" in info["cpu"]
+
+
+@pytest.mark.parametrize(
+    "vendor, family, model, avx512, name",
+    [
+        ("AuthenticAMD", 0x19, 0x01, False, "AMD Zen 3 (family 0x19, model 0x01)"),
+        ("AuthenticAMD", 0x19, 0x11, True, "AMD Zen 4 (family 0x19, model 0x11)"),
+        ("AuthenticAMD", 0x1A, 0x02, True, "AMD Zen 5 (family 0x1a, model 0x02)"),
+        ("AuthenticAMD", 0x15, 0x02, False, "AMD (family 0x15, model 0x02)"),
+        ("GenuineIntel", 0x06, 0x8F, True, "Intel (family 0x06, model 0x8f)"),
+        ("", 0, 0, False, "unknown (not x86-64)"),
+    ],
+)
+def test_cpu_kinds_are_named_from_cpuid(vendor, family, model, avx512, name):
+    assert attnlab._cpu_kind(vendor, family, model, avx512) == name
+
+
 @pytest.mark.parametrize("isa", _loader.available())
 def test_every_supported_variant_matches_the_reference(isa):
     r = _run(isa)

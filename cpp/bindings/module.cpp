@@ -151,6 +151,10 @@ PYBIND11_MODULE(_core, m) {
         d["compiled_for"] = simd;
         d["bf16_kernel"] = std::string(t.bf16_kernel());
         d["gemm_blocking"] = std::string(t.gemm_blocking());
+        const attnlab::CpuIdentity cpu = attnlab::cpu_identity();
+        d["cpu_vendor"] = cpu.vendor;
+        d["cpu_family"] = cpu.family;
+        d["cpu_model"] = cpu.model;
         d["l2_cache_bytes"] = attnlab::l2_cache_bytes();
         d["decode_prefetch"] = std::string(t.decode_prefetch());
         d["num_threads"] = attnlab::get_num_threads();

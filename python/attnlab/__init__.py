@@ -118,6 +118,18 @@ def set_num_threads(n: int) -> None:
     _core.set_num_threads(v)
 
 
+def _cpu_kind(vendor: str, family: int, model: int, avx512: bool) -> str:
+    """The CPU as the project's measurements name it: the microarchitecture where the family
+    tells it (AMD), else vendor, family and model (cpuid's displayed values)."""
+    ids = f"family 0x{family:02x}, model 0x{model:02x}"
+    if vendor == "AuthenticAMD":
+        name = {0x17: "Zen 2", 0x19: "Zen 4" if avx512 else "Zen 3", 0x1A: "Zen 5"}.get(family)
+        return f"AMD {name} ({ids})" if name else f"AMD ({ids})"
+    if vendor == "GenuineIntel":
+        return f"Intel ({ids})"
+    return f"{vendor} ({ids})" if vendor else "unknown (not x86-64)"
+
+
 def build_info() -> dict[str, Any]:
     """Version, instruction set in use, compiler, Eigen version and threads.
 
@@ -145,7 +157,11 @@ def build_info() -> dict[str, Any]:
         ``ATTNLAB_GEMM_BLOCKING=default`` forces the default (results are bitwise the
         same either way); ``decode_prefetch``, where the decode path requests the keys and
         values it streams: ``"l2: ..."`` (the GEMM requests the weight rows it packs into L2
-        on AMD CPUs, into L1 elsewhere; the same results).
+        on AMD CPUs, into L1 elsewhere; the same results); ``cpu_vendor``, ``cpu_family`` and
+        ``cpu_model``, cpuid's vendor string and displayed family and model (``""``, 0, 0 off
+        x86-64), and ``cpu``, the same as the measurements in docs/performance.md name it
+        (``"AMD Zen 5 (family 0x1a, model 0x02)"``): the kernels choose by the vendor, the
+        instruction sets and ``l2_cache_bytes``.
 
     Examples
     --------
@@ -162,4 +178,10 @@ def build_info() -> dict[str, Any]:
     info["built_isas"] = list(info["built_isas"])
     info["available_isas"] = available()
     info["cpu_features"] = {k: bool(v) for k, v in dict(_core.cpu_features()).items()}
+    info["cpu"] = _cpu_kind(
+        info["cpu_vendor"],
+        info["cpu_family"],
+        info["cpu_model"],
+        info["cpu_features"].get("avx512f", False),
+    )
     return info

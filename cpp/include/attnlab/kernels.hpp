@@ -115,6 +115,16 @@ std::vector<std::string> built_isas();
 // Whether this CPU and OS can run variant `isa` (false for unknown names).
 bool isa_supported(const std::string& isa);
 
+// Who made the running CPU and which family and model it is (cpuid leaves 0 and 1: the vendor
+// string, and the displayed family and model, extended fields included); {"", 0, 0} off x86-64.
+// The kernels choose by the vendor (cpu.hpp); these name the CPU in reports.
+struct CpuIdentity {
+    std::string vendor;
+    unsigned family = 0;
+    unsigned model = 0;
+};
+CpuIdentity cpu_identity();
+
 // The L2 cache of the core running this, in bytes (cpuid 0x80000006, Intel and AMD alike); 0 when
 // the CPU does not say, or off x86-64. The kernels' blocking may depend on it, never the results.
 std::size_t l2_cache_bytes();

@@ -175,6 +175,26 @@ std::vector<std::string> built_isas() {
 
 bool isa_supported(const std::string& isa) { return detail::supports(detail::features(), isa); }
 
+CpuIdentity cpu_identity() {
+    CpuIdentity id;
+#if defined(ATTNLAB_X86)
+    const detail::Regs v = detail::cpuid(0, 0);
+    const unsigned words[3] = {v.b, v.d, v.c};
+    for (unsigned w : words)
+        for (int i = 0; i < 4; ++i) id.vendor += static_cast<char>((w >> (8 * i)) & 0xFFu);
+    if (v.a >= 1) {
+        const unsigned a = detail::cpuid(1, 0).a;
+        const unsigned base_family = (a >> 8) & 0xFu, base_model = (a >> 4) & 0xFu;
+        // the extended fields count only where the base family says so (Intel SDM, AMD APM)
+        id.family = base_family == 0xFu ? base_family + ((a >> 20) & 0xFFu) : base_family;
+        id.model = base_family == 0xFu || base_family == 0x6u
+                       ? base_model + (((a >> 16) & 0xFu) << 4)
+                       : base_model;
+    }
+#endif
+    return id;
+}
+
 std::size_t l2_cache_bytes() {
 #if defined(ATTNLAB_X86)
     static const std::size_t bytes = [] {

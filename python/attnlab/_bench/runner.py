@@ -29,14 +29,18 @@ FAMILIES = ("gemm", "mha", "bilinear", "additive", "backward", "latent", "window
 
 
 def _cpu_name() -> str:
+    """The CPU's model name and, in brackets, its kind (``build_info()["cpu"]``): "AMD EPYC"
+    names Zen 3, 4 and 5 alike."""
+    name = platform.processor() or "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                    name = line.split(":", 1)[1].strip()
+                    break
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    return f"{name} [{build_info()['cpu']}]"
 
 
 def run_all(
