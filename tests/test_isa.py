@@ -161,9 +161,9 @@ def _emulated(cpu: str, isa: str) -> subprocess.CompletedProcess[str]:
     cmd = [QEMU, "-cpu", cpu, sys.executable, "-c", PROBE]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=600)
     if r.returncode < 0:
-        # Killed by a signal: the instructions run under an emulated CPU do not depend on the
-        # host, so an instruction that CPU lacks faults again; once on a Zen 5 host qemu 7.2 did
-        # not (CI, 2026-12-01). A second death fails the test.
+        # Killed by a signal: what runs under an emulated CPU does not depend on the host, so
+        # an instruction that CPU lacks faults again, while qemu 7.2 on a Zen 5 host once died
+        # and did not. A second death fails the test.
         first = r.stderr[-500:]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=600)
         if r.returncode == 0:
