@@ -155,8 +155,7 @@ QEMU = shutil.which("qemu-x86_64-static") or shutil.which("qemu-x86_64")
 
 def _emulated(cpu: str, isa: str) -> subprocess.CompletedProcess[str]:
     assert QEMU is not None
-    # One thread each (attnlab, OpenBLAS): qemu-user's translation of multithreaded guests is
-    # where its own faults live, and what is checked here is the choice of variant.
+    # One thread each (attnlab, OpenBLAS): what is checked here is the choice of variant.
     env = dict(os.environ, ATTNLAB_ISA=isa, ATTNLAB_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     cmd = [QEMU, "-cpu", cpu, sys.executable, "-c", PROBE]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=600)
