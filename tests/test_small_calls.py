@@ -133,3 +133,133 @@ def test_args_object_keyword_errors() -> None:
         core.MhaArgs(**kw)
     with pytest.raises(TypeError, match=r"^MhaArgs.batch: expected an int, got str"):
         core.MhaArgs(**{**kw, "scale": 0.5, "batch": "1"})
+
+
+_PLAIN_SHAPES = [
+    # (q shape, k shape, v shape): batch axes 0-2, grouped heads, d_v != d, one key
+    ((2, 5, 8), (2, 7, 8), (2, 7, 8)),
+    ((3, 4, 1, 16), (3, 4, 64, 16), (3, 4, 64, 16)),
+    ((2, 8, 3, 8), (2, 2, 9, 8), (2, 2, 9, 5)),
+    ((2, 1, 4, 2, 6), (2, 1, 2, 1, 6), (2, 1, 2, 1, 4)),
+]
+
+
+def _plain_inputs(shapes: tuple[tuple[int, ...], ...], dtype: str) -> list[np.ndarray]:
+    rng = np.random.default_rng(sum(map(len, shapes)))
+    return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("shapes", _PLAIN_SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("scale", [None, 0.3, 2])
+def test_sdpa_plain_call_as_the_full_path(
+    shapes: tuple[tuple[int, ...], ...],
+    dtype: str,
+    scale: float | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plain SDPA call (no option, contiguous float arrays) takes the short path, and
+    gives bitwise what the full path gives for it, against the float64 reference too."""
+    from attnlab import _mha, reference
+
+    q, k, v = _plain_inputs(shapes, dtype)
+    taken = []
+    plain = _mha._sdpa_plain
+
+    def spy(*a: object) -> object:
+        out = plain(*a)  # type: ignore[arg-type]
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_mha, "_sdpa_plain", spy)
+    fast = attnlab.scaled_dot_product_attention(q, k, v, scale=scale)
+    assert taken == [True]
+    monkeypatch.setattr(_mha, "_sdpa_plain", lambda *_: None)
+    full = attnlab.scaled_dot_product_attention(q, k, v, scale=scale)
+    assert fast.dtype == full.dtype == np.dtype(dtype) and fast.shape == full.shape
+    assert fast.tobytes() == full.tobytes()
+    ref = reference.scaled_dot_product_attention(q, k, v, scale=scale)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    np.testing.assert_allclose(fast, ref, rtol=tol, atol=tol)
+
+
+def _noncontiguous(x: np.ndarray) -> np.ndarray:
+    return np.repeat(x, 2, axis=-1)[..., ::2]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["float16 k", "big-endian q", "strided v", "broadcast batch", "list q", "int q",
+     "causal=np.False_", "mask", "return_lse", "empty keys"],
+)  # fmt: skip
+def test_sdpa_other_calls_take_the_full_path(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call the short path does not cover goes to the full one, which gives its usual
+    answer (or error): the short path declines (None) before it computes anything."""
+    from attnlab import _mha
+
+    q, k, v = _plain_inputs(_PLAIN_SHAPES[1], "float32")
+    kw: dict[str, object] = {}
+    if case == "float16 k":
+        k = k.astype(np.float16)
+    elif case == "big-endian q":
+        q = q.astype(">f4")
+    elif case == "strided v":
+        v = _noncontiguous(v)
+    elif case == "broadcast batch":
+        q = q[:1]
+    elif case == "list q":
+        q = q.tolist()  # type: ignore[assignment]
+    elif case == "int q":
+        q = (q * 4).astype(np.int32)
+    elif case == "causal=np.False_":
+        kw["causal"] = np.False_
+    elif case == "mask":
+        kw["mask"] = np.ones((1, 64), bool)
+    elif case == "return_lse":
+        kw["return_lse"] = True
+    else:
+        k, v = k[..., :0, :], v[..., :0, :]
+    results = []
+    plain = _mha._sdpa_plain
+    monkeypatch.setattr(_mha, "_sdpa_plain", lambda *a: results.append(plain(*a)))
+    attnlab.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
+    assert all(r is None for r in results)
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        ({"scale": "2"}, TypeError, r"^scale: expected a real number"),
+        ({"scale": float("nan")}, ValueError, r"^scale: expected a finite number"),
+        ({"warn_empty_rows": 1}, TypeError, r"^warn_empty_rows: "),
+        ({"causal": 0}, ValueError, r"^causal: expected False, True"),
+        ({"return_weights": 0}, ValueError, r"^return_weights: "),
+    ],
+)
+def test_sdpa_plain_call_checks_its_options(
+    kw: dict[str, object], error: type[Exception], match: str
+) -> None:
+    q, k, v = _plain_inputs(_PLAIN_SHAPES[0], "float32")
+    with pytest.raises(error, match=match):
+        attnlab.scaled_dot_product_attention(q, k, v, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, match",
+    [
+        ((2, 5, 8), (2, 7, 6), r"^k: expected last dimension d = 8"),
+        (
+            (2, 1, 5, 8),
+            (3, 1, 7, 8),
+            r"^batch dimensions do not broadcast: q \(2,\), k \(3,\)",
+        ),
+        ((3, 5, 8), (2, 7, 8), r"^k: the number of kv heads \(2\) must divide"),
+    ],
+)
+def test_sdpa_plain_shape_errors_as_the_full_path(
+    q_shape: tuple[int, ...], k_shape: tuple[int, ...], match: str
+) -> None:
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s) for s in (q_shape, k_shape, k_shape))
+    with pytest.raises(ValueError, match=match):
+        attnlab.scaled_dot_product_attention(q, k, v)

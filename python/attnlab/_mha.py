@@ -118,6 +118,51 @@ def _prepare_sdpa(args: dict[str, Any], half_qkv: bool = False, half_kv: bool = 
     )
 
 
+# dtypes of the plain call, by identity: the native descriptors NumPy shares between arrays
+_PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_NO_MASK = _args.CoreMask(None, None, 0)
+
+
+def _sdpa_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any) -> np.ndarray | None:
+    """The output of the commonest SDPA call (C-contiguous ndarrays of one native float32 or
+    float64 dtype, one batch shape, no option but ``scale``) computed with only the checks
+    that call needs: the full path's argument handling cost a small call (a decode step against
+    a short cache) ten times the kernel's time (docs/performance.md, "Small calls on the AVX2
+    EPYC"). None when the call is anything else: the full path then checks it and says what
+    is wrong. The same kernel call with the same arguments: bitwise the full path's result."""
+    dt = q.dtype
+    if (dt is not _PLAIN_DTYPES[0] and dt is not _PLAIN_DTYPES[1]) or not (
+        k.dtype is dt and v.dtype is dt
+    ):
+        return None
+    qs, ks, vs = q.shape, k.shape, v.shape
+    nd = len(qs)
+    if nd < 3 or len(ks) != nd or len(vs) != nd:
+        return None
+    batch = qs[:-3]
+    if ks[:-3] != batch or vs[:-3] != batch:
+        return None
+    h, n_q, d = qs[-3:]
+    h_kv, n_k, d_k = ks[-3:]
+    h_v, n_v, d_v = vs[-3:]
+    if d_k != d or h_v != h_kv or n_v != n_k or min(h, n_q, d, h_kv, n_k, d_v) < 1 or h % h_kv:
+        return None
+    B = math.prod(batch)
+    qf, kf, vf = q.flags, k.flags, v.flags
+    if B < 1 or not (
+        qf.c_contiguous and kf.c_contiguous and vf.c_contiguous
+        and qf.aligned and kf.aligned and vf.aligned
+    ):  # fmt: skip
+        return None
+    s = 1.0 / math.sqrt(d) if scale is None else V.check_scale(scale, 0.0)
+    out = _memory.empty((B, h, n_q, d_v), dt)
+    core.sdpa_forward(
+        q.reshape(B, h, n_q, d), k.reshape(B, h_kv, n_k, d), v.reshape(B, h_kv, n_k, d_v), out,
+        _NO_MASK, s, None, None, False,
+    )  # fmt: skip
+    return out.reshape(batch + (h, n_q, d_v))
+
+
 @_docs.filled
 def scaled_dot_product_attention(
     q: Any,
@@ -192,6 +237,25 @@ def scaled_dot_product_attention(
     (2, 4, 8)
     """
     args = _sig.arguments(locals())
+    if (
+        type(q) is np.ndarray
+        and type(k) is np.ndarray
+        and type(v) is np.ndarray
+        and mask is None
+        and causal is False
+        and window is None
+        and softcap is None
+        and alibi_slopes is None
+        and sinks is None
+        and return_weights is False
+        and return_lse is False
+        and precision is None
+        and (warn_empty_rows is True or warn_empty_rows is False)
+        and _keep is None
+    ):
+        plain = _sdpa_plain(q, k, v, scale)
+        if plain is not None:
+            return plain
     half = _half.storage(args)
     mode = V.weights_mode(return_weights)
     # half-precision q, k, v are read and the output (and each head's weights) written as
