@@ -263,3 +263,13 @@ def test_sdpa_plain_shape_errors_as_the_full_path(
     q, k, v = (rng.standard_normal(s) for s in (q_shape, k_shape, k_shape))
     with pytest.raises(ValueError, match=match):
         attnlab.scaled_dot_product_attention(q, k, v)
+
+
+def test_sdpa_plain_mask_argument_is_the_full_paths() -> None:
+    """The short path's mask argument is what the full path builds for a call with no option."""
+    from attnlab import _mha
+
+    q, k, v = _plain_inputs(_PLAIN_SHAPES[1], "float32")
+    keep: dict[str, object] = {}
+    attnlab.scaled_dot_product_attention(q, k, v, _keep=keep)
+    assert keep["prepared"].m.core_mask() == _mha._NO_MASK  # type: ignore[attr-defined]
