@@ -145,12 +145,21 @@ _PLAIN_SHAPES = [
 
 
 def _plain_inputs(shapes: tuple[tuple[int, ...], ...], dtype: str) -> list[np.ndarray]:
+    """q, k, v of one dtype, or "float32 q, <half> cache"."""
     rng = np.random.default_rng(sum(map(len, shapes)))
-    return [rng.standard_normal(s).astype(dtype) for s in shapes]
+    if dtype.startswith("float32 q, "):
+        q, k, v = _plain_inputs(shapes, dtype.split(", ")[1].split()[0])
+        return [q.astype(np.float32), k, v]
+    dt = pytest.importorskip("ml_dtypes").bfloat16 if dtype == "bfloat16" else dtype
+    return [rng.standard_normal(s).astype(dt) for s in shapes]
 
 
 @pytest.mark.parametrize("shapes", _PLAIN_SHAPES)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(
+    "dtype",
+    ["float32", "float64", "float16", "bfloat16", "float32 q, float16 cache",
+     "float32 q, bfloat16 cache"],
+)  # fmt: skip
 @pytest.mark.parametrize("scale", [None, 0.3, 2])
 def test_sdpa_plain_call_as_the_full_path(
     shapes: tuple[tuple[int, ...], ...],
@@ -176,11 +185,13 @@ def test_sdpa_plain_call_as_the_full_path(
     assert taken == [True]
     monkeypatch.setattr(_mha, "_sdpa_plain", lambda *_: None)
     full = attnlab.scaled_dot_product_attention(q, k, v, scale=scale)
-    assert fast.dtype == full.dtype == np.dtype(dtype) and fast.shape == full.shape
+    assert fast.dtype == full.dtype == q.dtype and fast.shape == full.shape
     assert fast.tobytes() == full.tobytes()
-    ref = reference.scaled_dot_product_attention(q, k, v, scale=scale)
-    tol = 1e-5 if dtype == "float32" else 1e-12
-    np.testing.assert_allclose(fast, ref, rtol=tol, atol=tol)
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    ref = reference.scaled_dot_product_attention(*wide, scale=scale)
+    # the half paths compute in float32 from exactly widened inputs, then round the output
+    tol = {"float64": 1e-12, "float16": 2e-3, "bfloat16": 1.6e-2}.get(dtype, 1e-5)
+    np.testing.assert_allclose(fast.astype(np.float64), ref, rtol=tol, atol=tol)
 
 
 def _noncontiguous(x: np.ndarray) -> np.ndarray:
@@ -189,8 +200,8 @@ def _noncontiguous(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "case",
-    ["float16 k", "big-endian q", "strided v", "broadcast batch", "list q", "int q",
-     "causal=np.False_", "mask", "return_lse", "empty keys"],
+    ["float16 k", "float16 q, k, float32 v", "big-endian q", "strided v", "broadcast batch",
+     "list q", "int q", "causal=np.False_", "mask", "return_lse", "empty keys"],
 )  # fmt: skip
 def test_sdpa_other_calls_take_the_full_path(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A call the short path does not cover goes to the full one, which gives its usual
@@ -199,8 +210,10 @@ def test_sdpa_other_calls_take_the_full_path(case: str, monkeypatch: pytest.Monk
 
     q, k, v = _plain_inputs(_PLAIN_SHAPES[1], "float32")
     kw: dict[str, object] = {}
-    if case == "float16 k":
+    if case == "float16 k":  # q float32, v not
         k = k.astype(np.float16)
+    elif case == "float16 q, k, float32 v":
+        q, k = q.astype(np.float16), k.astype(np.float16)
     elif case == "big-endian q":
         q = q.astype(">f4")
     elif case == "strided v":

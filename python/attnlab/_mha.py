@@ -119,21 +119,26 @@ def _prepare_sdpa(args: dict[str, Any], half_qkv: bool = False, half_kv: bool = 
 
 
 # dtypes of the plain call, by identity: the native descriptors NumPy shares between arrays
-_PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 _NO_MASK = _args.CoreMask(None, None, 0)
 
 
 def _sdpa_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any) -> np.ndarray | None:
-    """The output of the commonest SDPA call (C-contiguous ndarrays of one native float32 or
-    float64 dtype, one batch shape, no option but ``scale``) computed with only the checks
-    that call needs: the full path's argument handling cost a small call (a decode step against
-    a short cache) ten times the kernel's time (docs/performance.md, "Small calls on the AVX2
-    EPYC"). None when the call is anything else: the full path then checks it and says what
-    is wrong. The same kernel call with the same arguments: bitwise the full path's result."""
-    dt = q.dtype
-    if (dt is not _PLAIN_DTYPES[0] and dt is not _PLAIN_DTYPES[1]) or not (
-        k.dtype is dt and v.dtype is dt
-    ):
+    """The output of the commonest SDPA call computed with only the checks that call needs:
+    C-contiguous ndarrays of one batch shape, no option but ``scale``, and of one native
+    float32 or float64 dtype, or one half dtype, or float32 ``q`` against a half-precision
+    cache. The full path's argument handling cost a small call (a decode step against a short
+    cache) ten times the kernel's time (docs/performance.md, "Small calls on the AVX2 EPYC").
+    None when the call is anything else: the full path then checks it and says what is wrong.
+    The same kernel call with the same arguments: bitwise the full path's result."""
+    dt, kt = q.dtype, k.dtype
+    if v.dtype is not kt:
+        return None
+    if kt is dt and (dt is _F32 or dt is _F64):
+        half = None
+    elif (dt is _F32 or dt is kt) and _half.is_half(kt):
+        half = kt
+    else:
         return None
     qs, ks, vs = q.shape, k.shape, v.shape
     nd = len(qs)
@@ -155,11 +160,16 @@ def _sdpa_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any) -> np.n
     ):  # fmt: skip
         return None
     s = 1.0 / math.sqrt(d) if scale is None else V.check_scale(scale, 0.0)
-    out = _memory.empty((B, h, n_q, d_v), dt)
-    core.sdpa_forward(
-        q.reshape(B, h, n_q, d), k.reshape(B, h_kv, n_k, d), v.reshape(B, h_kv, n_k, d_v), out,
-        _NO_MASK, s, None, None, False,
-    )  # fmt: skip
+    out = _memory.empty((B, h, n_q, d_v), dt)  # q's dtype: a half result of half arrays
+    q4, k4, v4 = q.reshape(B, h, n_q, d), k.reshape(B, h_kv, n_k, d), v.reshape(B, h_kv, n_k, d_v)
+    if half is None:
+        core.sdpa_forward(q4, k4, v4, out, _NO_MASK, s, None, None, False)
+    else:  # the halves' bits; float32 q and output as they are
+        qh, oh = (q4, out) if dt is _F32 else (q4.view(np.uint16), out.view(np.uint16))
+        core.sdpa_forward_half(
+            qh, k4.view(np.uint16), v4.view(np.uint16), _half.code(kt), oh, _NO_MASK, s, None,
+            None, False,
+        )  # fmt: skip
     return out.reshape(batch + (h, n_q, d_v))
 
 
