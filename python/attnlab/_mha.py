@@ -127,8 +127,8 @@ def _sdpa_plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any) -> np.n
     """The output of the commonest SDPA call computed with only the checks that call needs:
     C-contiguous ndarrays of one batch shape, no option but ``scale``, and of one native
     float32 or float64 dtype, or one half dtype, or float32 ``q`` against a half-precision
-    cache. The full path's argument handling cost a small call (a decode step against a short
-    cache) ten times the kernel's time (docs/performance.md, "Small calls on the AVX2 EPYC").
+    cache. The full path's argument handling outweighs the kernel in a small call (a decode step
+    against a short cache; docs/performance.md, "Small calls on the AVX2 EPYC").
     None when the call is anything else: the full path then checks it and says what is wrong.
     The same kernel call with the same arguments: bitwise the full path's result."""
     dt, kt = q.dtype, k.dtype
