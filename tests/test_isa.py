@@ -119,7 +119,10 @@ def test_the_cpu_is_named_as_the_kernel_reports_it():
         ("AuthenticAMD", 0x19, 0x11, True, "AMD Zen 4 (family 0x19, model 0x11)"),
         ("AuthenticAMD", 0x1A, 0x02, True, "AMD Zen 5 (family 0x1a, model 0x02)"),
         ("AuthenticAMD", 0x15, 0x02, False, "AMD (family 0x15, model 0x02)"),
-        ("GenuineIntel", 0x06, 0x8F, True, "Intel (family 0x06, model 0x8f)"),
+        ("GenuineIntel", 0x06, 0x8F, True, "Intel Sapphire Rapids (family 0x06, model 0x8f)"),
+        ("GenuineIntel", 0x06, 0xCF, True, "Intel Emerald Rapids (family 0x06, model 0xcf)"),
+        ("GenuineIntel", 0x06, 0x9A, False, "Intel (family 0x06, model 0x9a)"),
+        ("GenuineIntel", 0x0F, 0x8F, False, "Intel (family 0x0f, model 0x8f)"),
         ("", 0, 0, False, "unknown (not x86-64)"),
     ],
 )

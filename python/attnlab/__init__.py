@@ -120,14 +120,29 @@ def set_num_threads(n: int) -> None:
 
 def _cpu_kind(vendor: str, family: int, model: int, avx512: bool) -> str:
     """The CPU as the project's measurements name it: the microarchitecture where the family
-    tells it (AMD), else vendor, family and model (cpuid's displayed values)."""
+    (AMD) or the family and model (Intel's Xeon cores) tell it, with vendor, family and model
+    (cpuid's displayed values)."""
     ids = f"family 0x{family:02x}, model 0x{model:02x}"
     if vendor == "AuthenticAMD":
         name = {0x17: "Zen 2", 0x19: "Zen 4" if avx512 else "Zen 3", 0x1A: "Zen 5"}.get(family)
         return f"AMD {name} ({ids})" if name else f"AMD ({ids})"
     if vendor == "GenuineIntel":
-        return f"Intel ({ids})"
+        name = _INTEL_XEON_CORES.get(model) if family == 6 else None
+        return f"Intel {name} ({ids})" if name else f"Intel ({ids})"
     return f"{vendor} ({ids})" if vendor else "unknown (not x86-64)"
+
+
+# Intel's family 6 server models, as Linux's arch/x86/include/asm/intel-family.h names them
+_INTEL_XEON_CORES = {
+    0x55: "Skylake-SP/Cascade Lake",
+    0x6A: "Ice Lake-SP",
+    0x6C: "Ice Lake-D",
+    0x8F: "Sapphire Rapids",
+    0xCF: "Emerald Rapids",
+    0xAD: "Granite Rapids",
+    0xAE: "Granite Rapids-D",
+    0xAF: "Sierra Forest",
+}
 
 
 def build_info() -> dict[str, Any]:
