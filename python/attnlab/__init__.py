@@ -118,6 +118,19 @@ def set_num_threads(n: int) -> None:
     _core.set_num_threads(v)
 
 
+# Intel's family 6 server models, as Linux's arch/x86/include/asm/intel-family.h names them
+_INTEL_XEON_CORES = {
+    0x55: "Skylake-SP/Cascade Lake",
+    0x6A: "Ice Lake-SP",
+    0x6C: "Ice Lake-D",
+    0x8F: "Sapphire Rapids",
+    0xCF: "Emerald Rapids",
+    0xAD: "Granite Rapids",
+    0xAE: "Granite Rapids-D",
+    0xAF: "Sierra Forest",
+}
+
+
 def _cpu_kind(vendor: str, family: int, model: int, avx512: bool) -> str:
     """The CPU as the project's measurements name it: the microarchitecture where the family
     (AMD) or the family and model (Intel's Xeon cores) tell it, with vendor, family and model
@@ -130,19 +143,6 @@ def _cpu_kind(vendor: str, family: int, model: int, avx512: bool) -> str:
         name = _INTEL_XEON_CORES.get(model) if family == 6 else None
         return f"Intel {name} ({ids})" if name else f"Intel ({ids})"
     return f"{vendor} ({ids})" if vendor else "unknown (not x86-64)"
-
-
-# Intel's family 6 server models, as Linux's arch/x86/include/asm/intel-family.h names them
-_INTEL_XEON_CORES = {
-    0x55: "Skylake-SP/Cascade Lake",
-    0x6A: "Ice Lake-SP",
-    0x6C: "Ice Lake-D",
-    0x8F: "Sapphire Rapids",
-    0xCF: "Emerald Rapids",
-    0xAD: "Granite Rapids",
-    0xAE: "Granite Rapids-D",
-    0xAF: "Sierra Forest",
-}
 
 
 def build_info() -> dict[str, Any]:
