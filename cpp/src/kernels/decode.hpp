@@ -96,14 +96,21 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
         for (int u = 0; u < KB; ++u)
             for (Index b = 0; b < d * Index(sizeof(StoredElem<T, F>)); b += 64)
                 prefetch_to<P>(reinterpret_cast<const char*>(k + (ahead + u) * ks) + b);
+    // (every loop over the sums unrolled before GCC decides where they live, and no copy of
+    // them: else GCC 12 kept them on the stack, stored and loaded again around the width's loop)
     Packet a[RB][KB];
+#pragma GCC unroll 16
     for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 16
         for (int u = 0; u < KB; ++u) a[r][u] = ei::pset1<Packet>(T(0));
     for (Index c = 0; c < dw; c += L) {
         Packet x[KB];
+#pragma GCC unroll 16
         for (int u = 0; u < KB; ++u) x[u] = load_operand_packet<T, F, B>(k + u * ks + c);
+#pragma GCC unroll 16
         for (int r = 0; r < RB; ++r) {
             const Packet y = ei::ploadu<Packet>(q + r * d + c);
+#pragma GCC unroll 16
             for (int u = 0; u < KB; ++u) a[r][u] = ei::pmadd(y, x[u], a[r][u]);
         }
     }
@@ -112,12 +119,14 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
         // the 16 sums at once, by shuffles between them: each adds the same lanes in the same
         // order as predux (i + 8, then + 4, + 2, + 1), so the same bits, with half the shuffles
         // and a quarter of the adds; lane 4 r + u of z is row r's score of key u
-        __m512 v[16], t[8], w[4], x[2];
-        for (int r = 0; r < 4; ++r)
-            for (int u = 0; u < 4; ++u) v[4 * u + r] = a[r][u];
-        for (int i = 0; i < 8; ++i)
-            t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                                 _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+        __m512 t[8], w[4], x[2];
+        // (a[r][u] as v[4 u + r]: pair i is v[2 i], v[2 i + 1])
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+            const __m512 lo = a[(2 * i) % 4][(2 * i) / 4], hi = a[(2 * i + 1) % 4][(2 * i + 1) / 4];
+            t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x44),
+                                 _mm512_shuffle_f32x4(lo, hi, 0xEE));
+        }
         for (int i = 0; i < 4; ++i)
             w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
                                  _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
@@ -176,8 +185,11 @@ void decode_values(const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v
     using Packet = PacketOf<T>;
     constexpr Index L = packet_size<T>();
     constexpr Index kLineBytes = NP * L * Index(sizeof(StoredElem<T, F>));
+    // (loops over rows and packets unrolled first: see decode_dots)
     Packet a[RB][NP];
+#pragma GCC unroll 16
     for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 16
         for (int u = 0; u < NP; ++u) a[r][u] = ei::pload<Packet>(acc + r * as + c0 + u * L);
     for (Index j = 0; j < kb; ++j) {
         const StoredElem<T, F>* vj = v + j * vs + c0;
@@ -185,14 +197,19 @@ void decode_values(const T* sc, const T* pr, Index ss, const StoredElem<T, F>* v
             for (Index b = 0; b < kLineBytes; b += 64)
                 prefetch_to<P>(reinterpret_cast<const char*>(vj + ahead * vs) + b);
         Packet x[NP];
+#pragma GCC unroll 16
         for (int u = 0; u < NP; ++u) x[u] = load_operand_packet<T, F, B>(vj + u * L);
+#pragma GCC unroll 16
         for (int r = 0; r < RB; ++r) {
             if (Skip && sc[r * ss + j] == neg_inf<T>()) continue;
             const Packet w = ei::pset1<Packet>(pr[r * ss + j]);
+#pragma GCC unroll 16
             for (int u = 0; u < NP; ++u) a[r][u] = ei::pmadd(w, x[u], a[r][u]);
         }
     }
+#pragma GCC unroll 16
     for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 16
         for (int u = 0; u < NP; ++u) ei::pstore(acc + r * as + c0 + u * L, a[r][u]);
 }
 
