@@ -183,10 +183,11 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
 #elif defined(__AVX2__)
     if constexpr (std::is_same_v<T, float> && L == 8 && (RB * KB == 8 || RB * KB == 4)) {
         // lanes i + 4 by pairs of vectors (their 128-bit halves), then i + 2, i + 1 by shuffles;
-        // sum o = r KB + u enters as v[i] with kInv[i] = o and leaves in lane kLane[o] of z
+        // sum o = r KB + u enters as v[i] with kInv[i] = o and leaves in lane o of z (of 8;
+        // of 4: the v[i] in order, in lanes kLane4)
         constexpr int N = RB * KB;
         static constexpr int kInv[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-        static constexpr int kLane[8] = {0, 1, 2, 3, 4, 5, 6, 7}, kLane4[4] = {0, 4, 1, 5};
+        static constexpr int kLane4[4] = {0, 4, 1, 5};
         const auto sum = [&](int o) { return a[o / KB][o % KB]; };
         __m256 w[4], t[2];
 #pragma GCC unroll 4
@@ -206,8 +207,7 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
         alignas(32) float lanes[8];
         _mm256_store_ps(lanes, z);
 #pragma GCC unroll 8
-        for (int o = 0; o < N; ++o)
-            s[(o / KB) * ss + o % KB] = lanes[N == 8 ? kLane[o] : kLane4[o]];
+        for (int o = 0; o < N; ++o) s[(o / KB) * ss + o % KB] = lanes[N == 8 ? o : kLane4[o]];
         add_tails();
         return;
     }
