@@ -170,10 +170,10 @@ def test_padded_batch_decode_reads_no_padding(lengths):
 @pytest.mark.parametrize("d", [128, 72, 8])
 @pytest.mark.parametrize("group", [2, 3, 4])
 def test_decode_rows_get_the_same_bits_however_grouped(group, d, dtype):
-    """A query head decoded with its group (2 to 4 rows a kv head: the scores of a row block's
-    keys summed 4, 8 or 16 at a time by shuffles, or one at a time for 3 rows) and alone (1 row a
-    kv head: 4 at a time) gives the same bits: every sum adds the same lanes in the same order
-    (the same kv heads, so the same splits of the keys)."""
+    """A query head decoded with its group (2 to 4 rows a kv head: with AVX-512, four rows' scores
+    of 4 keys summed 16 at a time by shuffles, other blocks one sum at a time) and alone (1 row
+    a kv head) gives the same bits: every sum adds the same lanes in the same order (the same kv
+    heads, so the same splits of the keys)."""
     rng = np.random.default_rng(11)
     q = rng.standard_normal((2, 2 * group, 1, d)).astype(dtype)
     k, v = (rng.standard_normal((2, 2, 1500, d)).astype(dtype) for _ in range(2))

@@ -114,23 +114,11 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
             for (int u = 0; u < KB; ++u) a[r][u] = ei::pmadd(y, x[u], a[r][u]);
         }
     }
-    // the columns after the whole packets, added to the sums stored in s
-    const auto add_tails = [&] {
-        if (dw < d)
-            for (int r = 0; r < RB; ++r)
-                for (int u = 0; u < KB; ++u) {
-                    T tail = s[r * ss + u];
-                    for (Index c = dw; c < d; ++c)
-                        tail = mul_add(q[r * d + c], load_operand<T, F, B>(k + u * ks + c), tail);
-                    s[r * ss + u] = tail;
-                }
-    };
-    // Below, the sums of several accumulators at once by shuffles between them: each adds the
-    // same lanes in the same order as predux (i + 8 with AVX-512, then i + 4, + 2, + 1), so the
-    // same bits as the rows of any other block, with fewer shuffles and adds.
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float> && L == 16 && RB == 4 && KB == 4) {
-        // lane 4 r + u of z is row r's score of key u
+        // the 16 sums at once, by shuffles between them: each adds the same lanes in the same
+        // order as predux (i + 8, then + 4, + 2, + 1), so the same bits, with half the shuffles
+        // and a quarter of the adds; lane 4 r + u of z is row r's score of key u
         __m512 t[8], w[4], x[2];
         // (a[r][u] as v[4 u + r]: pair i is v[2 i], v[2 i + 1])
 #pragma GCC unroll 8
@@ -151,72 +139,26 @@ void decode_dots(const T* q, const StoredElem<T, F>* k, Index ks, Index d, T* s,
         _mm_storeu_ps(s + ss, _mm512_extractf32x4_ps(z, 1));
         _mm_storeu_ps(s + 2 * ss, _mm512_extractf32x4_ps(z, 2));
         _mm_storeu_ps(s + 3 * ss, _mm512_extractf32x4_ps(z, 3));
-        add_tails();
-        return;
-    }
-    if constexpr (std::is_same_v<T, float> && L == 16 && (RB * KB == 4 || RB * KB == 8)) {
-        // (one or two rows and four keys: decoding without groups or with two query rows)
-        // sum o = r KB + u leaves in lane 4 (o % 4) + o / 4 of z
-        constexpr int N = RB * KB;
-        const auto sum = [&](int o) { return a[o / KB][o % KB]; };
-        __m512 t[4], w[2];
-#pragma GCC unroll 4
-        for (int i = 0; i < N / 2; ++i)
-            t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(sum(2 * i), sum(2 * i + 1), 0x44),
-                                 _mm512_shuffle_f32x4(sum(2 * i), sum(2 * i + 1), 0xEE));
-#pragma GCC unroll 2
-        for (int i = 0; i < N / 4; ++i)
-            w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                                 _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-        const __m512 w1 = N == 8 ? w[1] : w[0];
-        const __m512 x =
-            _mm512_add_ps(_mm512_shuffle_ps(w[0], w1, 0x44), _mm512_shuffle_ps(w[0], w1, 0xEE));
-        const __m512 z =
-            _mm512_add_ps(_mm512_shuffle_ps(x, x, 0x88), _mm512_shuffle_ps(x, x, 0xDD));
-        alignas(64) float lanes[16];
-        _mm512_store_ps(lanes, z);
-#pragma GCC unroll 8
-        for (int o = 0; o < N; ++o) s[(o / KB) * ss + o % KB] = lanes[4 * (o % 4) + o / 4];
-        add_tails();
-        return;
-    }
-#elif defined(__AVX2__)
-    if constexpr (std::is_same_v<T, float> && L == 8 && (RB * KB == 8 || RB * KB == 4)) {
-        // lanes i + 4 by pairs of vectors (their 128-bit halves), then i + 2, i + 1 by shuffles;
-        // sum o = r KB + u enters as v[i] with kInv[i] = o and leaves in lane o of z (of 8;
-        // of 4: the v[i] in order, in lanes kLane4)
-        constexpr int N = RB * KB;
-        static constexpr int kInv[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-        static constexpr int kLane4[4] = {0, 4, 1, 5};
-        const auto sum = [&](int o) { return a[o / KB][o % KB]; };
-        __m256 w[4], t[2];
-#pragma GCC unroll 4
-        for (int i = 0; i < N / 2; ++i) {
-            const __m256 lo = sum(N == 8 ? kInv[2 * i] : 2 * i);
-            const __m256 hi = sum(N == 8 ? kInv[2 * i + 1] : 2 * i + 1);
-            w[i] = _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20),
-                                 _mm256_permute2f128_ps(lo, hi, 0x31));
-        }
-#pragma GCC unroll 2
-        for (int i = 0; i < N / 4; ++i)
-            t[i] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
-                                 _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
-        const __m256 t1 = N == 8 ? t[1] : t[0];
-        const __m256 z =
-            _mm256_add_ps(_mm256_shuffle_ps(t[0], t1, 0x88), _mm256_shuffle_ps(t[0], t1, 0xDD));
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, z);
-#pragma GCC unroll 8
-        for (int o = 0; o < N; ++o) s[(o / KB) * ss + o % KB] = lanes[N == 8 ? o : kLane4[o]];
-        add_tails();
+        if (dw < d)
+            for (int r = 0; r < 4; ++r)
+                for (int u = 0; u < 4; ++u) {
+                    T tail = s[r * ss + u];
+                    for (Index c = dw; c < d; ++c)
+                        tail = mul_add(q[r * d + c], load_operand<T, F, B>(k + u * ks + c), tail);
+                    s[r * ss + u] = tail;
+                }
         return;
     }
 #endif
 #pragma GCC unroll 16
     for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 16
-        for (int u = 0; u < KB; ++u) s[r * ss + u] = ei::predux(a[r][u]);
-    add_tails();
+        for (int u = 0; u < KB; ++u) {
+            T t = ei::predux(a[r][u]);
+            for (Index c = dw; c < d; ++c)
+                t = mul_add(q[r * d + c], load_operand<T, F, B>(k + u * ks + c), t);
+            s[r * ss + u] = t;
+        }
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
