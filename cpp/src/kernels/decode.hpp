@@ -376,6 +376,13 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
         // rows stream them from memory (and request those ahead as P says)
         const auto scores = [&](auto fetch) {
             constexpr Fetch P = decltype(fetch)::value;
+            // the value rows of keys [j, j + n) requested as their scores are computed: the
+            // value stream stays in flight through the score pass, which grouped heads make
+            // long (docs/performance.md, "Value rows requested during the score pass")
+            const auto request_values = [&](Index j, Index n) {
+                if constexpr (P != Fetch::none)
+                    for (Index u = 0; u < n; ++u) prefetch_row<P>(vblock + (j + u) * vst, dv);
+            };
             Index j = 0;
             // more than two rows where a row block holds two (16 registers: AVX2, SSE2): two
             // keys for four rows at a time, so that the keys are read once (four keys for two
@@ -384,6 +391,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                 for (; R > 2 && j + 2 <= kb; j += 2) {
                     decode_dots_rows<T, FK, kRoundLoads, 4, 2, P>(
                         std::min<Index>(4, R), qs, kblock + j * kst, kst, d, sc + j, kbp, k_ahead);
+                    request_values(j, 2);
                     for (Index r0 = 4; r0 < R; r0 += 4)
                         decode_dots_rows<T, FK, kRoundLoads, 4, 2, Fetch::none>(
                             std::min<Index>(4, R - r0), qs + r0 * d, kblock + j * kst, kst, d,
@@ -394,6 +402,7 @@ void decode_split(const AttentionProblem<T>& p, const DecodeParts<T>& parts, Ind
                 decode_dots_rows<T, FK, kRoundLoads, kDecodeRowBlock, kDecodeKeys, P>(
                     std::min<Index>(kDecodeRowBlock, R), qs, kblock + j * kst, kst, d, sc + j, kbp,
                     k_ahead);
+                request_values(j, kDecodeKeys);
                 for (Index r0 = kDecodeRowBlock; r0 < R; r0 += kDecodeRowBlock)
                     decode_dots_rows<T, FK, kRoundLoads, kDecodeRowBlock, kDecodeKeys, Fetch::none>(
                         std::min<Index>(kDecodeRowBlock, R - r0), qs + r0 * d, kblock + j * kst,
