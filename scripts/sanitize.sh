@@ -27,10 +27,12 @@
 # stress run of test_fuzz.py (10,000 calls, ~15 s under the sanitizers).
 #
 # Environment: ATTNLAB_SANITIZE_ISA (avx2 when the CPU has it, else generic),
+# ATTNLAB_SANITIZE_WORKERS (pytest-xdist processes; default: the cores, nproc),
 # ATTNLAB_SANITIZE_DIR (default build/sanitize-<isa>), CXX (default: the system g++, whose
 # libasan is preloaded; the two must match).
-# Needs cmake, ninja (optional), pybind11 and Eigen (cmeel-eigen or libeigen3-dev): missing
-# Python packages among these are installed into the current environment with pip.
+# Needs cmake, ninja (optional), pybind11, Eigen (cmeel-eigen or libeigen3-dev) and
+# pytest-xdist: missing Python packages among these are installed into the current environment
+# with pip.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -57,6 +59,9 @@ if ! "$PY" -c "$HAVE_EIGEN" && [[ ! -f /usr/include/eigen3/Eigen/Core ]]; then
   "$PY" -m pip install --quiet "cmeel-eigen>=3.4"
 fi
 command -v cmake >/dev/null || "$PY" -m pip install --quiet cmake
+# the tests in one process per core (pytest-xdist): in one, the subset took 9 of CI's 29
+# minutes (531 s; 377 s in two, docs/performance.md)
+"$PY" -c "import xdist" 2>/dev/null || "$PY" -m pip install --quiet "pytest-xdist>=3.2"
 GEN=()
 if command -v ninja >/dev/null; then GEN=(-G Ninja); fi
 export CXX="${CXX:-g++}"
@@ -123,7 +128,9 @@ else
 fi
 start=$(date +%s)
 set +e
-(cd tests && LD_PRELOAD="$PRELOAD" "$PY" -m pytest -q -p no:cacheprovider -x "${TESTS[@]}") \
+WORKERS="${ATTNLAB_SANITIZE_WORKERS:-$(nproc)}"
+(cd tests && LD_PRELOAD="$PRELOAD" "$PY" -m pytest -q -p no:cacheprovider -x -n "$WORKERS" \
+  --dist worksteal "${TESTS[@]}") \
   2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 set -e
