@@ -61,7 +61,8 @@ fi
 command -v cmake >/dev/null || "$PY" -m pip install --quiet cmake
 # the tests in one process per core (pytest-xdist): in one, the subset took 9 of CI's 29
 # minutes (531 s; 377 s in two, docs/performance.md)
-"$PY" -c "import xdist" 2>/dev/null || "$PY" -m pip install --quiet "pytest-xdist>=3.2"
+XDIST_OK='import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split(".")[:2])) < (3, 2))'
+"$PY" -c "$XDIST_OK" 2>/dev/null || "$PY" -m pip install --quiet "pytest-xdist>=3.2"  # worksteal
 GEN=()
 if command -v ninja >/dev/null; then GEN=(-G Ninja); fi
 export CXX="${CXX:-g++}"
